@@ -1,0 +1,60 @@
+"""Analyses that read a model and answer a question about it, without changing it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import onnx
+
+from .differentiability import differentiable_inputs
+from .graphs import FLOAT_TYPES, outer_references, subgraphs, value_types
+from .models import ModelLike, as_model
+from .roles import get_roles
+
+__all__ = ["trainable_initializers", "differentiable_values"]
+
+
+def differentiable_values(model: onnx.ModelProto, targets: Iterable[str]) -> set[str]:
+    """Float values of the top-level graph that influence ``targets`` differentiably.
+
+    Walks the graph backwards from ``targets`` through differentiable inputs only
+    (see :mod:`lossgraph.differentiability`); a subgraph's captured outer values count
+    as inputs of the node that holds it.
+    """
+    types = value_types(model)
+
+    def is_float(name: str) -> bool:
+        value_type = types.get(name)
+        return value_type is not None and value_type.tensor_type.elem_type in FLOAT_TYPES
+
+    needed = {t for t in targets if is_float(t)}
+    for node in reversed(model.graph.node):
+        if not any(o in needed for o in node.output):
+            continue
+        for position in differentiable_inputs(node.op_type, node.domain, len(node.input)):
+            name = node.input[position]
+            if name and is_float(name):
+                needed.add(name)
+        for sub in subgraphs(node):
+            needed.update(n for n in outer_references(sub) if is_float(n))
+    return needed
+
+
+def trainable_initializers(model: ModelLike) -> list[str]:
+    """The float initializers that influence a differentiable output, in graph order.
+
+    The outputs considered are the loss when the model has one (see
+    :mod:`lossgraph.roles`), else every float output. Excluded: integer tensors
+    (shapes, class lists, indices), initializers reaching the outputs only through
+    non-differentiable inputs, batch-normalization statistics, and rank-0 scalars,
+    which exporters use for constants (pass such a name explicitly to train it).
+    """
+    model = as_model(model)
+    loss = get_roles(model).get("loss")
+    targets = [loss] if loss else [o.name for o in model.graph.output]
+    needed = differentiable_values(model, targets)
+    return [
+        t.name
+        for t in model.graph.initializer
+        if t.name in needed and t.data_type in FLOAT_TYPES and len(t.dims) > 0
+    ]

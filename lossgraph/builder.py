@@ -1,0 +1,127 @@
+"""GraphBuilder: emit nodes and constants, readably and for the model's opset.
+
+    b = GraphBuilder(names, opset=17)
+    diff = b.Sub(prediction, label, hint="diff")
+    per_row = b.reduce("ReduceMean", b.Mul(diff, diff), axes=[1], keepdims=0)
+
+Ops are called by their ONNX name; keyword arguments become attributes, ``hint``
+names the result and ``outputs`` sets how many results (or their exact names) a
+node has. Forms that changed between opsets (reduction ``axes``, ``Squeeze`` and
+``Unsqueeze`` axes, ``Split``) go through helpers that pick the right form.
+Constants are deduplicated, so a value used twice is stored once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .names import NameAuthority
+
+__all__ = ["GraphBuilder"]
+
+# The opset in which each reduction's ``axes`` moved from an attribute to an input.
+_AXES_AS_INPUT_SINCE = {"ReduceSum": 13, "Squeeze": 13, "Unsqueeze": 13}
+_AXES_AS_INPUT_DEFAULT = 18
+
+
+class GraphBuilder:
+    """Accumulates nodes and initializers to append to a graph."""
+
+    def __init__(self, names: NameAuthority, opset: int, prefix: str = "") -> None:
+        self.names = names
+        self.opset = opset
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._constants: dict[tuple[str, tuple[int, ...], bytes], str] = {}
+
+    # -- nodes -------------------------------------------------------------------
+    def op(
+        self,
+        op_type: str,
+        *inputs: str | None,
+        outputs: int | Sequence[str] = 1,
+        hint: str | None = None,
+        domain: str = "",
+        **attributes: Any,
+    ) -> Any:
+        """Append one node; return its output name (or a tuple of names)."""
+        if isinstance(outputs, int):
+            base = hint or op_type.lower()
+            names = [self.names.fresh(base if outputs == 1 else f"{base}_{i}") for i in range(outputs)]
+        else:
+            names = list(outputs)
+        node = helper.make_node(
+            op_type,
+            [i or "" for i in inputs],
+            names,
+            name=self.names.fresh(f"{self.prefix}{op_type}"),
+            domain=domain,
+            **{k: v for k, v in attributes.items() if v is not None},
+        )
+        self.nodes.append(node)
+        return names[0] if len(names) == 1 else tuple(names)
+
+    def __getattr__(self, op_type: str) -> Any:
+        if not op_type[:1].isupper():
+            raise AttributeError(op_type)
+        return lambda *inputs, **kwargs: self.op(op_type, *inputs, **kwargs)
+
+    # -- constants ---------------------------------------------------------------
+    def const(self, value: Any, dtype: Any, hint: str = "const") -> str:
+        """An initializer holding ``value`` cast to ``dtype`` (numpy dtype or ONNX type)."""
+        if isinstance(dtype, int):
+            dtype = helper.tensor_dtype_to_np_dtype(dtype)
+        array = np.asarray(value, dtype=dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._constants:
+            name = self.names.fresh(hint)
+            self.initializers.append(numpy_helper.from_array(array, name))
+            self._constants[key] = name
+        return self._constants[key]
+
+    def ints(self, values: Sequence[int], hint: str = "axes") -> str:
+        """A 1-D int64 constant (axes, shapes, indices)."""
+        return self.const(list(values), np.int64, hint)
+
+    # -- opset-dependent forms ------------------------------------------------------
+    def _axes_form(self, op_type: str, x: str, axes: Sequence[int] | None, hint: str | None,
+                   **attributes: Any) -> str:
+        since = _AXES_AS_INPUT_SINCE.get(op_type, _AXES_AS_INPUT_DEFAULT)
+        if axes is None:
+            return self.op(op_type, x, hint=hint, **attributes)
+        if self.opset >= since:
+            return self.op(op_type, x, self.ints(axes), hint=hint, **attributes)
+        return self.op(op_type, x, hint=hint, axes=list(axes), **attributes)
+
+    def reduce(self, op_type: str, x: str, axes: Sequence[int] | None = None,
+               keepdims: int = 1, hint: str | None = None) -> str:
+        """``ReduceXxx(x)`` over ``axes`` (all axes when ``None``)."""
+        return self._axes_form(op_type, x, axes, hint, keepdims=keepdims)
+
+    def squeeze(self, x: str, axes: Sequence[int], hint: str | None = None) -> str:
+        return self._axes_form("Squeeze", x, axes, hint)
+
+    def unsqueeze(self, x: str, axes: Sequence[int], hint: str | None = None) -> str:
+        return self._axes_form("Unsqueeze", x, axes, hint)
+
+    def rename(self, value: str, new_name: str) -> str:
+        """Make the node that produced ``value`` write ``new_name`` instead."""
+        for node in reversed(self.nodes):
+            for i, output in enumerate(node.output):
+                if output == value:
+                    node.output[i] = new_name
+                    return new_name
+        raise KeyError(f"{value!r} was not produced by this builder")
+
+    # -- output ------------------------------------------------------------------
+    def append_to(self, graph: onnx.GraphProto) -> None:
+        """Move everything built so far into ``graph``."""
+        graph.node.extend(self.nodes)
+        graph.initializer.extend(self.initializers)
+        self.nodes, self.initializers, self._constants = [], [], {}

@@ -1,0 +1,72 @@
+"""lossgraph's exception hierarchy.
+
+Every error a user can cause derives from :class:`LossgraphError`, and its message
+names the tensor, node or option at fault, what would be valid, and how to fix it.
+The concrete classes also derive from the matching built-in exception so that code
+written against ``ValueError`` or ``TypeError`` keeps working.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "LossgraphError",
+    "InvalidModelError",
+    "UnsupportedModelError",
+    "UnknownNameError",
+    "UnsupportedOptionError",
+    "DTypeMismatchError",
+    "ShapeMismatchError",
+    "NameCollisionError",
+    "InternalError",
+    "suggest",
+]
+
+
+class LossgraphError(Exception):
+    """Base class of every error lossgraph raises on purpose."""
+
+
+class InvalidModelError(LossgraphError, ValueError):
+    """The model is not a valid ONNX model (it fails the ONNX checker or shape inference)."""
+
+
+class UnsupportedModelError(LossgraphError, ValueError):
+    """The model is valid ONNX but uses something lossgraph cannot handle (yet)."""
+
+
+class UnknownNameError(LossgraphError, ValueError):
+    """A tensor, output or initializer name does not exist in the model."""
+
+
+class UnsupportedOptionError(LossgraphError, ValueError):
+    """An option has a value lossgraph does not accept."""
+
+
+class DTypeMismatchError(LossgraphError, TypeError):
+    """A tensor has an element type the operation cannot use."""
+
+
+class ShapeMismatchError(LossgraphError, ValueError):
+    """A tensor has a shape the operation cannot use."""
+
+
+class NameCollisionError(LossgraphError, ValueError):
+    """A name explicitly requested by the user is already taken in the model."""
+
+
+class InternalError(LossgraphError, AssertionError):
+    """lossgraph produced something invalid: a bug in lossgraph, please report it."""
+
+
+def suggest(name: str, candidates: Iterable[str], what: str = "names") -> str:
+    """Return ' Did you mean X? Valid <what>: a, b, c.' for an error message."""
+    candidates = list(candidates)
+    close = difflib.get_close_matches(name, candidates, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    shown = ", ".join(repr(c) for c in candidates[:20])
+    more = f", ... ({len(candidates)} in all)" if len(candidates) > 20 else ""
+    listing = f" Valid {what}: {shown}{more}." if candidates else f" The model has no {what}."
+    return hint + listing

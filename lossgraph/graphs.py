@@ -1,0 +1,108 @@
+"""Read-only queries over ONNX graphs shared by every pass.
+
+Passes never walk protobufs by hand: they ask here for producers, consumers,
+element types and the names used anywhere in a model (subgraphs included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+__all__ = [
+    "FLOAT_TYPES",
+    "subgraphs",
+    "all_graphs",
+    "names_in_graph",
+    "outer_references",
+    "value_types",
+    "elem_type_name",
+    "np_dtype",
+    "opset_version",
+    "initializer_arrays",
+]
+
+#: Element types lossgraph differentiates and trains.
+FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs held by a node's attributes (If branches, Loop and Scan bodies)."""
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            yield attribute.g
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            yield from attribute.graphs
+
+
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every graph nested in it, depth first."""
+    yield graph
+    for node in graph.node:
+        for sub in subgraphs(node):
+            yield from all_graphs(sub)
+
+
+def names_in_graph(graph: onnx.GraphProto) -> set[str]:
+    """Every value and node name used in ``graph`` or any nested graph."""
+    names: set[str] = set()
+    for g in all_graphs(graph):
+        names.update(v.name for v in (*g.input, *g.output, *g.value_info))
+        names.update(t.name for t in g.initializer)
+        names.update(t.values.name for t in g.sparse_initializer)
+        for node in g.node:
+            names.update(node.input)
+            names.update(node.output)
+            names.add(node.name)
+    names.discard("")
+    return names
+
+
+def outer_references(graph: onnx.GraphProto) -> set[str]:
+    """Names a (sub)graph reads without defining them: values captured from outer scopes."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    used: set[str] = set()
+    for node in graph.node:
+        used.update(i for i in node.input if i and i not in defined)
+        for sub in subgraphs(node):
+            used.update(n for n in outer_references(sub) if n not in defined)
+        defined.update(node.output)
+    used.update(o.name for o in graph.output if o.name not in defined)
+    return used
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """The type of every top-level value of ``model`` that shape inference can tell."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {v.name: v.type for v in (*graph.value_info, *graph.input, *graph.output)}
+    for tensor in graph.initializer:
+        types.setdefault(
+            tensor.name, helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
+        )
+    return types
+
+
+def elem_type_name(elem_type: int) -> str:
+    """'float', 'double', 'int64'... for an ONNX element type."""
+    return helper.tensor_dtype_to_string(elem_type).replace("TensorProto.", "").lower()
+
+
+def np_dtype(elem_type: int) -> np.dtype:
+    """The numpy dtype of an ONNX element type."""
+    return helper.tensor_dtype_to_np_dtype(elem_type)
+
+
+def opset_version(model: onnx.ModelProto, domain: str = "") -> int | None:
+    """The version of ``domain`` the model imports (``None`` when it does not)."""
+    aliases = {"", "ai.onnx"} if domain in ("", "ai.onnx") else {domain}
+    versions = [op.version for op in model.opset_import if op.domain in aliases]
+    return max(versions) if versions else None
+
+
+def initializer_arrays(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The graph's initializers as numpy arrays, by name."""
+    return {t.name: numpy_helper.to_array(t) for t in graph.initializer}

@@ -1,0 +1,433 @@
+"""add_loss_output: append a scalar loss to an inference model.
+
+For a prediction ``p`` (the chosen output), a label ``y`` and optional per-row
+sample weights ``w`` (shape ``(N,)``), the pass adds
+
+    l_i    = mean over the non-batch axes of score(p_i, y_i)       (per-row loss)
+    loss   = sum_i w_i l_i / sum_i w_i      reduction="mean"  (plain mean without w)
+           = sum_i w_i l_i                  reduction="sum"
+           + sum_k a_k sum|W_k| + b_k sum W_k^2                     (penalty)
+
+with these scores (``d = p - y``):
+
+    squared_error (l2)   d^2
+    absolute_error (l1)  |d|
+    elastic              l1_weight |d| + l2_weight d^2
+    huber                0.5 q^2 + delta (|d| - q),   q = min(|d|, delta)
+    log                  -(y log p1 + (1 - y) log(1 - p1)),  p1 clipped to [eps, 1 - eps]
+    logistic             max(s, 0) - y s + log(1 + exp(-|s|))    (s a raw score)
+    cross_entropy        -log p[y]   (or -log_softmax(z)[y] with from_logits=True)
+
+so that ``reduction="mean"`` equals scikit-learn's ``mean_squared_error``,
+``mean_absolute_error`` and ``log_loss`` (sample weights included). Regression
+labels have the prediction's shape and type; class labels are int64 class
+indices of shape ``(N,)``.
+
+The result's inputs are the original inputs, the label, then the weight; its
+outputs are the loss (a scalar of the prediction's float type), then the original
+outputs. The roles of these tensors are recorded in the metadata
+(:mod:`lossgraph.roles`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..builder import GraphBuilder
+from ..errors import (
+    DTypeMismatchError,
+    ShapeMismatchError,
+    UnknownNameError,
+    UnsupportedModelError,
+    UnsupportedOptionError,
+    suggest,
+)
+from ..graphs import FLOAT_TYPES, elem_type_name, np_dtype, opset_version
+from ..names import NameAuthority
+from ..roles import get_roles, set_roles
+from .contract import model_pass
+
+__all__ = ["add_loss_output", "SCORES", "parse_penalty"]
+
+
+@dataclass(frozen=True)
+class _Prediction:
+    """The output the loss is computed on."""
+
+    name: str
+    elem_type: int
+    dims: list[onnx.TensorShapeProto.Dimension]
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np_dtype(self.elem_type)
+
+
+ScoreFn = Callable[[GraphBuilder, _Prediction, str, Mapping[str, Any]], str]
+
+
+@dataclass(frozen=True)
+class Score:
+    """A loss function: how to build it, what label it needs, which options it takes."""
+
+    build: ScoreFn
+    class_labels: bool
+    options: Mapping[str, Any]
+    per_element: bool  # True: the result has the prediction's shape and is averaged per row
+
+
+# -- scores ------------------------------------------------------------------------
+
+
+def _diff(b: GraphBuilder, p: _Prediction, label: str) -> str:
+    return b.Sub(p.name, label, hint="diff")
+
+
+def _squared(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+    d = _diff(b, p, label)
+    return b.Mul(d, d, hint="squared_error")
+
+
+def _absolute(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+    return b.Abs(_diff(b, p, label), hint="absolute_error")
+
+
+def _elastic(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+    d = _diff(b, p, label)
+    l1 = b.Mul(b.Abs(d), b.const(o["l1_weight"], p.dtype, "l1_weight"))
+    l2 = b.Mul(b.Mul(d, d), b.const(o["l2_weight"], p.dtype, "l2_weight"))
+    return b.Add(l1, l2, hint="elastic_error")
+
+
+def _huber(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+    # 0.5 q^2 + delta (|d| - q) with q = min(|d|, delta): no Where (slow in ort 1.19).
+    a = b.Abs(_diff(b, p, label))
+    delta = b.const(o["delta"], p.dtype, "delta")
+    q = b.Min(a, delta)
+    quadratic = b.Mul(b.Mul(q, q), b.const(0.5, p.dtype, "half"))
+    linear = b.Mul(b.Sub(a, q), delta)
+    return b.Add(quadratic, linear, hint="huber_error")
+
+
+def _positive_probability(b: GraphBuilder, p: _Prediction) -> str:
+    """The probability of class 1 as a (N,) tensor, from (N,), (N, 1) or (N, 2) outputs."""
+    columns = p.dims[1].dim_value if p.rank == 2 else 1
+    if p.rank == 1:
+        return p.name
+    if p.rank == 2 and columns in (1, 2):
+        return b.Gather(p.name, b.const(columns - 1, np.int64, "positive_class"), axis=1)
+    raise ShapeMismatchError(
+        f"score_name='log' is the binary log loss and needs a probability output of shape "
+        f"(N,), (N, 1) or (N, 2); output {p.name!r} has {_shape_text(p.dims)}. "
+        "Use score_name='cross_entropy' for more than two classes."
+    )
+
+
+def _log(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+    eps = o["eps"] if o["eps"] is not None else float(np.finfo(p.dtype).eps)
+    p1 = b.Clip(_positive_probability(b, p), b.const(eps, p.dtype, "eps"),
+                b.const(1 - eps, p.dtype, "one_minus_eps"))
+    y = b.Cast(label, to=p.elem_type)
+    one = b.const(1, p.dtype, "one")
+    log_likelihood = b.Add(b.Mul(y, b.Log(p1)), b.Mul(b.Sub(one, y), b.Log(b.Sub(one, p1))))
+    return b.Neg(log_likelihood, hint="log_loss")
+
+
+def _raw_score(b: GraphBuilder, p: _Prediction, what: str) -> str:
+    if p.rank == 1:
+        return p.name
+    if p.rank == 2 and p.dims[1].dim_value == 1:
+        return b.squeeze(p.name, [1])
+    raise ShapeMismatchError(
+        f"score_name={what!r} needs a raw score of shape (N,) or (N, 1); output {p.name!r} "
+        f"has {_shape_text(p.dims)}. Use score_name='cross_entropy' with from_logits=True "
+        "for several classes."
+    )
+
+
+def _logistic(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+    s = _raw_score(b, p, "logistic")
+    y = b.Cast(label, to=p.elem_type)
+    one = b.const(1, p.dtype, "one")
+    softplus = b.Add(b.Relu(s), b.Log(b.Add(one, b.Exp(b.Neg(b.Abs(s))))))
+    return b.Sub(softplus, b.Mul(y, s), hint="logistic_loss")
+
+
+def _cross_entropy(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+    if p.rank != 2:
+        raise ShapeMismatchError(
+            f"score_name='cross_entropy' needs an output of shape (N, classes); output "
+            f"{p.name!r} has {_shape_text(p.dims)}."
+        )
+    if o["from_logits"]:
+        log_p = b.LogSoftmax(p.name, axis=1)
+    else:
+        eps = o["eps"] if o["eps"] is not None else float(np.finfo(p.dtype).eps)
+        clipped = b.Clip(p.name, b.const(eps, p.dtype, "eps"),
+                         b.const(1 - eps, p.dtype, "one_minus_eps"))
+        log_p = b.Log(clipped)
+    picked = b.GatherElements(log_p, b.unsqueeze(label, [1]), axis=1)
+    return b.Neg(b.squeeze(picked, [1]), hint="cross_entropy")
+
+
+SCORES: dict[str, Score] = {
+    "squared_error": Score(_squared, False, {}, True),
+    "absolute_error": Score(_absolute, False, {}, True),
+    "elastic": Score(_elastic, False, {"l1_weight": 0.5, "l2_weight": 0.5}, True),
+    "huber": Score(_huber, False, {"delta": 1.0}, True),
+    "log": Score(_log, True, {"eps": None}, False),
+    "logistic": Score(_logistic, True, {}, False),
+    "cross_entropy": Score(_cross_entropy, True, {"eps": None, "from_logits": False}, False),
+}
+_ALIASES = {"l2": "squared_error", "l1": "absolute_error"}
+_NON_NEGATIVE_OPTIONS = ("l1_weight", "l2_weight", "delta", "eps")
+
+
+# -- options -------------------------------------------------------------------------
+
+
+def _shape_text(dims: list[onnx.TensorShapeProto.Dimension]) -> str:
+    parts = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+    return "shape (" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
+def _resolve_score(score_name: str, options: Mapping[str, Any]) -> tuple[Score, dict[str, Any]]:
+    canonical = _ALIASES.get(score_name, score_name)
+    if canonical not in SCORES:
+        raise UnsupportedOptionError(
+            f"Unknown score_name {score_name!r}."
+            + suggest(score_name, [*SCORES, *_ALIASES], "score names")
+        )
+    score = SCORES[canonical]
+    unknown = sorted(set(options) - set(score.options))
+    if unknown:
+        valid = ", ".join(score.options) or "none"
+        raise UnsupportedOptionError(
+            f"score_name={score_name!r} takes no option {unknown[0]!r} (its options: {valid})."
+        )
+    resolved = {**score.options, **options}
+    for key in _NON_NEGATIVE_OPTIONS:
+        value = resolved.get(key)
+        if value is not None and not (np.isfinite(value) and value >= 0):
+            raise UnsupportedOptionError(
+                f"Option {key}={value!r} of score_name={score_name!r} must be a finite number >= 0."
+            )
+    if canonical == "huber" and resolved["delta"] == 0:
+        raise UnsupportedOptionError("Option delta of score_name='huber' must be > 0.")
+    if resolved.get("eps") is not None and not resolved["eps"] < 0.5:
+        raise UnsupportedOptionError(f"Option eps={resolved['eps']!r} must be below 0.5.")
+    return score, resolved
+
+
+def parse_penalty(penalty: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Normalize ``{name: b}`` / ``{name: {"l1": a, "l2": b}}`` to ``{name: {"l1": a, "l2": b}}``.
+
+    Coefficients must be finite and non-negative; unknown keys are errors.
+    """
+    normalized: dict[str, dict[str, float]] = {}
+    for name, spec in (penalty or {}).items():
+        if isinstance(spec, Mapping):
+            unknown = sorted(set(spec) - {"l1", "l2"})
+            if unknown:
+                raise UnsupportedOptionError(
+                    f"Penalty on {name!r} has unknown key {unknown[0]!r}; use 'l1' and/or 'l2', "
+                    f"e.g. {{{name!r}: {{'l1': 0.01, 'l2': 0.1}}}}."
+                )
+            coefficients = {"l1": spec.get("l1", 0.0), "l2": spec.get("l2", 0.0)}
+        else:
+            coefficients = {"l1": 0.0, "l2": spec}
+        for kind, value in coefficients.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = float("nan")
+            if not (np.isfinite(number) and number >= 0):
+                raise UnsupportedOptionError(
+                    f"Penalty coefficient {kind}={value!r} on {name!r} must be a finite "
+                    "number >= 0."
+                )
+            coefficients[kind] = number
+        normalized[name] = coefficients
+    return normalized
+
+
+def _select_output(graph: onnx.GraphProto, output_index: int | str | None) -> onnx.ValueInfoProto:
+    outputs = list(graph.output)
+    names = [o.name for o in outputs]
+    if isinstance(output_index, str):
+        if output_index not in names:
+            raise UnknownNameError(
+                f"output_index={output_index!r} is not an output of the model."
+                + suggest(output_index, names, "outputs")
+            )
+        chosen = outputs[names.index(output_index)]
+    elif isinstance(output_index, (int, np.integer)) and not isinstance(output_index, bool):
+        if not -len(outputs) <= output_index < len(outputs):
+            raise UnknownNameError(
+                f"output_index={output_index} is out of range: the model has {len(outputs)} "
+                f"output(s) ({', '.join(names)})."
+            )
+        chosen = outputs[output_index]
+    elif output_index is None:
+        floats = [o for o in outputs if o.type.tensor_type.elem_type in FLOAT_TYPES]
+        if len(outputs) == 1:
+            chosen = outputs[0]
+        elif len(floats) == 1:
+            chosen = floats[0]
+        else:
+            raise UnsupportedOptionError(
+                f"The model has {len(outputs)} outputs ({', '.join(names)}) and "
+                f"{len(floats)} of them are float tensors: pass output_index=<name or position> "
+                "to say which one the loss is computed on."
+            )
+    else:
+        raise UnsupportedOptionError(
+            f"output_index must be None, an int or an output name, not {output_index!r}."
+        )
+    if not chosen.type.HasField("tensor_type"):
+        raise UnsupportedModelError(
+            f"Output {chosen.name!r} is not a tensor (a skl2onnx ZipMap output?). Convert the "
+            "classifier with options={id(model): {'zipmap': False}} to get a probability tensor."
+        )
+    return chosen
+
+
+# -- the pass --------------------------------------------------------------------------
+
+
+@model_pass
+def add_loss_output(
+    model: onnx.ModelProto,
+    score_name: str = "squared_error",
+    loss_name: str | None = None,
+    label_name: str | None = None,
+    weight_name: str | None = None,
+    penalty: Mapping[str, Any] | None = None,
+    output_index: int | str | None = None,
+    reduction: str = "mean",
+    **kwargs: Any,
+) -> onnx.ModelProto:
+    """Return a copy of ``model`` with a scalar loss as its first output.
+
+    Args:
+        model: the inference model (ModelProto, bytes or path).
+        score_name: ``squared_error`` (``l2``), ``absolute_error`` (``l1``), ``elastic``,
+            ``huber``, ``log``, ``logistic`` or ``cross_entropy``; see the module docstring.
+        loss_name: name of the loss output; ``None`` means ``"loss"`` or, if taken, the
+            first free ``"loss_1"``, ``"loss_2"``, ... An explicit name must be free.
+        label_name: name of the label input, chosen like ``loss_name`` (``"label"``).
+        weight_name: name of a per-row sample-weight input of shape ``(N,)``; ``None``
+            means unweighted.
+        penalty: ``{initializer: {"l1": a, "l2": b}}`` or ``{initializer: b}`` (L2).
+        output_index: the output the loss is computed on: ``None`` (the only output, or
+            the only float output), a position or a name.
+        reduction: ``"mean"`` (weighted mean over rows) or ``"sum"``.
+        **kwargs: options of the score (``l1_weight``, ``l2_weight``, ``delta``, ``eps``,
+            ``from_logits``).
+    """
+    graph = model.graph
+    if get_roles(model).get("loss"):
+        raise UnsupportedModelError(
+            f"The model already has a loss output ({get_roles(model)['loss']!r}); "
+            "add_loss_output works on inference models."
+        )
+    score, options = _resolve_score(score_name, kwargs)
+    if reduction not in ("mean", "sum"):
+        raise UnsupportedOptionError(f"reduction={reduction!r} is not 'mean' or 'sum'.")
+    penalties = parse_penalty(penalty)
+    output = _select_output(graph, output_index)
+    tensor_type = output.type.tensor_type
+    prediction = _Prediction(output.name, tensor_type.elem_type, list(tensor_type.shape.dim))
+    if prediction.elem_type not in FLOAT_TYPES:
+        raise DTypeMismatchError(
+            f"Output {prediction.name!r} is {elem_type_name(prediction.elem_type)}; "
+            f"score_name={score_name!r} needs a float or double output. Pick another output "
+            "with output_index=..."
+        )
+    if prediction.rank == 0:
+        raise ShapeMismatchError(
+            f"Output {prediction.name!r} is a scalar; the loss needs a batch axis first."
+        )
+
+    names = NameAuthority.for_model(model)
+    loss = names.claim(loss_name, "loss name") if loss_name else names.fresh("loss")
+    label = names.claim(label_name, "label name") if label_name else names.fresh("label")
+    weight = names.claim(weight_name, "weight name") if weight_name else None
+    batch = prediction.dims[0]
+
+    b = GraphBuilder(names, opset_version(model), prefix="loss/")
+    per_item = score.build(b, prediction, label, options)
+    per_row = per_item
+    if score.per_element and prediction.rank > 1:
+        per_row = b.reduce("ReduceMean", per_item, list(range(1, prediction.rank)), keepdims=0,
+                           hint="row_loss")
+    if weight is None:
+        reduce_op = "ReduceMean" if reduction == "mean" else "ReduceSum"
+        total = b.reduce(reduce_op, per_row, keepdims=0)
+    else:
+        total = b.reduce("ReduceSum", b.Mul(per_row, weight), keepdims=0)
+        if reduction == "mean":
+            total = b.Div(total, b.reduce("ReduceSum", weight, keepdims=0))
+    for term in _penalty_terms(b, graph, penalties, prediction):
+        total = b.Add(total, term)
+    b.rename(total, loss)
+    b.append_to(graph)
+
+    if score.class_labels:
+        label_info = helper.make_tensor_value_info(label, TensorProto.INT64, [None])
+        label_info.type.tensor_type.shape.dim[0].CopyFrom(batch)
+    else:
+        label_info = helper.make_value_info(label, output.type)
+    graph.input.append(label_info)
+    if weight is not None:
+        weight_info = helper.make_tensor_value_info(weight, prediction.elem_type, [None])
+        weight_info.type.tensor_type.shape.dim[0].CopyFrom(batch)
+        graph.input.append(weight_info)
+    outputs = list(graph.output)
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info(loss, prediction.elem_type, []))
+    graph.output.extend(outputs)
+
+    roles = {"loss": loss, "label": label, "prediction": prediction.name}
+    if weight is not None:
+        roles["weight"] = weight
+    set_roles(model, roles)
+    return model
+
+
+def _penalty_terms(b: GraphBuilder, graph: onnx.GraphProto,
+                   penalties: Mapping[str, Mapping[str, float]], prediction: _Prediction) -> list[str]:
+    """``a * sum|W| + b * sum W^2`` per penalized initializer, in the loss's dtype."""
+    initializers = {t.name: t for t in graph.initializer}
+    floats = [n for n, t in initializers.items() if t.data_type in FLOAT_TYPES]
+    terms = []
+    for name, coefficients in penalties.items():
+        if name not in initializers:
+            raise UnknownNameError(
+                f"Penalty names {name!r}, which is not an initializer of the model."
+                + suggest(name, floats, "float initializers")
+            )
+        if initializers[name].data_type not in FLOAT_TYPES:
+            raise DTypeMismatchError(
+                f"Penalty names {name!r}, a {elem_type_name(initializers[name].data_type)} "
+                "initializer; only float and double weights can be penalized."
+            )
+        weight = name
+        if initializers[name].data_type != prediction.elem_type:
+            weight = b.Cast(name, to=prediction.elem_type)
+        for kind, reduce_op in (("l1", "ReduceL1"), ("l2", "ReduceSumSquare")):
+            if coefficients[kind] > 0:
+                norm = b.reduce(reduce_op, weight, keepdims=0, hint=f"{name}_{kind}")
+                coefficient = b.const(coefficients[kind], prediction.dtype, f"{name}_{kind}_coef")
+                terms.append(b.Mul(norm, coefficient, hint=f"{name}_{kind}_penalty"))
+    return terms

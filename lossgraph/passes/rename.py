@@ -1,0 +1,78 @@
+"""alphabetize_initializers: make the alphabetical order of the weights their graph order.
+
+onnxruntime's forward/backward API (``TrainingAgent``) passes weights positionally,
+in alphabetical order of their names. This pass renames the trainable initializers
+``W_0, W_1, ...`` (graph order) to ``I0_W_0, I1_W_1, ...`` when their names do not
+already sort in graph order:
+
+    name_k -> I{k}_{name_k}     (k zero-padded, every reference renamed, subgraphs included)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import onnx
+
+from ..analysis import trainable_initializers
+from ..errors import UnknownNameError, suggest
+from ..graphs import subgraphs
+from ..names import NameAuthority
+from ..roles import get_roles, set_roles
+from .contract import model_pass
+
+__all__ = ["alphabetize_initializers", "rename_values"]
+
+
+@model_pass
+def alphabetize_initializers(
+    model: onnx.ModelProto, names: Sequence[str] | None = None
+) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """Rename ``names`` (default: the trainable initializers) so they sort in graph order.
+
+    Returns the renamed copy and the mapping ``old name -> new name`` (the identity
+    when the names already sort in graph order, in which case nothing is renamed).
+    """
+    initializers = [t.name for t in model.graph.initializer]
+    if names is None:
+        names = trainable_initializers(model)
+    for name in names:
+        if name not in initializers:
+            raise UnknownNameError(
+                f"{name!r} is not an initializer of the model."
+                + suggest(name, initializers, "initializers")
+            )
+    chosen = set(names)
+    ordered = [n for n in initializers if n in chosen]
+    if ordered == sorted(ordered):
+        return model, {n: n for n in ordered}
+    authority = NameAuthority.for_model(model)
+    width = len(str(len(ordered) - 1))
+    mapping = {old: authority.fresh(f"I{k:0{width}d}_{old}") for k, old in enumerate(ordered)}
+    rename_values(model.graph, mapping)
+    roles = get_roles(model)
+    if roles:
+        set_roles(model, {role: mapping.get(value, value) for role, value in roles.items()})
+    return model, mapping
+
+
+def rename_values(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
+    """Rename values in place everywhere they are defined or used, subgraphs included.
+
+    A subgraph that defines a value of the same name (shadowing) keeps its own.
+    """
+    if not mapping:
+        return
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        value.name = mapping.get(value.name, value.name)
+    for tensor in graph.initializer:
+        tensor.name = mapping.get(tensor.name, tensor.name)
+    for sparse in graph.sparse_initializer:
+        sparse.values.name = mapping.get(sparse.values.name, sparse.values.name)
+    for node in graph.node:
+        node.input[:] = [mapping.get(i, i) for i in node.input]
+        node.output[:] = [mapping.get(o, o) for o in node.output]
+        for sub in subgraphs(node):
+            local = {v.name for v in sub.input} | {t.name for t in sub.initializer}
+            local |= {o for n in sub.node for o in n.output}
+            rename_values(sub, {k: v for k, v in mapping.items() if k not in local})

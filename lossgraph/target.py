@@ -1,0 +1,70 @@
+"""Which runtimes an emitted model must load in: IR version and opset policy.
+
+onnx 1.23 stamps models with IR version 14, which onnxruntime-training 1.19 rejects
+(it reads at most IR 10, opset 21). Every pass therefore sets the IR version and
+opset imports of its output deliberately, through :func:`finalize`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from .errors import UnsupportedModelError
+from .graphs import all_graphs, opset_version
+
+__all__ = ["Target", "DEFAULT_TARGET", "check_opset", "finalize"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """The runtimes a model is emitted for."""
+
+    description: str
+    ir_version: int
+    max_opset: int
+    min_opset: int = 13
+
+
+#: Loadable by onnxruntime-training 1.19.2 and by current plain onnxruntime.
+DEFAULT_TARGET = Target(
+    description="onnxruntime-training 1.19 and current onnxruntime", ir_version=10, max_opset=21
+)
+
+
+def check_opset(model: onnx.ModelProto, target: Target = DEFAULT_TARGET) -> int:
+    """The model's ``ai.onnx`` opset, checked to lie in the range the target supports."""
+    version = opset_version(model)
+    if version is None:
+        raise UnsupportedModelError(
+            "The model imports no 'ai.onnx' opset. Add one, e.g. "
+            "model.opset_import.append(onnx.helper.make_opsetid('', 17))."
+        )
+    if not target.min_opset <= version <= target.max_opset:
+        raise UnsupportedModelError(
+            f"The model uses ai.onnx opset {version}; lossgraph emits models for "
+            f"{target.description}, which needs opset {target.min_opset} to "
+            f"{target.max_opset}. Convert it first, e.g. "
+            f"onnx.version_converter.convert_version(model, {min(max(version, target.min_opset), target.max_opset)})."
+        )
+    return version
+
+
+def finalize(model: onnx.ModelProto, target: Target = DEFAULT_TARGET) -> None:
+    """Set the IR version and a clean opset list (one entry per domain) in place.
+
+    Domains no node uses any more (e.g. ``ai.onnx.ml`` after :func:`lower_ml_ops`)
+    are dropped, so the model loads where that domain is unknown.
+    """
+    bodies = [*all_graphs(model.graph), *model.functions]
+    used = {node.domain or "" for body in bodies for node in body.node} | {""}
+    versions: dict[str, int] = {}
+    for opset in model.opset_import:
+        domain = "" if opset.domain == "ai.onnx" else opset.domain
+        if domain in used:
+            versions[domain] = max(versions.get(domain, 0), opset.version)
+    del model.opset_import[:]
+    model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in sorted(versions.items()))
+    model.ir_version = target.ir_version
+

@@ -1,0 +1,67 @@
+"""trainable_initializers: which weights a loss can train."""
+
+from __future__ import annotations
+
+import onnx
+
+from lossgraph import add_loss_output, trainable_initializers
+
+MIXED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    net (float[N, 4] x) => (float[N, 2] y, int64[N] label)
+    <float[4, 2] w = {1, 2, 3, 4, 5, 6, 7, 8}, float[2] b = {0, 1}, float scale = {2.0},
+     int64[2] shape = {-1, 2}, float[2] unused = {3, 3}, int64[2] classes = {7, 9},
+     float[2] mean = {0, 0}, float[2] var = {1, 1}>
+    {
+        h = MatMul(x, w)
+        hb = Add(h, b)
+        hs = Mul(hb, scale)
+        y = Reshape(hs, shape)
+        idx = ArgMax <axis = 1, keepdims = 0> (y)
+        label = Gather(classes, idx)
+    }
+"""
+
+
+def test_float_weights_on_differentiable_paths_are_trainable_in_graph_order():
+    assert trainable_initializers(onnx.parser.parse_model(MIXED)) == ["w", "b"]
+
+
+def test_shapes_class_lists_scalars_and_unused_tensors_are_excluded():
+    trainable = trainable_initializers(onnx.parser.parse_model(MIXED))
+    assert not {"shape", "classes", "scale", "unused"} & set(trainable)
+
+
+def test_batch_normalization_statistics_are_not_trainable():
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        bn (float[N, 2, 3] x) => (float[N, 2, 3] y)
+        <float[2] gamma = {1, 1}, float[2] beta = {0, 0}, float[2] mean = {0, 0},
+         float[2] var = {1, 1}>
+        { y = BatchNormalization(x, gamma, beta, mean, var) }
+    """)
+    assert trainable_initializers(model) == ["gamma", "beta"]
+
+
+def test_only_weights_reaching_the_loss_count_once_a_loss_is_added():
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        two (float[N, 2] x) => (float[N, 2] y, float[N, 2] z)
+        <float[2] a = {1, 2}, float[2] c = {3, 4}>
+        { y = Mul(x, a)
+          z = Mul(x, c) }
+    """)
+    assert trainable_initializers(model) == ["a", "c"]
+    assert trainable_initializers(add_loss_output(model, output_index="z")) == ["c"]
+
+
+def test_weights_captured_by_a_subgraph_are_trainable():
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        branchy (float[N, 2] x, bool flag) => (float[N, 2] y)
+        <float[2] a = {1, 2}>
+        { y = If(flag) <
+              then_branch = g1 () => (float[N, 2] t) { t = Mul(x, a) },
+              else_branch = g2 () => (float[N, 2] e) { e = Identity(x) } > }
+    """)
+    assert trainable_initializers(model) == ["a"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import onnx
 
@@ -11,17 +11,18 @@ from .graphs import FLOAT_TYPES, outer_references, subgraphs, value_types
 from .models import ModelLike, as_model
 from .roles import get_roles
 
-__all__ = ["trainable_initializers", "differentiable_values"]
+__all__ = ["trainable_initializers", "differentiable_values", "influenced_values"]
 
 
-def differentiable_values(model: onnx.ModelProto, targets: Iterable[str]) -> set[str]:
+def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
+                          types: Mapping[str, onnx.TypeProto] | None = None) -> set[str]:
     """Float values of the top-level graph that influence ``targets`` differentiably.
 
     Walks the graph backwards from ``targets`` through differentiable inputs only
     (see :mod:`lossgraph.differentiability`); a subgraph's captured outer values count
     as inputs of the node that holds it.
     """
-    types = value_types(model)
+    types = value_types(model) if types is None else types
 
     def is_float(name: str) -> bool:
         value_type = types.get(name)
@@ -38,6 +39,24 @@ def differentiable_values(model: onnx.ModelProto, targets: Iterable[str]) -> set
         for sub in subgraphs(node):
             needed.update(n for n in outer_references(sub) if is_float(n))
     return needed
+
+
+def influenced_values(model: onnx.ModelProto, sources: Iterable[str],
+                      types: Mapping[str, onnx.TypeProto]) -> set[str]:
+    """Float values of the top-level graph that ``sources`` influence differentiably."""
+
+    def is_float(name: str) -> bool:
+        value_type = types.get(name)
+        return value_type is not None and value_type.tensor_type.elem_type in FLOAT_TYPES
+
+    reached = set(sources)
+    for node in model.graph.node:
+        positions = differentiable_inputs(node.op_type, node.domain, len(node.input))
+        hit = any(node.input[p] in reached for p in positions)
+        hit = hit or any(n in reached for sub in subgraphs(node) for n in outer_references(sub))
+        if hit:
+            reached.update(o for o in node.output if o and is_float(o))
+    return reached
 
 
 def trainable_initializers(model: ModelLike) -> list[str]:

@@ -21,6 +21,8 @@ __all__ = [
     "ShapeMismatchError",
     "NameCollisionError",
     "InternalError",
+    "MissingGradientError",
+    "RuntimeUnavailableError",
     "suggest",
 ]
 
@@ -70,3 +72,11 @@ def suggest(name: str, candidates: Iterable[str], what: str = "names") -> str:
     more = f", ... ({len(candidates)} in all)" if len(candidates) > 20 else ""
     listing = f" Valid {what}: {shown}{more}." if candidates else f" The model has no {what}."
     return hint + listing
+
+
+class MissingGradientError(LossgraphError, NotImplementedError):
+    """An op on the path from a weight to the loss has no gradient rule."""
+
+
+class RuntimeUnavailableError(LossgraphError, ImportError):
+    """The requested runtime feature (e.g. the onnxruntime training build) is not installed."""

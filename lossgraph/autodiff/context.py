@@ -1,0 +1,144 @@
+"""What a gradient rule sees: the node, and a builder that knows the forward graph."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..builder import GraphBuilder
+from ..errors import UnsupportedModelError
+from ..graphs import np_dtype
+from ..names import NameAuthority
+
+__all__ = ["Node", "GradContext", "Shape"]
+
+#: A static shape: ints for known dims, strings for symbolic ones, None for unknown.
+Shape = tuple[int | str | None, ...]
+
+
+@dataclass
+class Node:
+    """A forward node as a rule sees it."""
+
+    proto: onnx.NodeProto
+    opset: int
+    inputs: list[str] = field(init=False)
+    outputs: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inputs = list(self.proto.input)
+        self.outputs = list(self.proto.output)
+
+    @property
+    def op_type(self) -> str:
+        return self.proto.op_type
+
+    @property
+    def name(self) -> str:
+        return self.proto.name
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        """The attribute's Python value (strings decoded), or ``default``."""
+        for attribute in self.proto.attribute:
+            if attribute.name == name:
+                value = helper.get_attribute_value(attribute)
+                return value.decode() if isinstance(value, bytes) else value
+        return default
+
+    def input(self, position: int) -> str | None:
+        """The name of an optional input, ``None`` when absent."""
+        return self.inputs[position] if position < len(self.inputs) and self.inputs[position] else None
+
+
+class GradContext(GraphBuilder):
+    """A GraphBuilder for gradient nodes that can also answer questions about forward values."""
+
+    def __init__(self, names: NameAuthority, opset: int, shapes: dict[str, Shape],
+                 types: dict[str, int], constants: dict[str, np.ndarray]) -> None:
+        super().__init__(names, opset, prefix="grad/")
+        self._shapes = shapes
+        self._types = types
+        self._values = constants
+
+    # -- forward facts ---------------------------------------------------------------
+    def shape(self, name: str) -> Shape | None:
+        """The static shape of a forward value, if shape inference found one."""
+        return self._shapes.get(name)
+
+    def rank(self, name: str) -> int:
+        """The rank of a forward value; rules rely on it, so unknown ranks are errors."""
+        shape = self._shapes.get(name)
+        if shape is None:
+            raise UnsupportedModelError(
+                f"The rank of {name!r} is unknown after shape inference; the gradient needs it. "
+                "Give the model's inputs static ranks (onnx.shape_inference must find them)."
+            )
+        return len(shape)
+
+    def elem_type(self, name: str) -> int:
+        return self._types[name]
+
+    def dtype(self, name: str) -> np.dtype:
+        return np_dtype(self._types[name])
+
+    def value(self, name: str | None) -> np.ndarray | None:
+        """The value of an initializer or Constant output, ``None`` if not constant."""
+        return None if not name else self._values.get(name)
+
+    def ints_value(self, name: str | None, what: str) -> list[int] | None:
+        """A constant int input (axes, pads, shape...) as a list; error if not constant."""
+        if not name:
+            return None
+        value = self.value(name)
+        if value is None:
+            raise UnsupportedModelError(
+                f"The gradient needs {what} ({name!r}) to be a constant (an initializer or a "
+                "Constant node), but it is computed at run time."
+            )
+        return [int(v) for v in np.asarray(value).reshape(-1)]
+
+    # -- helpers for rules ---------------------------------------------------------------
+    def const_like(self, value: Any, like: str, hint: str = "const") -> str:
+        """A constant with the element type of the forward value ``like``."""
+        return self.const(value, self.dtype(like), hint)
+
+    def zeros_like(self, like: str) -> str:
+        """Zeros with the shape and type of the forward value ``like``."""
+        shape = self.shape(like)
+        if shape is not None and all(isinstance(d, int) for d in shape):
+            return self.const(np.zeros(shape), self.dtype(like), "zeros")
+        zero = numpy_helper.from_array(np.zeros(1, dtype=self.dtype(like)), "value")
+        return self.ConstantOfShape(self.Shape(like), value=zero, hint="zeros")
+
+    def or_zeros(self, dy: str | None, like: str) -> str:
+        """``dy`` itself, or zeros shaped like ``like`` when no gradient flows there."""
+        return dy if dy is not None else self.zeros_like(like)
+
+    def unbroadcast(self, grad: str, to: str, source: str) -> str:
+        """Sum ``grad`` (shaped like ``source``) down to the shape of ``to`` (numpy broadcasting).
+
+        Axes are found statically: leading axes ``to`` lacks, and axes where ``to`` has
+        a static 1 and ``source`` does not. Symbolic dims are taken to match.
+        """
+        target, full = self.shape(to), self.shape(source)
+        if target is None or full is None:
+            raise UnsupportedModelError(
+                f"Cannot tell how {to!r} broadcasts against {source!r}: shape inference gave no "
+                "rank. Give the model's inputs static ranks."
+            )
+        lead = len(full) - len(target)
+        kept = [lead + i for i, d in enumerate(target) if d == 1 and full[lead + i] != 1]
+        if kept:
+            grad = self.reduce("ReduceSum", grad, kept, keepdims=1)
+        if lead > 0:
+            grad = self.reduce("ReduceSum", grad, list(range(lead)), keepdims=0)
+        return grad
+
+    def sum_of(self, terms: Sequence[str], hint: str | None = None) -> str:
+        """One value for several gradient contributions: the term, or a single Sum."""
+        return terms[0] if len(terms) == 1 else self.Sum(*terms, hint=hint)

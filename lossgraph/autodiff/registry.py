@@ -1,0 +1,98 @@
+"""The gradient rule registry: one rule per op type (and opset range).
+
+A rule maps the gradients of a node's outputs to the gradients of its inputs:
+
+    @grad_rule("Mul", broadcast=True)
+    def mul(g, node, dy):
+        a, b = node.inputs
+        return g.Mul(dy, b), g.Mul(dy, a)
+
+``g`` is a :class:`~lossgraph.autodiff.context.GradContext` (a graph builder that
+also knows forward shapes, types and constant values), ``node`` a
+:class:`~lossgraph.autodiff.context.Node`, and ``dy`` the gradient of each output
+(``None`` for an output no gradient flows into; single-output ops always get one).
+The rule returns one gradient per input (a name, or ``None`` for no gradient).
+``broadcast=True`` asks the walker to sum each input gradient back to the input's
+shape, so elementwise rules never deal with broadcasting.
+
+Users register rules for their own ops the same way, with ``domain=``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["GradRule", "grad_rule", "find_rule", "supported_ops", "RuleInfo"]
+
+GradRule = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class RuleInfo:
+    """A registered rule and what it covers."""
+
+    op_type: str
+    domain: str
+    since: int
+    until: int | None
+    broadcast: bool
+    notes: str
+    rule: GradRule
+
+    def covers(self, version: int) -> bool:
+        return self.since <= version and (self.until is None or version <= self.until)
+
+    @property
+    def opsets(self) -> str:
+        return f"{self.since}+" if self.until is None else f"{self.since}-{self.until}"
+
+
+_RULES: dict[tuple[str, str], list[RuleInfo]] = {}
+
+
+def grad_rule(
+    op_type: str,
+    *,
+    domain: str = "",
+    since: int = 1,
+    until: int | None = None,
+    broadcast: bool = False,
+    notes: str = "",
+) -> Callable[[GradRule], GradRule]:
+    """Register the decorated function as the gradient rule of ``domain::op_type``.
+
+    ``since``/``until`` bound the opset versions of ``domain`` the rule handles (for
+    ops whose signature changed); ``notes`` appear in the docs table (for example
+    "straight-through: zero gradient"). Registering a rule for an op and opset range
+    that already has one replaces it, so users can override built-in rules.
+    """
+
+    def register(rule: GradRule) -> GradRule:
+        key = ("" if domain == "ai.onnx" else domain, op_type)
+        info = RuleInfo(op_type, key[0], since, until, broadcast, notes, rule)
+        kept = [r for r in _RULES.get(key, []) if (r.since, r.until) != (since, until)]
+        _RULES[key] = sorted([*kept, info], key=lambda r: r.since)
+        return rule
+
+    return register
+
+
+def find_rule(op_type: str, domain: str, version: int) -> RuleInfo | None:
+    """The rule for ``domain::op_type`` at opset ``version``, or ``None``."""
+    key = ("" if domain == "ai.onnx" else domain, op_type)
+    for info in reversed(_RULES.get(key, [])):
+        if info.covers(version):
+            return info
+    return None
+
+
+def supported_ops(domain: str | None = "") -> list[RuleInfo]:
+    """Every registered rule (of ``domain``; all domains with ``None``), sorted by op."""
+    from . import rules  # noqa: F401  (registers the built-in rules)
+
+    return sorted(
+        (r for (d, _), infos in _RULES.items() for r in infos if domain is None or d == domain),
+        key=lambda r: (r.domain, r.op_type, r.since),
+    )

@@ -1,0 +1,241 @@
+"""Reverse-mode differentiation of an ONNX graph, in standard ONNX ops.
+
+The walker owns every hard part so that rules stay one-liners:
+
+- **relevance**: only values both influenced by a requested weight and leading to
+  a seed are differentiated; nothing else gets gradient nodes;
+- **traversal**: nodes are visited in reverse topological order, each once;
+- **accumulation**: a value used several times gets one ``Sum`` of its
+  contributions, built once, when its producer is visited;
+- **broadcasting**: for rules registered with ``broadcast=True`` each input
+  gradient is summed back to the input's shape from static shapes;
+- **zero gradients**: a requested weight no gradient reaches gets zeros;
+- **missing rules**: an op on the path without a rule is a
+  :class:`~lossgraph.errors.MissingGradientError` naming the op, the node and the
+  path from the weight to the seed;
+- **dead code**: gradient nodes whose results nothing uses are dropped.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..analysis import differentiable_values, influenced_values
+from ..differentiability import differentiable_inputs
+from ..errors import MissingGradientError
+from ..graphs import opset_version
+from ..names import NameAuthority
+from .context import GradContext, Node, Shape
+from .registry import find_rule
+
+__all__ = ["ForwardFacts", "differentiate"]
+
+
+@dataclass
+class ForwardFacts:
+    """Static facts about the forward graph that rules and the walker read."""
+
+    types: dict[str, onnx.TypeProto]
+    shapes: dict[str, Shape]
+    elem_types: dict[str, int]
+    constants: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> ForwardFacts:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        graph = inferred.graph
+        types: dict[str, onnx.TypeProto] = {}
+        for value in (*graph.value_info, *graph.input, *graph.output):
+            types[value.name] = value.type
+        constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+        for tensor in graph.initializer:
+            types.setdefault(tensor.name, onnx.helper.make_tensor_type_proto(
+                tensor.data_type, list(tensor.dims)))
+        for node in graph.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                value = _constant_node_value(node)
+                if value is not None:
+                    constants[node.output[0]] = value
+        shapes: dict[str, Shape] = {}
+        elem_types: dict[str, int] = {}
+        for name, value_type in types.items():
+            if not value_type.HasField("tensor_type"):
+                continue
+            tensor_type = value_type.tensor_type
+            elem_types[name] = tensor_type.elem_type
+            if tensor_type.HasField("shape"):
+                shapes[name] = tuple(
+                    d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                    for d in tensor_type.shape.dim
+                )
+        return cls(types, shapes, elem_types, constants)
+
+
+def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
+    for attribute in node.attribute:
+        if attribute.name == "value":
+            return numpy_helper.to_array(attribute.t)
+        if attribute.name in ("value_float", "value_int"):
+            return np.array(onnx.helper.get_attribute_value(attribute))
+        if attribute.name in ("value_floats", "value_ints"):
+            return np.array(onnx.helper.get_attribute_value(attribute))
+    return None
+
+
+def differentiate(
+    model: onnx.ModelProto,
+    seeds: Mapping[str, str],
+    wrt: Sequence[str],
+    grad_names: Mapping[str, str],
+    names: NameAuthority,
+    facts: ForwardFacts | None = None,
+) -> GradContext:
+    """Emit the gradients of ``seeds`` into a new GradContext.
+
+    ``seeds`` maps forward values to the names of their incoming gradients (already
+    defined: a constant one for a scalar loss, a graph input for a vector-Jacobian
+    product). The gradient of each ``wrt`` value ends up in ``grad_names[w]``. The
+    returned context holds exactly the nodes and constants needed for them, in
+    topological order, ready to ``append_to`` the graph.
+    """
+    facts = facts or ForwardFacts.of(model)
+    graph = model.graph
+    g = GradContext(names, opset_version(model) or 1, facts.shapes, facts.elem_types,
+                    facts.constants)
+    relevant = influenced_values(model, wrt, facts.types) & differentiable_values(
+        model, list(seeds), facts.types)
+    relevant.update(wrt)
+
+    grads: dict[str, list[str]] = defaultdict(list)
+    for value, seed in seeds.items():
+        grads[value].append(seed)
+
+    for proto in reversed(graph.node):
+        if not any(grads.get(o) for o in proto.output):
+            continue
+        positions = [p for p in differentiable_inputs(proto.op_type, proto.domain,
+                                                      len(proto.input))
+                     if proto.input[p] in relevant]
+        if not positions:
+            continue
+        node = Node(proto, opset_version(model, proto.domain or "") or 1)
+        info = find_rule(proto.op_type, proto.domain, node.opset)
+        if info is None:
+            raise MissingGradientError(_missing_rule_message(model, node, wrt, seeds, relevant))
+        dys = [g.sum_of(grads[o], hint=f"{o}_grad") if grads.get(o) else None
+               for o in proto.output]
+        result = info.rule(g, node, *dys)
+        input_grads = [result] if isinstance(result, str) or result is None else list(result)
+        for position in positions:
+            if position >= len(input_grads) or input_grads[position] is None:
+                continue
+            grad = input_grads[position]
+            if info.broadcast:
+                grad = g.unbroadcast(grad, proto.input[position], proto.output[0])
+            grads[proto.input[position]].append(grad)
+
+    finals = {}
+    for w in wrt:
+        finals[w] = g.sum_of(grads[w]) if grads.get(w) else g.zeros_like(w)
+    _bind_outputs(g, finals, grad_names)
+    _drop_dead_code(g, list(grad_names.values()))
+    return g
+
+
+def _bind_outputs(g: GradContext, finals: Mapping[str, str], grad_names: Mapping[str, str]) -> None:
+    """Make each final gradient value available under its output name.
+
+    The producing node is renamed in place when nothing else reads its value;
+    otherwise (shared values, seeds, constants) an Identity carries it.
+    """
+    uses: dict[str, int] = defaultdict(int)
+    for node in g.nodes:
+        for name in node.input:
+            uses[name] += 1
+    for value in finals.values():
+        uses[value] += 1
+    produced = {o for node in g.nodes for o in node.output}
+    for w, value in finals.items():
+        if value in produced and uses[value] == 1:
+            g.rename(value, grad_names[w])
+        else:
+            g.Identity(value, outputs=[grad_names[w]])
+
+
+def _drop_dead_code(g: GradContext, outputs: Sequence[str]) -> None:
+    needed = set(outputs)
+    kept = []
+    for node in reversed(g.nodes):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(i for i in node.input if i)
+    g.nodes = kept[::-1]
+    g.initializers = [t for t in g.initializers if t.name in needed]
+
+
+def _missing_rule_message(model: onnx.ModelProto, node: Node, wrt: Sequence[str],
+                          seeds: Mapping[str, str], relevant: set[str]) -> str:
+    path = _path_through(model, node.proto, wrt, seeds, relevant)
+    domain = node.proto.domain or "ai.onnx"
+    return (
+        f"No gradient rule for op {node.op_type!r} (domain {domain!r}, opset {node.opset}) "
+        f"at node {node.name or '<unnamed>'!r}, which lies on the path {path}. "
+        f"Register one with @lossgraph.grad_rule({node.op_type!r}"
+        + (f", domain={node.proto.domain!r}" if node.proto.domain else "")
+        + "), train only weights that do not pass through it (wrt=...), or use "
+        "backend='ort'. lossgraph.supported_ops() lists the covered ops."
+    )
+
+
+def _path_through(model: onnx.ModelProto, target: onnx.NodeProto, wrt: Sequence[str],
+                  seeds: Mapping[str, str], relevant: set[str]) -> str:
+    """'w -> [Op 'name'] -> v -> ... -> loss' through ``target``, for error messages."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for n in model.graph.node:
+        for i in n.input:
+            consumers[i].append(n)
+
+    def label(n: onnx.NodeProto) -> str:
+        return f"[{n.op_type} {n.name!r}]" if n.name else f"[{n.op_type}]"
+
+    # backwards from the node to a requested weight
+    back: list[str] = []
+    current = next((i for i in target.input if i in relevant), None)
+    while current is not None and current not in wrt:
+        back.append(current)
+        producer = producers.get(current)
+        if producer is None:
+            break
+        back.append(label(producer))
+        current = next((i for i in producer.input if i in relevant), None)
+    if current is not None:
+        back.append(current)
+    # forwards from the node to a seed (breadth first: the shortest way)
+    start = next((o for o in target.output if o in relevant or o in seeds), target.output[0])
+    parents: dict[str, tuple[str, onnx.NodeProto] | None] = {start: None}
+    queue = deque([start])
+    end = start
+    while queue:
+        value = queue.popleft()
+        if value in seeds:
+            end = value
+            break
+        for consumer in consumers.get(value, []):
+            for out in consumer.output:
+                if out not in parents:
+                    parents[out] = (value, consumer)
+                    queue.append(out)
+    forward: list[str] = []
+    while parents.get(end) is not None:
+        previous, consumer = parents[end]
+        forward[:0] = [label(consumer), end]
+        end = previous
+    parts = [*reversed(back), label(target), start, *forward]
+    return " -> ".join(parts)

@@ -1,0 +1,243 @@
+"""gradient: add the gradients of a loss (or a vector-Jacobian product) as outputs.
+
+Scalar-loss mode (``outputs=None``)::
+
+    (inputs) -> (outputs)    becomes    (inputs) -> (outputs, w1_grad, w2_grad, ...)
+
+with ``wk_grad = d loss / d wk``. Vector-Jacobian mode (``outputs=[y, ...]``)::
+
+    (inputs) -> (outputs)    becomes    (inputs, y_grad, ...) -> (outputs, w1_grad, ...)
+
+with ``wk_grad = sum_y y_grad . d y / d wk`` (``y_grad`` is the gradient of some
+external loss with respect to ``y``, computed elsewhere, e.g. by torch).
+
+Two backends give the same inputs and outputs: ``"onnx"`` (lossgraph's own
+autodiff, standard ONNX ops only, runs on any onnxruntime) and ``"ort"``
+(onnxruntime-training's ``GradientGraphBuilder``; ``com.microsoft`` ops, runs only
+on the training build).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..analysis import trainable_initializers
+from ..autodiff.walker import ForwardFacts, differentiate
+from ..builder import GraphBuilder
+from ..errors import (
+    DTypeMismatchError,
+    MissingGradientError,
+    RuntimeUnavailableError,
+    ShapeMismatchError,
+    UnknownNameError,
+    UnsupportedOptionError,
+    suggest,
+)
+from ..graphs import FLOAT_TYPES, elem_type_name, names_in_graph
+from ..names import NameAuthority
+from ..roles import get_roles
+from .contract import model_pass
+from .rename import rename_values
+
+__all__ = ["gradient", "GRADIENTS_KEY"]
+
+#: Metadata key recording ``{weight: gradient output}`` (names differ from ``<w>_grad``
+#: only when that name was already taken).
+GRADIENTS_KEY = "lossgraph.gradients"
+
+
+@model_pass
+def gradient(
+    model: onnx.ModelProto,
+    wrt: Sequence[str] | None = None,
+    loss: str | None = None,
+    backend: str = "onnx",
+    outputs: Sequence[str] | None = None,
+) -> onnx.ModelProto:
+    """Return a copy of ``model`` that also outputs ``<w>_grad`` for each ``w`` in ``wrt``.
+
+    Args:
+        model: the model (ModelProto, bytes or path).
+        wrt: initializers or graph inputs to differentiate with respect to, in the order
+            of the new outputs; default :func:`~lossgraph.trainable_initializers`.
+        loss: the scalar output to differentiate (scalar-loss mode); default the loss
+            recorded by :func:`~lossgraph.add_loss_output`, else ``"loss"``.
+        backend: ``"onnx"`` (standard ops, any onnxruntime) or ``"ort"``
+            (onnxruntime-training's builder, training build only).
+        outputs: vector-Jacobian mode: outputs whose incoming gradients become inputs
+            named ``<output>_grad``. Exclusive with ``loss``.
+    """
+    if backend not in ("onnx", "ort"):
+        raise UnsupportedOptionError(f"backend={backend!r} is not 'onnx' or 'ort'.")
+    graph = model.graph
+    output_names = [o.name for o in graph.output]
+    if outputs is not None and loss is not None:
+        raise UnsupportedOptionError(
+            "Pass either loss= (scalar-loss mode) or outputs= (vector-Jacobian mode), not both."
+        )
+    targets = list(outputs) if outputs is not None else [loss or get_roles(model).get("loss", "loss")]
+    for target in targets:
+        if target not in output_names:
+            what = "outputs=" if outputs is not None else "loss="
+            raise UnknownNameError(
+                f"{what} names {target!r}, which is not an output of the model."
+                + suggest(target, output_names, "outputs")
+            )
+    facts = ForwardFacts.of(model)
+    wrt = list(trainable_initializers(model) if wrt is None else wrt)
+    _check_wrt(graph, wrt, facts)
+    for target in targets:
+        if facts.elem_types.get(target) not in FLOAT_TYPES:
+            raise DTypeMismatchError(
+                f"Cannot differentiate output {target!r} of type "
+                f"{elem_type_name(facts.elem_types.get(target, 0))}: it must be float or double."
+            )
+
+    names = NameAuthority.for_model(model)
+    grad_names = {w: names.fresh(f"{w}_grad") for w in wrt}
+    if outputs is None:
+        seed_inputs = []
+        shape = facts.shapes.get(targets[0])
+        if shape is None or any(d != 1 for d in shape):
+            raise ShapeMismatchError(
+                f"The loss {targets[0]!r} must be a scalar (or hold a single element); its "
+                f"shape is {shape}. Reduce it first, or use outputs=[...] for a "
+                "vector-Jacobian product."
+            )
+    else:
+        seed_inputs = [
+            helper.make_value_info(names.fresh(f"{o}_grad"), facts.types[o]) for o in targets
+        ]
+
+    if backend == "onnx":
+        _onnx_backend(model, targets, seed_inputs, wrt, grad_names, names, facts)
+    else:
+        _ort_backend(model, targets, seed_inputs, wrt, grad_names, facts)
+    graph.input.extend(seed_inputs)
+    for w in wrt:
+        graph.output.append(helper.make_value_info(grad_names[w], facts.types[w]))
+    props = {p.key: p.value for p in model.metadata_props}
+    props[GRADIENTS_KEY] = json.dumps(grad_names)
+    helper.set_model_props(model, props)
+    return model
+
+
+def _check_wrt(graph: onnx.GraphProto, wrt: Sequence[str], facts: ForwardFacts) -> None:
+    candidates = [t.name for t in graph.initializer] + [
+        i.name for i in graph.input if i.name not in {t.name for t in graph.initializer}
+    ]
+    if len(set(wrt)) != len(wrt):
+        raise UnsupportedOptionError(f"wrt lists a name twice: {list(wrt)}.")
+    for w in wrt:
+        if w not in candidates:
+            raise UnknownNameError(
+                f"wrt names {w!r}, which is neither an initializer nor an input of the model."
+                + suggest(w, candidates, "initializers and inputs")
+            )
+        if facts.elem_types.get(w) not in FLOAT_TYPES:
+            raise DTypeMismatchError(
+                f"Cannot differentiate with respect to {w!r} of type "
+                f"{elem_type_name(facts.elem_types.get(w, 0))}: only float and double tensors "
+                "have gradients."
+            )
+
+
+def _onnx_backend(model, targets, seed_inputs, wrt, grad_names, names, facts) -> None:
+    if seed_inputs:
+        seeds = {t: s.name for t, s in zip(targets, seed_inputs)}
+        context = differentiate(model, seeds, wrt, grad_names, names, facts)
+    else:
+        loss = targets[0]
+        seeder = GraphBuilder(names, 1)
+        one = seeder.const(np.ones(facts.shapes[loss]), facts.elem_types[loss], f"{loss}_seed")
+        context = differentiate(model, {loss: one}, wrt, grad_names, names, facts)
+        seeder.append_to(model.graph)
+    context.append_to(model.graph)
+
+
+def _ort_backend(model, targets, seed_inputs, wrt, grad_names, facts) -> None:
+    """Differentiate with onnxruntime-training's GradientGraphBuilder, same I/O contract.
+
+    Vector-Jacobian products go through a scalar surrogate ``sum_y sum(y * y_grad)``,
+    whose gradient is the product. Values the builder names like our outputs are
+    renamed out of the way first.
+    """
+    C = _training_capi()
+    if any(facts.elem_types[t] != onnx.TensorProto.FLOAT for t in targets):
+        raise DTypeMismatchError(
+            "backend='ort' differentiates float32 losses only (GradientGraphBuilder seeds the "
+            f"loss gradient as float32); {targets[0]!r} is "
+            f"{elem_type_name(facts.elem_types[targets[0]])}. Use backend='onnx'."
+        )
+    graph = model.graph
+    original_inputs = list(graph.input)
+    original_outputs = list(graph.output)
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    work.ir_version = min(work.ir_version, 10)
+    names = NameAuthority.for_model(work)
+    for name in [s.name for s in seed_inputs] + list(grad_names.values()):
+        names.claim(name)
+    temporary = {}
+    if seed_inputs:
+        b = GraphBuilder(names, 1)
+        terms = []
+        for target, seed in zip(targets, seed_inputs):
+            temporary[seed.name] = names.fresh(f"lossgraph_seed_{target}")
+            work.graph.input.append(helper.make_value_info(temporary[seed.name], seed.type))
+            terms.append(b.reduce("ReduceSum", b.Mul(target, temporary[seed.name]), keepdims=0))
+        loss = b.rename(b.sum_of(terms) if len(terms) > 1 else terms[0],
+                        names.fresh("lossgraph_vjp_loss"))
+        b.append_to(work.graph)
+        work.graph.output.append(helper.make_tensor_value_info(loss, facts.elem_types[targets[0]], []))
+    else:
+        loss = targets[0]
+    try:
+        builder = C.GradientGraphBuilder(
+            work.SerializeToString(), {loss}, set(wrt), loss)
+        builder.build()
+        built = onnx.load_model_from_string(builder.get_model())
+    except Exception as exc:  # the builder raises RuntimeError with its own message
+        raise MissingGradientError(
+            f"onnxruntime-training's GradientGraphBuilder failed: {exc}. Use backend='onnx', "
+            "or train only weights whose path to the loss it supports."
+        ) from None
+    ours = {**{v: k for k, v in temporary.items()}, **{f"{w}_grad": grad_names[w] for w in wrt}}
+    before = names_in_graph(work.graph)
+    clashes = {n: names.fresh(f"ort_{n}") for n in names_in_graph(built.graph) - before
+               if n in set(ours.values()) and n not in ours}
+    rename_values(built.graph, clashes)
+    rename_values(built.graph, ours)
+    for field in ("node", "initializer", "value_info"):
+        del getattr(graph, field)[:]
+        getattr(graph, field).extend(getattr(built.graph, field))
+    del graph.input[:]
+    graph.input.extend(original_inputs)
+    del graph.output[:]
+    graph.output.extend(original_outputs)
+    existing = {o.domain for o in model.opset_import}
+    model.opset_import.extend(o for o in built.opset_import if o.domain not in existing)
+
+
+def _training_capi():
+    """onnxruntime's training bindings, or a clear error when the build lacks them."""
+    try:
+        from onnxruntime.capi import _pybind_state as C
+    except ImportError as exc:
+        raise RuntimeUnavailableError(
+            "backend='ort' needs onnxruntime-training-cpu 1.19.2 (pip install "
+            "'lossgraph[training]'); onnxruntime is not installed."
+        ) from exc
+    if not hasattr(C, "GradientGraphBuilder"):
+        raise RuntimeUnavailableError(
+            "backend='ort' needs the onnxruntime training build (pip install "
+            "'lossgraph[training]' in an environment without plain onnxruntime); the "
+            "installed onnxruntime has no GradientGraphBuilder. Use backend='onnx'."
+        )
+    C.set_default_logger_severity(3)
+    return C

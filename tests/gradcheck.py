@@ -1,0 +1,184 @@
+"""Check a model's gradients three ways: finite differences, a reference, onnxruntime-training.
+
+    grads = check_gradients('''
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (double[3, 4] x, double[4] w) => (double[3, 4] y) { y = Mul(x, w) }
+    ''', {"x": x, "w": w})
+
+The output ``y`` is contracted with a fixed random cotangent ``R`` into the scalar
+``L = sum(y * R)``, so every element of the vector-Jacobian product is exercised.
+Then, for each ``wrt`` input (default: every float input):
+
+1. lossgraph's ``onnx`` backend gradient is run in onnxruntime, and its graph must
+   hold standard-domain ops only;
+2. it must equal central finite differences of ``L`` (float64 models: tight);
+3. it must equal ``reference[name]`` when given (numpy or torch autograd), computed
+   for the same cotangent, which the caller gets from :func:`cotangent`;
+4. with the training build, it must equal the ``ort`` backend's result when
+   ``GradientGraphBuilder`` supports the op (``ort="auto"``: skipped quietly when it
+   does not; ``ort=True``: it must).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from lossgraph import gradient
+from lossgraph.errors import MissingGradientError, RuntimeUnavailableError
+
+COTANGENT_SEED = 1234
+
+
+def _session(model: onnx.ModelProto):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    return onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                        providers=["CPUExecutionProvider"])
+
+
+def _as_model(model: onnx.ModelProto | str) -> onnx.ModelProto:
+    return onnx.parser.parse_model(model) if isinstance(model, str) else model
+
+
+def cotangent(shape: Sequence[int], dtype) -> np.ndarray:
+    """The fixed random cotangent ``R`` used for an output of this shape."""
+    return np.random.default_rng(COTANGENT_SEED).normal(size=tuple(shape)).astype(dtype)
+
+
+def forward(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray],
+            output: str | None = None) -> np.ndarray:
+    """The value of ``output`` (default: the first output)."""
+    model = _as_model(model)
+    output = output or model.graph.output[0].name
+    return _session(model).run([output], dict(inputs))[0]
+
+
+def loss_model(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray],
+               output: str | None = None) -> onnx.ModelProto:
+    """``model`` with an extra scalar output ``gradcheck_loss = sum(output * R)``."""
+    model = _as_model(model)
+    output = output or model.graph.output[0].name
+    y = forward(model, inputs, output)
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    result.graph.initializer.append(
+        numpy_helper.from_array(cotangent(y.shape, y.dtype), "gradcheck_cotangent"))
+    result.graph.node.extend([
+        helper.make_node("Mul", [output, "gradcheck_cotangent"], ["gradcheck_product"]),
+        helper.make_node("ReduceSum", ["gradcheck_product"], ["gradcheck_loss"], keepdims=0),
+    ])
+    elem_type = helper.np_dtype_to_tensor_dtype(y.dtype)
+    result.graph.output.insert(0, helper.make_tensor_value_info("gradcheck_loss", elem_type, []))
+    return result
+
+
+def finite_differences(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray], name: str,
+                       eps: float) -> np.ndarray:
+    """Central differences of the first output with respect to ``inputs[name]``."""
+    session = _session(model)
+    loss = model.graph.output[0].name
+    base = {k: np.array(v, copy=True) for k, v in inputs.items()}
+    x = base[name]
+    grad = np.zeros(x.shape, dtype=np.float64)
+    for index in np.ndindex(x.shape):
+        original = x[index]
+        x[index] = original + eps
+        plus = float(session.run([loss], base)[0])
+        x[index] = original - eps
+        minus = float(session.run([loss], base)[0])
+        x[index] = original
+        grad[index] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def check_gradients(
+    model: onnx.ModelProto | str,
+    inputs: Mapping[str, np.ndarray],
+    wrt: Sequence[str] | None = None,
+    *,
+    output: str | None = None,
+    reference: Mapping[str, np.ndarray] | None = None,
+    ort: bool | str = "auto",
+    rtol: float | None = None,
+    atol: float | None = None,
+    eps: float | None = None,
+) -> dict[str, np.ndarray]:
+    """Assert the gradients of ``sum(output * R)`` agree three ways; return lossgraph's."""
+    model = _as_model(model)
+    inputs = {k: np.asarray(v) for k, v in inputs.items()}
+    if wrt is None:
+        wrt = [i.name for i in model.graph.input
+               if inputs[i.name].dtype in (np.float32, np.float64)]
+    double = all(inputs[w].dtype == np.float64 for w in wrt)
+    rtol = rtol if rtol is not None else (1e-6 if double else 2e-3)
+    atol = atol if atol is not None else (1e-7 if double else 2e-3)
+    eps = eps if eps is not None else (1e-6 if double else 1e-2)
+    with_loss = loss_model(model, inputs, output)
+
+    graph = gradient(with_loss, wrt=list(wrt), loss="gradcheck_loss")
+    foreign = {n.domain for n in graph.graph.node if n.domain not in ("", "ai.onnx")}
+    assert not foreign, f"onnx backend emitted non-standard domains {foreign}"
+    grad_outputs = [f"{w}_grad" for w in wrt]
+    grads = dict(zip(wrt, _session(graph).run(grad_outputs, inputs)))
+    for w in wrt:
+        assert grads[w].shape == inputs[w].shape, (w, grads[w].shape, inputs[w].shape)
+        assert grads[w].dtype == inputs[w].dtype, (w, grads[w].dtype, inputs[w].dtype)
+        numeric = finite_differences(with_loss, inputs, w, eps)
+        np.testing.assert_allclose(grads[w], numeric, rtol=rtol, atol=atol,
+                                   err_msg=f"d/d{w}: lossgraph vs finite differences")
+        if reference is not None and w in reference:
+            np.testing.assert_allclose(grads[w], reference[w], rtol=rtol, atol=atol,
+                                       err_msg=f"d/d{w}: lossgraph vs reference")
+    if ort:
+        _compare_with_ort(with_loss, inputs, wrt, grads, ort, rtol, atol)
+    return grads
+
+
+def to_float32(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model computing in float32 (onnxruntime-training's builder needs it)."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE:
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    for index, tensor in enumerate(graph.initializer):
+        if tensor.data_type == onnx.TensorProto.DOUBLE:
+            array = numpy_helper.to_array(tensor).astype(np.float32)
+            graph.initializer[index].CopyFrom(numpy_helper.from_array(array, tensor.name))
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.name == "to" and attribute.i == onnx.TensorProto.DOUBLE:
+                attribute.i = onnx.TensorProto.FLOAT
+            if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == 11:
+                array = numpy_helper.to_array(attribute.t).astype(np.float32)
+                attribute.t.CopyFrom(numpy_helper.from_array(array, attribute.t.name))
+    return result
+
+
+def _compare_with_ort(with_loss, inputs, wrt, grads, ort, rtol, atol) -> None:
+    if any(v.dtype == np.float64 for v in inputs.values()):
+        with_loss = to_float32(with_loss)
+        inputs = {k: v.astype(np.float32) if v.dtype == np.float64 else v
+                  for k, v in inputs.items()}
+        rtol, atol = max(rtol, 1e-4), max(atol, 1e-4)
+    try:
+        graph = gradient(with_loss, wrt=list(wrt), loss="gradcheck_loss", backend="ort")
+        session = _session(graph)
+    except RuntimeUnavailableError:
+        return  # plain onnxruntime: nothing to compare with
+    except (MissingGradientError, Exception) as exc:  # builder does not support the op
+        if ort is True:
+            raise AssertionError(f"onnxruntime-training could not differentiate: {exc}") from exc
+        return
+    expected = dict(zip(wrt, session.run([f"{w}_grad" for w in wrt], inputs)))
+    for w in wrt:
+        np.testing.assert_allclose(grads[w], expected[w].astype(grads[w].dtype), rtol=rtol,
+                                   atol=atol,
+                                   err_msg=f"d/d{w}: lossgraph vs onnxruntime-training")

@@ -14,6 +14,21 @@ from .roles import get_roles
 __all__ = ["trainable_initializers", "differentiable_values", "influenced_values"]
 
 
+def _may_be_float(types: Mapping[str, onnx.TypeProto]):
+    """A predicate: may this value carry a gradient? Values of unknown type (outputs of
+    ops shape inference does not know, e.g. custom domains) may, so they are never
+    silently skipped."""
+
+    def may_be_float(name: str) -> bool:
+        value_type = types.get(name)
+        if value_type is None or not value_type.HasField("tensor_type"):
+            return value_type is None
+        elem_type = value_type.tensor_type.elem_type
+        return elem_type in FLOAT_TYPES or elem_type == onnx.TensorProto.UNDEFINED
+
+    return may_be_float
+
+
 def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
                           types: Mapping[str, onnx.TypeProto] | None = None) -> set[str]:
     """Float values of the top-level graph that influence ``targets`` differentiably.
@@ -24,9 +39,7 @@ def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
     """
     types = value_types(model) if types is None else types
 
-    def is_float(name: str) -> bool:
-        value_type = types.get(name)
-        return value_type is not None and value_type.tensor_type.elem_type in FLOAT_TYPES
+    is_float = _may_be_float(types)
 
     needed = {t for t in targets if is_float(t)}
     for node in reversed(model.graph.node):
@@ -45,9 +58,7 @@ def influenced_values(model: onnx.ModelProto, sources: Iterable[str],
                       types: Mapping[str, onnx.TypeProto]) -> set[str]:
     """Float values of the top-level graph that ``sources`` influence differentiably."""
 
-    def is_float(name: str) -> bool:
-        value_type = types.get(name)
-        return value_type is not None and value_type.tensor_type.elem_type in FLOAT_TYPES
+    is_float = _may_be_float(types)
 
     reached = set(sources)
     for node in model.graph.node:

@@ -1,0 +1,326 @@
+"""The gradient pass: modes, backends, contract, errors, and golden models against references."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import recipes
+
+from lossgraph import add_loss_output, grad_rule, gradient, lower_ml_ops, supported_ops
+from lossgraph.errors import (
+    DTypeMismatchError,
+    MissingGradientError,
+    RuntimeUnavailableError,
+    ShapeMismatchError,
+    UnknownNameError,
+    UnsupportedOptionError,
+)
+from lossgraph.passes.gradient import GRADIENTS_KEY
+
+LINEAR = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    linear (float[N, 3] x, float[N, 2] label) => (float loss, float[N, 2] y)
+    <float[3, 2] w = {1, 2, 3, 4, 5, 6}, float[2] b = {0.5, -0.5}, int64[1] axes = {1}>
+    {
+        h = MatMul(x, w)
+        y = Add(h, b)
+        d = Sub(y, label)
+        s = Mul(d, d)
+        loss = ReduceSum <keepdims = 0> (s)
+    }
+"""
+
+
+@pytest.fixture
+def linear():
+    return onnx.parser.parse_model(LINEAR)
+
+
+@pytest.fixture
+def linear_feeds(rng):
+    return {"x": rng.normal(size=(6, 3)).astype(np.float32),
+            "label": rng.normal(size=(6, 2)).astype(np.float32)}
+
+
+def _numpy_linear_grads(feeds):
+    w = np.array([[1, 2], [3, 4], [5, 6]], np.float32)
+    b = np.array([0.5, -0.5], np.float32)
+    d = feeds["x"] @ w + b - feeds["label"]
+    return {"w": 2 * feeds["x"].T @ d, "b": 2 * d.sum(axis=0)}
+
+
+def test_scalar_loss_mode_adds_one_grad_output_per_weight_in_wrt_order(linear, run_model,
+                                                                      linear_feeds):
+    result = gradient(linear, wrt=["b", "w"])
+    assert [o.name for o in result.graph.output] == ["loss", "y", "b_grad", "w_grad"]
+    assert [i.name for i in result.graph.input] == ["x", "label"]
+    outputs = run_model(result, linear_feeds)
+    expected = _numpy_linear_grads(linear_feeds)
+    np.testing.assert_allclose(outputs["w_grad"], expected["w"], rtol=1e-5)
+    np.testing.assert_allclose(outputs["b_grad"], expected["b"], rtol=1e-5)
+
+
+def test_default_wrt_is_the_trainable_initializers(linear):
+    result = gradient(linear)
+    assert [o.name for o in result.graph.output][2:] == ["w_grad", "b_grad"]
+    assert json.loads(dict((p.key, p.value) for p in result.metadata_props)[GRADIENTS_KEY]) == {
+        "w": "w_grad", "b": "b_grad"}
+
+
+def test_vector_jacobian_mode_takes_the_output_gradient_as_an_input(linear, run_model,
+                                                                    linear_feeds, rng):
+    result = gradient(linear, wrt=["w", "b"], outputs=["y"])
+    assert [i.name for i in result.graph.input] == ["x", "label", "y_grad"]
+    y_grad = rng.normal(size=(6, 2)).astype(np.float32)
+    outputs = run_model(result, {**linear_feeds, "y_grad": y_grad})
+    np.testing.assert_allclose(outputs["w_grad"], linear_feeds["x"].T @ y_grad, rtol=1e-5)
+    np.testing.assert_allclose(outputs["b_grad"], y_grad.sum(axis=0), rtol=1e-5)
+
+
+def test_gradient_with_respect_to_a_graph_input(linear, run_model, linear_feeds):
+    result = gradient(linear, wrt=["x"])
+    w = np.array([[1, 2], [3, 4], [5, 6]], np.float32)
+    d = linear_feeds["x"] @ w + [0.5, -0.5] - linear_feeds["label"]
+    np.testing.assert_allclose(run_model(result, linear_feeds)["x_grad"], 2 * d @ w.T, rtol=1e-5)
+
+
+def test_weights_no_gradient_reaches_get_zeros(run_model, rng):
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 2] x) => (float loss, float[N, 2] z)
+        <float[2] a = {1, 2}, float[2] c = {3, 4}>
+        { y = Mul(x, a)
+          z = Mul(x, c)
+          loss = ReduceSum <keepdims = 0> (y) }
+    """)
+    x = rng.normal(size=(3, 2)).astype(np.float32)
+    outputs = run_model(gradient(model, wrt=["a", "c"]), {"x": x})
+    np.testing.assert_allclose(outputs["a_grad"], x.sum(axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(outputs["c_grad"], np.zeros(2, np.float32))
+
+
+def test_a_value_used_twice_gets_one_sum_of_its_contributions(run_model, rng):
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 2] x) => (float loss)
+        <float[2] a = {1, 2}>
+        { y = Mul(x, a)
+          z = Mul(y, y)
+          u = Add(z, y)
+          loss = ReduceSum <keepdims = 0> (u) }
+    """)
+    result = gradient(model, wrt=["a"])
+    added = [n for n in result.graph.node if n.name.startswith("grad/")]
+    assert sum(n.op_type == "Sum" for n in added) == 1
+    x = rng.normal(size=(4, 2)).astype(np.float32)
+    a = np.array([1, 2], np.float32)
+    expected = ((2 * x * a + 1) * x).sum(axis=0)
+    np.testing.assert_allclose(run_model(result, {"x": x})["a_grad"], expected, rtol=1e-5)
+
+
+def test_no_gradient_work_for_values_off_the_path(rng):
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 2] x) => (float loss)
+        <float[2] a = {1, 2}, float[2] c = {3, 4}>
+        { p = Mul(x, c)
+          q = Exp(p)
+          y = Mul(q, a)
+          loss = ReduceSum <keepdims = 0> (y) }
+    """)
+    added = [n for n in gradient(model, wrt=["a"]).graph.node if n.name.startswith("grad/")]
+    assert {n.op_type for n in added} <= {"Mul", "Expand", "Shape", "ReduceSum", "Unsqueeze"}
+
+
+def test_gradient_graph_uses_standard_onnx_ops_only(linear):
+    domains = {n.domain for n in gradient(linear).graph.node}
+    assert domains <= {""}
+
+
+def test_pass_is_pure_deterministic_and_valid(linear):
+    before = linear.SerializeToString()
+    first, second = gradient(linear), gradient(linear)
+    assert linear.SerializeToString() == before
+    assert first.SerializeToString() == second.SerializeToString()
+    onnx.checker.check_model(first, full_check=True)
+    assert first.ir_version == 10
+
+
+def test_taken_grad_name_gets_a_fresh_one_recorded_in_metadata():
+    model = onnx.parser.parse_model(LINEAR.replace("d = Sub", "w_grad = Identity(y)\n d = Sub"))
+    result = gradient(model, wrt=["w"])
+    mapping = json.loads(dict((p.key, p.value) for p in result.metadata_props)[GRADIENTS_KEY])
+    assert mapping == {"w": "w_grad_1"}
+    assert result.graph.output[-1].name == "w_grad_1"
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+def test_missing_rule_names_the_op_node_and_path():
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18, "custom.ops" : 1]>
+        g (float[N, 2] x) => (float loss)
+        <float[2] a = {1, 2}>
+        { y = Mul(x, a)
+          z = custom.ops.Frobnicate(y)
+          loss = ReduceSum <keepdims = 0> (z) }
+    """)
+    model.graph.node[1].name = "frob"
+    with pytest.raises(MissingGradientError) as info:
+        gradient(model, wrt=["a"], loss="loss")
+    message = str(info.value)
+    assert "'Frobnicate'" in message and "'frob'" in message
+    assert "a -> [Mul] -> y -> [Frobnicate 'frob'] -> z -> [ReduceSum] -> loss" in message
+    assert "grad_rule('Frobnicate', domain='custom.ops')" in message
+
+
+def test_users_can_register_a_rule_for_their_own_op(run_model, rng):
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18, "my.domain" : 1]>
+        g (float[N, 2] x) => (float loss)
+        <float[2] a = {1, 2}>
+        { y = Mul(x, a)
+          z = my.domain.Cube(y)
+          loss = ReduceSum <keepdims = 0> (z) }
+    """)
+
+    @grad_rule("Cube", domain="my.domain", notes="x^3")
+    def cube(g, node, dy):
+        (x,) = node.inputs
+        return g.Mul(dy, g.Mul(g.const_like(3.0, x), g.Mul(x, x)))
+
+    result = gradient(model, wrt=["a"])
+    cube_node = [n for n in result.graph.node if n.op_type == "Cube"]
+    assert len(cube_node) == 1  # the forward op, not differentiated into more custom ops
+    assert any(r.op_type == "Cube" and r.domain == "my.domain" for r in supported_ops(None))
+
+
+@pytest.mark.parametrize(("kwargs", "error", "pattern"), [
+    ({"wrt": ["ww"]}, UnknownNameError, "Did you mean 'w'"),
+    ({"wrt": ["axes"]}, DTypeMismatchError, "int64"),
+    ({"wrt": ["w", "w"]}, UnsupportedOptionError, "twice"),
+    ({"loss": "los"}, UnknownNameError, "Did you mean 'loss'"),
+    ({"loss": "y"}, ShapeMismatchError, "scalar"),
+    ({"outputs": ["z"]}, UnknownNameError, "not an output"),
+    ({"outputs": ["y"], "loss": "loss"}, UnsupportedOptionError, "not both"),
+    ({"backend": "torch"}, UnsupportedOptionError, "'onnx' or 'ort'"),
+])
+def test_bad_arguments_raise_clear_errors(linear, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        gradient(linear, **kwargs)
+
+
+def test_ort_backend_without_the_training_build_is_a_clear_error(linear):
+    from conftest import HAS_TRAINING
+
+    if HAS_TRAINING:
+        pytest.skip("the training build is installed here")
+    with pytest.raises(RuntimeUnavailableError, match="lossgraph\\[training\\]"):
+        gradient(linear, backend="ort")
+
+
+# -- the ort backend ---------------------------------------------------------------------
+
+
+@pytest.mark.training
+@pytest.mark.parametrize("outputs", [None, ["y"]])
+def test_ort_backend_has_the_same_inputs_outputs_and_values(linear, run_model, linear_feeds,
+                                                           rng, outputs):
+    ours = gradient(linear, outputs=outputs)
+    theirs = gradient(linear, outputs=outputs, backend="ort")
+    assert [i.name for i in ours.graph.input] == [i.name for i in theirs.graph.input]
+    assert [o.name for o in ours.graph.output] == [o.name for o in theirs.graph.output]
+    feeds = dict(linear_feeds)
+    if outputs:
+        feeds["y_grad"] = rng.normal(size=(6, 2)).astype(np.float32)
+    expected = run_model(theirs, feeds)
+    for name, value in run_model(ours, feeds).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.training
+def test_ort_backend_rejects_double_losses_clearly():
+    model = onnx.parser.parse_model(LINEAR.replace("float", "double"))
+    with pytest.raises(DTypeMismatchError, match="float32"):
+        gradient(model, backend="ort")
+
+
+# -- golden models -----------------------------------------------------------------------
+
+
+def _sklearn_backprop(est, X, Y):
+    """scikit-learn's own loss gradients for a fitted MLP (its private _backprop)."""
+    units = [X.shape[1], *est.hidden_layer_sizes, est.n_outputs_]
+    activations = [X] + [None] * (len(units) - 1)
+    deltas = [None] * (len(activations) - 1)
+    coef_grads = [np.empty((a, b)) for a, b in zip(units[:-1], units[1:])]
+    intercept_grads = [np.empty(b) for b in units[1:]]
+    _, coef_grads, intercept_grads = est._backprop(
+        X, Y, None, activations, deltas, coef_grads, intercept_grads)
+    return coef_grads, intercept_grads
+
+
+@pytest.mark.parametrize("name", ["skl_mlp_regressor", "skl_mlp_regressor_double"])
+def test_golden_mlp_regressor_gradients_equal_scikit_learns_backprop(run_model, name):
+    est = recipes.fit_estimator(name)
+    X, y, _, _ = recipes.dataset(name)
+    n = X.shape[0]
+    # scikit-learn minimizes MSE/2 + alpha/(2n) sum W^2: twice that is our loss below.
+    penalty = {"coefficient": est.alpha / n, "coefficient1": est.alpha / n}
+    model = add_loss_output(recipes.GOLDEN_DIR / f"{name}.onnx", penalty=penalty)
+    result = gradient(model, wrt=["coefficient", "intercepts", "coefficient1", "intercepts1"])
+    outputs = run_model(result, {"X": X, "label": y.reshape(-1, 1).astype(X.dtype)})
+    coef_grads, intercept_grads = _sklearn_backprop(est, X.astype(np.float64),
+                                                    y.reshape(-1, 1).astype(np.float64))
+    rtol = 1e-4 if X.dtype == np.float32 else 1e-9
+    for ours, theirs in [("coefficient", coef_grads[0]), ("intercepts", intercept_grads[0]),
+                         ("coefficient1", coef_grads[1]), ("intercepts1", intercept_grads[1])]:
+        np.testing.assert_allclose(outputs[f"{ours}_grad"] / 2, theirs.reshape(
+            outputs[f"{ours}_grad"].shape), rtol=rtol, atol=rtol * 1e-2, err_msg=ours)
+
+
+def test_golden_mlp_classifier_gradients_equal_scikit_learns_backprop(run_model):
+    name = "skl_mlp_classifier"
+    est = recipes.fit_estimator(name)
+    X, y, _, _ = recipes.dataset(name)
+    n = X.shape[0]
+    penalty = {"coefficient": est.alpha / (2 * n), "coefficient1": est.alpha / (2 * n)}
+    model = add_loss_output(recipes.GOLDEN_DIR / f"{name}.onnx", "cross_entropy",
+                            penalty=penalty)
+    result = gradient(model, wrt=["coefficient", "intercepts", "coefficient1", "intercepts1"])
+    label = np.searchsorted(est.classes_, y).astype(np.int64)
+    outputs = run_model(result, {"X": X, "label_1": label})
+    Y = est._label_binarizer.transform(y).astype(np.float64)
+    coef_grads, intercept_grads = _sklearn_backprop(est, X.astype(np.float64), Y)
+    for ours, theirs in [("coefficient", coef_grads[0]), ("intercepts", intercept_grads[0]),
+                         ("coefficient1", coef_grads[1]), ("intercepts1", intercept_grads[1])]:
+        np.testing.assert_allclose(outputs[f"{ours}_grad"], theirs.reshape(
+            outputs[f"{ours}_grad"].shape), rtol=2e-4, atol=1e-6, err_msg=ours)
+
+
+SCORE_FOR = {"skl_logistic_binary": "log", "skl_logistic_multiclass": "cross_entropy",
+             "skl_sgd_classifier": "cross_entropy", "skl_mlp_classifier": "cross_entropy"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, r in recipes.RECIPES.items() if r.kind != "torch"))
+def test_every_golden_model_differentiates_and_runs(run_model, name):
+    """Lowered, given a loss and differentiated, every golden model yields finite gradients."""
+    model = add_loss_output(lower_ml_ops(recipes.GOLDEN_DIR / f"{name}.onnx"),
+                            SCORE_FOR.get(name, "squared_error"))
+    result = gradient(model)
+    grads = [o.name for o in result.graph.output][len(model.graph.output):]
+    assert grads, "every golden model has trainable weights once lowered"
+    X, y, _, _ = recipes.dataset(name)
+    label = result.graph.input[1]
+    if label.type.tensor_type.elem_type == onnx.TensorProto.INT64:
+        label_value = y.astype(np.int64)
+    else:
+        label_value = y.reshape(-1, *[1] * (len(label.type.tensor_type.shape.dim) - 1))
+        label_value = label_value.astype(X.dtype)
+    outputs = run_model(result, {result.graph.input[0].name: X, label.name: label_value})
+    for name_ in grads:
+        assert np.all(np.isfinite(outputs[name_])), name_

@@ -1,0 +1,320 @@
+"""Indexing ops: their gradients scatter ``dy`` back to the positions it was read from.
+
+    Slice(x, s, e, a, t)      dx = Pad(dy, (s, dim - e)) for constant unit steps and a static
+                              shape; otherwise dy is scattered into zeros at the flat positions
+                              Slice(Reshape(Range(0, Size(x)), Shape(x)), s, e, a, t)
+    Pad(x, p, c), constant    dx = Pad(dy, -p)  (crops what was padded, pads what was cropped)
+                              dc = ReduceSum(dy) - ReduceSum(dx)
+    Gather(x, i, axis)        dx[.., i[j], ..] += dy[.., j, ..]  (duplicates accumulate):
+                              ScatterND(reduction=add) along axis moved first (opset 16+),
+                              OneHot(i)^T @ dy before opset 16
+    GatherElements(x, i, a)   dx = ScatterElements(zeros, i, dy, a, reduction=add) (opset 16+),
+                              ReduceSum(OneHot(i) * dy, a) before opset 16
+    GatherND(x, i)            dx = ScatterND(zeros, i, dy, reduction=add)  (opset 16+)
+    ScatterND(x, i, u)        dx = ScatterND(dy, i, zeros)   du = GatherND(dy, i)
+    ScatterElements(x, i, u)  dx = ScatterElements(dy, i, zeros, a)   du = GatherElements(dy, i, a)
+                              (reduction=add: dx = dy)
+    TopK(x, k) -> (v, i)      dx = ScatterElements(zeros, i, dv, axis)
+    Trilu(x, k)               dx = Trilu(dy, k, upper)
+    Resize(x), 4-D            dx = dy contracted with the constant interpolation matrices along
+                              H and W (computed at build time with onnx.reference on unit
+                              vectors: the exact adjoint of nearest and linear modes)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ...errors import UnsupportedModelError
+from ..registry import grad_rule
+from .shape import shape_of, static_shape
+
+
+def _normalize(g, indices: str, dims: str) -> str:
+    """Non-negative indices: Mod(i, dims) maps -1 to dims - 1."""
+    return g.Mod(indices, dims)
+
+
+def _dim(g, x: str, axis: int, scalar: bool = False) -> str:
+    """Size of ``x`` along ``axis`` as a 1-element int64 tensor (or a scalar)."""
+    shape = g.shape(x)
+    if shape is not None and isinstance(shape[axis], int):
+        return g.const(shape[axis] if scalar else [shape[axis]], np.int64, "dim")
+    if scalar:
+        return g.Gather(g.Shape(x), g.const(axis, np.int64, "axis"), axis=0)
+    return g.Slice(g.Shape(x), g.ints([axis]), g.ints([axis + 1]))
+
+
+def _one_hot(g, indices: str, depth: str, like: str, axis: int) -> str:
+    """OneHot in the type of ``like`` (onnxruntime's OneHot has float but no double values)."""
+    hot = g.OneHot(indices, depth, g.const([0, 1], np.float32, "off_on"), axis=axis)
+    if g.elem_type(like) != onnx.TensorProto.FLOAT:
+        hot = g.Cast(hot, to=g.elem_type(like))
+    return hot
+
+
+def _zeros_of_shape(g, shape: str, like: str) -> str:
+    zero = numpy_helper.from_array(np.zeros(1, dtype=g.dtype(like)), "value")
+    return g.ConstantOfShape(shape, value=zero, hint="zeros")
+
+
+def _as_index_type(g, indices: str) -> str:
+    return indices if g.elem_type(indices) == onnx.TensorProto.INT64 else g.Cast(
+        indices, to=onnx.TensorProto.INT64)
+
+
+# ----------------------------------------------------------------------------- Slice
+def _slice_params(g, node):
+    x = node.inputs[0]
+    rank = g.rank(x)
+    starts = g.ints_value(node.inputs[1], "Slice's starts")
+    ends = g.ints_value(node.inputs[2], "Slice's ends")
+    axes = g.ints_value(node.input(3), "Slice's axes") or list(range(len(starts)))
+    steps = g.ints_value(node.input(4), "Slice's steps") or [1] * len(starts)
+    return starts, ends, [a % rank for a in axes], steps
+
+
+@grad_rule("Slice", since=13)
+def slice_(g, node, dy):
+    x = node.inputs[0]
+    shape = static_shape(g, x)
+    constant = all(g.value(n) is not None for n in node.inputs[1:] if n)
+    if shape is not None and constant:
+        starts, ends, axes, steps = _slice_params(g, node)
+        if all(s == 1 for s in steps):
+            begin, end = [0] * len(shape), [0] * len(shape)
+            for start, stop, axis in zip(starts, ends, axes):
+                first, last, _ = slice(start, stop).indices(shape[axis])
+                begin[axis] = first
+                end[axis] = shape[axis] - max(last, first)
+            return g.Pad(dy, g.ints(begin + end, hint="pads"), mode="constant")
+        index = [slice(None)] * len(shape)
+        for start, stop, axis, step in zip(starts, ends, axes, steps):
+            index[axis] = slice(start, stop, step)
+        positions = np.arange(int(np.prod(shape))).reshape(shape)[tuple(index)].reshape(-1)
+        flat_positions = g.ints(positions, hint="positions")
+        total = g.ints([int(np.prod(shape))], hint="size")
+    else:  # run the same Slice over the flat positions at run time
+        size = g.Size(x)
+        zero, one = g.const(0, np.int64, "zero"), g.const(1, np.int64, "one")
+        grid = g.Reshape(g.Range(zero, size, one), g.Shape(x))
+        flat_positions = g.Reshape(g.Slice(grid, *node.inputs[1:]), g.ints([-1], hint="shape"))
+        total = g.Reshape(size, g.ints([1], hint="shape"))
+    flat_dy = g.Reshape(dy, g.ints([-1], hint="shape"))
+    scattered = g.ScatterElements(_zeros_of_shape(g, total, x), flat_positions, flat_dy, axis=0)
+    return g.Reshape(scattered, shape_of(g, x))
+
+
+# ------------------------------------------------------------------------------- Pad
+@grad_rule("Pad", since=13, notes="constant mode only")
+def pad(g, node, dy):
+    mode = node.attr("mode", "constant")
+    if mode != "constant":
+        raise UnsupportedModelError(
+            f"No gradient for Pad node {node.name!r} in mode {mode!r}: lossgraph differentiates "
+            "constant padding only.")
+    pads = node.inputs[1]
+    value = g.value(pads)
+    negated = g.ints([-int(p) for p in value]) if value is not None else g.Neg(pads)
+    axes = node.input(3)
+    dx = g.Pad(dy, negated, *(["", axes] if axes else []), mode="constant")
+    constant = node.input(2)
+    dc = None
+    if constant is not None:
+        total = g.Sub(g.reduce("ReduceSum", dy, None, keepdims=0),
+                      g.reduce("ReduceSum", dx, None, keepdims=0))
+        dc = g.Reshape(total, g.Shape(constant))
+    return dx, None, dc
+
+
+# ---------------------------------------------------------------------------- Gather
+@grad_rule("Gather", since=13,
+           notes="duplicate indices accumulate; ScatterND(add) from opset 16, OneHot+Gemm before")
+def gather(g, node, dy):
+    x, indices = node.inputs
+    rank, q = g.rank(x), g.rank(indices)
+    axis = node.attr("axis", 0) % rank
+    idx = _normalize(g, _as_index_type(g, indices), _dim(g, x, axis, scalar=True))
+    # x with `axis` moved first; dy with the index axes moved first.
+    perm_x = [axis, *range(axis), *range(axis + 1, rank)]
+    perm_dy = [*range(axis, axis + q), *range(axis), *range(axis + q, rank - 1 + q)]
+    dy_t = dy if axis == 0 else g.Transpose(dy, perm=perm_dy)
+    shape = static_shape(g, x)
+    if shape is not None:
+        shape_t = g.ints([shape[p] for p in perm_x], hint="shape")
+    else:
+        shape_t = g.Gather(g.Shape(x), g.ints(perm_x, hint="perm"), axis=0)
+    if g.opset >= 16:
+        dx_t = g.ScatterND(_zeros_of_shape(g, shape_t, x), g.unsqueeze(idx, [q]), dy_t,
+                           reduction="add")
+    else:
+        depth = _dim(g, x, axis)
+        one_hot = _one_hot(g, g.unsqueeze(idx, [0]) if q == 0 else idx, depth, x, axis=-1)
+        flat_hot = g.Reshape(one_hot, g.Concat(g.ints([-1]), depth, axis=0))
+        flat_dy = g.Reshape(dy_t, g.Concat(g.Reshape(g.Size(idx), g.ints([1], hint="shape")),
+                                           g.ints([-1]), axis=0))
+        dx_t = g.Reshape(g.Gemm(flat_hot, flat_dy, transA=1), shape_t)
+    inverse = [0] * rank
+    for i, p in enumerate(perm_x):
+        inverse[p] = i
+    return dx_t if axis == 0 else g.Transpose(dx_t, perm=inverse)
+
+
+@grad_rule("GatherElements", since=13,
+           notes="duplicate indices accumulate; ScatterElements(add) from opset 16, OneHot before")
+def gather_elements(g, node, dy):
+    x, indices = node.inputs
+    rank = g.rank(x)
+    axis = node.attr("axis", 0) % rank
+    idx = _normalize(g, _as_index_type(g, indices), _dim(g, x, axis))
+    if g.opset >= 16:
+        return g.ScatterElements(g.zeros_like(x), idx, dy, axis=axis, reduction="add")
+    one_hot = _one_hot(g, idx, _dim(g, x, axis), x, axis=axis + 1)
+    dx = g.reduce("ReduceSum", g.Mul(one_hot, g.unsqueeze(dy, [axis + 1])), [axis], keepdims=0)
+    x_shape, i_shape = g.shape(x), g.shape(indices)
+    if x_shape is not None and i_shape is not None and all(
+            a == b for k, (a, b) in enumerate(zip(x_shape, i_shape)) if k != axis):
+        return dx
+    extra = g.Sub(g.Shape(x), g.Shape(dx))
+    return g.Pad(dx, g.Concat(g.ints([0] * rank), extra, axis=0), mode="constant")
+
+
+@grad_rule("GatherND", since=13, notes="opset 16+ (ScatterND reduction=add); batch_dims=0")
+def gather_nd(g, node, dy):
+    x, indices = node.inputs
+    if node.attr("batch_dims", 0) != 0:
+        raise UnsupportedModelError(
+            f"No gradient for GatherND node {node.name!r} with batch_dims != 0.")
+    if g.opset < 16:
+        raise UnsupportedModelError(
+            f"The gradient of GatherND node {node.name!r} needs ScatterND's reduction='add', "
+            f"which needs opset 16; the model has opset {g.opset}. Convert the model to opset "
+            "16 or later (onnx.version_converter).")
+    k = (g.shape(indices) or [None])[-1]
+    if not isinstance(k, int):
+        raise UnsupportedModelError(
+            f"The gradient of GatherND node {node.name!r} needs the last dim of {indices!r} to "
+            "be static.")
+    dims = g.Slice(g.Shape(x), g.ints([0]), g.ints([k]))
+    idx = _normalize(g, indices, dims)
+    return g.ScatterND(g.zeros_like(x), idx, dy, reduction="add")
+
+
+# --------------------------------------------------------------------------- Scatter
+def _reduction(node) -> str:
+    reduction = node.attr("reduction", "none")
+    if reduction not in ("none", "add"):
+        raise UnsupportedModelError(
+            f"No gradient for {node.op_type} node {node.name!r} with reduction={reduction!r} "
+            "(only 'none' and 'add').")
+    return reduction
+
+
+@grad_rule("ScatterND", since=13, notes="reduction none or add")
+def scatter_nd(g, node, dy):
+    _, indices, updates = node.inputs
+    reduction = _reduction(node)
+    dx = dy if reduction == "add" else g.ScatterND(dy, indices, g.zeros_like(updates))
+    return dx, None, g.GatherND(dy, indices)
+
+
+@grad_rule("ScatterElements", since=13, notes="reduction none or add")
+def scatter_elements(g, node, dy):
+    x, indices, updates = node.inputs
+    axis = node.attr("axis", 0) % g.rank(x)
+    reduction = _reduction(node)
+    dx = dy if reduction == "add" else g.ScatterElements(dy, indices, g.zeros_like(updates),
+                                                          axis=axis)
+    return dx, None, g.GatherElements(dy, indices, axis=axis)
+
+
+# ------------------------------------------------------------------------------ TopK
+@grad_rule("TopK", notes="the indices output has no gradient")
+def topk(g, node, dvalues, dindices=None):
+    if dvalues is None:
+        return None
+    x = node.inputs[0]
+    axis = node.attr("axis", -1) % g.rank(x)
+    return g.ScatterElements(g.zeros_like(x), node.outputs[1], dvalues, axis=axis)
+
+
+# ----------------------------------------------------------------------------- Trilu
+@grad_rule("Trilu")
+def trilu(g, node, dy):
+    k = node.input(1)
+    return g.Trilu(dy, *([k] if k else []), upper=node.attr("upper", 1))
+
+
+# ---------------------------------------------------------------------------- Resize
+_RESIZE_ATTRIBUTES = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a",
+                      "exclude_outside", "antialias")
+
+
+def _resize_matrix(node, size_in: int, scale: float | None, size_out: int) -> np.ndarray:
+    """The (size_out, size_in) matrix of ``node``'s Resize along one axis.
+
+    Column j is the forward Resize of the j-th unit vector, evaluated with onnx.reference
+    on a 1-D input with the node's own attributes, so the gradient is its exact adjoint.
+    """
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    attributes = {a: node.attr(a) for a in _RESIZE_ATTRIBUTES if node.attr(a) is not None}
+    inputs = ["x", "", "scales"] if scale is not None else ["x", "", "", "sizes"]
+    resize = helper.make_node("Resize", inputs, ["y"], **attributes)
+    graph = helper.make_graph(
+        [resize], "resize_axis",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, [size_in])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
+        [numpy_helper.from_array(np.array([scale], np.float32), "scales") if scale is not None
+         else numpy_helper.from_array(np.array([size_out], np.int64), "sizes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", node.opset)])
+    evaluator = ReferenceEvaluator(model)
+    columns = [evaluator.run(None, {"x": np.eye(size_in)[j]})[0] for j in range(size_in)]
+    return np.stack(columns, axis=1).reshape(size_out, size_in)
+
+
+@grad_rule("Resize", since=13,
+           notes="constant scales or sizes and static shapes; exact adjoint via constant "
+                 "per-axis interpolation matrices (any mode but tf_crop_and_resize)")
+def resize(g, node, dy):
+    x, y = node.inputs[0], node.outputs[0]
+    in_shape, out_shape = static_shape(g, x), static_shape(g, y)
+    if in_shape is None or out_shape is None:
+        raise UnsupportedModelError(
+            f"The gradient of Resize node {node.name!r} needs static shapes for {x!r} and {y!r}.")
+    if node.attr("coordinate_transformation_mode") == "tf_crop_and_resize":
+        raise UnsupportedModelError(
+            f"No gradient for Resize node {node.name!r} with coordinate_transformation_mode "
+            "'tf_crop_and_resize'.")
+    if node.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+        raise UnsupportedModelError(
+            f"No gradient for Resize node {node.name!r} with keep_aspect_ratio_policy "
+            f"{node.attr('keep_aspect_ratio_policy')!r} (only 'stretch').")
+    rank = len(in_shape)
+    axes = [a % rank for a in node.attr("axes", list(range(rank)))]
+    scales = node.input(2) and g.value(node.input(2))
+    scales = None if scales is None or np.asarray(scales).size == 0 else np.asarray(scales)
+    if scales is None and node.input(3) is None:
+        raise UnsupportedModelError(
+            f"The gradient of Resize node {node.name!r} needs constant scales or sizes.")
+    grad = dy
+    dtype = g.dtype(x)
+    for position, axis in enumerate(axes):
+        scale = float(scales.reshape(-1)[position]) if scales is not None else None
+        if in_shape[axis] == out_shape[axis] and scale in (None, 1.0) and node.attr(
+                "coordinate_transformation_mode") != "tf_half_pixel_for_nn":
+            continue  # the identity along this axis
+        matrix = _resize_matrix(node, in_shape[axis], scale, out_shape[axis])
+        if axis == rank - 1:
+            grad = g.MatMul(grad, g.const(matrix, dtype, "resize_matrix"))
+        elif axis == rank - 2:
+            grad = g.MatMul(g.const(matrix.T, dtype, "resize_matrix"), grad)
+        else:
+            letters = "abcdefghijklmnop"[:rank]
+            equation = f"{letters},{letters[axis].upper()}{letters[axis]}->" + \
+                letters.replace(letters[axis], letters[axis].upper())
+            grad = g.Einsum(grad, g.const(matrix.T, dtype, "resize_matrix"), equation=equation)
+    return grad

@@ -1,0 +1,164 @@
+"""Shape and layout ops: their gradients move ``dy`` back into the input's layout.
+
+    Reshape(x, s)          dx = Reshape(dy, Shape(x))
+    Flatten(x)             dx = Reshape(dy, Shape(x))
+    Squeeze(x, axes)       dx = Reshape(dy, Shape(x))
+    Unsqueeze(x, axes)     dx = Reshape(dy, Shape(x))
+    Transpose(x, perm)     dx = Transpose(dy, perm^-1)
+    Expand(x, s)           dx = dy summed over the broadcast axes (static shapes)
+    Tile(x, r)             dx = ReduceSum(Reshape(dy, (r1, d1, r2, d2, ...)), axes=(0, 2, ...))
+    Concat(x1..xn, axis)   dxi = Split(dy, (size1..sizen), axis)[i]
+    Split(x, axis)         dx = Concat(dy1..dyn, axis)    (missing dyi: zeros)
+    DepthToSpace(x, b)     DCR: dx = SpaceToDepth(dy, b)
+                           CRD: dx = SpaceToDepth(dy, b) with channels regrouped
+                                (N, b*b, C, HW) -> (N, C, b*b, HW)
+    SpaceToDepth(x, b)     dx = DepthToSpace(dy, b, mode=DCR)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import UnsupportedModelError
+from ..registry import grad_rule
+
+
+def static_shape(g, name: str) -> list[int] | None:
+    """The shape of ``name`` as ints when every dim is known, else ``None``."""
+    shape = g.shape(name)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return list(shape)
+
+
+def shape_of(g, name: str) -> str:
+    """The shape of forward value ``name``: a constant when static, else ``Shape(name)``."""
+    shape = static_shape(g, name)
+    return g.ints(shape, hint="shape") if shape is not None else g.Shape(name)
+
+
+def reshape_back(g, dy: str, x: str) -> str:
+    return g.Reshape(dy, shape_of(g, x))
+
+
+@grad_rule("Reshape")
+def reshape(g, node, dy):
+    return reshape_back(g, dy, node.inputs[0])
+
+
+@grad_rule("Flatten")
+def flatten(g, node, dy):
+    return reshape_back(g, dy, node.inputs[0])
+
+
+@grad_rule("Squeeze", since=13)
+def squeeze(g, node, dy):
+    return reshape_back(g, dy, node.inputs[0])
+
+
+@grad_rule("Unsqueeze", since=13)
+def unsqueeze(g, node, dy):
+    return reshape_back(g, dy, node.inputs[0])
+
+
+@grad_rule("Transpose")
+def transpose(g, node, dy):
+    rank = g.rank(node.inputs[0])
+    perm = node.attr("perm") or list(range(rank))[::-1]
+    inverse = [0] * rank
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    if inverse == list(range(rank)):
+        return dy
+    return g.Transpose(dy, perm=inverse)
+
+
+@grad_rule("Expand", notes="needs the broadcast axes to be known statically")
+def expand(g, node, dy):
+    x, y = node.inputs[0], node.outputs[0]
+    source, target = g.shape(y), g.shape(x)
+    if source is None or target is None:
+        raise UnsupportedModelError(
+            f"The gradient of Expand node {node.name!r} needs the ranks of {x!r} and {y!r}; "
+            "shape inference found none. Give the model's inputs static shapes.")
+    lead = len(source) - len(target)
+    for i, d in enumerate(target):
+        out = source[lead + i]
+        if not isinstance(d, int) and d != out:
+            raise UnsupportedModelError(
+                f"The gradient of Expand node {node.name!r} cannot tell whether axis {i} of "
+                f"{x!r} (dim {d!r}) is broadcast to {out!r}; give {x!r} a static shape.")
+    return g.unbroadcast(dy, x, y)
+
+
+@grad_rule("Tile", notes="needs constant repeats")
+def tile(g, node, dy):
+    x = node.inputs[0]
+    repeats = g.ints_value(node.inputs[1], "Tile's repeats")
+    rank = len(repeats)
+    if all(r == 1 for r in repeats):
+        return dy
+    shape = static_shape(g, x)
+    if shape is not None:
+        target = g.ints([v for pair in zip(repeats, shape) for v in pair], hint="shape")
+    else:  # interleave the repeats with Shape(x) at run time
+        pairs = g.Concat(g.const(np.array(repeats, np.int64).reshape(rank, 1), np.int64, "repeats"),
+                         g.unsqueeze(g.Shape(x), [1]), axis=1)
+        target = g.Reshape(pairs, g.ints([2 * rank], hint="shape"))
+    split = g.Reshape(dy, target)
+    return g.reduce("ReduceSum", split, list(range(0, 2 * rank, 2)), keepdims=0)
+
+
+def axis_sizes(g, names: list[str], axis: int) -> str:
+    """The sizes of ``names`` along ``axis`` as a 1-D int64 tensor."""
+    dims = [(g.shape(n) or [None] * (axis + 1))[axis] for n in names]
+    if all(isinstance(d, int) for d in dims):
+        return g.ints(dims, hint="sizes")
+    if g.opset >= 15:
+        parts = [g.Shape(n, start=axis, end=axis + 1) for n in names]
+    else:
+        parts = [g.Slice(g.Shape(n), g.ints([axis]), g.ints([axis + 1])) for n in names]
+    return parts[0] if len(parts) == 1 else g.Concat(*parts, axis=0)
+
+
+@grad_rule("Concat")
+def concat(g, node, dy):
+    inputs = node.inputs
+    if len(inputs) == 1:
+        return dy
+    axis = node.attr("axis") % g.rank(inputs[0])
+    parts = g.Split(dy, axis_sizes(g, inputs, axis), axis=axis, outputs=len(inputs),
+                    hint="concat_grad")
+    return list(parts)
+
+
+@grad_rule("Split", since=13, notes="outputs without a gradient contribute zeros")
+def split(g, node, *dys):
+    x = node.inputs[0]
+    axis = node.attr("axis", 0) % g.rank(x)
+    parts = [g.or_zeros(dy, out) for dy, out in zip(dys, node.outputs)]
+    if len(parts) == 1:
+        return parts[0]
+    return g.Concat(*parts, axis=axis)
+
+
+@grad_rule("SpaceToDepth")
+def space_to_depth(g, node, dy):
+    return g.DepthToSpace(dy, blocksize=node.attr("blocksize"), mode="DCR")
+
+
+@grad_rule("DepthToSpace", notes="CRD mode needs a static channel count")
+def depth_to_space(g, node, dy):
+    x = node.inputs[0]
+    b = node.attr("blocksize")
+    dx = g.SpaceToDepth(dy, blocksize=b)  # channels ordered (b, b, C/b^2)
+    if node.attr("mode", "DCR") == "DCR":
+        return dx
+    channels = (g.shape(x) or (None, None))[1]
+    if not isinstance(channels, int):
+        raise UnsupportedModelError(
+            f"The gradient of DepthToSpace node {node.name!r} (mode CRD) needs the channel "
+            f"count of {x!r} to be static.")
+    grouped = g.Reshape(dx, g.ints([0, b * b, channels // (b * b), -1], hint="shape"))
+    regrouped = g.Transpose(grouped, perm=[0, 2, 1, 3])
+    return reshape_back(g, regrouped, x)

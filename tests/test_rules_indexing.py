@@ -1,0 +1,289 @@
+"""Gradients of indexing ops (lossgraph/autodiff/rules/indexing.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gradcheck import check_gradients, cotangent
+
+from lossgraph.errors import UnsupportedModelError
+
+HEADER = '<ir_version: 8, opset_import: ["" : {opset}]>\n'
+
+
+def model(opset: int, signature: str, body: str) -> str:
+    return HEADER.format(opset=opset) + f"g {signature} {{ {body} }}"
+
+
+def dims(shape) -> str:
+    return ", ".join(str(d) for d in shape)
+
+
+def ints(name: str, values) -> str:
+    return f"{name} = Constant <value = int64[{len(values)}] {{{dims(values)}}}> () "
+
+
+def rand(rng, *shape):
+    return rng.normal(size=shape)
+
+
+# ------------------------------------------------------------------------------ Slice
+SLICES = [  # starts, ends, axes, steps
+    ([1], [3], None, None),
+    ([0, 1], [2, -1], [0, 2], None),
+    ([-3], [100], [-1], None),
+    ([0, 4], [3, 0], [0, 2], [2, -1]),
+    ([-1], [-100], [1], [-2]),
+    ([1, 0], [3, 5], [2, 1], [3, 2]),
+    ([3], [1], [0], None),
+]
+
+
+def _slice_model(opset, x_sig, starts, ends, axes, steps, out):
+    body = ints("s", starts) + ints("e", ends)
+    args = "x, s, e"
+    if axes is not None or steps is not None:
+        body += ints("a", axes if axes is not None else list(range(len(starts))))
+        args += ", a"
+    if steps is not None:
+        body += ints("t", steps)
+        args += ", t"
+    return model(opset, f"({x_sig} x) => (double[{dims(out)}] y)", body + f"y = Slice({args})")
+
+
+def _numpy_slice(x, starts, ends, axes, steps):
+    index = [slice(None)] * x.ndim
+    axes = axes if axes is not None else list(range(len(starts)))
+    steps = steps or [1] * len(starts)
+    for s, e, a, t in zip(starts, ends, axes, steps):
+        index[a] = slice(s, e, t)
+    return tuple(index)
+
+
+@pytest.mark.parametrize("starts, ends, axes, steps", SLICES)
+def test_slice_gradient_scatters_dy_back(rng, starts, ends, axes, steps):
+    x = rand(rng, 4, 3, 5)
+    index = _numpy_slice(x, starts, ends, axes, steps)
+    out = x[index].shape
+    text = _slice_model(13, "double[4, 3, 5]", starts, ends, axes, steps, out)
+    ref = np.zeros_like(x)
+    ref[index] = cotangent(out, np.float64)
+    # onnxruntime-training's SliceGrad fails on negative steps and empty slices
+    plain = all(t > 0 for t in steps or [1]) and 0 not in out
+    check_gradients(text, {"x": x}, reference={"x": ref}, ort=True if plain else False)
+
+
+@pytest.mark.parametrize("starts, ends, axes, steps", SLICES[1:5])
+def test_slice_gradient_with_symbolic_shape(rng, starts, ends, axes, steps):
+    x = rand(rng, 4, 3, 5)
+    index = _numpy_slice(x, starts, ends, axes, steps)
+    out = x[index].shape
+    text = _slice_model(13, "double[N, 3, M]", starts, ends, axes, steps, out)
+    text = text.replace(f"double[{dims(out)}] y", "double[A, B, C] y")
+    check_gradients(text, {"x": x}, ort=True if all(t > 0 for t in steps or [1]) else False)
+
+
+def test_slice_gradient_unit_steps_matches_onnxruntime(rng):
+    x = rand(rng, 4, 3, 5)
+    text = _slice_model(13, "double[4, 3, 5]", [1, 1], [3, 4], [0, 2], None, (2, 3, 3))
+    check_gradients(text, {"x": x}, ort=True)
+
+
+# -------------------------------------------------------------------------------- Pad
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("pads", [[1, 0, 2, 3], [0, 2, 0, 1], [-1, 1, 0, -2]])
+def test_pad_gradient_crops_dy(rng, opset, pads):
+    x = rand(rng, 3, 4)
+    out = (3 + pads[0] + pads[2], 4 + pads[1] + pads[3])
+    text = model(opset, f"(double[3, 4] x) => (double[{dims(out)}] y)",
+                 ints("p", pads) + 'y = Pad <mode = "constant"> (x, p)')
+    check_gradients(text, {"x": x}, ort=True)
+
+
+def test_pad_gradient_reaches_the_constant_value(rng):
+    x, c = rand(rng, 3, 4), np.array(0.7)
+    text = model(13, "(double[3, 4] x, double c) => (double[4, 7] y)",
+                 ints("p", [1, 0, 0, 3]) + "y = Pad(x, p, c)")
+    check_gradients(text, {"x": x, "c": c}, ort="auto")
+
+
+def test_pad_gradient_with_axes_at_opset_18(rng):
+    x = rand(rng, 2, 3, 4)
+    text = model(18, "(double[2, 3, 4] x) => (double[2, 3, 7] y)",
+                 ints("p", [2, 1]) + ints("a", [-1]) + "y = Pad(x, p, , a)")
+    check_gradients(text, {"x": x}, ort="auto")
+
+
+def test_pad_gradient_in_reflect_mode_is_a_clear_error(rng):
+    text = model(13, "(double[3, 4] x) => (double[5, 4] y)",
+                 ints("p", [1, 0, 1, 0]) + 'y = Pad <mode = "reflect"> (x, p)')
+    with pytest.raises(UnsupportedModelError, match="reflect"):
+        check_gradients(text, {"x": rand(rng, 3, 4)})
+
+
+# ----------------------------------------------------------------------------- Gather
+@pytest.mark.parametrize("opset", [13, 16])
+@pytest.mark.parametrize("axis, indices", [
+    (0, [[0, 2], [2, -1]]), (1, [1, 1, 0]), (-1, [[3], [-4]]), (1, 2)])
+def test_gather_gradient_accumulates_duplicate_indices(rng, opset, axis, indices):
+    x = rand(rng, 3, 4, 2)[:, :, 0] if axis == -1 else rand(rng, 3, 4, 2)
+    i = np.array(indices, dtype=np.int64)
+    out = np.take(x, i, axis=axis).shape
+    isig = f"int64[{dims(i.shape)}] i" if i.ndim else "int64 i"
+    text = model(opset, f"(double[{dims(x.shape)}] x, {isig}) => (double[{dims(out)}] y)",
+                 f"y = Gather <axis = {axis}> (x, i)")
+    ref = np.zeros_like(x)
+    moved = np.moveaxis(ref, axis, 0)
+    dy = cotangent(out, np.float64)
+    a = axis % x.ndim
+    dy_moved = np.moveaxis(dy.reshape(x.shape[:a] + (-1,) + x.shape[a + 1:]), a, 0)
+    np.add.at(moved, i.reshape(-1) % x.shape[a], dy_moved)
+    check_gradients(text, {"x": x, "i": i}, wrt=["x"], reference={"x": ref}, ort=True)
+
+
+def test_gather_gradient_with_int32_indices_and_symbolic_shape(rng):
+    x, i = rand(rng, 5, 3), np.array([4, 0, 4, -5], dtype=np.int32)
+    text = model(16, "(double[N, 3] x, int32[K] i) => (double[K, 3] y)", "y = Gather(x, i)")
+    check_gradients(text, {"x": x, "i": i}, wrt=["x"], ort=True)
+
+
+def test_gather_gradient_matches_onnxruntime(rng):
+    x, i = rand(rng, 5, 3), np.array([[4, 0], [1, 2]], dtype=np.int64)
+    text = model(16, "(double[5, 3] x, int64[2, 2] i) => (double[2, 2, 3] y)", "y = Gather(x, i)")
+    check_gradients(text, {"x": x, "i": i}, wrt=["x"], ort=True)
+
+
+@pytest.mark.parametrize("opset", [13, 16])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_gather_elements_gradient_accumulates_duplicates(rng, opset, axis):
+    x = rand(rng, 3, 4)
+    a = axis % 2
+    ishape = (3, 4)
+    i = rng.integers(-x.shape[a], x.shape[a], size=ishape)
+    text = model(opset, "(double[3, 4] x, int64[3, 4] i) => (double[3, 4] y)",
+                 f"y = GatherElements <axis = {axis}> (x, i)")
+    ref = np.zeros_like(x)
+    dy = cotangent(ishape, np.float64)
+    for pos in np.ndindex(ishape):
+        target = list(pos)
+        target[a] = i[pos] % x.shape[a]
+        ref[tuple(target)] += dy[pos]
+    check_gradients(text, {"x": x, "i": i}, wrt=["x"], reference={"x": ref}, ort=True)
+
+
+@pytest.mark.parametrize("opset", [13, 16])
+def test_gather_elements_gradient_with_smaller_indices(rng, opset):
+    x, i = rand(rng, 3, 4), np.array([[0, 2], [2, 2]], dtype=np.int64)
+    text = model(opset, "(double[3, 4] x, int64[2, 2] i) => (double[2, 2] y)",
+                 "y = GatherElements <axis = 0> (x, i)")
+    check_gradients(text, {"x": x, "i": i}, wrt=["x"], ort=True)
+
+
+def test_gather_nd_gradient_accumulates_duplicates(rng):
+    x = rand(rng, 3, 4, 2)
+    i = np.array([[0, 1], [2, -1], [0, 1]], dtype=np.int64)
+    text = model(16, "(double[3, 4, 2] x, int64[3, 2] i) => (double[3, 2] y)",
+                 "y = GatherND(x, i)")
+    check_gradients(text, {"x": x, "i": i}, wrt=["x"], ort=True)
+
+
+def test_gather_nd_gradient_before_opset_16_is_a_clear_error(rng):
+    text = model(13, "(double[3, 4] x, int64[2, 1] i) => (double[2, 4] y)", "y = GatherND(x, i)")
+    with pytest.raises(UnsupportedModelError, match="opset 16"):
+        check_gradients(text, {"x": rand(rng, 3, 4), "i": np.array([[0], [2]])}, wrt=["x"])
+
+
+# ---------------------------------------------------------------------------- Scatter
+@pytest.mark.parametrize("reduction", ["none", "add"])
+def test_scatter_nd_gradients_for_data_and_updates(rng, reduction):
+    x, u = rand(rng, 4, 3), rand(rng, 2, 3)
+    i = np.array([[3], [1]], dtype=np.int64)
+    text = model(16, "(double[4, 3] x, int64[2, 1] i, double[2, 3] u) => (double[4, 3] y)",
+                 f'y = ScatterND <reduction = "{reduction}"> (x, i, u)')
+    # onnxruntime-training's builder ignores reduction="add" (its dx is wrong there)
+    check_gradients(text, {"x": x, "i": i, "u": u}, wrt=["x", "u"],
+                    ort=True if reduction == "none" else False)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("reduction", ["none", "add"])
+def test_scatter_elements_gradients_for_data_and_updates(rng, axis, reduction):
+    x, u = rand(rng, 3, 4), rand(rng, 2, 3)
+    i = np.array([[2, 0, 1], [0, 1, 2]], dtype=np.int64) if axis == 0 else \
+        np.array([[3, 0, 1], [0, 2, 3]], dtype=np.int64)
+    text = model(16, "(double[3, 4] x, int64[2, 3] i, double[2, 3] u) => (double[3, 4] y)",
+                 f'y = ScatterElements <axis = {axis}, reduction = "{reduction}"> (x, i, u)')
+    # onnxruntime-training's builder ignores reduction="add" (its dx is wrong there)
+    check_gradients(text, {"x": x, "i": i, "u": u}, wrt=["x", "u"],
+                    ort=True if reduction == "none" else False)
+
+
+def test_scatter_elements_with_mul_reduction_is_a_clear_error(rng):
+    text = model(16, "(double[3] x, int64[1] i, double[1] u) => (double[3] y)",
+                 'y = ScatterElements <reduction = "mul"> (x, i, u)')
+    with pytest.raises(UnsupportedModelError, match="reduction"):
+        check_gradients(text, {"x": rand(rng, 3), "i": np.array([1]), "u": rand(rng, 1)},
+                        wrt=["x", "u"])
+
+
+# ------------------------------------------------------------------------ TopK, Trilu
+@pytest.mark.parametrize("axis, largest", [(-1, 1), (0, 0), (1, 1)])
+def test_topk_gradient_flows_to_the_selected_elements(rng, axis, largest):
+    x = rng.permutation(12).reshape(3, 4).astype(np.float64) + rng.uniform(0, 0.1, (3, 4))
+    out = [3, 4]
+    out[axis] = 2
+    text = model(13, f"(double[3, 4] x) => (double[{dims(out)}] v, int64[{dims(out)}] j)",
+                 ints("k", [2]) + f"v, j = TopK <axis = {axis}, largest = {largest}> (x, k)")
+    check_gradients(text, {"x": x}, ort=True)
+
+
+@pytest.mark.parametrize("upper", [0, 1])
+@pytest.mark.parametrize("k", [None, -1, 2])
+def test_trilu_gradient_masks_dy(rng, upper, k):
+    x = rand(rng, 2, 3, 4)
+    body = f"k = Constant <value = int64 {{{k}}}> () " if k is not None else ""
+    args = "x, k" if k is not None else "x"
+    text = model(14, "(double[2, 3, 4] x) => (double[2, 3, 4] y)",
+                 body + f"y = Trilu <upper = {upper}> ({args})")
+    ref_fn = np.triu if upper else np.tril
+    ref = ref_fn(cotangent((2, 3, 4), np.float64), k or 0)
+    check_gradients(text, {"x": x}, reference={"x": ref}, ort=True)
+
+
+# ----------------------------------------------------------------------------- Resize
+RESIZES = [
+    ('mode = "nearest"', [1, 1, 2, 2]),
+    ('mode = "nearest", coordinate_transformation_mode = "half_pixel", '
+     'nearest_mode = "round_prefer_ceil"', [1, 1, 1.5, 2.5]),
+    ('mode = "linear"', [1, 1, 2, 2]),
+    ('mode = "linear", coordinate_transformation_mode = "align_corners"', [1, 1, 1.5, 2]),
+    ('mode = "linear", coordinate_transformation_mode = "asymmetric"', [1, 1, 0.5, 3]),
+    ('mode = "linear", coordinate_transformation_mode = "pytorch_half_pixel"', [1, 1, 2, 0.5]),
+    ('mode = "cubic"', [1, 1, 2, 1.5]),
+]
+
+
+@pytest.mark.parametrize("attributes, scales", RESIZES)
+def test_resize_gradient_is_the_adjoint_of_the_interpolation(rng, attributes, scales):
+    x = rand(rng, 2, 3, 4, 5).astype(np.float32)
+    out = [int(np.floor(d * s)) for d, s in zip(x.shape, scales)]
+    text = model(13, f"(float[2, 3, 4, 5] x) => (float[{dims(out)}] y)",
+                 f"s = Constant <value = float[4] {{{dims(scales)}}}> () "
+                 f"y = Resize <{attributes}> (x, , s)")
+    check_gradients(text, {"x": x}, ort="auto", rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_resize_gradient_with_sizes(rng, mode):
+    x = rand(rng, 1, 2, 3, 4).astype(np.float32)
+    text = model(13, "(float[1, 2, 3, 4] x) => (float[1, 2, 7, 2] y)",
+                 ints("z", [1, 2, 7, 2]) + f'y = Resize <mode = "{mode}"> (x, , , z)')
+    check_gradients(text, {"x": x}, ort="auto", rtol=1e-3, atol=1e-3)
+
+
+def test_resize_gradient_with_axes_at_opset_18(rng):
+    x = rand(rng, 2, 3, 4).astype(np.float32)
+    text = model(18, "(float[2, 3, 4] x) => (float[2, 6, 8] y)",
+                 'c = Constant <value = float[2] {2, 2}> () '
+                 'y = Resize <mode = "linear", axes = [1, 2]> (x, , c)')
+    check_gradients(text, {"x": x}, ort="auto", rtol=1e-3, atol=1e-3)

@@ -1,0 +1,392 @@
+"""Convolutions, pooling and normalizations (spatial dims must be static).
+
+    Conv(x, W, b)            dx = ConvTranspose(dy, W) (same strides, pads, dilations, group;
+                                  output_padding from the static shapes)
+                             dW = Conv(x^T, dy^T) with strides and dilations swapped, batch as
+                                  channels (grouped: x reshaped to (C/G, G*N, ...)), cropped
+                                  to the kernel and transposed back
+                             db = ReduceSum(dy, all axes but 1)
+    ConvTranspose(x, W, b)   dx = Conv(dy, W) (same attributes: it is Conv's adjoint)
+                             dW = the Conv weight gradient with input dy and output grad x
+                             db = ReduceSum(dy, all axes but 1)
+    MaxPool(x)               dx = ScatterElements(0, Indices, dy, reduction=add), Indices
+                                  from MaxPool(x) recomputed with its second output
+    AveragePool(x)           dx = ConvTranspose(dy / count, ones kernel), per channel
+                                  (count = prod(kernel), or the non-pad elements of each
+                                  window when count_include_pad=0)
+    GlobalAveragePool(x)     dx = Expand(dy, Shape(x)) / (number of spatial elements)
+    GlobalMaxPool(x)         dx = dy * (x == y)
+    BatchNormalization       inference: dx = dy scale / sqrt(var + eps)
+                             training:  dx = inv (dxh - mean(dxh) - xh mean(dxh xh)),
+                                        dxh = dy scale, xh = (x - mu) inv, batch statistics
+                             dscale = sum(dy xh), dB = sum(dy) over all axes but 1
+    InstanceNormalization    as training BatchNormalization, statistics over spatial axes
+    LayerNormalization       as above, statistics over axes [axis, rank);
+                             dScale = sum(dy xh), dB = sum(dy) summed to their shapes
+    GroupNormalization       as above, statistics over (C/G, spatial) of each group
+                             (opset 21: scale and bias per channel)
+    LpNormalization(x)       y = x / n, n = ||x||_p along axis:
+                             dx = (dy - s sum(dy y)) / n, s = sign(x) (p=1) or y (p=2)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx import helper
+
+from ...errors import UnsupportedModelError
+from ..registry import grad_rule
+
+
+# ----------------------------------------------------------------------- helpers
+def _static(g, name: str, what: str) -> tuple[int, ...]:
+    """The static spatial dims (axes 2 and on) of ``name``."""
+    shape = g.shape(name)
+    if shape is None or not all(isinstance(d, int) and d > 0 for d in shape[2:]):
+        raise UnsupportedModelError(
+            f"The gradient of {what} needs the static spatial shape of {name!r}; shape "
+            f"inference found {shape}. Give the model's inputs static spatial dims."
+        )
+    return tuple(shape[2:])
+
+
+def _channels(g, name: str, what: str) -> int:
+    shape = g.shape(name)
+    if shape is None or len(shape) < 2 or not isinstance(shape[1], int):
+        raise UnsupportedModelError(
+            f"The gradient of {what} needs the static channel count of {name!r} (got {shape})."
+        )
+    return shape[1]
+
+
+def _window(g, node, x: str, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Explicit (strides, pads, dilations) of a sliding-window node, auto_pad resolved."""
+    n = len(kernel)
+    strides = list(node.attr("strides", [1] * n))
+    dilations = list(node.attr("dilations", [1] * n))
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    if auto_pad in ("NOTSET", ""):
+        pads = list(node.attr("pads", [0] * 2 * n))
+    elif auto_pad == "VALID":
+        pads = [0] * 2 * n
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        sizes = _static(g, x, node.op_type)
+        begin, end = [], []
+        for size, k, s, d in zip(sizes, kernel, strides, dilations):
+            out = -(-size // s)
+            total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
+            small, large = total // 2, total - total // 2
+            begin.append(small if auto_pad == "SAME_UPPER" else large)
+            end.append(large if auto_pad == "SAME_UPPER" else small)
+        pads = begin + end
+    else:
+        raise UnsupportedModelError(f"Unknown auto_pad {auto_pad!r} on {node.op_type}.")
+    return strides, pads, dilations
+
+
+def _output_padding(sizes, out_sizes, kernel, strides, pads, dilations) -> list[int]:
+    """ConvTranspose output_padding that maps ``out_sizes`` back onto ``sizes`` exactly."""
+    n = len(kernel)
+    return [
+        sizes[i] - ((out_sizes[i] - 1) * strides[i] - pads[i] - pads[n + i]
+                    + (kernel[i] - 1) * dilations[i] + 1)
+        for i in range(n)
+    ]
+
+
+def _all_but_channel(g, x: str) -> list[int]:
+    return [0, *range(2, g.rank(x))]
+
+
+def _conv_weight_grad(g, x: str, dy: str, w_shape, sizes, out_sizes, channels, strides, pads,
+                      dilations, group) -> str:
+    """dW of Conv(x, W) (W shaped ``w_shape``) for the output gradient ``dy``.
+
+    ``sizes``/``out_sizes`` are the spatial dims of x and dy, ``channels`` x's channels.
+    """
+    n = len(w_shape) - 2
+    kernel = list(w_shape[2:])
+    spatial = list(range(2, n + 2))
+    if group == 1:
+        xt = g.Transpose(x, perm=[1, 0, *spatial])
+    else:
+        cg = channels // group
+        xt = g.Reshape(x, g.ints([0, group, cg, *sizes], "shape"))
+        xt = g.Transpose(xt, perm=[2, 1, 0, *range(3, n + 3)])
+        xt = g.Reshape(xt, g.ints([cg, -1, *sizes], "shape"))
+    dyt = g.Transpose(dy, perm=[1, 0, *spatial])
+    grad = g.Conv(xt, dyt, strides=dilations, dilations=strides, pads=pads,
+                  group=group if group != 1 else None, hint="conv_dw")
+    got = [(sizes[i] + pads[i] + pads[n + i] - ((out_sizes[i] - 1) * strides[i] + 1))
+           // dilations[i] + 1 for i in range(n)]
+    if got != kernel:
+        grad = g.Slice(grad, g.ints([0] * n, "starts"), g.ints(kernel, "ends"),
+                       g.ints(spatial, "axes"))
+    return g.Transpose(grad, perm=[1, 0, *spatial])
+
+
+def _bias_grad(g, dy: str, like: str) -> str:
+    return g.reduce("ReduceSum", dy, _all_but_channel(g, like), keepdims=0)
+
+
+def _kernel(g, node, w: str) -> list[int]:
+    kernel = node.attr("kernel_shape")
+    if kernel is None:
+        shape = g.shape(w)
+        if shape is None or not all(isinstance(d, int) for d in shape[2:]):
+            raise UnsupportedModelError(f"The kernel shape of {node.op_type} is unknown.")
+        kernel = shape[2:]
+    return list(kernel)
+
+
+# ------------------------------------------------------------------ convolutions
+@grad_rule("Conv")
+def conv(g, node, dy):
+    x, w = node.inputs[:2]
+    kernel = _kernel(g, node, w)
+    strides, pads, dilations = _window(g, node, x, kernel)
+    group = node.attr("group", 1)
+    sizes, out_sizes = _static(g, x, "Conv"), _static(g, node.outputs[0], "Conv")
+    padding = _output_padding(sizes, out_sizes, kernel, strides, pads, dilations)
+    dx = g.ConvTranspose(dy, w, strides=strides, pads=pads, dilations=dilations,
+                         group=group if group != 1 else None,
+                         output_padding=padding if any(padding) else None, hint="conv_dx")
+    w_shape = [g.shape(w)[0], g.shape(w)[1], *kernel]
+    channels = _channels(g, x, "Conv") if group != 1 else None
+    dw = _conv_weight_grad(g, x, dy, w_shape, sizes, out_sizes, channels, strides, pads,
+                           dilations, group)
+    db = _bias_grad(g, dy, x) if node.input(2) else None
+    return dx, dw, db
+
+
+@grad_rule("ConvTranspose", notes="explicit pads only (no auto_pad SAME_*, no output_shape)")
+def conv_transpose(g, node, dy):
+    x, w = node.inputs[:2]
+    kernel = _kernel(g, node, w)
+    if node.attr("output_shape") is not None or node.attr("auto_pad", "NOTSET") not in (
+            "NOTSET", "VALID", ""):
+        raise UnsupportedModelError(
+            "The ConvTranspose gradient supports explicit pads only (no output_shape, no "
+            "auto_pad SAME_UPPER/SAME_LOWER).")
+    strides, pads, dilations = _window(g, node, x, kernel)
+    group = node.attr("group", 1)
+    dx = g.Conv(dy, w, strides=strides, pads=pads, dilations=dilations,
+                group=group if group != 1 else None, hint="convt_dx")
+    w_shape = g.shape(w)
+    # ConvTranspose(x, W) is the adjoint of Conv(., W): dW is Conv's weight gradient
+    # with dy as the input and x as the output gradient.
+    y = node.outputs[0]
+    sizes, out_sizes = _static(g, x, "ConvTranspose"), _static(g, y, "ConvTranspose")
+    channels = _channels(g, y, "ConvTranspose") if group != 1 else None
+    dw = _conv_weight_grad(g, dy, x, [w_shape[0], w_shape[1], *kernel], out_sizes, sizes,
+                           channels, strides, pads, dilations, group)
+    db = _bias_grad(g, dy, x) if node.input(2) else None
+    return dx, dw, db
+
+
+# ----------------------------------------------------------------------- pooling
+def _pool_attrs(node) -> dict:
+    attrs = {}
+    for attribute in node.proto.attribute:
+        value = helper.get_attribute_value(attribute)
+        attrs[attribute.name] = value.decode() if isinstance(value, bytes) else value
+    return attrs
+
+
+@grad_rule("MaxPool", notes="gradient to the argmax (MaxPool Indices); overlapping windows "
+                            "need opset 16+")
+def max_pool(g, node, *dys):
+    dy = dys[0]
+    if dy is None:
+        return (None,)
+    (x,) = node.inputs
+    attrs = _pool_attrs(node)
+    attrs.pop("storage_order", None)  # row-major indices
+    kernel = list(attrs["kernel_shape"])
+    strides = list(attrs.get("strides", [1] * len(kernel)))
+    dilations = list(attrs.get("dilations", [1] * len(kernel)))
+    overlapping = any((k - 1) * d + 1 > s for k, s, d in zip(kernel, strides, dilations))
+    if overlapping and g.opset < 16:
+        raise UnsupportedModelError(
+            "The gradient of MaxPool with overlapping windows needs ScatterElements "
+            f"reduction='add' (opset 16+); the model's opset is {g.opset}.")
+    _, indices = g.MaxPool(x, outputs=2, hint="maxpool_argmax", **attrs)
+    flat = g.ints([-1], "flat")
+    zero = helper.make_tensor("value", g.elem_type(x), [1], [0])
+    zeros = g.ConstantOfShape(g.Reshape(g.Size(x), g.ints([1], "one_dim")), value=zero)
+    dx = g.ScatterElements(zeros, g.Reshape(indices, flat), g.Reshape(dy, flat), axis=0,
+                           reduction="add" if g.opset >= 16 else None, hint="maxpool_dx")
+    return g.Reshape(dx, g.Shape(x))
+
+
+def _window_counts(sizes, out_sizes, kernel, strides, pads, dilations) -> np.ndarray:
+    """The number of non-pad input elements in each pooling window."""
+    counts = np.ones((), dtype=np.float64)
+    for i, (size, out, k, s, d) in enumerate(zip(sizes, out_sizes, kernel, strides, dilations)):
+        starts = np.arange(out) * s - pads[i]
+        taps = starts[:, None] + np.arange(k)[None, :] * d
+        per_dim = ((taps >= 0) & (taps < size)).sum(axis=1)
+        counts = np.multiply.outer(counts, per_dim)
+    return counts
+
+
+@grad_rule("AveragePool", notes="ceil_mode only where it does not change the output shape")
+def average_pool(g, node, dy):
+    (x,) = node.inputs
+    kernel = list(node.attr("kernel_shape"))
+    n = len(kernel)
+    strides, pads, dilations = _window(g, node, x, kernel)
+    sizes, out_sizes = _static(g, x, "AveragePool"), _static(g, node.outputs[0], "AveragePool")
+    floor_sizes = [(sizes[i] + pads[i] + pads[n + i] - (kernel[i] - 1) * dilations[i] - 1)
+                   // strides[i] + 1 for i in range(n)]
+    if list(out_sizes) != floor_sizes:
+        raise UnsupportedModelError(
+            "The AveragePool gradient does not support ceil_mode=1 where it changes the "
+            "output shape.")
+    if node.attr("count_include_pad", 0) or not any(pads):
+        scaled = g.Mul(dy, g.const_like(1.0 / math.prod(kernel), x, "inv_window"))
+    else:
+        counts = _window_counts(sizes, out_sizes, kernel, strides, pads, dilations)
+        scaled = g.Mul(dy, g.const_like((1.0 / counts)[None, None], x, "inv_counts"))
+    planes = g.Reshape(scaled, g.ints([-1, 1, *out_sizes], "shape"))
+    ones = g.const_like(np.ones([1, 1, *kernel]), x, "ones_kernel")
+    padding = _output_padding(sizes, out_sizes, kernel, strides, pads, dilations)
+    dx = g.ConvTranspose(planes, ones, strides=strides, pads=pads, dilations=dilations,
+                         output_padding=padding if any(padding) else None, hint="avgpool_dx")
+    return g.Reshape(dx, g.Shape(x))
+
+
+@grad_rule("GlobalAveragePool")
+def global_average_pool(g, node, dy):
+    (x,) = node.inputs
+    shape = g.shape(x)
+    spatial = shape[2:] if shape is not None else None
+    if spatial is not None and all(isinstance(d, int) for d in spatial):
+        scale = g.const_like(1.0 / math.prod(spatial), x, "inv_count")
+    else:
+        to = g.elem_type(x)
+        scale = g.Div(g.Cast(g.Size(dy), to=to), g.Cast(g.Size(x), to=to))
+    return g.Expand(g.Mul(dy, scale), g.Shape(x))
+
+
+@grad_rule("GlobalMaxPool", notes="ties: every maximal element gets the gradient")
+def global_max_pool(g, node, dy):
+    (x,) = node.inputs
+    mask = g.Cast(g.Equal(x, node.outputs[0]), to=g.elem_type(x))
+    return g.Mul(dy, mask)
+
+
+# ---------------------------------------------------------------- normalizations
+def _normalized_grad(g, x: str, xhat: str, inv: str, dxhat: str, axes: list[int]) -> str:
+    """dx of xhat = (x - mean) inv, statistics (biased) over ``axes``, given d xhat."""
+    mean_d = g.reduce("ReduceMean", dxhat, axes, keepdims=1)
+    mean_dx = g.reduce("ReduceMean", g.Mul(dxhat, xhat), axes, keepdims=1)
+    return g.Mul(g.Sub(g.Sub(dxhat, mean_d), g.Mul(xhat, mean_dx)), inv)
+
+
+def _standardize(g, x: str, axes: list[int], eps: float, like: str | None = None
+                 ) -> tuple[str, str]:
+    """(xhat, inv) with batch statistics over ``axes`` (``like``: a forward value of x's type)."""
+    centered = g.Sub(x, g.reduce("ReduceMean", x, axes, keepdims=1))
+    var = g.reduce("ReduceMean", g.Mul(centered, centered), axes, keepdims=1)
+    inv = g.Reciprocal(g.Sqrt(g.Add(var, g.const_like(eps, like or x, "eps"))))
+    return g.Mul(centered, inv), inv
+
+
+def _per_channel(g, v: str, x: str) -> str:
+    """A (C,) tensor shaped (C, 1, ..., 1) to broadcast against x (N, C, ...)."""
+    rank = g.rank(x)
+    return g.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
+
+
+def _no_stat_grads(dys, op: str) -> None:
+    if any(d is not None for d in dys[1:]):
+        raise UnsupportedModelError(
+            f"The gradient through the statistics outputs of {op} is not supported.")
+
+
+@grad_rule("BatchNormalization", notes="inference and training_mode (batch statistics); "
+                                       "mean and var are not trained")
+def batch_normalization(g, node, *dys):
+    _no_stat_grads(dys, "BatchNormalization")
+    dy = dys[0]
+    x, scale, bias, mean, var = node.inputs[:5]
+    eps = node.attr("epsilon", 1e-5)
+    axes = _all_but_channel(g, x)
+    scale_b = _per_channel(g, scale, x)
+    if node.opset >= 14 and node.attr("training_mode", 0):
+        xhat, inv = _standardize(g, x, axes, eps)
+        dx = _normalized_grad(g, x, xhat, inv, g.Mul(dy, scale_b), axes)
+    else:
+        inv = g.Reciprocal(g.Sqrt(g.Add(var, g.const_like(eps, x, "eps"))))
+        inv_b = _per_channel(g, inv, x)
+        xhat = g.Mul(g.Sub(x, _per_channel(g, mean, x)), inv_b)
+        dx = g.Mul(dy, _per_channel(g, g.Mul(scale, inv), x))
+    dscale = g.reduce("ReduceSum", g.Mul(dy, xhat), axes, keepdims=0)
+    dbias = g.reduce("ReduceSum", dy, axes, keepdims=0)
+    return dx, dscale, dbias, None, None
+
+
+@grad_rule("InstanceNormalization")
+def instance_normalization(g, node, dy):
+    x, scale, _ = node.inputs
+    eps = node.attr("epsilon", 1e-5)
+    spatial = list(range(2, g.rank(x)))
+    xhat, inv = _standardize(g, x, spatial, eps)
+    dx = _normalized_grad(g, x, xhat, inv, g.Mul(dy, _per_channel(g, scale, x)), spatial)
+    axes = _all_but_channel(g, x)
+    dscale = g.reduce("ReduceSum", g.Mul(dy, xhat), axes, keepdims=0)
+    return dx, dscale, g.reduce("ReduceSum", dy, axes, keepdims=0)
+
+
+@grad_rule("LayerNormalization", since=17)
+def layer_normalization(g, node, *dys):
+    _no_stat_grads(dys, "LayerNormalization")
+    dy = dys[0]
+    x, scale = node.inputs[:2]
+    bias = node.input(2)
+    rank = g.rank(x)
+    axes = list(range(node.attr("axis", -1) % rank, rank))
+    xhat, inv = _standardize(g, x, axes, node.attr("epsilon", 1e-5))
+    dx = _normalized_grad(g, x, xhat, inv, g.Mul(dy, scale), axes)
+    y = node.outputs[0]
+    dscale = g.unbroadcast(g.Mul(dy, xhat), scale, y)
+    dbias = g.unbroadcast(dy, bias, y) if bias else None
+    return dx, dscale, dbias
+
+
+@grad_rule("GroupNormalization", since=21,
+           notes="opset 21 (per-channel scale); version 18 is deprecated by the checker")
+def group_normalization(g, node, dy):
+    x, scale, _ = node.inputs
+    groups = node.attr("num_groups")
+    sizes = _static(g, x, "GroupNormalization")
+    channels = _channels(g, x, "GroupNormalization")
+    by_group = g.ints([0, groups, -1], "shape")
+    grouped = g.Reshape(x, by_group)
+    xhat_g, inv = _standardize(g, grouped, [2], node.attr("epsilon", 1e-5), like=x)
+    full = g.ints([0, channels, *sizes], "shape")
+    xhat = g.Reshape(xhat_g, full)
+    dxhat = g.Reshape(g.Mul(dy, _per_channel(g, scale, x)), by_group)
+    dx = g.Reshape(_normalized_grad(g, grouped, xhat_g, inv, dxhat, [2]), full)
+    axes = _all_but_channel(g, x)
+    dscale = g.reduce("ReduceSum", g.Mul(dy, xhat), axes, keepdims=0)
+    return dx, dscale, g.reduce("ReduceSum", dy, axes, keepdims=0)
+
+
+@grad_rule("LpNormalization", notes="p = 1 or 2")
+def lp_normalization(g, node, dy):
+    (x,) = node.inputs
+    y = node.outputs[0]
+    p = node.attr("p", 2)
+    axes = [node.attr("axis", -1) % g.rank(x)]
+    if p == 2:
+        norm, slope = g.reduce("ReduceL2", x, axes, keepdims=1), y
+    elif p == 1:
+        norm, slope = g.reduce("ReduceL1", x, axes, keepdims=1), g.Sign(x)
+    else:
+        raise UnsupportedModelError(f"LpNormalization with p={p} is not 1 or 2.")
+    dot = g.reduce("ReduceSum", g.Mul(dy, y), axes, keepdims=1)
+    return g.Div(g.Sub(dy, g.Mul(slope, dot)), norm)

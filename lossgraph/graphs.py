@@ -1,12 +1,13 @@
-"""Read-only queries over ONNX graphs shared by every pass.
+"""Queries over ONNX graphs shared by every pass, and the one in-place rewrite they share.
 
-Passes never walk protobufs by hand: they ask here for producers, consumers,
-element types and the names used anywhere in a model (subgraphs included).
+Passes never walk protobufs by hand: they ask here for subgraphs, value types and
+the names used anywhere in a model (subgraphs included), and rename values with
+:func:`rename_values`, which keeps every reference consistent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -23,6 +24,7 @@ __all__ = [
     "np_dtype",
     "opset_version",
     "initializer_arrays",
+    "rename_values",
 ]
 
 #: Element types lossgraph differentiates and trains.
@@ -106,3 +108,25 @@ def opset_version(model: onnx.ModelProto, domain: str = "") -> int | None:
 def initializer_arrays(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """The graph's initializers as numpy arrays, by name."""
     return {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+
+
+def rename_values(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
+    """Rename values in place everywhere they are defined or used, subgraphs included.
+
+    A subgraph that defines a value of the same name (shadowing) keeps its own.
+    """
+    if not mapping:
+        return
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        value.name = mapping.get(value.name, value.name)
+    for tensor in graph.initializer:
+        tensor.name = mapping.get(tensor.name, tensor.name)
+    for sparse in graph.sparse_initializer:
+        sparse.values.name = mapping.get(sparse.values.name, sparse.values.name)
+    for node in graph.node:
+        node.input[:] = [mapping.get(i, i) for i in node.input]
+        node.output[:] = [mapping.get(o, o) for o in node.output]
+        for sub in subgraphs(node):
+            local = {v.name for v in sub.input} | {t.name for t in sub.initializer}
+            local |= {o for n in sub.node for o in n.output}
+            rename_values(sub, {k: v for k, v in mapping.items() if k not in local})

@@ -27,6 +27,9 @@ class Node:
 
     proto: onnx.NodeProto
     opset: int
+    #: The inputs and captured outer values (for ops with subgraphs) whose gradient is
+    #: wanted; a rule may skip work for the others.
+    wanted: list[str] = field(default_factory=list)
     inputs: list[str] = field(init=False)
     outputs: list[str] = field(init=False)
 
@@ -85,6 +88,11 @@ class GradContext(GraphBuilder):
 
     def dtype(self, name: str) -> np.dtype:
         return np_dtype(self._types[name])
+
+    def value_info(self, name: str) -> onnx.ValueInfoProto:
+        """A value_info declaring a forward value with its known type and shape."""
+        return helper.make_tensor_value_info(
+            name, self._types.get(name, onnx.TensorProto.UNDEFINED), self._shapes.get(name))
 
     def value(self, name: str | None) -> np.ndarray | None:
         """The value of an initializer or Constant output, ``None`` if not constant."""

@@ -13,7 +13,9 @@ The walker owns every hard part so that rules stay one-liners:
 - **missing rules**: an op on the path without a rule is a
   :class:`~lossgraph.errors.MissingGradientError` naming the op, the node and the
   path from the weight to the seed;
-- **dead code**: gradient nodes whose results nothing uses are dropped.
+- **dead code**: gradient nodes whose results nothing uses are dropped;
+- **subgraphs**: values an op's subgraphs capture from outer scopes count as its
+  inputs; the op's rule returns their gradients by name (see ``rules/control.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from onnx import numpy_helper
 from ..analysis import differentiable_values, influenced_values
 from ..differentiability import differentiable_inputs
 from ..errors import MissingGradientError
-from ..graphs import opset_version
+from ..graphs import opset_version, outer_references, subgraphs
 from ..names import NameAuthority
 from .context import GradContext, Node, Shape
 from .registry import find_rule
@@ -122,15 +124,22 @@ def differentiate(
         positions = [p for p in differentiable_inputs(proto.op_type, proto.domain,
                                                       len(proto.input))
                      if proto.input[p] in relevant]
-        if not positions:
+        captured = [n for n in _captured(proto) if n in relevant]
+        if not positions and not captured:
             continue
-        node = Node(proto, opset_version(model, proto.domain or "") or 1)
+        wanted = list(dict.fromkeys([proto.input[p] for p in positions] + captured))
+        node = Node(proto, opset_version(model, proto.domain or "") or 1, wanted)
         info = find_rule(proto.op_type, proto.domain, node.opset)
         if info is None:
             raise MissingGradientError(_missing_rule_message(model, node, wrt, seeds, relevant))
         dys = [g.sum_of(grads[o], hint=f"{o}_grad") if grads.get(o) else None
                for o in proto.output]
         result = info.rule(g, node, *dys)
+        if isinstance(result, dict):  # rules of ops with subgraphs: by value name
+            for name, grad in result.items():
+                if name in wanted and grad is not None:
+                    grads[name].append(grad)
+            continue
         input_grads = [result] if isinstance(result, str) or result is None else list(result)
         for position in positions:
             if position >= len(input_grads) or input_grads[position] is None:
@@ -148,6 +157,16 @@ def differentiate(
     return g
 
 
+def _captured(proto: onnx.NodeProto) -> list[str]:
+    """Outer values the node's subgraphs read, in a stable order."""
+    return list(dict.fromkeys(n for sub in subgraphs(proto) for n in sorted(outer_references(sub))))
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """The values a node reads: its inputs and what its subgraphs capture."""
+    return [i for i in node.input if i] + _captured(node)
+
+
 def _bind_outputs(g: GradContext, finals: Mapping[str, str], grad_names: Mapping[str, str]) -> None:
     """Make each final gradient value available under its output name.
 
@@ -156,7 +175,7 @@ def _bind_outputs(g: GradContext, finals: Mapping[str, str], grad_names: Mapping
     """
     uses: dict[str, int] = defaultdict(int)
     for node in g.nodes:
-        for name in node.input:
+        for name in _reads(node):
             uses[name] += 1
     for value in finals.values():
         uses[value] += 1
@@ -174,7 +193,7 @@ def _drop_dead_code(g: GradContext, outputs: Sequence[str]) -> None:
     for node in reversed(g.nodes):
         if any(o in needed for o in node.output):
             kept.append(node)
-            needed.update(i for i in node.input if i)
+            needed.update(_reads(node))
     g.nodes = kept[::-1]
     g.initializers = [t for t in g.initializers if t.name in needed]
 

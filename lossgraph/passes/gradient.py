@@ -38,11 +38,10 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
-from ..graphs import FLOAT_TYPES, elem_type_name, names_in_graph
+from ..graphs import FLOAT_TYPES, elem_type_name, names_in_graph, rename_values
 from ..names import NameAuthority
 from ..roles import get_roles
 from .contract import model_pass
-from .rename import rename_values
 
 __all__ = ["gradient", "GRADIENTS_KEY"]
 

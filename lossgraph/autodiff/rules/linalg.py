@@ -7,12 +7,22 @@
                                  dA = alpha dy op(B)^T (transposed back if transA)
                                  dB = alpha op(A)^T dy (transposed back if transB)
                                  dC = beta dy, summed to C's shape
+    Einsum(x1, ..., xn)          dxk = Einsum(dy, x1, ..., xn without xk) onto xk's subscripts:
+                                 letters of xk found nowhere else are broadcast back (Expand);
+                                 a letter repeated in xk (a diagonal) pairs with an identity
+                                 matrix (static sizes only); ellipses become explicit letters,
+                                 and size-1 ellipsis dims that broadcast are squeezed out first
+                                 (their gradient is summed, then unsqueezed back)
 """
 
 from __future__ import annotations
 
+import string
+
+import numpy as np
 import onnx
 
+from ...errors import UnsupportedModelError
 from ..registry import grad_rule
 
 
@@ -93,3 +103,96 @@ def gemm(g, node, dy):
         dc = dy if beta == 1.0 else g.Mul(dy, g.const_like(beta, c, "beta"))
         dc = g.unbroadcast(dc, c, node.outputs[0])
     return da, db, dc
+
+
+def _terms(side: str) -> list[list[str]]:
+    """Subscript terms as letter lists, ``...`` kept as one token."""
+    return [list(t.replace("...", ".")) for t in side.split(",")]
+
+
+@grad_rule("Einsum", notes="diagonals (repeated letters) need static sizes")
+def einsum(g, node, dy):
+    equation = node.attr("equation").replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = _terms(lhs)
+    operands = node.inputs
+    if len(terms) != len(operands):
+        raise UnsupportedModelError(f"Einsum equation {equation!r} does not match its inputs.")
+    # Ellipses become explicit letters, right-aligned as broadcasting aligns them.
+    spare = iter(c for c in string.ascii_letters if c not in equation)
+    ranks = [g.rank(x) for x in operands]  # a clear error when shape inference found none
+    ellipsis_ranks = [r - (len(t) - 1) if "." in t else 0 for r, t in zip(ranks, terms)]
+    batch = [next(spare) for _ in range(max(ellipsis_ranks, default=0))]
+
+    def expand(term: list[str], rank: int) -> list[str]:
+        if "." not in term:
+            return term
+        at = term.index(".")
+        return term[:at] + batch[len(batch) - rank:] + term[at + 1:]
+
+    terms = [expand(t, e) for t, e in zip(terms, ellipsis_ranks)]
+    if arrow:
+        out = expand(_terms(rhs)[0], len(batch))
+    else:  # implicit output: the ellipsis, then letters used once, sorted
+        letters = [c for t in _terms(lhs) for c in t if c != "."]
+        out = batch + sorted(c for c in set(letters) if letters.count(c) == 1)
+
+    # A size-1 ellipsis dim that broadcasts against a larger one is squeezed away:
+    # a letter missing from an operand broadcasts the same way.
+    sizes = [dict(zip(t, g.shape(x))) for t, x in zip(terms, operands)]
+    squeezed, values = [], []
+    for k, (x, term) in enumerate(zip(operands, terms)):
+        axes = [i for i, c in enumerate(term) if c in batch and sizes[k][c] == 1
+                and any(c in other and other[c] != 1 for other in sizes)]
+        squeezed.append(axes)
+        values.append(g.squeeze(x, axes) if axes else x)
+        terms[k] = [c for i, c in enumerate(term) if i not in axes]
+
+    grads = []
+    for k, x in enumerate(operands):
+        if g.elem_type(x) not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
+                                  onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
+            grads.append(None)
+            continue
+        grads.append(_einsum_operand_grad(g, node, dy, out, values, terms, k, spare, sizes[k]))
+        if squeezed[k]:
+            grads[k] = g.unsqueeze(grads[k], squeezed[k])
+    return grads
+
+
+def _einsum_operand_grad(g, node, dy, out, values, terms, k, spare, sizes) -> str:
+    x = node.inputs[k]
+    inputs = [(dy, out)] + [(v, t) for j, (v, t) in enumerate(zip(values, terms)) if j != k]
+    # Repeated letters (a diagonal): each repeat gets a fresh letter tied by an identity.
+    target, seen = [], set()
+    for c in terms[k]:
+        if c in seen:
+            size = sizes[c]
+            if not isinstance(size, int):
+                raise UnsupportedModelError(
+                    f"The gradient of Einsum {node.attr('equation')!r} with respect to {x!r} "
+                    f"needs the static size of its repeated subscript {c!r} (a diagonal); "
+                    "shape inference found none.")
+            fresh = next(spare)
+            inputs.append((g.const(np.eye(size), g.dtype(x), "eye"), [c, fresh]))
+            target.append(fresh)
+        else:
+            seen.add(c)
+            target.append(c)
+    scalars = [v for v, t in inputs if not t]
+    inputs = [(v, t) for v, t in inputs if t]
+    available = {c for _, t in inputs for c in t}
+    kept = [c for c in target if c in available]
+    if not inputs:
+        grad = scalars.pop(0)
+    elif len(inputs) == 1 and inputs[0][1] == kept:
+        grad = inputs[0][0]
+    else:
+        equation = ",".join("".join(t) for _, t in inputs) + "->" + "".join(kept)
+        grad = g.Einsum(*(v for v, _ in inputs), equation=equation)
+    for scalar in scalars:
+        grad = g.Mul(grad, scalar)
+    missing = [i for i, c in enumerate(target) if c not in available]
+    if missing:  # letters summed within this operand alone: broadcast back
+        grad = g.Expand(g.unsqueeze(grad, missing), g.Shape(values[k]))
+    return grad

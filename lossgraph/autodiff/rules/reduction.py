@@ -1,9 +1,35 @@
-"""Reductions.
+"""Reductions and cumulative sums.
 
-    ReduceSum(x, axes)   dx = Expand(Unsqueeze(dy, axes) unless keepdims, Shape(x))
+Below ``dy~`` and ``y~`` are ``dy`` and ``y`` with the reduced axes kept (unsqueezed
+back when ``keepdims=0``), so they broadcast against ``x``; ``n`` is the number of
+elements reduced into each output.
+
+    ReduceSum(x)        dx = Expand(dy~, Shape(x))   (all axes: Expand(dy, Shape(x)))
+    ReduceMean(x)       dx = Expand(dy~ / n, Shape(x))
+    ReduceMax(x)        dx = dy~ m / ReduceSum(m)    with m = Cast(Equal(x, y~))
+    ReduceMin(x)        (same: ties share the gradient evenly, as torch.amax/amin do)
+    ReduceProd(x)       dx = dy~ p / x' * Cast(Equal(k, z))    zero-safe, where
+                            z = Cast(x == 0), x' = x + z, p = ReduceProd(x'), k = ReduceSum(z)
+                        (with no zero: dy~ y~ / x; with one zero: only that element gets
+                        dy~ times the product of the others; with more: zero)
+    ReduceL1(x)         dx = dy~ Sign(x)
+    ReduceL2(x)         dx = dy~ x / y~        (0 where y = 0)
+    ReduceSumSquare(x)  dx = 2 dy~ x
+    ReduceLogSum(x)     dx = Expand(dy~ / Exp(y~), Shape(x))
+    ReduceLogSumExp(x)  dx = dy~ Exp(x - y~)
+    CumSum(x, axis)     dx = CumSum(dy, axis, exclusive, reverse = 1 - reverse)
+
+Axes come from the ``axes`` attribute (opset < 18, ReduceSum < 13) or the constant
+``axes`` input. With empty axes and ``noop_with_empty_axes=1`` each rule is that of
+its reduction over no axes, elementwise: ReduceSum/Mean/Max/Min/Prod/LogSumExp pass
+``dy`` through, ReduceL1/L2 give ``dy Sign(x)``, ReduceSumSquare ``2 dy x`` and
+ReduceLogSum ``dy / x`` (the ONNX reference semantics; onnxruntime 1.19 instead
+reduces over all axes there for L1, L2 and LogSum, and returns ``x`` for SumSquare).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from ..registry import grad_rule
 
@@ -20,14 +46,132 @@ def reduced_axes(g, node) -> list[int] | None:
     return sorted(a % rank for a in axes)
 
 
+def reduces_everything(g, node) -> bool:
+    """True for a reduction over all axes of an input of possibly unknown rank."""
+    explicit = node.attr("axes") is not None or node.input(1) is not None
+    return not explicit and not node.attr("noop_with_empty_axes", 0)
+
+
+def keep_dims(g, node, value: str, axes: list[int]) -> str:
+    """A reduced value (``dy`` or ``y``) with the reduced axes present, size 1."""
+    return value if node.attr("keepdims", 1) else g.unsqueeze(value, axes)
+
+
 def expand_back(g, node, dy: str, axes: list[int]) -> str:
     """``dy`` (the reduced shape) broadcast back to the shape of the reduced input."""
-    if not node.attr("keepdims", 1):
-        dy = g.unsqueeze(dy, axes)
-    return g.Expand(dy, g.Shape(node.inputs[0]))
+    return g.Expand(keep_dims(g, node, dy, axes), g.Shape(node.inputs[0]))
+
+
+def _count(g, node, axes: list[int]) -> str:
+    """The number of elements reduced into each output, as a scalar of x's type."""
+    x = node.inputs[0]
+    shape = g.shape(x)
+    dims = [shape[a] for a in axes]
+    if all(isinstance(d, int) and d > 0 for d in dims):
+        return g.const_like(float(np.prod(dims)), x, "count")
+    to = g.elem_type(x)
+    return g.Div(g.Cast(g.Size(x), to=to), g.Cast(g.Size(node.outputs[0]), to=to), hint="count")
 
 
 @grad_rule("ReduceSum")
 def reduce_sum(g, node, dy):
+    if reduces_everything(g, node):  # dy broadcasts as it is: no rank needed
+        return g.Expand(dy, g.Shape(node.inputs[0]))
     axes = reduced_axes(g, node)
     return dy if axes is None else expand_back(g, node, dy, axes)
+
+
+@grad_rule("ReduceMean")
+def reduce_mean(g, node, dy):
+    if reduces_everything(g, node):
+        x = node.inputs[0]
+        count = g.Cast(g.Size(x), to=g.elem_type(node.outputs[0]), hint="count")
+        return g.Expand(g.Div(dy, count), g.Shape(x))
+    axes = reduced_axes(g, node)
+    if axes is None:
+        return dy
+    return expand_back(g, node, g.Div(dy, _count(g, node, axes)), axes)
+
+
+def _extremum(g, node, dy):
+    axes = reduced_axes(g, node)
+    if axes is None:
+        return dy
+    x = node.inputs[0]
+    mask = g.Cast(g.Equal(x, keep_dims(g, node, node.outputs[0], axes)), to=g.elem_type(x),
+                  hint="argmax_mask")
+    ties = g.reduce("ReduceSum", mask, axes, keepdims=1, hint="ties")
+    return g.Mul(mask, g.Div(keep_dims(g, node, dy, axes), ties))
+
+
+grad_rule("ReduceMax", notes="ties share the gradient evenly")(_extremum)
+grad_rule("ReduceMin", notes="ties share the gradient evenly")(_extremum)
+
+
+@grad_rule("ReduceProd", notes="zero-safe: no division by zero")
+def reduce_prod(g, node, dy):
+    axes = reduced_axes(g, node)
+    if axes is None:
+        return dy
+    x = node.inputs[0]
+    zeros = g.Cast(g.Equal(x, g.const_like(0, x, "zero")), to=g.elem_type(x), hint="is_zero")
+    safe = g.Add(x, zeros, hint="zeros_as_ones")
+    product = g.reduce("ReduceProd", safe, axes, keepdims=1, hint="nonzero_product")
+    count = g.reduce("ReduceSum", zeros, axes, keepdims=1, hint="zero_count")
+    # 1 where (no zeros and x != 0) or (one zero and x == 0), else 0
+    keep = g.Cast(g.Equal(count, zeros), to=g.elem_type(x), hint="prod_mask")
+    scaled = g.Mul(keep_dims(g, node, dy, axes), product)
+    return g.Mul(g.Div(scaled, safe), keep)
+
+
+@grad_rule("ReduceL1")
+def reduce_l1(g, node, dy):
+    axes = reduced_axes(g, node)
+    dy = dy if axes is None else keep_dims(g, node, dy, axes)
+    return g.Mul(dy, g.Sign(node.inputs[0]))
+
+
+@grad_rule("ReduceL2", notes="zero gradient where the norm is 0")
+def reduce_l2(g, node, dy):
+    axes = reduced_axes(g, node)
+    x, y = node.inputs[0], node.outputs[0]
+    if axes is not None:
+        dy, y = keep_dims(g, node, dy, axes), keep_dims(g, node, y, axes)
+    is_zero = g.Cast(g.Equal(y, g.const_like(0, x, "zero")), to=g.elem_type(x))
+    return g.Mul(g.Div(dy, g.Add(y, is_zero)), x)
+
+
+@grad_rule("ReduceSumSquare")
+def reduce_sum_square(g, node, dy):
+    axes = reduced_axes(g, node)
+    x = node.inputs[0]
+    dy = dy if axes is None else keep_dims(g, node, dy, axes)
+    return g.Mul(g.Mul(dy, g.const_like(2, x, "two")), x)
+
+
+@grad_rule("ReduceLogSum")
+def reduce_log_sum(g, node, dy):
+    axes = reduced_axes(g, node)
+    x = node.inputs[0]
+    if axes is None:
+        return g.Div(dy, x)
+    return expand_back(g, node, g.Div(dy, g.Exp(node.outputs[0])), axes)
+
+
+@grad_rule("ReduceLogSumExp")
+def reduce_log_sum_exp(g, node, dy):
+    axes = reduced_axes(g, node)
+    if axes is None:
+        return dy
+    x = node.inputs[0]
+    softmax = g.Exp(g.Sub(x, keep_dims(g, node, node.outputs[0], axes)), hint="softmax")
+    return g.Mul(keep_dims(g, node, dy, axes), softmax)
+
+
+@grad_rule("CumSum", notes="reverse cumulative sum of dy")
+def cum_sum(g, node, dy):
+    reverse = node.attr("reverse", 0)
+    exclusive = node.attr("exclusive", 0)
+    dx = g.CumSum(dy, node.inputs[1], exclusive=exclusive or None,
+                  reverse=None if reverse else 1)
+    return dx, None

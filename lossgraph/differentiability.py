@@ -49,6 +49,7 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "SoftmaxCrossEntropyLoss": frozenset({1, 2}),
     "NegativeLogLikelihoodLoss": frozenset({1, 2}),
     "Where": frozenset({0}),
+    "CastLike": frozenset({1}),
     "If": frozenset({0}),
     "Loop": frozenset({0, 1}),
     "Dropout": frozenset({1, 2}),

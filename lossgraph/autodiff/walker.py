@@ -212,6 +212,9 @@ def _missing_rule_message(model: onnx.ModelProto, node: Node, wrt: Sequence[str]
     )
 
 
+_PATH_ENDS = 5  # values and nodes shown at each end of a long path in error messages
+
+
 def _path_through(model: onnx.ModelProto, target: onnx.NodeProto, wrt: Sequence[str],
                   seeds: Mapping[str, str], relevant: set[str]) -> str:
     """'w -> [Op 'name'] -> v -> ... -> loss' through ``target``, for error messages."""
@@ -257,4 +260,15 @@ def _path_through(model: onnx.ModelProto, target: onnx.NodeProto, wrt: Sequence[
         forward[:0] = [label(consumer), end]
         end = previous
     parts = [*reversed(back), label(target), start, *forward]
+    if len(parts) > 2 * _PATH_ENDS + 1:  # long paths: both ends, and the failing node
+        focus = parts.index(label(target))
+        shown = sorted({*range(_PATH_ENDS), *range(len(parts) - _PATH_ENDS, len(parts)),
+                        *range(max(focus - 2, 0), min(focus + 3, len(parts)))})
+        pieces, previous = [], -1
+        for index in shown:
+            if index != previous + 1:
+                pieces.append("...")
+            pieces.append(parts[index])
+            previous = index
+        parts = pieces
     return " -> ".join(parts)

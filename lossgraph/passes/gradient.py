@@ -19,8 +19,11 @@ on the training build).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -199,7 +202,8 @@ def _ort_backend(model, targets, seed_inputs, wrt, grad_names, facts) -> None:
     try:
         builder = C.GradientGraphBuilder(
             work.SerializeToString(), {loss}, set(wrt), loss)
-        builder.build()
+        with _native_stderr_silenced():  # the builder logs at info level whatever we set
+            builder.build()
         built = onnx.load_model_from_string(builder.get_model())
     except Exception as exc:  # the builder raises RuntimeError with its own message
         raise MissingGradientError(
@@ -223,6 +227,20 @@ def _ort_backend(model, targets, seed_inputs, wrt, grad_names, facts) -> None:
     model.opset_import.extend(o for o in built.opset_import if o.domain not in existing)
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Send what native code writes to file descriptor 2 to /dev/null for a moment."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _training_capi():
     """onnxruntime's training bindings, or a clear error when the build lacks them."""
     try:
@@ -238,5 +256,4 @@ def _training_capi():
             "'lossgraph[training]' in an environment without plain onnxruntime); the "
             "installed onnxruntime has no GradientGraphBuilder. Use backend='onnx'."
         )
-    C.set_default_logger_severity(3)
     return C

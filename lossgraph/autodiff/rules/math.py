@@ -24,7 +24,7 @@ Unary functions (y = f(x)):
     Sign, Floor,
     Ceil, Round    dx = 0                  (piecewise constant: zeros, not "no gradient",
                                             so the path stays differentiable)
-    Cast(x)        dx = Cast(dy, to=type(x))   (no gradient for a non-float x)
+    Cast(x)        dx = Cast(dy, to=type(x))   (no gradient for a non-float x; CastLike too)
 
 Broadcasting ops (the walker sums each result back to its input's shape):
 
@@ -187,8 +187,9 @@ grad_rule("Round", notes="straight-through: zero gradient")(_zero_gradient)
 
 
 @grad_rule("Cast", notes="gradient cast back to the input's type; none for non-float inputs")
+@grad_rule("CastLike", since=15, notes="as Cast; the type-giving input has no gradient")
 def cast(g, node, dy):
-    (x,) = node.inputs
+    x = node.inputs[0]
     to = g.elem_type(x)
     if to not in _FLOAT_TYPES:
         return None

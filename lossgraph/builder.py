@@ -53,7 +53,8 @@ class GraphBuilder:
         """Append one node; return its output name (or a tuple of names)."""
         if isinstance(outputs, int):
             base = hint or op_type.lower()
-            names = [self.names.fresh(base if outputs == 1 else f"{base}_{i}") for i in range(outputs)]
+            hints = [base] if outputs == 1 else [f"{base}_{i}" for i in range(outputs)]
+            names = [self.names.fresh(h) for h in hints]
         else:
             names = list(outputs)
         node = helper.make_node(

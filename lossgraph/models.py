@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Union
 
 import onnx
 
@@ -13,7 +12,7 @@ from .errors import InvalidModelError
 __all__ = ["ModelLike", "as_model", "check_model", "save_model"]
 
 #: What every public function accepts as a model.
-ModelLike = Union[onnx.ModelProto, bytes, str, os.PathLike]
+ModelLike = onnx.ModelProto | bytes | str | os.PathLike
 
 
 def as_model(model: ModelLike) -> onnx.ModelProto:

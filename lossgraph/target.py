@@ -42,11 +42,12 @@ def check_opset(model: onnx.ModelProto, target: Target = DEFAULT_TARGET) -> int:
             "model.opset_import.append(onnx.helper.make_opsetid('', 17))."
         )
     if not target.min_opset <= version <= target.max_opset:
+        suggested = min(max(version, target.min_opset), target.max_opset)
         raise UnsupportedModelError(
             f"The model uses ai.onnx opset {version}; lossgraph emits models for "
             f"{target.description}, which needs opset {target.min_opset} to "
             f"{target.max_opset}. Convert it first, e.g. "
-            f"onnx.version_converter.convert_version(model, {min(max(version, target.min_opset), target.max_opset)})."
+            f"onnx.version_converter.convert_version(model, {suggested})."
         )
     return version
 

@@ -80,6 +80,7 @@ def test_unknown_name_is_an_error_with_a_suggestion():
 
 
 def test_generated_names_avoid_existing_ones():
-    model = onnx.parser.parse_model(UNSORTED.replace("h = MatMul", "I0_z_weight = Identity(x)\n h = MatMul"))
+    taken = UNSORTED.replace("h = MatMul", "I0_z_weight = Identity(x)\n h = MatMul")
+    model = onnx.parser.parse_model(taken)
     _, mapping = alphabetize_initializers(model)
     assert mapping["z_weight"] == "I0_z_weight_1"

@@ -82,7 +82,8 @@ def gradient(
         raise UnsupportedOptionError(
             "Pass either loss= (scalar-loss mode) or outputs= (vector-Jacobian mode), not both."
         )
-    targets = list(outputs) if outputs is not None else [loss or get_roles(model).get("loss", "loss")]
+    default_loss = get_roles(model).get("loss", "loss")
+    targets = list(outputs) if outputs is not None else [loss or default_loss]
     for target in targets:
         if target not in output_names:
             what = "outputs=" if outputs is not None else "loss="
@@ -196,7 +197,8 @@ def _ort_backend(model, targets, seed_inputs, wrt, grad_names, facts) -> None:
         loss = b.rename(b.sum_of(terms) if len(terms) > 1 else terms[0],
                         names.fresh("lossgraph_vjp_loss"))
         b.append_to(work.graph)
-        work.graph.output.append(helper.make_tensor_value_info(loss, facts.elem_types[targets[0]], []))
+        loss_type = facts.elem_types[targets[0]]
+        work.graph.output.append(helper.make_tensor_value_info(loss, loss_type, []))
     else:
         loss = targets[0]
     try:
@@ -206,9 +208,12 @@ def _ort_backend(model, targets, seed_inputs, wrt, grad_names, facts) -> None:
             builder.build()
         built = onnx.load_model_from_string(builder.get_model())
     except Exception as exc:  # the builder raises RuntimeError with its own message
+        detail = str(exc).strip()
+        for marker in ("was false. ", " : FAIL : "):  # drop the C++ source location
+            detail = detail.rsplit(marker, 1)[-1]
         raise MissingGradientError(
-            f"onnxruntime-training's GradientGraphBuilder failed: {exc}. Use backend='onnx', "
-            "or train only weights whose path to the loss it supports."
+            f"onnxruntime-training's GradientGraphBuilder failed: {detail.rstrip('.')}. Use "
+            "backend='onnx', or train only weights whose path to the loss it supports."
         ) from None
     ours = {**{v: k for k, v in temporary.items()}, **{f"{w}_grad": grad_names[w] for w in wrt}}
     before = names_in_graph(work.graph)

@@ -406,7 +406,8 @@ def add_loss_output(
 
 
 def _penalty_terms(b: GraphBuilder, graph: onnx.GraphProto,
-                   penalties: Mapping[str, Mapping[str, float]], prediction: _Prediction) -> list[str]:
+                   penalties: Mapping[str, Mapping[str, float]],
+                   prediction: _Prediction) -> list[str]:
     """``a * sum|W| + b * sum W^2`` per penalized initializer, in the loss's dtype."""
     initializers = {t.name: t for t in graph.initializer}
     floats = [n for n, t in initializers.items() if t.data_type in FLOAT_TYPES]

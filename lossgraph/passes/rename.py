@@ -10,7 +10,7 @@ already sort in graph order:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import onnx
 

@@ -36,7 +36,7 @@ from ..registry import grad_rule
 def _mask(g, x: str, op: str = "Greater", threshold: float = 0.0) -> str:
     """``Cast(op(x, threshold))`` in the type of ``x``: 1 where the comparison holds."""
     compare = getattr(g, op)(x, g.const_like(threshold, x, "threshold"))
-    return g.Cast(compare, to=g.elem_type(x), hint="mask")
+    return g.mask(compare, x)
 
 
 def _piecewise(g, x: str, positive: str, negative: str) -> str:
@@ -63,7 +63,7 @@ def hard_sigmoid(g, node, dy):
     y = node.outputs[0]
     alpha = node.attr("alpha", 0.2)
     inside = g.And(g.Greater(y, g.const_like(0, y, "zero")), g.Less(y, g.const_like(1, y, "one")))
-    scale = g.Mul(g.Cast(inside, to=g.elem_type(y)), g.const_like(alpha, y, "alpha"))
+    scale = g.Mul(g.mask(inside, y), g.const_like(alpha, y, "alpha"))
     return g.Mul(dy, scale)
 
 
@@ -135,7 +135,7 @@ def hard_swish(g, node, dy):
     (x,) = node.inputs
     three = g.const_like(3, x, "three")
     above = _mask(g, x, threshold=3.0)
-    inside = g.Cast(g.Less(g.Abs(x), three), to=g.elem_type(x), hint="mask")
+    inside = g.mask(g.Less(g.Abs(x), three), x)
     ramp = g.Add(g.Mul(x, g.const_like(1 / 3, x, "third")), g.const_like(0.5, x, "half"))
     return g.Mul(dy, g.Add(above, g.Mul(inside, ramp)))
 

@@ -1,6 +1,7 @@
 """Control flow.
 
-    If(c) <then_branch = T, else_branch = E>  ->  dv = If(c) <then = vjp(T, v, dy), else = vjp(E, v, dy)>
+    If(c) <then_branch = T, else_branch = E>
+        ->  dv = If(c) <then_branch = vjp(T, v, dy), else_branch = vjp(E, v, dy)>
 
 for every outer value ``v`` the branches capture whose gradient is wanted (the
 condition has none). Each gradient branch recomputes its forward branch under fresh

@@ -56,11 +56,6 @@ _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLO
                           TensorProto.BFLOAT16})
 
 
-def _mask(g, condition: str, like: str) -> str:
-    """A boolean ``condition`` as 0/1 in the element type of ``like``."""
-    return g.Cast(condition, to=g.elem_type(like), hint="mask")
-
-
 def _square(g, x: str) -> str:
     return g.Mul(x, x, hint="sq")
 
@@ -229,9 +224,9 @@ def pow_(g, node, dy):
 def clip(g, node, dy):
     x, y = node.inputs[0], node.outputs[0]
     lo, hi = node.input(1), node.input(2)
-    dx = g.Mul(dy, _mask(g, g.Equal(x, y), x))
-    dlo = g.Mul(dy, _mask(g, g.Less(x, lo), x)) if lo is not None else None
-    dhi = g.Mul(dy, _mask(g, g.Greater(x, hi), x)) if hi is not None else None
+    dx = g.Mul(dy, g.mask(g.Equal(x, y), x))
+    dlo = g.Mul(dy, g.mask(g.Less(x, lo), x)) if lo is not None else None
+    dhi = g.Mul(dy, g.mask(g.Greater(x, hi), x)) if hi is not None else None
     return dx, dlo, dhi
 
 
@@ -240,7 +235,7 @@ def _select(g, node, dy):
     y = node.outputs[0]
     grads, remaining = [], dy
     for x in node.inputs[:-1]:
-        taken = g.Mul(remaining, _mask(g, g.Equal(x, y), y))
+        taken = g.Mul(remaining, g.mask(g.Equal(x, y), y))
         grads.append(taken)
         remaining = g.Sub(remaining, taken)
     return [*grads, remaining]
@@ -265,5 +260,5 @@ def mean(g, node, dy):
 @grad_rule("Where", broadcast=True)
 def where(g, node, dy):
     c, a, _ = node.inputs
-    da = g.Mul(dy, _mask(g, c, a))
+    da = g.Mul(dy, g.mask(c, a))
     return None, da, g.Sub(dy, da)

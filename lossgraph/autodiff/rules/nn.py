@@ -274,7 +274,7 @@ def global_average_pool(g, node, dy):
 @grad_rule("GlobalMaxPool", notes="ties: every maximal element gets the gradient")
 def global_max_pool(g, node, dy):
     (x,) = node.inputs
-    mask = g.Cast(g.Equal(x, node.outputs[0]), to=g.elem_type(x))
+    mask = g.mask(g.Equal(x, node.outputs[0]), x)
     return g.Mul(dy, mask)
 
 

@@ -98,7 +98,7 @@ def _extremum(g, node, dy):
     if axes is None:
         return dy
     x = node.inputs[0]
-    mask = g.Cast(g.Equal(x, keep_dims(g, node, node.outputs[0], axes)), to=g.elem_type(x),
+    mask = g.mask(g.Equal(x, keep_dims(g, node, node.outputs[0], axes)), x,
                   hint="argmax_mask")
     ties = g.reduce("ReduceSum", mask, axes, keepdims=1, hint="ties")
     return g.Mul(mask, g.Div(keep_dims(g, node, dy, axes), ties))
@@ -114,12 +114,12 @@ def reduce_prod(g, node, dy):
     if axes is None:
         return dy
     x = node.inputs[0]
-    zeros = g.Cast(g.Equal(x, g.const_like(0, x, "zero")), to=g.elem_type(x), hint="is_zero")
+    zeros = g.mask(g.Equal(x, g.const_like(0, x, "zero")), x, hint="is_zero")
     safe = g.Add(x, zeros, hint="zeros_as_ones")
     product = g.reduce("ReduceProd", safe, axes, keepdims=1, hint="nonzero_product")
     count = g.reduce("ReduceSum", zeros, axes, keepdims=1, hint="zero_count")
     # 1 where (no zeros and x != 0) or (one zero and x == 0), else 0
-    keep = g.Cast(g.Equal(count, zeros), to=g.elem_type(x), hint="prod_mask")
+    keep = g.mask(g.Equal(count, zeros), x, hint="prod_mask")
     scaled = g.Mul(keep_dims(g, node, dy, axes), product)
     return g.Mul(g.Div(scaled, safe), keep)
 
@@ -137,7 +137,7 @@ def reduce_l2(g, node, dy):
     x, y = node.inputs[0], node.outputs[0]
     if axes is not None:
         dy, y = keep_dims(g, node, dy, axes), keep_dims(g, node, y, axes)
-    is_zero = g.Cast(g.Equal(y, g.const_like(0, x, "zero")), to=g.elem_type(x))
+    is_zero = g.mask(g.Equal(y, g.const_like(0, x, "zero")), x)
     return g.Mul(g.Div(dy, g.Add(y, is_zero)), x)
 
 

@@ -1,0 +1,214 @@
+"""Shared test set-up: what this environment can run, markers, and small fixtures.
+
+The suite runs in two environments (docs/installation.md): the onnxruntime
+training build runs everything; plain current onnxruntime runs everything that
+does not need the training build. Tests say what they need with markers:
+
+    @pytest.mark.training   needs onnxruntime-training-cpu 1.19.2 ("ort" backend,
+                            GradientGraphBuilder, com.microsoft ops)
+    @pytest.mark.torch      needs torch
+    @pytest.mark.slow       takes more than a few seconds
+
+A test whose requirement is missing is skipped with a reason that says what to
+install; nothing else is skipped. For other optional packages use the flags
+``HAS_ONNXRUNTIME``, ``HAS_TRAINING``, ``HAS_TORCH`` and ``HAS_SKL2ONNX`` (probed on
+first use), e.g. ``from conftest import HAS_SKL2ONNX`` and
+``@pytest.mark.skipif(not HAS_SKL2ONNX, reason="needs skl2onnx")``.
+
+``golden_models/`` is put on ``sys.path`` so tests can ``import recipes``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+GOLDEN_MODELS = Path(__file__).resolve().parents[1] / "golden_models"
+if str(GOLDEN_MODELS) not in sys.path:
+    sys.path.insert(0, str(GOLDEN_MODELS))
+
+
+# ------------------------------------------------------------ capabilities
+def _import_or_none(module: str) -> Any | None:
+    """The module if it is installed and imports cleanly, else None.
+
+    Checking the spec first keeps absent packages cheap; catching every exception
+    (not only ImportError) turns a broken binary install into "missing" rather
+    than a collection error in every test module.
+    """
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+        return importlib.import_module(module)
+    except Exception:
+        return None
+
+
+def _training_build() -> bool:
+    """True when the imported onnxruntime is the training build.
+
+    Looks in ``onnxruntime.capi._pybind_state`` only: ``import onnxruntime.training``
+    imports torch and fails without it, although the training features themselves
+    do not need torch.
+    """
+    if _import_or_none("onnxruntime") is None:
+        return False
+    pybind = _import_or_none("onnxruntime.capi._pybind_state")
+    return pybind is not None and hasattr(pybind, "GradientGraphBuilder")
+
+
+# Probed on first use, not at import: torch and skl2onnx take seconds to import,
+# and a run of tests that need neither should not pay for them. Read them as
+# ``from conftest import HAS_TORCH`` (module __getattr__, PEP 562) or ``has("torch")``.
+_PROBES: dict[str, Callable[[], bool]] = {
+    "onnxruntime": lambda: _import_or_none("onnxruntime") is not None,
+    "training": _training_build,
+    "torch": lambda: _import_or_none("torch") is not None,
+    "skl2onnx": lambda: _import_or_none("skl2onnx") is not None,
+}
+
+
+@functools.cache
+def has(capability: str) -> bool:
+    """Whether this environment has ``capability`` (a key of ``_PROBES``), importable."""
+    return _PROBES[capability]()
+
+
+def __getattr__(name: str) -> bool:
+    """``HAS_ONNXRUNTIME``, ``HAS_TRAINING``, ``HAS_TORCH``, ``HAS_SKL2ONNX``."""
+    capability = name.removeprefix("HAS_").lower()
+    if name.startswith("HAS_") and capability in _PROBES:
+        return has(capability)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Markers that skip a test when this environment lacks what it needs.
+SKIP_REASONS: dict[str, str] = {
+    "training": "needs onnxruntime-training-cpu 1.19.2 (pip install 'lossgraph[training]')",
+    "torch": "needs torch (pip install torch==2.13.0)",
+}
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """One line saying what this run can exercise, from metadata (no slow imports)."""
+    runtimes = [
+        f"{dist} {version}"
+        for dist in ("onnxruntime-training-cpu", "onnxruntime")
+        if (version := _installed(dist))
+    ]
+    if not runtimes:
+        runtimes = ["no onnxruntime"]
+    elif len(runtimes) > 1:
+        runtimes.append("CLASH: both installed, see docs/installation.md")
+    return (
+        f"lossgraph capabilities: {', '.join(runtimes)}, onnx {onnx.__version__}, "
+        f"torch {_installed('torch') or 'missing'}, skl2onnx {_installed('skl2onnx') or 'missing'}"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the items whose marked requirement this environment lacks, and no others."""
+    for item in items:
+        for name, reason in SKIP_REASONS.items():
+            if item.get_closest_marker(name) is not None and not has(name):
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break
+
+
+# ------------------------------------------------------------- hypothesis
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # hypothesis is a dev dependency; conftest must not need it
+    pass
+else:
+    # Building and running onnxruntime sessions is slow and uneven: no per-example
+    # deadline. On CI, derandomized so a run is reproducible.
+    settings.register_profile(
+        "lossgraph", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    settings.register_profile(
+        "lossgraph-ci",
+        parent=settings.get_profile("lossgraph"),
+        derandomize=True,
+        database=None,
+        print_blob=True,
+    )
+    if "HYPOTHESIS_PROFILE" not in os.environ:
+        settings.load_profile("lossgraph-ci" if os.environ.get("CI") else "lossgraph")
+    else:
+        settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+
+
+# ----------------------------------------------------------------- fixtures
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A seeded generator: every test draws the same numbers on every run."""
+    return np.random.default_rng(0)
+
+
+SessionFactory = Callable[..., Any]
+
+
+# The two factories below hold no state, so they are session-scoped: that also lets
+# hypothesis tests (@given) use them, which it refuses for function-scoped fixtures.
+@pytest.fixture(scope="session")
+def ort_session() -> SessionFactory:
+    """Factory: ``ort_session(model, **options)`` -> ``onnxruntime.InferenceSession``.
+
+    ``model`` is a ``ModelProto``, serialized bytes or a path. The session runs on
+    the CPU provider with warnings silenced (``log_severity_level=3``); keyword
+    arguments set further ``SessionOptions`` attributes, e.g.
+    ``intra_op_num_threads=1``.
+    """
+    if not has("onnxruntime"):
+        pytest.skip("needs onnxruntime (pip install 'lossgraph[runtime]')")
+    import onnxruntime
+
+    def make(model: onnx.ModelProto | bytes | str | os.PathLike, **options: Any) -> Any:
+        so = onnxruntime.SessionOptions()
+        so.log_severity_level = 3
+        for key, value in options.items():
+            if not hasattr(so, key):
+                raise TypeError(f"SessionOptions has no attribute {key!r}")
+            setattr(so, key, value)
+        if isinstance(model, onnx.ModelProto):
+            model = model.SerializeToString()
+        elif isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        return onnxruntime.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def run_model(ort_session: SessionFactory) -> Callable[..., dict[str, np.ndarray]]:
+    """``run_model(model, feeds, **options)`` -> ``{output name: array}`` for all outputs."""
+
+    def run(
+        model: onnx.ModelProto | bytes | str | os.PathLike,
+        feeds: Mapping[str, Any],
+        **options: Any,
+    ) -> dict[str, np.ndarray]:
+        session = ort_session(model, **options)
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(names, dict(feeds))))
+
+    return run

@@ -112,13 +112,17 @@ class GraphBuilder:
         return self._axes_form("Unsqueeze", x, axes, hint)
 
     def rename(self, value: str, new_name: str) -> str:
-        """Make the node that produced ``value`` write ``new_name`` instead."""
-        for node in reversed(self.nodes):
-            for i, output in enumerate(node.output):
-                if output == value:
-                    node.output[i] = new_name
-                    return new_name
-        raise KeyError(f"{value!r} was not produced by this builder")
+        """Call the value the builder produced ``value`` by ``new_name`` from now on.
+
+        The producing node's output and every use by the builder's nodes are renamed.
+        """
+        producer = next((n for n in self.nodes if value in n.output), None)
+        if producer is None:
+            raise KeyError(f"{value!r} was not produced by this builder")
+        for node in self.nodes:
+            node.input[:] = [new_name if i == value else i for i in node.input]
+            node.output[:] = [new_name if o == value else o for o in node.output]
+        return new_name
 
     # -- output ------------------------------------------------------------------
     def append_to(self, graph: onnx.GraphProto) -> None:

@@ -22,7 +22,7 @@ from . import __version__
 from .analysis import trainable_initializers
 from .autodiff import supported_ops
 from .errors import LossgraphError
-from .models import save_model
+from .fileio import save_model
 from .passes.gradient import gradient
 from .passes.loss import add_loss_output
 from .passes.lower_ml import lower_ml_ops

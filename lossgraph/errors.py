@@ -23,6 +23,8 @@ __all__ = [
     "InternalError",
     "MissingGradientError",
     "RuntimeUnavailableError",
+    "ConvergenceError",
+    "InvalidDataError",
     "suggest",
 ]
 
@@ -80,3 +82,11 @@ class MissingGradientError(LossgraphError, NotImplementedError):
 
 class RuntimeUnavailableError(LossgraphError, ImportError):
     """The requested runtime feature (e.g. the onnxruntime training build) is not installed."""
+
+
+class ConvergenceError(LossgraphError, ArithmeticError):
+    """Training diverged: the loss became NaN or infinite."""
+
+
+class InvalidDataError(LossgraphError, ValueError):
+    """Training or prediction data cannot be used (NaN, wrong type or shape, empty)."""

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import onnx
 
 from .errors import InvalidModelError
 
-__all__ = ["ModelLike", "as_model", "check_model", "save_model"]
+__all__ = ["ModelLike", "as_model", "check_model"]
 
 #: What every public function accepts as a model.
 ModelLike = onnx.ModelProto | bytes | str | os.PathLike
@@ -46,20 +45,3 @@ def check_model(model: onnx.ModelProto, what: str = "The model") -> None:
             "Check it with onnx.checker.check_model(model, full_check=True) and fix the "
             "exporter's output before passing it to lossgraph."
         ) from exc
-
-
-def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Write ``model`` to ``path`` atomically: a reader sees the old file or the new one,
-    never half of one, and a failure leaves the old file in place."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=".lossgraph-", suffix=".onnx", dir=folder)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(model.SerializeToString())
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise

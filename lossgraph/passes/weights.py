@@ -1,0 +1,51 @@
+"""weights_to_inputs: trainable initializers become graph inputs.
+
+    initializer W (value v)   ->   graph input W   (v returned, to be fed at run time)
+
+Training graphs take their weights as inputs so a runner can keep them in device
+buffers and swap input and output buffers between steps without copies; the
+initial values travel in the training program's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import UnknownNameError, suggest
+from .contract import model_pass
+
+__all__ = ["weights_to_inputs"]
+
+
+@model_pass
+def weights_to_inputs(
+    model: onnx.ModelProto, names: Sequence[str]
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Turn the initializers ``names`` into graph inputs (appended in ``names`` order).
+
+    Returns the new model and the initializers' values by name.
+    """
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    for name in names:
+        if name not in initializers:
+            raise UnknownNameError(
+                f"{name!r} is not an initializer of the model."
+                + suggest(name, list(initializers), "initializers")
+            )
+    chosen = set(names)
+    values = {name: numpy_helper.to_array(initializers[name]) for name in names}
+    kept = [t for t in graph.initializer if t.name not in chosen]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    declared = {i.name for i in graph.input}
+    for name in names:
+        if name not in declared:  # IR < 4 models may list initializers as inputs already
+            tensor = initializers[name]
+            graph.input.append(
+                helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+    return model, values

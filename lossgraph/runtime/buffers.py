@@ -1,0 +1,98 @@
+"""Weights and optimizer states in device buffers, swapped between steps, never copied.
+
+A training graph reads the state (weights, optimizer states) as inputs and writes
+the next state as outputs. :class:`StateBuffers` keeps two sets of buffers; a
+:class:`GraphRunner` holds one ``SessionIOBinding`` per direction (inputs from set A
+and outputs into set B, or the reverse), so a step only rebinds its data batch.
+After a successful step the sets swap roles; after a failed one they do not, and
+the state is still the one before the step.
+
+Every OrtValue here aliases a numpy array that this module keeps alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .session import cpu_device, ortvalue
+
+__all__ = ["StateBuffers", "GraphRunner"]
+
+
+class StateBuffers:
+    """Two buffer sets for the named state tensors; ``current`` holds the live state."""
+
+    def __init__(self, names: Sequence[str], initial: Mapping[str, np.ndarray]) -> None:
+        self.names = list(names)
+        self.device = cpu_device()
+        first = [np.array(initial[n], copy=True, order="C") for n in self.names]
+        self.arrays = [first, [np.empty_like(a) for a in first]]
+        self.values = [[ortvalue(a, self.device) for a in arrays] for arrays in self.arrays]
+        self.current = 0
+
+    def live(self) -> dict[str, np.ndarray]:
+        """The live state, by name (the buffers themselves: copy what must outlive a step)."""
+        return dict(zip(self.names, self.arrays[self.current]))
+
+    def swap(self) -> None:
+        """Make the last step's outputs the live state."""
+        self.current ^= 1
+
+    def load(self, state: Mapping[str, np.ndarray]) -> None:
+        """Copy ``state`` into the live buffers."""
+        for name, array in zip(self.names, self.arrays[self.current]):
+            array[...] = state[name]
+
+
+class GraphRunner:
+    """Runs one training graph over the state buffers with pre-built bindings.
+
+    ``state_inputs`` maps graph inputs to state names, ``state_outputs`` graph outputs
+    to state names; ``fixed`` binds small owned arrays (learning rate, step, loss)
+    whose contents the caller updates in place between runs.
+    """
+
+    def __init__(self, session, buffers: StateBuffers, state_inputs: Mapping[str, str],
+                 state_outputs: Mapping[str, str],
+                 fixed_inputs: Mapping[str, np.ndarray] | None = None,
+                 fixed_outputs: Mapping[str, np.ndarray] | None = None) -> None:
+        from onnxruntime.capi import _pybind_state as C
+
+        self._session = session._sess
+        self._run_options = C.RunOptions()
+        self.buffers = buffers
+        index = {name: i for i, name in enumerate(buffers.names)}
+        fixed_inputs, fixed_outputs = fixed_inputs or {}, fixed_outputs or {}
+        self._keep = [*fixed_inputs.values(), *fixed_outputs.values()]
+        fixed = {n: ortvalue(a, buffers.device) for n, a in fixed_inputs.items()}
+        outputs = {n: ortvalue(a, buffers.device) for n, a in fixed_outputs.items()}
+        self._keep += [*fixed.values(), *outputs.values()]
+        self._bindings = []
+        for parity in (0, 1):
+            binding = C.SessionIOBinding(self._session)
+            for name, state in state_inputs.items():
+                binding.bind_ortvalue_input(name, buffers.values[parity][index[state]])
+            for name, state in state_outputs.items():
+                binding.bind_ortvalue_output(name, buffers.values[1 - parity][index[state]])
+            for name, value in fixed.items():
+                binding.bind_ortvalue_input(name, value)
+            for name, value in outputs.items():
+                binding.bind_ortvalue_output(name, value)
+            self._bindings.append(binding)
+
+    def bind_output(self, name: str, array: np.ndarray) -> None:
+        """Write output ``name`` into ``array`` from now on (kept alive here)."""
+        value = ortvalue(array, self.buffers.device)
+        self._keep += [array, value]
+        for binding in self._bindings:
+            binding.bind_ortvalue_output(name, value)
+
+    def run(self, data: Mapping[str, np.ndarray]) -> None:
+        """One run on the live state; ``data`` arrays must be C-contiguous (they are aliased)."""
+        binding = self._bindings[self.buffers.current]
+        values = [ortvalue(array, self.buffers.device) for array in data.values()]
+        for name, value in zip(data, values):
+            binding.bind_ortvalue_input(name, value)
+        self._session.run_with_iobinding(binding, self._run_options)

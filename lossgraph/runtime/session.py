@@ -1,0 +1,64 @@
+"""onnxruntime sessions and the low-level bindings the trainer drives.
+
+The trainer talks to onnxruntime through ``onnxruntime.capi._pybind_state``
+(``SessionIOBinding``, ``OrtValue``), which costs about a third of the Python-level
+wrappers per call and is the same in onnxruntime-training 1.19 and onnxruntime 1.31.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..errors import RuntimeUnavailableError
+
+__all__ = ["create_session", "cpu_device", "ortvalue", "training_build_available"]
+
+
+def _onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise RuntimeUnavailableError(
+            "Training needs onnxruntime: pip install 'lossgraph[runtime]' (current onnxruntime) "
+            "or 'lossgraph[training]' (onnxruntime-training 1.19.2), not both."
+        ) from exc
+    return onnxruntime
+
+
+def training_build_available() -> bool:
+    """True when the installed onnxruntime is the training build."""
+    try:
+        from onnxruntime.capi import _pybind_state as C
+    except ImportError:
+        return False
+    return hasattr(C, "GradientGraphBuilder")
+
+
+def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = None,
+                   session_options: Any = None):
+    """An InferenceSession for ``model`` (CPU by default), quiet unless told otherwise."""
+    onnxruntime = _onnxruntime()
+    options = session_options
+    if options is None:
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+    return onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                        providers=list(providers or ["CPUExecutionProvider"]))
+
+
+def cpu_device():
+    """The CPU device, for OrtValues."""
+    from onnxruntime.capi import _pybind_state as C
+
+    return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+
+
+def ortvalue(array: np.ndarray, device=None):
+    """An OrtValue aliasing ``array``'s memory: the caller keeps ``array`` alive meanwhile."""
+    from onnxruntime.capi import _pybind_state as C
+
+    return C.OrtValue.ortvalue_from_numpy(array, device or cpu_device())

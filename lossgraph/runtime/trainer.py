@@ -1,0 +1,449 @@
+"""Trainer: fit a TrainingProgram with onnxruntime, scikit-learn style.
+
+    trainer = Trainer(lossgraph.compile(model, optimizer=Momentum(0.01, nesterov=True)))
+    trainer.fit(X, y, epochs=10, batch_size=100, random_state=0)
+    trainer.predict(X_test), trainer.train_losses_, trainer.to_inference_model()
+
+Batches are views of the data (a shuffled epoch gathers its rows once); weights and
+optimizer states stay in buffers bound to the sessions and swapped between steps
+(:mod:`lossgraph.runtime.buffers`). A NaN or infinite loss stops training with the
+state as it was before the failing step (for ``fuse="epoch"``: before the epoch) and
+a :class:`~lossgraph.errors.ConvergenceError`, or an
+:class:`~lossgraph.errors.InvalidDataError` when the batch itself holds NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..errors import (
+    ConvergenceError,
+    DTypeMismatchError,
+    InvalidDataError,
+    ShapeMismatchError,
+    UnknownNameError,
+    UnsupportedOptionError,
+    suggest,
+)
+from ..fileio import replace_directory
+from ..program import TrainingProgram
+from .buffers import GraphRunner, StateBuffers
+from .session import create_session
+
+__all__ = ["Trainer"]
+
+Callback = Callable[["Trainer", int, dict], Any]
+_CHECKPOINT_FILE = "trainer.json"
+
+
+class Trainer:
+    """Runs a :class:`~lossgraph.program.TrainingProgram` in onnxruntime."""
+
+    def __init__(self, program: TrainingProgram, providers: Sequence[str] | None = None,
+                 session_options: Any = None) -> None:
+        self.program = program
+        self.providers = providers
+        self.session_options = session_options
+        manifest = program.manifest
+        self._names = program.weights + program.states
+        self._new = {w["name"]: w["new"] for w in manifest["weights"]}
+        self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
+        self._buffers = StateBuffers(self._names, program.state)
+        self._sessions: dict[str, Any] = {}
+        self._runners: dict[str, GraphRunner] = {}
+        self._optimizer = program.optimizer
+        self._dtype = program.state[program.weights[0]].dtype
+        self._learning_rate = np.zeros((), self._dtype)
+        self._step = np.zeros((), np.int64)
+        self._loss = np.zeros((), self._dtype)
+        self.reset()
+
+    # -- state ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Back to the program's initial state, as if nothing had been trained."""
+        self._buffers.load(self.program.state)
+        self.steps_ = 0
+        self.epochs_ = 0
+        self.train_losses_: list[float] = []
+        self.validation_losses_: list[float] = []
+        self._rng: np.random.Generator | None = None
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """A copy of the current weights and optimizer states."""
+        return {name: array.copy() for name, array in self._buffers.live().items()}
+
+    def set_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace weights (and optimizer states, when given); names, shapes, dtypes are checked."""
+        live = self._buffers.live()
+        for name, value in state.items():
+            if name not in live:
+                raise UnknownNameError(f"{name!r} is not a weight or state of this program."
+                                       + suggest(name, list(live), "names"))
+            value = np.asarray(value)
+            if value.shape != live[name].shape or value.dtype != live[name].dtype:
+                raise ShapeMismatchError(
+                    f"State {name!r} must be {live[name].dtype}{list(live[name].shape)}, got "
+                    f"{value.dtype}{list(value.shape)}.")
+        for name, value in state.items():
+            live[name][...] = value
+
+    # -- sessions -----------------------------------------------------------------------------
+    def _session(self, graph: str):
+        if graph not in self._sessions:
+            self._sessions[graph] = create_session(self.program.graphs[graph], self.providers,
+                                                   self.session_options)
+        return self._sessions[graph]
+
+    def _runner(self, graph: str) -> GraphRunner:
+        if graph not in self._runners:
+            entry = self.program.manifest["graphs"][graph]
+            inputs = {v["name"]: v["name"] for v in entry["inputs"]
+                      if v["role"] in ("weight", "state")}
+            outputs = {self._new[name]: name for name in inputs.values()}
+            roles = {v["role"]: v["name"] for v in (*entry["inputs"], *entry["outputs"])}
+            fixed_in = {roles["step"]: self._step}
+            fixed_out = {}
+            if "learning_rate" in roles:
+                fixed_in[roles["learning_rate"]] = self._learning_rate
+            if "loss" in roles:
+                fixed_out[roles["loss"]] = self._loss
+            self._runners[graph] = GraphRunner(self._session(graph), self._buffers, inputs,
+                                               outputs, fixed_in, fixed_out)
+        return self._runners[graph]
+
+    # -- data ------------------------------------------------------------------------------------
+    def _inputs(self, graph: str, role: str) -> list[dict]:
+        entry = self.program.manifest["graphs"][graph]
+        return [v for v in entry["inputs"] if v["role"] == role]
+
+    def _prepare(self, X: Any, y: Any = None, sample_weight: Any = None,
+                 graph: str = "evaluate", with_label: bool = True) -> dict[str, np.ndarray]:
+        """Checked, C-contiguous data arrays by input name; errors before any work."""
+        features = self._inputs(graph, "feature")
+        if isinstance(X, Mapping):
+            unknown = sorted(set(X) - {f["name"] for f in features})
+            if unknown:
+                raise UnknownNameError(f"X names {unknown[0]!r}, not a feature input."
+                                       + suggest(unknown[0], [f["name"] for f in features],
+                                                 "feature inputs"))
+            given = dict(X)
+        elif len(features) == 1:
+            given = {features[0]["name"]: X}
+        else:
+            raise InvalidDataError(
+                f"The model has {len(features)} feature inputs "
+                f"({', '.join(f['name'] for f in features)}): pass X as a dict by name.")
+        data = {f["name"]: self._check(given.get(f["name"]), f, "X") for f in features}
+        if with_label:
+            label = self._inputs(graph, "label")[0]
+            if y is None:
+                raise InvalidDataError("y is missing: training and evaluation need labels.")
+            data[label["name"]] = self._check(y, label, "y")
+            weight = self._inputs(graph, "sample_weight")
+            if sample_weight is not None and not weight:
+                raise UnsupportedOptionError(
+                    "sample_weight was given but the program has no sample-weight input: "
+                    "compile with loss_options={'weight_name': 'sample_weight'}.")
+            if weight:
+                rows = len(next(iter(data.values())))
+                if sample_weight is None:
+                    sample_weight = np.ones(rows, self._dtype)
+                data[weight[0]["name"]] = self._check(sample_weight, weight[0], "sample_weight")
+        rows = {name: len(array) for name, array in data.items()}
+        if len(set(rows.values())) > 1:
+            raise ShapeMismatchError(f"The data have different numbers of rows: {rows}.")
+        if not next(iter(rows.values())):
+            raise InvalidDataError("The data have no rows.")
+        return data
+
+    @staticmethod
+    def _check(value: Any, spec: dict, what: str) -> np.ndarray:
+        if value is None:
+            raise InvalidDataError(f"No data for input {spec['name']!r}.")
+        array = np.asarray(value)
+        expected = np.dtype(spec["dtype"])
+        if array.dtype != expected:
+            lossless = array.dtype.kind in "iub" and expected.kind in "iu"
+            if not lossless:
+                raise DTypeMismatchError(
+                    f"{what} is {array.dtype} but input {spec['name']!r} of the model is "
+                    f"{expected}: convert it first, e.g. {what}.astype(np.{expected.name}).")
+            array = array.astype(expected)
+        shape = spec["shape"]
+        if array.ndim == len(shape) - 1 and shape and shape[-1] == 1:
+            array = array.reshape(*array.shape, 1)  # y of shape (N,) for an (N, 1) output
+        if array.ndim != len(shape) or any(
+                isinstance(d, int) and d != n for d, n in zip(shape[1:], array.shape[1:])):
+            expected_shape = ", ".join(str(d) if isinstance(d, int) else "N" for d in shape)
+            raise ShapeMismatchError(
+                f"{what} has shape {array.shape} but input {spec['name']!r} of the model is "
+                f"({expected_shape}).")
+        return np.ascontiguousarray(array)
+
+    # -- training ----------------------------------------------------------------------------------
+    def fit(self, X: Any, y: Any = None, sample_weight: Any = None, epochs: int = 1,
+            batch_size: int = 32, shuffle: bool = True, random_state: int | None = None,
+            validation_data: tuple | None = None, callbacks: Iterable[Callback] | None = None,
+            progress: bool | None = None, warm_start: bool = False) -> Trainer:
+        """Train for ``epochs`` epochs of minibatch updates; returns ``self``.
+
+        ``X`` is an array (or a dict of arrays by feature input name), or an iterable of
+        ``(X, y[, sample_weight])`` batches (a callable returning one, for several
+        epochs). ``warm_start=True`` continues from the current state, step count and
+        shuffling generator; otherwise training restarts from the program's state.
+        Each callback is called as ``callback(trainer, epoch, logs)`` after every epoch;
+        one returning ``True`` stops training.
+        """
+        if epochs < 0 or batch_size < 1:
+            raise UnsupportedOptionError(
+                f"epochs must be >= 0 and batch_size >= 1 (got {epochs}, {batch_size}).")
+        if not warm_start:
+            self.reset()
+        if self._rng is None:
+            self._rng = np.random.default_rng(random_state)
+        streaming = not isinstance(X, (np.ndarray, Mapping)) and y is None
+        data = None if streaming else self._prepare(X, y, sample_weight)
+        validation = None
+        if validation_data is not None:
+            validation = self._prepare(*validation_data)
+        bar = self._progress_bar(progress, epochs)
+        try:
+            for _ in range(epochs):
+                epoch = self.epochs_
+                if streaming:
+                    losses, sizes = self._stream_epoch(X, epoch)
+                else:
+                    losses, sizes = self._array_epoch(data, batch_size, shuffle, epoch)
+                self.epochs_ += 1
+                logs = {"loss": float(np.dot(losses, sizes) / np.sum(sizes))}
+                self.train_losses_.append(logs["loss"])
+                if validation is not None:
+                    logs["validation_loss"] = self._evaluate(validation)
+                    self.validation_losses_.append(logs["validation_loss"])
+                if bar is not None:
+                    bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items()}, refresh=False)
+                    bar.update(1)
+                if any(callback(self, epoch, logs) is True for callback in callbacks or ()):
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+        return self
+
+    @staticmethod
+    def _progress_bar(progress: bool | None, epochs: int):
+        if progress is None:
+            progress = sys.stderr.isatty()
+        if not progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=epochs, desc="lossgraph", unit="epoch")
+
+    def _array_epoch(self, data: dict[str, np.ndarray], batch_size: int, shuffle: bool,
+                     epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = len(next(iter(data.values())))
+        order = self._rng.permutation(rows) if shuffle else None
+        full = rows // batch_size
+        losses, sizes = [], []
+        if self.program.fuse == "epoch" and full > 0:
+            losses.append(self._fused_epoch(data, order, full, batch_size, epoch))
+            sizes.append(np.full(full, batch_size))
+            start = full * batch_size
+        else:
+            start = 0
+        if start < rows:
+            if order is None:
+                rest = {name: array[start:] for name, array in data.items()}
+            else:  # one gather per epoch, then views
+                rest = {name: array[order[start:]] for name, array in data.items()}
+            batch_losses, batch_sizes = self._steps(rest, batch_size, epoch, start // batch_size,
+                                                    None if order is None else order[start:])
+            losses.append(batch_losses)
+            sizes.append(batch_sizes)
+        return np.concatenate(losses), np.concatenate(sizes)
+
+    def _steps(self, data: dict[str, np.ndarray], batch_size: int, epoch: int, first: int,
+               order: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Minibatch steps over ``data`` (already in epoch order) with ``train_step``."""
+        rows = len(next(iter(data.values())))
+        count = math.ceil(rows / batch_size)
+        losses = np.empty(count)
+        sizes = np.empty(count, np.int64)
+        train = self._separate_step if self.program.fuse == "separate" else self._fused_step
+        for index in range(count):
+            lo, hi = index * batch_size, min(rows, (index + 1) * batch_size)
+            batch = {name: array[lo:hi] for name, array in data.items()}
+            self._learning_rate[()] = self._optimizer.schedule(self.steps_ + 1)
+            self._step[()] = self.steps_ + 1
+            loss = train(batch)
+            if not math.isfinite(loss):
+                rows_used = np.arange(lo, hi) if order is None else order[lo:hi]
+                self._diverged(epoch, first + index, loss, batch, rows_used)
+            self._buffers.swap()
+            self.steps_ += 1
+            losses[index], sizes[index] = loss, hi - lo
+        return losses, sizes
+
+    def _fused_step(self, batch: dict[str, np.ndarray]) -> float:
+        """One run of ``train_step``: the loss; the next state waits in the other buffers."""
+        self._runner("train_step").run(batch)
+        return float(self._loss)
+
+    def _separate_step(self, batch: dict[str, np.ndarray]) -> float:
+        """The reference documents' sequence: predict, loss, model gradient, penalty, update."""
+        program, weights = self.program, self._weights()
+        prediction = program.io("loss", "prediction")[0]
+        features = {n: batch[n] for n in program.io("predict", "feature")}
+        (predicted,) = self._session("predict").run([prediction], {**features, **weights})
+        loss_feeds = {n: batch[n] for n in program.io("loss", "label")
+                      + program.io("loss", "sample_weight")}
+        loss, prediction_grad = self._session("loss").run(
+            [program.io("loss", "loss")[0], program.io("loss", "prediction_grad")[0]],
+            {prediction: predicted, **loss_feeds})
+        gradient_feeds = {**features, **weights, program.io("gradient", "prediction_grad")[0]:
+                          prediction_grad}
+        grads = self._session("gradient").run(program.io("gradient", "gradient"), gradient_feeds)
+        grads = dict(zip(program.weights, grads))
+        if "penalty" in program.graphs:
+            penalized = program.io("penalty", "weight")
+            penalty, *extra = self._session("penalty").run(
+                ["penalty", *program.io("penalty", "penalty_gradient")],
+                {w: weights[w] for w in penalized})
+            loss = loss + penalty
+            for weight, grad in zip(penalized, extra):
+                grads[weight] = grads[weight] + grad
+        self._runner("update").run({f"{w}_grad": np.ascontiguousarray(g)
+                                    for w, g in grads.items()})
+        return float(loss)
+
+    def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,
+                     batch_size: int, epoch: int) -> np.ndarray:
+        """All full batches of an epoch in one run of ``train_epoch``."""
+        graph = "train_epoch" if order is not None else "train_epoch_ordered"
+        runner = self._runner(graph)
+        first = self.steps_ + 1
+        rates = np.array([self._optimizer.schedule(t) for t in range(first, first + full)],
+                         self._dtype)
+        losses = np.empty(full, self._dtype)
+        runner.bind_output(self.program.io(graph, "losses")[0], losses)
+        feeds = {self.program.io(graph, "learning_rates")[0]: rates}
+        if order is None:
+            feeds.update({name: array[:full * batch_size] for name, array in data.items()})
+        else:
+            feeds.update(data)
+            feeds[self.program.io(graph, "permutation")[0]] = np.ascontiguousarray(
+                order[:full * batch_size])
+        self._step[()] = first
+        runner.run(feeds)
+        bad = np.flatnonzero(~np.isfinite(losses))
+        if bad.size:
+            index = int(bad[0])
+            rows_used = (np.arange(index * batch_size, (index + 1) * batch_size) if order is None
+                         else order[index * batch_size:(index + 1) * batch_size])
+            batch = {name: array[rows_used] for name, array in data.items()}
+            self._diverged(epoch, index, float(losses[index]), batch, rows_used,
+                           restored="the start of the epoch")
+        self._buffers.swap()
+        self.steps_ += full
+        return losses.astype(np.float64)
+
+    def _stream_epoch(self, batches: Any, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over an iterable of (X, y[, w]) batches with ``train_step``."""
+        source = batches() if callable(batches) else batches
+        if epoch > 0 and iter(source) is source and not callable(batches):
+            raise InvalidDataError(
+                "A one-shot iterator of batches cannot be replayed for a second epoch: pass a "
+                "function that returns a new iterator (or a list).")
+        losses, sizes = [], []
+        for index, item in enumerate(source):
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                raise InvalidDataError(
+                    f"Batch {index} is not an (X, y) or (X, y, sample_weight) tuple.")
+            data = self._prepare(*item, graph="train_step")
+            batch_losses, batch_sizes = self._steps(data, len(next(iter(data.values()))), epoch,
+                                                    index, None)
+            losses.append(batch_losses)
+            sizes.append(batch_sizes)
+        if not losses:
+            raise InvalidDataError("The iterable of batches was empty.")
+        return np.concatenate(losses), np.concatenate(sizes)
+
+    def _diverged(self, epoch: int, batch: int, loss: float, data: Mapping[str, np.ndarray],
+                  rows: np.ndarray, restored: str = "the failing step") -> None:
+        for name, array in data.items():
+            finite = np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+            if array.dtype.kind == "f" and not finite.all():
+                bad_row = int(rows[np.flatnonzero(~finite)[0]])
+                raise InvalidDataError(
+                    f"Input {name!r} holds NaN or infinite values (row {bad_row}, epoch {epoch}, "
+                    f"batch {batch}): clean or impute the data before training.")
+        raise ConvergenceError(
+            f"The loss became {loss} at epoch {epoch}, batch {batch}: training diverged. Try a "
+            f"smaller learning rate (now {self._optimizer.schedule(self.steps_ + 1):g}), scale "
+            f"the features, or a smaller penalty. The weights are those before {restored}.")
+
+    # -- evaluation and export -----------------------------------------------------------------------
+    def _evaluate(self, data: Mapping[str, np.ndarray]) -> float:
+        session = self._session("evaluate")
+        loss = self.program.manifest["roles"]["loss"]
+        return float(session.run([loss], {**data, **self._weights()})[0])
+
+    def _weights(self) -> dict[str, np.ndarray]:
+        live = self._buffers.live()
+        return {w: live[w] for w in self.program.weights}
+
+    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """The loss on ``(X, y)`` with the current weights."""
+        return self._evaluate(self._prepare(X, y, sample_weight))
+
+    def predict(self, X: Any) -> np.ndarray:
+        """The model's prediction (the output the loss is computed on) for ``X``."""
+        data = self._prepare(X, graph="predict", with_label=False)
+        prediction = self.program.manifest["roles"]["prediction"]
+        return self._session("predict").run([prediction], {**data, **self._weights()})[0]
+
+    def to_inference_model(self) -> onnx.ModelProto:
+        """The original inference model with the trained weights written back."""
+        return self.program.to_inference_model(self._buffers.live())
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Write the program, state, counters, losses and shuffling generator, atomically."""
+        with replace_directory(path) as staging:
+            program = TrainingProgram(self.program.graphs, self.program.manifest, self.state,
+                                      self.program.inference_model)
+            program.save(staging / "program")
+            (staging / _CHECKPOINT_FILE).write_text(json.dumps({
+                "steps": self.steps_, "epochs": self.epochs_,
+                "train_losses": self.train_losses_,
+                "validation_losses": self.validation_losses_,
+                "rng": None if self._rng is None else self._rng.bit_generator.state,
+            }))
+        return Path(path)
+
+    @classmethod
+    def load_checkpoint(cls, path: str | os.PathLike, providers: Sequence[str] | None = None,
+                        session_options: Any = None) -> Trainer:
+        """A trainer resuming a checkpoint: ``fit(..., warm_start=True)`` continues it."""
+        folder = Path(path)
+        program = TrainingProgram.load(folder / "program")
+        trainer = cls(program, providers, session_options)
+        record = json.loads((folder / _CHECKPOINT_FILE).read_text())
+        trainer.steps_, trainer.epochs_ = record["steps"], record["epochs"]
+        trainer.train_losses_ = list(record["train_losses"])
+        trainer.validation_losses_ = list(record["validation_losses"])
+        if record["rng"] is not None:
+            trainer._rng = np.random.default_rng()
+            trainer._rng.bit_generator.state = record["rng"]
+        return trainer

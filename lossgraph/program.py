@@ -37,11 +37,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .analysis import trainable_initializers
-from .fileio import replace_directory, save_model
 from .errors import InvalidModelError, UnsupportedModelError, UnsupportedOptionError
+from .fileio import replace_directory, save_model
 from .models import ModelLike, as_model
-from .passes.fuse import Signature, epoch_graph, step_graph
 from .names import NameAuthority
+from .passes.fuse import Signature, epoch_graph, step_graph
 from .passes.gradient import GRADIENTS_KEY, gradient
 from .passes.loss import add_loss_output
 from .passes.lower_ml import lower_ml_ops

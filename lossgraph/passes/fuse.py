@@ -16,8 +16,9 @@ Every data input is gathered by ``permutation`` (shuffling) and reshaped to
 ``(batches, batch, ...)``; ``batches`` is the length of ``learning_rates`` (one
 learning rate per batch) and ``batch`` is ``len(permutation) / batches``. Without
 shuffling (``shuffled=False``) there is no ``permutation``: the data inputs are the
-epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each batch to the step graph as a view, carries weights, states and
-the step counter, and stacks the per-batch losses. No Python runs between batches.
+epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each
+batch to the step graph as a view, carries weights, states and the step counter,
+and stacks the per-batch losses. No Python runs between batches.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class Trainer:
         self._loss = np.zeros((), self._dtype)
         self.reset()
 
-    # -- state ----------------------------------------------------------------------------
+    # -- state -------------------------------------------------------------------------
     def reset(self) -> None:
         """Back to the program's initial state, as if nothing had been trained."""
         self._buffers.load(self.program.state)
@@ -97,7 +97,7 @@ class Trainer:
         for name, value in state.items():
             live[name][...] = value
 
-    # -- sessions -----------------------------------------------------------------------------
+    # -- sessions ----------------------------------------------------------------------
     def _session(self, graph: str):
         if graph not in self._sessions:
             self._sessions[graph] = create_session(self.program.graphs[graph], self.providers,
@@ -121,7 +121,7 @@ class Trainer:
                                                outputs, fixed_in, fixed_out)
         return self._runners[graph]
 
-    # -- data ------------------------------------------------------------------------------------
+    # -- data --------------------------------------------------------------------------
     def _inputs(self, graph: str, role: str) -> list[dict]:
         entry = self.program.manifest["graphs"][graph]
         return [v for v in entry["inputs"] if v["role"] == role]
@@ -190,7 +190,7 @@ class Trainer:
                 f"({expected_shape}).")
         return np.ascontiguousarray(array)
 
-    # -- training ----------------------------------------------------------------------------------
+    # -- training ----------------------------------------------------------------------
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None, epochs: int = 1,
             batch_size: int = 32, shuffle: bool = True, random_state: int | None = None,
             validation_data: tuple | None = None, callbacks: Iterable[Callback] | None = None,
@@ -393,7 +393,7 @@ class Trainer:
             f"smaller learning rate (now {self._optimizer.schedule(self.steps_ + 1):g}), scale "
             f"the features, or a smaller penalty. The weights are those before {restored}.")
 
-    # -- evaluation and export -----------------------------------------------------------------------
+    # -- evaluation and export ---------------------------------------------------------
     def _evaluate(self, data: Mapping[str, np.ndarray]) -> float:
         session = self._session("evaluate")
         loss = self.program.manifest["roles"]["loss"]
@@ -417,7 +417,7 @@ class Trainer:
         """The original inference model with the trained weights written back."""
         return self.program.to_inference_model(self._buffers.live())
 
-    # -- checkpoints -----------------------------------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
         """Write the program, state, counters, losses and shuffling generator, atomically."""
         with replace_directory(path) as staging:

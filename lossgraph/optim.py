@@ -1,0 +1,361 @@
+"""Optimizers: the weight update as ONNX nodes, one small subgraph per weight.
+
+Each optimizer emits, for a weight ``w`` with gradient ``g``, its per-weight state
+and the scalar inputs ``lr`` (the learning rate, a scalar of the weight's dtype,
+fed each step) and ``t`` (int64, the 1-based update number), the nodes computing
+the new weight and the new state. The formulas (``m``, ``b1``, ``b2``, ``eps``,
+``wd`` are the optimizer's constants, folded into the graph):
+
+    SGD        w' = w - lr g
+    Momentum   v' = m v + g                                    (torch.optim.SGD)
+               w' = w - lr v'                 nesterov=False
+               w' = w - lr (g + m v')         nesterov=True
+    Adam       m' = b1 m + (1 - b1) g                          (torch.optim.Adam)
+               v' = b2 v + (1 - b2) g^2
+               w' = w - (lr / (1 - b1^t)) m' / (sqrt(v') / sqrt(1 - b2^t) + eps)
+    AdamW      w~ = w (1 - lr wd), then Adam's step on w~      (torch.optim.AdamW)
+
+The learning rate is a graph input so that a schedule can change it between
+steps: :meth:`Optimizer.schedule` gives its value for update ``t``. Only
+:class:`SGD` has schedules other than a constant, those of scikit-learn's
+``SGDRegressor`` (``_sgd_fast.pyx``):
+
+    constant    lr_t = learning_rate
+    invscaling  lr_t = eta0 / t^power_t                  (eta0 defaults to learning_rate)
+    optimal     lr_t = 1 / (alpha (t0 + t - 1)),  t0 = 1 / (alpha typw),  typw = alpha^(-1/4)
+
+(scikit-learn's heuristic is ``initial_eta0 = typw / max(1, dloss(1, -typw))``; the
+derivative is negative for every loss it offers, so ``initial_eta0 = typw`` and the
+first rate is ``typw``.)
+
+Scalar work shared by all weights (Adam's bias corrections, AdamW's decay factor)
+is emitted once per builder; per-tensor work broadcasts a scalar against the
+weight at most once per term, and no ``Where`` is used.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import numbers
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from onnx import helper
+
+from .builder import GraphBuilder
+from .errors import UnsupportedOptionError, suggest
+
+__all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "optimizer_from_dict", "OPTIMIZERS"]
+
+SCHEDULES = ("constant", "invscaling", "optimal")
+
+
+# -- validation helpers ----------------------------------------------------------------
+
+
+def _number(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise UnsupportedOptionError(f"{owner}: {name}={value!r} must be a real number.")
+    number = float(value)
+    if not math.isfinite(number):
+        raise UnsupportedOptionError(f"{owner}: {name}={value!r} must be finite.")
+    return number
+
+
+def _non_negative(owner: str, name: str, value: Any) -> None:
+    if _number(owner, name, value) < 0:
+        raise UnsupportedOptionError(f"{owner}: {name}={value!r} must be >= 0.")
+
+
+def _unit_interval(owner: str, name: str, value: Any) -> None:
+    if not 0 <= _number(owner, name, value) < 1:
+        raise UnsupportedOptionError(f"{owner}: {name}={value!r} must lie in [0, 1).")
+
+
+# -- shared scalar subexpressions ---------------------------------------------------------
+
+# Per builder, the scalar values already emitted (keyed by what they compute), so that
+# several weights updated in one graph share one bias correction, one decay factor...
+_SCALARS: weakref.WeakKeyDictionary[GraphBuilder, dict[tuple, tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shared(b: GraphBuilder, key: tuple, emit: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
+    """``emit()``'s results, emitted once per builder (while its nodes are still there)."""
+    cache = _SCALARS.setdefault(b, {})
+    values = cache.get(key)
+    produced = {name for node in b.nodes for name in node.output} if values else set()
+    if values is None or not set(values) <= produced:
+        cache[key] = values = emit()
+    return values
+
+
+def _elem_type(dtype: Any) -> int:
+    return dtype if isinstance(dtype, int) else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+# -- the optimizers ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Optimizer(abc.ABC):
+    """A weight-update rule with constant hyper-parameters and per-weight state."""
+
+    learning_rate: float = 0.01
+    _state_suffixes: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        _non_negative(type(self).__name__, "learning_rate", self.learning_rate)
+        # Plain Python numbers (not numpy scalars), so that to_dict() is JSON-ready.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, (bool, np.bool_)):
+                object.__setattr__(self, field.name, bool(value))
+            elif isinstance(value, numbers.Real):
+                object.__setattr__(self, field.name, float(value))
+
+    def schedule(self, step: int) -> float:
+        """The learning rate for update number ``step`` (1-based); constant by default."""
+        _check_step(step)
+        return float(self.learning_rate)
+
+    def state_names(self, weight: str) -> list[str]:
+        """Names of the per-weight state tensors, named after the weight."""
+        return [f"{weight}_{suffix}" for suffix in self._state_suffixes]
+
+    def initial_state(self, weight: np.ndarray) -> list[np.ndarray]:
+        """The state before the first update: zeros like ``weight``, one per state name."""
+        return [np.zeros_like(weight) for _ in self._state_suffixes]
+
+    @abc.abstractmethod
+    def emit_update(self, b: GraphBuilder, weight: str, grad: str, states: Sequence[str],
+                    learning_rate: str, step: str, dtype: Any) -> tuple[str, list[str]]:
+        """Emit nodes computing ``(new weight, [new states])`` into ``b``.
+
+        ``learning_rate`` is a scalar of ``dtype`` (the weight's), ``step`` an int64
+        scalar holding the 1-based update number, ``states`` the current state values in
+        :meth:`state_names` order.
+        """
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"type": <class name>, <hyper-parameter>: value, ...}``, for the manifest."""
+        return {"type": type(self).__name__, **dataclasses.asdict(self)}
+
+    def _check_states(self, states: Sequence[str]) -> None:
+        if len(states) != len(self._state_suffixes):
+            raise UnsupportedOptionError(
+                f"{type(self).__name__} keeps {len(self._state_suffixes)} state tensor(s) per "
+                f"weight ({', '.join(self._state_suffixes) or 'none'}); got {len(states)}."
+            )
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise UnsupportedOptionError(
+            f"step={step!r} must be an integer >= 1 (updates count from 1)."
+        )
+
+
+@dataclass(frozen=True)
+class SGD(Optimizer):
+    """Plain stochastic gradient descent, ``w' = w - lr g``, with scikit-learn's schedules.
+
+    ``learning_rate_schedule`` is ``"constant"`` (``learning_rate``), ``"invscaling"``
+    (``eta0 / t**power_t``, ``eta0`` defaulting to ``learning_rate``) or ``"optimal"``
+    (``1 / (alpha (t0 + t - 1))``, see the module docstring).
+    """
+
+    learning_rate: float = 0.01
+    learning_rate_schedule: str = "constant"
+    eta0: float | None = None
+    power_t: float = 0.25
+    alpha: float = 1e-4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.learning_rate_schedule not in SCHEDULES:
+            raise UnsupportedOptionError(
+                f"SGD: unknown learning_rate_schedule {self.learning_rate_schedule!r}."
+                + suggest(str(self.learning_rate_schedule), SCHEDULES, "schedules")
+            )
+        if self.eta0 is not None:
+            _non_negative("SGD", "eta0", self.eta0)
+        _number("SGD", "power_t", self.power_t)
+        _non_negative("SGD", "alpha", self.alpha)
+        if self.learning_rate_schedule == "optimal" and self.alpha == 0:
+            raise UnsupportedOptionError(
+                "SGD: learning_rate_schedule='optimal' needs alpha > 0 (its rate is "
+                "1 / (alpha (t0 + t - 1)))."
+            )
+
+    @property
+    def initial_eta0(self) -> float:
+        """``eta0`` as the invscaling schedule uses it (``learning_rate`` when unset)."""
+        return float(self.learning_rate if self.eta0 is None else self.eta0)
+
+    @property
+    def optimal_init(self) -> float:
+        """scikit-learn's ``t0`` for the optimal schedule: ``1 / (alpha typw)``."""
+        typw = math.sqrt(1.0 / math.sqrt(self.alpha))
+        return 1.0 / (typw * self.alpha)
+
+    def schedule(self, step: int) -> float:
+        _check_step(step)
+        if self.learning_rate_schedule == "invscaling":
+            return self.initial_eta0 / float(step) ** self.power_t
+        if self.learning_rate_schedule == "optimal":
+            return 1.0 / (self.alpha * (self.optimal_init + step - 1))
+        return float(self.learning_rate)
+
+    def emit_update(self, b: GraphBuilder, weight: str, grad: str, states: Sequence[str],
+                    learning_rate: str, step: str, dtype: Any) -> tuple[str, list[str]]:
+        self._check_states(states)
+        return b.Sub(weight, b.Mul(grad, learning_rate), hint=f"{weight}_new"), []
+
+
+@dataclass(frozen=True)
+class Momentum(Optimizer):
+    """SGD with (Nesterov) momentum, as ``torch.optim.SGD(momentum=m, nesterov=...)``.
+
+    ``v' = m v + g``; ``w' = w - lr v'``, or ``w' = w - lr (g + m v')`` with Nesterov.
+    State: ``<weight>_velocity``.
+    """
+
+    learning_rate: float = 0.01
+    momentum: float = 0.9
+    nesterov: bool = False
+    _state_suffixes: ClassVar[tuple[str, ...]] = ("velocity",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _unit_interval("Momentum", "momentum", self.momentum)
+        if not isinstance(self.nesterov, (bool, np.bool_)):
+            raise UnsupportedOptionError(f"Momentum: nesterov={self.nesterov!r} must be a bool.")
+        if self.nesterov and self.momentum == 0:
+            raise UnsupportedOptionError(
+                "Momentum: nesterov=True needs momentum > 0 (torch.optim.SGD rejects it too); "
+                "use SGD for plain gradient descent."
+            )
+
+    def emit_update(self, b: GraphBuilder, weight: str, grad: str, states: Sequence[str],
+                    learning_rate: str, step: str, dtype: Any) -> tuple[str, list[str]]:
+        self._check_states(states)
+        if self.momentum == 0:
+            velocity = b.Identity(grad, hint=f"{weight}_velocity_new")
+        else:
+            m = b.const(self.momentum, dtype, "momentum")
+            velocity = b.Add(b.Mul(states[0], m), grad, hint=f"{weight}_velocity_new")
+        direction = b.Add(grad, b.Mul(velocity, m)) if self.nesterov else velocity
+        new_weight = b.Sub(weight, b.Mul(direction, learning_rate), hint=f"{weight}_new")
+        return new_weight, [velocity]
+
+
+@dataclass(frozen=True)
+class Adam(Optimizer):
+    """Adam, as ``torch.optim.Adam`` (bias-corrected, ``eps`` added after the square root).
+
+    States: ``<weight>_m`` (first moment) and ``<weight>_v`` (second moment).
+    """
+
+    learning_rate: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+    _state_suffixes: ClassVar[tuple[str, ...]] = ("m", "v")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = type(self).__name__
+        _unit_interval(name, "beta1", self.beta1)
+        _unit_interval(name, "beta2", self.beta2)
+        _non_negative(name, "epsilon", self.epsilon)
+
+    def _decayed(self, b: GraphBuilder, weight: str, learning_rate: str, dtype: Any) -> str:
+        return weight
+
+    def emit_update(self, b: GraphBuilder, weight: str, grad: str, states: Sequence[str],
+                    learning_rate: str, step: str, dtype: Any) -> tuple[str, list[str]]:
+        self._check_states(states)
+        m, v = states
+        const = b.const
+
+        def scalars() -> tuple[str, ...]:
+            elem_type = _elem_type(dtype)
+            (t,) = _shared(b, ("t", step, elem_type), lambda: (b.Cast(step, to=elem_type,
+                                                                     hint="t"),))
+            one = const(1.0, dtype, "one")
+            bc1 = b.Sub(one, b.Pow(const(self.beta1, dtype, "beta1"), t), hint="bias_correction1")
+            bc2 = b.Sub(one, b.Pow(const(self.beta2, dtype, "beta2"), t), hint="bias_correction2")
+            step_size = b.Div(learning_rate, bc1, hint="step_size")
+            return step_size, b.Sqrt(bc2, hint="bias_correction2_sqrt")
+
+        key = ("adam", self.beta1, self.beta2, learning_rate, step, _elem_type(dtype))
+        step_size, sqrt_bc2 = _shared(b, key, scalars)
+
+        w = self._decayed(b, weight, learning_rate, dtype)
+        m_new = b.Add(b.Mul(m, const(self.beta1, dtype, "beta1")),
+                      b.Mul(grad, const(1.0 - self.beta1, dtype, "one_minus_beta1")),
+                      hint=f"{weight}_m_new")
+        v_new = b.Add(b.Mul(v, const(self.beta2, dtype, "beta2")),
+                      b.Mul(b.Mul(grad, grad), const(1.0 - self.beta2, dtype, "one_minus_beta2")),
+                      hint=f"{weight}_v_new")
+        denominator = b.Add(b.Div(b.Sqrt(v_new), sqrt_bc2), const(self.epsilon, dtype, "epsilon"))
+        new_weight = b.Sub(w, b.Div(b.Mul(m_new, step_size), denominator), hint=f"{weight}_new")
+        return new_weight, [m_new, v_new]
+
+
+@dataclass(frozen=True)
+class AdamW(Adam):
+    """AdamW, as ``torch.optim.AdamW``: ``w <- w (1 - lr wd)`` first, then Adam's step."""
+
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _non_negative("AdamW", "weight_decay", self.weight_decay)
+
+    def _decayed(self, b: GraphBuilder, weight: str, learning_rate: str, dtype: Any) -> str:
+        if self.weight_decay == 0:
+            return weight
+
+        def decay() -> str:
+            shrink = b.Mul(learning_rate, b.const(self.weight_decay, dtype, "weight_decay"))
+            return (b.Sub(b.const(1.0, dtype, "one"), shrink, hint="decay"),)
+
+        key = ("decay", self.weight_decay, learning_rate, _elem_type(dtype))
+        (factor,) = _shared(b, key, decay)
+        return b.Mul(weight, factor, hint=f"{weight}_decayed")
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {
+    cls.__name__: cls for cls in (SGD, Momentum, Adam, AdamW)
+}
+
+
+def optimizer_from_dict(d: Mapping[str, Any]) -> Optimizer:
+    """The optimizer :meth:`Optimizer.to_dict` described."""
+    if not isinstance(d, Mapping) or "type" not in d:
+        raise UnsupportedOptionError(
+            f"An optimizer description is a dict with a 'type' key, e.g. "
+            f"{{'type': 'SGD', 'learning_rate': 0.01}}; got {d!r}."
+        )
+    kind = d["type"]
+    if kind not in OPTIMIZERS:
+        raise UnsupportedOptionError(
+            f"Unknown optimizer type {kind!r}." + suggest(str(kind), OPTIMIZERS, "types")
+        )
+    cls = OPTIMIZERS[kind]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    options = {k: v for k, v in d.items() if k != "type"}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise UnsupportedOptionError(
+            f"{kind} has no option {unknown[0]!r} (its options: {', '.join(sorted(fields))})."
+        )
+    return cls(**options)

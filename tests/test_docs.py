@@ -18,13 +18,14 @@ BLOCKS = [(page, index, code) for page in PAGES
 
 @pytest.mark.parametrize(("page", "index", "code"), BLOCKS,
                          ids=[f"{p.relative_to(ROOT)}[{i}]" for p, i, _ in BLOCKS])
-def test_python_example_runs(page, index, code):
+def test_python_example_runs(page, index, code, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # examples may write files
     exec(compile(code, f"{page.name}[{index}]", "exec"), {"__name__": "__doc_example__"})
 
 
 def test_demo_runs(capsys):
     runpy.run_path(str(ROOT / "docs" / "examples" / "demo.py"), run_name="__main__")
-    assert "OK: loss and gradients match scikit-learn" in capsys.readouterr().out
+    assert "OK: lossgraph trains the ONNX model as well as" in capsys.readouterr().out
 
 
 def test_supported_ops_page_is_generated_from_the_registry():

@@ -271,13 +271,17 @@ def test_lowered_weights_are_trainable_float_initializers(kind, weights):
     assert arrays["intercept"].shape == (coef.shape[0],)
 
 
-def test_lowered_binary_logistic_regression_uses_a_logistic_per_column():
-    _, model, X = _sklearn_model("LogisticRegression_binary")
+def test_lowered_binary_logistic_regression_keeps_its_two_rows_tied():
+    estimator, model, X = _sklearn_model("LogisticRegression_binary")
     node = model.graph.node[0]
     assert node.op_type == "LinearClassifier"
     assert _attribute(node, "post_transform") == b"LOGISTIC"
     lowered = lower_ml_ops(model)
-    assert [n.op_type for n in lowered.graph.node] == ["Gemm", "ArgMax", "Gather", "Sigmoid"]
+    assert [n.op_type for n in lowered.graph.node] == [
+        "Gemm", "Neg", "Concat", "ArgMax", "Gather", "Sigmoid"]
+    arrays = {t.name: onnx.numpy_helper.to_array(t) for t in lowered.graph.initializer}
+    np.testing.assert_allclose(arrays["coef"], estimator.coef_.astype(np.float32))
+    assert arrays["intercept"].shape == (1,)
     check_against_onnxruntime(model, X)
 
 

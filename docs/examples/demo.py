@@ -41,7 +41,8 @@ def make_data():
 def sklearn_mlp():
     return MLPRegressor(hidden_layer_sizes=(32,), solver="sgd", learning_rate_init=LEARNING_RATE,
                         momentum=0.9, nesterovs_momentum=True, batch_size=BATCH, alpha=ALPHA,
-                        shuffle=True, random_state=0, max_iter=EPOCHS, tol=0, n_iter_no_change=10**9)
+                        shuffle=True, random_state=0, max_iter=EPOCHS, tol=0,
+                        n_iter_no_change=10**9)
 
 
 def check_gradients(onx, X, y) -> None:

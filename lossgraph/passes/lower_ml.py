@@ -28,6 +28,9 @@ are scalar constants; ``z`` is the raw score ``(N, C)``::
                                       (any other transform leaves z as it is)
     LinearClassifier(X), C > 1     -> label  = Gather(classes, ArgMax(z, axis=1))
                                       scores = T(z)
+      rows (-w, -b) and (w, b)        z = Concat(-s, s, axis=1), s = Gemm(Cast(X), coef,
+      (skl2onnx's binary models)      intercept, transB=1) with coef = w: one weight
+                                      that training keeps tied
     LinearClassifier(X), C = 1     -> label  = Gather(classes, Cast(Greater(z, 0)))
                                                classes = the 2 labels, else [0, 1]
       with 2 class labels             scores = Concat(1 - p, p, axis=1), p = Sigmoid(z)
@@ -331,6 +334,14 @@ def _class_labels(node: onnx.NodeProto, attrs: dict) -> np.ndarray | None:
     return None
 
 
+def _tied_binary(coefficients: list[float], intercepts: list[float]) -> bool:
+    """Two rows of coefficients that are exact negatives of each other, intercepts too."""
+    if len(intercepts) != 2 or not coefficients or len(coefficients) % 2:
+        return False
+    rows = np.asarray(coefficients, _F32).reshape(2, -1)
+    return bool(np.array_equal(rows[0], -rows[1]) and _F32(intercepts[0]) == -_F32(intercepts[1]))
+
+
 def _lower_classifier(ctx: _Context, node: onnx.NodeProto) -> None:
     b = ctx.builder
     attrs = _attributes(node)
@@ -380,8 +391,16 @@ def _lower_classifier(ctx: _Context, node: onnx.NodeProto) -> None:
     else:  # one row: onnxruntime ignores every transform but PROBIT, or adds a column
         raw_is_scores = labels is None and post != "PROBIT"
     direct = scores_out if raw_is_scores and scores_out else None
-    z = _linear(ctx, node, list(attrs.get("coefficients", [])), intercepts, rows, "classes",
-                direct)
+    coefficients = list(attrs.get("coefficients", []))
+    if _tied_binary(coefficients, intercepts):
+        # skl2onnx's binary classifiers store (-w, -b) and (w, b): one weight, so that
+        # training keeps the two rows tied: z = [-s, s].
+        half = len(coefficients) // 2
+        s = _linear(ctx, node, coefficients[half:], intercepts[1:], 1, "classes")
+        z = b.Concat(b.Neg(s, hint="negative_raw_scores"), s, axis=1,
+                     **({"outputs": [direct]} if direct else {"hint": "raw_scores"}))
+    else:
+        z = _linear(ctx, node, coefficients, intercepts, rows, "classes", direct)
     if label_out in ctx.used:
         class_list = _initializer(b, classes, "classes")
         if rows == 1:

@@ -124,6 +124,12 @@ class GraphBuilder:
             node.output[:] = [new_name if o == value else o for o in node.output]
         return new_name
 
+    def dims(self, x: str, start: int, end: int, hint: str | None = None) -> str:
+        """``Shape(x)[start:end]`` (the ``start``/``end`` attributes need opset 15)."""
+        if self.opset >= 15:
+            return self.Shape(x, start=start, end=end, hint=hint)
+        return self.Slice(self.Shape(x), self.ints([start]), self.ints([end]), hint=hint)
+
     # -- output ------------------------------------------------------------------
     def append_to(self, graph: onnx.GraphProto) -> None:
         """Move everything built so far into ``graph``."""

@@ -68,6 +68,7 @@ class GradContext(GraphBuilder):
         self._shapes = shapes
         self._types = types
         self._values = constants
+        self._ones: dict[tuple, str] = {}
 
     # -- forward facts ---------------------------------------------------------------
     def shape(self, name: str) -> Shape | None:
@@ -150,11 +151,45 @@ class GradContext(GraphBuilder):
             )
         lead = len(full) - len(target)
         kept = [lead + i for i, d in enumerate(target) if d == 1 and full[lead + i] != 1]
+        axes = list(range(lead)) + kept
+        if axes and axes == list(range(len(axes))) and self._static(full[len(axes):]) \
+                and self._static(target):
+            return self.sum_leading_axes(grad, to, source, len(axes))
         if kept:
             grad = self.reduce("ReduceSum", grad, kept, keepdims=1)
         if lead > 0:
             grad = self.reduce("ReduceSum", grad, list(range(lead)), keepdims=0)
         return grad
+
+    @staticmethod
+    def _static(shape: Sequence) -> bool:
+        return all(isinstance(d, int) for d in shape)
+
+    def sum_leading_axes(self, grad: str, like: str, source: str, count: int) -> str:
+        """Sum ``grad`` (shaped like ``source``) over its first ``count`` axes, down to the
+        static shape of ``like``.
+
+        A bias gradient sums a batch of rows: ``ones(1, rows) @ grad`` is many times
+        faster in onnxruntime than ``ReduceSum`` over axis 0 (10x on 10000 x 50). The row
+        of ones is built once per batch size and element type.
+        """
+        full, target = self.shape(source), self.shape(like)
+        columns = int(np.prod(target)) if target else 1
+        rows = grad
+        if not (count == 1 and len(full) == 2 and full[1] == columns):  # not already rows
+            rows = self.Reshape(grad, self.ints([-1, columns]), hint="rows")
+        key = (self.dtype(like).str, tuple(full[:count]))
+        if key not in self._ones:
+            count_rows = self.dims(source, 0, count)
+            if count > 1:
+                count_rows = self.reduce("ReduceProd", count_rows, keepdims=1)
+            one = numpy_helper.from_array(np.ones(1, dtype=self.dtype(like)), "value")
+            self._ones[key] = self.ConstantOfShape(
+                self.Concat(self.ints([1]), count_rows, axis=0), value=one, hint="ones")
+        total = self.MatMul(self._ones[key], rows, hint="column_sums")
+        if tuple(target) == (1, columns):
+            return total
+        return self.Reshape(total, self.ints(list(target)), hint="summed")
 
     def sum_of(self, terms: Sequence[str], hint: str | None = None) -> str:
         """One value for several gradient contributions: the term, or a single Sum."""

@@ -164,7 +164,7 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
     permutation = names.fresh("permutation") if shuffled else None
     learning_rates = names.fresh("learning_rates")
     batches = b.Shape(learning_rates, hint="batches")
-    rows_count = b.Shape(permutation if shuffled else signature.data[0], start=0, end=1)
+    rows_count = b.dims(permutation if shuffled else signature.data[0], 0, 1)
     batch = b.Div(rows_count, batches, hint="batch")
     batched = []
     for name in signature.data:

@@ -368,10 +368,14 @@ def add_loss_output(
     b = GraphBuilder(names, opset_version(model), prefix="loss/")
     per_item = score.build(b, prediction, label, options)
     per_row = per_item
-    if score.per_element and prediction.rank > 1:
+    if weight is None and reduction == "mean":  # the mean of row means: one reduction
+        per_row = None
+    elif score.per_element and prediction.rank > 1:
         per_row = b.reduce("ReduceMean", per_item, list(range(1, prediction.rank)), keepdims=0,
                            hint="row_loss")
-    if weight is None:
+    if per_row is None:
+        total = b.reduce("ReduceMean", per_item, keepdims=0)
+    elif weight is None:
         reduce_op = "ReduceMean" if reduction == "mean" else "ReduceSum"
         total = b.reduce(reduce_op, per_row, keepdims=0)
     else:

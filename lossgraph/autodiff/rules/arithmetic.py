@@ -2,7 +2,7 @@
 
     Add(a, b)   da = dy            db = dy
     Sub(a, b)   da = dy            db = -dy
-    Mul(a, b)   da = dy b          db = dy a
+    Mul(a, b)   da = dy b          db = dy a         (Mul(a, a): da = 2 a dy)
     Div(a, b)   da = dy / b        db = -dy a / b^2 = -(da) y
     Neg(x)      dx = -dy
     Identity(x) dx = dy
@@ -26,6 +26,8 @@ def sub(g, node, dy):
 @grad_rule("Mul", broadcast=True)
 def mul(g, node, dy):
     a, b = node.inputs
+    if a == b:  # a square: one term, 2 a dy
+        return g.Mul(dy, g.Mul(a, g.const_like(2.0, a, "two"))), None
     return g.Mul(dy, b), g.Mul(dy, a)
 
 

@@ -44,7 +44,7 @@ def _dim(g, x: str, axis: int, scalar: bool = False) -> str:
         return g.const(shape[axis] if scalar else [shape[axis]], np.int64, "dim")
     if scalar:
         return g.Gather(g.Shape(x), g.const(axis, np.int64, "axis"), axis=0)
-    return g.Slice(g.Shape(x), g.ints([axis]), g.ints([axis + 1]))
+    return g.dims(x, axis, axis + 1)
 
 
 def _one_hot(g, indices: str, depth: str, like: str, axis: int) -> str:

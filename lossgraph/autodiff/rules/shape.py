@@ -114,10 +114,7 @@ def axis_sizes(g, names: list[str], axis: int) -> str:
     dims = [(g.shape(n) or [None] * (axis + 1))[axis] for n in names]
     if all(isinstance(d, int) for d in dims):
         return g.ints(dims, hint="sizes")
-    if g.opset >= 15:
-        parts = [g.Shape(n, start=axis, end=axis + 1) for n in names]
-    else:
-        parts = [g.Slice(g.Shape(n), g.ints([axis]), g.ints([axis + 1])) for n in names]
+    parts = [g.dims(n, axis, axis + 1) for n in names]
     return parts[0] if len(parts) == 1 else g.Concat(*parts, axis=0)
 
 

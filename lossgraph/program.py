@@ -42,13 +42,15 @@ from .fileio import replace_directory, save_model
 from .models import ModelLike, as_model
 from .names import NameAuthority
 from .passes.fuse import Signature, epoch_graph, step_graph
-from .passes.gradient import GRADIENTS_KEY, gradient
+from .passes.gradient import GRADIENTS_KEY
+from .passes.gradient import gradient as gradient_of
 from .passes.loss import add_loss_output
 from .passes.lower_ml import lower_ml_ops
 from .passes.penalty import penalty_graph
 from .passes.update import update_graph
 from .passes.weights import weights_to_inputs
 from .roles import get_roles
+from .target import Target, use_target
 
 __all__ = ["TrainingProgram", "compile", "FUSE_MODES", "FORMAT"]
 
@@ -163,8 +165,9 @@ def compile(  # noqa: A001 - the name the issue asks for, mirrors torch.compile
     loss_options: Mapping[str, Any] | None = None,
     penalty: Mapping[str, Any] | None = None,
     optimizer=None,
-    gradient_backend: str = "onnx",
+    gradient: str = "onnx",
     fuse: str = "step",
+    target: Target | str | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`TrainingProgram`.
 
@@ -179,9 +182,22 @@ def compile(  # noqa: A001 - the name the issue asks for, mirrors torch.compile
         penalty: ``{weight: {"l1": a, "l2": b}}`` or ``{weight: b}``, added to the loss
             (and so to its gradient and to the reported loss).
         optimizer: a :mod:`lossgraph.optim` optimizer; default ``SGD()``.
-        gradient_backend: ``"onnx"`` (standard ops, any onnxruntime) or ``"ort"``.
+        gradient: the gradient backend: ``"onnx"`` (standard ops, any onnxruntime) or
+            ``"ort"`` (onnxruntime-training's builder, training build only).
         fuse: ``"separate"``, ``"step"`` or ``"epoch"`` (see the module docstring).
+        target: the runtimes the graphs must load in: a name of
+            :data:`lossgraph.target.TARGETS` (``"default"``: onnxruntime-training 1.19
+            and current onnxruntime, opsets 13-21; ``"onnxruntime"``: current
+            onnxruntime only, opsets up to 25) or a :class:`~lossgraph.target.Target`.
     """
+    with use_target(target):
+        return _compile(model, trainable, loss, loss_options, penalty, optimizer, gradient,
+                        fuse)
+
+
+def _compile(model: ModelLike, trainable: Sequence[str] | None, loss: str | None,
+             loss_options: Mapping[str, Any] | None, penalty: Mapping[str, Any] | None,
+             optimizer, gradient: str, fuse: str) -> TrainingProgram:
     from .optim import SGD
 
     optimizer = optimizer if optimizer is not None else SGD()
@@ -224,10 +240,10 @@ def compile(  # noqa: A001 - the name the issue asks for, mirrors torch.compile
     state = dict(initial)
     if fuse == "separate":
         graphs.update(_separate_graphs(graphs["predict"], roles, loss, options, penalty,
-                                       initial, optimizer, gradient_backend, signature))
+                                       initial, optimizer, gradient, signature))
     else:
-        with_gradients = gradient(lifted, wrt=weights, loss=signature.loss,
-                                  backend=gradient_backend)
+        with_gradients = gradient_of(lifted, wrt=weights, loss=signature.loss,
+                                                backend=gradient)
         signature.gradients = _gradient_names(with_gradients)
         step, signature = step_graph(with_gradients, signature, optimizer)
         graphs["train_step"] = step
@@ -259,7 +275,8 @@ def _separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: s
             "fuse='separate' builds its own loss graph: pass a score name as loss=.")
     prediction = roles["prediction"]
     weights = list(initial)
-    model_gradient = gradient(predict, wrt=weights, outputs=[prediction], backend=backend)
+    model_gradient = gradient_of(predict, wrt=weights, outputs=[prediction],
+                                            backend=backend)
     value = next(o for o in predict.graph.output if o.name == prediction)
     names = NameAuthority({prediction, roles["label"], roles.get("weight", "")})
     copy_name = names.fresh(f"{prediction}_copy")
@@ -269,7 +286,8 @@ def _separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: s
         opset_imports=[helper.make_opsetid("", 18)])
     loss_options = {k: v for k, v in options.items() if k != "output_index"}
     loss_model = add_loss_output(identity, loss, label_name=roles["label"], **loss_options)
-    loss_graph = gradient(loss_model, wrt=[prediction], loss=roles["loss"], backend=backend)
+    loss_graph = gradient_of(loss_model, wrt=[prediction], loss=roles["loss"],
+                                        backend=backend)
     graphs = {"gradient": model_gradient, "loss": loss_graph,
               "update": update_graph(optimizer, initial)}
     if penalty:

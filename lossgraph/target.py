@@ -7,14 +7,18 @@ opset imports of its output deliberately, through :func:`finalize`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import onnx
 
-from .errors import UnsupportedModelError
+from .errors import UnsupportedModelError, UnsupportedOptionError, suggest
 from .graphs import all_graphs, opset_version
 
-__all__ = ["Target", "DEFAULT_TARGET", "check_opset", "finalize"]
+__all__ = ["Target", "DEFAULT_TARGET", "TARGETS", "active_target", "check_opset", "finalize",
+           "resolve_target", "use_target"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,50 @@ DEFAULT_TARGET = Target(
     description="onnxruntime-training 1.19 and current onnxruntime", ir_version=10, max_opset=21
 )
 
+#: The runtimes a model can be emitted for, by name (``compile(..., target=name)``).
+TARGETS = {
+    "default": DEFAULT_TARGET,
+    "onnxruntime-training-1.19": DEFAULT_TARGET,
+    # Plain onnxruntime 1.20+ (checked with 1.31) loads opsets up to 25; lossgraph's
+    # rules are proven up to 21, and opsets 22-25 changed types, not semantics, of the
+    # ops lossgraph differentiates.
+    "onnxruntime": Target(description="current onnxruntime (1.20 and later)", ir_version=10,
+                          max_opset=25),
+}
 
-def check_opset(model: onnx.ModelProto, target: Target = DEFAULT_TARGET) -> int:
+_ACTIVE: ContextVar[Target] = ContextVar("lossgraph_target", default=DEFAULT_TARGET)
+
+
+def resolve_target(target: Target | str | None) -> Target:
+    """A :class:`Target` from a Target, a name of :data:`TARGETS`, or ``None`` (the default)."""
+    if target is None:
+        return DEFAULT_TARGET
+    if isinstance(target, Target):
+        return target
+    if target not in TARGETS:
+        raise UnsupportedOptionError(f"Unknown target {target!r}." + suggest(target, list(TARGETS),
+                                                                             "targets"))
+    return TARGETS[target]
+
+
+def active_target() -> Target:
+    """The target the passes emit for now (see :func:`use_target`)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def use_target(target: Target | str | None) -> Iterator[Target]:
+    """Run the passes inside the block for ``target``."""
+    token = _ACTIVE.set(resolve_target(target))
+    try:
+        yield _ACTIVE.get()
+    finally:
+        _ACTIVE.reset(token)
+
+
+def check_opset(model: onnx.ModelProto, target: Target | None = None) -> int:
     """The model's ``ai.onnx`` opset, checked to lie in the range the target supports."""
+    target = target or active_target()
     version = opset_version(model)
     if version is None:
         raise UnsupportedModelError(
@@ -48,16 +93,21 @@ def check_opset(model: onnx.ModelProto, target: Target = DEFAULT_TARGET) -> int:
             f"{target.description}, which needs opset {target.min_opset} to "
             f"{target.max_opset}. Convert it first, e.g. "
             f"onnx.version_converter.convert_version(model, {suggested})."
+            + (" Or emit for current onnxruntime only: compile(..., target='onnxruntime') or "
+               "with lossgraph.target.use_target('onnxruntime'): ..."
+               if version > target.max_opset and version <= TARGETS["onnxruntime"].max_opset
+               else "")
         )
     return version
 
 
-def finalize(model: onnx.ModelProto, target: Target = DEFAULT_TARGET) -> None:
+def finalize(model: onnx.ModelProto, target: Target | None = None) -> None:
     """Set the IR version and a clean opset list (one entry per domain) in place.
 
     Domains no node uses any more (e.g. ``ai.onnx.ml`` after :func:`lower_ml_ops`)
     are dropped, so the model loads where that domain is unknown.
     """
+    target = target or active_target()
     bodies = [*all_graphs(model.graph), *model.functions]
     used = {node.domain or "" for body in bodies for node in body.node} | {""}
     versions: dict[str, int] = {}

@@ -54,3 +54,29 @@ def test_errors_print_a_message_and_exit_2_leaving_no_output(model_file, tmp_pat
     assert "Unknown score_name 'nope'" in capsys.readouterr().err
     assert not output.exists()
     assert list(tmp_path.iterdir()) == [model_file]
+
+
+def test_compile_then_train_from_the_shell(model_file, tmp_path, run_model, rng):
+    X = rng.normal(size=(120, 3)).astype(np.float32)
+    y = np.stack([X @ [1.0, 2.0, -1.0], X @ [0.5, 0.0, 1.0]], axis=1).astype(np.float32)
+    np.savez(tmp_path / "train.npz", X=X, y=y)
+    program_dir, trained = tmp_path / "program", tmp_path / "trained.onnx"
+    assert main(["compile", str(model_file), "-o", str(program_dir), "--fuse", "epoch",
+                 "--optimizer", '{"type": "Adam", "learning_rate": 0.1}',
+                 "--penalty", '{"z_weight": 0.001}']) == 0
+    assert (program_dir / "manifest.json").exists()
+    assert main(["train", str(program_dir), "--data", str(tmp_path / "train.npz"),
+                 "--epochs", "30", "--batch-size", "20", "--random-state", "0",
+                 "-o", str(trained), "--checkpoint", str(tmp_path / "ckpt")]) == 0
+    prediction = run_model(onnx.load(trained), {"x": X})["y"]
+    assert np.mean((prediction - y) ** 2) < 0.05
+    assert (tmp_path / "ckpt" / "trainer.json").exists()
+
+
+def test_training_data_without_labels_is_a_clear_error(model_file, tmp_path, capsys):
+    program_dir = tmp_path / "program"
+    assert main(["compile", str(model_file), "-o", str(program_dir)]) == 0
+    np.savez(tmp_path / "data.npz", X=np.ones((3, 3), np.float32))
+    assert main(["train", str(program_dir), "--data", str(tmp_path / "data.npz"),
+                 "-o", str(tmp_path / "out.onnx")]) == 2
+    assert "needs arrays named X and y" in capsys.readouterr().err

@@ -288,3 +288,43 @@ def test_progress_bar_runs(data, capsys):
     X, y = data
     lossgraph.Trainer(program()).fit(X, y, epochs=2, progress=True)
     assert "lossgraph" in capsys.readouterr().err
+
+
+# -- targets and backends -----------------------------------------------------------------------
+
+OPSET_23 = LINEAR.replace('"" : 18', '"" : 23')
+
+
+def test_default_target_rejects_newer_opsets_and_names_the_way_out():
+    with pytest.raises(lossgraph.LossgraphError, match="target='onnxruntime'"):
+        lossgraph.compile(onnx.parser.parse_model(OPSET_23))
+
+
+def test_onnxruntime_target_emits_newer_opsets(data):
+    from conftest import HAS_TRAINING
+
+    prog = lossgraph.compile(onnx.parser.parse_model(OPSET_23), target="onnxruntime",
+                             optimizer=SGD(0.05))
+    assert all(g.opset_import[0].version == 23 and g.ir_version == 10
+               for g in prog.graphs.values())
+    if HAS_TRAINING:
+        pytest.skip("onnxruntime-training 1.19 loads opsets up to 21 only")
+    X, y = data
+    trainer = lossgraph.Trainer(prog).fit(X, y, epochs=3, progress=False)
+    assert trainer.train_losses_[-1] < trainer.train_losses_[0]
+
+
+def test_unknown_target_is_an_error():
+    with pytest.raises(UnsupportedOptionError, match="Unknown target 'onnxruntime-2'"):
+        program(target="onnxruntime-2")
+
+
+@pytest.mark.training
+@pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
+def test_ort_gradient_backend_trains_like_the_onnx_backend(data, mode):
+    X, y = data
+    ours = lossgraph.Trainer(program(mode, Adam(0.01))).fit(X, y, epochs=2, random_state=0,
+                                                            progress=False)
+    theirs = lossgraph.Trainer(program(mode, Adam(0.01), gradient="ort")).fit(
+        X, y, epochs=2, random_state=0, progress=False)
+    np.testing.assert_allclose(theirs.state["coef"], ours.state["coef"], rtol=1e-5, atol=1e-6)

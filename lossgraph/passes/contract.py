@@ -7,7 +7,9 @@ item is the model). :func:`model_pass` makes it
 - **pure**: the pass works on a private copy, the caller's model is never mutated;
 - **honest about bad input**: a model that fails ``onnx.checker`` (full check) is
   rejected with :class:`~lossgraph.errors.InvalidModelError` before any work;
-- **valid and loadable**: the result gets a deliberate IR version and opset list
+- **valid and loadable**: the input's opset must suit the active target
+  (:func:`lossgraph.target.use_target`, default: onnxruntime-training 1.19 and current
+  onnxruntime); the result gets a deliberate IR version and opset list
   (:func:`lossgraph.target.finalize`) and must pass the full checker, including
   strict shape inference; failing that is a lossgraph bug (:class:`InternalError`).
 
@@ -25,7 +27,7 @@ import onnx
 
 from ..errors import InternalError
 from ..models import ModelLike, as_model, check_model
-from ..target import DEFAULT_TARGET, check_opset, finalize
+from ..target import check_opset, finalize
 
 __all__ = ["model_pass"]
 
@@ -42,10 +44,10 @@ def model_pass(
     def run(model: ModelLike, *args: P.args, **kwargs: P.kwargs) -> R:
         working = as_model(model)
         check_model(working, f"The model given to {fn.__name__}")
-        check_opset(working, DEFAULT_TARGET)
+        check_opset(working)
         result = fn(working, *args, **kwargs)
         emitted = result[0] if isinstance(result, tuple) else result
-        finalize(emitted, DEFAULT_TARGET)
+        finalize(emitted)
         try:
             onnx.checker.check_model(emitted, full_check=True)
         except Exception as exc:

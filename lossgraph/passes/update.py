@@ -32,7 +32,7 @@ from ..errors import (
 from ..graphs import FLOAT_TYPES
 from ..names import NameAuthority
 from ..optim import Optimizer
-from ..target import DEFAULT_TARGET, finalize
+from ..target import active_target, finalize
 
 __all__ = ["update_graph", "weights_dtype", "standalone_model"]
 
@@ -84,7 +84,7 @@ def standalone_model(
     graph = helper.make_graph([], name, list(inputs), [info for _, _, info in outputs])
     b.append_to(graph)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    finalize(model, DEFAULT_TARGET)
+    finalize(model)
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as exc:  # pragma: no cover - a bug, not a user error
@@ -93,10 +93,11 @@ def standalone_model(
 
 
 def _check_opset(opset: int) -> None:
-    if not DEFAULT_TARGET.min_opset <= opset <= DEFAULT_TARGET.max_opset:
+    target = active_target()
+    if not target.min_opset <= opset <= target.max_opset:
         raise UnsupportedOptionError(
-            f"opset={opset} is outside {DEFAULT_TARGET.min_opset}..{DEFAULT_TARGET.max_opset}, "
-            f"the range {DEFAULT_TARGET.description} load."
+            f"opset={opset} is outside {target.min_opset}..{target.max_opset}, "
+            f"the range {target.description} load."
         )
 
 

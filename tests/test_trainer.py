@@ -7,6 +7,7 @@ import json
 import numpy as np
 import onnx
 import pytest
+from linear_data import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.errors import (
@@ -20,23 +21,10 @@ from lossgraph.errors import (
 )
 from lossgraph.optim import SGD, Adam, Momentum
 
-LINEAR = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    linear (float[N, 4] x) => (float[N, 1] y)
-    <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}>
-    {
-        h = MatMul(x, coef)
-        y = Add(h, intercept)
-    }
-"""
-
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(11)
-    X = rng.normal(size=(205, 4)).astype(np.float32)
-    y = (X @ [1.0, -2.0, 0.5, 3.0] + 1.0 + 0.1 * rng.normal(size=205)).astype(np.float32)
-    return X, y
+    return linear_data(205, seed=11)
 
 
 def program(mode="step", optimizer=None, **kwargs):

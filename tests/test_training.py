@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from linear_data import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.optim import SGD, Adam, AdamW, Momentum
@@ -20,23 +21,9 @@ OPTIMIZERS = {
 }
 PENALTIES = {"none": None, "elastic": {"coef": {"l1": 0.01, "l2": 0.05}, "intercept": 0.02}}
 
-LINEAR = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    linear (float[N, 4] x) => (float[N, 1] y)
-    <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}>
-    {
-        h = MatMul(x, coef)
-        y = Add(h, intercept)
-    }
-"""
-
-
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(7)
-    X = rng.normal(size=(230, 4)).astype(np.float32)
-    y = (X @ [1.0, -2.0, 0.5, 3.0] + 1.0 + 0.1 * rng.normal(size=230)).astype(np.float32)
-    return X, y
+    return linear_data(230, seed=7)
 
 
 # -- a numpy reference trainer for the linear model --------------------------------------------

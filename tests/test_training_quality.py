@@ -36,77 +36,34 @@ outputs).
 from __future__ import annotations
 
 import functools
-import warnings
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import recipes
-from sklearn.metrics import accuracy_score, log_loss, mean_squared_error, r2_score
 
 import lossgraph
-from lossgraph.optim import Adam, Momentum
+
+# The training settings and metrics live in the runnable example, which prints the
+# same comparison as a table: one source for both.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
+import train_golden_models as golden  # noqa: E402
 
 R2_TOL = 0.02
 MSE_FACTOR, MSE_EPS = 1.1, 1e-4
 ACCURACY_TOL = 0.04
 LOG_LOSS_TOL = 0.05
 ML_LINEAR_OPS = ("LinearRegressor", "LinearClassifier")
-
-
-@dataclass(frozen=True)
-class Case:
-    """How one golden model is trained: loss, optimizer, schedule, initialization."""
-
-    loss: str
-    optimizer: lossgraph.optim.Optimizer
-    epochs: int
-    batch_size: int
-    init: str  # "zeros" or "random"
-
-
-CASES = {
-    "skl_linear_regression": Case("squared_error", Adam(0.1), 30, 20, "zeros"),
-    "skl_sgd_regressor": Case("squared_error", Momentum(0.02, momentum=0.9), 30, 20, "zeros"),
-    # full batches, as MLPRegressor's own Adam (batch_size=min(200, n), max_iter=300)
-    "skl_mlp_regressor": Case("squared_error", Adam(0.01), 300, 200, "random"),
-    "skl_logistic_binary": Case("log", Adam(0.1), 30, 20, "zeros"),
-    "skl_logistic_multiclass": Case("cross_entropy", Adam(0.1), 30, 20, "zeros"),
-    "skl_mlp_classifier": Case("cross_entropy", Adam(0.01), 30, 20, "random"),
-}
-RUNS = [(name, "epoch") for name in CASES] + [
+SETUPS = {setup.name: setup for setup in golden.SETUPS}
+RUNS = [(name, "epoch") for name in SETUPS] + [
     (name, fuse)
     for name in ("skl_mlp_regressor", "skl_mlp_classifier")
     for fuse in ("step", "separate")
 ]
-
-
-# ------------------------------------------------------------------------ helpers
-def initial_weights(program: lossgraph.TrainingProgram, init: str) -> dict[str, np.ndarray]:
-    """Zeros, or He-scaled normal weight matrices (seed 0) and zero biases."""
-    rng = np.random.default_rng(0)
-    weights = {}
-    for name in program.weights:
-        value = program.state[name]
-        if init == "random" and value.ndim == 2 and min(value.shape) > 1:
-            scale = np.sqrt(2.0 / value.shape[0])
-            weights[name] = (scale * rng.normal(size=value.shape)).astype(value.dtype)
-        else:
-            weights[name] = np.zeros_like(value)
-    return weights
-
-
-def metrics(kind: str, y: np.ndarray, prediction: np.ndarray) -> dict[str, float]:
-    """R^2 and MSE of a regression; accuracy and log loss of class probabilities."""
-    if kind == "regressor":
-        prediction = prediction.reshape(-1)
-        return {"r2": float(r2_score(y, prediction)),
-                "mse": float(mean_squared_error(y, prediction))}
-    if prediction.shape[1] == 2:  # the binary log loss is computed on column 1 only
-        prediction = np.stack([1 - prediction[:, 1], prediction[:, 1]], axis=1)
-    return {"accuracy": float(accuracy_score(y, prediction.argmax(axis=1))),
-            "log_loss": float(log_loss(y, prediction, labels=range(prediction.shape[1])))}
+metrics = golden.metrics
+sklearn_metrics = functools.cache(golden.sklearn_metrics)
 
 
 def shortfalls(ours: dict[str, float], reference: dict[str, float]) -> list[str]:
@@ -128,31 +85,9 @@ def shortfalls(ours: dict[str, float], reference: dict[str, float]) -> list[str]
     return missed
 
 
-@functools.cache
-def sklearn_metrics(name: str) -> dict[str, float]:
-    """Held-out metrics of scikit-learn's fit of the golden model's estimator."""
-    _, _, X_test, y_test = recipes.dataset(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        estimator = recipes.fit_estimator(name)
-    if recipes.RECIPES[name].kind == "regressor":
-        return metrics("regressor", y_test, estimator.predict(X_test))
-    return metrics("classifier", y_test, estimator.predict_proba(X_test))
-
-
 def train(name: str, fuse: str, epochs: int | None = None) -> lossgraph.Trainer:
     """The golden model, re-initialized, trained with lossgraph."""
-    case = CASES[name]
-    X_train, y_train, _, _ = recipes.dataset(name)
-    program = lossgraph.compile(recipes.RECIPES[name].path, loss=case.loss,
-                                optimizer=case.optimizer, fuse=fuse)
-    trainer = lossgraph.Trainer(program)
-    trainer.set_state(initial_weights(program, case.init))
-    # warm_start: start from the state just set, not from the program's (golden) one
-    trainer.fit(X_train, y_train, epochs=case.epochs if epochs is None else epochs,
-                batch_size=case.batch_size, shuffle=True, random_state=0, warm_start=True,
-                progress=False)
-    return trainer
+    return golden.train(SETUPS[name], fuse, epochs)["trainer"]
 
 
 def check_exported_format(name: str, exported: onnx.ModelProto,
@@ -212,8 +147,7 @@ def run_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
 def test_trained_model_matches_sklearn(name, fuse):
     recipe = recipes.RECIPES[name]
     trainer = train(name, fuse)
-    case = CASES[name]
-    assert trainer.epochs_ == case.epochs
+    assert trainer.epochs_ == SETUPS[name].epochs
     assert trainer.train_losses_[-1] < trainer.train_losses_[0]
     _, _, X_test, y_test = recipes.dataset(name)
     prediction = trainer.predict(X_test)
@@ -240,7 +174,7 @@ def test_trained_model_matches_sklearn(name, fuse):
             np.testing.assert_array_equal(outputs["label"], prediction.argmax(axis=1))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(SETUPS))
 def test_untrained_model_is_far_worse(name):
     """Zero epochs from the same initialization miss the tolerances by far."""
     recipe = recipes.RECIPES[name]

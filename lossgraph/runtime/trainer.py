@@ -323,8 +323,8 @@ class Trainer:
             loss = loss + penalty
             for weight, grad in zip(penalized, extra):
                 grads[weight] = grads[weight] + grad
-        self._runner("update").run({f"{w}_grad": np.ascontiguousarray(g)
-                                    for w, g in grads.items()})
+        self._runner("update").run({name: np.ascontiguousarray(grads[w]) for w, name in
+                                    zip(program.weights, program.io("update", "gradient"))})
         return float(loss)
 
     def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,

@@ -69,6 +69,8 @@ class GraphRunner:
         fixed = {n: ortvalue(a, buffers.device) for n, a in fixed_inputs.items()}
         outputs = {n: ortvalue(a, buffers.device) for n, a in fixed_outputs.items()}
         self._keep += [*fixed.values(), *outputs.values()]
+        self._outputs: dict[str, tuple[np.ndarray, object]] = {}
+        self._data: tuple = ()
         self._bindings = []
         for parity in (0, 1):
             binding = C.SessionIOBinding(self._session)
@@ -83,16 +85,21 @@ class GraphRunner:
             self._bindings.append(binding)
 
     def bind_output(self, name: str, array: np.ndarray) -> None:
-        """Write output ``name`` into ``array`` from now on (kept alive here)."""
+        """Write output ``name`` into ``array`` from now on (kept alive here until rebound)."""
         value = ortvalue(array, self.buffers.device)
-        self._keep += [array, value]
+        self._outputs[name] = (array, value)
         for binding in self._bindings:
             binding.bind_ortvalue_output(name, value)
 
     def run(self, data: Mapping[str, np.ndarray]) -> None:
-        """One run on the live state; ``data`` arrays must be C-contiguous (they are aliased)."""
+        """One run on the live state; ``data`` arrays must be C-contiguous (they are aliased).
+
+        The arrays stay referenced until the next run rebinds them, since the bindings
+        still hold OrtValues over their memory.
+        """
         binding = self._bindings[self.buffers.current]
         values = [ortvalue(array, self.buffers.device) for array in data.values()]
         for name, value in zip(data, values):
             binding.bind_ortvalue_input(name, value)
         self._session.run_with_iobinding(binding, self._run_options)
+        self._data = (data, values)

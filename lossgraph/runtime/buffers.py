@@ -70,7 +70,7 @@ class GraphRunner:
         outputs = {n: ortvalue(a, buffers.device) for n, a in fixed_outputs.items()}
         self._keep += [*fixed.values(), *outputs.values()]
         self._outputs: dict[str, tuple[np.ndarray, object]] = {}
-        self._data: tuple = ()
+        self._data: list[tuple] = [(), ()]  # per binding: the arrays it aliases
         self._bindings = []
         for parity in (0, 1):
             binding = C.SessionIOBinding(self._session)
@@ -94,12 +94,13 @@ class GraphRunner:
     def run(self, data: Mapping[str, np.ndarray]) -> None:
         """One run on the live state; ``data`` arrays must be C-contiguous (they are aliased).
 
-        The arrays stay referenced until the next run rebinds them, since the bindings
-        still hold OrtValues over their memory.
+        The arrays stay referenced until this binding's next run rebinds them, since the
+        binding still holds OrtValues over their memory.
         """
-        binding = self._bindings[self.buffers.current]
+        parity = self.buffers.current
+        binding = self._bindings[parity]
         values = [ortvalue(array, self.buffers.device) for array in data.values()]
         for name, value in zip(data, values):
             binding.bind_ortvalue_input(name, value)
+        self._data[parity] = (data, values)
         self._session.run_with_iobinding(binding, self._run_options)
-        self._data = (data, values)

@@ -47,7 +47,7 @@ def _gradient_nodes(model: onnx.ModelProto, backend: str) -> int | str:
 
 
 def node_counts() -> None:
-    print("gradient nodes added (forward + loss nodes in brackets)")
+    print("nodes of the gradient graph beyond the forward (with loss) graph")
     print(f"{'model':22s} {'forward':>8s} {'onnx':>6s} {'ort':>6s}  ratio onnx/ort")
     for name, score, options in GOLDEN:
         model = lossgraph.add_loss_output(ROOT / "golden_models" / f"{name}.onnx", score,

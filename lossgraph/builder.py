@@ -39,6 +39,7 @@ class GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._constants: dict[tuple[str, tuple[int, ...], bytes], str] = {}
+        self._producers: dict[str, onnx.NodeProto] = {}
 
     # -- nodes -------------------------------------------------------------------
     def op(
@@ -66,6 +67,7 @@ class GraphBuilder:
             **{k: v for k, v in attributes.items() if v is not None},
         )
         self.nodes.append(node)
+        self._producers.update((name, node) for name in names)
         return names[0] if len(names) == 1 else tuple(names)
 
     def __getattr__(self, op_type: str) -> Any:
@@ -111,17 +113,21 @@ class GraphBuilder:
     def unsqueeze(self, x: str, axes: Sequence[int], hint: str | None = None) -> str:
         return self._axes_form("Unsqueeze", x, axes, hint)
 
-    def rename(self, value: str, new_name: str) -> str:
+    def rename(self, value: str, new_name: str, uses: bool = True) -> str:
         """Call the value the builder produced ``value`` by ``new_name`` from now on.
 
-        The producing node's output and every use by the builder's nodes are renamed.
+        The producing node's output is renamed, and with ``uses`` every use of the value
+        by the builder's nodes (callers that know there is none skip the scan).
         """
-        producer = next((n for n in self.nodes if value in n.output), None)
+        producer = self._producers.pop(value, None)
         if producer is None:
             raise KeyError(f"{value!r} was not produced by this builder")
-        for node in self.nodes:
-            node.input[:] = [new_name if i == value else i for i in node.input]
-            node.output[:] = [new_name if o == value else o for o in node.output]
+        producer.output[:] = [new_name if o == value else o for o in producer.output]
+        self._producers[new_name] = producer
+        if uses:
+            for node in self.nodes:
+                if value in node.input:
+                    node.input[:] = [new_name if name == value else name for name in node.input]
         return new_name
 
     def dims(self, x: str, start: int, end: int, hint: str | None = None) -> str:
@@ -135,4 +141,4 @@ class GraphBuilder:
         """Move everything built so far into ``graph``."""
         graph.node.extend(self.nodes)
         graph.initializer.extend(self.initializers)
-        self.nodes, self.initializers, self._constants = [], [], {}
+        self.nodes, self.initializers, self._constants, self._producers = [], [], {}, {}

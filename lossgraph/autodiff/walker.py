@@ -181,8 +181,8 @@ def _bind_outputs(g: GradContext, finals: Mapping[str, str], grad_names: Mapping
         uses[value] += 1
     produced = {o for node in g.nodes for o in node.output}
     for w, value in finals.items():
-        if value in produced and uses[value] == 1:
-            g.rename(value, grad_names[w])
+        if value in produced and uses[value] == 1:  # read by nothing else: rename in place
+            g.rename(value, grad_names[w], uses=False)
         else:
             g.Identity(value, outputs=[grad_names[w]])
 

@@ -125,13 +125,17 @@ class GradContext(GraphBuilder):
         """
         return self.Cast(condition, to=self.elem_type(like), hint=hint)
 
+    def filled(self, shape: str, value: float, like: str, hint: str = "filled") -> str:
+        """``ConstantOfShape(shape)`` filled with ``value`` in the element type of ``like``."""
+        fill = numpy_helper.from_array(np.full(1, value, dtype=self.dtype(like)), "value")
+        return self.ConstantOfShape(shape, value=fill, hint=hint)
+
     def zeros_like(self, like: str) -> str:
         """Zeros with the shape and type of the forward value ``like``."""
         shape = self.shape(like)
-        if shape is not None and all(isinstance(d, int) for d in shape):
+        if shape is not None and self._static(shape):
             return self.const(np.zeros(shape), self.dtype(like), "zeros")
-        zero = numpy_helper.from_array(np.zeros(1, dtype=self.dtype(like)), "value")
-        return self.ConstantOfShape(self.Shape(like), value=zero, hint="zeros")
+        return self.filled(self.Shape(like), 0, like, hint="zeros")
 
     def or_zeros(self, dy: str | None, like: str) -> str:
         """``dy`` itself, or zeros shaped like ``like`` when no gradient flows there."""
@@ -183,9 +187,8 @@ class GradContext(GraphBuilder):
             count_rows = self.dims(source, 0, count)
             if count > 1:
                 count_rows = self.reduce("ReduceProd", count_rows, keepdims=1)
-            one = numpy_helper.from_array(np.ones(1, dtype=self.dtype(like)), "value")
-            self._ones[key] = self.ConstantOfShape(
-                self.Concat(self.ints([1]), count_rows, axis=0), value=one, hint="ones")
+            self._ones[key] = self.filled(self.Concat(self.ints([1]), count_rows, axis=0), 1,
+                                          like, hint="ones")
         total = self.MatMul(self._ones[key], rows, hint="column_sums")
         if tuple(target) == (1, columns):
             return total

@@ -83,9 +83,7 @@ def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
     for attribute in node.attribute:
         if attribute.name == "value":
             return numpy_helper.to_array(attribute.t)
-        if attribute.name in ("value_float", "value_int"):
-            return np.array(onnx.helper.get_attribute_value(attribute))
-        if attribute.name in ("value_floats", "value_ints"):
+        if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
             return np.array(onnx.helper.get_attribute_value(attribute))
     return None
 

@@ -55,11 +55,6 @@ def _one_hot(g, indices: str, depth: str, like: str, axis: int) -> str:
     return hot
 
 
-def _zeros_of_shape(g, shape: str, like: str) -> str:
-    zero = numpy_helper.from_array(np.zeros(1, dtype=g.dtype(like)), "value")
-    return g.ConstantOfShape(shape, value=zero, hint="zeros")
-
-
 def _as_index_type(g, indices: str) -> str:
     return indices if g.elem_type(indices) == onnx.TensorProto.INT64 else g.Cast(
         indices, to=onnx.TensorProto.INT64)
@@ -103,7 +98,8 @@ def slice_(g, node, dy):
         flat_positions = g.Reshape(g.Slice(grid, *node.inputs[1:]), g.ints([-1], hint="shape"))
         total = g.Reshape(size, g.ints([1], hint="shape"))
     flat_dy = g.Reshape(dy, g.ints([-1], hint="shape"))
-    scattered = g.ScatterElements(_zeros_of_shape(g, total, x), flat_positions, flat_dy, axis=0)
+    zeros = g.filled(total, 0, x, hint="zeros")
+    scattered = g.ScatterElements(zeros, flat_positions, flat_dy, axis=0)
     return g.Reshape(scattered, shape_of(g, x))
 
 
@@ -147,7 +143,7 @@ def gather(g, node, dy):
     else:
         shape_t = g.Gather(g.Shape(x), g.ints(perm_x, hint="perm"), axis=0)
     if g.opset >= 16:
-        dx_t = g.ScatterND(_zeros_of_shape(g, shape_t, x), g.unsqueeze(idx, [q]), dy_t,
+        dx_t = g.ScatterND(g.filled(shape_t, 0, x, hint="zeros"), g.unsqueeze(idx, [q]), dy_t,
                            reduction="add")
     else:
         depth = _dim(g, x, axis)

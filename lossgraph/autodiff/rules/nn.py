@@ -214,8 +214,7 @@ def max_pool(g, node, *dys):
             f"reduction='add' (opset 16+); the model's opset is {g.opset}.")
     _, indices = g.MaxPool(x, outputs=2, hint="maxpool_argmax", **attrs)
     flat = g.ints([-1], "flat")
-    zero = helper.make_tensor("value", g.elem_type(x), [1], [0])
-    zeros = g.ConstantOfShape(g.Reshape(g.Size(x), g.ints([1], "one_dim")), value=zero)
+    zeros = g.filled(g.Reshape(g.Size(x), g.ints([1], "one_dim")), 0, x, hint="zeros")
     dx = g.ScatterElements(zeros, g.Reshape(indices, flat), g.Reshape(dy, flat), axis=0,
                            reduction="add" if g.opset >= 16 else None, hint="maxpool_dx")
     return g.Reshape(dx, g.Shape(x))

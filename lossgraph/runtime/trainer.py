@@ -14,6 +14,7 @@ a :class:`~lossgraph.errors.ConvergenceError`, or an
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -300,31 +301,43 @@ class Trainer:
         self._runner("train_step").run(batch)
         return float(self._loss)
 
+    @functools.cached_property
+    def _separate_io(self) -> dict[str, Any]:
+        """The names the ``fuse="separate"`` graphs exchange, looked up once."""
+        io, graphs = self.program.io, self.program.graphs
+        return {
+            "prediction": io("loss", "prediction")[0],
+            "features": io("predict", "feature"),
+            "loss_data": io("loss", "label") + io("loss", "sample_weight"),
+            "loss_outputs": io("loss", "loss") + io("loss", "prediction_grad"),
+            "prediction_grad": io("gradient", "prediction_grad")[0],
+            "gradients": io("gradient", "gradient"),
+            "penalized": io("penalty", "weight") if "penalty" in graphs else [],
+            "penalty_outputs": (io("penalty", "penalty") + io("penalty", "penalty_gradient")
+                                if "penalty" in graphs else []),
+            "update_gradients": io("update", "gradient"),
+        }
+
     def _separate_step(self, batch: dict[str, np.ndarray]) -> float:
         """The reference documents' sequence: predict, loss, model gradient, penalty, update."""
-        program, weights = self.program, self._weights()
-        prediction = program.io("loss", "prediction")[0]
-        features = {n: batch[n] for n in program.io("predict", "feature")}
-        (predicted,) = self._session("predict").run([prediction], {**features, **weights})
-        loss_feeds = {n: batch[n] for n in program.io("loss", "label")
-                      + program.io("loss", "sample_weight")}
+        names, weights = self._separate_io, self._weights()
+        features = {n: batch[n] for n in names["features"]}
+        (predicted,) = self._session("predict").run([names["prediction"]],
+                                                    {**features, **weights})
         loss, prediction_grad = self._session("loss").run(
-            [program.io("loss", "loss")[0], program.io("loss", "prediction_grad")[0]],
-            {prediction: predicted, **loss_feeds})
-        gradient_feeds = {**features, **weights, program.io("gradient", "prediction_grad")[0]:
-                          prediction_grad}
-        grads = self._session("gradient").run(program.io("gradient", "gradient"), gradient_feeds)
-        grads = dict(zip(program.weights, grads))
-        if "penalty" in program.graphs:
-            penalized = program.io("penalty", "weight")
+            names["loss_outputs"],
+            {names["prediction"]: predicted, **{n: batch[n] for n in names["loss_data"]}})
+        grads = self._session("gradient").run(
+            names["gradients"], {**features, **weights, names["prediction_grad"]: prediction_grad})
+        grads = dict(zip(self.program.weights, grads))
+        if names["penalized"]:
             penalty, *extra = self._session("penalty").run(
-                ["penalty", *program.io("penalty", "penalty_gradient")],
-                {w: weights[w] for w in penalized})
+                names["penalty_outputs"], {w: weights[w] for w in names["penalized"]})
             loss = loss + penalty
-            for weight, grad in zip(penalized, extra):
+            for weight, grad in zip(names["penalized"], extra):
                 grads[weight] = grads[weight] + grad
         self._runner("update").run({name: np.ascontiguousarray(grads[w]) for w, name in
-                                    zip(program.weights, program.io("update", "gradient"))})
+                                    zip(self.program.weights, names["update_gradients"])})
         return float(loss)
 
     def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,

@@ -13,7 +13,7 @@ Constants are deduplicated, so a value used twice is stored once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ class GraphBuilder:
         self.initializers: list[onnx.TensorProto] = []
         self._constants: dict[tuple[str, tuple[int, ...], bytes], str] = {}
         self._producers: dict[str, onnx.NodeProto] = {}
+        self._memo: dict[tuple, Any] = {}
 
     # -- nodes -------------------------------------------------------------------
     def op(
@@ -87,6 +88,16 @@ class GraphBuilder:
             self.initializers.append(numpy_helper.from_array(array, name))
             self._constants[key] = name
         return self._constants[key]
+
+    def memo(self, key: tuple, emit: Callable[[], Any]) -> Any:
+        """``emit()``'s result, emitted once while this builder's nodes are here.
+
+        For subexpressions several emitters share (a bias correction used by every
+        weight's update, a row of ones for every bias gradient).
+        """
+        if key not in self._memo:
+            self._memo[key] = emit()
+        return self._memo[key]
 
     def ints(self, values: Sequence[int], hint: str = "axes") -> str:
         """A 1-D int64 constant (axes, shapes, indices)."""
@@ -141,4 +152,5 @@ class GraphBuilder:
         """Move everything built so far into ``graph``."""
         graph.node.extend(self.nodes)
         graph.initializer.extend(self.initializers)
-        self.nodes, self.initializers, self._constants, self._producers = [], [], {}, {}
+        self.nodes, self.initializers = [], []
+        self._constants, self._producers, self._memo = {}, {}, {}

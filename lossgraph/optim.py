@@ -39,8 +39,7 @@ import abc
 import dataclasses
 import math
 import numbers
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -75,25 +74,6 @@ def _non_negative(owner: str, name: str, value: Any) -> None:
 def _unit_interval(owner: str, name: str, value: Any) -> None:
     if not 0 <= _number(owner, name, value) < 1:
         raise UnsupportedOptionError(f"{owner}: {name}={value!r} must lie in [0, 1).")
-
-
-# -- shared scalar subexpressions ---------------------------------------------------------
-
-# Per builder, the scalar values already emitted (keyed by what they compute), so that
-# several weights updated in one graph share one bias correction, one decay factor...
-_SCALARS: weakref.WeakKeyDictionary[GraphBuilder, dict[tuple, tuple[str, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _shared(b: GraphBuilder, key: tuple, emit: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
-    """``emit()``'s results, emitted once per builder (while its nodes are still there)."""
-    cache = _SCALARS.setdefault(b, {})
-    values = cache.get(key)
-    produced = {name for node in b.nodes for name in node.output} if values else set()
-    if values is None or not set(values) <= produced:
-        cache[key] = values = emit()
-    return values
 
 
 def _elem_type(dtype: Any) -> int:
@@ -287,7 +267,7 @@ class Adam(Optimizer):
 
         def scalars() -> tuple[str, ...]:
             elem_type = _elem_type(dtype)
-            (t,) = _shared(b, ("t", step, elem_type), lambda: (b.Cast(step, to=elem_type,
+            (t,) = b.memo(("t", step, elem_type), lambda: (b.Cast(step, to=elem_type,
                                                                      hint="t"),))
             one = const(1.0, dtype, "one")
             bc1 = b.Sub(one, b.Pow(const(self.beta1, dtype, "beta1"), t), hint="bias_correction1")
@@ -296,7 +276,7 @@ class Adam(Optimizer):
             return step_size, b.Sqrt(bc2, hint="bias_correction2_sqrt")
 
         key = ("adam", self.beta1, self.beta2, learning_rate, step, _elem_type(dtype))
-        step_size, sqrt_bc2 = _shared(b, key, scalars)
+        step_size, sqrt_bc2 = b.memo(key, scalars)
 
         w = self._decayed(b, weight, learning_rate, dtype)
         m_new = b.Add(b.Mul(m, const(self.beta1, dtype, "beta1")),
@@ -329,7 +309,7 @@ class AdamW(Adam):
             return (b.Sub(b.const(1.0, dtype, "one"), shrink, hint="decay"),)
 
         key = ("decay", self.weight_decay, learning_rate, _elem_type(dtype))
-        (factor,) = _shared(b, key, decay)
+        (factor,) = b.memo(key, decay)
         return b.Mul(weight, factor, hint=f"{weight}_decayed")
 
 

@@ -68,7 +68,6 @@ class GradContext(GraphBuilder):
         self._shapes = shapes
         self._types = types
         self._values = constants
-        self._ones: dict[tuple, str] = {}
 
     # -- forward facts ---------------------------------------------------------------
     def shape(self, name: str) -> Shape | None:
@@ -182,14 +181,15 @@ class GradContext(GraphBuilder):
         rows = grad
         if not (count == 1 and len(full) == 2 and full[1] == columns):  # not already rows
             rows = self.Reshape(grad, self.ints([-1, columns]), hint="rows")
-        key = (self.dtype(like).str, tuple(full[:count]))
-        if key not in self._ones:
+        def ones() -> str:
             count_rows = self.dims(source, 0, count)
             if count > 1:
                 count_rows = self.reduce("ReduceProd", count_rows, keepdims=1)
-            self._ones[key] = self.filled(self.Concat(self.ints([1]), count_rows, axis=0), 1,
-                                          like, hint="ones")
-        total = self.MatMul(self._ones[key], rows, hint="column_sums")
+            return self.filled(self.Concat(self.ints([1]), count_rows, axis=0), 1, like,
+                               hint="ones")
+
+        row = self.memo(("ones", self.dtype(like).str, tuple(full[:count])), ones)
+        total = self.MatMul(row, rows, hint="column_sums")
         if tuple(target) == (1, columns):
             return total
         return self.Reshape(total, self.ints(list(target)), hint="summed")

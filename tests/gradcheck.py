@@ -33,11 +33,15 @@ from lossgraph.errors import MissingGradientError, RuntimeUnavailableError
 COTANGENT_SEED = 1234
 
 
-def _session(model: onnx.ModelProto):
+def _session(model: onnx.ModelProto, basic: bool = False):
+    """A CPU session; ``basic`` skips onnxruntime's contrib fusions, some of which (QuickGelu
+    for ``x * Sigmoid(x)``) have float32 kernels only."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
+    if basic:
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
     return onnxruntime.InferenceSession(model.SerializeToString(), options,
                                         providers=["CPUExecutionProvider"])
 
@@ -52,19 +56,19 @@ def cotangent(shape: Sequence[int], dtype) -> np.ndarray:
 
 
 def forward(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray],
-            output: str | None = None) -> np.ndarray:
+            output: str | None = None, basic: bool = False) -> np.ndarray:
     """The value of ``output`` (default: the first output)."""
     model = _as_model(model)
     output = output or model.graph.output[0].name
-    return _session(model).run([output], dict(inputs))[0]
+    return _session(model, basic).run([output], dict(inputs))[0]
 
 
 def loss_model(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray],
-               output: str | None = None) -> onnx.ModelProto:
+               output: str | None = None, basic: bool = False) -> onnx.ModelProto:
     """``model`` with an extra scalar output ``gradcheck_loss = sum(output * R)``."""
     model = _as_model(model)
     output = output or model.graph.output[0].name
-    y = forward(model, inputs, output)
+    y = forward(model, inputs, output, basic)
     result = onnx.ModelProto()
     result.CopyFrom(model)
     result.graph.initializer.append(
@@ -79,9 +83,9 @@ def loss_model(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray],
 
 
 def finite_differences(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray], name: str,
-                       eps: float) -> np.ndarray:
+                       eps: float, basic: bool = False) -> np.ndarray:
     """Central differences of the first output with respect to ``inputs[name]``."""
-    session = _session(model)
+    session = _session(model, basic)
     loss = model.graph.output[0].name
     base = {k: np.array(v, copy=True) for k, v in inputs.items()}
     x = base[name]
@@ -108,8 +112,12 @@ def check_gradients(
     rtol: float | None = None,
     atol: float | None = None,
     eps: float | None = None,
+    basic_optimizations: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Assert the gradients of ``sum(output * R)`` agree three ways; return lossgraph's."""
+    """Assert the gradients of ``sum(output * R)`` agree three ways; return lossgraph's.
+
+    ``basic_optimizations`` runs every session without onnxruntime's contrib fusions.
+    """
     model = _as_model(model)
     inputs = {k: np.asarray(v) for k, v in inputs.items()}
     if wrt is None:
@@ -119,17 +127,17 @@ def check_gradients(
     rtol = rtol if rtol is not None else (1e-6 if double else 2e-3)
     atol = atol if atol is not None else (1e-7 if double else 2e-3)
     eps = eps if eps is not None else (1e-6 if double else 1e-2)
-    with_loss = loss_model(model, inputs, output)
+    with_loss = loss_model(model, inputs, output, basic_optimizations)
 
     graph = gradient(with_loss, wrt=list(wrt), loss="gradcheck_loss")
     foreign = {n.domain for n in graph.graph.node if n.domain not in ("", "ai.onnx")}
     assert not foreign, f"onnx backend emitted non-standard domains {foreign}"
     grad_outputs = [f"{w}_grad" for w in wrt]
-    grads = dict(zip(wrt, _session(graph).run(grad_outputs, inputs)))
+    grads = dict(zip(wrt, _session(graph, basic_optimizations).run(grad_outputs, inputs)))
     for w in wrt:
         assert grads[w].shape == inputs[w].shape, (w, grads[w].shape, inputs[w].shape)
         assert grads[w].dtype == inputs[w].dtype, (w, grads[w].dtype, inputs[w].dtype)
-        numeric = finite_differences(with_loss, inputs, w, eps)
+        numeric = finite_differences(with_loss, inputs, w, eps, basic_optimizations)
         np.testing.assert_allclose(grads[w], numeric, rtol=rtol, atol=atol,
                                    err_msg=f"d/d{w}: lossgraph vs finite differences")
         if reference is not None and w in reference:

@@ -72,4 +72,7 @@ def test_random_op_chains_match_finite_differences(lines, seed):
     rng = np.random.default_rng(seed)
     inputs = {"x": rng.normal(size=(3, 4)), "w": rng.normal(size=(4,)),
               "m": rng.normal(size=(4, 4)) / 2}
-    check_gradients(text, inputs, wrt=["x", "w", "m"], ort=False, rtol=1e-5, atol=1e-6)
+    # Basic optimizations: onnxruntime would fuse x * Sigmoid(x) into com.microsoft's
+    # QuickGelu, which has no double kernel (a runtime limit, not lossgraph's graph).
+    check_gradients(text, inputs, wrt=["x", "w", "m"], ort=False, rtol=1e-5, atol=1e-6,
+                    basic_optimizations=True)

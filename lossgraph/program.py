@@ -47,7 +47,7 @@ from .passes.gradient import gradient as gradient_of
 from .passes.loss import add_loss_output
 from .passes.lower_ml import lower_ml_ops
 from .passes.penalty import penalty_graph
-from .passes.update import update_graph
+from .passes.update import update_graph, weights_dtype
 from .passes.weights import weights_to_inputs
 from .roles import get_roles
 from .target import Target, use_target
@@ -224,11 +224,7 @@ def _compile(model: ModelLike, trainable: Sequence[str] | None, loss: str | None
             "The model has no trainable weights (float initializers that influence the loss). "
             "Pass trainable=[...] to name them.")
     lifted, initial = weights_to_inputs(with_loss, weights)
-    dtypes = {value.dtype.name for value in initial.values()}
-    if len(dtypes) > 1:
-        raise UnsupportedModelError(
-            f"The trainable weights mix float types ({', '.join(sorted(dtypes))}); train "
-            "weights of one type, or cast the model.")
+    weights_dtype(initial, "compile")  # one float type, or a clear error
     data_inputs = [i.name for i in lifted.graph.input if i.name not in initial]
     label, sample_weight = roles["label"], roles.get("weight")
     features = [n for n in data_inputs if n not in (label, sample_weight)]

@@ -316,3 +316,19 @@ def test_ort_gradient_backend_trains_like_the_onnx_backend(data, mode):
     theirs = lossgraph.Trainer(program(mode, Adam(0.01), gradient="ort")).fit(
         X, y, epochs=2, random_state=0, progress=False)
     np.testing.assert_allclose(theirs.state["coef"], ours.state["coef"], rtol=1e-5, atol=1e-6)
+
+
+def test_compile_rejects_weights_of_mixed_float_types():
+    mixed = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 2] x) => (float[N, 2] y)
+        <float[2] a = {1, 2}, double[2] c = {3, 4}>
+        {
+            d = Cast <to = 1> (c)
+            t = Mul(x, a)
+            y = Add(t, d)
+        }
+    """)
+    with pytest.raises(lossgraph.errors.UnsupportedModelError,
+                       match="one float type, but 'a' is float32, 'c' is float64"):
+        lossgraph.compile(mixed)

@@ -1,6 +1,7 @@
 """Activations (elementwise; masks are Mul by Cast(Greater) -- Where is slow in onnxruntime 1.19).
 
-    Relu(x)                  dx = dy (x > 0)
+    Relu(x) = y              dx = dy (y > 0)   (y > 0 iff x > 0; reading y leaves x with one
+                                                consumer, so runtimes can fuse MatMul/Gemm + Relu)
     Sigmoid(x) = y           dx = dy y (1 - y)
     HardSigmoid(x; a, b)     dx = dy a (0 < y < 1)
     LeakyRelu(x; a)          dx = dy (a + (1 - a)(x > 0))
@@ -47,8 +48,7 @@ def _piecewise(g, x: str, positive: str, negative: str) -> str:
 
 @grad_rule("Relu")
 def relu(g, node, dy):
-    (x,) = node.inputs
-    return g.Mul(dy, _mask(g, x))
+    return g.Mul(dy, _mask(g, node.outputs[0]))
 
 
 @grad_rule("Sigmoid")

@@ -41,7 +41,7 @@ from .errors import InvalidModelError, UnsupportedModelError, UnsupportedOptionE
 from .fileio import replace_directory, save_model
 from .models import ModelLike, as_model
 from .names import NameAuthority
-from .passes.fuse import Signature, epoch_graph, step_graph
+from .passes.fuse import Signature, epoch_graph, pack_weights, step_graph
 from .passes.gradient import GRADIENTS_KEY
 from .passes.gradient import gradient as gradient_of
 from .passes.loss import add_loss_output
@@ -243,9 +243,12 @@ def _compile(model: ModelLike, trainable: Sequence[str] | None, loss: str | None
         signature.gradients = _gradient_names(with_gradients)
         step, signature = step_graph(with_gradients, signature, optimizer)
         graphs["train_step"] = step
-    if fuse == "epoch":
-        graphs["train_epoch_ordered"], _ = epoch_graph(step, signature, shuffled=False)
-        graphs["train_epoch"], signature = epoch_graph(step, signature)
+    if fuse == "epoch":  # the Scan carries the weights and states packed in flat vectors
+        packed, packed_signature = pack_weights(with_gradients, signature)
+        packed_step, packed_signature = step_graph(packed, packed_signature, optimizer)
+        graphs["train_epoch_ordered"], _ = epoch_graph(packed_step, packed_signature,
+                                                       shuffled=False)
+        graphs["train_epoch"], signature = epoch_graph(packed_step, packed_signature)
     for weight in weights:
         for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
             state[name] = value

@@ -178,3 +178,54 @@ def test_mlp_training_equals_torch_step_for_step(data, mode, optimizer):
     for ours_name, theirs_name in [("w1", "W1"), ("b1", "B1"), ("w2", "W2"), ("b2", "B2")]:
         np.testing.assert_allclose(state[ours_name], params[theirs_name].detach().numpy(),
                                    rtol=1e-4, atol=1e-5, err_msg=ours_name)
+
+
+# -- packing: the epoch graph updates all weights at once ----------------------------------------
+
+ODD_RANKS = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    odd (float[N, 4] x) => (float[N, 1] y)
+    <float[4, 1] w = {0.1, -0.2, 0.3, 0.4}, float scale = {1.5}, float[2, 1, 1] cube = {0.2, -0.1},
+     float[1] b = {0.5}>
+    {
+        h = MatMul(x, w)
+        s = Mul(h, scale)
+        c = ReduceSum <keepdims = 0> (cube)
+        t = Add(s, c)
+        y = Add(t, b)
+    }
+"""
+
+
+def test_epoch_scan_carries_weights_and_each_state_as_one_flat_vector():
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
+                                fuse="epoch")
+    for name in ("train_epoch", "train_epoch_ordered"):
+        graph = program.graphs[name].graph
+        (scan,) = [n for n in graph.node if n.op_type == "Scan"]
+        body = scan.attribute[0].g
+        carried = len(body.input) - scan.attribute[1].i  # weights, Adam's m and v, step
+        assert carried == 4
+        assert [i.type.tensor_type.shape.dim[0].dim_value for i in body.input[:3]] == [5] * 3
+        # outside, the graph still reads and writes every weight and state by name
+        step_inputs = {i.name for i in program.graphs["train_step"].graph.input}
+        assert {i.name for i in program.graphs[name].graph.input} >= (
+            step_inputs - {"x", "y", "learning_rate"})
+
+
+@pytest.mark.parametrize("optimizer", ["nesterov", "adamw"])
+def test_packed_epoch_equals_per_weight_steps_for_weights_of_any_rank(optimizer):
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(50, 4)).astype(np.float32)
+    y = (X @ [1.0, -1.0, 2.0, 0.5] + 0.3).astype(np.float32)
+    states = []
+    for mode in ("step", "epoch"):  # 6 full batches of 8 in the Scan, then 2 rows alone
+        program = lossgraph.compile(onnx.parser.parse_model(ODD_RANKS),
+                                    trainable=["w", "scale", "cube", "b"],
+                                    optimizer=OPTIMIZERS[optimizer], fuse=mode)
+        trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=8, shuffle=True,
+                                                 random_state=1, progress=False)
+        states.append(trainer.state)
+    assert states[1]["cube"].shape == (2, 1, 1) and states[1]["scale"].shape == ()
+    for name, value in states[0].items():
+        np.testing.assert_allclose(states[1][name], value, rtol=1e-6, atol=1e-7, err_msg=name)

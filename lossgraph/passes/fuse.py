@@ -7,6 +7,15 @@
 
 by appending each weight's optimizer update to the gradient graph.
 
+``pack_weights`` lays a gradient model's weights end to end in one flat vector
+(and their gradients in another), so that ``step_graph`` emits one update for all
+weights instead of one per weight:
+
+    theta -> Split -> Reshape -> w_1 ... w_n         g_1 ... g_n -> Reshape(-1) -> Concat
+
+The optimizers' updates are elementwise, so the packed update is the per-weight one
+to the last bit; it runs a handful of kernels instead of a handful per weight.
+
 ``epoch_graph`` wraps a step graph in a ``Scan`` over the batches of one epoch:
 
     (features, label[, sample_weight], permutation, learning_rates, step, weights..., states...)
@@ -18,7 +27,10 @@ learning rate per batch) and ``batch`` is ``len(permutation) / batches``. Withou
 shuffling (``shuffled=False``) there is no ``permutation``: the data inputs are the
 epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each
 batch to the step graph as a view, carries weights, states and the step counter,
-and stacks the per-batch losses. No Python runs between batches.
+and stacks the per-batch losses. No Python runs between batches. A packed step
+graph's Scan carries the flat vectors; the epoch graph packs the weights and
+states before it and unpacks them after it, so its inputs and outputs are the
+per-weight ones either way.
 """
 
 from __future__ import annotations
@@ -31,11 +43,11 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
-from ..graphs import np_dtype, opset_version, rename_values
+from ..graphs import names_in_graph, np_dtype, opset_version, rename_values
 from ..names import NameAuthority
 from .contract import model_pass
 
-__all__ = ["Signature", "step_graph", "epoch_graph"]
+__all__ = ["Signature", "pack_weights", "step_graph", "epoch_graph"]
 
 
 @dataclass
@@ -57,6 +69,8 @@ class Signature:
     losses: str | None = None
     prediction: str | None = None  # separate graphs only
     prediction_grad: str | None = None
+    unpacked: Signature | None = None  # packed graphs only: the per-weight signature
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # packed: weight -> shape
 
     @property
     def data(self) -> list[str]:
@@ -67,6 +81,54 @@ class Signature:
     def state_names(self) -> list[str]:
         """Every optimizer state, weight by weight."""
         return [s for w in self.weights for s in self.states.get(w, [])]
+
+    def members(self, flat: str) -> list[str]:
+        """Packed graphs: the per-weight values that the flat weight or state ``flat`` holds."""
+        unpacked = self.unpacked
+        assert unpacked is not None, "only packed signatures have members"
+        if flat in self.weights:
+            return list(unpacked.weights)
+        index = self.state_names.index(flat)
+        return [unpacked.states[w][index] for w in unpacked.weights]
+
+
+@model_pass
+def pack_weights(model: onnx.ModelProto, signature: Signature) -> tuple[onnx.ModelProto, Signature]:
+    """One flat weight input and one flat gradient instead of one per weight (module doc).
+
+    ``model`` is a gradient model whose weights are graph inputs of static shapes
+    and one float type; ``signature`` its per-weight signature (with the state names
+    :func:`step_graph` chose, which the packed signature keeps in ``unpacked``).
+    """
+    unpacked = copy.deepcopy(signature)
+    graph = model.graph
+    names = NameAuthority.for_model(model)
+    inputs = {v.name: v for v in graph.input}
+    shapes = {w: [d.dim_value for d in inputs[w].type.tensor_type.shape.dim]
+              for w in unpacked.weights}
+    elem_type = inputs[unpacked.weights[0]].type.tensor_type.elem_type
+    theta = names.fresh("weights_packed")
+    b = GraphBuilder(names, opset_version(model) or 13, prefix="pack/")
+    _unpack(b, theta, unpacked.weights, [shapes[w] for w in unpacked.weights])
+    unpacking = b.nodes
+    b.nodes = []
+    flat = b.ints([-1], hint="flat")
+    gradients = [unpacked.gradients[w] if len(shapes[w]) == 1 else
+                 b.Reshape(unpacked.gradients[w], flat, hint=f"{w}_grad_flat")
+                 for w in unpacked.weights]
+    gradient = b.Concat(*gradients, axis=0, hint="weights_packed_grad")
+    b.append_to(graph)
+    for node in reversed(unpacking):
+        graph.node.insert(0, node)
+    kept = [v for v in graph.input if v.name not in shapes]
+    del graph.input[:]
+    size = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
+    graph.input.extend([*kept, helper.make_tensor_value_info(theta, elem_type, [size])])
+    packed = Signature(features=unpacked.features, label=unpacked.label,
+                       sample_weight=unpacked.sample_weight, loss=unpacked.loss,
+                       weights=[theta], gradients={theta: gradient}, unpacked=unpacked,
+                       shapes=shapes)
+    return model, packed
 
 
 @model_pass
@@ -128,7 +190,9 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
     permutation, learning rates and losses names.
     """
     signature = copy.deepcopy(signature)
-    names = NameAuthority.for_model(step)
+    outer = signature.unpacked or signature  # the epoch graph's inputs and outputs
+    names = NameAuthority([*names_in_graph(step.graph), *outer.weights, *outer.state_names,
+                           *outer.new.values(), outer.step])
     body = onnx.GraphProto()
     body.CopyFrom(step.graph)
     # The body reads nothing from outside: give every body value its own name.
@@ -159,7 +223,7 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
     body.name = "train_step"
 
     graph = step.graph
-    outer_types = {v.name: v.type for v in graph.input}
+    outer_types = _outer_types(graph, signature)
     b = GraphBuilder(names, opset_version(step) or 13, prefix="epoch/")
     permutation = names.fresh("permutation") if shuffled else None
     learning_rates = names.fresh("learning_rates")
@@ -175,18 +239,31 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
             shape.append(b.Slice(b.Shape(name), b.ints([1]), b.ints([rank])))
         batched.append(b.Reshape(rows, b.Concat(*shape, axis=0), hint=f"{name}_batches"))
     losses = names.fresh("losses")
-    results = [signature.new[n] for n in carried] + [names.fresh("step_final"), losses]
-    b.op("Scan", *carried, signature.step, *batched, learning_rates, outputs=results,
+    if signature.unpacked:
+        flat = b.ints([-1], hint="flat")
+        scan_in = [b.Concat(*(b.Reshape(m, flat) for m in signature.members(c)), axis=0,
+                            hint=f"{c}_in") for c in carried]
+        scan_out = [names.fresh(f"{c}_out") for c in carried]
+    else:
+        scan_in, scan_out = carried, [signature.new[n] for n in carried]
+    b.op("Scan", *scan_in, outer.step, *batched, learning_rates,
+         outputs=[*scan_out, names.fresh("step_final"), losses],
          body=body, num_scan_inputs=len(batched) + 1)
+    if signature.unpacked:
+        shapes = [signature.shapes[w] for w in outer.weights]
+        for packed, out in zip(carried, scan_out):
+            _unpack(b, out, [outer.new[m] for m in signature.members(packed)], shapes)
 
-    dtype_code = outer_types[signature.weights[0]].tensor_type.elem_type
-    new_inputs = [_input(graph, n) for n in signature.data]
+    dtype_code = outer_types[outer.weights[0]].tensor_type.elem_type
+    outer_carried = [*outer.weights, *outer.state_names]
+    new_inputs = [helper.make_value_info(n, outer_types[n]) for n in signature.data]
     if shuffled:
         new_inputs.append(helper.make_tensor_value_info(permutation, TensorProto.INT64, ["rows"]))
     new_inputs.append(helper.make_tensor_value_info(learning_rates, dtype_code, ["batches"]))
-    new_inputs += [_input(graph, n) for n in [signature.step, *carried]]
+    new_inputs += [helper.make_value_info(n, outer_types[n])
+                   for n in [outer.step, *outer_carried]]
     outputs = [helper.make_tensor_value_info(losses, dtype_code, ["batches"])]
-    outputs += [helper.make_value_info(signature.new[n], outer_types[n]) for n in carried]
+    outputs += [helper.make_value_info(outer.new[n], outer_types[n]) for n in outer_carried]
     del graph.node[:]
     del graph.initializer[:]
     del graph.value_info[:]
@@ -195,10 +272,34 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
     del graph.output[:]
     graph.output.extend(outputs)
     b.append_to(graph)
+    signature = copy.deepcopy(outer)
     signature.permutation, signature.learning_rates, signature.losses = (
         permutation, learning_rates, losses)
     return step, signature
 
 
-def _input(graph: onnx.GraphProto, name: str) -> onnx.ValueInfoProto:
-    return next(v for v in graph.input if v.name == name)
+def _outer_types(graph: onnx.GraphProto, signature: Signature) -> dict[str, onnx.TypeProto]:
+    """The types of the epoch graph's inputs: the step graph's own, and for a packed
+    step graph those of every per-weight weight and state (a state is shaped like its
+    weight)."""
+    types = {v.name: v.type for v in graph.input}
+    unpacked = signature.unpacked
+    if unpacked is not None:
+        elem_type = types[signature.weights[0]].tensor_type.elem_type
+        types[unpacked.step] = types[signature.step]
+        for weight in unpacked.weights:
+            kind = helper.make_tensor_type_proto(elem_type, signature.shapes[weight])
+            for name in [weight, *unpacked.states.get(weight, [])]:
+                types[name] = kind
+    return types
+
+
+def _unpack(b: GraphBuilder, flat: str, outputs: list[str], shapes: list[list[int]]) -> None:
+    """Split the flat vector ``flat`` into the values ``outputs``, of the given shapes."""
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    parts = [out if len(shape) == 1 else b.names.fresh(f"{out}_flat")
+             for out, shape in zip(outputs, shapes)]
+    b.op("Split", flat, b.ints(sizes, hint="sizes"), outputs=parts, axis=0)
+    for out, part, shape in zip(outputs, parts, shapes):
+        if part != out:
+            b.op("Reshape", part, b.ints(shape, hint="shape"), outputs=[out])

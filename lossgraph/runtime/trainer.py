@@ -39,6 +39,7 @@ from ..fileio import replace_directory
 from ..program import TrainingProgram
 from .buffers import GraphRunner, StateBuffers
 from .session import create_session
+from .specialize import specialize_batch
 
 __all__ = ["Trainer"]
 
@@ -59,8 +60,8 @@ class Trainer:
         self._new = {w["name"]: w["new"] for w in manifest["weights"]}
         self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
         self._buffers = StateBuffers(self._names, program.state)
-        self._sessions: dict[str, Any] = {}
-        self._runners: dict[str, GraphRunner] = {}
+        self._sessions: dict[tuple[str, int | None], Any] = {}
+        self._runners: dict[tuple[str, int | None], GraphRunner] = {}
         self._optimizer = program.optimizer
         self._dtype = program.state[program.weights[0]].dtype
         self._learning_rate = np.zeros((), self._dtype)
@@ -99,14 +100,23 @@ class Trainer:
             live[name][...] = value
 
     # -- sessions ----------------------------------------------------------------------
-    def _session(self, graph: str):
-        if graph not in self._sessions:
-            self._sessions[graph] = create_session(self.program.graphs[graph], self.providers,
-                                                   self.session_options)
-        return self._sessions[graph]
+    def _session(self, graph: str, batch: int | None = None):
+        """The session of ``graph``; for an epoch graph, specialized to ``batch`` rows a step
+        (one batch size at a time: another batch size replaces it)."""
+        key = (graph, batch)
+        if key not in self._sessions:
+            model = self.program.graphs[graph]
+            if batch is not None:
+                for stale in [k for k in self._sessions if k[0] == graph]:
+                    del self._sessions[stale]
+                    self._runners.pop(stale, None)
+                model = specialize_batch(model, batch)
+            self._sessions[key] = create_session(model, self.providers, self.session_options)
+        return self._sessions[key]
 
-    def _runner(self, graph: str) -> GraphRunner:
-        if graph not in self._runners:
+    def _runner(self, graph: str, batch: int | None = None) -> GraphRunner:
+        key = (graph, batch)
+        if key not in self._runners:
             entry = self.program.manifest["graphs"][graph]
             inputs = {v["name"]: v["name"] for v in entry["inputs"]
                       if v["role"] in ("weight", "state")}
@@ -118,9 +128,9 @@ class Trainer:
                 fixed_in[roles["learning_rate"]] = self._learning_rate
             if "loss" in roles:
                 fixed_out[roles["loss"]] = self._loss
-            self._runners[graph] = GraphRunner(self._session(graph), self._buffers, inputs,
-                                               outputs, fixed_in, fixed_out)
-        return self._runners[graph]
+            self._runners[key] = GraphRunner(self._session(graph, batch), self._buffers, inputs,
+                                             outputs, fixed_in, fixed_out)
+        return self._runners[key]
 
     # -- data --------------------------------------------------------------------------
     def _inputs(self, graph: str, role: str) -> list[dict]:
@@ -344,7 +354,7 @@ class Trainer:
                      batch_size: int, epoch: int) -> np.ndarray:
         """All full batches of an epoch in one run of ``train_epoch``."""
         graph = "train_epoch" if order is not None else "train_epoch_ordered"
-        runner = self._runner(graph)
+        runner = self._runner(graph, batch_size)
         first = self.steps_ + 1
         rates = np.array([self._optimizer.schedule(t) for t in range(first, first + full)],
                          self._dtype)

@@ -1,0 +1,59 @@
+"""Batch specialization: the epoch graph a Trainer runs for one batch size."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from linear_data import LINEAR, linear_data
+
+import lossgraph
+from lossgraph.optim import Adam, Momentum
+from lossgraph.runtime.specialize import specialize_batch
+
+
+def _epoch_feeds(program, graph, X, y, batch, batches, sample_weight=None):
+    rows = batch * batches
+    data = {"x": X[:rows], "label": y[:rows].reshape(-1, 1)}
+    if sample_weight is not None:
+        data["w"] = sample_weight[:rows]
+    feeds = {**data, **program.state}
+    feeds[program.io(graph, "learning_rates")[0]] = np.full(batches, 0.05, np.float32)
+    feeds[program.io(graph, "step")[0]] = np.array(1, np.int64)
+    return feeds
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_specialized_epoch_has_no_shape_arithmetic_and_computes_the_same(run_model, weighted):
+    X, y = linear_data(120, seed=3)
+    weights = np.linspace(0.5, 1.5, 120, dtype=np.float32) if weighted else None
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
+                                loss_options={"weight_name": "w"} if weighted else None,
+                                fuse="epoch")
+    general = program.graphs["train_epoch_ordered"]
+    specialized = specialize_batch(general, 20)
+    onnx.checker.check_model(specialized, full_check=True)
+    (scan,) = [n for n in specialized.graph.node if n.op_type == "Scan"]
+    body = scan.attribute[0].g
+    assert not [n for n in body.node if n.op_type in ("Shape", "Size")]
+    assert any(  # the general graph is left as it wasn.op_type in ("Shape", "Size") for n in
+               next(n for n in general.graph.node if n.op_type == "Scan").attribute[0].g.node)
+    feeds = _epoch_feeds(program, "train_epoch_ordered", X, y, 20, 6, weights)
+    expected = run_model(general, feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_a_trainer_switching_batch_sizes_equals_step_by_step_training():
+    X, y = linear_data(100, seed=4)
+    states = []
+    for mode in ("step", "epoch"):
+        program = lossgraph.compile(onnx.parser.parse_model(LINEAR),
+                                    optimizer=Momentum(0.02, momentum=0.9), fuse=mode)
+        trainer = lossgraph.Trainer(program)
+        for batch in (32, 10, 32):  # a new batch size replaces the specialized session
+            trainer.fit(X, y, epochs=1, batch_size=batch, shuffle=True, random_state=batch,
+                        progress=False, warm_start=True)
+        states.append(trainer.state)
+    for name, value in states[0].items():
+        np.testing.assert_allclose(states[1][name], value, rtol=1e-6, atol=1e-7, err_msg=name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import GOLDEN_MODELS
 from linear_data import LINEAR, linear_data
 
 import lossgraph
@@ -229,3 +230,36 @@ def test_packed_epoch_equals_per_weight_steps_for_weights_of_any_rank(optimizer)
     assert states[1]["cube"].shape == (2, 1, 1) and states[1]["scale"].shape == ()
     for name, value in states[0].items():
         np.testing.assert_allclose(states[1][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def _random_data(program: lossgraph.TrainingProgram, rows: int, classes: int, seed: int):
+    """Features and a label for ``program``'s step graph, shaped and typed as it takes them."""
+    rng = np.random.default_rng(seed)
+    step = program.graphs["train_step"].graph
+    roles = {v["role"]: v["name"] for v in program.manifest["graphs"]["train_step"]["inputs"]}
+    arrays = []
+    for name in (roles["feature"], roles["label"]):
+        tensor = next(i for i in step.input if i.name == name).type.tensor_type
+        shape = [d.dim_value or rows for d in tensor.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        arrays.append(rng.integers(0, classes, size=shape).astype(dtype) if dtype.kind == "i"
+                      else rng.normal(size=shape).astype(dtype))
+    return arrays
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN_MODELS.glob("*.onnx")))
+def test_every_golden_model_trains_the_same_packed_and_specialized(name):
+    """Epoch graphs (packed update, batch-specialized by the Trainer) equal step graphs to
+    the last bit on every golden model, the CNN's BatchNormalization included."""
+    score = ("log" if name == "skl_logistic_binary" else "cross_entropy"
+             if "classifier" in name or "logistic" in name else "squared_error")
+    states = []
+    for mode in ("step", "epoch"):
+        program = lossgraph.compile(GOLDEN_MODELS / f"{name}.onnx", loss=score,
+                                    optimizer=Adam(0.01), fuse=mode)
+        X, y = _random_data(program, rows=37, classes=2 if "binary" in name else 3, seed=0)
+        trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=8, shuffle=True,
+                                                 random_state=0, progress=False)
+        states.append(trainer.state)
+    for weight, value in states[0].items():
+        np.testing.assert_array_equal(states[1][weight], value, err_msg=weight)

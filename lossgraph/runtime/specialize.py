@@ -7,6 +7,7 @@ size a fit uses they are constants:
 
     Scan body data input  x[N, ...]  ->  x[batch, ...]
     Shape(v), Size(v)                ->  Constant      where v's shape is then static
+    Reshape(v, s) -> Identity(v)                       where v already has the shape s
 
 after which onnxruntime's constant folding takes the rest of the shape arithmetic
 (``Cast``, ``Div``, ``Concat``, ``ConstantOfShape``, ``Expand`` of constants) out of
@@ -37,10 +38,13 @@ def specialize_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
             if dims and not dims[0].HasField("dim_value"):  # a batch (not a per-step scalar)
                 dims[0].Clear()
                 dims[0].dim_value = batch
-    inferred = onnx.shape_inference.infer_shapes(specialized)
-    for i in scans:
-        _fold_static_shapes(_body(specialized.graph.node[i]),
-                            _static_shapes(_body(inferred.graph.node[i])))
+    changed = True
+    while changed:  # a folded Shape can make more shapes static (Expand, Reshape by it)
+        inferred = onnx.shape_inference.infer_shapes(specialized)
+        changed = False
+        for i in scans:
+            changed |= _fold_static_shapes(_body(specialized.graph.node[i]),
+                                           _static_shapes(_body(inferred.graph.node[i])))
     return specialized
 
 
@@ -58,12 +62,21 @@ def _static_shapes(graph: onnx.GraphProto) -> dict[str, list[int]]:
     return shapes
 
 
-def _fold_static_shapes(graph: onnx.GraphProto, shapes: dict[str, list[int]]) -> None:
-    """Replace ``Shape`` and ``Size`` of statically shaped values by constants, in place."""
+def _fold_static_shapes(graph: onnx.GraphProto, shapes: dict[str, list[int]]) -> bool:
+    """Replace ``Shape`` and ``Size`` of statically shaped values by constants, and
+    ``Reshape`` to the shape a value already has by ``Identity``, in place; True if any."""
+    changed = False
     for index, node in enumerate(graph.node):
-        if node.op_type not in ("Shape", "Size") or node.input[0] not in shapes:
+        if node.op_type not in ("Shape", "Size", "Reshape") or node.input[0] not in shapes:
             continue
         shape = shapes[node.input[0]]
+        if node.op_type == "Reshape":
+            if shapes.get(node.output[0]) == shape:
+                identity = helper.make_node("Identity", [node.input[0]], [node.output[0]],
+                                            name=node.name)
+                graph.node[index].CopyFrom(identity)
+                changed = True
+            continue
         if node.op_type == "Size":
             value = np.array(int(np.prod(shape, dtype=np.int64)), np.int64)
         else:
@@ -73,3 +86,5 @@ def _fold_static_shapes(graph: onnx.GraphProto, shapes: dict[str, list[int]]) ->
         constant = helper.make_node("Constant", [], [node.output[0]], name=node.name,
                                     value=numpy_helper.from_array(value))
         graph.node[index].CopyFrom(constant)
+        changed = True
+    return changed

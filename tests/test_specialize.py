@@ -57,3 +57,27 @@ def test_a_trainer_switching_batch_sizes_equals_step_by_step_training():
         states.append(trainer.state)
     for name, value in states[0].items():
         np.testing.assert_allclose(states[1][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_a_reshape_to_the_shape_a_value_already_has_becomes_identity(run_model):
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        reshaped (float[N, 4] x) => (float[N, 1] y)
+        <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5},
+         int64[2] column = {-1, 1}>
+        {
+            h = MatMul(x, coef)
+            t = Add(h, intercept)
+            y = Reshape(t, column)
+        }
+    """)
+    program = lossgraph.compile(model, optimizer=Momentum(0.05), fuse="epoch")
+    specialized = specialize_batch(program.graphs["train_epoch_ordered"], 10)
+    body = next(n for n in specialized.graph.node if n.op_type == "Scan").attribute[0].g
+    (forward,) = [n for n in body.node if n.input and n.input[0] == "t_in_step"]
+    assert forward.op_type == "Identity"
+    X, y = linear_data(40, seed=5)
+    feeds = _epoch_feeds(program, "train_epoch_ordered", X, y, 10, 4)
+    expected = run_model(program.graphs["train_epoch_ordered"], feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)

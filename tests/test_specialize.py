@@ -81,3 +81,34 @@ def test_a_reshape_to_the_shape_a_value_already_has_becomes_identity(run_model):
     expected = run_model(program.graphs["train_epoch_ordered"], feeds)
     for name, value in run_model(specialized, feeds).items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_specialized_step_graph_folds_its_shapes_and_computes_the_same(run_model):
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
+                                fuse="step")
+    general = program.graphs["train_step"]
+    specialized = specialize_batch(general, 16)
+    onnx.checker.check_model(specialized, full_check=True)
+    assert [i.type.tensor_type.shape.dim[0].dim_value for i in specialized.graph.input
+            if i.name in ("x", "label")] == [16, 16]
+    assert any(n.op_type in ("Shape", "Size") for n in general.graph.node)
+    assert not [n for n in specialized.graph.node if n.op_type in ("Shape", "Size")]
+    X, y = linear_data(16, seed=6)
+    feeds = {"x": X, "label": y.reshape(-1, 1), **program.state,
+             program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
+             program.io("train_step", "step")[0]: np.array(1, np.int64)}
+    expected = run_model(general, feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_only_full_batches_of_an_array_fit_run_a_specialized_step_graph():
+    X, y = linear_data(100, seed=7)
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Momentum(0.02),
+                                fuse="step")
+    trainer = lossgraph.Trainer(program)
+    trainer.fit(X, y, epochs=1, batch_size=32, shuffle=False, progress=False)
+    assert sorted(trainer._sessions, key=str) == [("train_step", 32), ("train_step", None)]
+    streamed = [(X[a:b], y[a:b]) for a, b in [(0, 7), (7, 30), (30, 100)]]
+    trainer.fit(streamed, epochs=2, progress=False, warm_start=True)  # no session per size
+    assert sorted(trainer._sessions, key=str) == [("train_step", 32), ("train_step", None)]

@@ -1,11 +1,12 @@
-"""Batch specialization: an epoch graph as onnxruntime should run it for one batch size.
+"""Batch specialization: a training graph as onnxruntime should run it for one batch size.
 
-A program's ``train_epoch`` graph serves every batch size: its Scan hands each step
-a batch of symbolic size, so the step recomputes shapes every time (the mean's
-count, the ones row that sums a bias gradient over the batch). For the one batch
-size a fit uses they are constants:
+A program's ``train_step`` and ``train_epoch`` graphs serve every batch size: a step
+takes a batch of symbolic size and recomputes shapes every time (the mean's count,
+the ones row that sums a bias gradient over the batch). For the one batch size a fit
+uses they are constants:
 
-    Scan body data input  x[N, ...]  ->  x[batch, ...]
+    batch input  x[N, ...]  ->  x[batch, ...]    (the scanned inputs of an epoch graph's
+                                                 Scan; a step graph's own data inputs)
     Shape(v), Size(v)                ->  Constant      where v's shape is then static
     Reshape(v, s) -> Identity(v)                       where v already has the shape s
 
@@ -25,27 +26,42 @@ __all__ = ["specialize_batch"]
 
 
 def specialize_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
-    """A copy of the epoch graph ``model`` whose Scan steps take batches of ``batch`` rows."""
+    """A copy of the training graph ``model`` whose steps take batches of ``batch`` rows.
+
+    In an epoch graph (one with a ``Scan``) the Scan's batches get the static size and
+    its body is folded; in a step graph, the inputs of symbolic leading dimension (the
+    data) and the graph itself.
+    """
     specialized = onnx.ModelProto()
     specialized.CopyFrom(model)
     scans = [i for i, node in enumerate(specialized.graph.node) if node.op_type == "Scan"]
-    for i in scans:
-        scan = specialized.graph.node[i]
-        body = _body(scan)
-        scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
-        for value in body.input[len(body.input) - scanned:]:
-            dims = value.type.tensor_type.shape.dim
-            if dims and not dims[0].HasField("dim_value"):  # a batch (not a per-step scalar)
-                dims[0].Clear()
-                dims[0].dim_value = batch
+    if scans:
+        for i in scans:
+            scan = specialized.graph.node[i]
+            scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
+            body_inputs = _body(scan).input
+            _fix_leading_dim(body_inputs[len(body_inputs) - scanned:], batch)
+    else:
+        _fix_leading_dim(specialized.graph.input, batch)
     changed = True
     while changed:  # a folded Shape can make more shapes static (Expand, Reshape by it)
         inferred = onnx.shape_inference.infer_shapes(specialized)
+        pairs = ([(_body(specialized.graph.node[i]), _body(inferred.graph.node[i]))
+                  for i in scans] or [(specialized.graph, inferred.graph)])
         changed = False
-        for i in scans:
-            changed |= _fold_static_shapes(_body(specialized.graph.node[i]),
-                                           _static_shapes(_body(inferred.graph.node[i])))
+        for graph, shaped in pairs:
+            changed |= _fold_static_shapes(graph, _static_shapes(shaped))
     return specialized
+
+
+def _fix_leading_dim(values, batch: int) -> None:
+    """Give every value of symbolic leading dimension (a batch, not a scalar or a weight)
+    the leading dimension ``batch``."""
+    for value in values:
+        dims = value.type.tensor_type.shape.dim
+        if dims and not dims[0].HasField("dim_value"):
+            dims[0].Clear()
+            dims[0].dim_value = batch
 
 
 def _body(scan: onnx.NodeProto) -> onnx.GraphProto:

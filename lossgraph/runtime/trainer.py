@@ -101,13 +101,13 @@ class Trainer:
 
     # -- sessions ----------------------------------------------------------------------
     def _session(self, graph: str, batch: int | None = None):
-        """The session of ``graph``; for an epoch graph, specialized to ``batch`` rows a step
-        (one batch size at a time: another batch size replaces it)."""
+        """The session of ``graph``, specialized to ``batch`` rows a step when given (one
+        batch size at a time per graph: another batch size replaces it)."""
         key = (graph, batch)
         if key not in self._sessions:
             model = self.program.graphs[graph]
             if batch is not None:
-                for stale in [k for k in self._sessions if k[0] == graph]:
+                for stale in [k for k in self._sessions if k[0] == graph and k[1] is not None]:
                     del self._sessions[stale]
                     self._runners.pop(stale, None)
                 model = specialize_batch(model, batch)
@@ -285,13 +285,16 @@ class Trainer:
         return np.concatenate(losses), np.concatenate(sizes)
 
     def _steps(self, data: dict[str, np.ndarray], batch_size: int, epoch: int, first: int,
-               order: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """Minibatch steps over ``data`` (already in epoch order) with ``train_step``."""
+               order: np.ndarray | None,
+               specialize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Minibatch steps over ``data`` (already in epoch order) with ``train_step``, whose
+        full batches run the graph specialized to ``batch_size`` when ``specialize``."""
         rows = len(next(iter(data.values())))
         count = math.ceil(rows / batch_size)
         losses = np.empty(count)
         sizes = np.empty(count, np.int64)
-        train = self._separate_step if self.program.fuse == "separate" else self._fused_step
+        train = (self._separate_step if self.program.fuse == "separate" else
+                 functools.partial(self._fused_step, full=batch_size if specialize else None))
         for index in range(count):
             lo, hi = index * batch_size, min(rows, (index + 1) * batch_size)
             batch = {name: array[lo:hi] for name, array in data.items()}
@@ -306,9 +309,14 @@ class Trainer:
             losses[index], sizes[index] = loss, hi - lo
         return losses, sizes
 
-    def _fused_step(self, batch: dict[str, np.ndarray]) -> float:
-        """One run of ``train_step``: the loss; the next state waits in the other buffers."""
-        self._runner("train_step").run(batch)
+    def _fused_step(self, batch: dict[str, np.ndarray], full: int | None = None) -> float:
+        """One run of ``train_step``: the loss; the next state waits in the other buffers.
+
+        A batch of ``full`` rows (the fit's batch size) runs the graph specialized to it;
+        others (the last, smaller batch; streamed batches) the general one.
+        """
+        rows = len(next(iter(batch.values())))
+        self._runner("train_step", rows if rows == full else None).run(batch)
         return float(self._loss)
 
     @functools.cached_property
@@ -394,8 +402,9 @@ class Trainer:
                 raise InvalidDataError(
                     f"Batch {index} is not an (X, y) or (X, y, sample_weight) tuple.")
             data = self._prepare(*item, graph="train_step")
-            batch_losses, batch_sizes = self._steps(data, len(next(iter(data.values()))), epoch,
-                                                    index, None)
+            rows = len(next(iter(data.values())))  # streamed batches may differ in size
+            batch_losses, batch_sizes = self._steps(data, rows, epoch, index, None,
+                                                    specialize=False)
             losses.append(batch_losses)
             sizes.append(batch_sizes)
         if not losses:

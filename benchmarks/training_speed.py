@@ -389,7 +389,9 @@ def hand_graph_bound(problem: Problem, batch: int) -> tuple[Epoch, Callable[[], 
 
     Not a peer: the bound for any compiler of standard ONNX on this runtime. The weights
     and velocities travel as two flat vectors (one update for all weights), the learning
-    rate and 2/batch are constants, the loss is ReduceSumSquare: 20-odd nodes per step.
+    rate and 2/batch are constants (2/batch shaped (1, 1): onnxruntime broadcasts a
+    scalar against an (N, 1) tensor element by element), the loss is ReduceSumSquare:
+    20-odd nodes per step.
     """
     try:
         import onnxruntime
@@ -426,7 +428,7 @@ def _hand_graph(problem: Problem, batch: int) -> onnx.ModelProto:
             np.asarray(value, dtype), name))
 
     body = [const("ones", np.ones(batch)), const("m", MOMENTUM),
-            const("lr", LEARNING_RATE), const("scale", 2.0 / batch),
+            const("lr", LEARNING_RATE), const("scale", np.full((1, 1), 2.0 / batch)),
             const("inverse_batch", 1.0 / batch), const("sizes", sizes, np.int64),
             const("flat", [-1], np.int64),
             node("Split", ["theta", "sizes"], [f"part{i}" for i in range(len(sizes))], axis=0)]
@@ -440,7 +442,7 @@ def _hand_graph(problem: Problem, batch: int) -> onnx.ModelProto:
         weights.append(f"w{i}")
     layers = list(zip(weights[::2], weights[1::2]))
     if len(layers) > 1:
-        body.append(const("zero", 0.0))
+        body.append(const("zero", np.zeros((1, 1))))
     inputs = ["x"]
     for j, (W, b) in enumerate(layers):  # relu between layers
         body.append(node("Gemm", [inputs[-1], W, b], [f"z{j}"]))

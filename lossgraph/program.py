@@ -41,6 +41,7 @@ from .errors import InvalidModelError, UnsupportedModelError, UnsupportedOptionE
 from .fileio import replace_directory, save_model
 from .models import ModelLike, as_model
 from .names import NameAuthority
+from .passes.broadcast import widen_scalar_constants
 from .passes.fuse import Signature, epoch_graph, pack_weights, step_graph
 from .passes.gradient import GRADIENTS_KEY
 from .passes.gradient import gradient as gradient_of
@@ -252,6 +253,7 @@ def _compile(model: ModelLike, trainable: Sequence[str] | None, loss: str | None
     for weight in weights:
         for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
             state[name] = value
+    graphs = {name: widen_scalar_constants(graph) for name, graph in graphs.items()}
     manifest = _manifest(graphs, signature, optimizer, fuse, roles)
     return TrainingProgram(graphs, manifest, state, source)
 

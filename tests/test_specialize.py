@@ -9,7 +9,7 @@ from linear_data import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.optim import Adam, Momentum
-from lossgraph.runtime.specialize import specialize_batch, widen_scalar_constants
+from lossgraph.runtime.specialize import specialize_batch
 
 
 def _epoch_feeds(program, graph, X, y, batch, batches, sample_weight=None):
@@ -113,44 +113,3 @@ def test_only_full_batches_of_an_array_fit_run_a_specialized_step_graph():
     trainer.fit(streamed, epochs=2, progress=False, warm_start=True)  # no session per size
     assert sorted(trainer._sessions, key=str) == [("train_step", 32), ("train_step", None)]
 
-
-SCALARS = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    scalars (float[N, 1] column, float[N] row) => (float[N, 1] a, float[N] b, float[N, 1] c)
-    <float two = {2.0}, float[1] three = {3.0}>
-    {
-        a = Mul(column, two)
-        b = Mul(row, two)
-        c = Add(three, column)
-    }
-"""
-
-
-def test_scalar_constants_take_the_rank_of_what_they_broadcast_against(run_model):
-    model = onnx.parser.parse_model(SCALARS)
-    widened = widen_scalar_constants(model)
-    onnx.checker.check_model(widened, full_check=True)
-    shapes = {t.name: list(t.dims) for t in widened.graph.initializer}
-    a, b, c = widened.graph.node
-    assert shapes[a.input[1]] == [1, 1] and shapes[c.input[0]] == [1, 1]
-    assert b.input[1] == "two"  # against a vector a scalar is fast: left alone
-    assert [n.input[:] for n in model.graph.node][0] == ["column", "two"]  # input untouched
-    feeds = {"column": np.arange(6, dtype=np.float32).reshape(6, 1),
-             "row": np.arange(6, dtype=np.float32)}
-    expected = run_model(model, feeds)
-    for name, value in run_model(widened, feeds).items():
-        assert value.shape == expected[name].shape
-        np.testing.assert_array_equal(value, expected[name], err_msg=name)
-
-
-def test_widening_reaches_into_the_epoch_scan(run_model):
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Momentum(0.05),
-                                fuse="epoch")
-    widened = widen_scalar_constants(specialize_batch(program.graphs["train_epoch_ordered"], 8))
-    body = next(n for n in widened.graph.node if n.op_type == "Scan").attribute[0].g
-    assert any(t.name.endswith("_rank2") and list(t.dims) == [1, 1] for t in body.initializer)
-    X, y = linear_data(40, seed=8)
-    feeds = _epoch_feeds(program, "train_epoch_ordered", X, y, 8, 5)
-    expected = run_model(program.graphs["train_epoch_ordered"], feeds)
-    for name, value in run_model(widened, feeds).items():
-        np.testing.assert_array_equal(value, expected[name], err_msg=name)

@@ -14,13 +14,7 @@ after which onnxruntime's constant folding takes the rest of the shape arithmeti
 (``Cast``, ``Div``, ``Concat``, ``ConstantOfShape``, ``Expand`` of constants) out of
 every step.
 
-``widen_scalar_constants`` avoids a slow path of onnxruntime's broadcasting (1.19 and
-1.31 alike): a scalar against a tensor whose last dimension is 1, such as ``(N, 1)``,
-runs element by element, 15-30x slower than against a constant of the tensor's rank:
-
-    Mul(x[N, 1], c[])  ->  Mul(x[N, 1], c[1, 1])        (same result, same shape)
-
-The results are for running, not for saving: the program keeps its general graphs.
+The result is for running, not for saving: the program keeps its general graphs.
 """
 
 from __future__ import annotations
@@ -29,13 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..names import NameAuthority
-
-__all__ = ["specialize_batch", "widen_scalar_constants"]
-
-#: Elementwise ops of two inputs with numpy broadcasting.
-_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Equal", "Greater",
-                           "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Xor"})
+__all__ = ["specialize_batch"]
 
 
 def specialize_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
@@ -118,40 +106,3 @@ def _fold_static_shapes(graph: onnx.GraphProto, shapes: dict[str, list[int]]) ->
         changed = True
     return changed
 
-
-def widen_scalar_constants(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose one-element constants, where a broadcasting op combines
-    them with a tensor of known rank ``r >= 2``, have the shape ``[1] * r`` (module doc)."""
-    widened = onnx.ModelProto()
-    widened.CopyFrom(model)
-    inferred = onnx.shape_inference.infer_shapes(widened)
-    names = NameAuthority.for_model(widened)
-    _widen(widened.graph, inferred.graph, names)
-    for node, shaped in zip(widened.graph.node, inferred.graph.node):
-        if node.op_type == "Scan":
-            _widen(_body(node), _body(shaped), names)
-    return widened
-
-
-def _widen(graph: onnx.GraphProto, shaped: onnx.GraphProto, names: NameAuthority) -> None:
-    ranks = {v.name: len(v.type.tensor_type.shape.dim)
-             for v in (*shaped.input, *shaped.value_info, *shaped.output)
-             if v.type.tensor_type.HasField("shape")}
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    constants.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
-                      if n.op_type == "Constant" and n.attribute[0].name == "value"})
-    widened: dict[tuple[str, int], str] = {}
-    for node in graph.node:
-        if node.op_type not in _BROADCASTING or len(node.input) != 2:
-            continue
-        for index, other in ((0, node.input[1]), (1, node.input[0])):
-            value = constants.get(node.input[index])
-            rank = ranks.get(other, 0)
-            if value is None or value.size != 1 or value.ndim >= rank or rank < 2:
-                continue
-            key = (node.input[index], rank)
-            if key not in widened:
-                widened[key] = names.fresh(f"{node.input[index]}_rank{rank}")
-                graph.initializer.append(
-                    numpy_helper.from_array(value.reshape([1] * rank), widened[key]))
-            node.input[index] = widened[key]

@@ -39,7 +39,7 @@ from ..fileio import replace_directory
 from ..program import TrainingProgram
 from .buffers import GraphRunner, StateBuffers
 from .session import create_session
-from .specialize import specialize_batch, widen_scalar_constants
+from .specialize import specialize_batch
 
 __all__ = ["Trainer"]
 
@@ -102,8 +102,7 @@ class Trainer:
     # -- sessions ----------------------------------------------------------------------
     def _session(self, graph: str, batch: int | None = None):
         """The session of ``graph``, specialized to ``batch`` rows a step when given (one
-        batch size at a time per graph: another batch size replaces it), its scalar
-        constants widened (:mod:`~lossgraph.runtime.specialize`)."""
+        batch size at a time per graph: another batch size replaces it)."""
         key = (graph, batch)
         if key not in self._sessions:
             model = self.program.graphs[graph]
@@ -112,8 +111,7 @@ class Trainer:
                     del self._sessions[stale]
                     self._runners.pop(stale, None)
                 model = specialize_batch(model, batch)
-            self._sessions[key] = create_session(widen_scalar_constants(model), self.providers,
-                                                 self.session_options)
+            self._sessions[key] = create_session(model, self.providers, self.session_options)
         return self._sessions[key]
 
     def _runner(self, graph: str, batch: int | None = None) -> GraphRunner:

@@ -88,6 +88,15 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return types
 
 
+def known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
+    """The shape of every input, output and ``value_info`` of ``graph`` whose rank is
+    known: a dimension is its size, or ``None`` when symbolic or unknown."""
+    return {v.name: [d.dim_value if d.HasField("dim_value") else None
+                     for d in v.type.tensor_type.shape.dim]
+            for v in (*graph.input, *graph.value_info, *graph.output)
+            if v.type.tensor_type.HasField("shape")}
+
+
 def elem_type_name(elem_type: int) -> str:
     """'float', 'double', 'int64'... for an ONNX element type."""
     return helper.tensor_dtype_to_string(elem_type).replace("TensorProto.", "").lower()

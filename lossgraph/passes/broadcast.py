@@ -16,6 +16,7 @@ from __future__ import annotations
 import onnx
 from onnx import numpy_helper
 
+from ..graphs import initializer_arrays, known_shapes, subgraphs
 from ..names import NameAuthority
 from .contract import model_pass
 
@@ -34,16 +35,14 @@ def widen_scalar_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     names = NameAuthority.for_model(model)
     _widen(model.graph, inferred.graph, names)
     for node, shaped in zip(model.graph.node, inferred.graph.node):
-        if node.op_type == "Scan":
-            _widen(_scan_body(node), _scan_body(shaped), names)
+        if node.op_type == "Scan":  # a Scan holds one graph: its body
+            _widen(next(subgraphs(node)), next(subgraphs(shaped)), names)
     return model
 
 
 def _widen(graph: onnx.GraphProto, shaped: onnx.GraphProto, names: NameAuthority) -> None:
-    ranks = {v.name: len(v.type.tensor_type.shape.dim)
-             for v in (*shaped.input, *shaped.value_info, *shaped.output)
-             if v.type.tensor_type.HasField("shape")}
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    ranks = {name: len(shape) for name, shape in known_shapes(shaped).items()}
+    constants = initializer_arrays(graph)
     constants.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
                       if n.op_type == "Constant" and n.attribute[0].name == "value"})
     widened: dict[tuple[str, int], str] = {}
@@ -61,7 +60,3 @@ def _widen(graph: onnx.GraphProto, shaped: onnx.GraphProto, names: NameAuthority
                 graph.initializer.append(
                     numpy_helper.from_array(value.reshape([1] * rank), widened[key]))
             node.input[index] = widened[key]
-
-
-def _scan_body(scan: onnx.NodeProto) -> onnx.GraphProto:
-    return next(a.g for a in scan.attribute if a.name == "body")

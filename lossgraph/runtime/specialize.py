@@ -23,6 +23,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..graphs import known_shapes, subgraphs
+
 __all__ = ["specialize_batch"]
 
 
@@ -40,18 +42,21 @@ def specialize_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
         for i in scans:
             scan = specialized.graph.node[i]
             scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
-            body_inputs = _body(scan).input
+            body_inputs = next(subgraphs(scan)).input  # a Scan holds one graph: its body
             _fix_leading_dim(body_inputs[len(body_inputs) - scanned:], batch)
     else:
         _fix_leading_dim(specialized.graph.input, batch)
     changed = True
     while changed:  # a folded Shape can make more shapes static (Expand, Reshape by it)
         inferred = onnx.shape_inference.infer_shapes(specialized)
-        pairs = ([(_body(specialized.graph.node[i]), _body(inferred.graph.node[i]))
-                  for i in scans] or [(specialized.graph, inferred.graph)])
+        pairs = ([(next(subgraphs(specialized.graph.node[i])),
+                   next(subgraphs(inferred.graph.node[i]))) for i in scans]
+                 or [(specialized.graph, inferred.graph)])
         changed = False
         for graph, shaped in pairs:
-            changed |= _fold_static_shapes(graph, _static_shapes(shaped))
+            static = {name: shape for name, shape in known_shapes(shaped).items()
+                      if None not in shape}
+            changed |= _fold_static_shapes(graph, static)
     return specialized
 
 
@@ -63,20 +68,6 @@ def _fix_leading_dim(values, batch: int) -> None:
         if dims and not dims[0].HasField("dim_value"):
             dims[0].Clear()
             dims[0].dim_value = batch
-
-
-def _body(scan: onnx.NodeProto) -> onnx.GraphProto:
-    return next(a.g for a in scan.attribute if a.name == "body")
-
-
-def _static_shapes(graph: onnx.GraphProto) -> dict[str, list[int]]:
-    """The values of ``graph`` whose (inferred) shapes are fully static, with those shapes."""
-    shapes: dict[str, list[int]] = {}
-    for value in (*graph.input, *graph.value_info, *graph.output):
-        tensor = value.type.tensor_type
-        if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim):
-            shapes[value.name] = [d.dim_value for d in tensor.shape.dim]
-    return shapes
 
 
 def _fold_static_shapes(graph: onnx.GraphProto, shapes: dict[str, list[int]]) -> bool:

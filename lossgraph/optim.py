@@ -105,6 +105,17 @@ class Optimizer(abc.ABC):
         _check_step(step)
         return float(self.learning_rate)
 
+    def schedules(self, first: int, count: int) -> np.ndarray:
+        """The learning rates of updates ``first`` to ``first + count - 1`` (float64), as
+        :meth:`schedule` gives them; an epoch graph takes them all at once."""
+        if self._constant_schedule:
+            return np.full(count, self.schedule(first))
+        return np.array([self.schedule(t) for t in range(first, first + count)], np.float64)
+
+    @property
+    def _constant_schedule(self) -> bool:
+        return True
+
     def state_names(self, weight: str) -> list[str]:
         """Names of the per-weight state tensors, named after the weight."""
         return [f"{weight}_{suffix}" for suffix in self._state_suffixes]
@@ -184,6 +195,10 @@ class SGD(Optimizer):
         """scikit-learn's ``t0`` for the optimal schedule: ``1 / (alpha typw)``."""
         typw = math.sqrt(1.0 / math.sqrt(self.alpha))
         return 1.0 / (typw * self.alpha)
+
+    @property
+    def _constant_schedule(self) -> bool:
+        return self.learning_rate_schedule == "constant"
 
     def schedule(self, step: int) -> float:
         _check_step(step)

@@ -187,6 +187,16 @@ def test_sgd_schedule_follows_sklearn_formulas(schedule, eta0, power_t, alpha):
             sklearn_formula(schedule, t, eta0, power_t, alpha), rel=1e-14)
 
 
+@pytest.mark.parametrize("optimizer", [
+    *(SGD(learning_rate=eta0, learning_rate_schedule=schedule, power_t=power_t, alpha=alpha)
+      for schedule, eta0, power_t, alpha in SCHEDULE_CASES),
+    Momentum(0.05, nesterov=True), Adam(0.002)], ids=repr)
+def test_schedules_are_the_schedule_of_each_step(optimizer):
+    rates = optimizer.schedules(7, 40)  # what an epoch graph is fed, steps 7 to 46
+    assert rates.dtype == np.float64
+    assert rates.tolist() == [optimizer.schedule(t) for t in range(7, 47)]
+
+
 def test_sgd_eta0_defaults_to_learning_rate_and_overrides_it():
     assert SGD(learning_rate=0.3, learning_rate_schedule="invscaling").schedule(1) == 0.3
     sgd = SGD(learning_rate=0.3, learning_rate_schedule="invscaling", eta0=0.5, power_t=1.0)

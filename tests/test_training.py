@@ -214,6 +214,22 @@ def test_epoch_scan_carries_weights_and_each_state_as_one_flat_vector():
             step_inputs - {"x", "y", "learning_rate"})
 
 
+@pytest.mark.parametrize("optimizer, reads_step", [(Adam(0.05), True),
+                                                  (Momentum(0.05, nesterov=True), False)])
+def test_epoch_scan_carries_the_step_counter_only_when_the_update_reads_it(optimizer,
+                                                                           reads_step):
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=optimizer,
+                                fuse="epoch")
+    (scan,) = [n for n in program.graphs["train_epoch"].graph.node if n.op_type == "Scan"]
+    body = scan.attribute[0].g
+    assert any(i.type.tensor_type.elem_type == onnx.TensorProto.INT64
+               for i in body.input) is reads_step
+    assert any(n.op_type == "Add" and "next_step" in n.name for n in body.node) is reads_step
+    X, y = linear_data(12, seed=3)
+    trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=4, progress=False)
+    assert trainer.steps_ == 6  # the trainer counts the steps either way
+
+
 @pytest.mark.parametrize("optimizer", ["nesterov", "adamw"])
 def test_packed_epoch_equals_per_weight_steps_for_weights_of_any_rank(optimizer):
     rng = np.random.default_rng(5)

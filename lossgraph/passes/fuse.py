@@ -26,8 +26,8 @@ Every data input is gathered by ``permutation`` (shuffling) and reshaped to
 learning rate per batch) and ``batch`` is ``len(permutation) / batches``. Without
 shuffling (``shuffled=False``) there is no ``permutation``: the data inputs are the
 epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each
-batch to the step graph as a view, carries weights, states and the step counter,
-and stacks the per-batch losses. No Python runs between batches. A packed step
+batch to the step graph as a view, carries weights, states and (for an update that
+reads it) the step counter, and stacks the per-batch losses. No Python runs between batches. A packed step
 graph's Scan carries the flat vectors; the epoch graph packs the weights and
 states before it and unpacks them after it, so its inputs and outputs are the
 per-weight ones either way.
@@ -43,7 +43,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
-from ..graphs import names_in_graph, np_dtype, opset_version, rename_values
+from ..graphs import all_graphs, names_in_graph, np_dtype, opset_version, rename_values
 from ..names import NameAuthority
 from .contract import model_pass
 
@@ -204,18 +204,19 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
         node.name = names.fresh(f"scan/{node.name or node.op_type}")
     inputs = {v.name: v for v in body.input}
     carried = [*signature.weights, *signature.state_names]
-    step_in = mapping[signature.step]
-    step_out = names.fresh("step_next")
-    one = names.fresh("one")
-    body.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int64), one))
-    body.node.append(helper.make_node("Add", [step_in, one], [step_out],
-                                      name=names.fresh("scan/next_step")))
+    counted = [signature.step] if _reads(body, mapping[signature.step]) else []
     scanned = [*signature.data, signature.learning_rate]
     outputs = {v.name: v for v in body.output}
-    new_body_inputs = [inputs[mapping[n]] for n in [*carried, signature.step, *scanned]]
+    new_body_inputs = [inputs[mapping[n]] for n in [*carried, *counted, *scanned]]
     new_body_outputs = [outputs[mapping[signature.new[n]]] for n in carried]
-    new_body_outputs += [helper.make_tensor_value_info(step_out, TensorProto.INT64, []),
-                         outputs[mapping[signature.loss]]]
+    if counted:  # the step counter is carried only where the update reads it (Adam)
+        step_out = names.fresh("step_next")
+        one = names.fresh("one")
+        body.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int64), one))
+        body.node.append(helper.make_node("Add", [mapping[signature.step], one], [step_out],
+                                          name=names.fresh("scan/next_step")))
+        new_body_outputs.append(helper.make_tensor_value_info(step_out, TensorProto.INT64, []))
+    new_body_outputs.append(outputs[mapping[signature.loss]])
     del body.input[:]
     body.input.extend(new_body_inputs)
     del body.output[:]
@@ -246,8 +247,8 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
         scan_out = [names.fresh(f"{c}_out") for c in carried]
     else:
         scan_in, scan_out = carried, [signature.new[n] for n in carried]
-    b.op("Scan", *scan_in, outer.step, *batched, learning_rates,
-         outputs=[*scan_out, names.fresh("step_final"), losses],
+    b.op("Scan", *scan_in, *(outer.step for _ in counted), *batched, learning_rates,
+         outputs=[*scan_out, *(names.fresh("step_final") for _ in counted), losses],
          body=body, num_scan_inputs=len(batched) + 1)
     if signature.unpacked:
         shapes = [signature.shapes[w] for w in outer.weights]
@@ -292,6 +293,11 @@ def _outer_types(graph: onnx.GraphProto, signature: Signature) -> dict[str, onnx
             for name in [weight, *unpacked.states.get(weight, [])]:
                 types[name] = kind
     return types
+
+
+def _reads(graph: onnx.GraphProto, value: str) -> bool:
+    """Whether a node of ``graph``, or of a subgraph in it, reads ``value``."""
+    return any(value in node.input for g in all_graphs(graph) for node in g.node)
 
 
 def _unpack(b: GraphBuilder, flat: str, outputs: list[str], shapes: list[list[int]]) -> None:

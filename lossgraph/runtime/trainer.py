@@ -364,8 +364,7 @@ class Trainer:
         graph = "train_epoch" if order is not None else "train_epoch_ordered"
         runner = self._runner(graph, batch_size)
         first = self.steps_ + 1
-        rates = np.array([self._optimizer.schedule(t) for t in range(first, first + full)],
-                         self._dtype)
+        rates = self._optimizer.schedules(first, full).astype(self._dtype)
         losses = np.empty(full, self._dtype)
         runner.bind_output(self.program.io(graph, "losses")[0], losses)
         feeds = {self.program.io(graph, "learning_rates")[0]: rates}

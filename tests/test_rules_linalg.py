@@ -36,6 +36,8 @@ MATMUL_SHAPES = [
     ((3,), (3, 4)),          # 1-D left operand
     ((2, 3), (3,)),          # 1-D right operand
     ((2, 3), (3, 4)),
+    ((4, 3), (3, 1)),        # a column right operand, as a linear model's weight
+    ((3,), (3, 1)),          # 1-D times a column
     ((5, 2, 3), (3, 4)),     # batched times matrix
     ((2, 3), (5, 3, 4)),     # matrix times batched
     ((2, 1, 2, 3), (3, 3, 4)),  # batch broadcasting with size-1 and missing axes

@@ -27,10 +27,10 @@ learning rate per batch) and ``batch`` is ``len(permutation) / batches``. Withou
 shuffling (``shuffled=False``) there is no ``permutation``: the data inputs are the
 epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each
 batch to the step graph as a view, carries weights, states and (for an update that
-reads it) the step counter, and stacks the per-batch losses. No Python runs between batches. A packed step
-graph's Scan carries the flat vectors; the epoch graph packs the weights and
-states before it and unpacks them after it, so its inputs and outputs are the
-per-weight ones either way.
+reads it) the step counter, and stacks the per-batch losses. No Python runs between
+batches. A packed step graph's Scan carries the flat vectors; the epoch graph packs
+the weights and states before it and unpacks them after it, so its inputs and outputs
+are the per-weight ones either way.
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ process, on the same data and the same batches:
     numpy          the same Nesterov SGD written by hand (preallocated, in place)
     lossgraph      lossgraph.compile(...) + lossgraph.Trainer(...).fit, per fuse mode
 
-The first four are the peers; cells read "ms/epoch (ratio to the fastest peer at
-that batch size)". Each figure is the median of --repeat epochs after one warm-up
+The first four are the peers. Two more rows are bounds, never peers: the same epoch
+as one hand-minimized onnxruntime graph, and only the matrix products of each step
+(the floor for any graph onnxruntime runs). Cells read "ms/epoch (ratio to the
+fastest peer at that batch size)". Each figure is the median of --repeat epochs after one warm-up
 epoch; setup (model construction, export, compilation, sessions) is excluded and
 reported separately. A peer that cannot run in this environment shows "n/a".
 
@@ -393,18 +395,9 @@ def hand_graph_bound(problem: Problem, batch: int) -> tuple[Epoch, Callable[[], 
     scalar against an (N, 1) tensor element by element), the loss is ReduceSumSquare:
     20-odd nodes per step.
     """
-    try:
-        import onnxruntime
-    except ImportError as error:
-        raise Unavailable("onnxruntime is not installed") from error
-    model = _hand_graph(problem, batch)
-    session = onnxruntime.InferenceSession(model.SerializeToString(),
-                                           providers=["CPUExecutionProvider"])
-    n, features = problem.X.shape
-    feeds = {"X": problem.X.reshape(n // batch, batch, features),
-             "y": problem.y.reshape(n // batch, batch, 1),
-             "theta": np.concatenate([w.ravel() for w in problem.weights]),
-             "velocity": np.zeros(sum(w.size for w in problem.weights), np.float32)}
+    session, feeds = _scan_session(_hand_graph(problem, batch), problem, batch)
+    feeds["theta"] = np.concatenate([w.ravel() for w in problem.weights])
+    feeds["velocity"] = np.zeros(sum(w.size for w in problem.weights), np.float32)
 
     def epoch() -> None:
         feeds["theta"], feeds["velocity"], _ = session.run(None, feeds)
@@ -472,20 +465,88 @@ def _hand_graph(problem: Problem, batch: int) -> onnx.ModelProto:
              node("Add", ["grad", "mv_new"], ["step"]),
              node("Mul", ["step", "lr"], ["delta"]),
              node("Sub", ["theta", "delta"], ["theta_new"])]
-    total, features = sum(sizes), problem.X.shape[1]
-    vector = lambda name, *shape: helper.make_tensor_value_info(  # noqa: E731
+    total = sum(sizes)
+    return _epoch_scan(body, problem, batch, {"theta": [total], "velocity": [total]}, "loss")
+
+
+def products_floor(problem: Problem, batch: int) -> tuple[Epoch, Callable[[], Weights | None]]:
+    """Only the matrix products of each step, nothing else: a floor, not a training.
+
+    Not a peer: every step of any implementation does these products (forward, the
+    weight gradients and the backward pass between layers); onnxruntime's take this
+    long on their own, so no graph run by onnxruntime can train faster than this row.
+    The weights stay put (there is no update), so there are no weights to check.
+    """
+    session, feeds = _scan_session(_products_graph(problem, batch), problem, batch)
+    for j, w in enumerate(problem.weights[::2]):
+        feeds[f"W{j}"], feeds[f"dW{j}"] = w, np.zeros_like(w)
+    return (lambda: session.run(None, feeds)), (lambda: None)
+
+
+def _products_graph(problem: Problem, batch: int) -> onnx.ModelProto:
+    """Scan over (batches, batch, features) doing each step's matrix products, nothing more.
+
+    The last layer's output stands in for the loss gradient. Each weight gradient is a
+    carried value, so that onnxruntime keeps every product. The weights are inputs the
+    body reads, as in training (constants would let onnxruntime prepack them).
+    """
+    node = helper.make_node
+    layers = problem.weights[::2]
+    body, inputs = [], ["x"]
+    for j in range(len(layers)):
+        body.append(node("MatMul", [inputs[-1], f"W{j}"], [f"z{j}"]))
+        inputs.append(f"z{j}")
+    upstream = inputs.pop()
+    for j in reversed(range(len(layers))):
+        body.append(node("Gemm", [inputs[j], upstream], [f"dW{j}_new"], transA=1))
+        if j > 0:
+            body.append(node("Gemm", [upstream, f"W{j}"], [f"da{j}"], transB=1))
+            upstream = f"da{j}"
+    shapes = {f"W{j}": list(w.shape) for j, w in enumerate(layers)}
+    return _epoch_scan(body, problem, batch, {f"d{w}": shape for w, shape in shapes.items()},
+                       read=shapes)
+
+
+def _scan_session(model: onnx.ModelProto, problem: Problem,
+                  batch: int) -> tuple[Any, dict[str, np.ndarray]]:
+    """An onnxruntime session for a model from :func:`_epoch_scan`, and its data feeds."""
+    try:
+        import onnxruntime
+    except ImportError as error:
+        raise Unavailable("onnxruntime is not installed") from error
+    session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    n, features = problem.X.shape
+    return session, {"X": problem.X.reshape(n // batch, batch, features),
+                     "y": problem.y.reshape(n // batch, batch, 1)}
+
+
+def _epoch_scan(body: list[onnx.NodeProto], problem: Problem, batch: int,
+                carried: dict[str, list[int]], per_step: str | None = None,
+                read: dict[str, list[int]] | None = None) -> onnx.ModelProto:
+    """A model running ``body`` as a Scan over the epoch's batches of X (``x`` in the
+    body) and y (``y_in``). ``carried`` values are given by shape, and ``body`` computes
+    the next value of each, ``<name>_new``; ``per_step`` is stacked over the steps;
+    ``read`` are more inputs, by shape, that the body reads as they are."""
+    read = read or {}
+    features = problem.X.shape[1]
+    tensor = lambda name, *shape: helper.make_tensor_value_info(  # noqa: E731
         name, TensorProto.FLOAT, list(shape))
+    stacked = [per_step] if per_step else []
     graph = helper.make_graph(
-        body, "step", [vector("theta", total), vector("velocity", total),
-                       vector("x", batch, features), vector("y_in", batch, 1)],
-        [vector("theta_new", total), vector("velocity_new", total), vector("loss")])
-    scan = node("Scan", ["theta", "velocity", "X", "y"], ["theta_out", "velocity_out", "losses"],
-                num_scan_inputs=2, body=graph)
+        body, "step", [*(tensor(name, *shape) for name, shape in carried.items()),
+                       tensor("x", batch, features), tensor("y_in", batch, 1)],
+        [*(tensor(f"{name}_new", *shape) for name, shape in carried.items()),
+         *(tensor(name) for name in stacked)])
+    scan = helper.make_node("Scan", [*carried, "X", "y"],
+                            [*(f"{name}_out" for name in carried), *stacked],
+                            num_scan_inputs=2, body=graph)
     outer = helper.make_graph(
-        [scan], "epoch", [vector("theta", total), vector("velocity", total),
-                          vector("X", "batches", batch, features),
-                          vector("y", "batches", batch, 1)],
-        [vector("theta_out", total), vector("velocity_out", total), vector("losses", "batches")])
+        [scan], "epoch", [*(tensor(name, *shape) for name, shape in (carried | read).items()),
+                          tensor("X", "batches", batch, features),
+                          tensor("y", "batches", batch, 1)],
+        [*(tensor(f"{name}_out", *shape) for name, shape in carried.items()),
+         *(tensor(name, "batches") for name in stacked)])
     model = helper.make_model(outer, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     return model
@@ -618,14 +679,29 @@ def warm_up(row: Row, factory: Callable[[], tuple[Epoch, Callable[[], Weights | 
     return epoch, after_warm_up
 
 
+SETTLE_S = 0.15
+
+
+def settle(epoch: Epoch) -> None:
+    """Untimed epochs of one implementation for at least SETTLE_S seconds (one at least).
+
+    Thread pools keep spinning after a call, and would take the cores of whichever
+    implementation runs next: OpenBLAS's for up to 2**28 cycles (about 0.1 s), torch's
+    OpenMP and onnxruntime's for less. One untimed epoch is not enough when epochs take
+    a few milliseconds: such epochs then varied 5x within a run.
+    """
+    start = time.perf_counter()
+    epoch()
+    while time.perf_counter() - start < SETTLE_S:
+        epoch()
+
+
 def run_model(problem: Problem, batches: list[int], repeat: int, workdir: Path) -> dict:
     """Per batch size: set up and warm up every implementation, then time `repeat` rounds.
 
     Each round times one epoch of every implementation in turn, so that a burst of load
     from another process falls on all of them rather than on one. Each timed epoch
-    follows an untimed epoch of the same implementation: thread pools keep spinning
-    for a while after a call (OpenBLAS, torch's OpenMP, onnxruntime's), and would
-    otherwise take the cores of whichever implementation runs next.
+    follows untimed epochs of the same implementation (see :func:`settle`).
     """
     sk_note = ("SGDRegressor: per-sample updates, no minibatch, no momentum"
                if problem.name == "linear" else "MLPRegressor.partial_fit; loss is MSE/2")
@@ -634,11 +710,14 @@ def run_model(problem: Problem, batches: list[int], repeat: int, workdir: Path) 
             Row("torch eager", "peer", f"{TORCH_THREADS} threads"),
             Row("ORT on-device", "peer", "plain SGD (no momentum): its API has SGD/AdamW only"),
             Row("hand-written graph", "bound", "not a peer: the same epoch as one hand-minimized "
-                "graph of standard ops in onnxruntime, the bound for lossgraph's graphs")]
+                "graph of standard ops in onnxruntime, the bound for lossgraph's graphs"),
+            *([Row("matrix products only", "bound", "not a peer, not a training: only the "
+                   "step's matrix products, in onnxruntime: the floor for any onnxruntime "
+                   "graph")] if problem.name == "mlp" else [])]
     factories: dict[str, Callable] = {
         "numpy": numpy_peer, "scikit-learn": sklearn_peer, "torch eager": torch_peer,
         "ORT on-device": lambda p, b: ort_on_device_peer(p, b, workdir),
-        "hand-written graph": hand_graph_bound}
+        "hand-written graph": hand_graph_bound, "matrix products only": products_floor}
     compiled = compile_modes(problem)
     for c in compiled:
         rows.append(Row(f"lossgraph fuse={c.mode}", "lossgraph"))
@@ -659,7 +738,7 @@ def run_model(problem: Problem, batches: list[int], repeat: int, workdir: Path) 
                 if row.name not in epochs:
                     continue
                 try:
-                    epochs[row.name]()  # untimed: the previous implementation's pools go quiet
+                    settle(epochs[row.name])
                     start = time.perf_counter()
                     epochs[row.name]()
                     samples[row.name].append((time.perf_counter() - start) * 1000)
@@ -869,7 +948,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = machine_facts()
     print("one epoch of minibatch SGD, Nesterov momentum (lr 0.01, momentum 0.9), "
           f"N={n:,} rows x {N_FEATURES} float32 features, no shuffling; "
-          f"median of {args.repeat} epoch(s), each after an untimed one")
+          f"median of {args.repeat} epoch(s), each after {SETTLE_S:g} s of untimed ones")
     print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     started, cpu_before = time.perf_counter(), _cpu_seconds()
     X, y = make_data(n)

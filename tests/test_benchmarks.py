@@ -34,3 +34,25 @@ def test_hand_graph_and_lossgraph_train_what_numpy_trains(data, model, batch):
         epoch()
         for ours, theirs in zip(weights(), reference_weights()):
             np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["mlp", "linear"])
+def test_products_floor_computes_every_matrix_product_of_a_step(data, model):
+    X, y = data
+    problem = (bench.mlp_problem if model == "mlp" else bench.linear_problem)(X, y)
+    batch = 500
+    session, feeds = bench._scan_session(bench._products_graph(problem, batch), problem, batch)
+    layers = problem.weights[::2]
+    for j, w in enumerate(layers):
+        feeds[f"W{j}"], feeds[f"dW{j}"] = w, np.zeros_like(w)
+    outputs = session.run(None, feeds)  # the weight gradients of the last step
+    activations = [X[-batch:]]
+    for w in layers:  # no biases, no relu: the products alone
+        activations.append(activations[-1] @ w)
+    upstream, expected = activations.pop(), []
+    for j in reversed(range(len(layers))):
+        expected.insert(0, activations[j].T @ upstream)
+        upstream = upstream @ layers[j].T
+    assert len(outputs) == len(layers)
+    for ours, theirs in zip(outputs, expected):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-3)

@@ -63,6 +63,13 @@ def names_in_graph(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def values_read(graph: onnx.GraphProto) -> set[str]:
+    """Every value a node of ``graph``, or of a graph nested in it, takes as input."""
+    read = {name for g in all_graphs(graph) for node in g.node for name in node.input}
+    read.discard("")
+    return read
+
+
 def outer_references(graph: onnx.GraphProto) -> set[str]:
     """Names a (sub)graph reads without defining them: values captured from outer scopes."""
     defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}

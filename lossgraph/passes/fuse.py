@@ -43,7 +43,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
-from ..graphs import all_graphs, names_in_graph, np_dtype, opset_version, rename_values
+from ..graphs import names_in_graph, np_dtype, opset_version, rename_values, values_read
 from ..names import NameAuthority
 from .contract import model_pass
 
@@ -204,12 +204,14 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
         node.name = names.fresh(f"scan/{node.name or node.op_type}")
     inputs = {v.name: v for v in body.input}
     carried = [*signature.weights, *signature.state_names]
-    counted = [signature.step] if _reads(body, mapping[signature.step]) else []
+    # the step counter is carried only where the update reads it (Adam)
+    counts_steps = mapping[signature.step] in values_read(body)
+    counted = [signature.step] if counts_steps else []
     scanned = [*signature.data, signature.learning_rate]
     outputs = {v.name: v for v in body.output}
     new_body_inputs = [inputs[mapping[n]] for n in [*carried, *counted, *scanned]]
     new_body_outputs = [outputs[mapping[signature.new[n]]] for n in carried]
-    if counted:  # the step counter is carried only where the update reads it (Adam)
+    if counts_steps:
         step_out = names.fresh("step_next")
         one = names.fresh("one")
         body.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int64), one))
@@ -247,8 +249,9 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
         scan_out = [names.fresh(f"{c}_out") for c in carried]
     else:
         scan_in, scan_out = carried, [signature.new[n] for n in carried]
-    b.op("Scan", *scan_in, *(outer.step for _ in counted), *batched, learning_rates,
-         outputs=[*scan_out, *(names.fresh("step_final") for _ in counted), losses],
+    steps_in, steps_out = ([outer.step], [names.fresh("step_final")]) if counts_steps else ([], [])
+    b.op("Scan", *scan_in, *steps_in, *batched, learning_rates,
+         outputs=[*scan_out, *steps_out, losses],
          body=body, num_scan_inputs=len(batched) + 1)
     if signature.unpacked:
         shapes = [signature.shapes[w] for w in outer.weights]
@@ -293,11 +296,6 @@ def _outer_types(graph: onnx.GraphProto, signature: Signature) -> dict[str, onnx
             for name in [weight, *unpacked.states.get(weight, [])]:
                 types[name] = kind
     return types
-
-
-def _reads(graph: onnx.GraphProto, value: str) -> bool:
-    """Whether a node of ``graph``, or of a subgraph in it, reads ``value``."""
-    return any(value in node.input for g in all_graphs(graph) for node in g.node)
 
 
 def _unpack(b: GraphBuilder, flat: str, outputs: list[str], shapes: list[list[int]]) -> None:

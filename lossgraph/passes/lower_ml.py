@@ -77,7 +77,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..builder import GraphBuilder
 from ..errors import InvalidModelError, UnsupportedModelError
-from ..graphs import all_graphs, opset_version, value_types
+from ..graphs import all_graphs, opset_version, value_types, values_read
 from ..names import NameAuthority
 from .contract import model_pass
 
@@ -468,9 +468,7 @@ def lower_ml_ops(model: onnx.ModelProto) -> onnx.ModelProto:
         _reject_nested(sub_graph)
     if not any(_is_lowered(node) for node in graph.node):
         return model
-    used = {name for g in all_graphs(graph) for node in g.node for name in node.input}
-    used.update(output.name for g in all_graphs(graph) for output in g.output)
-    used.discard("")
+    used = values_read(graph) | {output.name for g in all_graphs(graph) for output in g.output}
     names = NameAuthority.for_model(model)
     builder = GraphBuilder(names, opset_version(model) or 13)
     ctx = _Context(builder, value_types(model), used)

@@ -26,8 +26,9 @@ def sub(g, node, dy):
 @grad_rule("Mul", broadcast=True)
 def mul(g, node, dy):
     a, b = node.inputs
-    if a == b:  # a square: one term, 2 a dy
-        return g.Mul(dy, g.Mul(a, g.const_like(2.0, a, "two"))), None
+    if a == b:  # a square: one term, (2 dy) a. The same float as dy (2 a) (doubling is
+        # exact), and when dy is a constant (a mean's 1/n, shapes static) 2 dy folds away
+        return g.Mul(g.Mul(dy, g.const_like(2.0, a, "two")), a), None
     return g.Mul(dy, b), g.Mul(dy, a)
 
 

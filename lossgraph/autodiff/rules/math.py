@@ -204,7 +204,7 @@ def pow_(g, node, dy):
         elif k == 1:
             da = dy
         elif k == 2:
-            da = g.Mul(dy, g.Mul(a, g.const_like(2, a, "two")))
+            da = g.Mul(g.Mul(dy, g.const_like(2, a, "two")), a)  # as Mul's square
         else:
             da = g.Mul(dy, g.Mul(g.Pow(a, g.const_like(k - 1, a, "exponent")),
                                  g.const_like(k, a, "exponent")))

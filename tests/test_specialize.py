@@ -113,3 +113,25 @@ def test_only_full_batches_of_an_array_fit_run_a_specialized_step_graph():
     trainer.fit(streamed, epochs=2, progress=False, warm_start=True)  # no session per size
     assert sorted(trainer._sessions, key=str) == [("train_step", 32), ("train_step", None)]
 
+
+
+@pytest.mark.parametrize("batch, parts", [(1000, 4), (2000, 8), (1009, None), (500, None)])
+def test_a_long_one_row_product_is_split_into_parts_that_compute_the_same(run_model, batch,
+                                                                          parts):
+    """The weight gradient of a one-output layer, ``row[1, batch] @ x[batch, 4]``, runs as
+    ``parts`` products of ``batch / parts`` rows summed (onnxruntime threads those), when
+    the batch is long enough and divides into parts of at least 250 rows."""
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR),
+                                optimizer=Momentum(0.02, momentum=0.9), fuse="epoch")
+    general = program.graphs["train_epoch_ordered"]
+    specialized = specialize_batch(general, batch)
+    onnx.checker.check_model(specialized, full_check=True)
+    body = next(n for n in specialized.graph.node if n.op_type == "Scan").attribute[0].g
+    shapes = [onnx.numpy_helper.to_array(i).tolist() for i in body.initializer]
+    split = [s for s in shapes if isinstance(s, list) and len(s) == 3 and s[1] == 1]
+    assert split == ([[parts, 1, batch // parts]] if parts else [])
+    X, y = linear_data(2 * batch, seed=8)
+    feeds = _epoch_feeds(program, "train_epoch_ordered", X, y, batch, 2)
+    expected = run_model(general, feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -12,7 +12,13 @@ uses they are constants:
 
 after which onnxruntime's constant folding takes the rest of the shape arithmetic
 (``Cast``, ``Div``, ``Concat``, ``ConstantOfShape``, ``Expand`` of constants) out of
-every step.
+every step. With the shapes known, one product is rewritten for speed:
+
+    MatMul(row[1, n], m[n, k])  ->  ReduceSum(MatMul(row[p, 1, n/p], m[p, n/p, k]), 0)
+
+for a long row (n >= 1000 rows of a batch: the weight gradient of a one-output layer).
+onnxruntime computes a one-row product on one thread; split into ``p`` parts it uses
+them all (12% faster linear-regression epochs at batch 1000 and 10000).
 
 The result is for running, not for saving: the program keeps its general graphs.
 """
@@ -23,7 +29,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..graphs import known_shapes, subgraphs
+from ..builder import GraphBuilder
+from ..graphs import known_shapes, opset_version, subgraphs
+from ..names import NameAuthority
 
 __all__ = ["specialize_batch"]
 
@@ -52,11 +60,15 @@ def specialize_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
         pairs = ([(next(subgraphs(specialized.graph.node[i])),
                    next(subgraphs(inferred.graph.node[i]))) for i in scans]
                  or [(specialized.graph, inferred.graph)])
+        statics = [{name: shape for name, shape in known_shapes(shaped).items()
+                    if None not in shape} for _, shaped in pairs]
         changed = False
-        for graph, shaped in pairs:
-            static = {name: shape for name, shape in known_shapes(shaped).items()
-                      if None not in shape}
+        for (graph, _), static in zip(pairs, statics):
             changed |= _fold_static_shapes(graph, static)
+    names = NameAuthority.for_model(specialized)
+    opset = opset_version(specialized) or onnx.defs.onnx_opset_version()
+    for (graph, _), static in zip(pairs, statics):
+        _split_row_products(graph, static, names, opset)
     return specialized
 
 
@@ -97,3 +109,48 @@ def _fold_static_shapes(graph: onnx.GraphProto, shapes: dict[str, list[int]]) ->
         changed = True
     return changed
 
+
+
+#: A one-row product is split when its row is this long at least (at 100 the extra
+#: kernels cost more than the threads gain), into at most SPLIT_PARTS parts of at least
+#: SPLIT_PART_ROWS rows each (measured best at 1000 and 10000 rows: 4 and 8 parts).
+SPLIT_ROWS, SPLIT_PARTS, SPLIT_PART_ROWS = 1000, 8, 250
+
+
+def _row_product_parts(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
+    """Into how many parts :func:`_split_row_products` splits ``node``: ``None`` unless
+    it is ``MatMul(row[1, n], m[n, k])`` with n long and divisible into enough parts."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        return None
+    row, matrix = (shapes.get(name) for name in node.input)
+    if row is None or matrix is None or len(row) != 2 or len(matrix) != 2 or row[0] != 1:
+        return None
+    rows = matrix[0]
+    if rows < SPLIT_ROWS:
+        return None
+    return next((parts for parts in range(SPLIT_PARTS, 1, -1)
+                 if rows % parts == 0 and rows // parts >= SPLIT_PART_ROWS), None)
+
+
+def _split_row_products(graph: onnx.GraphProto, shapes: dict[str, list[int]],
+                        names: NameAuthority, opset: int) -> None:
+    """Rewrite, in place, every long one-row ``MatMul`` of ``graph`` as a batched
+    ``MatMul`` over parts of its rows and a ``ReduceSum`` of the parts (split-K)."""
+    rebuilt: list[onnx.NodeProto] = []
+    for node in graph.node:
+        parts = _row_product_parts(node, shapes)
+        if parts is None:
+            rebuilt.append(node)
+            continue
+        row, matrix = node.input
+        rows, columns = shapes[matrix]
+        g = GraphBuilder(names, opset, prefix=f"{node.name}/split/")
+        products = g.MatMul(g.Reshape(row, g.ints([parts, 1, rows // parts], "shape")),
+                            g.Reshape(matrix, g.ints([parts, rows // parts, columns], "shape")),
+                            hint="part_products")
+        g.rename(g.reduce("ReduceSum", products, [0], keepdims=0), node.output[0], uses=False)
+        graph.initializer.extend(g.initializers)
+        rebuilt += g.nodes
+    if len(rebuilt) != len(graph.node):
+        graph.ClearField("node")
+        graph.node.extend(rebuilt)

@@ -448,9 +448,14 @@ def _hand_graph(problem: Problem, batch: int) -> onnx.ModelProto:
              node("Mul", ["error", "scale"], ["g_out"])]
     grads, upstream = [], "g_out"
     for j in reversed(range(len(layers))):
-        body += [node("Gemm", [inputs[j], upstream], [f"dW{j}"], transA=1),
-                 node("MatMul", ["ones", upstream], [f"db{j}"]),
-                 node("Reshape", [f"dW{j}", "flat"], [f"dW{j}_flat"])]
+        if shapes[2 * j][1] == 1:  # one output: a column's sum, a row times the inputs
+            body += [node("ReduceSum", [upstream], [f"db{j}_sum"], keepdims=0),
+                     node("Reshape", [f"db{j}_sum", "flat"], [f"db{j}"]),
+                     *_row_product(upstream, inputs[j], f"dW{j}", batch, shapes[2 * j][0])]
+        else:
+            body += [node("Gemm", [inputs[j], upstream], [f"dW{j}"], transA=1),
+                     node("MatMul", ["ones", upstream], [f"db{j}"])]
+        body.append(node("Reshape", [f"dW{j}", "flat"], [f"dW{j}_flat"]))
         grads = [f"dW{j}_flat", f"db{j}", *grads]
         if j > 0:  # through the relu before this layer; a relu output > 0 iff its input > 0
             body += [node("Gemm", [upstream, layers[j][0]], [f"da{j}"], transB=1),
@@ -467,6 +472,32 @@ def _hand_graph(problem: Problem, batch: int) -> onnx.ModelProto:
              node("Sub", ["theta", "delta"], ["theta_new"])]
     total = sum(sizes)
     return _epoch_scan(body, problem, batch, {"theta": [total], "velocity": [total]}, "loss")
+
+
+def _row_product(column: str, matrix: str, output: str, rows: int,
+                 columns: int) -> list[onnx.NodeProto]:
+    """``column^T @ matrix`` as lossgraph's specialization computes it: split into parts
+    of the rows, multiplied as one batched MatMul and summed, when the rows are many."""
+    node = helper.make_node
+    try:
+        from lossgraph.runtime.specialize import row_product_parts
+    except ImportError:  # an older lossgraph: one product
+        parts = None
+    else:
+        parts = row_product_parts(rows)
+    if parts is None:
+        return [node("Constant", [], [f"{output}_row"], value=numpy_helper.from_array(
+                    np.array([1, rows], np.int64))),
+                node("Reshape", [column, f"{output}_row"], [f"{output}_r"]),
+                node("MatMul", [f"{output}_r", matrix], [output])]
+    shapes = {"row": [parts, 1, rows // parts], "matrix": [parts, rows // parts, columns],
+              "axis": [0]}
+    return [*(node("Constant", [], [f"{output}_{k}"], value=numpy_helper.from_array(
+                np.array(v, np.int64))) for k, v in shapes.items()),
+            node("Reshape", [column, f"{output}_row"], [f"{output}_r"]),
+            node("Reshape", [matrix, f"{output}_matrix"], [f"{output}_m"]),
+            node("MatMul", [f"{output}_r", f"{output}_m"], [f"{output}_parts"]),
+            node("ReduceSum", [f"{output}_parts", f"{output}_axis"], [output], keepdims=0)]
 
 
 def products_floor(problem: Problem, batch: int) -> tuple[Epoch, Callable[[], Weights | None]]:
@@ -498,7 +529,14 @@ def _products_graph(problem: Problem, batch: int) -> onnx.ModelProto:
         inputs.append(f"z{j}")
     upstream = inputs.pop()
     for j in reversed(range(len(layers))):
-        body.append(node("Gemm", [inputs[j], upstream], [f"dW{j}_new"], transA=1))
+        rows, columns = layers[j].shape
+        if columns == 1:  # in the form training uses, see _hand_graph
+            body += [*_row_product(upstream, inputs[j], f"dW{j}_row", batch, rows),
+                     node("Constant", [], [f"dW{j}_shape"], value=numpy_helper.from_array(
+                         np.array([rows, 1], np.int64))),
+                     node("Reshape", [f"dW{j}_row", f"dW{j}_shape"], [f"dW{j}_new"])]
+        else:
+            body.append(node("Gemm", [inputs[j], upstream], [f"dW{j}_new"], transA=1))
         if j > 0:
             body.append(node("Gemm", [upstream, f"W{j}"], [f"da{j}"], transB=1))
             upstream = f"da{j}"

@@ -37,10 +37,10 @@ def test_hand_graph_and_lossgraph_train_what_numpy_trains(data, model, batch):
 
 
 @pytest.mark.parametrize("model", ["mlp", "linear"])
-def test_products_floor_computes_every_matrix_product_of_a_step(data, model):
+@pytest.mark.parametrize("batch", [500, 1000])  # 1000: a one-column gradient is split
+def test_products_floor_computes_every_matrix_product_of_a_step(data, model, batch):
     X, y = data
     problem = (bench.mlp_problem if model == "mlp" else bench.linear_problem)(X, y)
-    batch = 500
     session, feeds = bench._scan_session(bench._products_graph(problem, batch), problem, batch)
     layers = problem.weights[::2]
     for j, w in enumerate(layers):

@@ -33,7 +33,7 @@ from ..builder import GraphBuilder
 from ..graphs import known_shapes, opset_version, subgraphs
 from ..names import NameAuthority
 
-__all__ = ["specialize_batch"]
+__all__ = ["row_product_parts", "specialize_batch"]
 
 
 def specialize_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
@@ -125,7 +125,13 @@ def _row_product_parts(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> in
     row, matrix = (shapes.get(name) for name in node.input)
     if row is None or matrix is None or len(row) != 2 or len(matrix) != 2 or row[0] != 1:
         return None
-    rows = matrix[0]
+    return row_product_parts(matrix[0])
+
+
+def row_product_parts(rows: int) -> int | None:
+    """Into how many parts a one-row product over ``rows`` rows is split (``None``: not
+    split): the most, up to SPLIT_PARTS, that divide it into parts of SPLIT_PART_ROWS
+    rows at least, for SPLIT_ROWS rows or more."""
     if rows < SPLIT_ROWS:
         return None
     return next((parts for parts in range(SPLIT_PARTS, 1, -1)

@@ -110,7 +110,6 @@ def _fold_static_shapes(graph: onnx.GraphProto, shapes: dict[str, list[int]]) ->
     return changed
 
 
-
 #: A one-row product is split when its row is this long at least (at 100 the extra
 #: kernels cost more than the threads gain), into at most SPLIT_PARTS parts of at least
 #: SPLIT_PART_ROWS rows each (measured best at 1000 and 10000 rows: 4 and 8 parts).

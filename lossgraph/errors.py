@@ -25,6 +25,10 @@ __all__ = [
     "RuntimeUnavailableError",
     "ConvergenceError",
     "InvalidDataError",
+    "InvalidProgramError",
+    "UnsafeWriteError",
+    "NoGradientError",
+    "InvalidRuleError",
     "suggest",
 ]
 
@@ -90,3 +94,19 @@ class ConvergenceError(LossgraphError, ArithmeticError):
 
 class InvalidDataError(LossgraphError, ValueError):
     """Training or prediction data cannot be used (NaN, wrong type or shape, empty)."""
+
+
+class InvalidProgramError(LossgraphError, ValueError):
+    """A saved program or checkpoint folder is damaged, of another format, or not one at all."""
+
+
+class UnsafeWriteError(LossgraphError, FileExistsError):
+    """Writing would replace a file or folder that lossgraph did not create."""
+
+
+class NoGradientError(LossgraphError, ValueError):
+    """A weight asked for reaches the loss only through non-differentiable values."""
+
+
+class InvalidRuleError(LossgraphError, TypeError):
+    """A gradient rule broke the rule contract (one gradient or ``None`` per input)."""

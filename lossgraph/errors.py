@@ -96,7 +96,7 @@ class InvalidDataError(LossgraphError, ValueError):
     """Training or prediction data cannot be used (NaN, wrong type or shape, empty)."""
 
 
-class InvalidProgramError(LossgraphError, ValueError):
+class InvalidProgramError(InvalidModelError):
     """A saved program or checkpoint folder is damaged, of another format, or not one at all."""
 
 

@@ -37,8 +37,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .analysis import trainable_initializers
-from .errors import InvalidModelError, UnsupportedModelError, UnsupportedOptionError
-from .fileio import replace_directory, save_model
+from .errors import UnsupportedModelError, UnsupportedOptionError
+from .fileio import check_file_target, ensure_folder, save_model, serialize
+from .manifest import FORMAT, FUSE_MODES
 from .models import ModelLike, as_model
 from .names import NameAuthority
 from .passes.broadcast import widen_scalar_constants
@@ -51,15 +52,10 @@ from .passes.penalty import penalty_graph
 from .passes.update import update_graph, weights_dtype
 from .passes.weights import weights_to_inputs
 from .roles import get_roles
+from .storage import ProgramFiles, read_program, save_program
 from .target import Target, use_target
 
 __all__ = ["TrainingProgram", "compile", "FUSE_MODES", "FORMAT"]
-
-FUSE_MODES = ("separate", "step", "epoch")
-FORMAT = "lossgraph-program/1"
-_STATE_FILE = "state.npz"
-_MANIFEST_FILE = "manifest.json"
-_INFERENCE_FILE = "inference.onnx"
 
 
 @dataclass
@@ -97,53 +93,37 @@ class TrainingProgram:
 
     # -- persistence -------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write graphs, manifest and state into ``directory``, atomically.
+        """Write graphs, manifest and state into the folder ``directory``, atomically.
 
-        Everything is written to a temporary sibling directory first, which then
-        replaces ``directory``: a reader never sees half a program, and a failure
-        leaves any previous program there intact.
+        ``directory`` must be new, empty, or a program folder lossgraph wrote (holding
+        nothing else); anything else is an :class:`~lossgraph.errors.UnsafeWriteError`
+        and is left untouched. A reader never sees half a program, and a failed or
+        killed save leaves the previous program there loadable (see lossgraph.fileio).
         """
-        with replace_directory(directory) as staging:
-            for name, serialized in self.save_onnx_graph().items():
-                (staging / f"{name}.onnx").write_bytes(serialized)
-            (staging / _INFERENCE_FILE).write_bytes(self.inference_model.SerializeToString())
-            with open(staging / _STATE_FILE, "wb") as stream:
-                np.savez(stream, **self.state)
-            (staging / _MANIFEST_FILE).write_text(json.dumps(self.manifest, indent=2) + "\n")
-        return Path(directory)
+        return save_program(directory, ProgramFiles(self.graphs, self.manifest, self.state,
+                                                    self.inference_model))
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> TrainingProgram:
-        """Read a program written by :meth:`save`."""
-        folder = Path(directory)
-        try:
-            manifest = json.loads((folder / _MANIFEST_FILE).read_text())
-        except FileNotFoundError:
-            raise InvalidModelError(f"No {_MANIFEST_FILE} in {str(folder)!r}: not a saved "
-                                    "lossgraph program.") from None
-        if manifest.get("format") != FORMAT:
-            raise InvalidModelError(
-                f"{str(folder)!r} holds format {manifest.get('format')!r}; this lossgraph "
-                f"reads {FORMAT!r}.")
-        graphs = {name: onnx.load(folder / entry["file"])
-                  for name, entry in manifest["graphs"].items()}
-        with np.load(folder / _STATE_FILE) as stored:
-            state = {name: stored[name] for name in stored.files}
-        return cls(graphs, manifest, state, onnx.load(folder / _INFERENCE_FILE))
+        """Read a program written by :meth:`save`; a damaged folder is an
+        :class:`~lossgraph.errors.InvalidProgramError` naming the file and the problem."""
+        files = read_program(directory)
+        return cls(files.graphs, files.manifest, files.state, files.inference_model)
 
     def save_onnx_graph(self, folder: str | os.PathLike | None = None) -> dict[str, Any]:
         """Every graph for inspection: ``{name: bytes}``, or ``{name: path}`` once written.
 
-        With ``folder``, each graph is written (atomically) to ``folder/<name>.onnx``.
+        With ``folder`` (created when missing, its parent must exist), each graph is
+        written atomically to ``folder/<name>.onnx``; an existing file there is replaced
+        only when lossgraph wrote it. Every path is checked before anything is written.
         """
         if folder is None:
-            return {name: g.SerializeToString() for name, g in self.graphs.items()}
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        paths = {}
-        for name, graph in self.graphs.items():
-            paths[name] = Path(folder) / f"{name}.onnx"
-            save_model(graph, paths[name])
-        return paths
+            return {name: serialize(graph) for name, graph in self.graphs.items()}
+        folder = ensure_folder(folder)
+        paths = {name: folder / f"{name}.onnx" for name in self.graphs}
+        for path in paths.values():
+            check_file_target(path)
+        return {name: save_model(graph, paths[name]) for name, graph in self.graphs.items()}
 
     # -- export -------------------------------------------------------------------------
     def to_inference_model(self, state: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:

@@ -15,7 +15,6 @@ a :class:`~lossgraph.errors.ConvergenceError`, or an
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
@@ -35,8 +34,8 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
-from ..fileio import replace_directory
 from ..program import TrainingProgram
+from ..storage import ProgramFiles, read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
 from .session import create_session
 from .specialize import specialize_batch
@@ -44,7 +43,6 @@ from .specialize import specialize_batch
 __all__ = ["Trainer"]
 
 Callback = Callable[["Trainer", int, dict], Any]
-_CHECKPOINT_FILE = "trainer.json"
 
 
 class Trainer:
@@ -450,31 +448,33 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Write the program, state, counters, losses and shuffling generator, atomically."""
-        with replace_directory(path) as staging:
-            program = TrainingProgram(self.program.graphs, self.program.manifest, self.state,
-                                      self.program.inference_model)
-            program.save(staging / "program")
-            (staging / _CHECKPOINT_FILE).write_text(json.dumps({
-                "steps": self.steps_, "epochs": self.epochs_,
-                "train_losses": self.train_losses_,
-                "validation_losses": self.validation_losses_,
-                "rng": None if self._rng is None else self._rng.bit_generator.state,
-            }))
-        return Path(path)
+        """Write the program, state, counters, losses and shuffling generator, atomically.
+
+        ``path`` must be new, empty, or a checkpoint folder lossgraph wrote (holding
+        nothing else); anything else is an :class:`~lossgraph.errors.UnsafeWriteError`.
+        """
+        program = ProgramFiles(self.program.graphs, self.program.manifest, self.state,
+                               self.program.inference_model)
+        return save_checkpoint(path, program, {
+            "steps": self.steps_, "epochs": self.epochs_,
+            "train_losses": self.train_losses_,
+            "validation_losses": self.validation_losses_,
+            "rng": None if self._rng is None else self._rng.bit_generator.state,
+        })
 
     @classmethod
     def load_checkpoint(cls, path: str | os.PathLike, providers: Sequence[str] | None = None,
                         session_options: Any = None) -> Trainer:
-        """A trainer resuming a checkpoint: ``fit(..., warm_start=True)`` continues it."""
-        folder = Path(path)
-        program = TrainingProgram.load(folder / "program")
+        """A trainer resuming a checkpoint: ``fit(..., warm_start=True)`` continues it.
+
+        A damaged checkpoint is an :class:`~lossgraph.errors.InvalidProgramError`.
+        """
+        files, record = read_checkpoint(path)
+        program = TrainingProgram(files.graphs, files.manifest, files.state,
+                                  files.inference_model)
         trainer = cls(program, providers, session_options)
-        record = json.loads((folder / _CHECKPOINT_FILE).read_text())
         trainer.steps_, trainer.epochs_ = record["steps"], record["epochs"]
-        trainer.train_losses_ = list(record["train_losses"])
-        trainer.validation_losses_ = list(record["validation_losses"])
-        if record["rng"] is not None:
-            trainer._rng = np.random.default_rng()
-            trainer._rng.bit_generator.state = record["rng"]
+        trainer.train_losses_ = record["train_losses"]
+        trainer.validation_losses_ = record["validation_losses"]
+        trainer._rng = record["rng"]
         return trainer

@@ -1,0 +1,108 @@
+"""The program manifest: its format name, fusion modes, and a check of its structure.
+
+A manifest is a JSON object (docs/reference/program.md)::
+
+    {"format": "lossgraph-program/1", "fuse": "step" | "epoch" | "separate",
+     "optimizer": {"type": ..., ...}, "roles": {role: tensor},
+     "weights": [{"name": w, "new": w_new, "states": [{"name": s, "new": s_new}]}],
+     "graphs": {graph: {"file": "<graph>.onnx", "inputs": [io], "outputs": [io]}}}
+
+    io = {"name": str, "role": str, "dtype": numpy dtype name, "shape": [int | str | null]}
+
+:func:`check_manifest` proves a manifest read from disk has this shape before anything
+trusts it, so a damaged one fails with the key at fault rather than a ``KeyError``
+deep inside training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidProgramError
+
+__all__ = ["FORMAT", "FUSE_MODES", "REQUIRED_GRAPHS", "check_manifest"]
+
+FORMAT = "lossgraph-program/1"
+FUSE_MODES = ("separate", "step", "epoch")
+
+#: The graphs a program of each fusion mode must hold ("penalty" is optional).
+REQUIRED_GRAPHS = {
+    "separate": ("evaluate", "predict", "gradient", "loss", "update"),
+    "step": ("evaluate", "predict", "train_step"),
+    "epoch": ("evaluate", "predict", "train_step", "train_epoch", "train_epoch_ordered"),
+}
+
+
+def _fail(where: str, problem: str) -> InvalidProgramError:
+    return InvalidProgramError(f"{where}: {problem}. The program folder is damaged: save it "
+                               "again (TrainingProgram.save or lossgraph compile -o).")
+
+
+def _field(record: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(record, Mapping):
+        raise _fail(where, f"expected a JSON object, found {type(record).__name__}")
+    if key not in record:
+        raise _fail(where, f"the key {key!r} is missing")
+    value = record[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and bool not in _kinds(kind):
+        names = " or ".join(k.__name__ for k in _kinds(kind))
+        raise _fail(where, f"{key!r} must be {names}, found {type(value).__name__}")
+    return value
+
+
+def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _check_io(value: Any, where: str) -> None:
+    _field(value, "name", str, where)
+    _field(value, "role", str, where)
+    dtype = _field(value, "dtype", str, where)
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        raise _fail(where, f"dtype {dtype!r} is not a numpy dtype name") from None
+    for dim in _field(value, "shape", list, where):
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, (int, str))):
+            raise _fail(where, f"shape holds {dim!r}; dims are ints, names or null")
+
+
+def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any]:
+    """``manifest`` itself, once its structure is proven; else InvalidProgramError.
+
+    The format is checked first, so a manifest of another lossgraph version gets that
+    message rather than one about its keys.
+    """
+    form = _field(manifest, "format", str, where)
+    if form != FORMAT:
+        raise InvalidProgramError(
+            f"{where}: the program has format {form!r}; this lossgraph reads {FORMAT!r}. "
+            "Compile the model again with this version of lossgraph.")
+    fuse = _field(manifest, "fuse", str, where)
+    if fuse not in FUSE_MODES:
+        raise _fail(where, f"fuse is {fuse!r}, not one of {', '.join(FUSE_MODES)}")
+    _field(_field(manifest, "optimizer", dict, where), "type", str, f"{where} optimizer")
+    roles = _field(manifest, "roles", dict, where)
+    for role in ("loss", "label", "prediction"):
+        _field(roles, role, str, f"{where} roles")
+    for index, weight in enumerate(_field(manifest, "weights", list, where)):
+        at = f"{where} weights[{index}]"
+        _field(weight, "name", str, at)
+        _field(weight, "new", str, at)
+        for position, state in enumerate(_field(weight, "states", list, at)):
+            _field(state, "name", str, f"{at} states[{position}]")
+            _field(state, "new", str, f"{at} states[{position}]")
+    graphs = _field(manifest, "graphs", dict, where)
+    missing = [name for name in REQUIRED_GRAPHS[fuse] if name not in graphs]
+    if missing:
+        raise _fail(where, f"a fuse={fuse!r} program needs the graphs {', '.join(missing)}")
+    for name, entry in graphs.items():
+        at = f"{where} graphs[{name!r}]"
+        _field(entry, "file", str, at)
+        for key in ("inputs", "outputs"):
+            for position, value in enumerate(_field(entry, key, list, at)):
+                _check_io(value, f"{at} {key}[{position}]")
+    return manifest

@@ -1,0 +1,444 @@
+"""The folders and data files lossgraph reads and writes, checked on the way in and out.
+
+A **program folder** (``TrainingProgram.save``, ``lossgraph compile -o``) holds::
+
+    manifest.json     the manifest (lossgraph.manifest), plus "files": {name: sha256}
+    <graph>.onnx      one file per graph, named by the manifest
+    state.npz         initial weights and optimizer states
+    inference.onnx    the inference model the weights are written back into
+
+A **checkpoint folder** (``Trainer.save_checkpoint``) holds ``trainer.json`` (counters,
+losses, the shuffling generator) and a program folder ``program/`` with the state
+reached.
+
+Writing goes through :mod:`lossgraph.fileio` (atomic, never over foreign files).
+Reading trusts nothing: every file must be a plain name inside the folder (no ``..``,
+no absolute path, no link leading out), match its checksum, parse, and agree with the
+manifest in names, types and shapes; arrays are read without pickle. Any failure is an
+:class:`~lossgraph.errors.InvalidProgramError` (or, for data files,
+:class:`~lossgraph.errors.InvalidDataError`) naming the file and the problem, raised
+before any training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx.external_data_helper import uses_external_data
+
+from .errors import InvalidDataError, InvalidProgramError
+from .fileio import FolderKind, replace_directory, serialize
+from .graphs import all_graphs
+from .manifest import check_manifest
+
+__all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "ProgramFiles", "save_program", "read_program",
+           "save_checkpoint", "read_checkpoint", "read_arrays"]
+
+MANIFEST_FILE = "manifest.json"
+STATE_FILE = "state.npz"
+INFERENCE_FILE = "inference.onnx"
+TRAINER_FILE = "trainer.json"
+PROGRAM_SUBFOLDER = "program"
+CHECKPOINT_FORMAT = "lossgraph-checkpoint/1"
+_CHECKSUMS = "files"  # manifest key of the checksums, present on disk only
+
+
+@dataclass
+class ProgramFiles:
+    """What a program folder holds, as Python objects."""
+
+    graphs: dict[str, onnx.ModelProto]
+    manifest: dict[str, Any]
+    state: dict[str, np.ndarray]
+    inference_model: onnx.ModelProto
+
+
+# -- recognising lossgraph's folders ----------------------------------------------------------
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _program_entries(folder: Path) -> set[str] | None:
+    manifest = _json_object(folder / MANIFEST_FILE)
+    if manifest is None or not str(manifest.get("format", "")).startswith("lossgraph-program/"):
+        return None
+    graphs = manifest.get("graphs")
+    files = [entry.get("file") for entry in graphs.values() if isinstance(entry, dict)] \
+        if isinstance(graphs, dict) else []
+    owned = {MANIFEST_FILE, STATE_FILE, INFERENCE_FILE, *(f for f in files if _is_plain(f))}
+    return {name for name in owned if not (folder / name).is_symlink()}
+
+
+def _checkpoint_entries(folder: Path) -> set[str] | None:
+    record = _json_object(folder / TRAINER_FILE)
+    if record is None or not _is_checkpoint_record(record):
+        return None
+    program = folder / PROGRAM_SUBFOLDER
+    entries = _program_entries(program) if program.is_dir() and not program.is_symlink() else None
+    if entries is not None and set(os.listdir(program)) <= entries:
+        return {TRAINER_FILE, PROGRAM_SUBFOLDER}
+    return {TRAINER_FILE}
+
+
+def _is_checkpoint_record(record: Mapping[str, Any]) -> bool:
+    if "format" in record:
+        return str(record["format"]).startswith("lossgraph-checkpoint/")
+    return {"steps", "epochs", "rng"} <= set(record)  # written before checkpoints had a format
+
+
+PROGRAM_FOLDER = FolderKind("a lossgraph program folder", _program_entries)
+CHECKPOINT_FOLDER = FolderKind("a lossgraph checkpoint folder", _checkpoint_entries)
+
+
+# -- names inside a folder ---------------------------------------------------------------------
+
+
+def _is_plain(name: Any) -> bool:
+    """A file name that stays inside its folder: no separators, no ``..``, not hidden."""
+    return (isinstance(name, str) and bool(name) and not name.startswith(".")
+            and os.sep not in name and "/" not in name and (os.altsep or "/") not in name)
+
+
+def _member(folder: Path, name: Any, where: str) -> Path:
+    """``folder / name``, once it is a regular file inside ``folder``; else InvalidProgramError."""
+    if not _is_plain(name):
+        raise InvalidProgramError(
+            f"{where} names the file {name!r}, which is not a plain file name inside the "
+            f"folder {str(folder)!r}; lossgraph never reads outside the folder it is given.")
+    path = folder / name
+    if not path.exists() and not path.is_symlink():
+        raise InvalidProgramError(f"{str(folder)!r} has no file {name!r} ({where} needs it): "
+                                  "the folder is incomplete. Save the program again.")
+    if path.is_symlink() or not path.is_file():
+        raise InvalidProgramError(
+            f"{str(path)!r} is a link or not a regular file; lossgraph reads only the plain "
+            "files it wrote.")
+    return path
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+def _checksum(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_program(folder: Path, program: ProgramFiles) -> None:
+    """Write ``program`` into the empty staging ``folder``."""
+    written: dict[str, bytes] = {}
+    for name, entry in program.manifest["graphs"].items():
+        if not _is_plain(entry["file"]):
+            raise InvalidProgramError(
+                f"The manifest names the file {entry['file']!r} for graph {name!r}, which is "
+                "not a plain file name; lossgraph writes only inside the program folder.")
+        written[entry["file"]] = serialize(program.graphs[name])
+    written[INFERENCE_FILE] = serialize(program.inference_model)
+    with open(folder / STATE_FILE, "wb") as stream:
+        np.savez(stream, **program.state)
+    written[STATE_FILE] = (folder / STATE_FILE).read_bytes()
+    for name, data in written.items():
+        if name != STATE_FILE:
+            (folder / name).write_bytes(data)
+    manifest = {**program.manifest,
+                _CHECKSUMS: {name: _checksum(data) for name, data in sorted(written.items())}}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def save_program(path: str | os.PathLike, program: ProgramFiles) -> Path:
+    """Write ``program`` as a program folder at ``path``, atomically (see lossgraph.fileio)."""
+    with replace_directory(path, PROGRAM_FOLDER) as staging:
+        _write_program(staging, program)
+    return Path(path)
+
+
+def save_checkpoint(path: str | os.PathLike, program: ProgramFiles,
+                    record: Mapping[str, Any]) -> Path:
+    """Write a checkpoint folder: ``program`` (with the reached state) and ``record``."""
+    with replace_directory(path, CHECKPOINT_FOLDER) as staging:
+        os.mkdir(staging / PROGRAM_SUBFOLDER, 0o777)
+        _write_program(staging / PROGRAM_SUBFOLDER, program)
+        (staging / TRAINER_FILE).write_text(
+            json.dumps({"format": CHECKPOINT_FORMAT, **record}, indent=2) + "\n")
+    return Path(path)
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+def _folder(path: str | os.PathLike, what: str, writer: str) -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise InvalidProgramError(f"There is no {what} at {str(folder)!r}.")
+    if not folder.is_dir():
+        hint = (" To train a model file, compile it first (lossgraph.compile, or lossgraph "
+                "compile MODEL -o FOLDER)." if folder.suffix == ".onnx" else "")
+        raise InvalidProgramError(
+            f"{str(folder)!r} is a file; a {what} is a folder written by {writer}.{hint}")
+    return folder
+
+
+def _read_json(folder: Path, name: str, what: str) -> Any:
+    path = folder / name
+    if not path.exists():
+        raise InvalidProgramError(f"{str(folder)!r} holds no {name}: it is not a {what}.")
+    path = _member(folder, name, what)
+    try:
+        return json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise InvalidProgramError(f"{str(path)!r} is not text: the {what} is damaged.") from None
+    except ValueError as exc:
+        raise InvalidProgramError(
+            f"{str(path)!r} is not valid JSON ({exc}): the {what} is damaged.") from None
+
+
+def _verified_bytes(folder: Path, name: str, checksums: Mapping[str, str], where: str) -> bytes:
+    data = _member(folder, name, where).read_bytes()
+    expected = checksums.get(name)
+    if expected is not None and _checksum(data) != expected:
+        raise InvalidProgramError(
+            f"{str(folder / name)!r} does not match the checksum the manifest recorded for it: "
+            "the file was changed or damaged (truncated?) after the program was saved.")
+    return data
+
+
+def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
+    if not data:
+        raise InvalidProgramError(f"{str(path)!r} is empty; it should hold an ONNX model.")
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception:  # protobuf's DecodeError and friends
+        raise InvalidProgramError(
+            f"{str(path)!r} is not a valid ONNX model (truncated or corrupt).") from None
+    external = [t.name for t in _tensors(model) if uses_external_data(t)]
+    if external:
+        raise InvalidProgramError(
+            f"{str(path)!r} keeps tensor {external[0]!r} in external data; the graphs of a "
+            "program folder hold their tensors themselves, and lossgraph does not follow "
+            "external paths out of it.")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
+        raise InvalidProgramError(f"{str(path)!r} is not a valid ONNX model: {first}") from None
+    return model
+
+
+def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor stored in the model: initializers and attributes, subgraphs included."""
+    for graph in all_graphs(model.graph):
+        yield from graph.initializer
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
+
+
+def _dtype_name(value: onnx.ValueInfoProto) -> str:
+    return onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
+
+
+def _check_graph_io(model: onnx.ModelProto, entry: Mapping[str, Any], path: Path) -> None:
+    """The graph's inputs and outputs are those the manifest describes, in order and type."""
+    for key, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
+        described = [(io["name"], io["dtype"]) for io in entry[key]]
+        actual = [(v.name, _dtype_name(v) if v.type.HasField("tensor_type") else "?")
+                  for v in values]
+        if described != actual:
+            raise InvalidProgramError(
+                f"{str(path)!r} has the {key} {actual}, but the manifest describes {described}: "
+                "the graph and the manifest do not belong together.")
+
+
+def _read_state(data: bytes, path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as stored:
+            if not isinstance(stored, np.lib.npyio.NpzFile):
+                raise ValueError("not an .npz archive")
+            return {name: stored[name] for name in stored.files}
+    except ValueError as exc:
+        reason = ("it holds object arrays, which lossgraph never loads (loading them would run "
+                  "pickled code)" if "pickle" in str(exc) else f"{exc}")
+        raise InvalidProgramError(f"{str(path)!r} cannot be read: {reason}.") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise InvalidProgramError(
+            f"{str(path)!r} is not a readable .npz archive ({exc}).") from None
+
+
+def _check_state(state: Mapping[str, np.ndarray], manifest: Mapping[str, Any], path: Path) -> None:
+    """The state holds exactly the manifest's weights and states, typed and shaped as the graphs
+    take them."""
+    expected = [w["name"] for w in manifest["weights"]]
+    expected += [s["name"] for w in manifest["weights"] for s in w["states"]]
+    missing = [n for n in expected if n not in state]
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise InvalidProgramError(
+            f"{str(path)!r} does not match the manifest: "
+            + "; ".join(filter(None, [missing and f"missing {missing}",
+                                      extra and f"unexpected {extra}"])) + ".")
+    declared = {io["name"]: io for entry in manifest["graphs"].values() for io in entry["inputs"]
+                if io["role"] in ("weight", "state")}
+    for name in expected:
+        array, io = state[name], declared.get(name)
+        if io is None:
+            continue
+        dims = io["shape"]
+        if (array.dtype != np.dtype(io["dtype"]) or array.ndim != len(dims)
+                or any(isinstance(d, int) and d != n for d, n in zip(dims, array.shape))):
+            raise InvalidProgramError(
+                f"{str(path)!r} holds {name!r} as {array.dtype}{list(array.shape)}, but the "
+                f"graphs take {io['dtype']}{dims}.")
+
+
+def read_program(path: str | os.PathLike) -> ProgramFiles:
+    """Read and check the program folder at ``path`` (see the module docstring)."""
+    folder = _folder(path, "lossgraph program folder",
+                     "TrainingProgram.save or lossgraph compile -o")
+    at = str(folder / MANIFEST_FILE)
+    manifest = _read_json(folder, MANIFEST_FILE, "lossgraph program folder")
+    checksums = manifest.pop(_CHECKSUMS, {}) if isinstance(manifest, dict) else {}
+    if not isinstance(checksums, dict):
+        raise InvalidProgramError(f"{at}: 'files' must map file names to checksums.")
+    check_manifest(manifest, at)
+    graphs = {}
+    for name, entry in manifest["graphs"].items():
+        where = f"{at} (graph {name!r})"
+        data = _verified_bytes(folder, entry["file"], checksums, where)
+        graphs[name] = _parse_onnx(data, folder / entry["file"])
+        _check_graph_io(graphs[name], entry, folder / entry["file"])
+    state = _read_state(_verified_bytes(folder, STATE_FILE, checksums, at), folder / STATE_FILE)
+    _check_state(state, manifest, folder / STATE_FILE)
+    inference = _parse_onnx(_verified_bytes(folder, INFERENCE_FILE, checksums, at),
+                            folder / INFERENCE_FILE)
+    initializers = {t.name for t in inference.graph.initializer}
+    lacking = [w["name"] for w in manifest["weights"] if w["name"] not in initializers]
+    if lacking:
+        raise InvalidProgramError(
+            f"{str(folder / INFERENCE_FILE)!r} has no initializer {lacking[0]!r} to write the "
+            "trained weight back into: it is not this program's inference model.")
+    return ProgramFiles(graphs, manifest, state, inference)
+
+
+def _non_negative_int(record: Mapping[str, Any], key: str, at: str) -> int:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidProgramError(f"{at}: {key!r} must be a count (an int >= 0), found {value!r}.")
+    return value
+
+
+def _losses(record: Mapping[str, Any], key: str, at: str) -> list[float]:
+    values = record.get(key)
+    if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise InvalidProgramError(f"{at}: {key!r} must be a list of numbers.")
+    return [float(v) for v in values]
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[ProgramFiles, dict[str, Any]]:
+    """Read and check a checkpoint folder: its program, and its record with ``steps``,
+    ``epochs``, ``train_losses``, ``validation_losses`` and ``rng`` (a Generator or None)."""
+    folder = _folder(path, "lossgraph checkpoint folder", "Trainer.save_checkpoint")
+    at = str(folder / TRAINER_FILE)
+    record = _read_json(folder, TRAINER_FILE, "lossgraph checkpoint folder")
+    if not isinstance(record, dict) or not _is_checkpoint_record(record):
+        raise InvalidProgramError(f"{at} is not a lossgraph checkpoint record.")
+    if record.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
+        raise InvalidProgramError(f"{at}: the checkpoint has format {record['format']!r}; this "
+                                  f"lossgraph reads {CHECKPOINT_FORMAT!r}.")
+    subfolder = folder / PROGRAM_SUBFOLDER
+    if subfolder.is_symlink():
+        raise InvalidProgramError(f"{str(subfolder)!r} is a link; lossgraph reads only the "
+                                  "folders it wrote.")
+    program = read_program(subfolder)
+    checked = {"steps": _non_negative_int(record, "steps", at),
+               "epochs": _non_negative_int(record, "epochs", at),
+               "train_losses": _losses(record, "train_losses", at),
+               "validation_losses": _losses(record, "validation_losses", at),
+               "rng": _generator(record.get("rng"), at)}
+    return program, checked
+
+
+def _generator(state: Any, at: str) -> np.random.Generator | None:
+    if state is None:
+        return None
+    generator = np.random.default_rng()
+    try:
+        generator.bit_generator.state = state
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:
+        raise InvalidProgramError(
+            f"{at}: 'rng' is not the state of numpy's default generator ({exc}).") from None
+    return generator
+
+
+# -- data files --------------------------------------------------------------------------------
+
+
+def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file, or of the ``.npy`` files of a folder, by name.
+
+    Read without pickle; links leading out of the folder are refused.
+    """
+    source = Path(path)
+    if not source.exists():
+        raise InvalidDataError(f"There is no data file or folder at {str(source)!r}.")
+    if source.is_dir():
+        arrays = {}
+        for file in sorted(source.glob("*.npy")):
+            inside = file.resolve().is_relative_to(source.resolve())
+            if file.is_symlink() and not inside or not file.is_file():
+                raise InvalidDataError(f"{str(file)!r} leads out of {str(source)!r} or is not a "
+                                       "regular file; lossgraph reads only files in the folder.")
+            arrays[file.stem] = _load_array(file, np.ndarray)
+        if not arrays:
+            raise InvalidDataError(f"The folder {str(source)!r} holds no .npy files.")
+        return arrays
+    stored = _load_array(source, np.lib.npyio.NpzFile)
+    with stored:
+        try:
+            return {name: stored[name] for name in stored.files}
+        except ValueError as exc:
+            raise _unreadable(source, exc) from None
+        except (OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise InvalidDataError(f"{str(source)!r} is a damaged .npz archive ({exc}).") from None
+
+
+def _load_array(path: Path, kind: type) -> Any:
+    """``np.load`` of ``path`` without pickle, expecting ``kind`` (an array or an archive)."""
+    try:
+        value = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise _unreadable(path, exc) from None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise InvalidDataError(f"{str(path)!r} cannot be read ({exc}).") from None
+    if not isinstance(value, kind):
+        if isinstance(value, np.lib.npyio.NpzFile):
+            value.close()
+        wanted = "an .npz archive" if kind is np.lib.npyio.NpzFile else "a single .npy array"
+        raise InvalidDataError(f"{str(path)!r} is not {wanted}.")
+    return value
+
+
+def _unreadable(path: Path, exc: ValueError) -> InvalidDataError:
+    if "pickle" in str(exc):
+        return InvalidDataError(
+            f"{str(path)!r} is not an .npy/.npz file of plain arrays (it holds pickled or object "
+            "data, which lossgraph never loads: that would run code). Save plain numeric arrays "
+            "with np.savez.")
+    return InvalidDataError(f"{str(path)!r} cannot be read as numpy data ({exc}).")

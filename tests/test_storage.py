@@ -1,0 +1,509 @@
+"""Program and checkpoint folders: safe to save (never over foreign files, atomic, umask),
+careful to load (every damage a named error before any training)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import lossgraph
+from lossgraph import fileio, storage
+from lossgraph.cli import main as cli
+from lossgraph.errors import InvalidDataError, InvalidProgramError, UnsafeWriteError
+
+MODEL = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 18]>
+    linear (float[N, 3] x) => (float[N, 1] y)
+    <float[3, 1] coef = {0.5, -0.25, 1}, float[1] intercept = {0.1}>
+    { h = MatMul(x, coef)
+      y = Add(h, intercept) }""")
+
+
+def compiled(fuse: str = "step") -> lossgraph.TrainingProgram:
+    return lossgraph.compile(MODEL, optimizer=lossgraph.optim.Momentum(0.01), fuse=fuse)
+
+
+def data(rows: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(rows, 3)).astype(np.float32)
+    return X, (X @ np.array([[1.0], [2.0], [-1.0]], np.float32)).astype(np.float32)
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes: proof that nothing changed."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    folder = tmp_path / "prog"
+    compiled().save(folder)
+    return folder
+
+
+# -- saving never destroys what lossgraph did not write -------------------------------------
+
+SAVES: dict[str, Callable[[Path], object]] = {
+    "program.save": lambda path: compiled().save(path),
+    "save_checkpoint": lambda path: lossgraph.Trainer(compiled()).save_checkpoint(path),
+    "cli compile -o": lambda path: _cli_compile(path),
+}
+
+
+def _cli_compile(path: Path) -> None:
+    model_file = path.parent / "cli_model.onnx"
+    if not model_file.exists():
+        onnx.save(MODEL, model_file)
+    message = io.StringIO()
+    with contextlib.redirect_stderr(message):
+        status = cli(["compile", str(model_file), "-o", str(path)])
+    if status != 0:
+        raise UnsafeWriteError(message.getvalue())
+
+
+@pytest.mark.parametrize("save", SAVES.values(), ids=SAVES.keys())
+def test_saving_into_a_folder_of_the_users_files_refuses_and_keeps_them(tmp_path, save):
+    folder = tmp_path / "myproject"
+    folder.mkdir()
+    (folder / "thesis.txt").write_text("three years of work")
+    with pytest.raises(UnsafeWriteError):
+        save(folder)
+    assert listing(folder) == {"thesis.txt": b"three years of work"}
+
+
+@pytest.mark.parametrize("save", SAVES.values(), ids=SAVES.keys())
+def test_saving_over_a_regular_file_refuses_and_keeps_it(tmp_path, save):
+    target = tmp_path / "notes"
+    target.write_text("keep me")
+    with pytest.raises(UnsafeWriteError):
+        save(target)
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("save", SAVES.values(), ids=SAVES.keys())
+def test_saving_twice_replaces_lossgraphs_own_folder(tmp_path, save):
+    save(tmp_path / "out")
+    save(tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cli_model.onnx") == ["out"]
+
+
+@pytest.mark.parametrize("save", SAVES.values(), ids=SAVES.keys())
+def test_a_lossgraph_folder_holding_a_foreign_file_is_not_replaced(tmp_path, save):
+    save(tmp_path / "out")
+    (tmp_path / "out" / "results.csv").write_text("mine")
+    before = listing(tmp_path / "out")
+    with pytest.raises(UnsafeWriteError, match="results.csv"):
+        save(tmp_path / "out")
+    assert listing(tmp_path / "out") == before
+
+
+def test_a_program_does_not_replace_a_checkpoint_nor_the_reverse(tmp_path):
+    lossgraph.Trainer(compiled()).save_checkpoint(tmp_path / "ckpt")
+    compiled().save(tmp_path / "prog")
+    with pytest.raises(UnsafeWriteError, match="not a lossgraph program folder"):
+        compiled().save(tmp_path / "ckpt")
+    with pytest.raises(UnsafeWriteError, match="not a lossgraph checkpoint folder"):
+        lossgraph.Trainer(compiled()).save_checkpoint(tmp_path / "prog")
+
+
+def test_an_empty_folder_is_used_and_a_link_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    compiled().save(tmp_path / "empty")
+    assert lossgraph.TrainingProgram.load(tmp_path / "empty").fuse == "step"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(UnsafeWriteError, match="link"):
+        compiled().save(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink()
+
+
+def test_a_missing_parent_folder_is_an_error_not_created(tmp_path):
+    with pytest.raises(UnsafeWriteError, match="does not exist"):
+        compiled().save(tmp_path / "no" / "such" / "prog")
+    assert not (tmp_path / "no").exists()
+
+
+def test_saving_leaves_the_current_directorys_other_files_alone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.csv").write_text("1,2,3")
+    (tmp_path / ".hidden").write_text("x")
+    compiled().save("prog")
+    compiled("epoch").save("prog")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden", "data.csv", "prog"]
+    assert (tmp_path / "data.csv").read_text() == "1,2,3"
+
+
+def test_save_onnx_graph_replaces_its_own_files_but_not_the_users(tmp_path):
+    program = compiled()
+    program.save_onnx_graph(tmp_path / "graphs")
+    program.save_onnx_graph(tmp_path / "graphs")  # its own files: replaced
+    (tmp_path / "graphs" / "evaluate.onnx").write_bytes(MODEL.SerializeToString())
+    before = listing(tmp_path / "graphs")
+    with pytest.raises(UnsafeWriteError, match="evaluate.onnx"):
+        program.save_onnx_graph(tmp_path / "graphs")
+    assert listing(tmp_path / "graphs") == before  # checked before anything was written
+
+
+def test_save_model_replaces_a_file_only_when_lossgraph_wrote_it_or_when_forced(tmp_path):
+    path = tmp_path / "model.onnx"
+    onnx.save(MODEL, path)
+    with pytest.raises(UnsafeWriteError, match="overwrite=True"):
+        fileio.save_model(MODEL, path)
+    fileio.save_model(MODEL, path, overwrite=True)
+    assert fileio.written_by_lossgraph(path)
+    fileio.save_model(MODEL, path)  # now it is lossgraph's: replaced without force
+    assert not MODEL.metadata_props  # the caller's model is not marked
+
+
+# -- atomic: a failed or killed save leaves the previous program loadable -----------------------
+
+
+def test_a_save_failing_midway_leaves_the_previous_program_and_no_debris(saved, monkeypatch):
+    before = listing(saved)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage.np, "savez", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        compiled("epoch").save(saved)
+    assert listing(saved) == before
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["prog"]
+    assert lossgraph.TrainingProgram.load(saved).fuse == "step"
+
+
+def test_replacing_without_an_atomic_exchange_still_replaces(saved, monkeypatch):
+    monkeypatch.setattr(fileio, "_exchange", lambda a, b: False)
+    compiled("epoch").save(saved)
+    assert lossgraph.TrainingProgram.load(saved).fuse == "epoch"
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["prog"]
+
+
+@pytest.mark.parametrize("moment", ["while writing", "after writing, before the swap"])
+def test_a_save_killed_midway_leaves_the_previous_program_loadable(saved, moment):
+    """A child process saves over the program and is killed with SIGKILL part-way."""
+    hook = ("storage.np.savez" if moment == "while writing" else "fileio._sync_tree")
+    script = textwrap.dedent(f"""
+        import os, signal, onnx, lossgraph
+        from lossgraph import fileio, storage
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        {hook} = die
+        model = onnx.load({str(saved.parent / "model.onnx")!r})
+        lossgraph.compile(model, fuse="epoch").save({str(saved)!r})
+    """)
+    onnx.save(MODEL, saved.parent / "model.onnx")
+    before = listing(saved)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert result.returncode == -9, result.stderr.decode()
+    assert listing(saved) == before
+    assert lossgraph.TrainingProgram.load(saved).fuse == "step"
+    compiled("epoch").save(saved)  # and the next save works despite the debris
+    assert lossgraph.TrainingProgram.load(saved).fuse == "epoch"
+
+
+# -- permissions follow the umask ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        compiled().save(tmp_path / "prog")
+        lossgraph.Trainer(compiled()).save_checkpoint(tmp_path / "ckpt")
+        fileio.save_model(MODEL, tmp_path / "model.onnx")
+    finally:
+        os.umask(previous)
+    for path in [tmp_path / "prog", tmp_path / "ckpt", *(tmp_path / "prog").iterdir(),
+                 *(tmp_path / "ckpt").rglob("*"), tmp_path / "model.onnx"]:
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
+
+
+# -- loading: every damage is a named error, before any training --------------------------
+
+
+def _rewrite_manifest(folder: Path, change: Callable[[dict], object]) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    change(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _drop_checksums(folder: Path) -> None:
+    _rewrite_manifest(folder, lambda m: m.pop("files"))
+
+
+def _truncate(folder: Path, name: str, keep: float = 0.5) -> None:
+    data = (folder / name).read_bytes()
+    (folder / name).write_bytes(data[:int(len(data) * keep)])
+
+
+def _state(folder: Path, change: Callable[[dict], object]) -> None:
+    with np.load(folder / "state.npz") as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    change(arrays)
+    np.savez(folder / "state.npz", **arrays)
+    _drop_checksums(folder)
+
+
+def _external_data(folder: Path) -> None:
+    model = onnx.load(folder / "evaluate.onnx")
+    tensor = onnx.numpy_helper.from_array(np.zeros(4, np.float32), "stolen")
+    onnx.external_data_helper.set_external_data(tensor, location="../../etc/passwd")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.ClearField("raw_data")
+    model.graph.initializer.append(tensor)
+    (folder / "evaluate.onnx").write_bytes(model.SerializeToString())
+    _drop_checksums(folder)
+
+
+def _pickled_state(folder: Path) -> None:
+    marker = folder.parent / "pwned"
+    payload = np.array([_Exploit(str(marker))], dtype=object)
+    np.savez(folder / "state.npz", coef=payload)
+    _drop_checksums(folder)
+
+
+class _Exploit:
+    """Unpickling this runs code: it creates a file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def _foreign_inference(folder: Path) -> None:
+    other = onnx.parser.parse_model('<ir_version: 8, opset_import: ["" : 18]> '
+                                    "g (float[N] x) => (float[N] y) { y = Identity(x) }")
+    (folder / "inference.onnx").write_bytes(other.SerializeToString())
+    _drop_checksums(folder)
+
+
+def _swap_graphs(folder: Path) -> None:
+    evaluate, step = (folder / "evaluate.onnx").read_bytes(), (folder / "train_step.onnx")
+    (folder / "evaluate.onnx").write_bytes(step.read_bytes())
+    step.write_bytes(evaluate)
+    _drop_checksums(folder)
+
+
+def _outside_link(folder: Path) -> None:
+    outside = folder.parent / "elsewhere.onnx"
+    outside.write_bytes((folder / "predict.onnx").read_bytes())
+    (folder / "predict.onnx").unlink()
+    (folder / "predict.onnx").symlink_to(outside)
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
+    "no manifest": (lambda f: (f / "manifest.json").unlink(), "holds no manifest.json"),
+    "manifest not JSON": (lambda f: (f / "manifest.json").write_text("{oops"), "not valid JSON"),
+    "manifest binary": (lambda f: (f / "manifest.json").write_bytes(b"\xff\xfe\x00"),
+                        "not text"),
+    "manifest a list": (lambda f: (f / "manifest.json").write_text("[1, 2]"),
+                        "expected a JSON object, found list"),
+    "another format": (
+        lambda f: _rewrite_manifest(f, lambda m: m.update(format="lossgraph-program/9")),
+        "this lossgraph reads 'lossgraph-program/1'"),
+    "missing key": (lambda f: _rewrite_manifest(f, lambda m: m.pop("weights")),
+                    "the key 'weights' is missing"),
+    "wrong type": (lambda f: _rewrite_manifest(f, lambda m: m.update(graphs=[])),
+                   "'graphs' must be dict"),
+    "unknown fuse": (lambda f: _rewrite_manifest(f, lambda m: m.update(fuse="turbo")),
+                     "fuse is 'turbo'"),
+    "graph missing from manifest": (
+        lambda f: _rewrite_manifest(f, lambda m: m["graphs"].pop("train_step")),
+        "needs the graphs train_step"),
+    "bad dtype": (lambda f: _rewrite_manifest(
+        f, lambda m: m["graphs"]["evaluate"]["inputs"][0].update(dtype="floaty")),
+        "'floaty' is not a numpy dtype"),
+    "graph file missing": (lambda f: (f / "train_step.onnx").unlink(),
+                           "has no file 'train_step.onnx'"),
+    "graph truncated": (lambda f: _truncate(f, "train_step.onnx"), "checksum"),
+    "graph truncated, no checksums": (lambda f: (_truncate(f, "train_step.onnx"),
+                                                 _drop_checksums(f)), "train_step.onnx"),
+    "graph empty": (lambda f: ((f / "evaluate.onnx").write_bytes(b""), _drop_checksums(f)),
+                    "is empty"),
+    "graph corrupt": (lambda f: ((f / "evaluate.onnx").write_bytes(b"\x08\x96\x01garbage" * 9),
+                                 _drop_checksums(f)), "not a valid ONNX model"),
+    "graphs swapped": (_swap_graphs, "do not belong together"),
+    "path with ..": (lambda f: _rewrite_manifest(
+        f, lambda m: m["graphs"]["evaluate"].update(file="../evaluate.onnx")),
+        "not a plain file name"),
+    "absolute path": (lambda f: _rewrite_manifest(
+        f, lambda m: m["graphs"]["evaluate"].update(file="/etc/passwd")),
+        "not a plain file name"),
+    "link out of the folder": (_outside_link, "link"),
+    "external data": (_external_data, "external data"),
+    "state missing weight": (lambda f: _state(f, lambda a: a.pop("coef")), "missing ['coef']"),
+    "state extra array": (lambda f: _state(f, lambda a: a.update(bias=np.zeros(1))),
+                          "unexpected ['bias']"),
+    "state wrong shape": (
+        lambda f: _state(f, lambda a: a.update(coef=np.zeros((4, 1), np.float32))),
+        "'coef' as float32[4, 1]"),
+    "state wrong dtype": (lambda f: _state(f, lambda a: a.update(coef=np.zeros((3, 1)))),
+                          "'coef' as float64[3, 1]"),
+    "state with pickled objects": (_pickled_state, "object arrays"),
+    "state not an archive": (lambda f: ((f / "state.npz").write_text("coef,1,2"),
+                                        _drop_checksums(f)), "state.npz"),
+    "inference model of another program": (_foreign_inference, "no initializer 'coef'"),
+}
+
+
+@pytest.mark.parametrize("damage, message", DAMAGE.values(), ids=DAMAGE.keys())
+def test_a_damaged_program_folder_is_a_named_error(saved, damage, message):
+    damage(saved)
+    with pytest.raises(InvalidProgramError, match=re.escape(message)):
+        lossgraph.TrainingProgram.load(saved)
+    assert not (saved.parent / "pwned").exists()
+
+
+def test_a_file_or_nothing_where_a_program_folder_is_expected(tmp_path):
+    onnx.save(MODEL, tmp_path / "model.onnx")
+    with pytest.raises(InvalidProgramError, match="compile it first"):
+        lossgraph.TrainingProgram.load(tmp_path / "model.onnx")
+    with pytest.raises(InvalidProgramError, match="There is no lossgraph program folder"):
+        lossgraph.TrainingProgram.load(tmp_path / "missing")
+
+
+def test_a_program_saved_and_loaded_trains_exactly_as_the_original(tmp_path):
+    X, y = data()
+    original = compiled("epoch")
+    original.save(tmp_path / "prog")
+    loaded = lossgraph.TrainingProgram.load(tmp_path / "prog")
+    assert loaded.manifest == original.manifest
+    a = lossgraph.Trainer(original).fit(X, y, epochs=2, batch_size=8, random_state=0,
+                                        progress=False)
+    b = lossgraph.Trainer(loaded).fit(X, y, epochs=2, batch_size=8, random_state=0,
+                                      progress=False)
+    for name, value in a.state.items():
+        np.testing.assert_array_equal(b.state[name], value)
+
+
+CHECKPOINT_DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
+    "no record": (lambda f: (f / "trainer.json").unlink(), "holds no trainer.json"),
+    "record not JSON": (lambda f: (f / "trainer.json").write_text("nope"), "not valid JSON"),
+    "not a record": (lambda f: (f / "trainer.json").write_text('{"steps": 1}'),
+                     "not a lossgraph checkpoint record"),
+    "another format": (lambda f: _rewrite_record(f, format="lossgraph-checkpoint/7"),
+                       "this lossgraph reads"),
+    "negative steps": (lambda f: _rewrite_record(f, steps=-3), "'steps' must be a count"),
+    "losses not numbers": (lambda f: _rewrite_record(f, train_losses=["low"]),
+                           "'train_losses' must be a list of numbers"),
+    "bad generator": (lambda f: _rewrite_record(f, rng={"bit_generator": "Nope"}),
+                      "'rng' is not the state"),
+    "program missing": (lambda f: _remove_tree(f / "program"),
+                        "There is no lossgraph program folder"),
+    "program damaged": (lambda f: (f / "program" / "manifest.json").write_text("["),
+                        "not valid JSON"),
+}
+
+
+def _rewrite_record(folder: Path, **changes) -> None:
+    record = json.loads((folder / "trainer.json").read_text())
+    record.update(changes)
+    (folder / "trainer.json").write_text(json.dumps(record))
+
+
+def _remove_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*"), reverse=True):
+        path.unlink()
+    folder.rmdir()
+
+
+@pytest.mark.parametrize("damage, message", CHECKPOINT_DAMAGE.values(),
+                         ids=CHECKPOINT_DAMAGE.keys())
+def test_a_damaged_checkpoint_is_a_named_error(tmp_path, damage, message):
+    X, y = data()
+    trainer = lossgraph.Trainer(compiled()).fit(X, y, epochs=1, random_state=0, progress=False)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    damage(tmp_path / "ckpt")
+    with pytest.raises(InvalidProgramError, match=message):
+        lossgraph.Trainer.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_checkpoint_written_before_checkpoints_had_a_format_still_loads(tmp_path):
+    X, y = data()
+    trainer = lossgraph.Trainer(compiled()).fit(X, y, epochs=1, random_state=0, progress=False)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    record = json.loads((tmp_path / "ckpt" / "trainer.json").read_text())
+    del record["format"]
+    (tmp_path / "ckpt" / "trainer.json").write_text(json.dumps(record))
+    assert lossgraph.Trainer.load_checkpoint(tmp_path / "ckpt").steps_ == trainer.steps_
+
+
+# -- data files ----------------------------------------------------------------------------------
+
+
+def test_arrays_are_read_from_an_npz_or_a_folder_of_npy_files(tmp_path):
+    X, y = data()
+    np.savez(tmp_path / "train.npz", X=X, y=y)
+    (tmp_path / "folder").mkdir()
+    np.save(tmp_path / "folder" / "X.npy", X)
+    np.save(tmp_path / "folder" / "y.npy", y)
+    for source in (tmp_path / "train.npz", tmp_path / "folder"):
+        arrays = storage.read_arrays(source)
+        np.testing.assert_array_equal(arrays["X"], X)
+        np.testing.assert_array_equal(arrays["y"], y)
+
+
+BAD_DATA: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "missing": (lambda t: t / "none.npz", "There is no data file"),
+    "text file": (lambda t: _write(t / "data.npz", b"X,y\n1,2\n"), "pickled or object data"),
+    "corrupt archive": (lambda t: _write(t / "data.npz", b"PK\x03\x04" + b"\x00" * 40),
+                        "cannot be read"),
+    "pickled objects": (lambda t: _pickled_npz(t), "never loads"),
+    "single array as npz": (lambda t: _npy(t), "is not an .npz archive"),
+    "empty folder": (lambda t: _mkdir(t / "empty"), "holds no .npy files"),
+    "link out of the folder": (lambda t: _linked_folder(t), "leads out of"),
+}
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _npy(tmp_path: Path) -> Path:
+    np.save(tmp_path / "X.npy", np.ones(3))
+    return tmp_path / "X.npy"
+
+
+def _pickled_npz(tmp_path: Path) -> Path:
+    np.savez(tmp_path / "data.npz", X=np.array([_Exploit(str(tmp_path / "pwned"))], dtype=object))
+    return tmp_path / "data.npz"
+
+
+def _linked_folder(tmp_path: Path) -> Path:
+    (tmp_path / "secret.npy").write_bytes(b"")
+    np.save(tmp_path / "secret.npy", np.ones(2))
+    folder = _mkdir(tmp_path / "data")
+    (folder / "X.npy").symlink_to(tmp_path / "secret.npy")
+    return folder
+
+
+@pytest.mark.parametrize("make, message", BAD_DATA.values(), ids=BAD_DATA.keys())
+def test_a_bad_data_file_is_a_named_error_and_never_runs_code(tmp_path, make, message):
+    with pytest.raises(InvalidDataError, match=message):
+        storage.read_arrays(make(tmp_path))
+    assert not (tmp_path / "pwned").exists()

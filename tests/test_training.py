@@ -265,8 +265,12 @@ def _random_data(program: lossgraph.TrainingProgram, rows: int, classes: int, se
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in GOLDEN_MODELS.glob("*.onnx")))
 def test_every_golden_model_trains_the_same_packed_and_specialized(name):
-    """Epoch graphs (packed update, batch-specialized by the Trainer) equal step graphs to
-    the last bit on every golden model, the CNN's BatchNormalization included."""
+    """Epoch graphs (packed update, batch-specialized by the Trainer) train the weights the
+    step graphs train, on every golden model, the CNN's BatchNormalization included.
+
+    To float rounding, not bit for bit: onnxruntime optimizes the Scan body and the step
+    graph separately (e.g. MatMul + Add fused into one Gemm in one of them), and which
+    kernel sums in which order depends on the CPU (1 ulp seen on an AVX-512 machine)."""
     score = ("log" if name == "skl_logistic_binary" else "cross_entropy"
              if "classifier" in name or "logistic" in name else "squared_error")
     states = []
@@ -278,4 +282,5 @@ def test_every_golden_model_trains_the_same_packed_and_specialized(name):
                                                  random_state=0, progress=False)
         states.append(trainer.state)
     for weight, value in states[0].items():
-        np.testing.assert_array_equal(states[1][weight], value, err_msg=weight)
+        np.testing.assert_allclose(states[1][weight], value, rtol=1e-5, atol=1e-7,
+                                   err_msg=weight)

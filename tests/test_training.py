@@ -268,9 +268,10 @@ def test_every_golden_model_trains_the_same_packed_and_specialized(name):
     """Epoch graphs (packed update, batch-specialized by the Trainer) train the weights the
     step graphs train, on every golden model, the CNN's BatchNormalization included.
 
-    To float rounding, not bit for bit: onnxruntime optimizes the Scan body and the step
-    graph separately (e.g. MatMul + Add fused into one Gemm in one of them), and which
-    kernel sums in which order depends on the CPU (1 ulp seen on an AVX-512 machine)."""
+    To float rounding, not bit for bit: on an AVX-512 machine one shuffled batch differs by
+    1 ulp, with onnxruntime's graph optimizations on or off. onnxruntime's kernels pick
+    their code paths (and so their summation order) by CPU, shape and memory layout, and
+    the Scan's in-graph batches are laid out differently from the step's numpy views."""
     score = ("log" if name == "skl_logistic_binary" else "cross_entropy"
              if "classifier" in name or "logistic" in name else "squared_error")
     states = []

@@ -1,0 +1,197 @@
+"""The contract every pass keeps, checked once for all of them (fusion modes included):
+
+- **pure**: the model given is never mutated;
+- **valid**: every model emitted passes the full ONNX checker;
+- **deterministic**: the same input and options give byte-identical output in one
+  process, and in fresh processes with other hash seeds;
+
+and a checkpoint resumed in a new process continues training bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+import lossgraph
+from lossgraph.optim import SGD, Adam, Momentum
+from lossgraph.passes.broadcast import widen_scalar_constants
+from lossgraph.passes.penalty import penalty_graph
+from lossgraph.passes.update import update_graph
+from lossgraph.passes.weights import weights_to_inputs
+from lossgraph.runtime.specialize import specialize_batch
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
+HERE = Path(__file__).resolve().parent
+
+
+def golden(name: str) -> onnx.ModelProto:
+    return onnx.load(GOLDEN / f"{name}.onnx")
+
+
+def with_loss(name: str, score: str = "squared_error") -> onnx.ModelProto:
+    return lossgraph.add_loss_output(lossgraph.lower_ml_ops(golden(name)), score)
+
+
+def compiled(fuse: str, **options: Any) -> Callable[[onnx.ModelProto], Any]:
+    return lambda model: lossgraph.compile(model, fuse=fuse, **options)
+
+
+def step_graph_of(name: str) -> onnx.ModelProto:
+    return lossgraph.compile(golden(name), optimizer=Momentum(0.01)).graphs["train_step"]
+
+
+WEIGHTS = {"coef": np.ones((3, 1), np.float32), "bias": np.zeros(1, np.float32)}
+
+#: name -> (the input model, the pass applied to it). Every pass of lossgraph.passes and
+#: the runtime's batch specialization, and compile in every fusion mode.
+PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], Any]]] = {
+    "lower_ml_ops": (lambda: golden("skl_logistic_multiclass"), lossgraph.lower_ml_ops),
+    "add_loss_output": (lambda: golden("hand_mlp_tanh_double"),
+                        lambda m: lossgraph.add_loss_output(m, "huber", penalty={"W1": 0.1})),
+    "add_loss_output cross_entropy": (
+        lambda: lossgraph.lower_ml_ops(golden("skl_mlp_classifier")),
+        lambda m: lossgraph.add_loss_output(m, "cross_entropy")),
+    "alphabetize_initializers": (lambda: golden("skl_mlp_regressor"),
+                                 lossgraph.alphabetize_initializers),
+    "weights_to_inputs": (lambda: with_loss("hand_linear"),
+                          lambda m: weights_to_inputs(m, ["W", "B"])),
+    "gradient": (lambda: with_loss("torch_cnn"), lossgraph.gradient),
+    "gradient (vector-Jacobian)": (lambda: golden("hand_broadcast_reuse"),
+                                   lambda m: lossgraph.gradient(m, outputs=["Y"])),
+    "gradient (ort backend)": (lambda: with_loss("hand_linear"),
+                               lambda m: lossgraph.gradient(m, backend="ort")),
+    "widen_scalar_constants": (lambda: step_graph_of("skl_mlp_regressor"),
+                               widen_scalar_constants),
+    "specialize_batch": (lambda: step_graph_of("skl_mlp_regressor"),
+                         lambda m: specialize_batch(m, 16)),
+    "penalty_graph": (lambda: None, lambda _: penalty_graph(WEIGHTS, {"coef": {"l1": 0.1}})),
+    "update_graph": (lambda: None, lambda _: update_graph(Adam(0.01), WEIGHTS)),
+    **{f"compile fuse={fuse}": (lambda: golden("skl_mlp_classifier"),
+                                compiled(fuse, loss="cross_entropy", penalty={"coefficient": 1e-3},
+                                         optimizer=Momentum(0.01, nesterov=True)))
+       for fuse in ("step", "epoch", "separate")},
+}
+MARKS = {"gradient (ort backend)": pytest.mark.training}
+
+
+def _models(result: Any) -> list[onnx.ModelProto]:
+    """Every model a pass returned."""
+    if isinstance(result, onnx.ModelProto):
+        return [result]
+    if isinstance(result, lossgraph.TrainingProgram):
+        return [*result.graphs.values(), result.inference_model]
+    if isinstance(result, tuple):
+        return [m for item in result for m in _models(item)]
+    return []
+
+
+def fingerprint(result: Any) -> Any:
+    """A JSON-ready digest of everything a pass returned, order included."""
+    if isinstance(result, onnx.ModelProto):
+        return hashlib.sha256(result.SerializeToString()).hexdigest()
+    if isinstance(result, np.ndarray):
+        return [result.dtype.str, list(result.shape),
+                hashlib.sha256(np.ascontiguousarray(result).tobytes()).hexdigest()]
+    if isinstance(result, lossgraph.TrainingProgram):
+        return fingerprint((result.graphs, result.manifest, result.state, result.inference_model))
+    if isinstance(result, dict):
+        return [[key, fingerprint(value)] for key, value in result.items()]
+    if isinstance(result, (tuple, list)):
+        return [fingerprint(item) for item in result]
+    if dataclasses.is_dataclass(result):
+        return fingerprint(dataclasses.asdict(result))
+    return json.loads(json.dumps(result))
+
+
+def digests(names: list[str]) -> dict[str, Any]:
+    """Fingerprints of the named passes' results (run in a fresh process by the tests)."""
+    return {name: fingerprint(PASSES[name][1](PASSES[name][0]())) for name in names}
+
+
+CASES = [pytest.param(name, marks=MARKS.get(name, ())) for name in PASSES]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_pass_is_pure_valid_and_deterministic(name):
+    make_input, run = PASSES[name]
+    model = make_input()
+    before = None if model is None else model.SerializeToString()
+    first, second = run(model), run(model)
+    if model is not None:
+        assert model.SerializeToString() == before, "the pass mutated its input"
+    assert fingerprint(first) == fingerprint(second)
+    emitted = _models(first)
+    assert emitted
+    for emitted_model in emitted:
+        onnx.checker.check_model(emitted_model, full_check=True)
+
+
+def _available(name: str) -> bool:
+    from conftest import has
+
+    return name not in MARKS or has("training")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hash_seed", ["0", "12345"])
+def test_every_pass_gives_the_same_bytes_in_another_process_and_hash_seed(hash_seed):
+    names = [name for name in PASSES if _available(name)]
+    here = digests(names)
+    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); "
+              f"import test_pass_contract as t; print(json.dumps(t.digests({names!r})))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONHASHSEED": hash_seed}, check=True)
+    there = json.loads(result.stdout.strip().splitlines()[-1])
+    for name in names:
+        assert there[name] == json.loads(json.dumps(here[name])), name
+
+
+RESUME = textwrap.dedent("""
+    import sys, numpy as np, lossgraph
+    sys.path.insert(0, {here!r})
+    from test_pass_contract import resume_data
+    X, y = resume_data()
+    trainer = lossgraph.Trainer.load_checkpoint({checkpoint!r})
+    trainer.fit(X, y, epochs=2, batch_size=7, warm_start=True, progress=False)
+    np.savez({out!r}, losses=np.array(trainer.train_losses_), **trainer.state)
+""")
+
+
+def resume_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(59, 6)).astype(np.float32)
+    return X, (X @ rng.normal(size=(6, 1))).astype(np.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_a_checkpoint_resumed_in_a_new_process_continues_bit_for_bit(tmp_path, fuse):
+    X, y = resume_data()
+    program = lossgraph.compile(golden("hand_linear"), penalty={"W": 0.01}, fuse=fuse,
+                                optimizer=Adam(0.01) if fuse != "separate" else SGD(0.01))
+    straight = lossgraph.Trainer(program).fit(X, y, epochs=3, batch_size=7, random_state=5,
+                                              progress=False)
+    first = lossgraph.Trainer(program).fit(X, y, epochs=1, batch_size=7, random_state=5,
+                                           progress=False)
+    first.save_checkpoint(tmp_path / "ckpt")
+    script = RESUME.format(here=str(HERE), checkpoint=str(tmp_path / "ckpt"),
+                           out=str(tmp_path / "resumed.npz"))
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONHASHSEED": "99"})
+    with np.load(tmp_path / "resumed.npz") as resumed:
+        np.testing.assert_array_equal(resumed["losses"], straight.train_losses_)
+        for name, value in straight.state.items():
+            np.testing.assert_array_equal(resumed[name], value, err_msg=name)

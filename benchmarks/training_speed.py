@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import io
 import json
 import os
 import platform
@@ -52,6 +53,11 @@ from onnx import TensorProto, helper, numpy_helper
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing lossgraph
+
+from lossgraph.errors import UnsafeWriteError  # noqa: E402
+from lossgraph.fileio import check_file_target, write_file  # noqa: E402
+
+BENCHMARK_MARK = "lossgraph benchmarks/training_speed.py"
 
 N_ROWS, N_ROWS_QUICK, N_FEATURES, HIDDEN = 100_000, 20_000, 100, 50
 LEARNING_RATE, MOMENTUM, SEED = 0.01, 0.9, 0
@@ -924,13 +930,19 @@ def to_json(facts: dict, reports: dict[str, dict], args: argparse.Namespace, n: 
                 "max_abs_diff_vs_numpy": {str(b): v for b, v in row.check.items()},
                 "errors": {str(b): v for b, v in row.errors.items()}}
 
-    return {"machine": facts, "rows_per_epoch": n, "features": N_FEATURES,
-            "learning_rate": LEARNING_RATE, "momentum": MOMENTUM, "repeat": args.repeat,
+    return {"generator": BENCHMARK_MARK, "machine": facts, "rows_per_epoch": n,
+            "features": N_FEATURES, "learning_rate": LEARNING_RATE, "momentum": MOMENTUM,
+            "repeat": args.repeat,
             "models": {name: {"title": r["title"], "targets": r["targets"],
                               "fastest_peer": {str(b): (f.name if f else None)
                                                for b, f in r["fastest"].items()},
                               "rows": [row_json(row, r) for row in r["rows"]]}
                        for name, r in reports.items()}}
+
+
+def _benchmark_output(path: Path) -> bool:
+    """True for a file this benchmark wrote (its JSON or PNG carries BENCHMARK_MARK)."""
+    return BENCHMARK_MARK.encode() in path.read_bytes()[:4096]
 
 
 def plot(reports: dict[str, dict], batches: list[int], path: str) -> None:
@@ -954,7 +966,9 @@ def plot(reports: dict[str, dict], batches: list[int], path: str) -> None:
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=120, metadata={"Software": BENCHMARK_MARK})
+    write_file(path, image.getvalue(), owned=_benchmark_output)
     print(f"\nplot written to {path}")
 
 
@@ -976,6 +990,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {', '.join(sorted(unknown))}: pick from mlp, linear")
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     n = N_ROWS_QUICK if args.quick else N_ROWS
+    for path in filter(None, (args.json, args.plot)):  # before minutes of measuring
+        try:
+            check_file_target(path, owned=_benchmark_output)
+        except UnsafeWriteError:
+            parser.error(f"{path} is in the way: it is not a file this benchmark wrote. "
+                         "Choose another path (nothing was measured).")
     if any(b <= 0 or n % b for b in batches):
         parser.error(f"every batch size must divide N={n}")
 
@@ -1007,7 +1027,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"other processes kept {others / wall:.2f} of {os.cpu_count()} cores busy "
               f"during the run{warning}")
     if args.json:
-        Path(args.json).write_text(json.dumps(to_json(facts, reports, args, n), indent=2))
+        write_file(args.json, json.dumps(to_json(facts, reports, args, n), indent=2).encode(),
+                   owned=_benchmark_output)
         print(f"figures written to {args.json}")
     if args.plot:
         plot(reports, batches, args.plot)

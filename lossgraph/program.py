@@ -52,7 +52,7 @@ from .passes.penalty import penalty_graph
 from .passes.update import update_graph, weights_dtype
 from .passes.weights import weights_to_inputs
 from .roles import get_roles
-from .storage import ProgramFiles, read_program, save_program
+from .storage import read_program, save_program
 from .target import Target, use_target
 
 __all__ = ["TrainingProgram", "compile", "FUSE_MODES", "FORMAT"]
@@ -100,15 +100,13 @@ class TrainingProgram:
         and is left untouched. A reader never sees half a program, and a failed or
         killed save leaves the previous program there loadable (see lossgraph.fileio).
         """
-        return save_program(directory, ProgramFiles(self.graphs, self.manifest, self.state,
-                                                    self.inference_model))
+        return save_program(directory, self)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> TrainingProgram:
         """Read a program written by :meth:`save`; a damaged folder is an
         :class:`~lossgraph.errors.InvalidProgramError` naming the file and the problem."""
-        files = read_program(directory)
-        return cls(files.graphs, files.manifest, files.state, files.inference_model)
+        return cls(*read_program(directory))
 
     def save_onnx_graph(self, folder: str | os.PathLike | None = None) -> dict[str, Any]:
         """Every graph for inspection: ``{name: bytes}``, or ``{name: path}`` once written.

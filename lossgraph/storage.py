@@ -28,9 +28,8 @@ import json
 import os
 import zipfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -41,8 +40,8 @@ from .fileio import FolderKind, replace_directory, serialize
 from .graphs import all_graphs
 from .manifest import check_manifest
 
-__all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "ProgramFiles", "save_program", "read_program",
-           "save_checkpoint", "read_checkpoint", "read_arrays"]
+__all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "Program", "ProgramParts", "save_program",
+           "read_program", "save_checkpoint", "read_checkpoint", "read_arrays"]
 
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "state.npz"
@@ -53,14 +52,18 @@ CHECKPOINT_FORMAT = "lossgraph-checkpoint/1"
 _CHECKSUMS = "files"  # manifest key of the checksums, present on disk only
 
 
-@dataclass
-class ProgramFiles:
-    """What a program folder holds, as Python objects."""
+class Program(Protocol):
+    """What a program folder stores: a TrainingProgram, or anything with these attributes."""
 
     graphs: dict[str, onnx.ModelProto]
     manifest: dict[str, Any]
     state: dict[str, np.ndarray]
     inference_model: onnx.ModelProto
+
+
+#: ``(graphs, manifest, state, inference_model)``, as read from a program folder.
+ProgramParts = tuple[dict[str, onnx.ModelProto], dict[str, Any], dict[str, np.ndarray],
+                     onnx.ModelProto]
 
 
 # -- recognising lossgraph's folders ----------------------------------------------------------
@@ -139,7 +142,7 @@ def _checksum(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_program(folder: Path, program: ProgramFiles) -> None:
+def _write_program(folder: Path, program: Program) -> None:
     """Write ``program`` into the empty staging ``folder``."""
     written: dict[str, bytes] = {}
     for name, entry in program.manifest["graphs"].items():
@@ -160,14 +163,14 @@ def _write_program(folder: Path, program: ProgramFiles) -> None:
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def save_program(path: str | os.PathLike, program: ProgramFiles) -> Path:
+def save_program(path: str | os.PathLike, program: Program) -> Path:
     """Write ``program`` as a program folder at ``path``, atomically (see lossgraph.fileio)."""
     with replace_directory(path, PROGRAM_FOLDER) as staging:
         _write_program(staging, program)
     return Path(path)
 
 
-def save_checkpoint(path: str | os.PathLike, program: ProgramFiles,
+def save_checkpoint(path: str | os.PathLike, program: Program,
                     record: Mapping[str, Any]) -> Path:
     """Write a checkpoint folder: ``program`` (with the reached state) and ``record``."""
     with replace_directory(path, CHECKPOINT_FOLDER) as staging:
@@ -307,7 +310,7 @@ def _check_state(state: Mapping[str, np.ndarray], manifest: Mapping[str, Any], p
                 f"graphs take {io['dtype']}{dims}.")
 
 
-def read_program(path: str | os.PathLike) -> ProgramFiles:
+def read_program(path: str | os.PathLike) -> ProgramParts:
     """Read and check the program folder at ``path`` (see the module docstring)."""
     folder = _folder(path, "lossgraph program folder",
                      "TrainingProgram.save or lossgraph compile -o")
@@ -333,7 +336,7 @@ def read_program(path: str | os.PathLike) -> ProgramFiles:
         raise InvalidProgramError(
             f"{str(folder / INFERENCE_FILE)!r} has no initializer {lacking[0]!r} to write the "
             "trained weight back into: it is not this program's inference model.")
-    return ProgramFiles(graphs, manifest, state, inference)
+    return graphs, manifest, state, inference
 
 
 def _non_negative_int(record: Mapping[str, Any], key: str, at: str) -> int:
@@ -351,7 +354,7 @@ def _losses(record: Mapping[str, Any], key: str, at: str) -> list[float]:
     return [float(v) for v in values]
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[ProgramFiles, dict[str, Any]]:
+def read_checkpoint(path: str | os.PathLike) -> tuple[ProgramParts, dict[str, Any]]:
     """Read and check a checkpoint folder: its program, and its record with ``steps``,
     ``epochs``, ``train_losses``, ``validation_losses`` and ``rng`` (a Generator or None)."""
     folder = _folder(path, "lossgraph checkpoint folder", "Trainer.save_checkpoint")

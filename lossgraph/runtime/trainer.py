@@ -35,7 +35,7 @@ from ..errors import (
     suggest,
 )
 from ..program import TrainingProgram
-from ..storage import ProgramFiles, read_checkpoint, save_checkpoint
+from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
 from .session import create_session
 from .specialize import specialize_batch
@@ -453,8 +453,8 @@ class Trainer:
         ``path`` must be new, empty, or a checkpoint folder lossgraph wrote (holding
         nothing else); anything else is an :class:`~lossgraph.errors.UnsafeWriteError`.
         """
-        program = ProgramFiles(self.program.graphs, self.program.manifest, self.state,
-                               self.program.inference_model)
+        program = TrainingProgram(self.program.graphs, self.program.manifest, self.state,
+                                  self.program.inference_model)
         return save_checkpoint(path, program, {
             "steps": self.steps_, "epochs": self.epochs_,
             "train_losses": self.train_losses_,
@@ -469,10 +469,8 @@ class Trainer:
 
         A damaged checkpoint is an :class:`~lossgraph.errors.InvalidProgramError`.
         """
-        files, record = read_checkpoint(path)
-        program = TrainingProgram(files.graphs, files.manifest, files.state,
-                                  files.inference_model)
-        trainer = cls(program, providers, session_options)
+        parts, record = read_checkpoint(path)
+        trainer = cls(TrainingProgram(*parts), providers, session_options)
         trainer.steps_, trainer.epochs_ = record["steps"], record["epochs"]
         trainer.train_losses_ = record["train_losses"]
         trainer.validation_losses_ = record["validation_losses"]

@@ -1,17 +1,34 @@
-"""Loading and checking the models users bring."""
+"""Loading and checking the models users bring.
+
+:func:`as_model` takes a ModelProto, serialized bytes or a file path and returns a
+private copy, or an :class:`~lossgraph.errors.InvalidModelError` naming the file and
+what is wrong with it: missing, a folder, empty, not ONNX or cut short, external data
+missing or not loaded. External data is read only from inside the model file's
+folder: a location that is absolute, leads out of the folder (``..``) or through a
+link out of it is refused before anything is read. An in-memory model (ModelProto or
+bytes) whose tensors still point to external files is refused too: onnx would look
+for those files in the current directory.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import onnx
+from google.protobuf.message import DecodeError
+from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .errors import InvalidModelError
+from .graphs import all_graphs
 
 __all__ = ["ModelLike", "as_model", "check_model"]
 
 #: What every public function accepts as a model.
 ModelLike = onnx.ModelProto | bytes | str | os.PathLike
+
+_REEXPORT = "Export or download the model again"
 
 
 def as_model(model: ModelLike) -> onnx.ModelProto:
@@ -19,19 +36,106 @@ def as_model(model: ModelLike) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        return copy
-    try:
-        if isinstance(model, bytes):
-            return onnx.load_model_from_string(model)
-        if isinstance(model, (str, os.PathLike)):
-            return onnx.load(os.fspath(model))
-    except FileNotFoundError:
-        raise InvalidModelError(f"No ONNX file at {os.fspath(model)!r}.") from None
-    except Exception as exc:  # protobuf raises DecodeError and friends
-        raise InvalidModelError(f"Could not parse an ONNX model: {exc}") from None
+        return _checked(copy, "The model", folder=None)
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return _checked(_parse(bytes(model), "The serialized model"), "The serialized model",
+                        folder=None)
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(os.fspath(model))
+        what = f"The model file {str(path)!r}"
+        return _checked(_parse(_read(path), what), what, folder=path.parent)
     raise InvalidModelError(
-        f"Expected an onnx.ModelProto, serialized bytes or a file path, got {type(model).__name__}."
-    )
+        f"Expected an onnx.ModelProto, serialized bytes or a file path, got "
+        f"{type(model).__name__}.")
+
+
+def _read(path: Path) -> bytes:
+    """The file's bytes, or an error saying why there are none."""
+    if os.path.isdir(path):
+        raise InvalidModelError(
+            f"{str(path)!r} is a folder, not an ONNX file. A saved TrainingProgram loads with "
+            "lossgraph.TrainingProgram.load(folder); a model is a .onnx file.")
+    if not os.path.isfile(path):
+        hint = (" It looks like ONNX text: parse it with onnx.parser.parse_model(text) first."
+                if str(path).lstrip().startswith("<") else "")
+        raise InvalidModelError(f"No ONNX file at {str(path)!r} (current directory: "
+                                f"{os.getcwd()!r}).{hint}")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InvalidModelError(f"Cannot read {str(path)!r}: {exc.strerror or exc}.") from None
+
+
+def _parse(data: bytes, what: str) -> onnx.ModelProto:
+    if not data:
+        raise InvalidModelError(f"{what} is empty (0 bytes): it holds no ONNX model. "
+                                f"{_REEXPORT}.")
+    try:
+        return onnx.load_model_from_string(data)
+    except DecodeError:
+        raise InvalidModelError(
+            f"{what} is not an ONNX model, or is cut short ({len(data)} bytes that protobuf "
+            f"cannot parse as onnx.ModelProto). {_REEXPORT}; a truncated download or copy "
+            "gives this error.") from None
+
+
+def _checked(model: onnx.ModelProto, what: str, folder: Path | None) -> onnx.ModelProto:
+    """``model`` with its external data loaded from ``folder`` (None: not allowed)."""
+    if not model.HasField("graph"):
+        fields = ", ".join(f.name for f, _ in model.ListFields())
+        raise InvalidModelError(
+            f"{what} is not an ONNX model: it has no graph "
+            f"({f'only {fields}' if fields else 'no ONNX field at all'}). {_REEXPORT}.")
+    for tensor in _tensors(model):
+        if uses_external_data(tensor):
+            _load_external(tensor, what, folder)
+    return model
+
+
+def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """The tensors onnx may keep in external files: initializers and attribute tensors of
+    the graph and its subgraphs (as ``onnx.load`` reads them)."""
+    for graph in all_graphs(model.graph):
+        yield from graph.initializer
+        yield from (sparse.values for sparse in graph.sparse_initializer)
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
+
+
+def _load_external(tensor: onnx.TensorProto, what: str, folder: Path | None) -> None:
+    """Load one tensor's external data, only from a regular file inside ``folder``."""
+    location = {e.key: e.value for e in tensor.external_data}.get("location", "")
+    culprit = (f"Tensor {tensor.name!r} of {what[0].lower()}{what[1:]} keeps its data in "
+               f"the external file {location!r}")
+    if folder is None:
+        raise InvalidModelError(
+            f"{culprit}, which was not loaded. Pass the model's file path instead (lossgraph "
+            "loads external data from the model's folder), or load it first: "
+            "onnx.load(path) or onnx.external_data_helper.load_external_data_for_model(model, "
+            "folder).")
+    if os.path.isabs(location) or not location:
+        raise InvalidModelError(
+            f"{culprit}: an external data location must be a file name relative to the "
+            "model's folder. Save the model again with onnx.save_model(model, path, "
+            "save_as_external_data=True).")
+    base = folder.resolve()
+    target = (folder / location).resolve()
+    if not target.is_relative_to(base):
+        raise InvalidModelError(
+            f"{culprit}, which lies outside the model's folder {str(base)!r}: lossgraph reads "
+            "external data only from inside it. Move the data file next to the model and "
+            "save the model again.")
+    if not target.is_file():
+        raise InvalidModelError(
+            f"{culprit}, which does not exist in {str(base)!r}. Copy the data file next to "
+            "the model (external data travels with it).")
+    try:
+        load_external_data_for_tensor(tensor, str(folder))
+    except (onnx.checker.ValidationError, OSError, ValueError) as exc:
+        raise InvalidModelError(f"{culprit}, which cannot be read: {exc}") from None
 
 
 def check_model(model: onnx.ModelProto, what: str = "The model") -> None:

@@ -39,6 +39,7 @@ import abc
 import dataclasses
 import math
 import numbers
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -49,7 +50,8 @@ from onnx import helper
 from .builder import GraphBuilder
 from .errors import UnsupportedOptionError, suggest
 
-__all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "optimizer_from_dict", "OPTIMIZERS"]
+__all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "optimizer_from_dict", "as_optimizer",
+           "OPTIMIZERS"]
 
 SCHEDULES = ("constant", "invscaling", "optimal")
 
@@ -341,7 +343,7 @@ def optimizer_from_dict(d: Mapping[str, Any]) -> Optimizer:
             f"{{'type': 'SGD', 'learning_rate': 0.01}}; got {d!r}."
         )
     kind = d["type"]
-    if kind not in OPTIMIZERS:
+    if not isinstance(kind, str) or kind not in OPTIMIZERS:
         raise UnsupportedOptionError(
             f"Unknown optimizer type {kind!r}." + suggest(str(kind), OPTIMIZERS, "types")
         )
@@ -354,3 +356,34 @@ def optimizer_from_dict(d: Mapping[str, Any]) -> Optimizer:
             f"{kind} has no option {unknown[0]!r} (its options: {', '.join(sorted(fields))})."
         )
     return cls(**options)
+
+
+def as_optimizer(value: Optimizer | str | Mapping[str, Any] | None) -> Optimizer:
+    """The optimizer ``value`` describes, for ``compile(optimizer=...)``.
+
+    Accepted on purpose: an :class:`Optimizer`; ``None`` (``SGD()``); a type name in any
+    case (``"adam"``: default hyper-parameters); the dict form of :meth:`Optimizer.to_dict`
+    (what the manifest and the CLI hold). A class (``Adam`` for ``Adam()``) or anything
+    else is an :class:`UnsupportedOptionError`, so that no hyper-parameter is guessed.
+    """
+    if value is None:
+        return SGD()
+    if isinstance(value, Optimizer):
+        return value
+    if isinstance(value, str):
+        by_name = {name.lower(): cls for name, cls in OPTIMIZERS.items()}
+        if value.lower() not in by_name:
+            raise UnsupportedOptionError(
+                f"Unknown optimizer {value!r}." + suggest(value, OPTIMIZERS, "optimizers"))
+        return by_name[value.lower()]()
+    if isinstance(value, Mapping):
+        return optimizer_from_dict(value)
+    if isinstance(value, type) and issubclass(value, Optimizer):
+        raise UnsupportedOptionError(
+            f"optimizer={value.__name__} is a class, not an optimizer: pass an instance, e.g. "
+            f"optimizer={value.__name__}() or {value.__name__}(learning_rate=0.01).")
+    raise UnsupportedOptionError(
+        f"optimizer={reprlib.repr(value)} is not an optimizer: pass a lossgraph.optim "
+        "optimizer (SGD(0.01), Momentum(0.01, nesterov=True), Adam(), AdamW()), its name "
+        "('adam') or its dict form ({'type': 'Adam', 'learning_rate': 0.001}). torch.optim "
+        "optimizers are not accepted.")

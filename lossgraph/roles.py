@@ -4,7 +4,9 @@
 an output called ``label``), so it records which tensor plays which role under the
 metadata key ``lossgraph.roles`` as JSON, e.g.
 ``{"loss": "loss", "label": "label_1", "prediction": "probabilities"}``.
-Runners read it with :func:`get_roles` instead of guessing names.
+Runners read it with :func:`get_roles` instead of guessing names; a record that is
+not such a JSON object, or names tensors the model lacks, is an
+:class:`~lossgraph.errors.InvalidModelError`, never a wrong guess.
 """
 
 from __future__ import annotations
@@ -13,17 +15,40 @@ import json
 
 import onnx
 
-__all__ = ["ROLES_KEY", "get_roles", "set_roles"]
+from .errors import InvalidModelError
+
+__all__ = ["ROLES_KEY", "get_roles", "set_roles", "check_loss_roles"]
 
 ROLES_KEY = "lossgraph.roles"
+
+#: Where each role's tensor must be: an output or an input of the loss model.
+_PLACES = {"loss": "output", "prediction": "output", "label": "input", "weight": "input"}
+_FIX = ("lossgraph.add_loss_output writes this record: remove the entry from "
+        "model.metadata_props, or build the loss again from the inference model.")
 
 
 def get_roles(model: onnx.ModelProto) -> dict[str, str]:
     """The recorded roles (empty when the model has none)."""
     for prop in model.metadata_props:
         if prop.key == ROLES_KEY:
-            return json.loads(prop.value)
+            return _parse(prop.value)
     return {}
+
+
+def _parse(text: str) -> dict[str, str]:
+    try:
+        roles = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidModelError(
+            f"The model's metadata {ROLES_KEY!r} is not JSON ({exc.msg} at character "
+            f"{exc.pos} of {text[:60]!r}). {_FIX}") from None
+    if not isinstance(roles, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in roles.items()):
+        raise InvalidModelError(
+            f"The model's metadata {ROLES_KEY!r} must be a JSON object of role names to tensor "
+            f"names, e.g. {{\"loss\": \"loss\", \"label\": \"label\", \"prediction\": \"y\"}}; "
+            f"it is {text[:60]!r}. {_FIX}")
+    return roles
 
 
 def set_roles(model: onnx.ModelProto, roles: dict[str, str]) -> None:
@@ -31,3 +56,23 @@ def set_roles(model: onnx.ModelProto, roles: dict[str, str]) -> None:
     props = {p.key: p.value for p in model.metadata_props}
     props[ROLES_KEY] = json.dumps(roles, sort_keys=True)
     onnx.helper.set_model_props(model, props)
+
+
+def check_loss_roles(model: onnx.ModelProto) -> dict[str, str]:
+    """The roles of a model that carries its loss: loss, label and prediction recorded, each
+    (and the sample weight, when recorded) a tensor where the role needs it."""
+    roles = get_roles(model)
+    names = {"output": {o.name for o in model.graph.output},
+             "input": {i.name for i in model.graph.input}}
+    for role, place in _PLACES.items():
+        if role not in roles:
+            if role == "weight":
+                continue
+            raise InvalidModelError(
+                f"The model's metadata {ROLES_KEY!r} records no {role!r} tensor (it records "
+                f"{sorted(roles)}). {_FIX}")
+        if roles[role] not in names[place]:
+            raise InvalidModelError(
+                f"The model's metadata {ROLES_KEY!r} names {roles[role]!r} as the {role}, but "
+                f"the model has no {place} of that name. {_FIX}")
+    return roles

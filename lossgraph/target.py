@@ -56,6 +56,10 @@ def resolve_target(target: Target | str | None) -> Target:
         return DEFAULT_TARGET
     if isinstance(target, Target):
         return target
+    if not isinstance(target, str):
+        raise UnsupportedOptionError(
+            f"target={target!r} must be a name of lossgraph.target.TARGETS "
+            f"({', '.join(map(repr, TARGETS))}) or a lossgraph.target.Target.")
     if target not in TARGETS:
         raise UnsupportedOptionError(f"Unknown target {target!r}." + suggest(target, list(TARGETS),
                                                                              "targets"))

@@ -31,6 +31,8 @@ outputs. The roles of these tensors are recorded in the metadata
 
 from __future__ import annotations
 
+import numbers
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +55,7 @@ from ..names import NameAuthority
 from ..roles import get_roles, set_roles
 from .contract import model_pass
 
-__all__ = ["add_loss_output", "SCORES", "parse_penalty"]
+__all__ = ["add_loss_output", "SCORES", "parse_penalty", "resolve_score", "OUTPUT_OPTIONS"]
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,11 @@ def _logistic(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any])
 
 
 def _cross_entropy(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
-    if p.rank != 2:
+    if p.rank != 2 or p.dims[1].dim_value == 1:
         raise ShapeMismatchError(
-            f"score_name='cross_entropy' needs an output of shape (N, classes); output "
-            f"{p.name!r} has {_shape_text(p.dims)}."
+            f"score_name='cross_entropy' needs an output of shape (N, classes) with at least 2 "
+            f"classes; output {p.name!r} has {_shape_text(p.dims)}. For one column of "
+            "probabilities use score_name='log', for one raw score 'logistic'."
         )
     if o["from_logits"]:
         log_p = b.LogSoftmax(p.name, axis=1)
@@ -191,6 +194,9 @@ SCORES: dict[str, Score] = {
 }
 _ALIASES = {"l2": "squared_error", "l1": "absolute_error"}
 _NON_NEGATIVE_OPTIONS = ("l1_weight", "l2_weight", "delta", "eps")
+_BOOL_OPTIONS = ("from_logits",)
+#: The options of add_loss_output other than the score's own (``delta``, ``eps``, ...).
+OUTPUT_OPTIONS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
 
 
 # -- options -------------------------------------------------------------------------
@@ -201,11 +207,18 @@ def _shape_text(dims: list[onnx.TensorShapeProto.Dimension]) -> str:
     return "shape (" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
 
 
-def _resolve_score(score_name: str, options: Mapping[str, Any]) -> tuple[Score, dict[str, Any]]:
+def resolve_score(score_name: str, options: Mapping[str, Any],
+                  option: str = "score_name") -> tuple[Score, dict[str, Any]]:
+    """The score and its complete options; ``option`` is the name errors give the score
+    (``compile`` calls it ``loss``)."""
+    if not isinstance(score_name, str):
+        raise UnsupportedOptionError(
+            f"{option}={reprlib.repr(score_name)} must be a score name: one of "
+            f"{', '.join(map(repr, [*SCORES, *_ALIASES]))}.")
     canonical = _ALIASES.get(score_name, score_name)
     if canonical not in SCORES:
         raise UnsupportedOptionError(
-            f"Unknown score_name {score_name!r}."
+            f"Unknown {option} {score_name!r}."
             + suggest(score_name, [*SCORES, *_ALIASES], "score names")
         )
     score = SCORES[canonical]
@@ -213,17 +226,24 @@ def _resolve_score(score_name: str, options: Mapping[str, Any]) -> tuple[Score, 
     if unknown:
         valid = ", ".join(score.options) or "none"
         raise UnsupportedOptionError(
-            f"score_name={score_name!r} takes no option {unknown[0]!r} (its options: {valid})."
+            f"{option}={score_name!r} takes no option {unknown[0]!r} (its options: {valid})."
         )
     resolved = {**score.options, **options}
     for key in _NON_NEGATIVE_OPTIONS:
         value = resolved.get(key)
-        if value is not None and not (np.isfinite(value) and value >= 0):
+        if value is not None and not (isinstance(value, numbers.Real)
+                                      and not isinstance(value, bool)
+                                      and np.isfinite(value) and value >= 0):
             raise UnsupportedOptionError(
-                f"Option {key}={value!r} of score_name={score_name!r} must be a finite number >= 0."
-            )
+                f"Option {key}={value!r} of {option}={score_name!r} must be a finite number "
+                ">= 0.")
+    for key in _BOOL_OPTIONS:
+        if key in resolved and not isinstance(resolved[key], (bool, np.bool_)):
+            raise UnsupportedOptionError(
+                f"Option {key}={resolved[key]!r} of {option}={score_name!r} must be True or "
+                "False.")
     if canonical == "huber" and resolved["delta"] == 0:
-        raise UnsupportedOptionError("Option delta of score_name='huber' must be > 0.")
+        raise UnsupportedOptionError(f"Option delta of {option}='huber' must be > 0.")
     if resolved.get("eps") is not None and not resolved["eps"] < 0.5:
         raise UnsupportedOptionError(f"Option eps={resolved['eps']!r} must be below 0.5.")
     return score, resolved
@@ -234,8 +254,15 @@ def parse_penalty(penalty: Mapping[str, Any] | None) -> dict[str, dict[str, floa
 
     Coefficients must be finite and non-negative; unknown keys are errors.
     """
+    if penalty is not None and not isinstance(penalty, Mapping):
+        raise UnsupportedOptionError(
+            f"penalty={reprlib.repr(penalty)} must be a dict by weight name: {{'coef': 0.1}} "
+            "(L2) or {'coef': {'l1': 0.01, 'l2': 0.1}}.")
     normalized: dict[str, dict[str, float]] = {}
     for name, spec in (penalty or {}).items():
+        if not isinstance(name, str):
+            raise UnsupportedOptionError(
+                f"Penalty keys are weight names; {name!r} is a {type(name).__name__}.")
         if isinstance(spec, Mapping):
             unknown = sorted(set(spec) - {"l1", "l2"})
             if unknown:
@@ -284,6 +311,9 @@ def _select_output(graph: onnx.GraphProto, output_index: int | str | None) -> on
             chosen = outputs[0]
         elif len(floats) == 1:
             chosen = floats[0]
+        elif not floats and any(not o.type.HasField("tensor_type") for o in outputs):
+            raise _not_a_tensor(graph, next(o for o in outputs
+                                            if not o.type.HasField("tensor_type")))
         else:
             raise UnsupportedOptionError(
                 f"The model has {len(outputs)} outputs ({', '.join(names)}) and "
@@ -295,11 +325,23 @@ def _select_output(graph: onnx.GraphProto, output_index: int | str | None) -> on
             f"output_index must be None, an int or an output name, not {output_index!r}."
         )
     if not chosen.type.HasField("tensor_type"):
-        raise UnsupportedModelError(
-            f"Output {chosen.name!r} is not a tensor (a skl2onnx ZipMap output?). Convert the "
-            "classifier with options={id(model): {'zipmap': False}} to get a probability tensor."
-        )
+        raise _not_a_tensor(graph, chosen)
     return chosen
+
+
+def _not_a_tensor(graph: onnx.GraphProto, output: onnx.ValueInfoProto) -> UnsupportedModelError:
+    """The error for a loss on a sequence or map output, naming a ZipMap as such."""
+    producer = next((n for n in graph.node if output.name in n.output), None)
+    if producer is not None and producer.op_type == "ZipMap":
+        return UnsupportedModelError(
+            f"Output {output.name!r} comes from a ZipMap node ({producer.name or 'unnamed'}): "
+            "a list of {class: probability} dicts, not a tensor a loss can use. Convert the "
+            "classifier with skl2onnx.to_onnx(estimator, X, options={'zipmap': False}) to get "
+            "a probability tensor.")
+    kind = (output.type.WhichOneof("value") or "value of unknown type").removesuffix("_type")
+    return UnsupportedModelError(
+        f"Output {output.name!r} is a {kind}, not a tensor: a loss needs a float tensor output "
+        "(pass output_index=... to pick one).")
 
 
 # -- the pass --------------------------------------------------------------------------
@@ -341,7 +383,11 @@ def add_loss_output(
             f"The model already has a loss output ({get_roles(model)['loss']!r}); "
             "add_loss_output works on inference models."
         )
-    score, options = _resolve_score(score_name, kwargs)
+    score, options = resolve_score(score_name, kwargs)
+    for option, value in (("loss_name", loss_name), ("label_name", label_name),
+                          ("weight_name", weight_name)):
+        if value is not None and not isinstance(value, str):
+            raise UnsupportedOptionError(f"{option}={value!r} must be a tensor name or None.")
     if reduction not in ("mean", "sum"):
         raise UnsupportedOptionError(f"reduction={reduction!r} is not 'mean' or 'sum'.")
     penalties = parse_penalty(penalty)

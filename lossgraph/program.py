@@ -51,9 +51,10 @@ from .passes.lower_ml import lower_ml_ops
 from .passes.penalty import penalty_graph
 from .passes.update import update_graph, weights_dtype
 from .passes.weights import weights_to_inputs
-from .roles import get_roles
+from .roles import check_loss_roles, get_roles
 from .storage import read_program, save_program
 from .target import Target, use_target
+from .validation import check_penalized, check_trainable_model, compile_options, no_weights_error
 
 __all__ = ["TrainingProgram", "compile", "FUSE_MODES", "FORMAT"]
 
@@ -150,17 +151,22 @@ def compile(  # noqa: A001 - the name the issue asks for, mirrors torch.compile
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`TrainingProgram`.
 
+    Options are checked before the model is read, and the model before any pass runs
+    (:mod:`lossgraph.validation`); every bad input is a :mod:`lossgraph.errors` error.
+
     Args:
         model: an inference model (a loss is added), or a model that already has a loss
             output, recorded by :func:`~lossgraph.add_loss_output` (pass ``loss=None``).
-        trainable: weights to train; default :func:`~lossgraph.trainable_initializers`.
+        trainable: weights to train (a list of names, or one name); default
+            :func:`~lossgraph.trainable_initializers`.
         loss: a score name of :func:`~lossgraph.add_loss_output`, or ``None`` when the
             model carries its loss already.
         loss_options: further arguments of ``add_loss_output`` (``weight_name``,
             ``output_index``, ``reduction``, score options such as ``delta``).
         penalty: ``{weight: {"l1": a, "l2": b}}`` or ``{weight: b}``, added to the loss
             (and so to its gradient and to the reported loss).
-        optimizer: a :mod:`lossgraph.optim` optimizer; default ``SGD()``.
+        optimizer: a :mod:`lossgraph.optim` optimizer, its name (``"adam"``) or its dict
+            form (``{"type": "Adam", "learning_rate": 0.01}``); default ``SGD()``.
         gradient: the gradient backend: ``"onnx"`` (standard ops, any onnxruntime) or
             ``"ort"`` (onnxruntime-training's builder, training build only).
         fuse: ``"separate"``, ``"step"`` or ``"epoch"`` (see the module docstring).
@@ -174,34 +180,35 @@ def compile(  # noqa: A001 - the name the issue asks for, mirrors torch.compile
                         fuse)
 
 
-def _compile(model: ModelLike, trainable: Sequence[str] | None, loss: str | None,
-             loss_options: Mapping[str, Any] | None, penalty: Mapping[str, Any] | None,
-             optimizer, gradient: str, fuse: str) -> TrainingProgram:
-    from .optim import SGD
-
-    optimizer = optimizer if optimizer is not None else SGD()
-    if fuse not in FUSE_MODES:
-        raise UnsupportedOptionError(f"fuse={fuse!r} is not one of {', '.join(FUSE_MODES)}.")
-    source = lower_ml_ops(as_model(model))
-    options = dict(loss_options or {})
+def _compile(model: ModelLike, trainable: Any, loss: Any, loss_options: Any, penalty: Any,
+             optimizer: Any, gradient: Any, fuse: Any) -> TrainingProgram:
+    checked = compile_options(trainable, loss, loss_options, penalty, optimizer, gradient, fuse,
+                              FUSE_MODES)
+    optimizer, gradient, fuse, options = (checked.optimizer, checked.gradient, checked.fuse,
+                                          checked.loss_options)
+    given = as_model(model)
+    check_trainable_model(given)
+    source = lower_ml_ops(given)
+    carried = get_roles(source).get("loss")
     if loss is None:
-        if not get_roles(source).get("loss"):
+        if not carried:
             raise UnsupportedModelError(
                 "loss=None says the model carries its loss, but it records no loss output: "
                 "pass a score name (e.g. loss='squared_error'), or build the loss with "
                 "lossgraph.add_loss_output.")
-        if penalty:
-            raise UnsupportedOptionError(
-                "penalty= needs lossgraph to add the loss; the model carries its own.")
+        check_loss_roles(source)
         with_loss = source
+    elif carried:
+        raise UnsupportedModelError(
+            f"The model carries a loss already ({carried!r}, recorded by add_loss_output): "
+            "pass loss=None to train on it, or compile the inference model.")
     else:
         with_loss = add_loss_output(source, loss, penalty=penalty, **options)
     roles = get_roles(with_loss)
-    weights = list(trainable) if trainable is not None else trainable_initializers(with_loss)
+    weights = checked.trainable or trainable_initializers(with_loss)
     if not weights:
-        raise UnsupportedModelError(
-            "The model has no trainable weights (float initializers that influence the loss). "
-            "Pass trainable=[...] to name them.")
+        raise no_weights_error(with_loss)
+    check_penalized(penalty, weights)
     lifted, initial = weights_to_inputs(with_loss, weights)
     weights_dtype(initial, "compile")  # one float type, or a clear error
     data_inputs = [i.name for i in lifted.graph.input if i.name not in initial]
@@ -263,7 +270,7 @@ def _separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: s
         helper.make_graph([helper.make_node("Identity", [prediction], [copy_name])], "loss",
                           [value], [helper.make_value_info(copy_name, value.type)]),
         opset_imports=[helper.make_opsetid("", 18)])
-    loss_options = {k: v for k, v in options.items() if k != "output_index"}
+    loss_options = {k: v for k, v in options.items() if k not in ("output_index", "label_name")}
     loss_model = add_loss_output(identity, loss, label_name=roles["label"], **loss_options)
     loss_graph = gradient_of(loss_model, wrt=[prediction], loss=roles["loss"],
                                         backend=backend)

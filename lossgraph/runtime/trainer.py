@@ -4,18 +4,21 @@
     trainer.fit(X, y, epochs=10, batch_size=100, random_state=0)
     trainer.predict(X_test), trainer.train_losses_, trainer.to_inference_model()
 
-Batches are views of the data (a shuffled epoch gathers its rows once); weights and
-optimizer states stay in buffers bound to the sessions and swapped between steps
+Every option and every array is checked before any work (:mod:`lossgraph.validation`:
+types, shapes, NaN and infinity by row, sample weights, class labels). Batches are
+views of the data (a shuffled epoch gathers its rows once); weights and optimizer
+states stay in buffers bound to the sessions and swapped between steps
 (:mod:`lossgraph.runtime.buffers`). A NaN or infinite loss stops training with the
 state as it was before the failing step (for ``fuse="epoch"``: before the epoch) and
-a :class:`~lossgraph.errors.ConvergenceError`, or an
-:class:`~lossgraph.errors.InvalidDataError` when the batch itself holds NaN.
+a :class:`~lossgraph.errors.ConvergenceError` naming the epoch and batch, or an
+:class:`~lossgraph.errors.InvalidDataError` when the batch itself is at fault.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,9 +28,9 @@ from typing import Any
 import numpy as np
 import onnx
 
+from .. import validation as checks
 from ..errors import (
     ConvergenceError,
-    DTypeMismatchError,
     InvalidDataError,
     ShapeMismatchError,
     UnknownNameError,
@@ -50,10 +53,24 @@ class Trainer:
 
     def __init__(self, program: TrainingProgram, providers: Sequence[str] | None = None,
                  session_options: Any = None) -> None:
+        if not isinstance(program, TrainingProgram):
+            hint = ""
+            if isinstance(program, (onnx.ModelProto, bytes, str, os.PathLike)):
+                hint = " Compile a model first: Trainer(lossgraph.compile(model))."
+            raise UnsupportedOptionError(
+                f"Trainer takes a TrainingProgram (from lossgraph.compile or "
+                f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
         self.program = program
-        self.providers = providers
+        self.providers = _providers(providers)
         self.session_options = session_options
         manifest = program.manifest
+        roles = manifest["roles"]
+        self._sample_weight = roles.get("weight")
+        self._classes = _class_count(manifest)
+        # Models that impute missing values take NaN features on purpose.
+        self._allows_missing = any(node.op_type in ("Imputer", "IsNaN")
+                                   for node in program.graphs["predict"].graph.node)
+        self._checked = checks.CheckedArrays()
         self._names = program.weights + program.states
         self._new = {w["name"]: w["new"] for w in manifest["weights"]}
         self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
@@ -85,15 +102,21 @@ class Trainer:
     def set_state(self, state: Mapping[str, np.ndarray]) -> None:
         """Replace weights (and optimizer states, when given); names, shapes, dtypes are checked."""
         live = self._buffers.live()
+        if not isinstance(state, Mapping):
+            raise UnsupportedOptionError(
+                f"set_state takes a dict of arrays by name (as Trainer.state gives), not a "
+                f"{type(state).__name__}.")
         for name, value in state.items():
             if name not in live:
                 raise UnknownNameError(f"{name!r} is not a weight or state of this program."
-                                       + suggest(name, list(live), "names"))
+                                       + suggest(str(name), list(live), "names"))
             value = np.asarray(value)
             if value.shape != live[name].shape or value.dtype != live[name].dtype:
                 raise ShapeMismatchError(
                     f"State {name!r} must be {live[name].dtype}{list(live[name].shape)}, got "
                     f"{value.dtype}{list(value.shape)}.")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise InvalidDataError(f"State {name!r} holds NaN or infinite values.")
         for name, value in state.items():
             live[name][...] = value
 
@@ -136,28 +159,34 @@ class Trainer:
         return [v for v in entry["inputs"] if v["role"] == role]
 
     def _prepare(self, X: Any, y: Any = None, sample_weight: Any = None,
-                 graph: str = "evaluate", with_label: bool = True) -> dict[str, np.ndarray]:
-        """Checked, C-contiguous data arrays by input name; errors before any work."""
+                 graph: str = "evaluate", with_label: bool = True,
+                 what: str = "") -> dict[str, np.ndarray]:
+        """Checked, C-contiguous data arrays by input name; errors before any work.
+
+        ``what`` prefixes the data's names in messages (``"validation_data "``).
+        """
         features = self._inputs(graph, "feature")
         if isinstance(X, Mapping):
             unknown = sorted(set(X) - {f["name"] for f in features})
             if unknown:
-                raise UnknownNameError(f"X names {unknown[0]!r}, not a feature input."
-                                       + suggest(unknown[0], [f["name"] for f in features],
+                raise UnknownNameError(f"{what}X names {unknown[0]!r}, not a feature input."
+                                       + suggest(str(unknown[0]), [f["name"] for f in features],
                                                  "feature inputs"))
-            given = dict(X)
+            given = {name: (value, f"{what}X[{name!r}]") for name, value in X.items()}
         elif len(features) == 1:
-            given = {features[0]["name"]: X}
+            given = {features[0]["name"]: (X, f"{what}X")}
         else:
             raise InvalidDataError(
                 f"The model has {len(features)} feature inputs "
-                f"({', '.join(f['name'] for f in features)}): pass X as a dict by name.")
-        data = {f["name"]: self._check(given.get(f["name"]), f, "X") for f in features}
+                f"({', '.join(f['name'] for f in features)}): pass {what}X as a dict by name.")
+        data = {f["name"]: self._array(*given.get(f["name"], (None, f"{what}X")), f, "feature")
+                for f in features}
         if with_label:
             label = self._inputs(graph, "label")[0]
             if y is None:
-                raise InvalidDataError("y is missing: training and evaluation need labels.")
-            data[label["name"]] = self._check(y, label, "y")
+                raise InvalidDataError(
+                    f"{what}y is missing: training and evaluation need labels.")
+            data[label["name"]] = self._array(y, f"{what}y", label, "label")
             weight = self._inputs(graph, "sample_weight")
             if sample_weight is not None and not weight:
                 raise UnsupportedOptionError(
@@ -165,66 +194,67 @@ class Trainer:
                     "compile with loss_options={'weight_name': 'sample_weight'}.")
             if weight:
                 rows = len(next(iter(data.values())))
-                if sample_weight is None:
-                    sample_weight = np.ones(rows, self._dtype)
-                data[weight[0]["name"]] = self._check(sample_weight, weight[0], "sample_weight")
+                data[weight[0]["name"]] = (
+                    np.ones(rows, self._dtype) if sample_weight is None else
+                    self._array(sample_weight, f"{what}sample_weight", weight[0],
+                                "sample_weight"))
         rows = {name: len(array) for name, array in data.items()}
         if len(set(rows.values())) > 1:
-            raise ShapeMismatchError(f"The data have different numbers of rows: {rows}.")
-        if not next(iter(rows.values())):
-            raise InvalidDataError("The data have no rows.")
+            raise ShapeMismatchError(f"The {what}data have different numbers of rows: {rows}.")
         return data
 
-    @staticmethod
-    def _check(value: Any, spec: dict, what: str) -> np.ndarray:
-        if value is None:
-            raise InvalidDataError(f"No data for input {spec['name']!r}.")
-        array = np.asarray(value)
-        expected = np.dtype(spec["dtype"])
-        if array.dtype != expected:
-            lossless = array.dtype.kind in "iub" and expected.kind in "iu"
-            if not lossless:
-                raise DTypeMismatchError(
-                    f"{what} is {array.dtype} but input {spec['name']!r} of the model is "
-                    f"{expected}: convert it first, e.g. {what}.astype(np.{expected.name}).")
-            array = array.astype(expected)
-        shape = spec["shape"]
-        if array.ndim == len(shape) - 1 and shape and shape[-1] == 1:
-            array = array.reshape(*array.shape, 1)  # y of shape (N,) for an (N, 1) output
-        if array.ndim != len(shape) or any(
-                isinstance(d, int) and d != n for d, n in zip(shape[1:], array.shape[1:])):
-            expected_shape = ", ".join(str(d) if isinstance(d, int) else "N" for d in shape)
-            raise ShapeMismatchError(
-                f"{what} has shape {array.shape} but input {spec['name']!r} of the model is "
-                f"({expected_shape}).")
-        return np.ascontiguousarray(array)
+    def _array(self, value: Any, what: str, spec: dict, role: str) -> np.ndarray:
+        """One input's data, converted and checked (values once per array, see
+        :class:`~lossgraph.validation.CheckedArrays`)."""
+        array = checks.as_array(value, spec, what)
+        context = (role, spec["name"])
+        if (array, context) not in self._checked:
+            checks.check_values(array, role, what, self._classes,
+                                finite=not (role == "feature" and self._allows_missing))
+            self._checked.add(array, context)
+        return array
 
     # -- training ----------------------------------------------------------------------
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None, epochs: int = 1,
-            batch_size: int = 32, shuffle: bool = True, random_state: int | None = None,
+            batch_size: int = 32, shuffle: bool = True, random_state: Any = None,
             validation_data: tuple | None = None, callbacks: Iterable[Callback] | None = None,
             progress: bool | None = None, warm_start: bool = False) -> Trainer:
         """Train for ``epochs`` epochs of minibatch updates; returns ``self``.
 
-        ``X`` is an array (or a dict of arrays by feature input name), or an iterable of
-        ``(X, y[, sample_weight])`` batches (a callable returning one, for several
-        epochs). ``warm_start=True`` continues from the current state, step count and
-        shuffling generator; otherwise training restarts from the program's state.
+        ``X`` is an array (or a dict of arrays by feature input name; a list, or an object
+        with ``to_numpy()`` or ``__array__`` such as a pandas DataFrame, is read as one),
+        or an iterable of ``(X, y[, sample_weight])`` batches (a callable returning one, for
+        several epochs). ``warm_start=True`` continues from the current state, step count
+        and shuffling generator; otherwise training restarts from the program's state.
         Each callback is called as ``callback(trainer, epoch, logs)`` after every epoch;
-        one returning ``True`` stops training.
+        one returning ``True`` stops training. Every argument is checked before the state
+        changes.
         """
-        if epochs < 0 or batch_size < 1:
-            raise UnsupportedOptionError(
-                f"epochs must be >= 0 and batch_size >= 1 (got {epochs}, {batch_size}).")
+        epochs = checks.count("epochs", epochs, 0)
+        batch_size = checks.count("batch_size", batch_size, 1)
+        shuffle, warm_start = checks.flag("shuffle", shuffle), checks.flag("warm_start", warm_start)
+        progress = None if progress is None else checks.flag("progress", progress)
+        seed = checks.random_state(random_state)
+        callbacks = checks.callbacks(callbacks)
+        streaming = _streaming(X, y, sample_weight)
+        if streaming and epochs > 1 and not callable(X) and iter(X) is X:
+            raise InvalidDataError(
+                f"A one-shot iterator of batches cannot be replayed for {epochs} epochs: pass a "
+                "function that returns a new iterator (or a list).")
+        data = None if streaming else self._prepare(X, y, sample_weight)
+        held_out = None
+        if validation_data is not None:
+            if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
+                got = (f"a {type(validation_data).__name__}"
+                       if not isinstance(validation_data, (tuple, list)) else
+                       f"{len(validation_data)} item" + "s" * (len(validation_data) != 1))
+                raise InvalidDataError(
+                    f"validation_data must be a tuple (X, y) or (X, y, sample_weight); got {got}.")
+            held_out = self._prepare(*validation_data, what="validation_data ")
         if not warm_start:
             self.reset()
         if self._rng is None:
-            self._rng = np.random.default_rng(random_state)
-        streaming = not isinstance(X, (np.ndarray, Mapping)) and y is None
-        data = None if streaming else self._prepare(X, y, sample_weight)
-        validation = None
-        if validation_data is not None:
-            validation = self._prepare(*validation_data)
+            self._rng = np.random.default_rng(seed)
         bar = self._progress_bar(progress, epochs)
         try:
             for _ in range(epochs):
@@ -236,13 +266,13 @@ class Trainer:
                 self.epochs_ += 1
                 logs = {"loss": float(np.dot(losses, sizes) / np.sum(sizes))}
                 self.train_losses_.append(logs["loss"])
-                if validation is not None:
-                    logs["validation_loss"] = self._evaluate(validation)
+                if held_out is not None:
+                    logs["validation_loss"] = self._evaluate(held_out)
                     self.validation_losses_.append(logs["validation_loss"])
                 if bar is not None:
                     bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items()}, refresh=False)
                     bar.update(1)
-                if any(callback(self, epoch, logs) is True for callback in callbacks or ()):
+                if any(callback(self, epoch, logs) is True for callback in callbacks):
                     break
         finally:
             if bar is not None:
@@ -389,16 +419,13 @@ class Trainer:
     def _stream_epoch(self, batches: Any, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """One pass over an iterable of (X, y[, w]) batches with ``train_step``."""
         source = batches() if callable(batches) else batches
-        if epoch > 0 and iter(source) is source and not callable(batches):
-            raise InvalidDataError(
-                "A one-shot iterator of batches cannot be replayed for a second epoch: pass a "
-                "function that returns a new iterator (or a list).")
         losses, sizes = [], []
         for index, item in enumerate(source):
             if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
                 raise InvalidDataError(
-                    f"Batch {index} is not an (X, y) or (X, y, sample_weight) tuple.")
-            data = self._prepare(*item, graph="train_step")
+                    f"Batch {index} is not an (X, y) or (X, y, sample_weight) tuple: pass an "
+                    "iterable of such tuples, or X and y as arrays.")
+            data = self._prepare(*item, graph="train_step", what=f"batch {index} ")
             rows = len(next(iter(data.values())))  # streamed batches may differ in size
             batch_losses, batch_sizes = self._steps(data, rows, epoch, index, None,
                                                     specialize=False)
@@ -410,17 +437,30 @@ class Trainer:
 
     def _diverged(self, epoch: int, batch: int, loss: float, data: Mapping[str, np.ndarray],
                   rows: np.ndarray, restored: str = "the failing step") -> None:
+        """Raise the error that explains a non-finite loss: the batch's data, or divergence."""
+        where = f"epoch {epoch}, batch {batch}"
         for name, array in data.items():
+            if array.dtype.kind != "f" or (self._allows_missing and name not in (
+                    self.program.manifest["roles"]["label"], self._sample_weight)):
+                continue
             finite = np.isfinite(array.reshape(len(array), -1)).all(axis=1)
-            if array.dtype.kind == "f" and not finite.all():
+            if not finite.all():  # the data changed in place since they were checked
                 bad_row = int(rows[np.flatnonzero(~finite)[0]])
                 raise InvalidDataError(
-                    f"Input {name!r} holds NaN or infinite values (row {bad_row}, epoch {epoch}, "
-                    f"batch {batch}): clean or impute the data before training.")
+                    f"Input {name!r} holds NaN or infinite values (row {bad_row}, {where}): "
+                    "clean or impute the data before training.")
+        if self._sample_weight in data and not data[self._sample_weight].any():
+            raise InvalidDataError(
+                f"The sample weights of {where} are all zero, so its mean loss is 0/0. Shuffle "
+                "the rows (shuffle=True), use larger batches, or drop rows of weight zero. The "
+                f"weights are those before {restored}.")
+        kept = "" if all(np.isfinite(v).all() for v in self._buffers.live().values()) else (
+            " They hold non-finite values already (an earlier update overflowed): reset() or "
+            "set_state() before training again.")
         raise ConvergenceError(
-            f"The loss became {loss} at epoch {epoch}, batch {batch}: training diverged. Try a "
-            f"smaller learning rate (now {self._optimizer.schedule(self.steps_ + 1):g}), scale "
-            f"the features, or a smaller penalty. The weights are those before {restored}.")
+            f"The loss became {loss} at {where}: training diverged. Try a smaller learning "
+            f"rate (now {self._optimizer.schedule(self.steps_ + 1):g}), scale the features, or "
+            f"a smaller penalty. The weights are those before {restored}.{kept}")
 
     # -- evaluation and export ---------------------------------------------------------
     def _evaluate(self, data: Mapping[str, np.ndarray]) -> float:
@@ -476,3 +516,65 @@ class Trainer:
         trainer.validation_losses_ = record["validation_losses"]
         trainer._rng = record["rng"]
         return trainer
+
+
+def _providers(providers: Any) -> list | None:
+    """onnxruntime execution providers, each a name (or ``(name, options)``) it has."""
+    if providers is None:
+        return None
+    listed = [providers] if isinstance(providers, str) else providers
+    if not isinstance(listed, (list, tuple)):
+        raise UnsupportedOptionError(
+            f"providers={providers!r} must be a list of onnxruntime execution provider names, "
+            "e.g. ['CPUExecutionProvider'].")
+    try:
+        import onnxruntime
+    except ImportError:  # the first session says what to install
+        return list(listed)
+    available = onnxruntime.get_available_providers()
+    for provider in listed:
+        name = provider[0] if isinstance(provider, tuple) and provider else provider
+        if name not in available:
+            raise UnsupportedOptionError(
+                f"providers names {name!r}, which this onnxruntime does not have."
+                + suggest(str(name), available, "providers"))
+    return list(listed)
+
+
+def _class_count(manifest: Mapping[str, Any]) -> int | None:
+    """How many classes integer labels index: C for an (N, C) prediction, 2 for (N,) or
+    (N, 1) (a binary loss); None when the count is not static."""
+    prediction = manifest["roles"]["prediction"]
+    outputs = manifest["graphs"]["evaluate"]["outputs"]
+    shape = next((o["shape"] for o in outputs if o["name"] == prediction), None)
+    if shape is None or len(shape) > 2:
+        return None
+    if len(shape) == 1 or shape[1] == 1:
+        return 2
+    return shape[1] if isinstance(shape[1], int) else None
+
+
+def _is_data(X: Any) -> bool:
+    """Arrays and what reads as one: a dict of arrays, a list of rows, a DataFrame."""
+    return (isinstance(X, (np.ndarray, Mapping, list, tuple)) or hasattr(X, "__array__")
+            or hasattr(X, "to_numpy"))
+
+
+def _streaming(X: Any, y: Any, sample_weight: Any) -> bool:
+    """Whether ``X`` is an iterable of ``(X, y[, w])`` batches (then ``y`` and
+    ``sample_weight`` come inside the batches, never beside them)."""
+    if isinstance(X, (list, tuple)) and X:
+        first = X[0]
+        unlabelled = y is None and sample_weight is None
+        batches = (isinstance(first, (tuple, list)) and 2 <= len(first) <= 3
+                   and not isinstance(first[0], (list, tuple, numbers.Number))
+                   and _is_data(first[0])) or (
+            unlabelled and not isinstance(first, (list, tuple, numbers.Number))
+            and _is_data(first))
+    else:
+        batches = not _is_data(X) and (callable(X) or isinstance(X, Iterable))
+    if batches and (y is not None or sample_weight is not None):
+        raise InvalidDataError(
+            "X is an iterable of (X, y[, sample_weight]) batches, so the labels and weights "
+            "come inside each batch: leave y and sample_weight out, or pass X and y as arrays.")
+    return batches

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import onnx
 
 from .differentiability import differentiable_inputs
-from .graphs import FLOAT_TYPES, outer_references, subgraphs, value_types
+from .graphs import FLOAT_TYPES, elem_type_name, outer_references, subgraphs, value_types
 from .models import ModelLike, as_model
 from .roles import get_roles
 
-__all__ = ["trainable_initializers", "differentiable_values", "influenced_values"]
+__all__ = ["trainable_initializers", "differentiable_values", "influenced_values",
+           "GradientBlock", "gradient_block"]
 
 
 def _may_be_float(types: Mapping[str, onnx.TypeProto]):
@@ -30,12 +33,14 @@ def _may_be_float(types: Mapping[str, onnx.TypeProto]):
 
 
 def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
-                          types: Mapping[str, onnx.TypeProto] | None = None) -> set[str]:
+                          types: Mapping[str, onnx.TypeProto] | None = None,
+                          trainable: bool = False) -> set[str]:
     """Float values of the top-level graph that influence ``targets`` differentiably.
 
     Walks the graph backwards from ``targets`` through differentiable inputs only
     (see :mod:`lossgraph.differentiability`); a subgraph's captured outer values count
-    as inputs of the node that holds it.
+    as inputs of the node that holds it. ``trainable`` also skips the inputs that are
+    differentiable but never trained (batch-normalization statistics).
     """
     types = value_types(model) if types is None else types
 
@@ -45,7 +50,8 @@ def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
     for node in reversed(model.graph.node):
         if not any(o in needed for o in node.output):
             continue
-        for position in differentiable_inputs(node.op_type, node.domain, len(node.input)):
+        for position in differentiable_inputs(node.op_type, node.domain, len(node.input),
+                                              trainable):
             name = node.input[position]
             if name and is_float(name):
                 needed.add(name)
@@ -70,6 +76,69 @@ def influenced_values(model: onnx.ModelProto, sources: Iterable[str],
     return reached
 
 
+@dataclass(frozen=True)
+class GradientBlock:
+    """Why no gradient flows from a value to the targets, found on one path between them.
+
+    ``path`` alternates value names and nodes: ``[v0, node1, v1, node2, v2, ...]``
+    from the source to a target; ``at`` is the index in ``path`` of the first node
+    that passes no gradient on, and ``reason`` says why. No path at all: ``path`` is
+    empty and ``at`` is -1.
+    """
+
+    path: tuple
+    at: int
+    reason: str
+
+
+def gradient_block(model: onnx.ModelProto, source: str, targets: Iterable[str],
+                   types: Mapping[str, onnx.TypeProto]) -> GradientBlock:
+    """The shortest path from ``source`` to one of ``targets`` and where it carries no
+    gradient: a value entering a node only through inputs that carry none (a shape,
+    index, axis or condition input), or a node whose output on the path is not float
+    (an integer Cast, a comparison, a Shape)."""
+    is_float = _may_be_float(types)
+    targets = set(targets)
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in dict.fromkeys([*node.input, *(n for sub in subgraphs(node)
+                                                  for n in outer_references(sub))]):
+            consumers.setdefault(name, []).append(node)
+    parents: dict[str, tuple[str, onnx.NodeProto] | None] = {source: None}
+    queue, end = deque([source]), None
+    while queue:
+        value = queue.popleft()
+        if value in targets:
+            end = value
+            break
+        for node in consumers.get(value, []):
+            for out in node.output:
+                if out and out not in parents:
+                    parents[out] = (value, node)
+                    queue.append(out)
+    if end is None:
+        return GradientBlock((), -1, "no path of nodes leads from it to them")
+    path: list = [end]
+    while parents[path[0]] is not None:
+        value, node = parents[path[0]]
+        path[:0] = [value, node]
+    for at in range(1, len(path), 2):
+        value, node, out = path[at - 1], path[at], path[at + 1]
+        if not is_float(out):
+            elem_type = types[out].tensor_type.elem_type
+            kind = elem_type_name(elem_type) if elem_type else "not a tensor"
+            return GradientBlock(tuple(path), at, f"its output {out!r} is {kind}, which "
+                                 "carries no gradient")
+        positions = differentiable_inputs(node.op_type, node.domain, len(node.input))
+        captured = any(value in outer_references(sub) for sub in subgraphs(node))
+        if not captured and not any(node.input[p] == value for p in positions):
+            where = [i for i, name in enumerate(node.input) if name == value]
+            return GradientBlock(tuple(path), at, (
+                f"{value!r} enters it as input {', '.join(map(str, where))}, which carries no "
+                "gradient (a shape, index, axis, count or condition input)"))
+    return GradientBlock(tuple(path), -1, "every link carries a gradient")
+
+
 def trainable_initializers(model: ModelLike) -> list[str]:
     """The float initializers that influence a differentiable output, in graph order.
 
@@ -82,7 +151,7 @@ def trainable_initializers(model: ModelLike) -> list[str]:
     model = as_model(model)
     loss = get_roles(model).get("loss")
     targets = [loss] if loss else [o.name for o in model.graph.output]
-    needed = differentiable_values(model, targets)
+    needed = differentiable_values(model, targets, trainable=True)
     return [
         t.name
         for t in model.graph.initializer

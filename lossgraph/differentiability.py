@@ -64,17 +64,21 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "EyeLike": _ALL,
 }
 
-#: op type -> float inputs that influence the output but are statistics, not weights
-#: (BatchNormalization's running mean and variance are updated, never trained).
+#: op type -> float inputs that carry a gradient but are statistics, not weights
+#: (BatchNormalization's running mean and variance are updated, never trained): the
+#: gradient pass differentiates them when asked, ``trainable_initializers`` skips them.
 NON_TRAINABLE_INPUTS: dict[str, frozenset[int]] = {
     "BatchNormalization": frozenset({3, 4}),
 }
 
 
-def differentiable_inputs(op_type: str, domain: str, arity: int) -> list[int]:
-    """Positions of the inputs of an ``op_type`` node that may carry a gradient."""
+def differentiable_inputs(op_type: str, domain: str, arity: int,
+                          trainable: bool = False) -> list[int]:
+    """Positions of the inputs of an ``op_type`` node that may carry a gradient
+    (``trainable``: and may be trained, which excludes :data:`NON_TRAINABLE_INPUTS`)."""
     if domain not in ("", "ai.onnx"):
         return list(range(arity))
     skipped = NON_DIFFERENTIABLE_INPUTS.get(op_type, frozenset())
-    skipped = skipped | NON_TRAINABLE_INPUTS.get(op_type, frozenset())
+    if trainable:
+        skipped = skipped | NON_TRAINABLE_INPUTS.get(op_type, frozenset())
     return [i for i in range(arity) if i not in skipped]

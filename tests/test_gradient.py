@@ -12,7 +12,9 @@ import recipes
 from lossgraph import add_loss_output, grad_rule, gradient, lower_ml_ops, supported_ops
 from lossgraph.errors import (
     DTypeMismatchError,
+    InvalidRuleError,
     MissingGradientError,
+    NoGradientError,
     RuntimeUnavailableError,
     ShapeMismatchError,
     UnknownNameError,
@@ -87,19 +89,66 @@ def test_gradient_with_respect_to_a_graph_input(linear, run_model, linear_feeds)
     np.testing.assert_allclose(run_model(result, linear_feeds)["x_grad"], 2 * d @ w.T, rtol=1e-5)
 
 
-def test_weights_no_gradient_reaches_get_zeros(run_model, rng):
-    model = onnx.parser.parse_model("""
-        <ir_version: 8, opset_import: ["" : 18]>
-        g (float[N, 2] x) => (float loss, float[N, 2] z)
-        <float[2] a = {1, 2}, float[2] c = {3, 4}>
-        { y = Mul(x, a)
-          z = Mul(x, c)
-          loss = ReduceSum <keepdims = 0> (y) }
-    """)
+TWO_OUTPUTS = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 2] x) => (float loss, float[N, 2] z)
+    <float[2] a = {1, 2}, float[2] c = {3, 4}>
+    { y = Mul(x, a)
+      z = Mul(x, c)
+      loss = ReduceSum <keepdims = 0> (y) }
+"""
+
+
+def test_a_weight_that_does_not_influence_the_loss_is_an_error_not_zeros(run_model, rng):
+    model = onnx.parser.parse_model(TWO_OUTPUTS)
+    with pytest.raises(NoGradientError, match="No gradient reaches 'c': it does not influence "
+                                              "'loss' at all"):
+        gradient(model, wrt=["a", "c"])
     x = rng.normal(size=(3, 2)).astype(np.float32)
-    outputs = run_model(gradient(model, wrt=["a", "c"]), {"x": x})
+    outputs = run_model(gradient(model, wrt=["a"]), {"x": x})
     np.testing.assert_allclose(outputs["a_grad"], x.sum(axis=0), rtol=1e-6)
-    np.testing.assert_array_equal(outputs["c_grad"], np.zeros(2, np.float32))
+
+
+def test_the_default_weights_are_those_that_reach_the_differentiated_output():
+    model = onnx.parser.parse_model(TWO_OUTPUTS)
+    assert gradient(model).graph.output[-1].name == "a_grad"
+    vjp = gradient(model, outputs=["z"])
+    assert [o.name for o in vjp.graph.output][2:] == ["c_grad"]
+
+
+# case -> (forward lines from w to y, the op of the node that blocks w, what the error says)
+BLOCKED = {
+    "an integer Cast": ("s = ReduceSum <keepdims = 0> (w)\n i = Cast <to = 7> (s)\n"
+                        " f = Cast <to = 1> (i)\n y = Mul(x, f)",
+                        "Cast", "[Cast 'block'] blocks it: its output 'i' is int64"),
+    "a comparison": ("s = ReduceSum <keepdims = 0> (w)\n b = Greater(s, x)\n y = Where(b, x, x)",
+                     "Greater", "[Greater 'block'] blocks it: its output 'b' is bool"),
+    "a shape": ("s = Shape(w)\n f = Cast <to = 1> (s)\n y = Mul(x, f)",
+                "Shape", "[Shape 'block'] blocks it: its output 's' is int64"),
+    "an index input": ('r = Resize <mode = "nearest"> (x, "", w)\n y = Identity(r)', "Resize",
+                       "[Resize 'block'] blocks it: 'w' enters it as input 2, which carries no "
+                       "gradient"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BLOCKED))
+def test_a_weight_reaching_the_loss_only_through_non_differentiable_values_is_named(case):
+    body, blocking, expected = BLOCKED[case]
+    model = onnx.parser.parse_model(f"""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[1, 1, 2, 2] x) => (float loss)
+        <float[4] w = {{1, 1, 1, 1}}>
+        {{ {body}
+           loss = ReduceSum <keepdims = 0> (y) }}
+    """)
+    next(n for n in model.graph.node if n.op_type == blocking).name = "block"
+    with pytest.raises(NoGradientError) as info:
+        gradient(model, wrt=["w"])
+    message = str(info.value)
+    assert "No gradient reaches 'w': it influences 'loss' only through values that carry no " \
+           "gradient" in message
+    assert expected in message
+    assert "w -> [" in message and "-> loss" in message
 
 
 def test_a_value_used_twice_gets_one_sum_of_its_contributions(run_model, rng):
@@ -230,6 +279,60 @@ def test_users_can_register_a_rule_for_their_own_op(run_model, rng):
     cube_node = [n for n in result.graph.node if n.op_type == "Cube"]
     assert len(cube_node) == 1  # the forward op, not differentiated into more custom ops
     assert any(r.op_type == "Cube" and r.domain == "my.domain" for r in supported_ops(None))
+
+
+# -- the rule contract ---------------------------------------------------------------
+
+CONTRACT_MODEL = """
+    <ir_version: 8, opset_import: ["" : 18, "contract.test" : 1]>
+    g (float[N, 2] x) => (float loss)
+    <float[2] w = {1, 2}>
+    { y = contract.test.Scale(x, w)
+      loss = ReduceSum <keepdims = 0> (y) }
+"""
+
+# what a broken rule returns -> what the error says
+BROKEN_RULES = {
+    "too few": (lambda g, node, dy: (dy,), "returned 1 entries for a node with 2 inputs"),
+    "too many": (lambda g, node, dy: (dy, dy, dy), "returned 3 entries for a node with 2 inputs"),
+    "a bare name for two inputs": (lambda g, node, dy: dy,
+                                   "returned a single name for a node with 2 inputs"),
+    "None for a wanted input": (lambda g, node, dy: (dy, None),
+                                "returned None for input 1 ('w'), whose gradient is wanted"),
+    "not a name": (lambda g, node, dy: (dy, 3), "returned a int for input 1"),
+    "a dict without a wanted name": (lambda g, node, dy: {"x": dy},
+                                     "returned no gradient for ['w']"),
+    "a dict with a name not read": (lambda g, node, dy: {"w": dy, "q": dy},
+                                    "returned gradients for ['q'], which the node does not read"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_RULES))
+def test_a_rule_breaking_the_contract_is_an_error_naming_op_node_rule_and_counts(case):
+    rule, expected = BROKEN_RULES[case]
+    grad_rule("Scale", domain="contract.test")(rule)
+    model = onnx.parser.parse_model(CONTRACT_MODEL)
+    model.graph.node[0].name = "scaler"
+    with pytest.raises(InvalidRuleError) as info:
+        gradient(model, wrt=["w"])
+    message = str(info.value)
+    assert "for op 'Scale' (node 'scaler')" in message
+    assert f"{rule.__module__}.{rule.__qualname__}" in message
+    assert expected in message
+
+
+def test_a_rule_may_answer_a_value_read_twice_at_one_position():
+    """Scale(w, w) = w * w: (2 dy w, None) is one gradient for w, as Mul(a, a) returns."""
+    def square(g, node, dy):
+        w = node.inputs[0]
+        return g.Mul(g.Mul(dy, w), g.const_like(2.0, w)), None
+
+    grad_rule("Scale", domain="contract.test")(square)
+    model = onnx.parser.parse_model(CONTRACT_MODEL.replace("Scale(x, w)", "Scale(w, w)")
+                                    .replace("(float[N, 2] x)", "(float[2] x)"))
+    result = gradient(model, wrt=["w"])
+    producer = next(n for n in result.graph.node if "w_grad" in n.output)
+    assert producer.op_type == "Mul"  # the rule's 2 dy w, the only contribution
 
 
 @pytest.mark.parametrize(("kwargs", "error", "pattern"), [

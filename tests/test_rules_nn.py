@@ -192,35 +192,50 @@ def test_global_pools(rng, op, shape):
 
 
 # ----------------------------------------------------------------- normalizations
+def _bn_feeds(rng, shape):
+    c = shape[1]
+    return {"x": rng.normal(size=shape), "scale": rng.normal(size=c),
+            "b": rng.normal(size=c), "mean": rng.normal(size=c) * 0.3,
+            "var": rng.uniform(0.5, 1.5, size=c)}
+
+
 @pytest.mark.parametrize("shape", [(3, 4), (2, 3, 5), (2, 3, 2, 4)])
 @pytest.mark.parametrize("opset", [13, 15, 18])
 def test_batch_normalization_inference(rng, shape, opset):
     c = shape[1]
-    feeds = {"x": rng.normal(size=shape), "scale": rng.normal(size=c),
-             "b": rng.normal(size=c), "mean": rng.normal(size=c) * 0.3,
-             "var": rng.uniform(0.5, 1.5, size=c)}
-    grads = _check_op("BatchNormalization", feeds, {"epsilon": 1e-3}, opset=opset,
-                      wrt=["x", "scale", "b"])
+    feeds = _bn_feeds(rng, shape)
+    grads = _check_op("BatchNormalization", feeds, {"epsilon": 1e-3}, opset=opset)
     inv = 1 / np.sqrt(feeds["var"] + 1e-3)
     r = cotangent(shape, np.float64)
     axes = tuple(i for i in range(len(shape)) if i != 1)
-    xhat = (feeds["x"] - feeds["mean"].reshape((c,) + (1,) * (len(shape) - 2))) \
-        * inv.reshape((c,) + (1,) * (len(shape) - 2))
+    per_channel = (c,) + (1,) * (len(shape) - 2)
+    xhat = (feeds["x"] - feeds["mean"].reshape(per_channel)) * inv.reshape(per_channel)
     np.testing.assert_allclose(grads["scale"], (r * xhat).sum(axis=axes), rtol=1e-9)
+    # the statistics: y = scale (x - mean) inv + b
+    np.testing.assert_allclose(grads["mean"], -r.sum(axis=axes) * feeds["scale"] * inv,
+                               rtol=1e-9)
+    np.testing.assert_allclose(grads["var"], -0.5 * (r * xhat).sum(axis=axes)
+                               * feeds["scale"] * inv**2, rtol=1e-9)
 
 
+@pytest.mark.parametrize("output", ["y", "rm", "rv"])
 @pytest.mark.parametrize("shape", [(4, 3), (3, 2, 5), (2, 3, 2, 3)])
-def test_batch_normalization_training_mode_uses_batch_statistics(rng, shape):
-    c = shape[1]
-    feeds = {"x": rng.normal(size=shape), "scale": rng.normal(size=c),
-             "b": rng.normal(size=c), "mean": rng.normal(size=c) * 0.3,
-             "var": rng.uniform(0.5, 1.5, size=c)}
+def test_batch_normalization_training_mode_uses_batch_statistics(rng, shape, output):
+    """y uses the batch statistics; the running statistics rm = 0.8 mean + 0.2 mu and
+    rv = 0.8 var + 0.2 s^2 (biased) carry gradients to x, mean and var."""
+    feeds = _bn_feeds(rng, shape)
     inputs = ", ".join(_decl(k, v) for k, v in feeds.items())
     body = ("y, rm, rv = BatchNormalization<training_mode=1, epsilon=1e-3, momentum=0.8>"
             "(x, scale, b, mean, var)")
     dims = ",".join(f"d{i}" for i in range(len(shape)))
     text = _model(inputs, body, 15, out=f"double[{dims}] y, double[c] rm, double[c] rv")
-    check_gradients(text, feeds, wrt=["x", "scale", "b"])
+    grads = check_gradients(text, feeds, output=output)
+    r = cotangent((shape[1],), np.float64)
+    if output == "rm":
+        momentum = float(np.float32(0.8))  # a float attribute
+        np.testing.assert_allclose(grads["mean"], momentum * r, rtol=1e-12)
+    if output == "y":
+        np.testing.assert_array_equal(grads["mean"], np.zeros(shape[1]))
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5), (2, 2, 3, 4), (1, 3, 4)])
@@ -246,6 +261,30 @@ def test_layer_normalization(rng, shape, axis, scale_shape, with_bias):
     if with_bias:
         feeds["b"] = rng.normal(size=scale_shape)
     _check_op("LayerNormalization", feeds, {"axis": axis, "epsilon": 1e-3}, opset=17)
+
+
+@pytest.mark.parametrize("output", ["mean", "inv_std"])
+@pytest.mark.parametrize("shape, axis", [((3, 4), -1), ((2, 3, 4), 1), ((2, 3, 2, 2), 2)])
+def test_layer_normalization_statistics_outputs(rng, shape, axis, output):
+    """Mean and InvStdDev = (var + eps)^-1/2 over axes [axis, rank), as gradients to x.
+
+    float32: onnxruntime 1.19 has no LayerNormalization with double statistics."""
+    scale_shape = shape[axis:]
+    feeds = {"x": rng.normal(size=shape).astype(F32),
+             "scale": rng.normal(size=scale_shape).astype(F32),
+             "b": rng.normal(size=scale_shape).astype(F32)}
+    inputs = ", ".join(_decl(k, v) for k, v in feeds.items())
+    body = f"y, mean, inv_std = LayerNormalization<axis={axis}, epsilon=1e-1>(x, scale, b)"
+    dims = ",".join(f"d{i}" for i in range(len(shape)))
+    stats = ",".join(f"s{i}" for i in range(len(shape)))
+    text = _model(inputs, body, 17,
+                  out=f"float[{dims}] y, float[{stats}] mean, float[{stats}] inv_std")
+    grads = check_gradients(text, feeds, output=output, eps=1e-2, rtol=5e-3, atol=5e-3)
+    axes = tuple(range(axis % len(shape), len(shape)))
+    r = cotangent(np.mean(feeds["x"], axis=axes, keepdims=True).shape, F32)
+    n = np.prod([shape[a] for a in axes])
+    if output == "mean":
+        np.testing.assert_allclose(grads["x"], np.broadcast_to(r / n, shape), rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape, groups", [((2, 4, 3), 2), ((2, 6, 2, 2), 3), ((1, 4, 5), 4),

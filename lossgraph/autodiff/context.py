@@ -53,6 +53,18 @@ class Node:
                 return value.decode() if isinstance(value, bytes) else value
         return default
 
+    def grads(self, *leading: str | None) -> tuple[str | None, ...]:
+        """A rule's result: ``leading`` for the first inputs and ``None`` for the rest
+        (the shape, axes, index or count inputs after them, which carry no gradient).
+
+        ``None`` entries past the node's last input (optional inputs it does not have)
+        are dropped; a gradient there is kept, for the walker to report.
+        """
+        count = len(self.inputs)
+        if any(entry is not None for entry in leading[count:]):
+            return leading
+        return (*leading[:count], *[None] * (count - len(leading)))
+
     def input(self, position: int) -> str | None:
         """The name of an optional input, ``None`` when absent."""
         present = position < len(self.inputs) and self.inputs[position]

@@ -11,7 +11,24 @@ A rule maps the gradients of a node's outputs to the gradients of its inputs:
 also knows forward shapes, types and constant values), ``node`` a
 :class:`~lossgraph.autodiff.context.Node`, and ``dy`` the gradient of each output
 (``None`` for an output no gradient flows into; single-output ops always get one).
-The rule returns one gradient per input (a name, or ``None`` for no gradient).
+
+**The rule contract**, checked by the walker for every call:
+
+- A rule returns exactly **one entry per input of the node** (``len(node.inputs)``,
+  absent optional inputs in the middle included): the name of the input's gradient,
+  or ``None`` for an input without one (shapes, axes, indices, absent inputs).
+  :meth:`Node.grads` pads the trailing ``None`` entries of shape-like inputs.
+- A bare name (or ``None``) instead of a sequence is accepted for a **single-input
+  node** only.
+- ``None`` for an input whose gradient the walker wants (``node.wanted``: a
+  differentiable input on the path to the loss) is an error, unless the same value
+  gets its gradient through another position of the node (``Mul(a, a)`` may return
+  ``(2 dy a, None)``). A gradient that is mathematically zero is returned as zeros.
+- Ops with subgraphs (``If``) return a dict ``{value name: gradient}`` that answers
+  every wanted name (inputs and captured outer values).
+
+A rule that breaks the contract raises :class:`~lossgraph.errors.InvalidRuleError`
+naming the op, the node, the rule and the counts: never a silent zero gradient.
 ``broadcast=True`` asks the walker to sum each input gradient back to the input's
 shape, so elementwise rules never deal with broadcasting.
 

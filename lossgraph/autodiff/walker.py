@@ -9,7 +9,15 @@ The walker owns every hard part so that rules stay one-liners:
   contributions, built once, when its producer is visited;
 - **broadcasting**: for rules registered with ``broadcast=True`` each input
   gradient is summed back to the input's shape from static shapes;
-- **zero gradients**: a requested weight no gradient reaches gets zeros;
+- **the rule contract** (see :mod:`.registry`): every rule's result is checked, one
+  entry per input and a gradient for every wanted input, else
+  :class:`~lossgraph.errors.InvalidRuleError` naming the op, node, rule and counts;
+- **no gradient**: a requested weight that no gradient can reach is a
+  :class:`~lossgraph.errors.NoGradientError` naming the weight and the node that
+  blocks it (an integer Cast, a comparison, a shape or index input), or saying it
+  does not influence the seeds at all; never a silent zero. Only the gradient
+  branches of ``If`` (``zeros_for_unreached=True``) take zeros for captured values
+  a branch does not use;
 - **missing rules**: an op on the path without a rule is a
   :class:`~lossgraph.errors.MissingGradientError` naming the op, the node and the
   path from the weight to the seed;
@@ -28,13 +36,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..analysis import differentiable_values, influenced_values
+from ..analysis import differentiable_values, gradient_block, influenced_values
 from ..differentiability import differentiable_inputs
-from ..errors import MissingGradientError
+from ..errors import InvalidRuleError, MissingGradientError, NoGradientError
 from ..graphs import opset_version, outer_references, subgraphs
 from ..names import NameAuthority
 from .context import GradContext, Node, Shape
-from .registry import find_rule
+from .registry import RuleInfo, find_rule
 
 __all__ = ["ForwardFacts", "differentiate"]
 
@@ -95,6 +103,8 @@ def differentiate(
     grad_names: Mapping[str, str],
     names: NameAuthority,
     facts: ForwardFacts | None = None,
+    *,
+    zeros_for_unreached: bool = False,
 ) -> GradContext:
     """Emit the gradients of ``seeds`` into a new GradContext.
 
@@ -103,6 +113,10 @@ def differentiate(
     product). The gradient of each ``wrt`` value ends up in ``grad_names[w]``. The
     returned context holds exactly the nodes and constants needed for them, in
     topological order, ready to ``append_to`` the graph.
+
+    A ``wrt`` value no gradient can reach is a :class:`NoGradientError`; with
+    ``zeros_for_unreached`` (the branches of ``If``, where a branch may not use a
+    captured value) it gets zeros instead.
     """
     facts = facts or ForwardFacts.of(model)
     graph = model.graph
@@ -110,6 +124,10 @@ def differentiate(
                     facts.constants)
     relevant = influenced_values(model, wrt, facts.types) & differentiable_values(
         model, list(seeds), facts.types)
+    unreached = [w for w in wrt if w not in relevant and w not in seeds]
+    if unreached and not zeros_for_unreached:
+        others = f" No gradient reaches {unreached[1:]} either." if unreached[1:] else ""
+        raise NoGradientError(_no_gradient_message(model, unreached[0], seeds, facts) + others)
     relevant.update(wrt)
 
     grads: dict[str, list[str]] = defaultdict(list)
@@ -133,26 +151,118 @@ def differentiate(
         dys = [g.sum_of(grads[o], hint=f"{o}_grad") if grads.get(o) else None
                for o in proto.output]
         result = info.rule(g, node, *dys)
-        if isinstance(result, dict):  # rules of ops with subgraphs: by value name
-            for name, grad in result.items():
-                if name in wanted and grad is not None:
-                    grads[name].append(grad)
+        if isinstance(result, Mapping):  # rules of ops with subgraphs: by value name
+            answered = _checked_by_name(result, info, node)
+            for name in wanted:
+                grads[name].append(answered[name])
             continue
-        input_grads = [result] if isinstance(result, str) or result is None else list(result)
+        if captured:
+            raise InvalidRuleError(_rule_message(
+                info, node, f"returned a sequence, but the node's subgraphs capture {captured}, "
+                "whose gradients it must return by name (a dict)"))
+        entries = _checked_entries(result, info, node, positions)
         for position in positions:
-            if position >= len(input_grads) or input_grads[position] is None:
+            grad = entries[position]
+            if grad is None:  # the same value got its gradient at another position
                 continue
-            grad = input_grads[position]
             if info.broadcast:
                 grad = g.unbroadcast(grad, proto.input[position], proto.output[0])
             grads[proto.input[position]].append(grad)
 
     finals = {}
     for w in wrt:
-        finals[w] = g.sum_of(grads[w]) if grads.get(w) else g.zeros_like(w)
+        if grads.get(w):
+            finals[w] = g.sum_of(grads[w])
+        elif zeros_for_unreached:
+            finals[w] = g.zeros_like(w)
+        else:  # every rule answered every wanted input: a relevant value always gets one
+            raise NoGradientError(_no_gradient_message(model, w, seeds, facts))
     _bind_outputs(g, finals, grad_names)
     _drop_dead_code(g, list(grad_names.values()))
     return g
+
+
+def _rule_message(info: RuleInfo, node: Node, problem: str) -> str:
+    rule = f"{info.rule.__module__}.{info.rule.__qualname__}"
+    return (
+        f"The gradient rule {rule} for op {node.op_type!r} (node {node.name or '<unnamed>'!r}) "
+        f"{problem}. A rule returns exactly one entry per input of the node: the name of "
+        "its gradient, or None for an input without one (a bare name only for a "
+        "single-input node); see lossgraph.autodiff.registry."
+    )
+
+
+def _checked_entries(result: object, info: RuleInfo, node: Node,
+                     positions: Sequence[int]) -> list[str | None]:
+    """The rule's result as one entry per input, or InvalidRuleError (the rule contract)."""
+    count = len(node.inputs)
+    if result is None or isinstance(result, str):
+        if count != 1:
+            raise InvalidRuleError(_rule_message(
+                info, node, f"returned a single {'None' if result is None else 'name'} for a "
+                f"node with {count} inputs"))
+        entries = [result]
+    elif isinstance(result, (tuple, list)):
+        entries = list(result)
+    else:
+        raise InvalidRuleError(_rule_message(
+            info, node, f"returned a {type(result).__name__}, not a tuple of names"))
+    if len(entries) != count:
+        raise InvalidRuleError(_rule_message(
+            info, node, f"returned {len(entries)} entries for a node with {count} inputs "
+            f"{node.inputs}"))
+    for position, entry in enumerate(entries):
+        if entry is not None and not isinstance(entry, str):
+            raise InvalidRuleError(_rule_message(
+                info, node, f"returned a {type(entry).__name__} for input {position}, not a "
+                "name or None"))
+        if entry is not None and not node.inputs[position]:
+            raise InvalidRuleError(_rule_message(
+                info, node, f"returned a gradient for input {position}, which is absent"))
+    for position in positions:
+        name = node.inputs[position]
+        if entries[position] is None and not any(
+                entries[p] is not None for p, other in enumerate(node.inputs) if other == name):
+            raise InvalidRuleError(_rule_message(
+                info, node, f"returned None for input {position} ({name!r}), whose gradient is "
+                "wanted: return zeros if the gradient is zero, or raise "
+                "lossgraph.errors.UnsupportedModelError if it cannot be computed"))
+    return entries
+
+
+def _checked_by_name(result: Mapping, info: RuleInfo, node: Node) -> dict[str, str]:
+    """A rule's gradients by value name, checked to answer every wanted value."""
+    reads = set(_reads(node.proto))
+    unknown = [name for name in result if name not in reads]
+    if unknown:
+        raise InvalidRuleError(_rule_message(
+            info, node, f"returned gradients for {unknown}, which the node does not read"))
+    missing = [name for name in node.wanted if not isinstance(result.get(name), str)]
+    if missing:
+        raise InvalidRuleError(_rule_message(
+            info, node, f"returned no gradient for {missing}, whose gradients are wanted"))
+    return {name: result[name] for name in node.wanted}
+
+
+def _no_gradient_message(model: onnx.ModelProto, w: str, seeds: Mapping[str, str],
+                         facts: ForwardFacts) -> str:
+    targets = list(seeds)
+    shown = targets[0] if len(targets) == 1 else targets
+    block = gradient_block(model, w, targets, facts.types)
+    advice = (f" Remove {w!r} from the weights to differentiate or train (wrt=, trainable=); "
+              "lossgraph.trainable_initializers(model) lists those that get a gradient.")
+    if block.at < 0:
+        return f"No gradient reaches {w!r}: it does not influence {shown!r} at all." + advice
+    path = [_label(p) if isinstance(p, onnx.NodeProto) else p for p in block.path]
+    return (
+        f"No gradient reaches {w!r}: it influences {shown!r} only through values that carry "
+        f"no gradient. On the path {' -> '.join(path)}, node {path[block.at]} blocks it: "
+        f"{block.reason}." + advice
+    )
+
+
+def _label(n: onnx.NodeProto) -> str:
+    return f"[{n.op_type} {n.name!r}]" if n.name else f"[{n.op_type}]"
 
 
 def _captured(proto: onnx.NodeProto) -> list[str]:
@@ -222,8 +332,7 @@ def _path_through(model: onnx.ModelProto, target: onnx.NodeProto, wrt: Sequence[
         for i in n.input:
             consumers[i].append(n)
 
-    def label(n: onnx.NodeProto) -> str:
-        return f"[{n.op_type} {n.name!r}]" if n.name else f"[{n.op_type}]"
+    label = _label
 
     # backwards from the node to a requested weight
     back: list[str] = []

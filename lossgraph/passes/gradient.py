@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..analysis import trainable_initializers
+from ..analysis import differentiable_values, trainable_initializers
 from ..autodiff.walker import ForwardFacts, differentiate
 from ..builder import GraphBuilder
 from ..errors import (
@@ -66,7 +66,9 @@ def gradient(
     Args:
         model: the model (ModelProto, bytes or path).
         wrt: initializers or graph inputs to differentiate with respect to, in the order
-            of the new outputs; default :func:`~lossgraph.trainable_initializers`.
+            of the new outputs; default :func:`~lossgraph.trainable_initializers` that
+            reach the loss (or ``outputs``). One that no gradient reaches is a
+            :class:`~lossgraph.errors.NoGradientError`.
         loss: the scalar output to differentiate (scalar-loss mode); default the loss
             recorded by :func:`~lossgraph.add_loss_output`, else ``"loss"``.
         backend: ``"onnx"`` (standard ops, any onnxruntime) or ``"ort"``
@@ -92,14 +94,17 @@ def gradient(
                 + suggest(target, output_names, "outputs")
             )
     facts = ForwardFacts.of(model)
-    wrt = list(trainable_initializers(model) if wrt is None else wrt)
-    _check_wrt(graph, wrt, facts)
     for target in targets:
         if facts.elem_types.get(target) not in FLOAT_TYPES:
             raise DTypeMismatchError(
-                f"Cannot differentiate output {target!r} of type "
-                f"{elem_type_name(facts.elem_types.get(target, 0))}: it must be float or double."
+                f"Cannot differentiate output {target!r} of type {_type_name(facts, target)}: "
+                "it must be a float or double tensor."
             )
+    if wrt is None:  # the trainable weights that reach these targets
+        reaching = differentiable_values(model, targets, facts.types, trainable=True)
+        wrt = [w for w in trainable_initializers(model) if w in reaching]
+    wrt = list(wrt)
+    _check_wrt(graph, wrt, facts)
 
     names = NameAuthority.for_model(model)
     grad_names = {w: names.fresh(f"{w}_grad") for w in wrt}
@@ -130,6 +135,16 @@ def gradient(
     return model
 
 
+def _type_name(facts: ForwardFacts, name: str) -> str:
+    """'float', 'int64', or the kind of a non-tensor value ('a sequence')."""
+    value_type = facts.types.get(name)
+    kind = value_type.WhichOneof("value") if value_type is not None else None
+    if kind not in (None, "tensor_type"):
+        return f"a {kind.removesuffix('_type')} (not a tensor)"
+    elem_type = facts.elem_types.get(name, 0)
+    return elem_type_name(elem_type) if elem_type else "unknown type"
+
+
 def _check_wrt(graph: onnx.GraphProto, wrt: Sequence[str], facts: ForwardFacts) -> None:
     candidates = [t.name for t in graph.initializer] + [
         i.name for i in graph.input if i.name not in {t.name for t in graph.initializer}
@@ -144,9 +159,8 @@ def _check_wrt(graph: onnx.GraphProto, wrt: Sequence[str], facts: ForwardFacts) 
             )
         if facts.elem_types.get(w) not in FLOAT_TYPES:
             raise DTypeMismatchError(
-                f"Cannot differentiate with respect to {w!r} of type "
-                f"{elem_type_name(facts.elem_types.get(w, 0))}: only float and double tensors "
-                "have gradients."
+                f"Cannot differentiate with respect to {w!r} of type {_type_name(facts, w)}: "
+                "only float and double tensors have gradients."
             )
 
 

@@ -184,10 +184,10 @@ def dropout(g, node, dy, *_):
     x = node.inputs[0]
     ratio, training = node.input(1), node.input(2)
     if training is None or _is_false(g.value(training)):
-        return dy
+        return node.grads(dy)
     ratio_value = g.value(ratio) if ratio is not None else np.array(0.5)
     if ratio_value is not None and float(np.asarray(ratio_value).reshape(-1)[0]) == 0.0:
-        return dy
+        return node.grads(dy)
     mask = node.outputs[1] if len(node.outputs) > 1 and node.outputs[1] else None
     if mask is None:
         raise UnsupportedModelError(
@@ -205,4 +205,4 @@ def dropout(g, node, dy, *_):
     else:
         drop = g.Mul(ratio, g.Cast(training, to=dtype))
     scale = g.Div(g.const_like(1, x, "one"), g.Sub(g.const_like(1, x, "one"), drop))
-    return g.Mul(g.Mul(dy, g.Cast(mask, to=dtype)), scale)
+    return node.grads(g.Mul(g.Mul(dy, g.Cast(mask, to=dtype)), scale))

@@ -56,7 +56,8 @@ def _branch_gradient(g, branch: onnx.GraphProto, dys: Sequence[str | None],
     )
     seeds = {out.name: dy for out, dy in zip(body.output, dys) if dy is not None}
     grad_names = {name: g.names.fresh(f"{name}_grad") for name in wanted}
-    gradients = differentiate(model, seeds, list(wanted), grad_names, g.names)
+    gradients = differentiate(model, seeds, list(wanted), grad_names, g.names,
+                              zeros_for_unreached=True)
     return helper.make_graph(
         [*body.node, *gradients.nodes],
         g.names.fresh("gradient_branch"),

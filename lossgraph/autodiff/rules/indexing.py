@@ -84,7 +84,7 @@ def slice_(g, node, dy):
                 first, last, _ = slice(start, stop).indices(shape[axis])
                 begin[axis] = first
                 end[axis] = shape[axis] - max(last, first)
-            return g.Pad(dy, g.ints(begin + end, hint="pads"), mode="constant")
+            return node.grads(g.Pad(dy, g.ints(begin + end, hint="pads"), mode="constant"))
         index = [slice(None)] * len(shape)
         for start, stop, axis, step in zip(starts, ends, axes, steps):
             index[axis] = slice(start, stop, step)
@@ -100,7 +100,7 @@ def slice_(g, node, dy):
     flat_dy = g.Reshape(dy, g.ints([-1], hint="shape"))
     zeros = g.filled(total, 0, x, hint="zeros")
     scattered = g.ScatterElements(zeros, flat_positions, flat_dy, axis=0)
-    return g.Reshape(scattered, shape_of(g, x))
+    return node.grads(g.Reshape(scattered, shape_of(g, x)))
 
 
 # ------------------------------------------------------------------------------- Pad
@@ -122,7 +122,7 @@ def pad(g, node, dy):
         total = g.Sub(g.reduce("ReduceSum", dy, None, keepdims=0),
                       g.reduce("ReduceSum", dx, None, keepdims=0))
         dc = g.Reshape(total, g.Shape(constant))
-    return dx, None, dc
+    return node.grads(dx, None, dc)
 
 
 # ---------------------------------------------------------------------------- Gather
@@ -155,7 +155,7 @@ def gather(g, node, dy):
     inverse = [0] * rank
     for i, p in enumerate(perm_x):
         inverse[p] = i
-    return dx_t if axis == 0 else g.Transpose(dx_t, perm=inverse)
+    return node.grads(dx_t if axis == 0 else g.Transpose(dx_t, perm=inverse))
 
 
 @grad_rule("GatherElements", since=13,
@@ -166,15 +166,15 @@ def gather_elements(g, node, dy):
     axis = node.attr("axis", 0) % rank
     idx = _normalize(g, _as_index_type(g, indices), _dim(g, x, axis))
     if g.opset >= 16:
-        return g.ScatterElements(g.zeros_like(x), idx, dy, axis=axis, reduction="add")
+        return node.grads(g.ScatterElements(g.zeros_like(x), idx, dy, axis=axis, reduction="add"))
     one_hot = _one_hot(g, idx, _dim(g, x, axis), x, axis=axis + 1)
     dx = g.reduce("ReduceSum", g.Mul(one_hot, g.unsqueeze(dy, [axis + 1])), [axis], keepdims=0)
     x_shape, i_shape = g.shape(x), g.shape(indices)
     if x_shape is not None and i_shape is not None and all(
             a == b for k, (a, b) in enumerate(zip(x_shape, i_shape)) if k != axis):
-        return dx
+        return node.grads(dx)
     extra = g.Sub(g.Shape(x), g.Shape(dx))
-    return g.Pad(dx, g.Concat(g.ints([0] * rank), extra, axis=0), mode="constant")
+    return node.grads(g.Pad(dx, g.Concat(g.ints([0] * rank), extra, axis=0), mode="constant"))
 
 
 @grad_rule("GatherND", since=13, notes="opset 16+ (ScatterND reduction=add); batch_dims=0")
@@ -195,7 +195,7 @@ def gather_nd(g, node, dy):
             "be static.")
     dims = g.Slice(g.Shape(x), g.ints([0]), g.ints([k]))
     idx = _normalize(g, indices, dims)
-    return g.ScatterND(g.zeros_like(x), idx, dy, reduction="add")
+    return node.grads(g.ScatterND(g.zeros_like(x), idx, dy, reduction="add"))
 
 
 # --------------------------------------------------------------------------- Scatter
@@ -229,18 +229,16 @@ def scatter_elements(g, node, dy):
 # ------------------------------------------------------------------------------ TopK
 @grad_rule("TopK", notes="the indices output has no gradient")
 def topk(g, node, dvalues, dindices=None):
-    if dvalues is None:
-        return None
     x = node.inputs[0]
     axis = node.attr("axis", -1) % g.rank(x)
-    return g.ScatterElements(g.zeros_like(x), node.outputs[1], dvalues, axis=axis)
+    return node.grads(g.ScatterElements(g.zeros_like(x), node.outputs[1], dvalues, axis=axis))
 
 
 # ----------------------------------------------------------------------------- Trilu
 @grad_rule("Trilu")
 def trilu(g, node, dy):
     k = node.input(1)
-    return g.Trilu(dy, *([k] if k else []), upper=node.attr("upper", 1))
+    return node.grads(g.Trilu(dy, *([k] if k else []), upper=node.attr("upper", 1)))
 
 
 # ---------------------------------------------------------------------------- Resize
@@ -313,4 +311,4 @@ def resize(g, node, dy):
             equation = f"{letters},{letters[axis].upper()}{letters[axis]}->" + \
                 letters.replace(letters[axis], letters[axis].upper())
             grad = g.Einsum(grad, g.const(matrix.T, dtype, "resize_matrix"), equation=equation)
-    return grad
+    return node.grads(grad)

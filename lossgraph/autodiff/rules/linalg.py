@@ -109,7 +109,7 @@ def gemm(g, node, dy):
     if c is not None:
         dc = dy if beta == 1.0 else g.Mul(dy, g.const_like(beta, c, "beta"))
         dc = g.unbroadcast(dc, c, node.outputs[0])
-    return da, db, dc
+    return node.grads(da, db, dc)
 
 
 def _terms(side: str) -> list[list[str]]:

@@ -28,11 +28,13 @@ Unary functions (y = f(x)):
 
 Broadcasting ops (the walker sums each result back to its input's shape):
 
-    Pow(a, b)      da = dy b a^(b-1)       (constant b folded: b = 1, 2 need no Pow)
-                   db = dy y log(a)        (defined for a > 0; float b only)
-    Clip(x, lo, hi)
+    Pow(a, b)      da = dy b a^(b-1)       (constant b folded: b = 1, 2 need no Pow; 0
+                                            where b = 0, also at a = 0)
+                   db = dy y log(a)        (a > 0; 0 where a = 0 and y = 0, i.e. b > 0;
+                                            float b only)
+    Clip(x, lo, hi) = Min(Max(x, lo), hi)
                    dx  = dy (y == x)       (x passes where lo <= x <= hi)
-                   dlo = dy (x < lo)       dhi = dy (x > hi)
+                   dlo = dy (x < lo) (lo <= hi)      dhi = dy (Max(x, lo) > hi)
     Min/Max(x1..xn)
                    dxi = dy (xi == y) (no earlier xj == y): the gradient goes to the
                    selected input; on ties the first tied input gets all of it
@@ -187,12 +189,13 @@ def cast(g, node, dy):
     x = node.inputs[0]
     to = g.elem_type(x)
     if to not in _FLOAT_TYPES:
-        return None
-    return dy if g.elem_type(node.outputs[0]) == to else g.Cast(dy, to=to)
+        return node.grads(None)
+    return node.grads(dy if g.elem_type(node.outputs[0]) == to else g.Cast(dy, to=to))
 
 
 # -- broadcasting ops ------------------------------------------------------------------
-@grad_rule("Pow", broadcast=True, notes="exponent gradient uses log(base): base > 0")
+@grad_rule("Pow", broadcast=True, notes="exponent gradient uses log(base): base > 0, or 0 "
+                                         "where base = 0 and exponent > 0")
 def pow_(g, node, dy):
     a, b = node.inputs
     y = node.outputs[0]
@@ -208,26 +211,34 @@ def pow_(g, node, dy):
         else:
             da = g.Mul(dy, g.Mul(g.Pow(a, g.const_like(k - 1, a, "exponent")),
                                  g.const_like(k, a, "exponent")))
-    else:
+    else:  # b a^(b - 1 + (b == 0)): 0, not 0 * inf, where b = 0 and a = 0
         bf = b if g.elem_type(b) == g.elem_type(a) else g.Cast(b, to=g.elem_type(a))
-        da = g.Mul(dy, g.Mul(bf, g.Pow(a, g.Sub(bf, g.const_like(1, a, "one")))))
+        zero, one = g.const_like(0, a, "zero"), g.const_like(1, a, "one")
+        exponent = g.Sub(bf, g.Sub(one, g.mask(g.Equal(bf, zero), a)))
+        da = g.Mul(dy, g.Mul(bf, g.Pow(a, exponent)))
     db = None
-    if g.elem_type(b) in _FLOAT_TYPES:
-        db = g.Mul(g.Mul(dy, y), g.Log(a))
+    if g.elem_type(b) in _FLOAT_TYPES:  # y log(a + (a == 0)): 0, not 0 * -inf, where y = 0
+        safe = g.Add(a, g.mask(g.Equal(a, g.const_like(0, a, "zero")), a))
+        db = g.Mul(g.Mul(dy, y), g.Log(safe))
         if g.elem_type(b) != g.elem_type(a):
             db = g.Cast(db, to=g.elem_type(b))
     return da, db
 
 
 @grad_rule("Clip", since=11, broadcast=True,
-           notes="x gets the gradient where lo <= x <= hi; lo/hi where x is clipped to them")
+           notes="x gets the gradient where lo <= x <= hi; lo/hi where x is clipped to them "
+                 "(all to hi when lo > hi)")
 def clip(g, node, dy):
     x, y = node.inputs[0], node.outputs[0]
     lo, hi = node.input(1), node.input(2)
     dx = g.Mul(dy, g.mask(g.Equal(x, y), x))
-    dlo = g.Mul(dy, g.mask(g.Less(x, lo), x)) if lo is not None else None
-    dhi = g.Mul(dy, g.mask(g.Greater(x, hi), x)) if hi is not None else None
-    return dx, dlo, dhi
+    dlo = dhi = None
+    if lo is not None:
+        below = g.Less(x, lo) if hi is None else g.And(g.Less(x, lo), g.Not(g.Greater(lo, hi)))
+        dlo = g.Mul(dy, g.mask(below, x))
+    if hi is not None:
+        dhi = g.Mul(dy, g.mask(g.Greater(x if lo is None else g.Max(x, lo), hi), x))
+    return node.grads(dx, dlo, dhi)
 
 
 def _select(g, node, dy):

@@ -16,13 +16,23 @@
                                   window when count_include_pad=0)
     GlobalAveragePool(x)     dx = Expand(dy, Shape(x)) / (number of spatial elements)
     GlobalMaxPool(x)         dx = dy * (x == y)
-    BatchNormalization       inference: dx = dy scale / sqrt(var + eps)
+    BatchNormalization       inference: y = scale xh + B, xh = (x - mean) inv,
+                                        inv = (var + eps)^-1/2
+                                        dx = dy scale inv
+                                        dmean = -sum(dy) scale inv
+                                        dvar = -sum(dy xh) scale inv^2 / 2
                              training:  dx = inv (dxh - mean(dxh) - xh mean(dxh xh)),
                                         dxh = dy scale, xh = (x - mu) inv, batch statistics
+                                        mu and s2 (biased); running_mean = m mean + (1 - m) mu
+                                        and running_var = m var + (1 - m) s2 add
+                                        dx += (1 - m) (drm + 2 drv (x - mu)) / n,
+                                        dmean = m drm, dvar = m drv
                              dscale = sum(dy xh), dB = sum(dy) over all axes but 1
     InstanceNormalization    as training BatchNormalization, statistics over spatial axes
     LayerNormalization       as above, statistics over axes [axis, rank);
-                             dScale = sum(dy xh), dB = sum(dy) summed to their shapes
+                             dScale = sum(dy xh), dB = sum(dy) summed to their shapes;
+                             outputs Mean and InvStdDev (= inv) add
+                             dx += (dMean - dInvStdDev inv^2 xh) / n
     GroupNormalization       as above, statistics over (C/G, spatial) of each group
                              (opset 21: scale and bias per channel)
     LpNormalization(x)       y = x / n, n = ||x||_p along axis:
@@ -157,8 +167,7 @@ def conv(g, node, dy):
     channels = _channels(g, x, "Conv") if group != 1 else None
     dw = _conv_weight_grad(g, x, dy, w_shape, sizes, out_sizes, channels, strides, pads,
                            dilations, group)
-    db = _bias_grad(g, dy, x) if node.input(2) else None
-    return dx, dw, db
+    return node.grads(dx, dw, _bias_grad(g, dy, x) if node.input(2) else None)
 
 
 @grad_rule("ConvTranspose", notes="explicit pads only (no auto_pad SAME_*, no output_shape)")
@@ -182,8 +191,7 @@ def conv_transpose(g, node, dy):
     channels = _channels(g, y, "ConvTranspose") if group != 1 else None
     dw = _conv_weight_grad(g, dy, x, [w_shape[0], w_shape[1], *kernel], out_sizes, sizes,
                            channels, strides, pads, dilations, group)
-    db = _bias_grad(g, dy, x) if node.input(2) else None
-    return dx, dw, db
+    return node.grads(dx, dw, _bias_grad(g, dy, x) if node.input(2) else None)
 
 
 # ----------------------------------------------------------------------- pooling
@@ -197,10 +205,7 @@ def _pool_attrs(node) -> dict:
 
 @grad_rule("MaxPool", notes="gradient to the argmax (MaxPool Indices); overlapping windows "
                             "need opset 16+")
-def max_pool(g, node, *dys):
-    dy = dys[0]
-    if dy is None:
-        return (None,)
+def max_pool(g, node, dy, *_):
     (x,) = node.inputs
     attrs = _pool_attrs(node)
     attrs.pop("storage_order", None)  # row-major indices
@@ -300,32 +305,60 @@ def _per_channel(g, v: str, x: str) -> str:
     return g.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
 
 
-def _no_stat_grads(dys, op: str) -> None:
-    if any(d is not None for d in dys[1:]):
-        raise UnsupportedModelError(
-            f"The gradient through the statistics outputs of {op} is not supported.")
+def _count(g, x: str, axes: list[int]) -> str:
+    """The number of elements of ``x`` over ``axes``, as a scalar of x's type."""
+    shape = g.shape(x)
+    dims = [shape[a] for a in axes] if shape is not None else [None]
+    if all(isinstance(d, int) for d in dims):
+        return g.const_like(float(math.prod(dims)), x, "count")
+    sizes = g.Gather(g.Shape(x), g.ints(axes, "axes"), axis=0)
+    return g.Cast(g.reduce("ReduceProd", sizes, keepdims=0), to=g.elem_type(x), hint="count")
 
 
-@grad_rule("BatchNormalization", notes="inference and training_mode (batch statistics); "
-                                       "mean and var are not trained")
+@grad_rule("BatchNormalization", notes="inference and training_mode (batch statistics, and "
+                                       "the running statistics outputs); mean and var get "
+                                       "gradients but are not trained")
 def batch_normalization(g, node, *dys):
-    _no_stat_grads(dys, "BatchNormalization")
-    dy = dys[0]
-    x, scale, bias, mean, var = node.inputs[:5]
-    eps = node.attr("epsilon", 1e-5)
+    if node.opset < 14 and len(node.outputs) > 1:
+        raise UnsupportedModelError(
+            f"No gradient for BatchNormalization node {node.name!r} in training mode before "
+            "opset 14 (more than one output). Convert the model to opset 14 or later.")
+    training = node.opset >= 14 and node.attr("training_mode", 0)
+    dy = g.or_zeros(dys[0], node.outputs[0])
+    return (_batch_norm_training if training else _batch_norm_inference)(g, node, dy, dys[1:3])
+
+
+def _batch_norm_inference(g, node, dy: str, _) -> tuple[str, ...]:
+    x, scale, _, mean, var = node.inputs[:5]
     axes = _all_but_channel(g, x)
-    scale_b = _per_channel(g, scale, x)
-    if node.opset >= 14 and node.attr("training_mode", 0):
-        xhat, inv = _standardize(g, x, axes, eps)
-        dx = _normalized_grad(g, x, xhat, inv, g.Mul(dy, scale_b), axes)
-    else:
-        inv = g.Reciprocal(g.Sqrt(g.Add(var, g.const_like(eps, x, "eps"))))
-        inv_b = _per_channel(g, inv, x)
-        xhat = g.Mul(g.Sub(x, _per_channel(g, mean, x)), inv_b)
-        dx = g.Mul(dy, _per_channel(g, g.Mul(scale, inv), x))
+    inv = g.Reciprocal(g.Sqrt(g.Add(var, g.const_like(node.attr("epsilon", 1e-5), x, "eps"))))
+    scale_inv = g.Mul(scale, inv)
+    xhat = g.Mul(g.Sub(x, _per_channel(g, mean, x)), _per_channel(g, inv, x))
     dscale = g.reduce("ReduceSum", g.Mul(dy, xhat), axes, keepdims=0)
     dbias = g.reduce("ReduceSum", dy, axes, keepdims=0)
-    return dx, dscale, dbias, None, None
+    dmean = g.Neg(g.Mul(dbias, scale_inv))
+    dvar = g.Mul(g.Mul(dscale, g.Mul(scale_inv, inv)), g.const_like(-0.5, x, "minus_half"))
+    return g.Mul(dy, _per_channel(g, scale_inv, x)), dscale, dbias, dmean, dvar
+
+
+def _batch_norm_training(g, node, dy: str, d_running: list[str | None]) -> tuple[str, ...]:
+    x, scale, _, mean, var = node.inputs[:5]
+    momentum = node.attr("momentum", 0.9)
+    axes = _all_but_channel(g, x)
+    xhat, inv = _standardize(g, x, axes, node.attr("epsilon", 1e-5))
+    dx = _normalized_grad(g, x, xhat, inv, g.Mul(dy, _per_channel(g, scale, x)), axes)
+    outputs, d_running = [*node.outputs[1:3], "", ""][:2], [*d_running, None, None][:2]
+    drm, drv = (g.or_zeros(d, o) if o else g.zeros_like(stat)
+                for d, o, stat in zip(d_running, outputs, (mean, var)))
+    if any(d is not None for d in d_running):
+        centered = g.Sub(x, g.reduce("ReduceMean", x, axes, keepdims=1))
+        two_drv = g.Mul(_per_channel(g, drv, x), g.const_like(2.0, x, "two"))
+        batch = g.Add(_per_channel(g, drm, x), g.Mul(two_drv, centered))
+        share = g.Div(g.const_like(1 - momentum, x, "one_minus_momentum"), _count(g, x, axes))
+        dx = g.Add(dx, g.Mul(batch, share))
+    m = g.const_like(momentum, x, "momentum")
+    dscale = g.reduce("ReduceSum", g.Mul(dy, xhat), axes, keepdims=0)
+    return dx, dscale, g.reduce("ReduceSum", dy, axes, keepdims=0), g.Mul(drm, m), g.Mul(drv, m)
 
 
 @grad_rule("InstanceNormalization")
@@ -340,20 +373,34 @@ def instance_normalization(g, node, dy):
     return dx, dscale, g.reduce("ReduceSum", dy, axes, keepdims=0)
 
 
-@grad_rule("LayerNormalization", since=17)
-def layer_normalization(g, node, *dys):
-    _no_stat_grads(dys, "LayerNormalization")
-    dy = dys[0]
+@grad_rule("LayerNormalization", since=17,
+           notes="also through the Mean and InvStdDev outputs")
+def layer_normalization(g, node, dy, dmean=None, dinv=None):
     x, scale = node.inputs[:2]
     bias = node.input(2)
     rank = g.rank(x)
     axes = list(range(node.attr("axis", -1) % rank, rank))
     xhat, inv = _standardize(g, x, axes, node.attr("epsilon", 1e-5))
-    dx = _normalized_grad(g, x, xhat, inv, g.Mul(dy, scale), axes)
     y = node.outputs[0]
+    dy = g.or_zeros(dy, y)
+    dx = _normalized_grad(g, x, xhat, inv, g.Mul(dy, scale), axes)
+    if dmean is not None or dinv is not None:
+        # Mean = mean(x), InvStdDev = inv: dx += (dMean - dInv inv^2 xh) / n
+        dmean, dinv = (_like(g, d, stat, x) for d, stat in zip((dmean, dinv), node.outputs[1:3]))
+        terms = [] if dmean is None else [dmean]
+        if dinv is not None:
+            terms.append(g.Neg(g.Mul(g.Mul(dinv, g.Mul(inv, inv)), xhat)))
+        dx = g.Add(dx, g.Div(g.sum_of(terms), _count(g, x, axes)))
     dscale = g.unbroadcast(g.Mul(dy, xhat), scale, y)
-    dbias = g.unbroadcast(dy, bias, y) if bias else None
-    return dx, dscale, dbias
+    return node.grads(dx, dscale, g.unbroadcast(dy, bias, y) if bias else None)
+
+
+def _like(g, d: str | None, output: str, x: str) -> str | None:
+    """``d``, the gradient of ``output``, in the element type of ``x`` (statistics may be
+    stashed in another type)."""
+    if d is None or g.elem_type(output) == g.elem_type(x):
+        return d
+    return g.Cast(d, to=g.elem_type(x))
 
 
 @grad_rule("GroupNormalization", since=21,

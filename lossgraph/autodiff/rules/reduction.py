@@ -29,6 +29,8 @@ reduces over all axes there for L1, L2 and LogSum, and returns ``x`` for SumSqua
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..registry import grad_rule
@@ -73,7 +75,21 @@ def _count(g, node, axes: list[int]) -> str:
     return g.Div(g.Cast(g.Size(x), to=to), g.Cast(g.Size(node.outputs[0]), to=to), hint="count")
 
 
-@grad_rule("ReduceSum")
+def _reduction_rule(op_type: str, notes: str = ""):
+    """Register ``dx = rule(g, node, dy)`` for ``op_type``; its axes input gets no gradient."""
+
+    def register(rule):
+        @functools.wraps(rule)
+        def per_input(g, node, dy):
+            return node.grads(rule(g, node, dy))
+
+        grad_rule(op_type, notes=notes)(per_input)
+        return rule
+
+    return register
+
+
+@_reduction_rule("ReduceSum")
 def reduce_sum(g, node, dy):
     if reduces_everything(g, node):  # dy broadcasts as it is: no rank needed
         return g.Expand(dy, g.Shape(node.inputs[0]))
@@ -81,7 +97,7 @@ def reduce_sum(g, node, dy):
     return dy if axes is None else expand_back(g, node, dy, axes)
 
 
-@grad_rule("ReduceMean")
+@_reduction_rule("ReduceMean")
 def reduce_mean(g, node, dy):
     if reduces_everything(g, node):
         x = node.inputs[0]
@@ -104,11 +120,11 @@ def _extremum(g, node, dy):
     return g.Mul(mask, g.Div(keep_dims(g, node, dy, axes), ties))
 
 
-grad_rule("ReduceMax", notes="ties share the gradient evenly")(_extremum)
-grad_rule("ReduceMin", notes="ties share the gradient evenly")(_extremum)
+_reduction_rule("ReduceMax", notes="ties share the gradient evenly")(_extremum)
+_reduction_rule("ReduceMin", notes="ties share the gradient evenly")(_extremum)
 
 
-@grad_rule("ReduceProd", notes="zero-safe: no division by zero")
+@_reduction_rule("ReduceProd", notes="zero-safe: no division by zero")
 def reduce_prod(g, node, dy):
     axes = reduced_axes(g, node)
     if axes is None:
@@ -124,14 +140,14 @@ def reduce_prod(g, node, dy):
     return g.Mul(g.Div(scaled, safe), keep)
 
 
-@grad_rule("ReduceL1")
+@_reduction_rule("ReduceL1")
 def reduce_l1(g, node, dy):
     axes = reduced_axes(g, node)
     dy = dy if axes is None else keep_dims(g, node, dy, axes)
     return g.Mul(dy, g.Sign(node.inputs[0]))
 
 
-@grad_rule("ReduceL2", notes="zero gradient where the norm is 0")
+@_reduction_rule("ReduceL2", notes="zero gradient where the norm is 0")
 def reduce_l2(g, node, dy):
     axes = reduced_axes(g, node)
     x, y = node.inputs[0], node.outputs[0]
@@ -141,7 +157,7 @@ def reduce_l2(g, node, dy):
     return g.Mul(g.Div(dy, g.Add(y, is_zero)), x)
 
 
-@grad_rule("ReduceSumSquare")
+@_reduction_rule("ReduceSumSquare")
 def reduce_sum_square(g, node, dy):
     axes = reduced_axes(g, node)
     x = node.inputs[0]
@@ -149,7 +165,7 @@ def reduce_sum_square(g, node, dy):
     return g.Mul(g.Mul(dy, g.const_like(2, x, "two")), x)
 
 
-@grad_rule("ReduceLogSum")
+@_reduction_rule("ReduceLogSum")
 def reduce_log_sum(g, node, dy):
     axes = reduced_axes(g, node)
     x = node.inputs[0]
@@ -158,7 +174,7 @@ def reduce_log_sum(g, node, dy):
     return expand_back(g, node, g.Div(dy, g.Exp(node.outputs[0])), axes)
 
 
-@grad_rule("ReduceLogSumExp")
+@_reduction_rule("ReduceLogSumExp")
 def reduce_log_sum_exp(g, node, dy):
     axes = reduced_axes(g, node)
     if axes is None:

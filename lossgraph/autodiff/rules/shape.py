@@ -43,7 +43,7 @@ def reshape_back(g, dy: str, x: str) -> str:
 
 @grad_rule("Reshape")
 def reshape(g, node, dy):
-    return reshape_back(g, dy, node.inputs[0])
+    return node.grads(reshape_back(g, dy, node.inputs[0]))
 
 
 @grad_rule("Flatten")
@@ -53,12 +53,12 @@ def flatten(g, node, dy):
 
 @grad_rule("Squeeze", since=13)
 def squeeze(g, node, dy):
-    return reshape_back(g, dy, node.inputs[0])
+    return node.grads(reshape_back(g, dy, node.inputs[0]))
 
 
 @grad_rule("Unsqueeze", since=13)
 def unsqueeze(g, node, dy):
-    return reshape_back(g, dy, node.inputs[0])
+    return node.grads(reshape_back(g, dy, node.inputs[0]))
 
 
 @grad_rule("Transpose")
@@ -88,7 +88,7 @@ def expand(g, node, dy):
             raise UnsupportedModelError(
                 f"The gradient of Expand node {node.name!r} cannot tell whether axis {i} of "
                 f"{x!r} (dim {d!r}) is broadcast to {out!r}; give {x!r} a static shape.")
-    return g.unbroadcast(dy, x, y)
+    return node.grads(g.unbroadcast(dy, x, y))
 
 
 @grad_rule("Tile", notes="needs constant repeats")
@@ -97,7 +97,7 @@ def tile(g, node, dy):
     repeats = g.ints_value(node.inputs[1], "Tile's repeats")
     rank = len(repeats)
     if all(r == 1 for r in repeats):
-        return dy
+        return node.grads(dy)
     shape = static_shape(g, x)
     if shape is not None:
         target = g.ints([v for pair in zip(repeats, shape) for v in pair], hint="shape")
@@ -106,7 +106,7 @@ def tile(g, node, dy):
                          g.unsqueeze(g.Shape(x), [1]), axis=1)
         target = g.Reshape(pairs, g.ints([2 * rank], hint="shape"))
     split = g.Reshape(dy, target)
-    return g.reduce("ReduceSum", split, list(range(0, 2 * rank, 2)), keepdims=0)
+    return node.grads(g.reduce("ReduceSum", split, list(range(0, 2 * rank, 2)), keepdims=0))
 
 
 def axis_sizes(g, names: list[str], axis: int) -> str:
@@ -134,9 +134,7 @@ def split(g, node, *dys):
     x = node.inputs[0]
     axis = node.attr("axis", 0) % g.rank(x)
     parts = [g.or_zeros(dy, out) for dy, out in zip(dys, node.outputs)]
-    if len(parts) == 1:
-        return parts[0]
-    return g.Concat(*parts, axis=axis)
+    return node.grads(parts[0] if len(parts) == 1 else g.Concat(*parts, axis=axis))
 
 
 @grad_rule("SpaceToDepth")

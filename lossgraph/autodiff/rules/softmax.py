@@ -83,7 +83,7 @@ def _nll_input_grad(g, node, dy: str, scores: str) -> str:
 @grad_rule("NegativeLogLikelihoodLoss", since=13,
            notes="gradient wrt the input only; class weights are treated as constants")
 def negative_log_likelihood_loss(g, node, dy):
-    return _nll_input_grad(g, node, dy, node.inputs[0]), None, None
+    return node.grads(_nll_input_grad(g, node, dy, node.inputs[0]))
 
 
 @grad_rule("SoftmaxCrossEntropyLoss", since=13,
@@ -99,4 +99,4 @@ def softmax_cross_entropy_loss(g, node, dy, dlog_prob=None):
     log_prob = node.outputs[1] if len(node.outputs) > 1 and node.outputs[1] else None
     probabilities = g.Exp(log_prob) if log_prob else g.Softmax(scores, axis=1)
     total = g.reduce("ReduceSum", grad, [1], keepdims=1)
-    return g.Sub(grad, g.Mul(probabilities, total)), None, None
+    return node.grads(g.Sub(grad, g.Mul(probabilities, total)))

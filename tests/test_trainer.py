@@ -126,6 +126,25 @@ def test_a_one_shot_generator_cannot_feed_two_epochs(data):
         lossgraph.Trainer(program()).fit(generator, epochs=2, progress=False)
 
 
+def test_a_fresh_generator_feeds_a_warm_start_fit(data):
+    X, y = data
+
+    def batches():
+        return ((X[i:i + 50], y[i:i + 50]) for i in range(0, len(X), 50))
+
+    trainer = lossgraph.Trainer(program()).fit(batches(), epochs=1, progress=False)
+    trainer.fit(batches(), epochs=1, warm_start=True, progress=False)
+    assert trainer.epochs_ == 2 and len(trainer.train_losses_) == 2
+
+
+def test_separate_mode_takes_a_chosen_label_name(data):
+    X, y = data
+    prog = program("separate", loss_options={"label_name": "target"})
+    assert prog.manifest["roles"]["label"] == "target"
+    trainer = lossgraph.Trainer(prog).fit(X, y, epochs=2, progress=False)
+    assert trainer.train_losses_[-1] < trainer.train_losses_[0]
+
+
 def test_sample_weights_weigh_rows(data):
     X, y = data
     weighted = lossgraph.compile(onnx.parser.parse_model(LINEAR), fuse="step",

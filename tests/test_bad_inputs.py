@@ -1,0 +1,777 @@
+"""The catalogue of bad inputs: each gets a LossgraphError that names the culprit, before any work.
+
+Every case is ``Case(id, input, provoke, error, fragment)``: ``provoke(ctx)`` feeds the bad
+input to lossgraph, which must raise ``error`` (a :class:`~lossgraph.errors.LossgraphError`
+subclass) whose message holds ``fragment`` (the file, tensor, node, option or row at
+fault). Trainers a case makes through ``ctx`` must be untouched afterwards (no step, the
+program's state), except for the divergence cases, which train on purpose.
+
+docs/reference/errors.md lists the catalogue; ``python tests/test_bad_inputs.py`` prints
+that table with the messages of this run. The decisions behind the accepted inputs
+(lists, DataFrames, one name for a list of names, optimizers by name) are tested at the
+end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from linear_data import LINEAR, linear_data
+from onnx import helper, numpy_helper
+from onnx.external_data_helper import set_external_data
+
+import lossgraph
+from lossgraph.errors import (
+    ConvergenceError,
+    DTypeMismatchError,
+    InvalidDataError,
+    InvalidModelError,
+    LossgraphError,
+    MissingGradientError,
+    ShapeMismatchError,
+    UnknownNameError,
+    UnsupportedModelError,
+    UnsupportedOptionError,
+)
+from lossgraph.optim import SGD, Adam, Momentum
+
+ROOT = Path(__file__).resolve().parents[1]
+ERRORS_PAGE = ROOT / "docs" / "reference" / "errors.md"
+X, Y = linear_data(205, seed=11)
+
+
+# -- models the cases start from -------------------------------------------------------------
+
+def parse(text: str) -> onnx.ModelProto:
+    return onnx.parser.parse_model(text)
+
+
+def linear(*replacements: tuple[str, str]) -> onnx.ModelProto:
+    """The shared linear model, its text changed by ``(old, new)`` replacements."""
+    text = LINEAR
+    for old, new in replacements:
+        text = text.replace(old, new)
+    return parse(text)
+
+
+FIXED_BATCH = ("float[N, 4] x) => (float[N, 1] y)", "float[1, 4] x) => (float[1, 1] y)")
+
+
+#: A 3-class softmax classifier (cross-entropy labels 0..2) and a binary sigmoid one.
+CLASSIFIER = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    clf (float[N, 4] x) => (float[N, 3] p)
+    <float[4, 3] w = {0.1, 0, 0, 0, 0.1, 0, 0, 0, 0.1, 0.1, 0.1, 0.1}>
+    { z = MatMul(x, w)
+      p = Softmax <axis = 1> (z) }
+"""
+BINARY = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    clf (float[N, 4] x) => (float[N, 1] p)
+    <float[4, 1] w = {0.1, -0.1, 0.2, 0}>
+    { z = MatMul(x, w)
+      p = Sigmoid(z) }
+"""
+
+
+def with_roles(text: str) -> onnx.ModelProto:
+    model = linear()
+    helper.set_model_props(model, {"lossgraph.roles": text})
+    return model
+
+
+def zipmap_classifier() -> onnx.ModelProto:
+    """What skl2onnx writes for a classifier by default: labels and a ZipMap of probabilities."""
+    return parse("""
+        <ir_version: 8, opset_import: ["" : 18, "ai.onnx.ml" : 3]>
+        clf (float[N, 4] x) => (int64[N] label, seq(map(int64, float)) output_probability)
+        <float[4, 2] coef = {1, 2, 3, 4, 5, 6, 7, 8}>
+        { z = MatMul(x, coef)
+          p = Softmax <axis = 1> (z)
+          label = ArgMax <axis = 1, keepdims = 0> (p)
+          output_probability = ai.onnx.ml.ZipMap <classlabels_int64s = [0, 1]> (p) }
+    """)
+
+
+def tree_ensemble() -> onnx.ModelProto:
+    """A one-split regression tree, as skl2onnx converts a DecisionTreeRegressor."""
+    node = helper.make_node(
+        "TreeEnsembleRegressor", ["x"], ["y"], name="tree", domain="ai.onnx.ml", n_targets=1,
+        nodes_featureids=[0, 0, 0], nodes_modes=["BRANCH_LEQ", "LEAF", "LEAF"],
+        nodes_nodeids=[0, 1, 2], nodes_treeids=[0, 0, 0], nodes_truenodeids=[1, 0, 0],
+        nodes_falsenodeids=[2, 0, 0], nodes_values=[0.5, 0.0, 0.0], target_ids=[0, 0],
+        target_nodeids=[1, 2], target_treeids=[0, 0], target_weights=[1.0, 2.0])
+    graph = helper.make_graph([node], "tree", [helper.make_tensor_value_info("x", 1, ["N", 4])],
+                              [helper.make_tensor_value_info("y", 1, ["N", 1])])
+    return helper.make_model(graph, ir_version=8, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid("ai.onnx.ml", 3)])
+
+
+LOOP = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 4] x) => (float[N, 1] y)
+    <float[4, 1] coef = {1, 2, 3, 4}, int64 trip = {2}, bool cond = {1}>
+    { h = MatMul(x, coef)
+      y = Loop(trip, cond, h) <body = body (int64 i, bool c, float[N, 1] a)
+                                            => (bool co, float[N, 1] b) {
+          co = Identity(c)
+          b = Add(a, a) }> }
+"""
+SCAN = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 4] x) => (float[N, 1] y)
+    <float[4, 1] coef = {1, 2, 3, 4}, float[1] start = {0}>
+    { h = MatMul(x, coef)
+      total, y = Scan(start, h) <num_scan_inputs = 1, body = body (float[1] acc, float[1] r)
+                                                         => (float[1] acc2, float[1] out) {
+          acc2 = Add(acc, r)
+          out = Identity(acc2) }> }
+"""
+
+
+def external_model(folder: Path, location: str, data_at: Path | None = None) -> Path:
+    """``folder/model.onnx`` whose weight ``coef`` is stored at ``location``; the data file
+    is written at ``data_at`` (None: nowhere)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model = linear()
+    tensor = next(t for t in model.graph.initializer if t.name == "coef")
+    tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), "coef"))
+    raw = tensor.raw_data
+    set_external_data(tensor, location)
+    tensor.ClearField("raw_data")
+    if data_at is not None:
+        data_at.parent.mkdir(parents=True, exist_ok=True)
+        data_at.write_bytes(raw)
+    path = folder / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+# -- the context a case runs in ---------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What a case may use: a temporary folder, and trainers that are checked untouched."""
+
+    tmp: Path
+    trainers: list[lossgraph.Trainer] = field(default_factory=list)
+
+    def program(self, model: onnx.ModelProto | None = None, **options: Any):
+        options.setdefault("optimizer", Momentum(0.01, nesterov=True))
+        return lossgraph.compile(model if model is not None else linear(), **options)
+
+    def trainer(self, model: onnx.ModelProto | None = None, **options: Any) -> lossgraph.Trainer:
+        trainer = lossgraph.Trainer(self.program(model, **options))
+        self.trainers.append(trainer)
+        return trainer
+
+    def fit(self, X: Any = X, y: Any = Y, model: onnx.ModelProto | None = None,
+            compile_options: dict | None = None, **fit_options: Any) -> lossgraph.Trainer:
+        fit_options.setdefault("progress", False)
+        fit_options.setdefault("batch_size", 10)
+        return self.trainer(model, **(compile_options or {})).fit(X, y, **fit_options)
+
+    def file(self, name: str, content: bytes) -> Path:
+        path = self.tmp / name
+        path.write_bytes(content)
+        return path
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    input: str
+    provoke: Callable[[Context], Any]
+    error: type[LossgraphError]
+    fragment: str
+    trains: bool = False  # a divergence case: trains until the bad step, on purpose
+
+
+def with_value(array: np.ndarray, row: int, value: float, column: int | None = None):
+    copy = array.copy()
+    if column is None:
+        copy[row] = value
+    else:
+        copy[row, column] = value
+    return copy
+
+
+def diverge(ctx: Context, mode: str, bad_row: int = 35) -> None:
+    """One good epoch, then an epoch whose row ``bad_row`` overflows the loss."""
+    trainer = ctx.trainer(fuse=mode)
+    trainer.fit(X, Y, epochs=1, batch_size=10, shuffle=False, progress=False)
+    trainer.fit(with_value(X, bad_row, 1e20), Y, epochs=1, batch_size=10, shuffle=False,
+                warm_start=True, progress=False)
+
+
+def truncated(ctx: Context) -> None:
+    data = linear().SerializeToString()
+    lossgraph.compile(ctx.file("cut.onnx", data[:len(data) // 2]))
+
+
+def link_out(ctx: Context) -> None:
+    """External data through a link inside the folder to a file outside it."""
+    path = external_model(ctx.tmp / "m", "link.bin")
+    outside = ctx.file("real.bin", np.zeros(4, np.float32).tobytes())
+    os.symlink(outside, ctx.tmp / "m" / "link.bin")
+    lossgraph.compile(path)
+
+
+def one_shot(ctx: Context) -> None:
+    batches = ((X[i:i + 50], Y[i:i + 50]) for i in range(0, len(X), 50))
+    ctx.trainer().fit(batches, epochs=2, progress=False)
+
+
+class Frame:
+    """A DataFrame stand-in of mixed column types (pandas gives object arrays for them)."""
+
+    def to_numpy(self) -> np.ndarray:
+        return np.array([[1.0, "a", 2.0, 3.0]] * 3, dtype=object)
+
+
+CASES: list[Case] = [
+    # -- model files ------------------------------------------------------------------------
+    Case("file-not-onnx", "a text file given as the model",
+         lambda c: lossgraph.compile(c.file("notes.onnx", b"my thesis, chapter 1\n")),
+         InvalidModelError, "notes.onnx' is not an ONNX model"),
+    Case("file-truncated", "the first half of a model file",
+         truncated, InvalidModelError, "cut.onnx' is not an ONNX model, or is cut short"),
+    Case("file-empty", "an empty file", lambda c: lossgraph.compile(c.file("empty.onnx", b"")),
+         InvalidModelError, "empty.onnx' is empty"),
+    Case("bytes-empty", "empty bytes", lambda c: lossgraph.compile(b""),
+         InvalidModelError, "serialized model is empty"),
+    Case("bytes-no-graph", "bytes that parse as a ModelProto without a graph",
+         lambda c: lossgraph.compile(b"\x08\x0a"), InvalidModelError, "it has no graph"),
+    Case("file-missing", "a path where no file is",
+         lambda c: lossgraph.compile(c.tmp / "missing.onnx"), InvalidModelError,
+         "No ONNX file at"),
+    Case("file-is-folder", "a folder given as the model file",
+         lambda c: lossgraph.compile(c.tmp), InvalidModelError, "is a folder"),
+    Case("model-not-a-model", "a number given as the model", lambda c: lossgraph.compile(3),
+         InvalidModelError, "got int"),
+    Case("external-data-missing", "a weight in an external file that is not there",
+         lambda c: lossgraph.compile(external_model(c.tmp / "m", "coef.bin")),
+         InvalidModelError, "'coef.bin', which does not exist"),
+    Case("external-data-outside", "an external data location leading out of the folder (..)",
+         lambda c: lossgraph.compile(external_model(c.tmp / "m", "../secret.bin",
+                                                    c.tmp / "secret.bin")),
+         InvalidModelError, "outside the model's folder"),
+    Case("external-data-absolute", "an absolute external data location",
+         lambda c: lossgraph.compile(external_model(c.tmp / "m", str(c.tmp / "abs.bin"),
+                                                    c.tmp / "abs.bin")),
+         InvalidModelError, "must be a file name relative to the model's folder"),
+    Case("external-data-link-out", "an external data file that links out of the folder",
+         link_out, InvalidModelError, "outside the model's folder"),
+    Case("external-data-not-loaded", "a ModelProto loaded without its external data",
+         lambda c: lossgraph.compile(onnx.load(
+             external_model(c.tmp / "m", "coef.bin", c.tmp / "m" / "coef.bin"),
+             load_external_data=False)),
+         InvalidModelError, "'coef.bin', which was not loaded"),
+    # -- models ------------------------------------------------------------------------------
+    Case("model-invalid", "a node reading a value nothing defines",
+         lambda c: lossgraph.compile(linear(("MatMul(x, coef)", "MatMul(x, kofe)"))),
+         InvalidModelError, "not a valid ONNX model"),
+    Case("model-empty-graph", "a graph without nodes",
+         lambda c: lossgraph.compile(parse("""<ir_version: 8, opset_import: ["" : 18]>
+             g (float[N, 4] x) => (float[N, 4] x) { }""")),
+         UnsupportedModelError, "has no nodes"),
+    Case("model-no-initializers", "weights kept in Constant nodes",
+         lambda c: lossgraph.compile(parse("""<ir_version: 8, opset_import: ["" : 18]>
+             g (float[N, 4] x) => (float[N, 1] y) {
+                 c = Constant <value = float[4, 1] {1, 2, 3, 4}> ()
+                 y = MatMul(x, c) }""")),
+         UnsupportedModelError, "Constant nodes ('c')"),
+    Case("model-no-trainable-weights", "only integer initializers",
+         lambda c: lossgraph.compile(parse("""<ir_version: 8, opset_import: ["" : 18]>
+             g (float[N, 4] x) => (float[N, 4] y) <int64[1] axis = {1}> {
+                 y = Relu(x) }""")),
+         UnsupportedModelError, "'axis' (int64[1])"),
+    Case("model-fixed-batch", "a torch export without dynamic axes (input float[1, 4])",
+         lambda c: lossgraph.compile(linear(FIXED_BATCH)),
+         UnsupportedModelError, "Input 'x' has a fixed batch dimension of 1"),
+    Case("model-scalar-input", "a data input without a batch axis",
+         lambda c: lossgraph.compile(linear(("float[N, 4] x)", "float[N, 4] x, float t)"))),
+         UnsupportedModelError, "Input 't' is a scalar"),
+    Case("model-zipmap", "a skl2onnx classifier with its default ZipMap output",
+         lambda c: lossgraph.compile(zipmap_classifier(), loss="cross_entropy"),
+         UnsupportedModelError, "options={'zipmap': False}"),
+    Case("model-tree-ensemble", "an ai.onnx.ml TreeEnsembleRegressor",
+         lambda c: lossgraph.compile(tree_ensemble()), UnsupportedModelError,
+         "Node 'tree' is an ai.onnx.ml TreeEnsembleRegressor"),
+    Case("model-opset-too-old", "ai.onnx opset 9",
+         lambda c: lossgraph.compile(linear(('"" : 18', '"" : 9'))), UnsupportedModelError,
+         "opset 9"),
+    Case("model-opset-too-new-for-default", "ai.onnx opset 23 for the default target",
+         lambda c: lossgraph.compile(linear(('"" : 18', '"" : 23'))), UnsupportedModelError,
+         "target='onnxruntime'"),
+    Case("model-opset-too-new", "ai.onnx opset 26, newer than any target",
+         lambda c: lossgraph.compile(linear(('"" : 18', '"" : 26')), target="onnxruntime"),
+         UnsupportedModelError, "opset 26"),
+    Case("model-loop-without-rule", "a Loop between a weight and the loss",
+         lambda c: lossgraph.compile(parse(LOOP)), MissingGradientError, "op 'Loop'"),
+    Case("model-scan-without-rule", "a Scan between a weight and the loss",
+         lambda c: lossgraph.compile(parse(SCAN), loss_options={"output_index": "y"}),
+         MissingGradientError, "op 'Scan'"),
+    Case("model-roles-not-json", "a lossgraph.roles metadata entry that is not JSON",
+         lambda c: lossgraph.compile(with_roles("{loss: loss}")), InvalidModelError,
+         "'lossgraph.roles' is not JSON"),
+    Case("model-roles-not-an-object", "a lossgraph.roles entry that is a JSON list",
+         lambda c: lossgraph.compile(with_roles('["loss"]')), InvalidModelError,
+         "must be a JSON object"),
+    Case("model-roles-unknown-tensor", "lossgraph.roles naming a loss the model lacks",
+         lambda c: lossgraph.compile(with_roles(
+             '{"loss": "cost", "label": "x", "prediction": "y"}'), loss=None),
+         InvalidModelError, "names 'cost' as the loss"),
+    Case("model-loss-none-without-loss", "loss=None for an inference model",
+         lambda c: lossgraph.compile(linear(), loss=None), UnsupportedModelError,
+         "records no loss output"),
+    Case("model-has-loss-already", "a model with a loss, compiled with a loss name",
+         lambda c: lossgraph.compile(lossgraph.add_loss_output(linear())),
+         UnsupportedModelError, "pass loss=None"),
+    Case("model-mixed-float-weights", "float and double weights in one model",
+         lambda c: lossgraph.compile(parse("""<ir_version: 8, opset_import: ["" : 18]>
+             g (float[N, 2] x) => (float[N, 2] y) <float[2] a = {1, 2}, double[2] d = {3, 4}> {
+                 e = Cast <to = 1> (d)
+                 t = Mul(x, a)
+                 y = Add(t, e) }""")),
+         UnsupportedModelError, "'a' is float32, 'd' is float64"),
+    Case("model-cross-entropy-one-column", "cross_entropy on a one-column output",
+         lambda c: lossgraph.compile(parse(BINARY), loss="cross_entropy"),
+         ShapeMismatchError, "at least 2 classes"),
+    # -- compile options ---------------------------------------------------------------------
+    Case("loss-unknown", "loss='squred_error'",
+         lambda c: c.program(loss="squred_error"), UnsupportedOptionError,
+         "Did you mean 'squared_error'"),
+    Case("loss-wrong-type", "loss=3", lambda c: c.program(loss=3), UnsupportedOptionError,
+         "loss=3 must be a score name"),
+    Case("loss-options-unknown-key", "loss_options={'dleta': 2.0} for huber",
+         lambda c: c.program(loss="huber", loss_options={"dleta": 2.0}),
+         UnsupportedOptionError, "no key 'dleta'"),
+    Case("loss-options-compile-key", "loss_options={'score_name': 'l1'}",
+         lambda c: c.program(loss_options={"score_name": "l1"}), UnsupportedOptionError,
+         "pass it to compile itself as loss="),
+    Case("loss-options-not-a-dict", "loss_options=['reduction', 'sum']",
+         lambda c: c.program(loss_options=["reduction", "sum"]), UnsupportedOptionError,
+         "loss_options=['reduction', 'sum'] must be a dict"),
+    Case("loss-options-bad-value", "loss_options={'delta': 'wide'} for huber",
+         lambda c: c.program(loss="huber", loss_options={"delta": "wide"}),
+         UnsupportedOptionError, "delta='wide'"),
+    Case("loss-options-without-loss", "loss_options with loss=None",
+         lambda c: c.program(lossgraph.add_loss_output(linear()), loss=None,
+                             loss_options={"reduction": "sum"}),
+         UnsupportedOptionError, "no effect with loss=None"),
+    Case("penalty-not-a-dict", "penalty=0.1", lambda c: c.program(penalty=0.1),
+         UnsupportedOptionError, "penalty=0.1 must be a dict by weight name"),
+    Case("penalty-bad-key", "penalty={'coef': {'l3': 1}}",
+         lambda c: c.program(penalty={"coef": {"l3": 1}}), UnsupportedOptionError,
+         "unknown key 'l3'"),
+    Case("penalty-negative", "penalty={'coef': -0.1}",
+         lambda c: c.program(penalty={"coef": -0.1}), UnsupportedOptionError, "l2=-0.1"),
+    Case("penalty-unknown-weight", "penalty={'coeff': 0.1}",
+         lambda c: c.program(penalty={"coeff": 0.1}), UnknownNameError, "Did you mean 'coef'"),
+    Case("penalty-frozen-weight", "a penalty on a weight that is not trained",
+         lambda c: c.program(trainable=["intercept"], penalty={"coef": 0.1}),
+         UnsupportedOptionError, "penalty names 'coef', which is not trained"),
+    Case("optimizer-unknown-name", "optimizer='adamm'",
+         lambda c: c.program(optimizer="adamm"), UnsupportedOptionError, "Did you mean 'Adam'"),
+    Case("optimizer-class", "optimizer=Adam (the class)",
+         lambda c: c.program(optimizer=Adam), UnsupportedOptionError,
+         "optimizer=Adam is a class"),
+    Case("optimizer-dict-unknown-option", "optimizer={'type': 'Adam', 'lr': 0.1}",
+         lambda c: c.program(optimizer={"type": "Adam", "lr": 0.1}), UnsupportedOptionError,
+         "Adam has no option 'lr'"),
+    Case("optimizer-wrong-type", "optimizer=0.01", lambda c: c.program(optimizer=0.01),
+         UnsupportedOptionError, "optimizer=0.01 is not an optimizer"),
+    Case("optimizer-bad-hyper-parameter", "SGD(learning_rate=-1)",
+         lambda c: c.program(optimizer=SGD(-1)), UnsupportedOptionError,
+         "learning_rate=-1"),
+    Case("fuse-unknown", "fuse='scan'", lambda c: c.program(fuse="scan"),
+         UnsupportedOptionError, "fuse='scan'"),
+    Case("fuse-wrong-type", "fuse=1", lambda c: c.program(fuse=1), UnsupportedOptionError,
+         "fuse=1 is not accepted"),
+    Case("target-unknown", "target='onnxruntime-2'",
+         lambda c: c.program(target="onnxruntime-2"), UnsupportedOptionError,
+         "Unknown target 'onnxruntime-2'"),
+    Case("target-wrong-type", "target=21", lambda c: c.program(target=21),
+         UnsupportedOptionError, "target=21 must be a name"),
+    Case("gradient-unknown", "gradient='torch'", lambda c: c.program(gradient="torch"),
+         UnsupportedOptionError, "gradient='torch' is not accepted"),
+    Case("trainable-empty", "trainable=[]", lambda c: c.program(trainable=[]),
+         UnsupportedOptionError, "trainable=[] names no weight"),
+    Case("trainable-duplicate", "trainable=['coef', 'coef']",
+         lambda c: c.program(trainable=["coef", "coef"]), UnsupportedOptionError,
+         "names 'coef' more than once"),
+    Case("trainable-misspelt-name", "trainable='cof' (one name, misspelt)",
+         lambda c: c.program(trainable="cof"), UnknownNameError, "'cof' is not an initializer"),
+    Case("trainable-not-a-name", "trainable=[0]", lambda c: c.program(trainable=[0]),
+         UnsupportedOptionError, "trainable holds 0 (int)"),
+    Case("trainable-an-input", "trainable=['x'] (a data input)",
+         lambda c: c.program(trainable=["x"]), UnknownNameError, "'x' is not an initializer"),
+    # -- fit options -------------------------------------------------------------------------
+    *[Case(f"batch-size-{label}", f"batch_size={value!r}",
+           lambda c, v=value: c.fit(batch_size=v), UnsupportedOptionError,
+           f"batch_size={value!r}")
+      for label, value in [("zero", 0), ("negative", -5), ("float", 2.5), ("string", "10"),
+                           ("bool", True)]],
+    *[Case(f"epochs-{label}", f"epochs={value!r}",
+           lambda c, v=value: c.fit(epochs=v), UnsupportedOptionError, f"epochs={value!r}")
+      for label, value in [("negative", -1), ("float", 1.5), ("string", "2"), ("bool", True)]],
+    *[Case(f"random-state-{label}", f"random_state={value!r}",
+           lambda c, v=value: c.fit(random_state=v), UnsupportedOptionError,
+           f"random_state={value!r}")
+      for label, value in [("negative", -1), ("float", 0.5), ("string", "seed")]],
+    Case("shuffle-not-bool", "shuffle='no'", lambda c: c.fit(shuffle="no"),
+         UnsupportedOptionError, "shuffle='no' must be True or False"),
+    Case("callback-not-callable", "callbacks=[print, 1]",
+         lambda c: c.fit(callbacks=[print, 1]), UnsupportedOptionError,
+         "callbacks[1]=1 is not callable"),
+    Case("callbacks-not-a-list", "callbacks=3", lambda c: c.fit(callbacks=3),
+         UnsupportedOptionError, "callbacks=3 must be a list"),
+    Case("trainer-of-a-model", "Trainer(model) instead of Trainer(program)",
+         lambda c: lossgraph.Trainer(linear()), UnsupportedOptionError,
+         "Trainer(lossgraph.compile(model))"),
+    Case("providers-unknown", "providers=['NoSuchExecutionProvider']",
+         lambda c: lossgraph.Trainer(c.program(), providers=["NoSuchExecutionProvider"]),
+         UnsupportedOptionError, "'NoSuchExecutionProvider', which this onnxruntime does not"),
+    # -- data --------------------------------------------------------------------------------
+    Case("x-wrong-dtype", "float64 X for a float32 model", lambda c: c.fit(X.astype(np.float64)),
+         DTypeMismatchError, "float32 of shape (N, 4): convert it first with .astype(np.float32)"),
+    Case("x-wrong-width", "X with 5 features for a 4-feature model",
+         lambda c: c.fit(np.ones((len(X), 5), np.float32)), ShapeMismatchError,
+         "X has shape (205, 5) but input 'x' of the model is float32 of shape (N, 4)"),
+    Case("x-one-dimensional", "a 1-D X", lambda c: c.fit(X[:, 0].copy()), ShapeMismatchError,
+         "X has shape (205,)"),
+    Case("x-strings", "X of strings", lambda c: c.fit(np.full((len(X), 4), "a")),
+         DTypeMismatchError, "X holds <U1 values, not numbers"),
+    Case("x-mixed-frame", "a DataFrame with a text column", lambda c: c.fit(Frame(), Y[:3]),
+         DTypeMismatchError, "X holds object values"),
+    Case("x-ragged-list", "a list of rows of different lengths",
+         lambda c: c.fit([[1.0, 2.0, 3.0, 4.0], [1.0]], [1.0, 2.0]), InvalidDataError,
+         "rows differ in length"),
+    Case("y-wrong-shape", "y of shape (N, 2) for an (N, 1) output",
+         lambda c: c.fit(y=np.ones((len(X), 2), np.float32)), ShapeMismatchError,
+         "y has shape (205, 2)"),
+    Case("rows-differ", "205 rows of X, 204 labels", lambda c: c.fit(y=Y[:-1]),
+         ShapeMismatchError, "different numbers of rows: {'x': 205, 'label': 204}"),
+    Case("data-empty", "X and y without rows", lambda c: c.fit(X[:0], Y[:0]),
+         InvalidDataError, "X has no rows"),
+    Case("data-empty-list", "X=[]", lambda c: c.fit([], []), InvalidDataError,
+         "X has no rows"),
+    Case("y-missing", "fit(X) without labels", lambda c: c.fit(y=None), InvalidDataError,
+         "y is missing"),
+    Case("x-nan", "NaN in X (row 37)", lambda c: c.fit(with_value(X, 37, np.nan, 2)),
+         InvalidDataError, "X holds nan at row 37, column 2"),
+    Case("x-inf-last-partial-batch", "inf in the last, partial batch (row 204 of 205)",
+         lambda c: c.fit(with_value(X, 204, np.inf, 0), batch_size=10, shuffle=False),
+         InvalidDataError, "X holds inf at row 204"),
+    Case("y-nan-shuffled", "NaN in y with shuffling",
+         lambda c: c.fit(y=with_value(Y, 3, np.nan), shuffle=True, random_state=0),
+         InvalidDataError, "y holds nan at row 3"),
+    Case("sample-weight-nan", "NaN sample weight",
+         lambda c: c.fit(sample_weight=with_value(np.ones(len(X), np.float32), 9, np.nan),
+                         compile_options={"loss_options": {"weight_name": "w"}}),
+         InvalidDataError, "sample_weight holds nan at row 9"),
+    Case("sample-weight-negative", "a negative sample weight",
+         lambda c: c.fit(sample_weight=with_value(np.ones(len(X), np.float32), 5, -1.0),
+                         compile_options={"loss_options": {"weight_name": "w"}}),
+         InvalidDataError, "sample_weight is negative at row 5"),
+    Case("sample-weight-all-zero", "sample weights all zero",
+         lambda c: c.fit(sample_weight=np.zeros(len(X), np.float32),
+                         compile_options={"loss_options": {"weight_name": "w"}}),
+         InvalidDataError, "sample_weight is all zero"),
+    Case("sample-weights-zero-batch", "a batch whose sample weights are all zero (0/0 mean)",
+         lambda c: c.fit(sample_weight=with_value(np.ones(len(X), np.float32), slice(0, 10), 0),
+                         shuffle=False, compile_options={"loss_options": {"weight_name": "w"}}),
+         InvalidDataError, "The sample weights of epoch 0, batch 0 are all zero"),
+    Case("sample-weight-without-input", "sample_weight for a program without a weight input",
+         lambda c: c.fit(sample_weight=np.ones(len(X), np.float32)), UnsupportedOptionError,
+         "loss_options={'weight_name': 'sample_weight'}"),
+    Case("sample-weight-wrong-shape", "sample weights of shape (N, 1)",
+         lambda c: c.fit(sample_weight=np.ones((len(X), 1), np.float32),
+                         compile_options={"loss_options": {"weight_name": "w"}}),
+         ShapeMismatchError, "sample_weight has shape (205, 1)"),
+    Case("validation-nan", "NaN in validation_data's X",
+         lambda c: c.fit(validation_data=(with_value(X[:50], 7, np.nan, 1), Y[:50])),
+         InvalidDataError, "validation_data X holds nan at row 7, column 1"),
+    Case("validation-not-a-tuple", "validation_data=X_val",
+         lambda c: c.fit(validation_data=X[:50]), InvalidDataError,
+         "validation_data must be a tuple (X, y)"),
+    Case("validation-one-item", "validation_data=(X_val,)",
+         lambda c: c.fit(validation_data=(X[:50],)), InvalidDataError, "got 1 item."),
+    Case("labels-out-of-range", "class label 3 for a 3-class cross_entropy model",
+         lambda c: c.fit(y=with_value(np.zeros(len(X), np.int64), 11, 3), model=parse(CLASSIFIER),
+                         compile_options={"loss": "cross_entropy"}),
+         InvalidDataError, "class label 3 at row 11, but the model's classes are 0..2"),
+    Case("labels-negative", "class label -1",
+         lambda c: c.fit(y=with_value(np.zeros(len(X), np.int64), 4, -1), model=parse(CLASSIFIER),
+                         compile_options={"loss": "cross_entropy"}),
+         InvalidDataError, "class label -1 at row 4"),
+    Case("labels-not-binary", "label 2 for the binary log loss",
+         lambda c: c.fit(y=with_value(np.zeros(len(X), np.int64), 8, 2), model=parse(BINARY),
+                         compile_options={"loss": "log"}),
+         InvalidDataError, "class label 2 at row 8, but the model's classes are 0..1"),
+    Case("labels-float", "float labels for a classification loss",
+         lambda c: c.fit(y=np.zeros(len(X), np.float32), model=parse(CLASSIFIER),
+                         compile_options={"loss": "cross_entropy"}),
+         DTypeMismatchError, "y is float32 but input 'label' of the model is int64"),
+    Case("labels-fractional-list", "a list of labels [0.5, ...] for class indices",
+         lambda c: c.fit(X[:2], [0.5, 1.0], model=parse(CLASSIFIER),
+                         compile_options={"loss": "cross_entropy"}),
+         DTypeMismatchError, "non-integral numbers"),
+    Case("batches-with-separate-y", "a list of (X, y) batches and a separate y",
+         lambda c: c.fit([(X[:100], Y[:100]), (X[100:], Y[100:])], Y), InvalidDataError,
+         "leave y and sample_weight out"),
+    Case("generator-with-separate-y", "a generator of batches and a separate y",
+         lambda c: c.fit(((X, Y) for _ in range(2)), Y), InvalidDataError,
+         "iterable of (X, y[, sample_weight]) batches"),
+    Case("batch-not-a-tuple", "a list of arrays without labels",
+         lambda c: c.fit([X[:100], X[100:]], None), InvalidDataError,
+         "Batch 0 is not an (X, y)"),
+    Case("batch-nan", "NaN in the second streamed batch (checked when it comes)",
+         lambda c: c.fit([(X[:50], Y[:50]), (with_value(X[50:100], 2, np.nan, 0), Y[50:100])],
+                         None), InvalidDataError, "batch 1 X holds nan at row 2", trains=True),
+    Case("batches-empty", "an empty iterable of batches",
+         lambda c: c.fit(iter([]), None), InvalidDataError, "The iterable of batches was empty"),
+    Case("batches-one-shot", "a one-shot generator for two epochs", one_shot, InvalidDataError,
+         "function that returns a new iterator"),
+    Case("x-dict-unknown-input", "X as a dict naming an input the model lacks",
+         lambda c: c.fit({"z": X}), UnknownNameError, "X names 'z', not a feature input"),
+    Case("predict-wrong-width", "predict on 3 features",
+         lambda c: c.trainer().predict(X[:, :3]), ShapeMismatchError, "X has shape (205, 3)"),
+    Case("score-nan", "score on NaN labels",
+         lambda c: c.trainer().score(X, with_value(Y, 0, np.nan)), InvalidDataError,
+         "y holds nan at row 0"),
+    Case("set-state-unknown-name", "set_state({'cof': ...})",
+         lambda c: c.trainer().set_state({"cof": np.zeros((4, 1), np.float32)}),
+         UnknownNameError, "Did you mean 'coef'"),
+    Case("set-state-nan", "set_state with NaN weights",
+         lambda c: c.trainer().set_state({"coef": np.full((4, 1), np.nan, np.float32)}),
+         InvalidDataError, "State 'coef' holds NaN"),
+    # -- divergence --------------------------------------------------------------------------
+    *[Case(f"diverge-{mode}", f"a loss overflowing at epoch 1, batch 3 (fuse={mode!r})",
+           lambda c, m=mode: diverge(c, m), ConvergenceError, "epoch 1, batch 3", trains=True)
+      for mode in ("separate", "step", "epoch")],
+    Case("diverge-last-partial-batch", "a loss overflowing in the last, partial batch",
+         lambda c: diverge(c, "epoch", bad_row=203), ConvergenceError, "epoch 1, batch 20",
+         trains=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_every_bad_input_gets_a_named_lossgraph_error_before_any_work(case, tmp_path):
+    ctx = Context(tmp_path)
+    with pytest.raises(LossgraphError) as caught:
+        case.provoke(ctx)
+    assert type(caught.value) is case.error, caught.value
+    assert case.fragment in str(caught.value)
+    if not case.trains:
+        for trainer in ctx.trainers:
+            assert trainer.steps_ == 0 and trainer.epochs_ == 0
+            for name, value in trainer.program.state.items():
+                np.testing.assert_array_equal(trainer.state[name], value, err_msg=name)
+
+
+def test_catalogue_ids_are_unique_and_at_least_forty():
+    ids = [case.id for case in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 40
+
+
+def test_every_catalogue_case_is_listed_in_the_errors_page():
+    page = ERRORS_PAGE.read_text()
+    missing = [case.id for case in CASES if f"`{case.id}`" not in page]
+    assert not missing, f"add to docs/reference/errors.md (python {__file__}): {missing}"
+
+
+# -- divergence keeps the last good state ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
+def test_a_diverging_fit_keeps_the_state_before_the_failing_step_or_epoch(mode, tmp_path):
+    ctx = Context(tmp_path)
+    with pytest.raises(ConvergenceError, match="epoch 1, batch 3"):
+        diverge(ctx, mode)
+    (trainer,) = ctx.trainers
+    expected = lossgraph.Trainer(trainer.program)
+    expected.fit(X, Y, epochs=1, batch_size=10, shuffle=False, progress=False)
+    if mode != "epoch":  # the three good steps before the failing one; epoch mode: none
+        expected.fit(X[:30], Y[:30], epochs=1, batch_size=10, shuffle=False, warm_start=True,
+                     progress=False)
+    assert trainer.steps_ == expected.steps_ and trainer.epochs_ == 1
+    for name, value in expected.state.items():
+        np.testing.assert_array_equal(trainer.state[name], value, err_msg=name)
+
+
+def test_nan_written_into_checked_data_is_still_named_by_row():
+    """Arrays checked once are not checked again on the next fit; a NaN written into one
+    in between makes the loss NaN, and the error still names its row."""
+    data = X.copy()
+    trainer = lossgraph.Trainer(lossgraph.compile(linear(), optimizer=SGD(0.01)))
+    trainer.fit(data, Y, batch_size=10, shuffle=False, progress=False)
+    data[57, 1] = np.nan
+    with pytest.raises(InvalidDataError, match="row 57, epoch 1, batch 5"):
+        trainer.fit(data, Y, batch_size=10, shuffle=False, warm_start=True, progress=False)
+
+
+# -- inputs accepted on purpose ----------------------------------------------------------------
+
+
+def trained(X_data: Any = X, y_data: Any = Y, **fit_options: Any) -> dict[str, np.ndarray]:
+    trainer = lossgraph.Trainer(lossgraph.compile(linear(), optimizer=SGD(0.01)))
+    fit_options = {"epochs": 2, "batch_size": 20, "random_state": 0, "progress": False,
+                   **fit_options}
+    return trainer.fit(X_data, y_data, **fit_options).state
+
+
+REFERENCE = trained()
+
+
+def assert_same_state(state: dict[str, np.ndarray]) -> None:
+    for name, value in REFERENCE.items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+
+
+def test_python_lists_train_like_arrays_in_the_models_dtype():
+    assert_same_state(trained(X.tolist(), Y.tolist()))
+
+
+class ArrayLike:
+    """An object that is not an ndarray but converts to one (a torch tensor, an xarray...)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self._array
+
+
+class ToNumpy(ArrayLike):
+    """A pandas-like object: ``to_numpy()`` only."""
+
+    __array__ = None  # type: ignore[assignment]
+
+    def to_numpy(self) -> np.ndarray:
+        return self._array
+
+
+@pytest.mark.parametrize("wrap", [ArrayLike, ToNumpy])
+def test_array_like_objects_train_like_arrays(wrap):
+    assert_same_state(trained(wrap(X), wrap(Y)))
+
+
+def test_pandas_frames_train_like_arrays():
+    pandas = pytest.importorskip("pandas")
+    assert_same_state(trained(pandas.DataFrame(X), pandas.Series(Y)))
+
+
+@pytest.mark.parametrize("layout", ["fortran", "strided", "read-only"])
+def test_any_memory_layout_trains_the_same_and_the_data_is_never_written(layout):
+    if layout == "fortran":
+        data = np.asfortranarray(X)
+    elif layout == "strided":
+        data = np.repeat(X, 2, axis=1)[:, ::2]
+    else:
+        data = X.copy()
+        data.setflags(write=False)
+    labels = Y.copy()
+    labels.setflags(write=False)
+    before = data.copy()
+    assert_same_state(trained(data, labels))
+    np.testing.assert_array_equal(data, before)
+
+
+def test_an_optimizer_by_name_or_dict_form_equals_the_instance():
+    programs = [lossgraph.compile(linear(), optimizer=optimizer)
+                for optimizer in (Adam(), "adam", "Adam", {"type": "Adam"})]
+    assert all(p.manifest["optimizer"] == programs[0].manifest["optimizer"] for p in programs)
+
+
+def test_a_single_weight_name_is_one_weight_never_letters():
+    assert lossgraph.compile(linear(), trainable="coef").weights == ["coef"]
+
+
+def test_a_single_callable_is_one_callback():
+    seen = []
+    trainer = lossgraph.Trainer(lossgraph.compile(linear()))
+    trainer.fit(X, Y, epochs=2, progress=False, callbacks=lambda t, e, logs: seen.append(e))
+    assert seen == [0, 1]
+
+
+def test_zero_epochs_train_nothing():
+    trainer = lossgraph.Trainer(lossgraph.compile(linear())).fit(X, Y, epochs=0, progress=False)
+    assert trainer.steps_ == 0 and trainer.train_losses_ == []
+
+
+def test_a_model_that_imputes_missing_values_takes_nan_features():
+    imputing = parse("""<ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 4] x) => (float[N, 1] y)
+        <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}, float zero = {0}>
+        { missing = IsNaN(x)
+          filled = Where(missing, zero, x)
+          h = MatMul(filled, coef)
+          y = Add(h, intercept) }""")
+    trainer = lossgraph.Trainer(lossgraph.compile(imputing, optimizer=SGD(0.01)))
+    trainer.fit(with_value(X, 3, np.nan, 1), Y, epochs=2, progress=False)
+    assert all(np.isfinite(v).all() for v in trainer.state.values())
+    assert trainer.train_losses_[-1] < trainer.train_losses_[0]
+
+
+def test_opsets_are_checked_at_compile_time_not_when_loading(tmp_path):
+    path = tmp_path / "old.onnx"
+    onnx.save(linear(('"" : 18', '"" : 9')), path)
+    assert lossgraph.models.as_model(path).opset_import[0].version == 9
+    with pytest.raises(UnsupportedModelError, match="opset 9"):
+        lossgraph.compile(path)
+
+
+def test_external_data_inside_the_model_folder_loads(tmp_path):
+    path = external_model(tmp_path / "m", "weights/coef.bin", tmp_path / "m" / "weights" /
+                          "coef.bin")
+    program = lossgraph.compile(path)
+    np.testing.assert_array_equal(program.state["coef"].ravel(),
+                                  np.array([0.1, -0.2, 0.3, 0.0], np.float32))
+
+
+def test_external_data_of_an_in_memory_model_is_never_read_from_the_current_folder(
+        tmp_path, monkeypatch):
+    """onnx would read ``coef.bin`` from the current directory for a ModelProto."""
+    path = external_model(tmp_path / "m", "coef.bin", tmp_path / "m" / "coef.bin")
+    monkeypatch.chdir(tmp_path / "m")
+    with pytest.raises(InvalidModelError, match="was not loaded"):
+        lossgraph.models.as_model(onnx.load(path, load_external_data=False))
+
+
+# -- the table in docs/reference/errors.md -----------------------------------------------------
+
+
+def markdown_table(tmp: Path) -> str:
+    """The catalogue as a markdown table with the messages of this run."""
+    rows = ["| id | input | error | message |", "|---|---|---|---|"]
+    for case in CASES:
+        folder = tmp / case.id
+        folder.mkdir()
+        try:
+            case.provoke(Context(folder))
+        except LossgraphError as error:
+            message = str(error).replace(str(folder), "<tmp>").replace(os.getcwd(), "<cwd>")
+        else:
+            message = "(no error: the catalogue is broken)"
+        message = re.sub(r"\s+", " ", message).replace("|", "\\|")
+        rows.append(f"| `{case.id}` | {case.input} | `{case.error.__name__}` | {message} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.stdout.write(markdown_table(Path(tmp)))

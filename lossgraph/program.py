@@ -182,8 +182,7 @@ def compile(  # noqa: A001 - the name the issue asks for, mirrors torch.compile
 
 def _compile(model: ModelLike, trainable: Any, loss: Any, loss_options: Any, penalty: Any,
              optimizer: Any, gradient: Any, fuse: Any) -> TrainingProgram:
-    checked = compile_options(trainable, loss, loss_options, penalty, optimizer, gradient, fuse,
-                              FUSE_MODES)
+    checked = compile_options(trainable, loss, loss_options, penalty, optimizer, gradient, fuse)
     optimizer, gradient, fuse, options = (checked.optimizer, checked.gradient, checked.fuse,
                                           checked.loss_options)
     given = as_model(model)

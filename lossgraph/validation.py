@@ -37,6 +37,7 @@ from .errors import (
     suggest,
 )
 from .graphs import FLOAT_TYPES, elem_type_name
+from .manifest import FUSE_MODES
 from .optim import Optimizer, as_optimizer
 from .passes.loss import OUTPUT_OPTIONS, parse_penalty, resolve_score
 
@@ -154,10 +155,9 @@ class CompileOptions:
 
 
 def compile_options(trainable: Any, loss: Any, loss_options: Any, penalty: Any,
-                    optimizer: Any, gradient: Any, fuse: Any,
-                    fuse_modes: Sequence[str]) -> CompileOptions:
+                    optimizer: Any, gradient: Any, fuse: Any) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
-    fuse = choice("fuse", fuse, fuse_modes)
+    fuse = choice("fuse", fuse, FUSE_MODES)
     gradient = choice("gradient", gradient, GRADIENT_BACKENDS)
     options = _loss_options(loss, loss_options)
     parse_penalty(penalty)

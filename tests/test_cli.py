@@ -134,7 +134,7 @@ BAD_COMMANDS = {
     "lower-ml junk": lambda t: ["lower-ml", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
     "alphabetize junk": lambda t: ["alphabetize", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
     "trainable junk": lambda t: ["trainable", _file(t, "j.onnx", JUNK)],
-    # "trainable empty file": awaiting as_model's empty-bytes check
+    "trainable empty file": lambda t: ["trainable", _file(t, "e.onnx", b"")],
     "trainable missing file": lambda t: ["trainable", f"{t}/missing.onnx"],
     "train junk program": lambda t: ["train", _file(t, "j.onnx", JUNK), "--data", _data(t),
                                      "-o", f"{t}/o.onnx"],

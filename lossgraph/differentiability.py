@@ -33,7 +33,7 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "Trilu": frozenset({1}),
     "Resize": frozenset({1, 2, 3}),
     "Upsample": frozenset({1}),
-    "OneHot": _ALL,
+    "OneHot": frozenset({0, 1}),
     "ConstantOfShape": _ALL,
     "Range": _ALL,
     "ReduceSum": frozenset({1}),
@@ -46,8 +46,8 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "ReduceSumSquare": frozenset({1}),
     "ReduceLogSum": frozenset({1}),
     "ReduceLogSumExp": frozenset({1}),
-    "SoftmaxCrossEntropyLoss": frozenset({1, 2}),
-    "NegativeLogLikelihoodLoss": frozenset({1, 2}),
+    "SoftmaxCrossEntropyLoss": frozenset({1}),
+    "NegativeLogLikelihoodLoss": frozenset({1}),
     "Where": frozenset({0}),
     "CastLike": frozenset({1}),
     "If": frozenset({0}),
@@ -64,11 +64,16 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "EyeLike": _ALL,
 }
 
-#: op type -> float inputs that carry a gradient but are statistics, not weights
-#: (BatchNormalization's running mean and variance are updated, never trained): the
-#: gradient pass differentiates them when asked, ``trainable_initializers`` skips them.
+#: op type -> float inputs that carry a gradient but are not weights: statistics
+#: (BatchNormalization's running mean and variance are updated, never trained) and
+#: constants (class weights, one-hot values). The gradient pass differentiates them
+#: when asked; ``trainable_initializers`` skips them.
 NON_TRAINABLE_INPUTS: dict[str, frozenset[int]] = {
     "BatchNormalization": frozenset({3, 4}),
+    # class weights and one-hot values are constants of the loss or the encoding
+    "SoftmaxCrossEntropyLoss": frozenset({2}),
+    "NegativeLogLikelihoodLoss": frozenset({2}),
+    "OneHot": frozenset({2}),
 }
 
 

@@ -65,3 +65,21 @@ def test_weights_captured_by_a_subgraph_are_trainable():
               else_branch = g2 () => (float[N, 2] e) { e = Identity(x) } > }
     """)
     assert trainable_initializers(model) == ["a"]
+
+
+def test_differentiable_constants_of_losses_and_encodings_are_not_trainable():
+    """Class weights and one-hot values carry gradients (asked for by name) but are not
+    weights to train, like batch-normalization statistics."""
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        net (float[N, 3] x, int64[N] label, int64[N] code) => (float loss)
+        <float[3, 3] w = {1, 0, 0, 0, 1, 0, 0, 0, 1}, float[3] class_weight = {1, 2, 1},
+         float[2] off_on = {0, 1}, int64 depth = {3}>
+        {
+            scores = MatMul(x, w)
+            hot = OneHot(code, depth, off_on)
+            shifted = Add(scores, hot)
+            loss = SoftmaxCrossEntropyLoss(shifted, label, class_weight)
+        }
+    """)
+    assert trainable_initializers(model) == ["w"]

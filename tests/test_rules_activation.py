@@ -243,6 +243,28 @@ def test_softmax_family_matches_finite_differences_along_each_axis(rng, op, axis
     check_gradients(model, {"x": rng.normal(size=(2, 3, 4))}, ort=True)
 
 
+def test_softmax_of_a_fully_masked_row_has_zero_gradient_not_nan(rng):
+    """ONNX attention: a row of -inf gives NaN probabilities, which a Where replaces by 0.
+    The forward is finite, and so is the gradient: 0 for the masked row."""
+    mask = np.array([[0.0, 0.0, -np.inf, 0.0], [-np.inf] * 4, [0.0, -np.inf, 0.0, 0.0]])
+    model = f"""
+        <ir_version: 8, opset_import: ["" : 13]>
+        g (double[3, 4] x) => (double[3, 4] y)
+        <double[3, 4] mask = {{{", ".join(map(str, mask.ravel()))}}}, double zero = {{0}}>
+        {{
+            s = Add(x, mask)
+            p = Softmax(s)
+            row_max = ReduceMax <axes = [1]> (mask)
+            ninf = Constant <value = double {{-inf}}> ()
+            masked = Equal(row_max, ninf)
+            y = Where(masked, zero, p)
+        }}
+    """
+    grads = check_gradients(model, {"x": rng.normal(size=(3, 4))}, ort=False)
+    assert np.all(np.isfinite(grads["x"]))
+    np.testing.assert_array_equal(grads["x"][1], np.zeros(4))
+
+
 @pytest.mark.torch
 def test_log_softmax_matches_torch_autograd(rng):
     import torch
@@ -347,11 +369,29 @@ def test_cross_entropy_matches_torch_autograd_with_weights_and_ignore_index(rng,
                     wrt=["s"], reference={"s": st.grad.numpy()})
 
 
-def test_loss_class_weights_are_not_differentiable():
+def test_loss_class_weights_are_differentiable_but_never_trained():
     from lossgraph.differentiability import differentiable_inputs
 
     for op in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"):
-        assert differentiable_inputs(op, "", 3) == [0]
+        assert differentiable_inputs(op, "", 3) == [0, 2]
+        assert differentiable_inputs(op, "", 3, trainable=True) == [0]
+
+
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("reduction, spatial, ignore, weighted",
+                         [c for c in LOSS_CASES if c[3]])
+def test_loss_gradient_wrt_class_weights_matches_finite_differences(rng, op, reduction,
+                                                                   spatial, ignore, weighted):
+    inputs = {"s": rng.normal(size=(3, 4, *spatial)),
+              "t": _labels(rng, (3, *spatial), 4, ignore), "w": rng.uniform(0.5, 2.0, size=4)}
+    grads = check_gradients(_loss_model(op, reduction, spatial, ignore, weighted), inputs,
+                            wrt=["s", "w"])
+    if op == "NegativeLogLikelihoodLoss" and reduction == "sum":  # -sum over t_i = c of s
+        r = float(cotangent((), np.float64))
+        kept = inputs["t"] != ignore
+        picked = np.take_along_axis(inputs["s"], inputs["t"].clip(0, 3)[:, None], 1)[:, 0]
+        expected = [-r * picked[kept & (inputs["t"] == c)].sum() for c in range(4)]
+        np.testing.assert_allclose(grads["w"], expected, rtol=1e-9)
 
 
 @pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])

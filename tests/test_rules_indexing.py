@@ -250,6 +250,23 @@ def test_trilu_gradient_masks_dy(rng, upper, k):
     check_gradients(text, {"x": x}, reference={"x": ref}, ort=True)
 
 
+# ----------------------------------------------------------------------------- OneHot
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_one_hot_values_get_the_sums_of_dy_off_and_on(rng, axis):
+    """float32: onnxruntime has no OneHot with double values."""
+    i = np.array([[0, 2, -1], [1, 1, 3]])
+    values = np.array([0.3, 1.7], np.float32)
+    shape = list(i.shape)
+    shape.insert(axis % 3, 4)
+    text = model(13, f"(int64[2, 3] i, float[2] v) => (float[{dims(shape)}] y)",
+                 "d = Constant <value = int64 {4}> () "
+                 f"y = OneHot <axis = {axis}> (i, d, v)")
+    hot = np.moveaxis(np.eye(4)[i % 4], -1, axis % 3)
+    r = cotangent(tuple(shape), np.float32)
+    expected = np.array([(r * (1 - hot)).sum(), (r * hot).sum()], np.float32)
+    check_gradients(text, {"i": i, "v": values}, wrt=["v"], reference={"v": expected})
+
+
 # ----------------------------------------------------------------------------- Resize
 RESIZES = [
     ('mode = "nearest"', [1, 1, 2, 2]),
@@ -270,6 +287,27 @@ def test_resize_gradient_is_the_adjoint_of_the_interpolation(rng, attributes, sc
     text = model(13, f"(float[2, 3, 4, 5] x) => (float[{dims(out)}] y)",
                  f"s = Constant <value = float[4] {{{dims(scales)}}}> () "
                  f"y = Resize <{attributes}> (x, , s)")
+    check_gradients(text, {"x": x}, ort="auto", rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_resize_align_corners_with_a_fractional_output_size_is_refused(rng, mode):
+    """4 x 0.6 = 2.4: onnxruntime maps coordinates with 2, the ONNX specification with 2.4
+    (their forwards differ), so no gradient can match both: a named error."""
+    text = model(13, "(float[1, 1, 4, 4] x) => (float[1, 1, 2, 2] y)",
+                 "s = Constant <value = float[4] {1, 1, 0.6, 0.6}> () "
+                 f'y = Resize <mode = "{mode}", coordinate_transformation_mode = '
+                 '"align_corners"> (x, , s)')
+    with pytest.raises(UnsupportedModelError, match="align_corners.*Give the Resize sizes"):
+        check_gradients(text, {"x": rand(rng, 1, 1, 4, 4).astype(np.float32)})
+
+
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_resize_align_corners_downsampling_with_sizes(rng, mode):
+    x = rand(rng, 1, 1, 4, 5).astype(np.float32)
+    text = model(13, "(float[1, 1, 4, 5] x) => (float[1, 1, 2, 3] y)",
+                 ints("z", [1, 1, 2, 3]) + f'y = Resize <mode = "{mode}", '
+                 'coordinate_transformation_mode = "align_corners"> (x, , , z)')
     check_gradients(text, {"x": x}, ort="auto", rtol=1e-3, atol=1e-3)
 
 

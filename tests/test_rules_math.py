@@ -408,6 +408,20 @@ def test_binary_arithmetic_gradients_sum_back_over_broadcast_axes(op, shapes, rn
     check_gradients(text, {"a": a, "b": b}, reference=expected, ort=True)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_broadcast_over_a_dim_unknown_until_run_time_is_summed_at_run_time(rows, rng):
+    """b's first dim M is 1 or 3 only at run time: its gradient is summed over the rows
+    exactly when it broadcasts (symbolic dims are not assumed to match)."""
+    a, b = rng.normal(size=(3, 4)), rng.normal(size=(rows, 4))
+    text = f"""{header(18)}
+        g (double[N, 4] a, double[M, 4] b) => (double[N, 4] y) {{ y = Mul(a, b) }}"""
+    r = cotangent((3, 4), F64)
+    grads = check_gradients(text, {"a": a, "b": b}, ort=False,
+                            reference={"b": (r * a).sum(axis=0, keepdims=True) if rows == 1
+                                       else r * a})
+    assert grads["b"].shape == (rows, 4)
+
+
 def test_same_input_on_both_sides_accumulates(rng):
     x = away_from_zero(rng, (3, 4))
     text = model("p = Mul(x, x)\n y = Div(p, x)", {"x": x}, "double[3, 4] y")

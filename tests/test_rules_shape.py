@@ -34,6 +34,17 @@ def test_reshape_gradient_restores_the_input_layout(rng, target):
     check_gradients(text, {"x": x}, reference={"x": ref}, ort=True)
 
 
+def test_reshape_of_an_empty_tensor_with_allowzero_has_an_empty_gradient(rng):
+    """(0, 3, 4) -> (3, 4, 0) with allowzero=1: the gradient is empty, shaped like x (a
+    Reshape to x's shape (0, 3, 4) would copy dy's first dim, 3, into it)."""
+    x = np.zeros((0, 3, 4))
+    text = model(14, "(double[0, 3, 4] x) => (double[3, 4, 0] y)",
+                 "s = Constant <value = int64[3] {3, 4, 0}> () "
+                 "y = Reshape <allowzero = 1> (x, s)")
+    grads = check_gradients(text, {"x": x}, ort=False)
+    assert grads["x"].shape == (0, 3, 4)
+
+
 @pytest.mark.parametrize("axis", [0, 1, 2, -1])
 def test_flatten_gradient_for_every_axis(rng, axis):
     x = rand(rng, 2, 3, 4)

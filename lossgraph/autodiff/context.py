@@ -155,8 +155,10 @@ class GradContext(GraphBuilder):
     def unbroadcast(self, grad: str, to: str, source: str) -> str:
         """Sum ``grad`` (shaped like ``source``) down to the shape of ``to`` (numpy broadcasting).
 
-        Axes are found statically: leading axes ``to`` lacks, and axes where ``to`` has
-        a static 1 and ``source`` does not. Symbolic dims are taken to match.
+        Axes are found statically where the shapes tell: leading axes ``to`` lacks, and
+        axes where ``to`` has a static 1 and ``source`` does not. Where they cannot tell
+        (a dim of ``to`` unknown or symbolic, and not the same symbol, nor 1, in
+        ``source``), the axes to sum are picked at run time from the two shapes.
         """
         target, full = self.shape(to), self.shape(source)
         if target is None or full is None:
@@ -166,15 +168,35 @@ class GradContext(GraphBuilder):
             )
         lead = len(full) - len(target)
         kept = [lead + i for i, d in enumerate(target) if d == 1 and full[lead + i] != 1]
+        unknown = [lead + i for i, d in enumerate(target) if not isinstance(d, int)
+                   and full[lead + i] != 1 and not (isinstance(d, str) and full[lead + i] == d)]
         axes = list(range(lead)) + kept
-        if axes and axes == list(range(len(axes))) and self._static(full[len(axes):]) \
-                and self._static(target):
+        if axes and not unknown and axes == list(range(len(axes))) \
+                and self._static(full[len(axes):]) and self._static(target):
             return self.sum_leading_axes(grad, to, source, len(axes))
         if kept:
             grad = self.reduce("ReduceSum", grad, kept, keepdims=1)
+        if unknown:
+            grad = self._sum_where_broadcast(grad, to, source, unknown, lead)
         if lead > 0:
             grad = self.reduce("ReduceSum", grad, list(range(lead)), keepdims=0)
         return grad
+
+    def _sum_where_broadcast(self, grad: str, to: str, source: str, axes: list[int],
+                             lead: int) -> str:
+        """Sum ``grad`` over those of ``axes`` (of ``source``) where ``to`` is 1 at run time
+        and ``source`` is not: ``ReduceSum`` with axes picked by ``Compress``."""
+        if self.opset < 13:
+            raise UnsupportedModelError(
+                f"Cannot tell statically how {to!r} broadcasts against {source!r}, and summing "
+                "over axes chosen at run time needs opset 13. Convert the model to opset 13 or "
+                "later, or give the model's inputs static shapes.")
+        dims_to = self.Gather(self.Shape(to), self.ints([a - lead for a in axes]), axis=0)
+        dims_from = self.Gather(self.Shape(source), self.ints(axes), axis=0)
+        one = self.ints([1], "one")
+        broadcast = self.And(self.Equal(dims_to, one), self.Not(self.Equal(dims_from, one)))
+        picked = self.Compress(self.ints(axes), broadcast, axis=0, hint="broadcast_axes")
+        return self.op("ReduceSum", grad, picked, keepdims=1, noop_with_empty_axes=1)
 
     @staticmethod
     def _static(shape: Sequence) -> bool:

@@ -14,11 +14,15 @@
     ScatterND(x, i, u)        dx = ScatterND(dy, i, zeros)   du = GatherND(dy, i)
     ScatterElements(x, i, u)  dx = ScatterElements(dy, i, zeros, a)   du = GatherElements(dy, i, a)
                               (reduction=add: dx = dy)
+    OneHot(i, d, (off, on))   y = off + (on - off) H, H = OneHot(i, d, (0, 1)):
+                              don = sum(dy H), doff = sum(dy) - don
     TopK(x, k) -> (v, i)      dx = ScatterElements(zeros, i, dv, axis)
     Trilu(x, k)               dx = Trilu(dy, k, upper)
-    Resize(x), 4-D            dx = dy contracted with the constant interpolation matrices along
-                              H and W (computed at build time with onnx.reference on unit
-                              vectors: the exact adjoint of nearest and linear modes)
+    Resize(x)                 dx = dy contracted with the constant interpolation matrix of each
+                              resized axis (computed at build time with onnx.reference on unit
+                              vectors: the exact adjoint of every mode). align_corners with
+                              scales whose product with the size is not whole: an error
+                              (onnxruntime and the specification disagree on the forward)
 """
 
 from __future__ import annotations
@@ -234,6 +238,18 @@ def topk(g, node, dvalues, dindices=None):
     return node.grads(g.ScatterElements(g.zeros_like(x), node.outputs[1], dvalues, axis=axis))
 
 
+# ---------------------------------------------------------------------------- OneHot
+@grad_rule("OneHot", notes="the values (off, on) get gradients, but are not trained")
+def one_hot(g, node, dy):
+    indices, depth, values = node.inputs
+    hot = _one_hot(g, _as_index_type(g, indices), _as_index_type(g, depth), values,
+                   node.attr("axis", -1))
+    on = g.reduce("ReduceSum", g.Mul(dy, hot), None, keepdims=1)
+    off = g.Sub(g.reduce("ReduceSum", dy, None, keepdims=1), on)
+    flat = g.ints([1], "shape")
+    return node.grads(None, None, g.Concat(g.Reshape(off, flat), g.Reshape(on, flat), axis=0))
+
+
 # ----------------------------------------------------------------------------- Trilu
 @grad_rule("Trilu")
 def trilu(g, node, dy):
@@ -298,6 +314,14 @@ def resize(g, node, dy):
     dtype = g.dtype(x)
     for position, axis in enumerate(axes):
         scale = float(scales.reshape(-1)[position]) if scales is not None else None
+        if scale is not None and node.attr("coordinate_transformation_mode") == \
+                "align_corners" and float(np.float32(in_shape[axis] * scale)) != out_shape[axis]:
+            raise UnsupportedModelError(
+                f"No gradient for Resize node {node.name!r} (align_corners) on axis {axis}: "
+                f"{in_shape[axis]} x scale {scale:g} is not a whole number, and onnxruntime "
+                "maps coordinates with the rounded output size where the ONNX specification "
+                "uses the unrounded one, so their forwards differ. Give the Resize sizes "
+                f"(here {out_shape[axis]}) instead of scales.")
         if in_shape[axis] == out_shape[axis] and scale in (None, 1.0) and node.attr(
                 "coordinate_transformation_mode") != "tf_half_pixel_for_nn":
             continue  # the identity along this axis

@@ -38,6 +38,11 @@ def shape_of(g, name: str) -> str:
 
 
 def reshape_back(g, dy: str, x: str) -> str:
+    """``dy`` in the shape of ``x`` (an empty ``x``'s gradient is empty: a 0 in a Reshape
+    target would copy the size of ``dy``'s dim instead)."""
+    shape = static_shape(g, x)
+    if shape is not None and 0 in shape:
+        return g.zeros_like(x)
     return g.Reshape(dy, shape_of(g, x))
 
 

@@ -1,20 +1,28 @@
 """Softmax and the losses built on it (opset 13 semantics: one axis).
 
-    Softmax(x; axis) = y        dx = y (dy - ReduceSum(dy y, axis))
+    Softmax(x; axis) = y        dx = y' (dy - ReduceSum(dy y', axis)), y' = y with NaN as 0:
+                                a row of -inf has NaN for y, which a later Where masks (ONNX
+                                attention does); its dy is 0 and its gradient 0, not 0 * NaN
     LogSoftmax(x; axis) = y     dx = dy - exp(y) ReduceSum(dy, axis)
     NegativeLogLikelihoodLoss(p, t, w)
                                 loss_i = -w[t_i] p[i, t_i] (0 where t_i = ignore_index)
-                                dp = -onehot(t) w[t] v c, where v = (t != ignore_index) and
+                                dp = -onehot(t) w v c, where v = (t != ignore_index) and
                                 c = dy_i (none), dy (sum), dy / sum_i(w[t_i] v_i) (mean)
     SoftmaxCrossEntropyLoss(s, t, w) = (loss, log_prob)
                                 log_prob = LogSoftmax(s, axis=1), loss = NLL(log_prob, t, w)
                                 dlog_prob = (the NLL gradient above) + dlog_prob_out
                                 ds = dlog_prob - softmax(s) ReduceSum(dlog_prob, axis=1)
 
-The class weights ``w`` (and the labels ``t``) get no gradient.
+The labels ``t`` get no gradient; the class weights ``w`` get
+
+    dw_c = sum over all axes but 1 of -P (p + [mean] loss) c,   P = onehot(t) v
+
+but are never trained (``NON_TRAINABLE_INPUTS``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -25,9 +33,11 @@ def _axis(g, node) -> int:
     return node.attr("axis", -1) % g.rank(node.inputs[0])
 
 
-@grad_rule("Softmax", since=13)
+@grad_rule("Softmax", since=13, notes="a row of -inf (NaN forward, masked by a later Where, "
+                                        "as attention does) gets zeros, not NaN")
 def softmax(g, node, dy):
     y = node.outputs[0]
+    y = g.Where(g.IsNaN(y), g.const_like(0, y, "zero"), y, hint="finite_softmax")
     axis = _axis(g, node)
     dot = g.reduce("ReduceSum", g.Mul(dy, y), [axis], keepdims=1)
     return g.Mul(y, g.Sub(dy, dot))
@@ -55,48 +65,66 @@ def _class_ids(g, scores: str, labels: str) -> str:
     return g.unsqueeze(ids, [0] + list(range(2, rank)))
 
 
-def _nll_input_grad(g, node, dy: str, scores: str) -> str:
-    """The gradient of the NLL loss output with respect to its (log-probability) input."""
+def _nll_grads(g, node, dy: str, scores: str, log_prob: Callable[[], str]
+               ) -> tuple[str, str | None]:
+    """(d input, d weights) of the NLL loss output for a node whose input is shaped like
+    ``scores``; ``log_prob()`` gives the NLL's input, needed for the weights only.
+
+    With P the one-hot of the kept labels, w the class weights, coefficient c per
+    reduction (dy_i, dy, or dy / W with W = sum(P w) for mean) and the loss ``out``:
+    d input = -P w c, d w = sum over all axes but 1 of -P (log_prob + out [mean]) c.
+    """
     labels, weights = node.inputs[1], node.input(2)
     rank = g.rank(scores)
     dtype = g.elem_type(scores)
     label = g.unsqueeze(labels, [1])  # [N, 1, d...]
     picked = g.Cast(g.Equal(label, _class_ids(g, scores, labels)), to=dtype)  # one-hot
-    if weights is not None:
-        shape = [1, -1] + [1] * (rank - 2)
-        picked = g.Mul(picked, g.Reshape(weights, g.ints(shape, "shape")))
     ignore = node.attr("ignore_index")
     if ignore is not None:
         kept = g.Not(g.Equal(label, g.const(ignore, g.dtype(labels), "ignore_index")))
         picked = g.Mul(picked, g.Cast(kept, to=dtype))
+    weighted = picked
+    if weights is not None:
+        weighted = g.Mul(picked, g.Reshape(weights, g.ints([1, -1] + [1] * (rank - 2), "shape")))
     reduction = node.attr("reduction", "mean")
     if reduction == "none":
         coefficient = g.unsqueeze(dy, [1])
     elif reduction == "sum":
         coefficient = dy
     else:  # mean: divided by the total weight of the kept labels
-        total = g.reduce("ReduceSum", picked, None, keepdims=0)
-        coefficient = g.Div(dy, total)
-    return g.Neg(g.Mul(picked, coefficient))
+        coefficient = g.Div(dy, g.reduce("ReduceSum", weighted, None, keepdims=0))
+    d_input = g.Neg(g.Mul(weighted, coefficient))
+    if weights is None or weights not in node.wanted:
+        return d_input, None
+    shifted = log_prob() if reduction != "mean" else g.Add(log_prob(), node.outputs[0])
+    per_class = g.Neg(g.Mul(g.Mul(picked, shifted), coefficient))
+    return d_input, g.reduce("ReduceSum", per_class, [0, *range(2, rank)], keepdims=0)
 
 
 @grad_rule("NegativeLogLikelihoodLoss", since=13,
-           notes="gradient wrt the input only; class weights are treated as constants")
+           notes="class weights get gradients but are not trained")
 def negative_log_likelihood_loss(g, node, dy):
-    return node.grads(_nll_input_grad(g, node, dy, node.inputs[0]))
+    p = node.inputs[0]
+    d_input, d_weights = _nll_grads(g, node, dy, p, lambda: p)
+    return node.grads(d_input, None, d_weights)
 
 
 @grad_rule("SoftmaxCrossEntropyLoss", since=13,
-           notes="gradient wrt the scores only; class weights are treated as constants")
+           notes="class weights get gradients but are not trained")
 def softmax_cross_entropy_loss(g, node, dy, dlog_prob=None):
     scores = node.inputs[0]
-    terms = []
+    log_prob = node.outputs[1] if len(node.outputs) > 1 and node.outputs[1] else None
+    terms, d_weights = [], None
     if dy is not None:
-        terms.append(_nll_input_grad(g, node, dy, scores))
+        d_nll, d_weights = _nll_grads(g, node, dy, scores,
+                                      lambda: log_prob or g.LogSoftmax(scores, axis=1))
+        terms.append(d_nll)
     if dlog_prob is not None:
         terms.append(dlog_prob)
     grad = g.sum_of(terms)
-    log_prob = node.outputs[1] if len(node.outputs) > 1 and node.outputs[1] else None
     probabilities = g.Exp(log_prob) if log_prob else g.Softmax(scores, axis=1)
     total = g.reduce("ReduceSum", grad, [1], keepdims=1)
-    return node.grads(g.Sub(grad, g.Mul(probabilities, total)))
+    d_scores = g.Sub(grad, g.Mul(probabilities, total))
+    if d_weights is None and node.input(2) in node.wanted:  # only log_prob carries dy
+        d_weights = g.zeros_like(node.input(2))
+    return node.grads(d_scores, None, d_weights)

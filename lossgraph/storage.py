@@ -422,26 +422,31 @@ def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
             raise InvalidDataError(f"{str(source)!r} is a damaged .npz archive ({exc}).") from None
 
 
+_MAGIC = {np.ndarray: (b"\x93NUMPY", "a .npy array file"),
+          np.lib.npyio.NpzFile: (b"PK\x03\x04", "an .npz archive")}
+
+
 def _load_array(path: Path, kind: type) -> Any:
     """``np.load`` of ``path`` without pickle, expecting ``kind`` (an array or an archive)."""
+    magic, wanted = _MAGIC[kind]
+    with open(path, "rb") as stream:
+        head = stream.read(8)
+    if not head.startswith(magic):
+        other = next((w for m, w in _MAGIC.values() if head.startswith(m)), None)
+        found = f"it is {other}" if other else "it does not start like one (text? pickle?)"
+        raise InvalidDataError(f"{str(path)!r} is not {wanted}: {found}. Save the arrays with "
+                               "np.savez (one .npz) or np.save (one .npy per array).")
     try:
-        value = np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False)
     except ValueError as exc:
         raise _unreadable(path, exc) from None
     except (OSError, EOFError, zipfile.BadZipFile) as exc:
         raise InvalidDataError(f"{str(path)!r} cannot be read ({exc}).") from None
-    if not isinstance(value, kind):
-        if isinstance(value, np.lib.npyio.NpzFile):
-            value.close()
-        wanted = "an .npz archive" if kind is np.lib.npyio.NpzFile else "a single .npy array"
-        raise InvalidDataError(f"{str(path)!r} is not {wanted}.")
-    return value
 
 
 def _unreadable(path: Path, exc: ValueError) -> InvalidDataError:
     if "pickle" in str(exc):
         return InvalidDataError(
-            f"{str(path)!r} is not an .npy/.npz file of plain arrays (it holds pickled or object "
-            "data, which lossgraph never loads: that would run code). Save plain numeric arrays "
-            "with np.savez.")
+            f"{str(path)!r} holds object arrays (pickled Python objects), which lossgraph never "
+            "loads: unpickling runs code. Save plain numeric arrays with np.savez.")
     return InvalidDataError(f"{str(path)!r} cannot be read as numpy data ({exc}).")

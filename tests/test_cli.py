@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
+from catalogue import Row, message_of, slug, table, unlisted
 
 from lossgraph import get_roles
 from lossgraph.cli import main
@@ -146,7 +152,7 @@ BAD_COMMANDS = {
     "unknown command": lambda t: ["fly"],
     "missing -o value": lambda t: ["lower-ml", f"{t}/m.onnx", "-o"],
     "missing -o": lambda t: ["compile", f"{t}/m.onnx"],
-    "missing --data": lambda t: ["train", _program(t), "-o", f"{t}/o.onnx"],
+    "no --data option": lambda t: ["train", _program(t), "-o", f"{t}/o.onnx"],
     # bad values
     "epochs not a number": lambda t: ["train", _program(t), "--data", _data(t), "--epochs",
                                       "ten", "-o", f"{t}/o.onnx"],
@@ -178,8 +184,8 @@ BAD_COMMANDS = {
                               "-o", f"{t}/o.onnx"],
     "text file as npz": lambda t: ["train", _program(t), "--data", _file(t, "d.npz", b"1,2\n"),
                                    "-o", f"{t}/o.onnx"],
-    "missing data": lambda t: ["train", _program(t), "--data", f"{t}/none.npz", "-o",
-                               f"{t}/o.onnx"],
+    "data file that does not exist": lambda t: ["train", _program(t), "--data",
+                                                f"{t}/none.npz", "-o", f"{t}/o.onnx"],
 }
 
 
@@ -213,3 +219,35 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+# -- the catalogue in docs/reference/errors.md ---------------------------------------------------
+
+
+def catalogue_rows(tmp: Path) -> Iterator[Row]:
+    """This file's catalogue of bad commands, with the line each prints."""
+    for described, command in BAD_COMMANDS.items():
+        folder = tmp / slug(described)
+        folder.mkdir()
+        message = io.StringIO()
+        with contextlib.redirect_stderr(message), contextlib.redirect_stdout(io.StringIO()):
+            argv = command(folder)
+            message.truncate(0)
+            status = main(argv)
+        assert status == 2, described
+        shown = " ".join(argv).replace(str(folder), "<tmp>")
+        yield (f"cli-{slug(described)}", f"{described}: `lossgraph {shown}`", "exit 2",
+               message_of(message.getvalue(), folder))
+
+
+def test_every_bad_command_is_listed_in_the_errors_page(tmp_path):
+    missing = unlisted(row[0] for row in catalogue_rows(tmp_path))
+    assert not missing, f"add to docs/reference/errors.md (python {__file__}): {missing}"
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.stdout.write(table(catalogue_rows(Path(tmp))))

@@ -32,6 +32,7 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "CumSum": frozenset({1}),
     "Trilu": frozenset({1}),
     "Resize": frozenset({1, 2, 3}),
+    "ReverseSequence": frozenset({1}),
     "Upsample": frozenset({1}),
     "OneHot": frozenset({0, 1}),
     "ConstantOfShape": _ALL,

@@ -65,6 +65,8 @@ UNARY_CASES = [
     ("Gelu", "", [], 20, "float", "auto"),
     # onnxruntime-training's GeluGrad ignores approximate="tanh": no comparison
     ("Gelu", 'approximate: string = "tanh"', [], 20, "float", False),
+    ("Shrink", "", [-0.5, 0.5], 13, "float", "auto"),
+    ("Shrink", "lambd: float = 1.0, bias: float = 0.3", [-1.0, 1.0], 13, "float", "auto"),
 ]
 
 

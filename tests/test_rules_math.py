@@ -129,6 +129,31 @@ def test_piecewise_constant_ops_keep_the_path_differentiable(op, rng):
     check_gradients(text, {"x": x}, reference={"x": expected}, ort="auto")
 
 
+def test_hardmax_gives_zero_gradient(rng):
+    """float32: onnxruntime has no double Hardmax."""
+    x = (rng.permutation(12).reshape(3, 4) * 0.5).astype(F32)  # distinct: no tie near eps
+    text = model("y = Hardmax(x)", {"x": x}, "float[3, 4] y")
+    grads = check_gradients(text, {"x": x}, ort="auto")
+    np.testing.assert_array_equal(grads["x"], np.zeros_like(x))
+
+
+@pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1), (3,))])
+def test_mod_fmod_gradients(shapes, rng):
+    """fmod(a, b) = a - b trunc(a / b): da = dy, db = -dy trunc(a / b) (a / b kept off
+    the integers, where fmod jumps)."""
+    b = away_from_zero(rng, shapes[1])
+    out = np.broadcast_shapes(*shapes)
+    quotient = rng.integers(-3, 4, size=out) + rng.uniform(0.2, 0.8, size=out)
+    a = (quotient * np.broadcast_to(b, out))[tuple(slice(0, d) for d in shapes[0])]
+    a = np.ascontiguousarray(np.broadcast_to(a, shapes[0]) if a.shape != shapes[0] else a)
+    text = model("y = Mod <fmod = 1> (a, b)", {"a": a, "b": b},
+                 f"double[{', '.join(map(str, out))}] y")
+    r = cotangent(out, F64)
+    expected = {"a": reduce_to(r, a.shape).reshape(a.shape),
+                "b": reduce_to(-r * np.trunc(a / b), b.shape).reshape(b.shape)}
+    check_gradients(text, {"a": a, "b": b}, reference=expected, ort=False)
+
+
 # ------------------------------------------------------------------------ Cast
 def test_cast_float_to_double_casts_the_gradient_back(rng):
     x = rng.normal(size=(3, 4)).astype(F32)

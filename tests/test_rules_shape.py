@@ -178,3 +178,19 @@ def test_expand_gradient_needs_static_broadcast_axes(rng):
     text = model(13, "(double[N] x, int64[2] s) => (double[3, M] y)", "y = Expand(x, s)")
     with pytest.raises(UnsupportedModelError, match="Expand"):
         check_gradients(text, {"x": rand(rng, 4), "s": np.array([3, 4])}, wrt=["x"])
+
+
+@pytest.mark.parametrize("batch_axis, time_axis", [(1, 0), (0, 1)])
+def test_reverse_sequence_gradient_is_the_same_reversal(rng, batch_axis, time_axis):
+    x = rand(rng, 4, 4, 2)
+    lengths = np.array([4, 1, 2, 3])
+    text = model(13, "(double[4, 4, 2] x, int64[4] l) => (double[4, 4, 2] y)",
+                 f"y = ReverseSequence <batch_axis = {batch_axis}, time_axis = {time_axis}> "
+                 "(x, l)")
+    r = cotangent((4, 4, 2), np.float64)
+    expected = np.array(r)
+    for b, n in enumerate(lengths):
+        index = [slice(None)] * 3
+        index[batch_axis], index[time_axis] = b, slice(0, n)
+        expected[tuple(index)] = np.flip(r[tuple(index)], axis=0)
+    check_gradients(text, {"x": x, "l": lengths}, wrt=["x"], reference={"x": expected})

@@ -58,7 +58,7 @@ class ForwardFacts:
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> ForwardFacts:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = _with_reshape_ranks(onnx.shape_inference.infer_shapes(model, data_prop=True))
         graph = inferred.graph
         types: dict[str, onnx.TypeProto] = {}
         for value in (*graph.value_info, *graph.input, *graph.output):
@@ -85,6 +85,39 @@ class ForwardFacts:
                     for d in tensor_type.shape.dim
                 )
         return cls(types, shapes, elem_types, constants)
+
+
+def _with_reshape_ranks(inferred: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
+    """``inferred`` with the rank of Reshape outputs whose target shape is computed (e.g.
+    ``Reshape(t, Shape(x))``): onnx's shape inference leaves their shape unknown, though
+    the target's length, a static dim, is their rank. Each round declares those ranks
+    and infers again, so that the ops after them get shapes too."""
+    for _ in range(rounds):
+        graph = inferred.graph
+        known = {v.name: v.type for v in (*graph.value_info, *graph.input, *graph.output)}
+        for tensor in graph.initializer:
+            known.setdefault(tensor.name, onnx.helper.make_tensor_type_proto(
+                tensor.data_type, list(tensor.dims)))
+        ranked = []
+        for node in graph.node:
+            if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
+                continue
+            out, target, data = node.output[0], known.get(node.input[1]), known.get(node.input[0])
+            if out in known and known[out].tensor_type.HasField("shape"):
+                continue
+            dims = target.tensor_type.shape.dim if target is not None else []
+            if len(dims) == 1 and dims[0].HasField("dim_value") and data is not None:
+                ranked.append(onnx.helper.make_tensor_value_info(
+                    out, data.tensor_type.elem_type, [None] * dims[0].dim_value))
+        if not ranked:
+            break
+        declared = onnx.ModelProto()
+        declared.CopyFrom(inferred)
+        kept = [v for v in declared.graph.value_info if v.name not in {r.name for r in ranked}]
+        del declared.graph.value_info[:]
+        declared.graph.value_info.extend([*kept, *ranked])
+        inferred = onnx.shape_inference.infer_shapes(declared, data_prop=True)
+    return inferred
 
 
 def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:

@@ -7,6 +7,7 @@
     LeakyRelu(x; a)          dx = dy (a + (1 - a)(x > 0))
     PRelu(x, s)              dx = dy (s + (1 - s)(x > 0))     ds = dy min(x, 0)
     ThresholdedRelu(x; a)    dx = dy (x > a)
+    Shrink(x; l, b)          dx = dy (|x| > l)
     Elu(x; a) = y            dx = dy ((x > 0) + (x <= 0)(y + a))
     Selu(x; a, g) = y        dx = dy (g (x > 0) + (x <= 0)(y + g a))
     Celu(x; a) = y           dx = dy ((x > 0) + (x <= 0)(y / a + 1))
@@ -90,6 +91,13 @@ def prelu(g, node, dy):
 def thresholded_relu(g, node, dy):
     (x,) = node.inputs
     return g.Mul(dy, _mask(g, x, threshold=node.attr("alpha", 1.0)))
+
+
+@grad_rule("Shrink")
+def shrink(g, node, dy):
+    (x,) = node.inputs
+    outside = g.Greater(g.Abs(x), g.const_like(node.attr("lambd", 0.5), x, "lambd"))
+    return g.Mul(dy, g.mask(outside, x))
 
 
 @grad_rule("Elu")

@@ -22,7 +22,8 @@ Unary functions (y = f(x)):
     Atanh(x)       dx = dy / (1 - x^2)
     Erf(x)         dx = dy 2/sqrt(pi) exp(-x^2)
     Sign, Floor,
-    Ceil, Round    dx = 0                  (piecewise constant: zeros, not "no gradient",
+    Ceil, Round,
+    Hardmax        dx = 0                  (piecewise constant: zeros, not "no gradient",
                                             so the path stays differentiable)
     Cast(x)        dx = Cast(dy, to=type(x))   (no gradient for a non-float x; CastLike too)
 
@@ -41,6 +42,8 @@ Broadcasting ops (the walker sums each result back to its input's shape):
     Sum(x1..xn)    dxi = dy
     Mean(x1..xn)   dxi = dy / n
     Where(c, a, b) da = dy c           db = dy - da        (c: no gradient)
+    Mod(a, b), fmod = 1 (floats)
+                   y = a - b trunc(a / b):  da = dy     db = -dy Round((a - y) / b)
 
 Masks are Mul by a Cast of a comparison, not Where (slow in onnxruntime 1.19).
 """
@@ -178,9 +181,8 @@ def _zero_gradient(g, node, dy):
     return g.zeros_like(node.inputs[0])
 
 
-for _op in ("Sign", "Floor", "Ceil"):
+for _op in ("Sign", "Floor", "Ceil", "Round", "Hardmax"):
     grad_rule(_op, notes="zero gradient almost everywhere")(_zero_gradient)
-grad_rule("Round", notes="straight-through: zero gradient")(_zero_gradient)
 
 
 @grad_rule("Cast", notes="gradient cast back to the input's type; none for non-float inputs")
@@ -266,6 +268,13 @@ def mean(g, node, dy):
     n = len(node.inputs)
     share = dy if n == 1 else g.Mul(dy, g.const_like(1 / n, node.outputs[0], "inv_n"))
     return [share] * n
+
+
+@grad_rule("Mod", broadcast=True, notes="fmod=1 (float inputs); zero-measure jumps ignored")
+def mod(g, node, dy):
+    a, b = node.inputs
+    quotient = g.Round(g.Div(g.Sub(a, node.outputs[0]), b))  # trunc(a / b), exactly
+    return dy, g.Neg(g.Mul(dy, quotient))
 
 
 @grad_rule("Where", broadcast=True)

@@ -68,7 +68,9 @@ SPREAD = [
     "test_concat_2d_axis_0", "test_instancenorm_example", "test_mul_bcast", "test_sign",
     "test_group_normalization_example", "test_reduce_l2_keep_dims_example",
     "test_sce_none_expanded", "test_nllloss_NCd1d2_with_weight", "test_lpnormalization_default",
-    "test_argmax_default_axis_example",
+    "test_argmax_default_axis_example", "test_reversesequence_batch",
+    "test_rms_normalization_2d_axis0_expanded", "test_shrink_soft", "test_hardmax_example",
+    "test_mod_mixed_sign_float64",
 ]
 
 MODULES = [
@@ -76,7 +78,8 @@ MODULES = [
     "onehot", "reshape", "layernormalization", "dropout", "gemm", "conv", "einsum", "if_",
     "gather", "slice", "softmax", "matmul", "cumsum", "where", "topk", "pad", "expand", "tile",
     "split", "concat", "instance_normalization", "mul", "sign", "groupnormalization",
-    "reducel2", "negativeloglikelihoodloss", "lpnormalization", "argmax",
+    "reducel2", "negativeloglikelihoodloss", "lpnormalization", "argmax", "reversesequence",
+    "rmsnormalization", "shrink", "hardmax", "mod",
 ]
 
 

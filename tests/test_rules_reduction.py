@@ -187,3 +187,25 @@ def test_cumsum_axis_may_be_a_graph_input(rng):
     """
     check_gradients(model, {"x": rng.normal(size=(3, 4)), "a": np.array(1, np.int32)},
                     wrt=["x"])
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean"])
+def test_keepdims_reduction_over_axes_computed_at_run_time(op, rng):
+    """axes = Range(1, rank): not a constant; with keepdims=1, dy broadcasts as it is,
+    and the reduced value's rank (which onnx's shape inference leaves unknown) is x's."""
+    x = rng.normal(size=(2, 3, 4))
+    text = f"""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (double[2, 3, 4] x) => (double[2, 1, 1] y) {{
+            one = Constant <value = int64 {{1}}> ()
+            s = Shape(x)
+            rank = Size(s)
+            axes = Range(one, rank, one)
+            m = {op} <keepdims = 1> (x, axes)
+            y = Mul(m, m)
+        }}
+    """
+    m = x.sum(axis=(1, 2), keepdims=True) / (12 if op == "ReduceMean" else 1)
+    expected = np.broadcast_to(2 * m * cotangent((2, 1, 1), np.float64)
+                               / (12 if op == "ReduceMean" else 1), x.shape)
+    check_gradients(text, {"x": x}, reference={"x": expected}, ort=False)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent
+from gradcheck import check_gradients, cotangent, loss_model
 
+from lossgraph import gradient
 from lossgraph.errors import UnsupportedModelError
 
 HEADER = '<ir_version: 8, opset_import: ["" : {opset}]>\n'
@@ -194,3 +195,19 @@ def test_reverse_sequence_gradient_is_the_same_reversal(rng, batch_axis, time_ax
         index[batch_axis], index[time_axis] = b, slice(0, n)
         expected[tuple(index)] = np.flip(r[tuple(index)], axis=0)
     check_gradients(text, {"x": x, "l": lengths}, wrt=["x"], reference={"x": expected})
+
+
+def test_reverse_sequence_gradient_copies_rows_of_length_zero(rng, run_model):
+    """A row of length 0 is copied unchanged, so its gradient is dy. Checked against the
+    numpy adjoint, not finite differences: onnxruntime 1.19's own ReverseSequence leaves
+    such rows unwritten (the gradient does not use it)."""
+    x, lengths = rand(rng, 3, 4), np.array([0, 2, 3])
+    text = model(13, "(double[3, 4] x, int64[3] l) => (double[3, 4] y)",
+                 "y = ReverseSequence <batch_axis = 0, time_axis = 1> (x, l)")
+    r = cotangent((3, 4), np.float64)
+    graph = gradient(loss_model(text, {"x": x, "l": lengths}), wrt=["x"],
+                     loss="gradcheck_loss")
+    expected = np.array(r)
+    for b, n in enumerate(lengths):
+        expected[b, :n] = r[b, :n][::-1]
+    np.testing.assert_allclose(run_model(graph, {"x": x, "l": lengths})["x_grad"], expected)

@@ -58,7 +58,7 @@ class ForwardFacts:
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> ForwardFacts:
-        inferred = _with_reshape_ranks(onnx.shape_inference.infer_shapes(model, data_prop=True))
+        inferred = _with_known_ranks(onnx.shape_inference.infer_shapes(model, data_prop=True))
         graph = inferred.graph
         types: dict[str, onnx.TypeProto] = {}
         for value in (*graph.value_info, *graph.input, *graph.output):
@@ -87,11 +87,12 @@ class ForwardFacts:
         return cls(types, shapes, elem_types, constants)
 
 
-def _with_reshape_ranks(inferred: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
-    """``inferred`` with the rank of Reshape outputs whose target shape is computed (e.g.
-    ``Reshape(t, Shape(x))``): onnx's shape inference leaves their shape unknown, though
-    the target's length, a static dim, is their rank. Each round declares those ranks
-    and infers again, so that the ops after them get shapes too."""
+def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
+    """``inferred`` with ranks onnx's shape inference leaves unknown although they are
+    static: a Reshape to a computed target (``Reshape(t, Shape(x))``) has the target's
+    length as its rank, and a reduction over computed axes with ``keepdims=1`` keeps
+    its input's rank. Each round declares those ranks and infers again, so that the
+    ops after them get shapes too."""
     for _ in range(rounds):
         graph = inferred.graph
         known = {v.name: v.type for v in (*graph.value_info, *graph.input, *graph.output)}
@@ -100,15 +101,15 @@ def _with_reshape_ranks(inferred: onnx.ModelProto, rounds: int = 4) -> onnx.Mode
                 tensor.data_type, list(tensor.dims)))
         ranked = []
         for node in graph.node:
-            if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
+            out = node.output[0] if node.output else ""
+            if node.domain not in ("", "ai.onnx") or not out or (
+                    out in known and known[out].tensor_type.HasField("shape")):
                 continue
-            out, target, data = node.output[0], known.get(node.input[1]), known.get(node.input[0])
-            if out in known and known[out].tensor_type.HasField("shape"):
-                continue
-            dims = target.tensor_type.shape.dim if target is not None else []
-            if len(dims) == 1 and dims[0].HasField("dim_value") and data is not None:
+            rank = _static_rank(node, known)
+            data = known.get(node.input[0]) if node.input else None
+            if rank is not None and data is not None:
                 ranked.append(onnx.helper.make_tensor_value_info(
-                    out, data.tensor_type.elem_type, [None] * dims[0].dim_value))
+                    out, data.tensor_type.elem_type, [None] * rank))
         if not ranked:
             break
         declared = onnx.ModelProto()
@@ -118,6 +119,24 @@ def _with_reshape_ranks(inferred: onnx.ModelProto, rounds: int = 4) -> onnx.Mode
         declared.graph.value_info.extend([*kept, *ranked])
         inferred = onnx.shape_inference.infer_shapes(declared, data_prop=True)
     return inferred
+
+
+def _static_rank(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]) -> int | None:
+    """The rank of a Reshape or keepdims reduction's output, when static (see above)."""
+    def dims(name: str):
+        value = known.get(name)
+        shape = value.tensor_type.shape if value is not None else None
+        return shape.dim if shape is not None and value.tensor_type.HasField("shape") else None
+
+    if node.op_type == "Reshape":
+        target = dims(node.input[1])
+        if target is not None and len(target) == 1 and target[0].HasField("dim_value"):
+            return target[0].dim_value
+    elif node.op_type.startswith("Reduce") and all(
+            a.name != "keepdims" or a.i for a in node.attribute):
+        data = dims(node.input[0])
+        return len(data) if data is not None else None
+    return None
 
 
 def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:

@@ -18,6 +18,8 @@
                               don = sum(dy H), doff = sum(dy) - don
     TopK(x, k) -> (v, i)      dx = ScatterElements(zeros, i, dv, axis)
     Trilu(x, k)               dx = Trilu(dy, k, upper)
+    ReverseSequence(x, n)     dx = GatherElements(dy, i, time axis), i = n - 1 - t inside a
+                              sequence and t past its end (a reversal is its own adjoint)
     Resize(x)                 dx = dy contracted with the constant interpolation matrix of each
                               resized axis (computed at build time with onnx.reference on unit
                               vectors: the exact adjoint of every mode). align_corners with
@@ -248,6 +250,26 @@ def one_hot(g, node, dy):
     off = g.Sub(g.reduce("ReduceSum", dy, None, keepdims=1), on)
     flat = g.ints([1], "shape")
     return node.grads(None, None, g.Concat(g.Reshape(off, flat), g.Reshape(on, flat), axis=0))
+
+
+# ------------------------------------------------------------------- ReverseSequence
+@grad_rule("ReverseSequence", notes="as a gather (onnxruntime 1.19's ReverseSequence leaves "
+                                     "rows of length 0 unwritten)")
+def reverse_sequence(g, node, dy):
+    x, lengths = node.inputs
+    time_axis = node.attr("time_axis", 0)  # the batch axis is the other of 0 and 1
+    steps = g.Range(g.const(0, np.int64, "zero"), _dim(g, x, time_axis, scalar=True),
+                    g.const(1, np.int64, "one"))
+    lengths = _as_index_type(g, lengths)
+    t, n = (g.unsqueeze(steps, [1]), g.unsqueeze(lengths, [0])) if time_axis == 0 else (
+        g.unsqueeze(steps, [0]), g.unsqueeze(lengths, [1]))
+    inside = g.Cast(g.Less(t, n), to=onnx.TensorProto.INT64)
+    # n - 1 - t inside a sequence, t past its end: t + inside (n - 1 - 2 t)
+    last = g.Sub(n, g.const(1, np.int64, "one"))
+    index = g.Add(t, g.Mul(inside, g.Sub(last, g.Add(t, t))))
+    if g.rank(x) > 2:
+        index = g.unsqueeze(index, list(range(2, g.rank(x))))
+    return g.GatherElements(dy, g.Expand(index, g.Shape(dy)), axis=time_axis), None
 
 
 # ----------------------------------------------------------------------------- Trilu

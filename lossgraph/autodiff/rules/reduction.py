@@ -20,11 +20,13 @@ elements reduced into each output.
     CumSum(x, axis)     dx = CumSum(dy, axis, exclusive, reverse = 1 - reverse)
 
 Axes come from the ``axes`` attribute (opset < 18, ReduceSum < 13) or the constant
-``axes`` input. With empty axes and ``noop_with_empty_axes=1`` each rule is that of
-its reduction over no axes, elementwise: ReduceSum/Mean/Max/Min/Prod/LogSumExp pass
-``dy`` through, ReduceL1/L2 give ``dy Sign(x)``, ReduceSumSquare ``2 dy x`` and
-ReduceLogSum ``dy / x`` (the ONNX reference semantics; onnxruntime 1.19 instead
-reduces over all axes there for L1, L2 and LogSum, and returns ``x`` for SumSquare).
+``axes`` input; ReduceSum and ReduceMean with ``keepdims=1`` also take axes computed
+at run time (dy~ = dy then, and n = Size(x) / Size(y)). With empty axes and
+``noop_with_empty_axes=1`` each rule is that of its reduction over no axes,
+elementwise: ReduceSum/Mean/Max/Min/Prod/LogSumExp pass ``dy`` through, ReduceL1/L2
+give ``dy Sign(x)``, ReduceSumSquare ``2 dy x`` and ReduceLogSum ``dy / x`` (the ONNX
+reference semantics; onnxruntime 1.19 instead reduces over all axes there for L1, L2
+and LogSum, and returns ``x`` for SumSquare).
 """
 
 from __future__ import annotations
@@ -64,11 +66,12 @@ def expand_back(g, node, dy: str, axes: list[int]) -> str:
     return g.Expand(keep_dims(g, node, dy, axes), g.Shape(node.inputs[0]))
 
 
-def _count(g, node, axes: list[int]) -> str:
-    """The number of elements reduced into each output, as a scalar of x's type."""
+def _count(g, node, axes: list[int] | None) -> str:
+    """The number of elements reduced into each output, as a scalar of x's type
+    (``axes=None``: axes known at run time only)."""
     x = node.inputs[0]
     shape = g.shape(x)
-    dims = [shape[a] for a in axes]
+    dims = [shape[a] for a in axes] if axes is not None else [None]
     if all(isinstance(d, int) and d > 0 for d in dims):
         return g.const_like(float(np.prod(dims)), x, "count")
     to = g.elem_type(x)
@@ -89,20 +92,29 @@ def _reduction_rule(op_type: str, notes: str = ""):
     return register
 
 
+def kept_over_computed_axes(g, node) -> bool:
+    """True for ``keepdims=1`` with axes computed at run time: dy broadcasts against x
+    as it is, whatever the axes."""
+    axes = node.input(1)
+    return bool(node.attr("keepdims", 1)) and axes is not None and g.value(axes) is None
+
+
 @_reduction_rule("ReduceSum")
 def reduce_sum(g, node, dy):
-    if reduces_everything(g, node):  # dy broadcasts as it is: no rank needed
-        return g.Expand(dy, g.Shape(node.inputs[0]))
+    if reduces_everything(g, node) or kept_over_computed_axes(g, node):
+        return g.Expand(dy, g.Shape(node.inputs[0]))  # dy broadcasts as it is
     axes = reduced_axes(g, node)
     return dy if axes is None else expand_back(g, node, dy, axes)
 
 
 @_reduction_rule("ReduceMean")
 def reduce_mean(g, node, dy):
+    x, y = node.inputs[0], node.outputs[0]
     if reduces_everything(g, node):
-        x = node.inputs[0]
-        count = g.Cast(g.Size(x), to=g.elem_type(node.outputs[0]), hint="count")
+        count = g.Cast(g.Size(x), to=g.elem_type(y), hint="count")
         return g.Expand(g.Div(dy, count), g.Shape(x))
+    if kept_over_computed_axes(g, node):
+        return g.Expand(g.Div(dy, _count(g, node, None)), g.Shape(x))
     axes = reduced_axes(g, node)
     if axes is None:
         return dy

@@ -13,7 +13,6 @@
                            CRD: dx = SpaceToDepth(dy, b) with channels regrouped
                                 (N, b*b, C, HW) -> (N, C, b*b, HW)
     SpaceToDepth(x, b)     dx = DepthToSpace(dy, b, mode=DCR)
-    ReverseSequence(x, l)  dx = ReverseSequence(dy, l)   (its own adjoint)
 """
 
 from __future__ import annotations
@@ -141,13 +140,6 @@ def split(g, node, *dys):
     axis = node.attr("axis", 0) % g.rank(x)
     parts = [g.or_zeros(dy, out) for dy, out in zip(dys, node.outputs)]
     return node.grads(parts[0] if len(parts) == 1 else g.Concat(*parts, axis=axis))
-
-
-@grad_rule("ReverseSequence")
-def reverse_sequence(g, node, dy):
-    lengths = node.inputs[1]
-    return g.ReverseSequence(dy, lengths, batch_axis=node.attr("batch_axis", 1),
-                             time_axis=node.attr("time_axis", 0)), None
 
 
 @grad_rule("SpaceToDepth")

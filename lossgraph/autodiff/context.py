@@ -75,11 +75,13 @@ class GradContext(GraphBuilder):
     """A GraphBuilder for gradient nodes that can also answer questions about forward values."""
 
     def __init__(self, names: NameAuthority, opset: int, shapes: dict[str, Shape],
-                 types: dict[str, int], constants: dict[str, np.ndarray]) -> None:
+                 types: dict[str, int], constants: dict[str, np.ndarray],
+                 readers: dict[str, list[tuple[str, list[str]]]] | None = None) -> None:
         super().__init__(names, opset, prefix="grad/")
         self._shapes = shapes
         self._types = types
         self._values = constants
+        self._readers = readers or {}
 
     # -- forward facts ---------------------------------------------------------------
     def shape(self, name: str) -> Shape | None:
@@ -95,6 +97,10 @@ class GradContext(GraphBuilder):
                 "Give the model's inputs static ranks (onnx.shape_inference must find them)."
             )
         return len(shape)
+
+    def readers(self, name: str) -> list[tuple[str, list[str]]]:
+        """(op type, outputs) of each forward node that reads the value ``name``."""
+        return self._readers.get(name, [])
 
     def elem_type(self, name: str) -> int:
         return self._types[name]

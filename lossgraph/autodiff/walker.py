@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -55,6 +55,8 @@ class ForwardFacts:
     shapes: dict[str, Shape]
     elem_types: dict[str, int]
     constants: dict[str, np.ndarray]
+    #: value -> (op type, outputs) of each forward node that reads it
+    readers: dict[str, list[tuple[str, list[str]]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> ForwardFacts:
@@ -84,7 +86,11 @@ class ForwardFacts:
                     d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                     for d in tensor_type.shape.dim
                 )
-        return cls(types, shapes, elem_types, constants)
+        readers: dict[str, list[tuple[str, list[str]]]] = defaultdict(list)
+        for node in graph.node:
+            for name in dict.fromkeys(node.input):
+                readers[name].append((node.op_type, list(node.output)))
+        return cls(types, shapes, elem_types, constants, dict(readers))
 
 
 def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
@@ -173,7 +179,7 @@ def differentiate(
     facts = facts or ForwardFacts.of(model)
     graph = model.graph
     g = GradContext(names, opset_version(model) or 1, facts.shapes, facts.elem_types,
-                    facts.constants)
+                    facts.constants, facts.readers)
     relevant = influenced_values(model, wrt, facts.types) & differentiable_values(
         model, list(seeds), facts.types)
     unreached = [w for w in wrt if w not in relevant and w not in seeds]

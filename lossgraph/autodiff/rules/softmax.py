@@ -1,8 +1,9 @@
 """Softmax and the losses built on it (opset 13 semantics: one axis).
 
-    Softmax(x; axis) = y        dx = y' (dy - ReduceSum(dy y', axis)), y' = y with NaN as 0:
-                                a row of -inf has NaN for y, which a later Where masks (ONNX
-                                attention does); its dy is 0 and its gradient 0, not 0 * NaN
+    Softmax(x; axis) = y        dx = y (dy - ReduceSum(dy y, axis)); when a Where reads y
+                                (through casts and reshapes), y with NaN as 0: a row of -inf
+                                has NaN for y, which the Where masks (ONNX attention does);
+                                its dy is 0 and its gradient 0, not 0 * NaN
     LogSoftmax(x; axis) = y     dx = dy - exp(y) ReduceSum(dy, axis)
     NegativeLogLikelihoodLoss(p, t, w)
                                 loss_i = -w[t_i] p[i, t_i] (0 where t_i = ignore_index)
@@ -37,10 +38,26 @@ def _axis(g, node) -> int:
                                         "as attention does) gets zeros, not NaN")
 def softmax(g, node, dy):
     y = node.outputs[0]
-    y = g.Where(g.IsNaN(y), g.const_like(0, y, "zero"), y, hint="finite_softmax")
+    if _selected_by_where(g, y):
+        y = g.Where(g.IsNaN(y), g.const_like(0, y, "zero"), y, hint="finite_softmax")
     axis = _axis(g, node)
     dot = g.reduce("ReduceSum", g.Mul(dy, y), [axis], keepdims=1)
     return g.Mul(y, g.Sub(dy, dot))
+
+
+#: ops that pass a value on elementwise or as a view: NaN stays NaN, a Where after them
+#: still selects from it
+_PASS_ON = frozenset({"Cast", "CastLike", "Identity", "Reshape", "Transpose", "Squeeze",
+                      "Unsqueeze", "Flatten", "Expand"})
+
+
+def _selected_by_where(g, y: str, depth: int = 4) -> bool:
+    """Whether a Where reads ``y`` (through ops that pass it on): only then can a NaN
+    row of y leave the forward finite, and only then is cleaning it worth a kernel."""
+    readers = g.readers(y)
+    return any(op == "Where" for op, _ in readers) or depth > 0 and any(
+        _selected_by_where(g, outputs[0], depth - 1) for op, outputs in readers
+        if op in _PASS_ON)
 
 
 @grad_rule("LogSoftmax", since=13)

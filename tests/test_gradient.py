@@ -109,6 +109,22 @@ def test_a_weight_that_does_not_influence_the_loss_is_an_error_not_zeros(run_mod
     np.testing.assert_allclose(outputs["a_grad"], x.sum(axis=0), rtol=1e-6)
 
 
+def test_training_a_weight_no_gradient_reaches_is_refused_when_compiling():
+    import lossgraph
+
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 2] x) => (float[N, 2] y)
+        <float[2] a = {1, 2}, float[2] c = {3, 4}>
+        { s = Shape(c)
+          f = Cast <to = 1> (s)
+          b = Mul(x, f)
+          y = Mul(b, a) }
+    """)
+    with pytest.raises(NoGradientError, match="No gradient reaches 'c'.*\\[Shape\\] blocks"):
+        lossgraph.compile(model, trainable=["a", "c"])
+
+
 def test_the_default_weights_are_those_that_reach_the_differentiated_output():
     model = onnx.parser.parse_model(TWO_OUTPUTS)
     assert gradient(model).graph.output[-1].name == "a_grad"

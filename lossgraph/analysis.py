@@ -145,7 +145,9 @@ def trainable_initializers(model: ModelLike) -> list[str]:
     The outputs considered are the loss when the model has one (see
     :mod:`lossgraph.roles`), else every float output. Excluded: integer tensors
     (shapes, class lists, indices), initializers reaching the outputs only through
-    non-differentiable inputs, batch-normalization statistics, and rank-0 scalars,
+    non-differentiable inputs, inputs that carry gradients but are not weights
+    (batch-normalization statistics, class weights of the losses, one-hot values; see
+    :data:`~lossgraph.differentiability.NON_TRAINABLE_INPUTS`), and rank-0 scalars,
     which exporters use for constants (pass such a name explicitly to train it).
     """
     model = as_model(model)

@@ -8,7 +8,8 @@ The walker owns every hard part so that rules stay one-liners:
 - **accumulation**: a value used several times gets one ``Sum`` of its
   contributions, built once, when its producer is visited;
 - **broadcasting**: for rules registered with ``broadcast=True`` each input
-  gradient is summed back to the input's shape from static shapes;
+  gradient is summed back to the input's shape, over axes found from static shapes,
+  or at run time where the shapes cannot tell;
 - **the rule contract** (see :mod:`.registry`): every rule's result is checked, one
   entry per input and a gradient for every wanted input, else
   :class:`~lossgraph.errors.InvalidRuleError` naming the op, node, rule and counts;

@@ -1,8 +1,9 @@
-"""The ONNX backend node tests as a gradient test suite (tests/node_audit.py, issue 11).
+"""The ONNX backend node tests as a gradient test suite (tests/node_audit.py).
 
 The default run audits a fixed sample (a few seconds): the tests that found wrong
 gradients, each pinned to its verdict, and a spread of common ops. The whole set
-(about 1900 tests, a minute or two) runs with ``pytest -m node_audit``.
+(about 1900 tests, a minute or two) runs with ``pytest -m node_audit``, in CI in both
+environments.
 """
 
 from __future__ import annotations

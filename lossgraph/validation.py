@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from . import training_build
 from .errors import (
     DTypeMismatchError,
     InvalidDataError,
@@ -39,16 +40,15 @@ from .errors import (
 from .graphs import FLOAT_TYPES, elem_type_name
 from .manifest import FUSE_MODES
 from .optim import Optimizer, as_optimizer
+from .passes.gradient import BACKENDS
 from .passes.loss import OUTPUT_OPTIONS, parse_penalty, resolve_score
 
 __all__ = [
     "CompileOptions", "compile_options", "check_trainable_model", "no_weights_error",
     "check_penalized", "count", "flag", "choice", "random_state", "callbacks", "names",
-    "as_array", "check_values", "CheckedArrays", "GRADIENT_BACKENDS",
+    "as_array", "check_values", "CheckedArrays",
 ]
 
-#: The gradient backends of :func:`lossgraph.passes.gradient.gradient`.
-GRADIENT_BACKENDS = ("onnx", "ort")
 #: ai.onnx.ml operators that keep their parameters in attributes: nothing to train.
 _ATTRIBUTE_MODELS = ("TreeEnsembleRegressor", "TreeEnsembleClassifier", "TreeEnsemble",
                      "SVMRegressor", "SVMClassifier")
@@ -158,7 +158,9 @@ def compile_options(trainable: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, gradient: Any, fuse: Any) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
-    gradient = choice("gradient", gradient, GRADIENT_BACKENDS)
+    gradient = choice("gradient", gradient, BACKENDS)
+    if gradient == "ort":
+        training_build.bindings("gradient='ort'")  # before any work, not after the loss
     options = _loss_options(loss, loss_options)
     parse_penalty(penalty)
     if loss is None and penalty:

@@ -37,6 +37,7 @@ from lossgraph.errors import (
     InvalidModelError,
     LossgraphError,
     MissingGradientError,
+    RuntimeUnavailableError,
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedModelError,
@@ -728,6 +729,16 @@ def test_opsets_are_checked_at_compile_time_not_when_loading(tmp_path):
     assert lossgraph.models.as_model(path).opset_import[0].version == 9
     with pytest.raises(UnsupportedModelError, match="opset 9"):
         lossgraph.compile(path)
+
+
+def test_compile_with_the_ort_backend_needs_the_training_build_before_reading_the_model(
+        tmp_path):
+    from conftest import HAS_TRAINING
+
+    if HAS_TRAINING:
+        pytest.skip("the training build is installed here")
+    with pytest.raises(RuntimeUnavailableError, match="gradient='ort' needs"):
+        lossgraph.compile(tmp_path / "not-even-there.onnx", gradient="ort")
 
 
 def test_external_data_inside_the_model_folder_loads(tmp_path):

@@ -374,8 +374,9 @@ def _missing_rule_message(model: onnx.ModelProto, node: Node, wrt: Sequence[str]
         f"at node {node.name or '<unnamed>'!r}, which lies on the path {path}. "
         f"Register one with @lossgraph.grad_rule({node.op_type!r}"
         + (f", domain={node.proto.domain!r}" if node.proto.domain else "")
-        + "), train only weights that do not pass through it (wrt=...), or use "
-        "backend='ort'. lossgraph.supported_ops() lists the covered ops."
+        + "), train only weights that do not pass through it (wrt=... in gradient, "
+        "trainable=... in compile), or use backend='ort' (gradient='ort' in compile). "
+        "lossgraph.supported_ops() lists the covered ops."
     )
 
 

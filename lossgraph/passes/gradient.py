@@ -29,13 +29,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from .. import training_build
 from ..analysis import differentiable_values, trainable_initializers
 from ..autodiff.walker import ForwardFacts, differentiate
 from ..builder import GraphBuilder
 from ..errors import (
     DTypeMismatchError,
     MissingGradientError,
-    RuntimeUnavailableError,
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedOptionError,
@@ -46,11 +46,14 @@ from ..names import NameAuthority
 from ..roles import get_roles
 from .contract import model_pass
 
-__all__ = ["gradient", "GRADIENTS_KEY"]
+__all__ = ["gradient", "GRADIENTS_KEY", "BACKENDS"]
 
 #: Metadata key recording ``{weight: gradient output}`` (names differ from ``<w>_grad``
 #: only when that name was already taken).
 GRADIENTS_KEY = "lossgraph.gradients"
+
+#: The gradient backends: lossgraph's own autodiff, and onnxruntime-training's builder.
+BACKENDS = ("onnx", "ort")
 
 
 @model_pass
@@ -76,7 +79,7 @@ def gradient(
         outputs: vector-Jacobian mode: outputs whose incoming gradients become inputs
             named ``<output>_grad``. Exclusive with ``loss``.
     """
-    if backend not in ("onnx", "ort"):
+    if backend not in BACKENDS:
         raise UnsupportedOptionError(f"backend={backend!r} is not 'onnx' or 'ort'.")
     graph = model.graph
     output_names = [o.name for o in graph.output]
@@ -184,7 +187,7 @@ def _ort_backend(model, targets, seed_inputs, wrt, grad_names, facts) -> None:
     whose gradient is the product. Values the builder names like our outputs are
     renamed out of the way first.
     """
-    C = _training_capi()
+    C = training_build.bindings()
     if any(facts.elem_types[t] != onnx.TensorProto.FLOAT for t in targets):
         raise DTypeMismatchError(
             "backend='ort' differentiates float32 losses only (GradientGraphBuilder seeds the "
@@ -258,21 +261,3 @@ def _native_stderr_silenced() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def _training_capi():
-    """onnxruntime's training bindings, or a clear error when the build lacks them."""
-    try:
-        from onnxruntime.capi import _pybind_state as C
-    except ImportError as exc:
-        raise RuntimeUnavailableError(
-            "backend='ort' needs onnxruntime-training-cpu 1.19.2 (pip install "
-            "'lossgraph[training]'); onnxruntime is not installed."
-        ) from exc
-    if not hasattr(C, "GradientGraphBuilder"):
-        raise RuntimeUnavailableError(
-            "backend='ort' needs the onnxruntime training build (pip install "
-            "'lossgraph[training]' in an environment without plain onnxruntime); the "
-            "installed onnxruntime has no GradientGraphBuilder. Use backend='onnx'."
-        )
-    return C

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 from ..errors import RuntimeUnavailableError
+from ..training_build import available as training_build_available
 
 __all__ = ["create_session", "cpu_device", "ortvalue", "training_build_available"]
 
@@ -27,15 +28,6 @@ def _onnxruntime():
             "or 'lossgraph[training]' (onnxruntime-training 1.19.2), not both."
         ) from exc
     return onnxruntime
-
-
-def training_build_available() -> bool:
-    """True when the installed onnxruntime is the training build."""
-    try:
-        from onnxruntime.capi import _pybind_state as C
-    except ImportError:
-        return False
-    return hasattr(C, "GradientGraphBuilder")
 
 
 def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = None,

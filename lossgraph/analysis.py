@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import onnx
 
 from .differentiability import differentiable_inputs
-from .graphs import FLOAT_TYPES, elem_type_name, outer_references, subgraphs, value_types
+from .graphs import (
+    FLOAT_TYPES,
+    elem_type_name,
+    outer_references,
+    shortest_path,
+    subgraphs,
+    value_types,
+)
 from .models import ModelLike, as_model
 from .roles import get_roles
 
@@ -98,30 +104,9 @@ def gradient_block(model: onnx.ModelProto, source: str, targets: Iterable[str],
     index, axis or condition input), or a node whose output on the path is not float
     (an integer Cast, a comparison, a Shape)."""
     is_float = _may_be_float(types)
-    targets = set(targets)
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
-        for name in dict.fromkeys([*node.input, *(n for sub in subgraphs(node)
-                                                  for n in outer_references(sub))]):
-            consumers.setdefault(name, []).append(node)
-    parents: dict[str, tuple[str, onnx.NodeProto] | None] = {source: None}
-    queue, end = deque([source]), None
-    while queue:
-        value = queue.popleft()
-        if value in targets:
-            end = value
-            break
-        for node in consumers.get(value, []):
-            for out in node.output:
-                if out and out not in parents:
-                    parents[out] = (value, node)
-                    queue.append(out)
-    if end is None:
+    path = shortest_path(model.graph, source, set(targets))
+    if path is None:
         return GradientBlock((), -1, "no path of nodes leads from it to them")
-    path: list = [end]
-    while parents[path[0]] is not None:
-        value, node = parents[path[0]]
-        path[:0] = [value, node]
     for at in range(1, len(path), 2):
         value, node, out = path[at - 1], path[at], path[at + 1]
         if not is_float(out):

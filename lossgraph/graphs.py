@@ -7,7 +7,8 @@ the names used anywhere in a model (subgraphs included), and rename values with
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Container, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -19,6 +20,8 @@ __all__ = [
     "all_graphs",
     "names_in_graph",
     "outer_references",
+    "consumers",
+    "shortest_path",
     "value_types",
     "elem_type_name",
     "np_dtype",
@@ -81,6 +84,40 @@ def outer_references(graph: onnx.GraphProto) -> set[str]:
         defined.update(node.output)
     used.update(o.name for o in graph.output if o.name not in defined)
     return used
+
+
+def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """The nodes of ``graph`` that read each value, as an input or captured by a subgraph."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        captured = (n for sub in subgraphs(node) for n in sorted(outer_references(sub)))
+        for name in dict.fromkeys([*node.input, *captured]):
+            if name:
+                readers.setdefault(name, []).append(node)
+    return readers
+
+
+def shortest_path(graph: onnx.GraphProto, source: str,
+                  targets: Container[str]) -> list[str | onnx.NodeProto] | None:
+    """``[source, node, value, node, ..., target]``: the shortest chain of nodes by which
+    ``source`` reaches one of ``targets`` (breadth first), or None when it reaches none."""
+    readers = consumers(graph)
+    parents: dict[str, tuple[str, onnx.NodeProto] | None] = {source: None}
+    queue = deque([source])
+    while queue:
+        value = queue.popleft()
+        if value in targets:
+            path: list[str | onnx.NodeProto] = [value]
+            while parents[value] is not None:
+                value, node = parents[value]
+                path[:0] = [value, node]
+            return path
+        for node in readers.get(value, []):
+            for out in node.output:
+                if out and out not in parents:
+                    parents[out] = (value, node)
+                    queue.append(out)
+    return None
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

@@ -29,7 +29,7 @@ The walker owns every hard part so that rules stay one-liners:
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +40,7 @@ from onnx import numpy_helper
 from ..analysis import differentiable_values, gradient_block, influenced_values
 from ..differentiability import differentiable_inputs
 from ..errors import InvalidRuleError, MissingGradientError, NoGradientError
-from ..graphs import opset_version, outer_references, subgraphs
+from ..graphs import opset_version, outer_references, shortest_path, subgraphs
 from ..names import NameAuthority
 from .context import GradContext, Node, Shape
 from .registry import RuleInfo, find_rule
@@ -387,13 +387,6 @@ def _path_through(model: onnx.ModelProto, target: onnx.NodeProto, wrt: Sequence[
                   seeds: Mapping[str, str], relevant: set[str]) -> str:
     """'w -> [Op 'name'] -> v -> ... -> loss' through ``target``, for error messages."""
     producers = {o: n for n in model.graph.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for n in model.graph.node:
-        for i in n.input:
-            consumers[i].append(n)
-
-    label = _label
-
     # backwards from the node to a requested weight
     back: list[str] = []
     current = next((i for i in target.input if i in relevant), None)
@@ -402,33 +395,17 @@ def _path_through(model: onnx.ModelProto, target: onnx.NodeProto, wrt: Sequence[
         producer = producers.get(current)
         if producer is None:
             break
-        back.append(label(producer))
+        back.append(_label(producer))
         current = next((i for i in producer.input if i in relevant), None)
     if current is not None:
         back.append(current)
-    # forwards from the node to a seed (breadth first: the shortest way)
+    # forwards from the node to a seed, the shortest way
     start = next((o for o in target.output if o in relevant or o in seeds), target.output[0])
-    parents: dict[str, tuple[str, onnx.NodeProto] | None] = {start: None}
-    queue = deque([start])
-    end = start
-    while queue:
-        value = queue.popleft()
-        if value in seeds:
-            end = value
-            break
-        for consumer in consumers.get(value, []):
-            for out in consumer.output:
-                if out not in parents:
-                    parents[out] = (value, consumer)
-                    queue.append(out)
-    forward: list[str] = []
-    while parents.get(end) is not None:
-        previous, consumer = parents[end]
-        forward[:0] = [label(consumer), end]
-        end = previous
-    parts = [*reversed(back), label(target), start, *forward]
+    onward = shortest_path(model.graph, start, seeds) or [start]
+    forward = [step if isinstance(step, str) else _label(step) for step in onward[1:]]
+    parts = [*reversed(back), _label(target), start, *forward]
     if len(parts) > 2 * _PATH_ENDS + 1:  # long paths: both ends, and the failing node
-        focus = parts.index(label(target))
+        focus = parts.index(_label(target))
         shown = sorted({*range(_PATH_ENDS), *range(len(parts) - _PATH_ENDS, len(parts)),
                         *range(max(focus - 2, 0), min(focus + 3, len(parts)))})
         pieces, previous = [], -1

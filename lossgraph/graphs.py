@@ -21,6 +21,7 @@ __all__ = [
     "names_in_graph",
     "outer_references",
     "consumers",
+    "stored_tensors",
     "shortest_path",
     "value_types",
     "elem_type_name",
@@ -118,6 +119,19 @@ def shortest_path(graph: onnx.GraphProto, source: str,
                     parents[out] = (value, node)
                     queue.append(out)
     return None
+
+
+def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor the model stores, which onnx may keep in external files: initializers
+    (sparse ones' values too) and attribute tensors, of the graph and its subgraphs."""
+    for graph in all_graphs(model.graph):
+        yield from graph.initializer
+        yield from (sparse.values for sparse in graph.sparse_initializer)
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

@@ -13,7 +13,6 @@ for those files in the current directory.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -21,7 +20,7 @@ from google.protobuf.message import DecodeError
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .errors import InvalidModelError
-from .graphs import all_graphs
+from .graphs import stored_tensors
 
 __all__ = ["ModelLike", "as_model", "check_model"]
 
@@ -86,23 +85,10 @@ def _checked(model: onnx.ModelProto, what: str, folder: Path | None) -> onnx.Mod
         raise InvalidModelError(
             f"{what} is not an ONNX model: it has no graph "
             f"({f'only {fields}' if fields else 'no ONNX field at all'}). {_REEXPORT}.")
-    for tensor in _tensors(model):
+    for tensor in stored_tensors(model):
         if uses_external_data(tensor):
             _load_external(tensor, what, folder)
     return model
-
-
-def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """The tensors onnx may keep in external files: initializers and attribute tensors of
-    the graph and its subgraphs (as ``onnx.load`` reads them)."""
-    for graph in all_graphs(model.graph):
-        yield from graph.initializer
-        yield from (sparse.values for sparse in graph.sparse_initializer)
-        for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t"):
-                    yield attribute.t
-                yield from attribute.tensors
 
 
 def _load_external(tensor: onnx.TensorProto, what: str, folder: Path | None) -> None:

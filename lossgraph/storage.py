@@ -27,7 +27,7 @@ import io
 import json
 import os
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,7 +37,7 @@ from onnx.external_data_helper import uses_external_data
 
 from .errors import InvalidDataError, InvalidProgramError
 from .fileio import FolderKind, replace_directory, serialize
-from .graphs import all_graphs
+from .graphs import stored_tensors
 from .manifest import check_manifest
 
 __all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "Program", "ProgramParts", "save_program",
@@ -228,7 +228,7 @@ def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
     except Exception:  # protobuf's DecodeError and friends
         raise InvalidProgramError(
             f"{str(path)!r} is not a valid ONNX model (truncated or corrupt).") from None
-    external = [t.name for t in _tensors(model) if uses_external_data(t)]
+    external = [t.name for t in stored_tensors(model) if uses_external_data(t)]
     if external:
         raise InvalidProgramError(
             f"{str(path)!r} keeps tensor {external[0]!r} in external data; the graphs of a "
@@ -240,17 +240,6 @@ def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
         raise InvalidProgramError(f"{str(path)!r} is not a valid ONNX model: {first}") from None
     return model
-
-
-def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor stored in the model: initializers and attributes, subgraphs included."""
-    for graph in all_graphs(model.graph):
-        yield from graph.initializer
-        for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t"):
-                    yield attribute.t
-                yield from attribute.tensors
 
 
 def _dtype_name(value: onnx.ValueInfoProto) -> str:

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..errors import RuntimeUnavailableError
+from ..errors import RuntimeUnavailableError, UnsupportedOptionError, suggest
 from ..training_build import available as training_build_available
 
-__all__ = ["create_session", "cpu_device", "ortvalue", "training_build_available"]
+__all__ = ["checked_providers", "create_session", "cpu_device", "ortvalue",
+           "training_build_available"]
 
 
 def _onnxruntime():
@@ -28,6 +29,26 @@ def _onnxruntime():
             "or 'lossgraph[training]' (onnxruntime-training 1.19.2), not both."
         ) from exc
     return onnxruntime
+
+
+def checked_providers(providers: Any) -> list | None:
+    """onnxruntime execution providers, each a name (or ``(name, options)``) the installed
+    onnxruntime has; ``None`` (CPU) stays ``None``."""
+    if providers is None:
+        return None
+    listed = [providers] if isinstance(providers, str) else providers
+    if not isinstance(listed, (list, tuple)):
+        raise UnsupportedOptionError(
+            f"providers={providers!r} must be a list of onnxruntime execution provider names, "
+            "e.g. ['CPUExecutionProvider'].")
+    available = _onnxruntime().get_available_providers()
+    for provider in listed:
+        name = provider[0] if isinstance(provider, tuple) and provider else provider
+        if name not in available:
+            raise UnsupportedOptionError(
+                f"providers names {name!r}, which this onnxruntime does not have."
+                + suggest(str(name), available, "providers"))
+    return list(listed)
 
 
 def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = None,

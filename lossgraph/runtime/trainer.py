@@ -40,7 +40,7 @@ from ..errors import (
 from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
-from .session import create_session
+from .session import checked_providers, create_session
 from .specialize import specialize_batch
 
 __all__ = ["Trainer"]
@@ -61,7 +61,7 @@ class Trainer:
                 f"Trainer takes a TrainingProgram (from lossgraph.compile or "
                 f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
         self.program = program
-        self.providers = _providers(providers)
+        self.providers = checked_providers(providers)
         self.session_options = session_options
         manifest = program.manifest
         roles = manifest["roles"]
@@ -516,29 +516,6 @@ class Trainer:
         trainer.validation_losses_ = record["validation_losses"]
         trainer._rng = record["rng"]
         return trainer
-
-
-def _providers(providers: Any) -> list | None:
-    """onnxruntime execution providers, each a name (or ``(name, options)``) it has."""
-    if providers is None:
-        return None
-    listed = [providers] if isinstance(providers, str) else providers
-    if not isinstance(listed, (list, tuple)):
-        raise UnsupportedOptionError(
-            f"providers={providers!r} must be a list of onnxruntime execution provider names, "
-            "e.g. ['CPUExecutionProvider'].")
-    try:
-        import onnxruntime
-    except ImportError:  # the first session says what to install
-        return list(listed)
-    available = onnxruntime.get_available_providers()
-    for provider in listed:
-        name = provider[0] if isinstance(provider, tuple) and provider else provider
-        if name not in available:
-            raise UnsupportedOptionError(
-                f"providers names {name!r}, which this onnxruntime does not have."
-                + suggest(str(name), available, "providers"))
-    return list(listed)
 
 
 def _class_count(manifest: Mapping[str, Any]) -> int | None:

@@ -152,12 +152,11 @@ def _write_program(folder: Path, program: Program) -> None:
                 "not a plain file name; lossgraph writes only inside the program folder.")
         written[entry["file"]] = serialize(program.graphs[name])
     written[INFERENCE_FILE] = serialize(program.inference_model)
-    with open(folder / STATE_FILE, "wb") as stream:
-        np.savez(stream, **program.state)
-    written[STATE_FILE] = (folder / STATE_FILE).read_bytes()
+    state = io.BytesIO()
+    np.savez(state, **program.state)
+    written[STATE_FILE] = state.getvalue()
     for name, data in written.items():
-        if name != STATE_FILE:
-            (folder / name).write_bytes(data)
+        (folder / name).write_bytes(data)
     manifest = {**program.manifest,
                 _CHECKSUMS: {name: _checksum(data) for name, data in sorted(written.items())}}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")

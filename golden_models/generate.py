@@ -80,7 +80,7 @@ HAND_TEXT: dict[str, str] = {
 
 
 def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Set IR 10, dedupe opset_import, check the ai.onnx opset and the full checker."""
+    """Set IR 10, dedupe and sort opset_import, check the ai.onnx opset and the full checker."""
     versions: dict[str, int] = {}
     for entry in model.opset_import:
         seen = versions.setdefault(entry.domain, entry.version)
@@ -94,7 +94,8 @@ def normalize(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.opset_import[:]
-    out.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in versions.items())
+    # Sorted by domain: skl2onnx lists them in an order that varies with the hash seed.
+    out.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in sorted(versions.items()))
     out.ir_version = IR_VERSION
     onnx.checker.check_model(out, full_check=True)
     return out

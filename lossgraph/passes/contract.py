@@ -1,27 +1,38 @@
-"""The contract every pass keeps, checked by one decorator.
+"""The pass contract: one base class, one result type, one pipeline.
 
-A pass is a function ``pass_(model, ...) -> ModelProto`` (or a tuple whose first
-item is the model). :func:`model_pass` makes it
+A pass is an object built with its options and called on a model
+(onnx-ir's ``passes`` framework has the same shape)::
+
+    result = AddLossOutput(loss="huber")(model)      # -> PassResult
+    result.model      # the new model
+    result.report     # what the pass reports (a mapping of names, initial values, ...)
+    result.changed    # whether the pass changed anything
+
+:class:`Pass` keeps the contract for every subclass, which only writes :meth:`Pass.call`:
 
 - **tolerant in what it takes**: a ``ModelProto``, serialized bytes or a file path;
 - **pure**: the pass works on a private copy, the caller's model is never mutated;
 - **honest about bad input**: a model that fails ``onnx.checker`` (full check) is
-  rejected with :class:`~lossgraph.errors.InvalidModelError` before any work;
-- **valid and loadable**: the input's opset must suit the active target
-  (:func:`lossgraph.target.use_target`, default: onnxruntime-training 1.19 and current
-  onnxruntime); the result gets a deliberate IR version and opset list
+  rejected with :class:`~lossgraph.errors.InvalidModelError` before any work, and so is
+  an opset the active target (:func:`lossgraph.target.use_target`) cannot load;
+- **valid and loadable**: the result gets a deliberate IR version and opset list
   (:func:`lossgraph.target.finalize`) and must pass the full checker, including
   strict shape inference; failing that is a lossgraph bug (:class:`InternalError`).
 
 Passes are deterministic because everything they name goes through one
 :class:`~lossgraph.names.NameAuthority` and nothing iterates over unordered sets.
+
+A :class:`Pipeline` is a pass made of passes, run in order; ``print(pipeline)`` shows
+them with their options, so what ``compile`` does can be read before it runs.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Concatenate, ParamSpec, TypeVar
+import abc
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 
@@ -29,32 +40,126 @@ from ..errors import InternalError
 from ..models import ModelLike, as_model, check_model
 from ..target import check_opset, finalize
 
-__all__ = ["model_pass"]
-
-P = ParamSpec("P")
-R = TypeVar("R")
+__all__ = ["Pass", "PassResult", "Pipeline", "check_emitted"]
 
 
-def model_pass(
-    fn: Callable[Concatenate[onnx.ModelProto, P], R],
-) -> Callable[Concatenate[ModelLike, P], R]:
-    """Wrap a pass so that it keeps the pass contract (see the module docstring)."""
+@dataclass(frozen=True)
+class PassResult:
+    """What every pass returns: the model, what the pass reports, whether it changed it."""
+
+    model: onnx.ModelProto
+    report: Any = None
+    changed: bool = True
+
+
+class Pass(abc.ABC):
+    """A model-to-model rewrite keeping the pass contract (see the module docstring).
+
+    Subclasses are frozen dataclasses: their fields are the pass's options, and their
+    ``repr`` is what a printed pipeline shows.
+    """
+
+    @property
+    def name(self) -> str:
+        """The pass's name in a pipeline: its class name."""
+        return type(self).__name__
+
+    def __call__(self, model: ModelLike) -> PassResult:
+        working = as_model(model)
+        check_model(working, f"The model given to {self.name}")
+        check_opset(working)
+        result = self.call(working)
+        check_emitted(result.model, self.name)
+        return result
+
+    @abc.abstractmethod
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        """Rewrite ``model``, a private, checked copy the pass may change in place."""
+
+    def __str__(self) -> str:
+        return _describe(self)
+
+
+def check_emitted(model: onnx.ModelProto, what: str) -> None:
+    """Give ``model`` its IR version and opsets, and prove it valid; an invalid model is a
+    lossgraph bug, reported as :class:`~lossgraph.errors.InternalError`."""
+    finalize(model)
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as exc:
+        raise InternalError(
+            f"{what} emitted an invalid model ({exc}). This is a bug in lossgraph; "
+            "please report it with the input model."
+        ) from exc
+
+
+@dataclass(frozen=True)
+class Pipeline(Pass):
+    """Passes run in order, each on the previous one's model.
+
+    The report is ``{pass name: its report}`` for the passes that report something;
+    the pipeline changed the model when any of its passes did.
+    """
+
+    passes: Sequence[Pass] = field(default_factory=tuple)
+
+    def __call__(self, model: ModelLike) -> PassResult:
+        return self.call(as_model(model))  # each pass checks its own input and output
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        reports: dict[str, Any] = {}
+        changed = False
+        for step in self.passes:
+            result = step(model)
+            model, changed = result.model, changed or result.changed
+            if result.report is not None:
+                reports[step.name] = result.report
+        return PassResult(model, reports, changed)
+
+    def then(self, *passes: Pass) -> Pipeline:
+        """This pipeline followed by ``passes``."""
+        return Pipeline((*self.passes, *passes))
+
+    def __str__(self) -> str:
+        return " -> ".join(str(step) for step in self.passes) or "(no passes)"
+
+
+def _describe(step: Pass) -> str:
+    """``Name(option=value, ...)`` with the options that differ from their defaults."""
+    if not dataclasses.is_dataclass(step):
+        return step.name
+    shown = [f"{f.name}={getattr(step, f.name)!r}" for f in dataclasses.fields(step)
+             if f.repr and getattr(step, f.name) != _default(f)]
+    return f"{step.name}({', '.join(shown)})" if shown else step.name
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def passes_in(pipeline: Pass) -> Iterable[Pass]:
+    """Every pass of ``pipeline``, nested pipelines flattened."""
+    if isinstance(pipeline, Pipeline):
+        for step in pipeline.passes:
+            yield from passes_in(step)
+    else:
+        yield pipeline
+
+
+def model_pass(fn):  # transitional: removed once every pass is a Pass
+    import functools
 
     @functools.wraps(fn)
-    def run(model: ModelLike, *args: P.args, **kwargs: P.kwargs) -> R:
+    def run(model, *args, **kwargs):
         working = as_model(model)
         check_model(working, f"The model given to {fn.__name__}")
         check_opset(working)
         result = fn(working, *args, **kwargs)
-        emitted = result[0] if isinstance(result, tuple) else result
-        finalize(emitted)
-        try:
-            onnx.checker.check_model(emitted, full_check=True)
-        except Exception as exc:
-            raise InternalError(
-                f"{fn.__name__} emitted an invalid model ({exc}). This is a bug in lossgraph; "
-                "please report it with the input model."
-            ) from exc
+        check_emitted(result[0] if isinstance(result, tuple) else result, fn.__name__)
         return result
 
     return run

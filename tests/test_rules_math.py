@@ -5,30 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gradcheck import check_gradients, cotangent, loss_model
+from models import dims, model, signature
 
 from lossgraph import gradient
 
 F64, F32 = np.float64, np.float32
 TYPE = {F64: "double", F32: "float"}
-
-
-def header(opset: int) -> str:
-    ir = 10 if opset >= 21 else 8
-    return f'<ir_version: {ir}, opset_import: ["" : {opset}]>'
-
-
-def sig(name: str, array: np.ndarray) -> str:
-    """``double[3, 4] x`` for a graph signature."""
-    kind = {np.dtype(F64): "double", np.dtype(F32): "float", np.dtype(bool): "bool",
-            np.dtype(np.int64): "int64"}[array.dtype]
-    if array.ndim == 0:
-        return f"{kind} {name}"
-    return f"{kind}[{', '.join(map(str, array.shape))}] {name}"
-
-
-def model(body: str, inputs: dict[str, np.ndarray], out: str, opset: int = 18) -> str:
-    params = ", ".join(sig(k, v) for k, v in inputs.items())
-    return f"{header(opset)} g ({params}) => ({out}) {{ {body} }}"
 
 
 def uniform(rng, low, high, shape, dtype=F64):
@@ -84,9 +66,9 @@ UNARY = {
 def test_unary_gradient_matches_derivative(op, opset, rng):
     sampler, derivative, dtype, ort_supported = UNARY[op]
     x = sampler(rng, (3, 4), dtype)
-    text = model(f"y = {op}(x)", {"x": x}, f"{TYPE[dtype]}[3, 4] y", opset)
+    net = model(signature({"x": x}, f"{TYPE[dtype]}[3, 4] y"), f"y = {op}(x)", opset=opset)
     expected = (derivative(x.astype(F64)) * cotangent(x.shape, dtype)).astype(dtype)
-    check_gradients(text, {"x": x}, reference={"x": expected}, ort=ort_supported or "auto")
+    check_gradients(net, {"x": x}, reference={"x": expected}, ort=ort_supported or "auto")
 
 
 @pytest.mark.torch
@@ -96,27 +78,27 @@ def test_unary_gradient_matches_torch_autograd(op, rng):
 
     sampler, _, dtype, _ = UNARY[op]
     x = sampler(rng, (2, 3), dtype)
-    text = model(f"y = {op}(x)", {"x": x}, f"{TYPE[dtype]}[2, 3] y")
+    net = model(signature({"x": x}, f"{TYPE[dtype]}[2, 3] y"), f"y = {op}(x)")
     fn = getattr(torch, op.lower())
     t = torch.tensor(x, requires_grad=True)
     (fn(t) * torch.tensor(cotangent(x.shape, dtype))).sum().backward()
-    check_gradients(text, {"x": x}, reference={"x": t.grad.numpy()}, ort=False)
+    check_gradients(net, {"x": x}, reference={"x": t.grad.numpy()}, ort=False)
 
 
 def test_sin_gradient_in_double_avoids_the_cos_kernel(rng):
     x = uniform(rng, -3, 3, (5,))
-    text = model("y = Sin(x)", {"x": x}, "double[5] y")
-    graph = gradient(loss_model(text, {"x": x}), wrt=["x"], loss="gradcheck_loss")
+    net = model(signature({"x": x}, "double[5] y"), "y = Sin(x)")
+    graph = gradient(loss_model(net, {"x": x}), wrt=["x"], loss="gradcheck_loss")
     assert "Cos" not in {n.op_type for n in graph.graph.node}
-    check_gradients(text, {"x": x})
+    check_gradients(net, {"x": x})
 
 
 @pytest.mark.parametrize("op", ["Sign", "Floor", "Ceil", "Round"])
 @pytest.mark.parametrize("opset", [13, 21])
 def test_piecewise_constant_ops_give_zero_gradient(op, opset, rng):
     x = between_integers(rng, (3, 4))
-    text = model(f"y = {op}(x)", {"x": x}, "double[3, 4] y", opset)
-    grads = check_gradients(text, {"x": x}, ort="auto")
+    net = model(signature({"x": x}, "double[3, 4] y"), f"y = {op}(x)", opset=opset)
+    grads = check_gradients(net, {"x": x}, ort="auto")
     np.testing.assert_array_equal(grads["x"], np.zeros_like(x))
 
 
@@ -124,16 +106,16 @@ def test_piecewise_constant_ops_give_zero_gradient(op, opset, rng):
 def test_piecewise_constant_ops_keep_the_path_differentiable(op, rng):
     # y = op(x) * x: only the direct x term contributes.
     x = between_integers(rng, (2, 3))
-    text = model(f"f = {op}(x)\n y = Mul(f, x)", {"x": x}, "double[2, 3] y")
+    net = model(signature({"x": x}, "double[2, 3] y"), f"f = {op}(x)\n y = Mul(f, x)")
     expected = getattr(np, op.lower() if op != "Round" else "round")(x) * cotangent(x.shape, F64)
-    check_gradients(text, {"x": x}, reference={"x": expected}, ort="auto")
+    check_gradients(net, {"x": x}, reference={"x": expected}, ort="auto")
 
 
 def test_hardmax_gives_zero_gradient(rng):
     """float32: onnxruntime has no double Hardmax."""
     x = (rng.permutation(12).reshape(3, 4) * 0.5).astype(F32)  # distinct: no tie near eps
-    text = model("y = Hardmax(x)", {"x": x}, "float[3, 4] y")
-    grads = check_gradients(text, {"x": x}, ort="auto")
+    net = model(signature({"x": x}, "float[3, 4] y"), "y = Hardmax(x)")
+    grads = check_gradients(net, {"x": x}, ort="auto")
     np.testing.assert_array_equal(grads["x"], np.zeros_like(x))
 
 
@@ -146,35 +128,36 @@ def test_mod_fmod_gradients(shapes, rng):
     quotient = rng.integers(-3, 4, size=out) + rng.uniform(0.2, 0.8, size=out)
     a = (quotient * np.broadcast_to(b, out))[tuple(slice(0, d) for d in shapes[0])]
     a = np.ascontiguousarray(np.broadcast_to(a, shapes[0]) if a.shape != shapes[0] else a)
-    text = model("y = Mod <fmod = 1> (a, b)", {"a": a, "b": b},
-                 f"double[{', '.join(map(str, out))}] y")
+    net = model(signature({"a": a, "b": b}, f"double[{dims(out)}] y"),
+                "y = Mod <fmod = 1> (a, b)")
     r = cotangent(out, F64)
     expected = {"a": reduce_to(r, a.shape).reshape(a.shape),
                 "b": reduce_to(-r * np.trunc(a / b), b.shape).reshape(b.shape)}
-    check_gradients(text, {"a": a, "b": b}, reference=expected, ort=False)
+    check_gradients(net, {"a": a, "b": b}, reference=expected, ort=False)
 
 
 # ------------------------------------------------------------------------ Cast
 def test_cast_float_to_double_casts_the_gradient_back(rng):
     x = rng.normal(size=(3, 4)).astype(F32)
-    text = model("y = Cast<to = 11>(x)", {"x": x}, "double[3, 4] y")
+    net = model(signature({"x": x}, "double[3, 4] y"), "y = Cast<to = 11>(x)")
     # ort=False: the double loss is out of reach of onnxruntime-training's builder
-    grads = check_gradients(text, {"x": x}, ort=False)
+    grads = check_gradients(net, {"x": x}, ort=False)
     assert grads["x"].dtype == F32
 
 
 def test_cast_to_the_same_type_passes_the_gradient_through(rng):
     x = rng.normal(size=(3, 4))
-    text = model("c = Cast<to = 11>(x)\n y = Mul(c, c)", {"x": x}, "double[3, 4] y")
-    check_gradients(text, {"x": x}, reference={"x": 2 * x * cotangent(x.shape, F64)})
+    net = model(signature({"x": x}, "double[3, 4] y"), "c = Cast<to = 11>(x)\n y = Mul(c, c)")
+    check_gradients(net, {"x": x}, reference={"x": 2 * x * cotangent(x.shape, F64)})
 
 
 def test_cast_of_an_integer_input_gives_no_gradient_to_it(rng):
     n = rng.integers(-3, 4, size=(3, 4)).astype(np.int64)
     w = rng.normal(size=(4,))
-    text = model("c = Cast<to = 11>(n)\n y = Mul(c, w)", {"n": n, "w": w}, "double[3, 4] y")
+    net = model(signature({"n": n, "w": w}, "double[3, 4] y"),
+                "c = Cast<to = 11>(n)\n y = Mul(c, w)")
     expected = (n * cotangent((3, 4), F64)).sum(axis=0)
-    check_gradients(text, {"n": n, "w": w}, wrt=["w"], reference={"w": expected})
+    check_gradients(net, {"n": n, "w": w}, wrt=["w"], reference={"w": expected})
 
 
 # ------------------------------------------------------------------------- Pow
@@ -185,43 +168,42 @@ def test_pow_gradients_for_base_and_exponent_with_broadcasting(shapes, opset, rn
     a = uniform(rng, 0.5, 2.0, shapes[0])
     b = uniform(rng, -1.5, 2.5, shapes[1])
     out = np.broadcast_shapes(a.shape, b.shape)
-    text = model("y = Pow(a, b)", {"a": a, "b": b}, f"double[{', '.join(map(str, out))}] y",
-                 opset)
+    net = model(signature({"a": a, "b": b}, f"double[{dims(out)}] y"), "y = Pow(a, b)",
+                opset=opset)
     r = cotangent(out, F64)
     da = reduce_to(r * b * a ** (b - 1), a.shape).reshape(a.shape)
     db = reduce_to(r * a**b * np.log(a), b.shape)
     # onnxruntime-training has no gradient for Pow's exponent: compared where it can
-    check_gradients(text, {"a": a, "b": b}, reference={"a": da, "b": db.reshape(b.shape)},
+    check_gradients(net, {"a": a, "b": b}, reference={"a": da, "b": db.reshape(b.shape)},
                     ort="auto")
 
 
 @pytest.mark.parametrize("k", [0.0, 1.0, 2.0, 3.0, 0.5, -1.5])
 def test_pow_with_a_constant_exponent(k, rng):
     a = uniform(rng, 0.5, 2.0, (3, 4))
-    text = (f'{header(18)} g (double[3, 4] a) => (double[3, 4] y) '
-            f'<double k = {{{k}}}> {{ y = Pow(a, k) }}')
+    net = model(f"(double[3, 4] a) => (double[3, 4] y) <double k = {{{k}}}>", "y = Pow(a, k)")
     expected = k * a ** (k - 1) * cotangent(a.shape, F64)
-    check_gradients(text, {"a": a}, reference={"a": expected}, ort=True)
+    check_gradients(net, {"a": a}, reference={"a": expected}, ort=True)
 
 
 def test_pow_with_an_integer_exponent_differentiates_the_base_only(rng):
     a = away_from_zero(rng, (3, 4))
     b = rng.integers(0, 4, size=(4,)).astype(np.int64)
-    text = model("y = Pow(a, b)", {"a": a, "b": b}, "double[3, 4] y")
+    net = model(signature({"a": a, "b": b}, "double[3, 4] y"), "y = Pow(a, b)")
     expected = b * a ** (b - 1.0) * cotangent(a.shape, F64)
     # onnxruntime-training 1.19 emits an ill-typed Sub for an integer exponent: no comparison
-    check_gradients(text, {"a": a, "b": b}, reference={"a": expected}, ort="auto")
+    check_gradients(net, {"a": a, "b": b}, reference={"a": expected}, ort="auto")
 
 
 def test_pow_at_a_zero_base_differentiates_the_base_where_the_derivative_exists(rng):
     """d a^b / da = b a^(b-1) is 0 at a = 0 for b = 0 (a^0 = 1) and b > 1, 1 for b = 1."""
     a = np.array([[0.0, 0.0, 0.0, 0.0], [-1.2, 0.7, 1.5, -0.4]])
     b = np.array([[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 3.0, 1.0]])
-    text = model("y = Pow(a, b)", {"a": a, "b": b}, "double[2, 4] y")
+    net = model(signature({"a": a, "b": b}, "double[2, 4] y"), "y = Pow(a, b)")
     exponent = np.where(b == 0, 0.0, b - 1)
     expected = np.where(b == 0, 0.0, b * a**exponent) * cotangent(a.shape, F64)
     # ort=False: onnxruntime-training's own Pow gradient is NaN at a = b = 0
-    grads = check_gradients(text, {"a": a, "b": b}, wrt=["a"], reference={"a": expected},
+    grads = check_gradients(net, {"a": a, "b": b}, wrt=["a"], reference={"a": expected},
                             ort=False)
     assert np.all(np.isfinite(grads["a"]))
 
@@ -230,9 +212,9 @@ def test_pow_at_a_zero_base_differentiates_a_positive_exponent(rng):
     """d a^b / db = a^b log(a) tends to 0 as a -> 0 for b > 0: 0^b is 0 near b."""
     a = np.array([[0.0, 0.0, 0.0], [0.5, 1.5, 2.0]])
     b = np.array([[0.5, 1.0, 2.5], [1.5, -0.5, 2.0]])
-    text = model("y = Pow(a, b)", {"a": a, "b": b}, "double[2, 3] y")
+    net = model(signature({"a": a, "b": b}, "double[2, 3] y"), "y = Pow(a, b)")
     expected = np.where(a == 0, 0.0, a**b * np.log(np.where(a == 0, 1.0, a)))
-    check_gradients(text, {"a": a, "b": b}, wrt=["b"],
+    check_gradients(net, {"a": a, "b": b}, wrt=["b"],
                     reference={"b": expected * cotangent(a.shape, F64)})
 
 
@@ -244,8 +226,8 @@ def test_pow_at_a_zero_base_matches_torch_autograd():
     b = np.array([0.0, 1.0, 2.5, 3.0])
     ta, tb = (torch.tensor(v, requires_grad=True) for v in (a, b))
     (torch.pow(ta, tb) * torch.tensor(cotangent((4,), F64))).sum().backward()
-    text = model("y = Pow(a, b)", {"a": a, "b": b}, "double[4] y")
-    graph = gradient(loss_model(text, {"a": a, "b": b}), wrt=["a", "b"], loss="gradcheck_loss")
+    net = model(signature({"a": a, "b": b}, "double[4] y"), "y = Pow(a, b)")
+    graph = gradient(loss_model(net, {"a": a, "b": b}), wrt=["a", "b"], loss="gradcheck_loss")
     import onnxruntime
 
     session = onnxruntime.InferenceSession(graph.SerializeToString(),
@@ -266,11 +248,12 @@ def clip_inputs(rng, shape=(4, 5)):
 @pytest.mark.parametrize("opset", [13, 21])
 def test_clip_passes_gradient_inside_bounds_and_to_the_bound_it_hits(opset, rng):
     x, lo, hi = clip_inputs(rng)
-    text = model("y = Clip(x, lo, hi)", {"x": x, "lo": lo, "hi": hi}, "double[4, 5] y", opset)
+    net = model(signature({"x": x, "lo": lo, "hi": hi}, "double[4, 5] y"), "y = Clip(x, lo, hi)",
+                opset=opset)
     r = cotangent(x.shape, F64)
     expected = {"x": r * ((x >= lo) & (x <= hi)), "lo": (r * (x < lo)).sum(),
                 "hi": (r * (x > hi)).sum()}
-    check_gradients(text, {"x": x, "lo": lo, "hi": hi}, reference=expected, ort="auto")
+    check_gradients(net, {"x": x, "lo": lo, "hi": hi}, reference=expected, ort="auto")
 
 
 def test_clip_with_lo_above_hi_gives_everything_to_hi(rng):
@@ -278,40 +261,40 @@ def test_clip_with_lo_above_hi_gives_everything_to_hi(rng):
     ONNX reference agree), so hi gets all of dy and x and lo nothing."""
     x = rng.uniform(-2, 2, size=(3, 4))
     lo, hi = np.array(1.0), np.array(-1.0)
-    text = model("y = Clip(x, lo, hi)", {"x": x, "lo": lo, "hi": hi}, "double[3, 4] y")
+    net = model(signature({"x": x, "lo": lo, "hi": hi}, "double[3, 4] y"), "y = Clip(x, lo, hi)")
     r = cotangent(x.shape, F64)
-    check_gradients(text, {"x": x, "lo": lo, "hi": hi}, ort=False, reference={
+    check_gradients(net, {"x": x, "lo": lo, "hi": hi}, ort=False, reference={
         "x": np.zeros_like(x), "lo": np.array(0.0), "hi": np.array(r.sum())})
 
 
 def test_clip_with_only_a_lower_bound(rng):
     x, lo, _ = clip_inputs(rng)
-    text = model("y = Clip(x, lo)", {"x": x, "lo": lo}, "double[4, 5] y")
+    net = model(signature({"x": x, "lo": lo}, "double[4, 5] y"), "y = Clip(x, lo)")
     r = cotangent(x.shape, F64)
-    check_gradients(text, {"x": x, "lo": lo},
+    check_gradients(net, {"x": x, "lo": lo},
                     reference={"x": r * (x >= lo), "lo": (r * (x < lo)).sum()}, ort="auto")
 
 
 def test_clip_with_only_an_upper_bound(rng):
     x, _, hi = clip_inputs(rng)
-    text = model('y = Clip(x, "", hi)', {"x": x, "hi": hi}, "double[4, 5] y")
+    net = model(signature({"x": x, "hi": hi}, "double[4, 5] y"), 'y = Clip(x, "", hi)')
     r = cotangent(x.shape, F64)
-    check_gradients(text, {"x": x, "hi": hi},
+    check_gradients(net, {"x": x, "hi": hi},
                     reference={"x": r * (x <= hi), "hi": (r * (x > hi)).sum()}, ort="auto")
 
 
 def test_clip_without_bounds_is_the_identity(rng):
     x = rng.normal(size=(3,))
-    text = model("y = Clip(x)", {"x": x}, "double[3] y")
-    check_gradients(text, {"x": x}, reference={"x": cotangent((3,), F64)}, ort=True)
+    net = model(signature({"x": x}, "double[3] y"), "y = Clip(x)")
+    check_gradients(net, {"x": x}, reference={"x": cotangent((3,), F64)}, ort=True)
 
 
 def test_clip_with_constant_bounds_differentiates_x_only(rng):
     x, _, _ = clip_inputs(rng)
-    text = (f'{header(18)} g (double[4, 5] x) => (double[4, 5] y) '
-            '<double lo = {-0.5}, double hi = {0.6}> { y = Clip(x, lo, hi) }')
+    net = model("(double[4, 5] x) => (double[4, 5] y) <double lo = {-0.5}, double hi = {0.6}>",
+                "y = Clip(x, lo, hi)")
     r = cotangent(x.shape, F64)
-    check_gradients(text, {"x": x}, reference={"x": r * ((x >= -0.5) & (x <= 0.6))}, ort=True)
+    check_gradients(net, {"x": x}, reference={"x": r * ((x >= -0.5) & (x <= 0.6))}, ort=True)
 
 
 # --------------------------------------------------------------------- Min/Max
@@ -347,14 +330,14 @@ def reduce_to(grad, shape):
 def test_min_max_gradient_goes_to_the_selected_input(op, shapes, opset, rng):
     inputs = distinct_inputs(rng, shapes)
     out = np.broadcast_shapes(*shapes)
-    text = model(f"y = {op}({', '.join(inputs)})", inputs,
-                 f"double[{', '.join(map(str, out))}] y", opset)
+    net = model(signature(inputs, f"double[{dims(out)}] y"), f"y = {op}({', '.join(inputs)})",
+                opset=opset)
     stacked = np.stack([np.broadcast_to(v, out) for v in inputs.values()])
     chosen = (np.argmin if op == "Min" else np.argmax)(stacked, axis=0)
     r = cotangent(out, F64)
     expected = {k: reduce_to(r * (chosen == i), v.shape).reshape(v.shape)
                 for i, (k, v) in enumerate(inputs.items())}
-    check_gradients(text, inputs, reference=expected, ort=True)
+    check_gradients(net, inputs, reference=expected, ort=True)
 
 
 @pytest.mark.parametrize("op", ["Min", "Max"])
@@ -363,9 +346,9 @@ def test_min_max_ties_give_the_whole_gradient_to_the_first_tied_input(op, rng):
     b = a.copy()
     b[0] = a[0] + (1.0 if op == "Min" else -1.0)  # row 0: a selected alone
     c = a.copy()  # a, b, c all tie on rows 1 and 2
-    text = model(f"y = {op}(a, b, c)", {"a": a, "b": b, "c": c}, "double[3, 4] y")
+    net = model(signature({"a": a, "b": b, "c": c}, "double[3, 4] y"), f"y = {op}(a, b, c)")
     inputs = {"a": a, "b": b, "c": c}
-    graph = gradient(loss_model(text, inputs), wrt=["a", "b", "c"], loss="gradcheck_loss")
+    graph = gradient(loss_model(net, inputs), wrt=["a", "b", "c"], loss="gradcheck_loss")
     import onnxruntime
 
     session = onnxruntime.InferenceSession(graph.SerializeToString(),
@@ -384,11 +367,11 @@ def test_sum_and_mean_spread_the_gradient_over_all_inputs(op, shapes, rng):
     dtype = F32 if op == "Mean" else F64  # onnxruntime 1.19 has no double Mean kernel
     inputs = {f"x{i}": rng.normal(size=s).astype(dtype) for i, s in enumerate(shapes)}
     out = np.broadcast_shapes(*shapes)
-    text = model(f"y = {op}({', '.join(inputs)})", inputs,
-                 f"{TYPE[dtype]}[{', '.join(map(str, out))}] y")
+    net = model(signature(inputs, f"{TYPE[dtype]}[{dims(out)}] y"),
+                f"y = {op}({', '.join(inputs)})")
     r = cotangent(out, dtype) / (len(shapes) if op == "Mean" else 1)
     expected = {k: reduce_to(r, v.shape).reshape(v.shape) for k, v in inputs.items()}
-    check_gradients(text, inputs, reference=expected, ort="auto")
+    check_gradients(net, inputs, reference=expected, ort="auto")
 
 
 # ----------------------------------------------------------------------- Where
@@ -401,14 +384,14 @@ def test_where_routes_the_gradient_by_the_condition(shapes, rng):
     a, b = rng.normal(size=as_), rng.normal(size=bs)
     out = np.broadcast_shapes(cs, as_, bs)
     inputs = {"c": c, "a": a, "b": b}
-    text = model("y = Where(c, a, b)", inputs, f"double[{', '.join(map(str, out))}] y")
+    net = model(signature(inputs, f"double[{dims(out)}] y"), "y = Where(c, a, b)")
     r = cotangent(out, F64)
     mask = np.broadcast_to(c, out)
     expected = {"a": reduce_to(r * mask, as_).reshape(as_),
                 "b": reduce_to(r * ~mask, bs).reshape(bs)}
     # onnxruntime-training's Where gradient breaks shape inference when inputs broadcast
     same_shapes = len(set(shapes)) == 1
-    check_gradients(text, inputs, reference=expected, ort=True if same_shapes else "auto")
+    check_gradients(net, inputs, reference=expected, ort=True if same_shapes else "auto")
 
 
 # ------------------------------------------------------------------ arithmetic
@@ -422,7 +405,7 @@ def test_binary_arithmetic_gradients_sum_back_over_broadcast_axes(op, shapes, rn
     a = rng.normal(size=shapes[0])
     b = away_from_zero(rng, shapes[1])
     out = np.broadcast_shapes(*shapes)
-    text = model(f"y = {op}(a, b)", {"a": a, "b": b}, f"double[{', '.join(map(str, out))}] y")
+    net = model(signature({"a": a, "b": b}, f"double[{dims(out)}] y"), f"y = {op}(a, b)")
     r = cotangent(out, F64)
     a_b = np.broadcast_to(a, out)
     b_b = np.broadcast_to(b, out)
@@ -430,7 +413,7 @@ def test_binary_arithmetic_gradients_sum_back_over_broadcast_axes(op, shapes, rn
              "Div": (r / b_b, -r * a_b / b_b**2)}[op]
     expected = {"a": reduce_to(local[0], a.shape).reshape(a.shape),
                 "b": reduce_to(local[1], b.shape).reshape(b.shape)}
-    check_gradients(text, {"a": a, "b": b}, reference=expected, ort=True)
+    check_gradients(net, {"a": a, "b": b}, reference=expected, ort=True)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -438,10 +421,9 @@ def test_broadcast_over_a_dim_unknown_until_run_time_is_summed_at_run_time(rows,
     """b's first dim M is 1 or 3 only at run time: its gradient is summed over the rows
     exactly when it broadcasts (symbolic dims are not assumed to match)."""
     a, b = rng.normal(size=(3, 4)), rng.normal(size=(rows, 4))
-    text = f"""{header(18)}
-        g (double[N, 4] a, double[M, 4] b) => (double[N, 4] y) {{ y = Mul(a, b) }}"""
+    net = model("(double[N, 4] a, double[M, 4] b) => (double[N, 4] y)", "y = Mul(a, b)")
     r = cotangent((3, 4), F64)
-    grads = check_gradients(text, {"a": a, "b": b}, ort=False,
+    grads = check_gradients(net, {"a": a, "b": b}, ort=False,
                             reference={"b": (r * a).sum(axis=0, keepdims=True) if rows == 1
                                        else r * a})
     assert grads["b"].shape == (rows, 4)
@@ -449,13 +431,13 @@ def test_broadcast_over_a_dim_unknown_until_run_time_is_summed_at_run_time(rows,
 
 def test_same_input_on_both_sides_accumulates(rng):
     x = away_from_zero(rng, (3, 4))
-    text = model("p = Mul(x, x)\n y = Div(p, x)", {"x": x}, "double[3, 4] y")
-    check_gradients(text, {"x": x}, reference={"x": cotangent(x.shape, F64)}, ort=True)
+    net = model(signature({"x": x}, "double[3, 4] y"), "p = Mul(x, x)\n y = Div(p, x)")
+    check_gradients(net, {"x": x}, reference={"x": cotangent(x.shape, F64)}, ort=True)
 
 
 @pytest.mark.parametrize("op,sign", [("Neg", -1.0), ("Identity", 1.0)])
 @pytest.mark.parametrize("opset", [13, 21])
 def test_neg_and_identity_gradients(op, sign, opset, rng):
     x = rng.normal(size=(2, 3))
-    text = model(f"y = {op}(x)", {"x": x}, "double[2, 3] y", opset)
-    check_gradients(text, {"x": x}, reference={"x": sign * cotangent(x.shape, F64)}, ort=True)
+    net = model(signature({"x": x}, "double[2, 3] y"), f"y = {op}(x)", opset=opset)
+    check_gradients(net, {"x": x}, reference={"x": sign * cotangent(x.shape, F64)}, ort=True)

@@ -11,22 +11,12 @@ import numpy as np
 import onnx
 import pytest
 from gradcheck import check_gradients, cotangent
+from models import model, signature
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
 
 F32 = np.float32
-
-
-def _model(inputs: str, body: str, opset: int = 18, out: str = "float y") -> str:
-    ir = 10 if opset >= 21 else 8
-    return (f'<ir_version: {ir}, opset_import: ["" : {opset}]>\n'
-            f"g ({inputs}) => ({out}) {{ {body} }}")
-
-
-def _decl(name: str, array: np.ndarray) -> str:
-    kind = "double" if array.dtype == np.float64 else "float"
-    return f"{kind}[{','.join(str(d) for d in array.shape)}] {name}"
 
 
 def _attrs(attrs: dict) -> str:
@@ -41,13 +31,12 @@ def _attrs(attrs: dict) -> str:
 
 
 def _check_op(op: str, feeds: dict, attrs: dict, opset: int = 18, **kwargs):
-    inputs = ", ".join(_decl(k, v) for k, v in feeds.items())
     first = next(iter(feeds.values()))
     kind = "double" if first.dtype == np.float64 else "float"
     dims = ",".join(f"d{i}" for i in range(first.ndim))
     body = f"y = {op}{_attrs(attrs)}({', '.join(feeds)})"
-    return check_gradients(_model(inputs, body, opset, out=f"{kind}[{dims}] y"), feeds,
-                           **kwargs)
+    return check_gradients(model(signature(feeds, f"{kind}[{dims}] y"), body, opset=opset),
+                           feeds, **kwargs)
 
 
 # --------------------------------------------------------------------------- Conv
@@ -224,12 +213,11 @@ def test_batch_normalization_training_mode_uses_batch_statistics(rng, shape, out
     """y uses the batch statistics; the running statistics rm = 0.8 mean + 0.2 mu and
     rv = 0.8 var + 0.2 s^2 (biased) carry gradients to x, mean and var."""
     feeds = _bn_feeds(rng, shape)
-    inputs = ", ".join(_decl(k, v) for k, v in feeds.items())
     body = ("y, rm, rv = BatchNormalization<training_mode=1, epsilon=1e-3, momentum=0.8>"
             "(x, scale, b, mean, var)")
     dims = ",".join(f"d{i}" for i in range(len(shape)))
-    text = _model(inputs, body, 15, out=f"double[{dims}] y, double[c] rm, double[c] rv")
-    grads = check_gradients(text, feeds, output=output)
+    net = model(signature(feeds, f"double[{dims}] y, double[c] rm, double[c] rv"), body, opset=15)
+    grads = check_gradients(net, feeds, output=output)
     r = cotangent((shape[1],), np.float64)
     if output == "rm":
         momentum = float(np.float32(0.8))  # a float attribute
@@ -273,13 +261,12 @@ def test_layer_normalization_statistics_outputs(rng, shape, axis, output):
     feeds = {"x": rng.normal(size=shape).astype(F32),
              "scale": rng.normal(size=scale_shape).astype(F32),
              "b": rng.normal(size=scale_shape).astype(F32)}
-    inputs = ", ".join(_decl(k, v) for k, v in feeds.items())
     body = f"y, mean, inv_std = LayerNormalization<axis={axis}, epsilon=1e-1>(x, scale, b)"
     dims = ",".join(f"d{i}" for i in range(len(shape)))
     stats = ",".join(f"s{i}" for i in range(len(shape)))
-    text = _model(inputs, body, 17,
-                  out=f"float[{dims}] y, float[{stats}] mean, float[{stats}] inv_std")
-    grads = check_gradients(text, feeds, output=output, eps=1e-2, rtol=5e-3, atol=5e-3)
+    net = model(signature(feeds, f"float[{dims}] y, float[{stats}] mean, float[{stats}] inv_std"),
+                body, opset=17)
+    grads = check_gradients(net, feeds, output=output, eps=1e-2, rtol=5e-3, atol=5e-3)
     axes = tuple(range(axis % len(shape), len(shape)))
     r = cotangent(np.mean(feeds["x"], axis=axes, keepdims=True).shape, F32)
     n = np.prod([shape[a] for a in axes])

@@ -5,19 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gradcheck import check_gradients, cotangent, loss_model
+from models import dims, model
 
 from lossgraph import gradient
 from lossgraph.errors import UnsupportedModelError
-
-HEADER = '<ir_version: 8, opset_import: ["" : {opset}]>\n'
-
-
-def model(opset: int, signature: str, body: str) -> str:
-    return HEADER.format(opset=opset) + f"g {signature} {{ {body} }}"
-
-
-def dims(shape) -> str:
-    return ", ".join(str(d) for d in shape)
 
 
 def rand(rng, *shape):
@@ -28,21 +19,21 @@ def rand(rng, *shape):
 def test_reshape_gradient_restores_the_input_layout(rng, target):
     x = rand(rng, 2, 3, 4)
     out = np.reshape(x, [x.shape[i] if t == 0 else t for i, t in enumerate(target)]).shape
-    text = model(14, f"(double[2, 3, 4] x) => (double[{dims(out)}] y)",
-                 f"s = Constant <value = int64[{len(target)}] {{{dims(target)}}}> () "
-                 "y = Reshape(x, s)")
+    net = model(f"(double[2, 3, 4] x) => (double[{dims(out)}] y)",
+                f"s = Constant <value = int64[{len(target)}] {{{dims(target)}}}> () "
+                "y = Reshape(x, s)", opset=14)
     ref = cotangent(out, np.float64).reshape(x.shape)
-    check_gradients(text, {"x": x}, reference={"x": ref}, ort=True)
+    check_gradients(net, {"x": x}, reference={"x": ref}, ort=True)
 
 
 def test_reshape_of_an_empty_tensor_with_allowzero_has_an_empty_gradient(rng):
     """(0, 3, 4) -> (3, 4, 0) with allowzero=1: the gradient is empty, shaped like x (a
     Reshape to x's shape (0, 3, 4) would copy dy's first dim, 3, into it)."""
     x = np.zeros((0, 3, 4))
-    text = model(14, "(double[0, 3, 4] x) => (double[3, 4, 0] y)",
-                 "s = Constant <value = int64[3] {3, 4, 0}> () "
-                 "y = Reshape <allowzero = 1> (x, s)")
-    grads = check_gradients(text, {"x": x}, ort=False)
+    net = model("(double[0, 3, 4] x) => (double[3, 4, 0] y)",
+                "s = Constant <value = int64[3] {3, 4, 0}> () "
+                "y = Reshape <allowzero = 1> (x, s)", opset=14)
+    grads = check_gradients(net, {"x": x}, ort=False)
     assert grads["x"].shape == (0, 3, 4)
 
 
@@ -51,24 +42,24 @@ def test_flatten_gradient_for_every_axis(rng, axis):
     x = rand(rng, 2, 3, 4)
     a = axis % 3
     out = (int(np.prod(x.shape[:a])), int(np.prod(x.shape[a:])))
-    text = model(13, f"(double[2, 3, 4] x) => (double[{dims(out)}] y)",
-                 f"y = Flatten <axis = {axis}> (x)")
-    check_gradients(text, {"x": x}, ort=True)
+    net = model(f"(double[2, 3, 4] x) => (double[{dims(out)}] y)",
+                f"y = Flatten <axis = {axis}> (x)", opset=13)
+    check_gradients(net, {"x": x}, ort=True)
 
 
 @pytest.mark.parametrize("opset", [13, 18])
 def test_squeeze_and_unsqueeze_gradients(rng, opset):
     x = rand(rng, 3, 1, 4)
-    text = model(opset, "(double[3, 1, 4] x) => (double[3, 4, 1] y)",
-                 "a = Constant <value = int64[1] {-2}> () b = Constant <value = int64[1] {2}> () "
-                 "s = Squeeze(x, a) y = Unsqueeze(s, b)")
-    check_gradients(text, {"x": x}, ort=True)
+    net = model("(double[3, 1, 4] x) => (double[3, 4, 1] y)",
+                "a = Constant <value = int64[1] {-2}> () b = Constant <value = int64[1] {2}> () "
+                "s = Squeeze(x, a) y = Unsqueeze(s, b)", opset=opset)
+    check_gradients(net, {"x": x}, ort=True)
 
 
 def test_squeeze_without_axes_gradient(rng):
     x = rand(rng, 1, 3, 1)
-    text = model(13, "(double[1, 3, 1] x) => (double[3] y)", "y = Squeeze(x)")
-    check_gradients(text, {"x": x}, ort=True)
+    net = model("(double[1, 3, 1] x) => (double[3] y)", "y = Squeeze(x)", opset=13)
+    check_gradients(net, {"x": x}, ort=True)
 
 
 @pytest.mark.parametrize("perm", [None, [0, 2, 1], [2, 0, 1], [1, 2, 0]])
@@ -76,9 +67,10 @@ def test_transpose_gradient_applies_the_inverse_permutation(rng, perm):
     x = rand(rng, 2, 3, 4)
     out = x.transpose(perm).shape
     attr = f"<perm = [{dims(perm)}]> " if perm else ""
-    text = model(13, f"(double[2, 3, 4] x) => (double[{dims(out)}] y)", f"y = Transpose {attr}(x)")
+    net = model(f"(double[2, 3, 4] x) => (double[{dims(out)}] y)", f"y = Transpose {attr}(x)",
+                opset=13)
     ref = cotangent(out, np.float64).transpose(np.argsort(perm) if perm else None)
-    check_gradients(text, {"x": x}, reference={"x": ref}, ort=True)
+    check_gradients(net, {"x": x}, reference={"x": ref}, ort=True)
 
 
 @pytest.mark.parametrize("xshape, target", [
@@ -87,27 +79,27 @@ def test_transpose_gradient_applies_the_inverse_permutation(rng, perm):
 def test_expand_gradient_sums_over_broadcast_axes(rng, xshape, target):
     x = rand(rng, *xshape)
     out = np.broadcast_shapes(tuple(xshape), tuple(target))
-    text = model(13, f"(double[{dims(xshape)}] x) => (double[{dims(out)}] y)",
-                 f"s = Constant <value = int64[{len(target)}] {{{dims(target)}}}> () "
-                 "y = Expand(x, s)")
-    check_gradients(text, {"x": x}, ort=True)
+    net = model(f"(double[{dims(xshape)}] x) => (double[{dims(out)}] y)",
+                f"s = Constant <value = int64[{len(target)}] {{{dims(target)}}}> () "
+                "y = Expand(x, s)", opset=13)
+    check_gradients(net, {"x": x}, ort=True)
 
 
 @pytest.mark.parametrize("repeats", [[2, 3], [1, 2], [3, 1], [1, 1]])
 def test_tile_gradient_sums_the_copies(rng, repeats):
     x = rand(rng, 2, 3)
     out = np.tile(x, repeats).shape
-    text = model(13, f"(double[2, 3] x) => (double[{dims(out)}] y)",
-                 f"r = Constant <value = int64[2] {{{dims(repeats)}}}> () y = Tile(x, r)")
+    net = model(f"(double[2, 3] x) => (double[{dims(out)}] y)",
+                f"r = Constant <value = int64[2] {{{dims(repeats)}}}> () y = Tile(x, r)", opset=13)
     ref = cotangent(out, np.float64).reshape(repeats[0], 2, repeats[1], 3).sum(axis=(0, 2))
-    check_gradients(text, {"x": x}, reference={"x": ref}, ort=True)
+    check_gradients(net, {"x": x}, reference={"x": ref}, ort=True)
 
 
 def test_tile_gradient_with_a_symbolic_batch_dim(rng):
     x = rand(rng, 2, 3)
-    text = model(13, "(double[N, 3] x) => (double[M, 6] y)",
-                 "r = Constant <value = int64[2] {2, 2}> () y = Tile(x, r)")
-    check_gradients(text, {"x": x}, ort=True)
+    net = model("(double[N, 3] x) => (double[M, 6] y)",
+                "r = Constant <value = int64[2] {2, 2}> () y = Tile(x, r)", opset=13)
+    check_gradients(net, {"x": x}, ort=True)
 
 
 @pytest.mark.parametrize("axis", [0, 1, -1])
@@ -119,82 +111,82 @@ def test_concat_gradient_splits_dy_per_input(rng, axis):
     xs = {f"x{i}": rand(rng, *s) for i, s in enumerate(shapes)}
     out = np.concatenate(list(xs.values()), axis=a).shape
     sig = ", ".join(f"double[{dims(s)}] x{i}" for i, s in enumerate(shapes))
-    text = model(13, f"({sig}) => (double[{dims(out)}] y)",
-                 f"y = Concat <axis = {axis}> (x0, x1, x2)")
-    check_gradients(text, xs, ort=True)
+    net = model(f"({sig}) => (double[{dims(out)}] y)",
+                f"y = Concat <axis = {axis}> (x0, x1, x2)", opset=13)
+    check_gradients(net, xs, ort=True)
 
 
 def test_concat_gradient_with_symbolic_sizes(rng):
     xs = {"a": rand(rng, 2, 3), "b": rand(rng, 4, 3)}
-    text = model(13, "(double[N, 3] a, double[M, 3] b) => (double[K, 3] y)",
-                 "y = Concat <axis = 0> (a, b)")
-    check_gradients(text, xs, ort=True)
+    net = model("(double[N, 3] a, double[M, 3] b) => (double[K, 3] y)",
+                "y = Concat <axis = 0> (a, b)", opset=13)
+    check_gradients(net, xs, ort=True)
 
 
 def test_concat_gradient_reaches_a_repeated_input(rng):
     x = rand(rng, 2, 3)
-    text = model(13, "(double[2, 3] x) => (double[2, 6] y)", "y = Concat <axis = 1> (x, x)")
-    check_gradients(text, {"x": x}, ort="auto")  # the builder rejects a repeated input
+    net = model("(double[2, 3] x) => (double[2, 6] y)", "y = Concat <axis = 1> (x, x)", opset=13)
+    check_gradients(net, {"x": x}, ort="auto")  # the builder rejects a repeated input
 
 
 @pytest.mark.parametrize("opset", [13, 18])
 def test_split_gradient_fills_unused_outputs_with_zeros(rng, opset):
     x = rand(rng, 2, 5)
-    text = model(opset, "(double[2, 5] x) => (double[2, 2] y)",
-                 "s = Constant <value = int64[2] {2, 3}> () a, b = Split <axis = -1> (x, s) "
-                 "y = Mul(a, a)")
-    check_gradients(text, {"x": x}, ort="auto")
+    net = model("(double[2, 5] x) => (double[2, 2] y)",
+                "s = Constant <value = int64[2] {2, 3}> () a, b = Split <axis = -1> (x, s) "
+                "y = Mul(a, a)", opset=opset)
+    check_gradients(net, {"x": x}, ort="auto")
 
 
 def test_split_gradient_with_both_outputs_used(rng):
     x = rand(rng, 4, 3)
-    text = model(13, "(double[4, 3] x) => (double[2, 3] y)",
-                 "a, b = Split(x) y = Mul(a, b)")
-    check_gradients(text, {"x": x}, ort=True)
+    net = model("(double[4, 3] x) => (double[2, 3] y)",
+                "a, b = Split(x) y = Mul(a, b)", opset=13)
+    check_gradients(net, {"x": x}, ort=True)
 
 
 def test_split_gradient_with_num_outputs_at_opset_18(rng):
     x = rand(rng, 2, 6)
-    text = model(18, "(double[2, 6] x) => (double[2, 2] y)",
-                 "a, b, c = Split <axis = 1, num_outputs = 3> (x) y = Sub(c, a)")
-    check_gradients(text, {"x": x}, ort="auto")
+    net = model("(double[2, 6] x) => (double[2, 2] y)",
+                "a, b, c = Split <axis = 1, num_outputs = 3> (x) y = Sub(c, a)", opset=18)
+    check_gradients(net, {"x": x}, ort="auto")
 
 
 @pytest.mark.parametrize("mode", ["DCR", "CRD"])
 def test_depth_to_space_gradient_in_both_modes(rng, mode):
     x = rand(rng, 1, 8, 2, 3)
-    text = model(13, "(double[1, 8, 2, 3] x) => (double[1, 2, 4, 6] y)",
-                 f'y = DepthToSpace <blocksize = 2, mode = "{mode}"> (x)')
-    check_gradients(text, {"x": x}, ort="auto")
+    net = model("(double[1, 8, 2, 3] x) => (double[1, 2, 4, 6] y)",
+                f'y = DepthToSpace <blocksize = 2, mode = "{mode}"> (x)', opset=13)
+    check_gradients(net, {"x": x}, ort="auto")
 
 
 def test_space_to_depth_gradient(rng):
     x = rand(rng, 2, 2, 4, 6)
-    text = model(13, "(double[2, 2, 4, 6] x) => (double[2, 8, 2, 3] y)",
-                 "y = SpaceToDepth <blocksize = 2> (x)")
-    check_gradients(text, {"x": x}, ort="auto")
+    net = model("(double[2, 2, 4, 6] x) => (double[2, 8, 2, 3] y)",
+                "y = SpaceToDepth <blocksize = 2> (x)", opset=13)
+    check_gradients(net, {"x": x}, ort="auto")
 
 
 def test_expand_gradient_needs_static_broadcast_axes(rng):
-    text = model(13, "(double[N] x, int64[2] s) => (double[3, M] y)", "y = Expand(x, s)")
+    net = model("(double[N] x, int64[2] s) => (double[3, M] y)", "y = Expand(x, s)", opset=13)
     with pytest.raises(UnsupportedModelError, match="Expand"):
-        check_gradients(text, {"x": rand(rng, 4), "s": np.array([3, 4])}, wrt=["x"])
+        check_gradients(net, {"x": rand(rng, 4), "s": np.array([3, 4])}, wrt=["x"])
 
 
 @pytest.mark.parametrize("batch_axis, time_axis", [(1, 0), (0, 1)])
 def test_reverse_sequence_gradient_is_the_same_reversal(rng, batch_axis, time_axis):
     x = rand(rng, 4, 4, 2)
     lengths = np.array([4, 1, 2, 3])
-    text = model(13, "(double[4, 4, 2] x, int64[4] l) => (double[4, 4, 2] y)",
-                 f"y = ReverseSequence <batch_axis = {batch_axis}, time_axis = {time_axis}> "
-                 "(x, l)")
+    net = model("(double[4, 4, 2] x, int64[4] l) => (double[4, 4, 2] y)",
+                f"y = ReverseSequence <batch_axis = {batch_axis}, time_axis = {time_axis}> "
+                "(x, l)", opset=13)
     r = cotangent((4, 4, 2), np.float64)
     expected = np.array(r)
     for b, n in enumerate(lengths):
         index = [slice(None)] * 3
         index[batch_axis], index[time_axis] = b, slice(0, n)
         expected[tuple(index)] = np.flip(r[tuple(index)], axis=0)
-    check_gradients(text, {"x": x, "l": lengths}, wrt=["x"], reference={"x": expected})
+    check_gradients(net, {"x": x, "l": lengths}, wrt=["x"], reference={"x": expected})
 
 
 def test_reverse_sequence_gradient_copies_rows_of_length_zero(rng, run_model):
@@ -202,10 +194,10 @@ def test_reverse_sequence_gradient_copies_rows_of_length_zero(rng, run_model):
     numpy adjoint, not finite differences: onnxruntime 1.19's own ReverseSequence leaves
     such rows unwritten (the gradient does not use it)."""
     x, lengths = rand(rng, 3, 4), np.array([0, 2, 3])
-    text = model(13, "(double[3, 4] x, int64[3] l) => (double[3, 4] y)",
-                 "y = ReverseSequence <batch_axis = 0, time_axis = 1> (x, l)")
+    net = model("(double[3, 4] x, int64[3] l) => (double[3, 4] y)",
+                "y = ReverseSequence <batch_axis = 0, time_axis = 1> (x, l)", opset=13)
     r = cotangent((3, 4), np.float64)
-    graph = gradient(loss_model(text, {"x": x, "l": lengths}), wrt=["x"],
+    graph = gradient(loss_model(net, {"x": x, "l": lengths}), wrt=["x"],
                      loss="gradcheck_loss")
     expected = np.array(r)
     for b, n in enumerate(lengths):

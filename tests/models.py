@@ -1,0 +1,61 @@
+"""Small test models, written in ONNX text syntax and read by ``onnx.parser``.
+
+    model("(double[3, 4] x, double[4] w) => (double[3, 4] y)", "y = Mul(x, w)", opset=18)
+
+is the model of the graph ``g (double[3, 4] x, double[4] w) => (double[3, 4] y) { y = Mul(x, w) }``
+importing ai.onnx at opset 18 (and any ``domains={"ai.onnx.ml": 3}``), at the lowest IR
+version that opset allows. :func:`model_of_graph` wraps a ``GraphProto`` built otherwise
+(``onnx.helper``) the same way; :func:`signature` writes a signature from example arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx
+from onnx import helper
+
+#: The element type of an array as ONNX text spells it.
+TEXT_TYPE = {np.dtype(np.float64): "double", np.dtype(np.float32): "float",
+             np.dtype(bool): "bool", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32"}
+
+
+def ir_version(opset: int) -> int:
+    """The lowest IR version the checker accepts with ai.onnx ``opset`` (10 from opset 21)."""
+    return 10 if opset >= 21 else 8
+
+
+def model_of_graph(graph: onnx.GraphProto, *, opset: int = 18,
+                   domains: Mapping[str, int] | None = None) -> onnx.ModelProto:
+    """``graph`` as a model importing ai.onnx ``opset`` first, then each of ``domains``."""
+    imports = [helper.make_opsetid("", opset),
+               *(helper.make_opsetid(name, version) for name, version in (domains or {}).items())]
+    return helper.make_model(graph, ir_version=ir_version(opset), opset_imports=imports)
+
+
+def model(signature: str, body: str, *, opset: int = 18,
+          domains: Mapping[str, int] | None = None) -> onnx.ModelProto:
+    """The model of graph ``g signature { body }`` (ONNX text syntax).
+
+    ``signature`` is ``(inputs) => (outputs)``, optionally followed by initializers
+    ``<double k = {2}>``; ``body`` is the nodes, one ``y = Op <attr = 1> (x)`` each.
+    """
+    return model_of_graph(onnx.parser.parse_graph(f"g {signature} {{ {body} }}"),
+                          opset=opset, domains=domains)
+
+
+def dims(shape: Iterable[int | str]) -> str:
+    """``3, 4`` for shape (3, 4), as written between the brackets of ``double[3, 4]``."""
+    return ", ".join(str(d) for d in shape)
+
+
+def declaration(name: str, array: np.ndarray) -> str:
+    """``double[3, 4] x`` for an input ``x`` shaped and typed like ``array``."""
+    kind = TEXT_TYPE[array.dtype]
+    return f"{kind} {name}" if array.ndim == 0 else f"{kind}[{dims(array.shape)}] {name}"
+
+
+def signature(inputs: Mapping[str, np.ndarray], outputs: str) -> str:
+    """``(double[3, 4] x, ...) => (outputs)``: the inputs declared like their example arrays."""
+    return f"({', '.join(declaration(k, v) for k, v in inputs.items())}) => ({outputs})"

@@ -10,11 +10,11 @@ import onnx
 from .differentiability import differentiable_inputs
 from .graphs import (
     FLOAT_TYPES,
+    ForwardFacts,
     elem_type_name,
     outer_references,
     shortest_path,
     subgraphs,
-    value_types,
 )
 from .models import ModelLike, as_model
 from .roles import get_roles
@@ -48,7 +48,7 @@ def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
     as inputs of the node that holds it. ``trainable`` also skips the inputs that are
     differentiable but never trained (batch-normalization statistics).
     """
-    types = value_types(model) if types is None else types
+    types = ForwardFacts.of(model).types if types is None else types
 
     is_float = _may_be_float(types)
 

@@ -1,7 +1,8 @@
 """Queries over ONNX graphs shared by every pass, and the one in-place rewrite they share.
 
-Passes never walk protobufs by hand: they ask here for subgraphs, value types and
-the names used anywhere in a model (subgraphs included), and rename values with
+Passes never walk protobufs by hand: they ask here for subgraphs, node attributes,
+what shape inference knows of a model's values (:class:`ForwardFacts`) and the names
+used anywhere in a model (subgraphs included), and rename values with
 :func:`rename_values`, which keeps every reference consistent.
 """
 
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Container, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 import onnx
@@ -16,6 +20,10 @@ from onnx import helper, numpy_helper
 
 __all__ = [
     "FLOAT_TYPES",
+    "Shape",
+    "ForwardFacts",
+    "attribute_values",
+    "attribute_value",
     "subgraphs",
     "all_graphs",
     "names_in_graph",
@@ -33,6 +41,29 @@ __all__ = [
 
 #: Element types lossgraph differentiates and trains.
 FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
+
+#: A static shape: ints for known dims, strings for symbolic ones, None for unknown.
+Shape = tuple[int | str | None, ...]
+
+
+def attribute_values(node: onnx.NodeProto) -> dict[str, Any]:
+    """The node's attributes by name as Python values: a single string decoded (UTF-8,
+    undecodable bytes replaced, so a bad value reaches the caller's own check), string
+    lists kept as bytes (class labels are bytes in string tensors)."""
+    return {attribute.name: _decoded(helper.get_attribute_value(attribute))
+            for attribute in node.attribute}
+
+
+def attribute_value(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    """The attribute ``name`` of ``node`` as :func:`attribute_values` gives it, or ``default``."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return _decoded(helper.get_attribute_value(attribute))
+    return default
+
+
+def _decoded(value: Any) -> Any:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -134,16 +165,127 @@ def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
                 yield from attribute.tensors
 
 
-def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """The type of every top-level value of ``model`` that shape inference can tell."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    graph = inferred.graph
+@dataclass(frozen=True)
+class ForwardFacts:
+    """What a model tells about its top-level values: types and shapes from shape
+    inference (with data propagation, and the static ranks it leaves unknown, see
+    :func:`_with_known_ranks`), constant values, and the nodes reading each value.
+
+    Analyses read ``types``; the gradient walker and its rules read all of it.
+    """
+
+    types: dict[str, onnx.TypeProto]
+    #: value -> (op type, outputs) of each node that reads it
+    readers: dict[str, list[tuple[str, list[str]]]]
+    _graph: onnx.GraphProto = field(repr=False, compare=False)
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> ForwardFacts:
+        inferred = _with_known_ranks(onnx.shape_inference.infer_shapes(model, data_prop=True))
+        graph = inferred.graph
+        readers: dict[str, list[tuple[str, list[str]]]] = {}
+        for node in graph.node:
+            for name in dict.fromkeys(node.input):
+                readers.setdefault(name, []).append((node.op_type, list(node.output)))
+        return cls(_declared_types(graph), readers, graph)
+
+    @cached_property
+    def elem_types(self) -> dict[str, int]:
+        """The element type of every tensor value."""
+        return {name: t.tensor_type.elem_type for name, t in self.types.items()
+                if t.HasField("tensor_type")}
+
+    @cached_property
+    def shapes(self) -> dict[str, Shape]:
+        """The shape of every tensor value of known rank (see :data:`Shape`)."""
+        return {name: tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                            for d in t.tensor_type.shape.dim)
+                for name, t in self.types.items()
+                if t.HasField("tensor_type") and t.tensor_type.HasField("shape")}
+
+    @cached_property
+    def constants(self) -> dict[str, np.ndarray]:
+        """The value of every initializer and ``Constant`` output (read on first use:
+        analyses that need types only never copy the weights)."""
+        constants = initializer_arrays(self._graph)
+        for node in self._graph.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                value = _constant_node_value(node)
+                if value is not None:
+                    constants[node.output[0]] = value
+        return constants
+
+
+def _declared_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
+    """The type of every value ``graph`` declares: value_info, inputs, outputs, initializers."""
     types = {v.name: v.type for v in (*graph.value_info, *graph.input, *graph.output)}
     for tensor in graph.initializer:
         types.setdefault(
             tensor.name, helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
         )
     return types
+
+
+def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
+    """``inferred`` with ranks onnx's shape inference leaves unknown although they are
+    static: a Reshape to a computed target (``Reshape(t, Shape(x))``) has the target's
+    length as its rank, and a reduction over computed axes with ``keepdims=1`` keeps
+    its input's rank. Each round declares those ranks and infers again, so that the
+    ops after them get shapes too."""
+    for _ in range(rounds):
+        graph = inferred.graph
+        known = _declared_types(graph)
+        ranked = []
+        for node in graph.node:
+            out = node.output[0] if node.output else ""
+            if node.domain not in ("", "ai.onnx") or not out or (
+                    out in known and known[out].tensor_type.HasField("shape")):
+                continue
+            rank = _static_rank(node, known)
+            data = known.get(node.input[0]) if node.input else None
+            if rank is not None and data is not None:
+                ranked.append(helper.make_tensor_value_info(
+                    out, data.tensor_type.elem_type, [None] * rank))
+        if not ranked:
+            break
+        declared = onnx.ModelProto()
+        declared.CopyFrom(inferred)
+        kept = [v for v in declared.graph.value_info if v.name not in {r.name for r in ranked}]
+        del declared.graph.value_info[:]
+        declared.graph.value_info.extend([*kept, *ranked])
+        inferred = onnx.shape_inference.infer_shapes(declared, data_prop=True)
+    return inferred
+
+
+def _static_rank(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]) -> int | None:
+    """The rank of a Reshape or keepdims reduction's output, when static (see above)."""
+    def dims(name: str):
+        value = known.get(name)
+        shape = value.tensor_type.shape if value is not None else None
+        return shape.dim if shape is not None and value.tensor_type.HasField("shape") else None
+
+    if node.op_type == "Reshape":
+        target = dims(node.input[1])
+        if target is not None and len(target) == 1 and target[0].HasField("dim_value"):
+            return target[0].dim_value
+    elif node.op_type.startswith("Reduce") and attribute_value(node, "keepdims", 1):
+        data = dims(node.input[0])
+        return len(data) if data is not None else None
+    return None
+
+
+def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
+    for attribute in node.attribute:
+        if attribute.name == "value":
+            return numpy_helper.to_array(attribute.t)
+        if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
+            return np.array(helper.get_attribute_value(attribute))
+    return None
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """The type of every top-level value of ``model``: ``ForwardFacts.of(model).types``."""
+    return ForwardFacts.of(model).types
 
 
 def known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:

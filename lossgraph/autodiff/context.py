@@ -12,13 +12,10 @@ from onnx import helper, numpy_helper
 
 from ..builder import GraphBuilder
 from ..errors import UnsupportedModelError
-from ..graphs import np_dtype
+from ..graphs import ForwardFacts, Shape, attribute_value, np_dtype
 from ..names import NameAuthority
 
 __all__ = ["Node", "GradContext", "Shape"]
-
-#: A static shape: ints for known dims, strings for symbolic ones, None for unknown.
-Shape = tuple[int | str | None, ...]
 
 
 @dataclass
@@ -47,11 +44,7 @@ class Node:
 
     def attr(self, name: str, default: Any = None) -> Any:
         """The attribute's Python value (strings decoded), or ``default``."""
-        for attribute in self.proto.attribute:
-            if attribute.name == name:
-                value = helper.get_attribute_value(attribute)
-                return value.decode() if isinstance(value, bytes) else value
-        return default
+        return attribute_value(self.proto, name, default)
 
     def grads(self, *leading: str | None) -> tuple[str | None, ...]:
         """A rule's result: ``leading`` for the first inputs and ``None`` for the rest
@@ -72,25 +65,21 @@ class Node:
 
 
 class GradContext(GraphBuilder):
-    """A GraphBuilder for gradient nodes that can also answer questions about forward values."""
+    """A GraphBuilder for gradient nodes that can also answer questions about forward values
+    (from the model's :class:`~lossgraph.graphs.ForwardFacts`)."""
 
-    def __init__(self, names: NameAuthority, opset: int, shapes: dict[str, Shape],
-                 types: dict[str, int], constants: dict[str, np.ndarray],
-                 readers: dict[str, list[tuple[str, list[str]]]] | None = None) -> None:
+    def __init__(self, names: NameAuthority, opset: int, facts: ForwardFacts) -> None:
         super().__init__(names, opset, prefix="grad/")
-        self._shapes = shapes
-        self._types = types
-        self._values = constants
-        self._readers = readers or {}
+        self._facts = facts
 
     # -- forward facts ---------------------------------------------------------------
     def shape(self, name: str) -> Shape | None:
         """The static shape of a forward value, if shape inference found one."""
-        return self._shapes.get(name)
+        return self._facts.shapes.get(name)
 
     def rank(self, name: str) -> int:
         """The rank of a forward value; rules rely on it, so unknown ranks are errors."""
-        shape = self._shapes.get(name)
+        shape = self._facts.shapes.get(name)
         if shape is None:
             raise UnsupportedModelError(
                 f"The rank of {name!r} is unknown after shape inference; the gradient needs it. "
@@ -100,22 +89,22 @@ class GradContext(GraphBuilder):
 
     def readers(self, name: str) -> list[tuple[str, list[str]]]:
         """(op type, outputs) of each forward node that reads the value ``name``."""
-        return self._readers.get(name, [])
+        return self._facts.readers.get(name, [])
 
     def elem_type(self, name: str) -> int:
-        return self._types[name]
+        return self._facts.elem_types[name]
 
     def dtype(self, name: str) -> np.dtype:
-        return np_dtype(self._types[name])
+        return np_dtype(self._facts.elem_types[name])
 
     def value_info(self, name: str) -> onnx.ValueInfoProto:
         """A value_info declaring a forward value with its known type and shape."""
-        return helper.make_tensor_value_info(
-            name, self._types.get(name, onnx.TensorProto.UNDEFINED), self._shapes.get(name))
+        elem_type = self._facts.elem_types.get(name, onnx.TensorProto.UNDEFINED)
+        return helper.make_tensor_value_info(name, elem_type, self._facts.shapes.get(name))
 
     def value(self, name: str | None) -> np.ndarray | None:
         """The value of an initializer or Constant output, ``None`` if not constant."""
-        return None if not name else self._values.get(name)
+        return None if not name else self._facts.constants.get(name)
 
     def ints_value(self, name: str | None, what: str) -> list[int] | None:
         """A constant int input (axes, pads, shape...) as a list; error if not constant."""

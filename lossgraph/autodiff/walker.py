@@ -31,128 +31,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..analysis import differentiable_values, gradient_block, influenced_values
 from ..differentiability import differentiable_inputs
 from ..errors import InvalidRuleError, MissingGradientError, NoGradientError
-from ..graphs import opset_version, outer_references, shortest_path, subgraphs
+from ..graphs import ForwardFacts, opset_version, outer_references, shortest_path, subgraphs
 from ..names import NameAuthority
-from .context import GradContext, Node, Shape
+from .context import GradContext, Node
 from .registry import RuleInfo, find_rule
 
-__all__ = ["ForwardFacts", "differentiate"]
-
-
-@dataclass
-class ForwardFacts:
-    """Static facts about the forward graph that rules and the walker read."""
-
-    types: dict[str, onnx.TypeProto]
-    shapes: dict[str, Shape]
-    elem_types: dict[str, int]
-    constants: dict[str, np.ndarray]
-    #: value -> (op type, outputs) of each forward node that reads it
-    readers: dict[str, list[tuple[str, list[str]]]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, model: onnx.ModelProto) -> ForwardFacts:
-        inferred = _with_known_ranks(onnx.shape_inference.infer_shapes(model, data_prop=True))
-        graph = inferred.graph
-        types: dict[str, onnx.TypeProto] = {}
-        for value in (*graph.value_info, *graph.input, *graph.output):
-            types[value.name] = value.type
-        constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-        for tensor in graph.initializer:
-            types.setdefault(tensor.name, onnx.helper.make_tensor_type_proto(
-                tensor.data_type, list(tensor.dims)))
-        for node in graph.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-                value = _constant_node_value(node)
-                if value is not None:
-                    constants[node.output[0]] = value
-        shapes: dict[str, Shape] = {}
-        elem_types: dict[str, int] = {}
-        for name, value_type in types.items():
-            if not value_type.HasField("tensor_type"):
-                continue
-            tensor_type = value_type.tensor_type
-            elem_types[name] = tensor_type.elem_type
-            if tensor_type.HasField("shape"):
-                shapes[name] = tuple(
-                    d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                    for d in tensor_type.shape.dim
-                )
-        readers: dict[str, list[tuple[str, list[str]]]] = defaultdict(list)
-        for node in graph.node:
-            for name in dict.fromkeys(node.input):
-                readers[name].append((node.op_type, list(node.output)))
-        return cls(types, shapes, elem_types, constants, dict(readers))
-
-
-def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 4) -> onnx.ModelProto:
-    """``inferred`` with ranks onnx's shape inference leaves unknown although they are
-    static: a Reshape to a computed target (``Reshape(t, Shape(x))``) has the target's
-    length as its rank, and a reduction over computed axes with ``keepdims=1`` keeps
-    its input's rank. Each round declares those ranks and infers again, so that the
-    ops after them get shapes too."""
-    for _ in range(rounds):
-        graph = inferred.graph
-        known = {v.name: v.type for v in (*graph.value_info, *graph.input, *graph.output)}
-        for tensor in graph.initializer:
-            known.setdefault(tensor.name, onnx.helper.make_tensor_type_proto(
-                tensor.data_type, list(tensor.dims)))
-        ranked = []
-        for node in graph.node:
-            out = node.output[0] if node.output else ""
-            if node.domain not in ("", "ai.onnx") or not out or (
-                    out in known and known[out].tensor_type.HasField("shape")):
-                continue
-            rank = _static_rank(node, known)
-            data = known.get(node.input[0]) if node.input else None
-            if rank is not None and data is not None:
-                ranked.append(onnx.helper.make_tensor_value_info(
-                    out, data.tensor_type.elem_type, [None] * rank))
-        if not ranked:
-            break
-        declared = onnx.ModelProto()
-        declared.CopyFrom(inferred)
-        kept = [v for v in declared.graph.value_info if v.name not in {r.name for r in ranked}]
-        del declared.graph.value_info[:]
-        declared.graph.value_info.extend([*kept, *ranked])
-        inferred = onnx.shape_inference.infer_shapes(declared, data_prop=True)
-    return inferred
-
-
-def _static_rank(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]) -> int | None:
-    """The rank of a Reshape or keepdims reduction's output, when static (see above)."""
-    def dims(name: str):
-        value = known.get(name)
-        shape = value.tensor_type.shape if value is not None else None
-        return shape.dim if shape is not None and value.tensor_type.HasField("shape") else None
-
-    if node.op_type == "Reshape":
-        target = dims(node.input[1])
-        if target is not None and len(target) == 1 and target[0].HasField("dim_value"):
-            return target[0].dim_value
-    elif node.op_type.startswith("Reduce") and all(
-            a.name != "keepdims" or a.i for a in node.attribute):
-        data = dims(node.input[0])
-        return len(data) if data is not None else None
-    return None
-
-
-def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
-    for attribute in node.attribute:
-        if attribute.name == "value":
-            return numpy_helper.to_array(attribute.t)
-        if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
-            return np.array(onnx.helper.get_attribute_value(attribute))
-    return None
+__all__ = ["differentiate"]
 
 
 def differentiate(
@@ -179,8 +69,7 @@ def differentiate(
     """
     facts = facts or ForwardFacts.of(model)
     graph = model.graph
-    g = GradContext(names, opset_version(model) or 1, facts.shapes, facts.elem_types,
-                    facts.constants, facts.readers)
+    g = GradContext(names, opset_version(model) or 1, facts)
     relevant = influenced_values(model, wrt, facts.types) & differentiable_values(
         model, list(seeds), facts.types)
     unreached = [w for w in wrt if w not in relevant and w not in seeds]

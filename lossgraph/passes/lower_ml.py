@@ -73,11 +73,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from ..builder import GraphBuilder
 from ..errors import InvalidModelError, UnsupportedModelError
-from ..graphs import all_graphs, opset_version, value_types, values_read
+from ..graphs import all_graphs, attribute_values, opset_version, value_types, values_read
 from ..names import NameAuthority
 from .contract import model_pass
 
@@ -125,17 +125,6 @@ def _describe(node: onnx.NodeProto) -> str:
     return f"{node.op_type} node {node.name!r}" if node.name else (
         f"{node.op_type} node producing {list(node.output)}"
     )
-
-
-def _attributes(node: onnx.NodeProto) -> dict[str, object]:
-    """The node's attributes by name; single strings decoded, string lists kept as bytes."""
-    values = {}
-    for attribute in node.attribute:
-        value = helper.get_attribute_value(attribute)
-        if isinstance(value, bytes):
-            value = value.decode("utf-8", errors="replace")
-        values[attribute.name] = value
-    return values
 
 
 def _string_choice(node: onnx.NodeProto, attrs: dict, name: str, default: str,
@@ -297,7 +286,7 @@ def _transform(b: GraphBuilder, z: str, post: str, output: str) -> str:
 
 
 def _lower_regressor(ctx: _Context, node: onnx.NodeProto) -> None:
-    attrs = _attributes(node)
+    attrs = attribute_values(node)
     post = _string_choice(node, attrs, "post_transform", "NONE", _TRANSFORMS)
     targets = int(attrs.get("targets", 1))
     if targets < 1:
@@ -344,7 +333,7 @@ def _tied_binary(coefficients: list[float], intercepts: list[float]) -> bool:
 
 def _lower_classifier(ctx: _Context, node: onnx.NodeProto) -> None:
     b = ctx.builder
-    attrs = _attributes(node)
+    attrs = attribute_values(node)
     post = _string_choice(node, attrs, "post_transform", "NONE", _TRANSFORMS)
     intercepts = list(attrs.get("intercepts", []))
     if not intercepts:
@@ -424,7 +413,7 @@ def _lower_classifier(ctx: _Context, node: onnx.NodeProto) -> None:
 
 def _lower_normalizer(ctx: _Context, node: onnx.NodeProto) -> None:
     b = ctx.builder
-    attrs = _attributes(node)
+    attrs = attribute_values(node)
     norm = _string_choice(node, attrs, "norm", "MAX", _NORMS)
     rank = ctx.rank(node.input[0])
     if rank is not None and not 1 <= rank <= 2:

@@ -44,9 +44,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import helper
 
 from ...errors import UnsupportedModelError
+from ...graphs import attribute_values
 from ..registry import grad_rule
 
 
@@ -195,19 +195,11 @@ def conv_transpose(g, node, dy):
 
 
 # ----------------------------------------------------------------------- pooling
-def _pool_attrs(node) -> dict:
-    attrs = {}
-    for attribute in node.proto.attribute:
-        value = helper.get_attribute_value(attribute)
-        attrs[attribute.name] = value.decode() if isinstance(value, bytes) else value
-    return attrs
-
-
 @grad_rule("MaxPool", notes="gradient to the argmax (MaxPool Indices); overlapping windows "
                             "need opset 16+")
 def max_pool(g, node, dy, *_):
     (x,) = node.inputs
-    attrs = _pool_attrs(node)
+    attrs = attribute_values(node.proto)
     attrs.pop("storage_order", None)  # row-major indices
     kernel = list(attrs["kernel_shape"])
     strides = list(attrs.get("strides", [1] * len(kernel)))

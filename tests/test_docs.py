@@ -1,9 +1,13 @@
-"""Every Python example in README.md and docs/ runs; the generated ops table is current."""
+"""Every Python example in README.md and docs/ runs (the numbered scripts of docs/examples/
+too); the generated ops table is current."""
 
 from __future__ import annotations
 
+import os
 import re
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,9 @@ from lossgraph.autodiff.table import markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+EXAMPLES = sorted((ROOT / "docs" / "examples").glob("[0-9][0-9]_*.py"))
+#: Examples that need more than the core dependencies, by the marker that says so.
+EXAMPLE_MARKS = {"02_finetune_torch_export.py": pytest.mark.torch}
 BLOCKS = [(page, index, code) for page in PAGES
           for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
 
@@ -26,6 +33,27 @@ def test_python_example_runs(page, index, code, tmp_path, monkeypatch):
 def test_demo_runs(capsys):
     runpy.run_path(str(ROOT / "docs" / "examples" / "demo.py"), run_name="__main__")
     assert "OK: lossgraph trains the ONNX model as well as" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", [
+    pytest.param(path, marks=EXAMPLE_MARKS.get(path.name, ()), id=path.name) for path in EXAMPLES])
+def test_numbered_example_runs_and_writes_nothing_where_it_is_run(script, tmp_path):
+    """Run as a user would (a fresh process, another working folder): it asserts what it
+    shows and says OK; its files go to a temporary folder of its own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "\nOK: " in "\n" + result.stdout, result.stdout
+    assert not list(tmp_path.iterdir())
+
+
+def test_examples_readme_lists_every_numbered_example():
+    index = (ROOT / "docs" / "examples" / "README.md").read_text()
+    assert EXAMPLES
+    for path in EXAMPLES:
+        assert f"({path.name})" in index, path.name
 
 
 def test_supported_ops_page_is_generated_from_the_registry():

@@ -3,30 +3,27 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import training_speed as bench  # noqa: E402
+from benchmarks.bounds import hand_graph_bound, products_graph, scan_session
+from benchmarks.lossgraph_modes import compile_modes, lossgraph_trainer
+from benchmarks.peers import numpy_peer
+from benchmarks.problems import PROBLEMS, make_data
 
 
 @pytest.fixture(scope="module")
 def data():
-    return bench.make_data(2000)
+    return make_data(2000)
 
 
 @pytest.mark.parametrize("model", ["mlp", "linear"])
 @pytest.mark.parametrize("batch", [100, 1000])
 def test_hand_graph_and_lossgraph_train_what_numpy_trains(data, model, batch):
-    X, y = data
-    problem = (bench.mlp_problem if model == "mlp" else bench.linear_problem)(X, y)
-    implementations = [bench.hand_graph_bound(problem, batch)]
-    implementations += [bench.lossgraph_impl(c, problem, batch)
-                        for c in bench.compile_modes(problem)]
-    reference_epoch, reference_weights = bench.numpy_peer(problem, batch)
+    problem = PROBLEMS[model](*data)
+    implementations = [hand_graph_bound(problem, batch)]
+    implementations += [lossgraph_trainer(c, problem, batch) for c in compile_modes(problem)]
+    reference_epoch, reference_weights = numpy_peer(problem, batch)
     for _ in range(2):
         reference_epoch()
     for epoch, weights in implementations:
@@ -40,8 +37,8 @@ def test_hand_graph_and_lossgraph_train_what_numpy_trains(data, model, batch):
 @pytest.mark.parametrize("batch", [500, 1000])  # 1000: a one-column gradient is split
 def test_products_floor_computes_every_matrix_product_of_a_step(data, model, batch):
     X, y = data
-    problem = (bench.mlp_problem if model == "mlp" else bench.linear_problem)(X, y)
-    session, feeds = bench._scan_session(bench._products_graph(problem, batch), problem, batch)
+    problem = PROBLEMS[model](X, y)
+    session, feeds = scan_session(products_graph(problem, batch), problem, batch)
     layers = problem.weights[::2]
     for j, w in enumerate(layers):
         feeds[f"W{j}"], feeds[f"dW{j}"] = w, np.zeros_like(w)

@@ -1,0 +1,51 @@
+"""What a run ran on: the machine's facts, and how busy other processes kept it."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import platform
+
+import numpy as np
+import onnx
+
+import lossgraph
+from lossgraph import training_build
+
+
+def machine_facts() -> dict[str, str]:
+    """Cores, load, and the version of Python and of every library the run uses."""
+    facts = {"cores": str(os.cpu_count()), "python": platform.python_version(),
+             "platform": platform.platform(terse=True), "numpy": np.__version__,
+             "onnx": onnx.__version__}
+    with contextlib.suppress(OSError, AttributeError):
+        facts["load average (1 min)"] = f"{os.getloadavg()[0]:.2f}"
+    try:
+        import onnxruntime
+    except ImportError:
+        facts["onnxruntime"] = "not installed"
+    else:
+        training = training_build.available()
+        distribution = "onnxruntime-training-cpu" if training else "onnxruntime"
+        facts["onnxruntime"] = (f"{onnxruntime.__version__} ({distribution}, training build: "
+                                f"{'yes' if training else 'no'})")
+    for package in ("torch", "scikit-learn", "skl2onnx"):
+        try:
+            facts[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            facts[package] = "not installed"
+    facts["lossgraph"] = lossgraph.__version__
+    return facts
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds busy on the whole machine, CPU seconds used by this process), Linux only."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    times = os.times()
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), times.user + times.system

@@ -6,7 +6,7 @@
    encoder exported with ``torch.onnx.export`` (needs torch and onnxscript), checked
    against torch autograd.
 
-Run: python benchmarks/gradient_graphs.py
+Run from the repository root: python -m benchmarks.gradient_graphs
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -29,7 +30,8 @@ GOLDEN = [("skl_mlp_regressor", "squared_error", {}),
           ("torch_cnn", "cross_entropy", {"from_logits": True})]
 
 
-def _session(model: onnx.ModelProto):
+def _session(model: onnx.ModelProto) -> Any:
+    """An onnxruntime CPU session for ``model``, quiet below errors."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -39,6 +41,7 @@ def _session(model: onnx.ModelProto):
 
 
 def _gradient_nodes(model: onnx.ModelProto, backend: str) -> int | str:
+    """How many nodes ``backend``'s gradient adds to ``model``, or why it has none."""
     try:
         result = lossgraph.gradient(model, backend=backend)
     except lossgraph.LossgraphError as error:
@@ -47,6 +50,7 @@ def _gradient_nodes(model: onnx.ModelProto, backend: str) -> int | str:
 
 
 def node_counts() -> None:
+    """Prints the gradient graph's size per golden model and backend."""
     print("nodes of the gradient graph beyond the forward (with loss) graph")
     print(f"{'model':22s} {'forward':>8s} {'onnx':>6s} {'ort':>6s}  ratio onnx/ort")
     for name, score, options in GOLDEN:
@@ -57,7 +61,8 @@ def node_counts() -> None:
         print(f"{name:22s} {len(model.graph.node):8d} {ours!s:>6s} {theirs!s:>6s}  {ratio}")
 
 
-def _transformer():
+def _transformer() -> tuple[Any, Any, onnx.ModelProto]:
+    """A 6-layer torch transformer encoder, an input for it, and its ONNX export."""
     import torch
 
     torch.manual_seed(0)
@@ -74,6 +79,7 @@ def _transformer():
 
 
 def build_time() -> None:
+    """Prints the time to build the transformer's gradient, checked against torch autograd."""
     try:
         import torch
     except ImportError:
@@ -104,7 +110,11 @@ def build_time() -> None:
     print(f"  ort backend: {_gradient_nodes(with_loss, 'ort')}")
 
 
-if __name__ == "__main__":
+def main() -> None:
     print(f"python {sys.version.split()[0]}, onnx {onnx.__version__}")
     node_counts()
     build_time()
+
+
+if __name__ == "__main__":
+    main()

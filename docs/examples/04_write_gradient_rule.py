@@ -8,6 +8,7 @@ function so that onnxruntime can run it. Its rule returns the vector-Jacobian pr
 built from standard ONNX ops; lossgraph's walker does the rest (the chain through
 ``Mul``, the sum over the batch into the weight's gradient). The gradient graph's
 ``w_grad`` is then compared with central finite differences of the loss in float64.
+The rule is registered inside ``scoped_rules()``, so it is gone once the block ends.
 
 Run: python docs/examples/04_write_gradient_rule.py
 """
@@ -19,6 +20,7 @@ import onnx
 import onnxruntime
 
 import lossgraph
+from lossgraph.autodiff import scoped_rules
 
 MODEL = """
     <ir_version: 8, opset_import: ["" : 18, "example.ops" : 1]>
@@ -40,14 +42,6 @@ MODEL = """
 """
 
 
-@lossgraph.grad_rule("Softsign", domain="example.ops", notes="x / (1 + |x|)")
-def softsign(g, node, dy):
-    """dx = dy / (1 + |x|)^2: one gradient per input of the node (Softsign has one)."""
-    (x,) = node.inputs
-    denominator = g.Add(g.Abs(x), g.const_like(1.0, x))
-    return g.Div(dy, g.Mul(denominator, denominator))
-
-
 def session(model: onnx.ModelProto) -> onnxruntime.InferenceSession:
     return onnxruntime.InferenceSession(model.SerializeToString(),
                                         providers=["CPUExecutionProvider"])
@@ -57,7 +51,20 @@ model = onnx.parser.parse_model(MODEL)
 x = np.random.default_rng(0).normal(size=(6, 3))
 w = np.array([0.5, -1.0, 2.0])
 
-graph = lossgraph.gradient(model, wrt=["w"])  # the loss is the model's scalar output
+# scoped_rules() undoes the registration when the block ends (for a trial or a test);
+# a rule registered outside such a block stays for the rest of the process.
+with scoped_rules():
+
+    @lossgraph.grad_rule("Softsign", domain="example.ops", notes="x / (1 + |x|)")
+    def softsign(g, node, dy):
+        """dx = dy / (1 + |x|)^2: one gradient per input of the node (Softsign has one)."""
+        (x,) = node.inputs
+        denominator = g.Add(g.Abs(x), g.const_like(1.0, x))
+        return g.Div(dy, g.Mul(denominator, denominator))
+
+    graph = lossgraph.gradient(model, wrt=["w"])  # the loss is the model's scalar output
+
+assert not lossgraph.supported_ops("example.ops")  # the scope ended: the rule is gone
 print("gradient graph outputs:", [o.name for o in graph.graph.output])
 # The forward Softsign stays; every node the gradient added is a standard ONNX op.
 assert [node.op_type for node in graph.graph.node if node.domain] == ["Softsign"]

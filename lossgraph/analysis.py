@@ -12,6 +12,7 @@ from .graphs import (
     FLOAT_TYPES,
     ForwardFacts,
     elem_type_name,
+    opset_version,
     outer_references,
     shortest_path,
     subgraphs,
@@ -57,7 +58,7 @@ def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
         if not any(o in needed for o in node.output):
             continue
         for position in differentiable_inputs(node.op_type, node.domain, len(node.input),
-                                              trainable):
+                                              trainable, opset_version(model, node.domain)):
             name = node.input[position]
             if name and is_float(name):
                 needed.add(name)
@@ -74,7 +75,8 @@ def influenced_values(model: onnx.ModelProto, sources: Iterable[str],
 
     reached = set(sources)
     for node in model.graph.node:
-        positions = differentiable_inputs(node.op_type, node.domain, len(node.input))
+        positions = differentiable_inputs(node.op_type, node.domain, len(node.input),
+                                          opset=opset_version(model, node.domain))
         hit = any(node.input[p] in reached for p in positions)
         hit = hit or any(n in reached for sub in subgraphs(node) for n in outer_references(sub))
         if hit:
@@ -114,7 +116,8 @@ def gradient_block(model: onnx.ModelProto, source: str, targets: Iterable[str],
             kind = elem_type_name(elem_type) if elem_type else "not a tensor"
             return GradientBlock(tuple(path), at, f"its output {out!r} is {kind}, which "
                                  "carries no gradient")
-        positions = differentiable_inputs(node.op_type, node.domain, len(node.input))
+        positions = differentiable_inputs(node.op_type, node.domain, len(node.input),
+                                          opset=opset_version(model, node.domain))
         captured = any(value in outer_references(sub) for sub in subgraphs(node))
         if not captured and not any(node.input[p] == value for p in positions):
             where = [i for i, name in enumerate(node.input) if name == value]

@@ -16,7 +16,8 @@ Then, for each ``wrt`` input (default: every float input):
    for the same cotangent, which the caller gets from :func:`cotangent`;
 4. with the training build, it must equal the ``ort`` backend's result when
    ``GradientGraphBuilder`` supports the op (``ort="auto"``: skipped quietly when it
-   does not; ``ort=True``: it must).
+   does not, see :func:`_builder_unsupported`; ``ort=True``: it must). Any other
+   failure of that comparison fails the check.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from lossgraph import gradient
-from lossgraph.errors import MissingGradientError, RuntimeUnavailableError
+from lossgraph.errors import InternalError, MissingGradientError, RuntimeUnavailableError
+from lossgraph.graphs import all_graphs
 
 COTANGENT_SEED = 1234
 
@@ -149,25 +151,43 @@ def check_gradients(
 
 
 def to_float32(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The same model computing in float32 (onnxruntime-training's builder needs it)."""
+    """The same model computing in float32 (onnxruntime-training's builder needs it),
+    subgraphs included."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    graph = result.graph
-    for value in (*graph.input, *graph.output, *graph.value_info):
-        if value.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE:
-            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
-    for index, tensor in enumerate(graph.initializer):
-        if tensor.data_type == onnx.TensorProto.DOUBLE:
-            array = numpy_helper.to_array(tensor).astype(np.float32)
-            graph.initializer[index].CopyFrom(numpy_helper.from_array(array, tensor.name))
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.name == "to" and attribute.i == onnx.TensorProto.DOUBLE:
-                attribute.i = onnx.TensorProto.FLOAT
-            if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == 11:
-                array = numpy_helper.to_array(attribute.t).astype(np.float32)
-                attribute.t.CopyFrom(numpy_helper.from_array(array, attribute.t.name))
+    for graph in all_graphs(result.graph):
+        for value in (*graph.input, *graph.output, *graph.value_info):
+            if value.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE:
+                value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+        for index, tensor in enumerate(graph.initializer):
+            if tensor.data_type == onnx.TensorProto.DOUBLE:
+                array = numpy_helper.to_array(tensor).astype(np.float32)
+                graph.initializer[index].CopyFrom(numpy_helper.from_array(array, tensor.name))
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.name == "to" and attribute.i == onnx.TensorProto.DOUBLE:
+                    attribute.i = onnx.TensorProto.FLOAT
+                if attribute.type == onnx.AttributeProto.TENSOR and \
+                        attribute.t.data_type == onnx.TensorProto.DOUBLE:
+                    array = numpy_helper.to_array(attribute.t).astype(np.float32)
+                    attribute.t.CopyFrom(numpy_helper.from_array(array, attribute.t.name))
     return result
+
+
+def _builder_unsupported(exc: Exception) -> bool:
+    """Whether ``exc``, raised while differentiating with ``backend="ort"`` or loading its
+    graph, means that GradientGraphBuilder does not support the op: it refuses it
+    (MissingGradientError), emits a graph the ONNX checker rejects (its gradient ops'
+    shapes or opsets; an InternalError caused by the checker), or one onnxruntime cannot
+    load (no kernel for its gradient op, or its own shape inference fails)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+    if isinstance(exc, MissingGradientError):
+        return True
+    if isinstance(exc, InternalError):
+        return isinstance(exc.__cause__, (onnx.checker.ValidationError,
+                                          onnx.shape_inference.InferenceError))
+    return isinstance(exc, (ort_errors.NotImplemented, ort_errors.Fail))
 
 
 def _compare_with_ort(with_loss, inputs, wrt, grads, ort, rtol, atol) -> None:
@@ -181,7 +201,9 @@ def _compare_with_ort(with_loss, inputs, wrt, grads, ort, rtol, atol) -> None:
         session = _session(graph)
     except RuntimeUnavailableError:
         return  # plain onnxruntime: nothing to compare with
-    except (MissingGradientError, Exception) as exc:  # builder does not support the op
+    except Exception as exc:
+        if not _builder_unsupported(exc):
+            raise
         if ort is True:
             raise AssertionError(f"onnxruntime-training could not differentiate: {exc}") from exc
         return

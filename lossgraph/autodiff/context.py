@@ -48,7 +48,7 @@ class Node:
 
     def grads(self, *leading: str | None) -> tuple[str | None, ...]:
         """A rule's result: ``leading`` for the first inputs and ``None`` for the rest
-        (the shape, axes, index or count inputs after them, which carry no gradient).
+        (the inputs after them that the rule declares ``nondiff``, or that are absent).
 
         ``None`` entries past the node's last input (optional inputs it does not have)
         are dropped; a gradient there is kept, for the walker to report.

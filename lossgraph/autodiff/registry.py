@@ -7,19 +7,31 @@ A rule maps the gradients of a node's outputs to the gradients of its inputs:
         a, b = node.inputs
         return g.Mul(dy, b), g.Mul(dy, a)
 
+    @grad_rule("Gather", nondiff=(1,))
+    def gather(g, node, dy):
+        ...
+        return node.grads(dx)        # (dx, None): the indices carry no gradient
+
 ``g`` is a :class:`~lossgraph.autodiff.context.GradContext` (a graph builder that
 also knows forward shapes, types and constant values), ``node`` a
 :class:`~lossgraph.autodiff.context.Node`, and ``dy`` the gradient of each output
 (``None`` for an output no gradient flows into; single-output ops always get one).
 
+``nondiff`` declares the input positions that never carry a gradient (shapes, axes,
+indices, conditions, counts, and float inputs such as Resize's scales). The
+declaration is the one source of that fact: the walker and the analyses
+(:mod:`lossgraph.differentiability`, ``trainable_initializers``) read it from here,
+so a rule that overrides a built-in one states it again.
+
 **The rule contract**, checked by the walker for every call:
 
 - A rule returns exactly **one entry per input of the node** (``len(node.inputs)``,
   absent optional inputs in the middle included): the name of the input's gradient,
-  or ``None`` for an input without one (shapes, axes, indices, absent inputs).
-  :meth:`Node.grads` pads the trailing ``None`` entries of shape-like inputs.
+  or ``None`` for an input without one: a ``nondiff`` input, an absent input, or one
+  whose gradient is not wanted. :meth:`Node.grads` pads the trailing ``None`` entries.
 - A bare name (or ``None``) instead of a sequence is accepted for a **single-input
   node** only.
+- A gradient for a ``nondiff`` input is an error: the declaration and the rule disagree.
 - ``None`` for an input whose gradient the walker wants (``node.wanted``: a
   differentiable input on the path to the loss) is an error, unless the same value
   gets its gradient through another position of the node (``Mul(a, a)`` may return
@@ -32,16 +44,19 @@ naming the op, the node, the rule and the counts: never a silent zero gradient.
 ``broadcast=True`` asks the walker to sum each input gradient back to the input's
 shape, so elementwise rules never deal with broadcasting.
 
-Users register rules for their own ops the same way, with ``domain=``.
+Users register rules for their own ops the same way, with ``domain=``; rules
+registered inside ``with scoped_rules():`` are dropped when it ends (tests, trials).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GradRule", "grad_rule", "find_rule", "supported_ops", "RuleInfo"]
+__all__ = ["GradRule", "grad_rule", "find_rule", "nondiff_inputs", "scoped_rules",
+           "supported_ops", "RuleInfo"]
 
 GradRule = Callable[..., Any]
 
@@ -57,6 +72,8 @@ class RuleInfo:
     broadcast: bool
     notes: str
     rule: GradRule
+    #: input positions that never carry a gradient
+    nondiff: frozenset[int] = frozenset()
 
     def covers(self, version: int) -> bool:
         return self.since <= version and (self.until is None or version <= self.until)
@@ -77,18 +94,22 @@ def grad_rule(
     until: int | None = None,
     broadcast: bool = False,
     notes: str = "",
+    nondiff: Iterable[int] = (),
 ) -> Callable[[GradRule], GradRule]:
     """Register the decorated function as the gradient rule of ``domain::op_type``.
 
     ``since``/``until`` bound the opset versions of ``domain`` the rule handles (for
     ops whose signature changed); ``notes`` appear in the docs table (for example
-    "straight-through: zero gradient"). Registering a rule for an op and opset range
-    that already has one replaces it, so users can override built-in rules.
+    "straight-through: zero gradient"); ``nondiff`` lists the input positions that
+    never carry a gradient (the rule returns ``None`` there). Registering a rule for
+    an op and opset range that already has one replaces it, so users can override
+    built-in rules.
     """
 
     def register(rule: GradRule) -> GradRule:
         key = ("" if domain == "ai.onnx" else domain, op_type)
-        info = RuleInfo(op_type, key[0], since, until, broadcast, notes, rule)
+        info = RuleInfo(op_type, key[0], since, until, broadcast, notes, rule,
+                        frozenset(nondiff))
         kept = [r for r in _RULES.get(key, []) if (r.since, r.until) != (since, until)]
         _RULES[key] = sorted([*kept, info], key=lambda r: r.since)
         return rule
@@ -103,6 +124,33 @@ def find_rule(op_type: str, domain: str, version: int) -> RuleInfo | None:
         if info.covers(version):
             return info
     return None
+
+
+def nondiff_inputs(op_type: str, domain: str, version: int | None = None
+                   ) -> frozenset[int] | None:
+    """The input positions that the rule for ``domain::op_type`` declares
+    non-differentiable (at opset ``version``; where no rule covers it, the newest rule's,
+    since an op's shape and index inputs keep their positions), or ``None`` when the
+    op has no rule."""
+    key = ("" if domain == "ai.onnx" else domain, op_type)
+    infos = _RULES.get(key)
+    if not infos:
+        return None
+    covering = find_rule(op_type, domain, version) if version is not None else None
+    return (covering or infos[-1]).nondiff
+
+
+@contextlib.contextmanager
+def scoped_rules() -> Iterator[None]:
+    """Rules registered inside ``with scoped_rules():`` (new ones, and overrides of
+    existing ones) are undone when it ends, so a test or a trial leaves the registry
+    as it found it."""
+    saved = {key: list(infos) for key, infos in _RULES.items()}
+    try:
+        yield
+    finally:
+        _RULES.clear()
+        _RULES.update(saved)
 
 
 def supported_ops(domain: str | None = "") -> list[RuleInfo]:

@@ -10,8 +10,9 @@ The walker owns every hard part so that rules stay one-liners:
 - **broadcasting**: for rules registered with ``broadcast=True`` each input
   gradient is summed back to the input's shape, over axes found from static shapes,
   or at run time where the shapes cannot tell;
-- **the rule contract** (see :mod:`.registry`): every rule's result is checked, one
-  entry per input and a gradient for every wanted input, else
+- **the rule contract** (see :mod:`.registry`): the inputs a rule's registration
+  declares ``nondiff`` get no gradient work; every rule's result is checked, one entry
+  per input, a gradient for every wanted input and none for a ``nondiff`` one, else
   :class:`~lossgraph.errors.InvalidRuleError` naming the op, node, rule and counts;
 - **no gradient**: a requested weight that no gradient can reach is a
   :class:`~lossgraph.errors.NoGradientError` naming the weight and the node that
@@ -85,15 +86,16 @@ def differentiate(
     for proto in reversed(graph.node):
         if not any(grads.get(o) for o in proto.output):
             continue
+        opset = opset_version(model, proto.domain or "") or 1
         positions = [p for p in differentiable_inputs(proto.op_type, proto.domain,
-                                                      len(proto.input))
+                                                      len(proto.input), opset=opset)
                      if proto.input[p] in relevant]
         captured = [n for n in _captured(proto) if n in relevant]
         if not positions and not captured:
             continue
         wanted = list(dict.fromkeys([proto.input[p] for p in positions] + captured))
-        node = Node(proto, opset_version(model, proto.domain or "") or 1, wanted)
-        info = find_rule(proto.op_type, proto.domain, node.opset)
+        node = Node(proto, opset, wanted)
+        info = find_rule(proto.op_type, proto.domain, opset)
         if info is None:
             raise MissingGradientError(_missing_rule_message(model, node, wrt, seeds, relevant))
         dys = [g.sum_of(grads[o], hint=f"{o}_grad") if grads.get(o) else None
@@ -167,14 +169,20 @@ def _checked_entries(result: object, info: RuleInfo, node: Node,
         if entry is not None and not node.inputs[position]:
             raise InvalidRuleError(_rule_message(
                 info, node, f"returned a gradient for input {position}, which is absent"))
+        if entry is not None and position in info.nondiff:
+            raise InvalidRuleError(_rule_message(
+                info, node, f"returned a gradient for input {position} "
+                f"({node.inputs[position]!r}), which its registration declares "
+                f"non-differentiable (nondiff={tuple(sorted(info.nondiff))})"))
     for position in positions:
         name = node.inputs[position]
         if entries[position] is None and not any(
                 entries[p] is not None for p, other in enumerate(node.inputs) if other == name):
             raise InvalidRuleError(_rule_message(
                 info, node, f"returned None for input {position} ({name!r}), whose gradient is "
-                "wanted: return zeros if the gradient is zero, or raise "
-                "lossgraph.errors.UnsupportedModelError if it cannot be computed"))
+                "wanted: return zeros if the gradient is zero, raise "
+                "lossgraph.errors.UnsupportedModelError if it cannot be computed, or declare "
+                "the input in grad_rule(..., nondiff=...) if it never carries a gradient"))
     return entries
 
 

@@ -185,7 +185,7 @@ def _is_false(value) -> bool:
     return value is not None and not bool(np.asarray(value).reshape(-1)[0])
 
 
-@grad_rule("Dropout", since=13,
+@grad_rule("Dropout", since=13, nondiff=(1, 2),
            notes="training mode: dy * mask / (1 - ratio) from the node's mask output, which "
                  "must be present; inference mode: identity")
 def dropout(g, node, dy, *_):

@@ -20,7 +20,7 @@ from ...graphs import names_in_graph, outer_references, rename_values
 from ..registry import grad_rule
 
 
-@grad_rule("If", notes="both branches; gradients flow to captured outer values")
+@grad_rule("If", nondiff=(0,), notes="both branches; gradients flow to captured outer values")
 def if_(g, node, *dys):
     wanted = [name for name in node.wanted if name != node.inputs[0]]
     branches = {

@@ -77,7 +77,7 @@ def _slice_params(g, node):
     return starts, ends, [a % rank for a in axes], steps
 
 
-@grad_rule("Slice", since=13)
+@grad_rule("Slice", since=13, nondiff=(1, 2, 3, 4))
 def slice_(g, node, dy):
     x = node.inputs[0]
     shape = static_shape(g, x)
@@ -110,7 +110,7 @@ def slice_(g, node, dy):
 
 
 # ------------------------------------------------------------------------------- Pad
-@grad_rule("Pad", since=13, notes="constant mode only")
+@grad_rule("Pad", since=13, nondiff=(1, 3), notes="constant mode only")
 def pad(g, node, dy):
     mode = node.attr("mode", "constant")
     if mode != "constant":
@@ -132,7 +132,7 @@ def pad(g, node, dy):
 
 
 # ---------------------------------------------------------------------------- Gather
-@grad_rule("Gather", since=13,
+@grad_rule("Gather", since=13, nondiff=(1,),
            notes="duplicate indices accumulate; ScatterND(add) from opset 16, OneHot+Gemm before")
 def gather(g, node, dy):
     x, indices = node.inputs
@@ -164,7 +164,7 @@ def gather(g, node, dy):
     return node.grads(dx_t if axis == 0 else g.Transpose(dx_t, perm=inverse))
 
 
-@grad_rule("GatherElements", since=13,
+@grad_rule("GatherElements", since=13, nondiff=(1,),
            notes="duplicate indices accumulate; ScatterElements(add) from opset 16, OneHot before")
 def gather_elements(g, node, dy):
     x, indices = node.inputs
@@ -183,7 +183,8 @@ def gather_elements(g, node, dy):
     return node.grads(g.Pad(dx, g.Concat(g.ints([0] * rank), extra, axis=0), mode="constant"))
 
 
-@grad_rule("GatherND", since=13, notes="opset 16+ (ScatterND reduction=add); batch_dims=0")
+@grad_rule("GatherND", since=13, nondiff=(1,),
+           notes="opset 16+ (ScatterND reduction=add); batch_dims=0")
 def gather_nd(g, node, dy):
     x, indices = node.inputs
     if node.attr("batch_dims", 0) != 0:
@@ -214,7 +215,7 @@ def _reduction(node) -> str:
     return reduction
 
 
-@grad_rule("ScatterND", since=13, notes="reduction none or add")
+@grad_rule("ScatterND", since=13, nondiff=(1,), notes="reduction none or add")
 def scatter_nd(g, node, dy):
     _, indices, updates = node.inputs
     reduction = _reduction(node)
@@ -222,7 +223,7 @@ def scatter_nd(g, node, dy):
     return dx, None, g.GatherND(dy, indices)
 
 
-@grad_rule("ScatterElements", since=13, notes="reduction none or add")
+@grad_rule("ScatterElements", since=13, nondiff=(1,), notes="reduction none or add")
 def scatter_elements(g, node, dy):
     x, indices, updates = node.inputs
     axis = node.attr("axis", 0) % g.rank(x)
@@ -233,7 +234,7 @@ def scatter_elements(g, node, dy):
 
 
 # ------------------------------------------------------------------------------ TopK
-@grad_rule("TopK", notes="the indices output has no gradient")
+@grad_rule("TopK", nondiff=(1,), notes="the indices output has no gradient")
 def topk(g, node, dvalues, dindices=None):
     x = node.inputs[0]
     axis = node.attr("axis", -1) % g.rank(x)
@@ -241,7 +242,8 @@ def topk(g, node, dvalues, dindices=None):
 
 
 # ---------------------------------------------------------------------------- OneHot
-@grad_rule("OneHot", notes="the values (off, on) get gradients, but are not trained")
+@grad_rule("OneHot", nondiff=(0, 1),
+           notes="the values (off, on) get gradients, but are not trained")
 def one_hot(g, node, dy):
     indices, depth, values = node.inputs
     hot = _one_hot(g, _as_index_type(g, indices), _as_index_type(g, depth), values,
@@ -253,8 +255,9 @@ def one_hot(g, node, dy):
 
 
 # ------------------------------------------------------------------- ReverseSequence
-@grad_rule("ReverseSequence", notes="as a gather (onnxruntime 1.19's ReverseSequence leaves "
-                                     "rows of length 0 unwritten)")
+@grad_rule("ReverseSequence", nondiff=(1,),
+           notes="as a gather (onnxruntime 1.19's ReverseSequence leaves rows of length 0 "
+                 "unwritten)")
 def reverse_sequence(g, node, dy):
     x, lengths = node.inputs
     time_axis = node.attr("time_axis", 0)  # the batch axis is the other of 0 and 1
@@ -273,7 +276,7 @@ def reverse_sequence(g, node, dy):
 
 
 # ----------------------------------------------------------------------------- Trilu
-@grad_rule("Trilu")
+@grad_rule("Trilu", nondiff=(1,))
 def trilu(g, node, dy):
     k = node.input(1)
     return node.grads(g.Trilu(dy, *([k] if k else []), upper=node.attr("upper", 1)))
@@ -308,7 +311,7 @@ def _resize_matrix(node, size_in: int, scale: float | None, size_out: int) -> np
     return np.stack(columns, axis=1).reshape(size_out, size_in)
 
 
-@grad_rule("Resize", since=13,
+@grad_rule("Resize", since=13, nondiff=(1, 2, 3),
            notes="constant scales or sizes and static shapes; exact adjoint via constant "
                  "per-axis interpolation matrices (any mode but tf_crop_and_resize)")
 def resize(g, node, dy):

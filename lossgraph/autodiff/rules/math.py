@@ -116,18 +116,18 @@ def tan(g, node, dy):
     return g.Mul(dy, g.Add(_square(g, y), g.const_like(1, y, "one")))
 
 
-def _inv_sqrt_one_minus_sq(g, x: str) -> str:
+def _sqrt_one_minus_square(g, x: str) -> str:
     return g.Sqrt(g.Sub(g.const_like(1, x, "one"), _square(g, x)))
 
 
 @grad_rule("Asin")
 def asin(g, node, dy):
-    return g.Div(dy, _inv_sqrt_one_minus_sq(g, node.inputs[0]))
+    return g.Div(dy, _sqrt_one_minus_square(g, node.inputs[0]))
 
 
 @grad_rule("Acos")
 def acos(g, node, dy):
-    return g.Neg(g.Div(dy, _inv_sqrt_one_minus_sq(g, node.inputs[0])))
+    return g.Neg(g.Div(dy, _sqrt_one_minus_square(g, node.inputs[0])))
 
 
 @grad_rule("Atan")
@@ -186,7 +186,7 @@ for _op in ("Sign", "Floor", "Ceil", "Round", "Hardmax"):
 
 
 @grad_rule("Cast", notes="gradient cast back to the input's type; none for non-float inputs")
-@grad_rule("CastLike", since=15, notes="as Cast; the type-giving input has no gradient")
+@grad_rule("CastLike", since=15, nondiff=(1,), notes="as Cast")
 def cast(g, node, dy):
     x = node.inputs[0]
     to = g.elem_type(x)
@@ -277,7 +277,7 @@ def mod(g, node, dy):
     return dy, g.Neg(g.Mul(dy, quotient))
 
 
-@grad_rule("Where", broadcast=True)
+@grad_rule("Where", broadcast=True, nondiff=(0,))
 def where(g, node, dy):
     c, a, _ = node.inputs
     da = g.Mul(dy, g.mask(c, a))

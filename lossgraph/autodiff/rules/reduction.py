@@ -79,14 +79,14 @@ def _count(g, node, axes: list[int] | None) -> str:
 
 
 def _reduction_rule(op_type: str, notes: str = ""):
-    """Register ``dx = rule(g, node, dy)`` for ``op_type``; its axes input gets no gradient."""
+    """Register ``dx = rule(g, node, dy)`` for ``op_type``, whose axes input (1) is ``nondiff``."""
 
     def register(rule):
         @functools.wraps(rule)
         def per_input(g, node, dy):
             return node.grads(rule(g, node, dy))
 
-        grad_rule(op_type, notes=notes)(per_input)
+        grad_rule(op_type, notes=notes, nondiff=(1,))(per_input)
         return rule
 
     return register
@@ -196,7 +196,7 @@ def reduce_log_sum_exp(g, node, dy):
     return g.Mul(keep_dims(g, node, dy, axes), softmax)
 
 
-@grad_rule("CumSum", notes="reverse cumulative sum of dy")
+@grad_rule("CumSum", nondiff=(1,), notes="reverse cumulative sum of dy")
 def cum_sum(g, node, dy):
     reverse = node.attr("reverse", 0)
     exclusive = node.attr("exclusive", 0)

@@ -46,7 +46,7 @@ def reshape_back(g, dy: str, x: str) -> str:
     return g.Reshape(dy, shape_of(g, x))
 
 
-@grad_rule("Reshape")
+@grad_rule("Reshape", nondiff=(1,))
 def reshape(g, node, dy):
     return node.grads(reshape_back(g, dy, node.inputs[0]))
 
@@ -56,12 +56,12 @@ def flatten(g, node, dy):
     return reshape_back(g, dy, node.inputs[0])
 
 
-@grad_rule("Squeeze", since=13)
+@grad_rule("Squeeze", since=13, nondiff=(1,))
 def squeeze(g, node, dy):
     return node.grads(reshape_back(g, dy, node.inputs[0]))
 
 
-@grad_rule("Unsqueeze", since=13)
+@grad_rule("Unsqueeze", since=13, nondiff=(1,))
 def unsqueeze(g, node, dy):
     return node.grads(reshape_back(g, dy, node.inputs[0]))
 
@@ -78,7 +78,7 @@ def transpose(g, node, dy):
     return g.Transpose(dy, perm=inverse)
 
 
-@grad_rule("Expand", notes="needs the broadcast axes to be known statically")
+@grad_rule("Expand", nondiff=(1,), notes="needs the broadcast axes to be known statically")
 def expand(g, node, dy):
     x, y = node.inputs[0], node.outputs[0]
     source, target = g.shape(y), g.shape(x)
@@ -96,7 +96,7 @@ def expand(g, node, dy):
     return node.grads(g.unbroadcast(dy, x, y))
 
 
-@grad_rule("Tile", notes="needs constant repeats")
+@grad_rule("Tile", nondiff=(1,), notes="needs constant repeats")
 def tile(g, node, dy):
     x = node.inputs[0]
     repeats = g.ints_value(node.inputs[1], "Tile's repeats")
@@ -134,7 +134,7 @@ def concat(g, node, dy):
     return list(parts)
 
 
-@grad_rule("Split", since=13, notes="outputs without a gradient contribute zeros")
+@grad_rule("Split", since=13, nondiff=(1,), notes="outputs without a gradient contribute zeros")
 def split(g, node, *dys):
     x = node.inputs[0]
     axis = node.attr("axis", 0) % g.rank(x)

@@ -26,8 +26,8 @@ import lossgraph
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = [("skl_mlp_regressor", "squared_error", {}),
-          ("skl_mlp_classifier", "cross_entropy", {}),
-          ("torch_cnn", "cross_entropy", {"from_logits": True})]
+          ("skl_mlp_classifier", "multiclass_log_loss", {}),
+          ("torch_cnn", "multiclass_log_loss", {"from_logits": True})]
 
 
 def _session(model: onnx.ModelProto) -> Any:

@@ -1,6 +1,6 @@
 """lossgraph, the subject: one implementation per fuse mode, driven as a user drives it.
 
-    program = lossgraph.compile(model, loss="squared_error",
+    program = lossgraph.compile_program(model, loss="squared_error",
                                 optimizer=Momentum(0.01, momentum=0.9, nesterov=True), fuse=mode)
     Trainer(program).fit(X, y, epochs=1, batch_size=batch, shuffle=False, warm_start=...)
 """
@@ -43,7 +43,7 @@ def compile_modes(problem: Problem) -> list[Compiled]:
     for mode in FUSE_MODES:
         start = time.perf_counter()
         try:
-            program = lossgraph.compile(problem.onnx_model, loss="squared_error",
+            program = lossgraph.compile_program(problem.onnx_model, loss="squared_error",
                                         optimizer=Momentum(LEARNING_RATE, momentum=MOMENTUM,
                                                            nesterov=True),
                                         fuse=mode)

@@ -7,7 +7,7 @@ sizes 100, 1000 and 10000, without shuffling. Every implementation runs in this 
 process, on the same data and the same batches:
 
     peers.py            scikit-learn, torch eager, ORT on-device, numpy by hand
-    lossgraph_modes.py  lossgraph.compile(...) + lossgraph.Trainer(...).fit, per fuse mode
+    lossgraph_modes.py  lossgraph.compile_program(...) + lossgraph.Trainer(...).fit, per fuse mode
     bounds.py           never peers: the same epoch as one hand-minimized onnxruntime
                         graph, and only the matrix products of each step (the floor for
                         any graph onnxruntime runs)

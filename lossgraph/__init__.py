@@ -1,24 +1,29 @@
 """lossgraph: compile ONNX inference models into ONNX training graphs.
 
-The public surface:
+The public surface (docs/concepts.md gives its vocabulary):
 
 - passes: :func:`add_loss_output`, :func:`alphabetize_initializers`, :func:`lower_ml_ops`
+  (their pass classes, and the pipeline machinery, in :mod:`lossgraph.passes`)
 - gradients: :func:`gradient`, :func:`grad_rule` (register a rule), :func:`supported_ops`
-- training: :func:`compile` -> :class:`TrainingProgram`, :class:`Trainer`,
-  optimizers in :mod:`lossgraph.optim`
+- training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer`,
+  optimizers in :mod:`lossgraph.optim`; :func:`describe_plan` shows what compiling runs
 - analyses: :func:`trainable_initializers`
 - errors: :class:`LossgraphError` and its subclasses in :mod:`lossgraph.errors`
 """
 
+from typing import Any
+
 from . import optim
 from .analysis import trainable_initializers
 from .autodiff import grad_rule, supported_ops
+from .compiler import compile_program, describe_plan
+from .deprecation import warn_renamed
 from .errors import LossgraphError
 from .passes.gradient import gradient
 from .passes.loss import add_loss_output
 from .passes.lower_ml import lower_ml_ops
 from .passes.rename import alphabetize_initializers
-from .program import TrainingProgram, compile
+from .program import TrainingProgram
 from .roles import get_roles
 from .runtime import Trainer
 
@@ -30,7 +35,8 @@ __all__ = [
     "TrainingProgram",
     "add_loss_output",
     "alphabetize_initializers",
-    "compile",
+    "compile_program",
+    "describe_plan",
     "get_roles",
     "grad_rule",
     "gradient",
@@ -40,3 +46,11 @@ __all__ = [
     "trainable_initializers",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``lossgraph.compile``, the previous release's name of :func:`compile_program`."""
+    if name == "compile":
+        warn_renamed("lossgraph.compile", "lossgraph.compile_program")
+        return compile_program
+    raise AttributeError(f"module 'lossgraph' has no attribute {name!r}")

@@ -20,9 +20,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .models import check_emitted
 from .names import NameAuthority
 
-__all__ = ["GraphBuilder"]
+__all__ = ["GraphBuilder", "standalone_model"]
 
 # The opset in which each reduction's ``axes`` moved from an attribute to an input.
 _AXES_AS_INPUT_SINCE = {"ReduceSum": 13, "Squeeze": 13, "Unsqueeze": 13}
@@ -154,3 +155,33 @@ class GraphBuilder:
         graph.initializer.extend(self.initializers)
         self.nodes, self.initializers = [], []
         self._constants, self._producers, self._memo = {}, {}, {}
+
+
+def standalone_model(
+    b: GraphBuilder,
+    name: str,
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[tuple[str, str, onnx.ValueInfoProto]],
+    opset: int,
+) -> onnx.ModelProto:
+    """A model holding ``b``'s nodes, with ``outputs`` as ``(value, output name, info)``.
+
+    Each value is renamed to its output name where ``b`` produced it (consumers
+    included), or copied with ``Identity`` where it is a graph input, an initializer
+    or already another output. The output names must be reserved in ``b.names``.
+    """
+    produced = {o for node in b.nodes for o in node.output}
+    renames: dict[str, str] = {}
+    for value, out_name, _ in outputs:
+        if value in produced and value not in renames:
+            renames[value] = out_name
+        else:
+            b.Identity(renames.get(value, value), outputs=[out_name])
+    for node in b.nodes:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+        node.output[:] = [renames.get(o, o) for o in node.output]
+    graph = helper.make_graph([], name, list(inputs), [info for _, _, info in outputs])
+    b.append_to(graph)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    check_emitted(model, name)
+    return model

@@ -1,7 +1,7 @@
 """The ``lossgraph`` command: run passes on ONNX files from the shell.
 
-    lossgraph add-loss model.onnx -o loss.onnx --score squared_error --weight w
-    lossgraph gradient loss.onnx -o grad.onnx [--wrt coef intercept] [--backend ort]
+    lossgraph add-loss model.onnx -o loss.onnx --loss squared_error --weight-name w
+    lossgraph gradient loss.onnx -o grad.onnx [--weights coef intercept] [--backend ort]
     lossgraph lower-ml model.onnx -o lowered.onnx
     lossgraph alphabetize model.onnx -o renamed.onnx
     lossgraph trainable model.onnx
@@ -13,7 +13,9 @@
 Every command that writes a model writes it atomically, never over a file or folder
 lossgraph did not write (``--force`` replaces a file anyway), and checks its outputs
 before any work; every error, a bad command line included, prints one line (no
-traceback) and exits with status 2.
+traceback) and exits with status 2. The previous release's spellings of options
+(``--score``, ``--weight``, ``--wrt``, gradient's ``--loss``, ``--trainable``,
+``--gradient``) still work, with a warning on stderr.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 from . import __version__
 from .analysis import trainable_initializers
 from .autodiff import supported_ops
+from .compiler import compile_program
 from .errors import InvalidDataError, LossgraphError
 from .fileio import check_file_target, check_folder_target, save_model
 from .optim import optimizer_from_dict
@@ -37,7 +40,6 @@ from .passes.loss import add_loss_output
 from .passes.lower_ml import lower_ml_ops
 from .passes.rename import alphabetize_initializers
 from .program import TrainingProgram
-from .program import compile as compile_program
 from .runtime import Trainer
 from .storage import CHECKPOINT_FOLDER, PROGRAM_FOLDER, read_arrays
 
@@ -63,6 +65,20 @@ def _json(example: str) -> Callable[[str], Any]:
 
     parse.__name__ = "JSON"
     return parse
+
+
+class _Renamed(argparse.Action):
+    """An option's previous spelling: stores into the new one's ``dest``, with a warning."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: Any):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed in the "
+              f"next release: use {self.new}.", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _key_value(text: str) -> tuple[str, object]:
@@ -97,27 +113,32 @@ def _parser() -> argparse.ArgumentParser:
 
     penalty = _json('\'{"coef": {"l1": 0.01, "l2": 0.1}}\'')
     add_loss = with_io("add-loss", "append a scalar loss output")
-    add_loss.add_argument("--score", default="squared_error")
+    add_loss.add_argument("--loss", default="squared_error", help="the loss function")
+    add_loss.add_argument("--score", dest="loss", action=_Renamed, new="--loss")
     add_loss.add_argument("--loss-name")
     add_loss.add_argument("--label-name")
-    add_loss.add_argument("--weight", dest="weight_name")
+    add_loss.add_argument("--weight-name", help="name of a per-row sample-weight input")
+    add_loss.add_argument("--weight", dest="weight_name", action=_Renamed, new="--weight-name")
     add_loss.add_argument("--output-index", help="output name or position")
     add_loss.add_argument("--reduction", default="mean", choices=["mean", "sum"])
     add_loss.add_argument("--penalty", type=penalty, default=None,
                           help='JSON, e.g. \'{"coef": {"l1": 0.01, "l2": 0.1}}\'')
     add_loss.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                          type=_key_value, help="score option, e.g. delta=1.5 or from_logits=true")
+                          type=_key_value,
+                          help="option of the loss, e.g. delta=1.5 or from_logits=true")
 
     grad = with_io("gradient", "add <weight>_grad outputs")
-    grad.add_argument("--wrt", nargs="+")
-    grad.add_argument("--loss")
+    grad.add_argument("--weights", nargs="+", help="what to differentiate with respect to")
+    grad.add_argument("--wrt", dest="weights", nargs="+", action=_Renamed, new="--weights")
+    grad.add_argument("--loss-name", help="the scalar output to differentiate")
+    grad.add_argument("--loss", dest="loss_name", action=_Renamed, new="--loss-name")
     grad.add_argument("--outputs", nargs="+", help="vector-Jacobian mode")
     grad.add_argument("--backend", default="onnx", choices=["onnx", "ort"])
 
     build = with_io("compile", "compile a training program into a folder",
                     output="output program folder (new, empty, or a program lossgraph wrote)")
     build.add_argument("--loss", default="squared_error",
-                       help="a score name, or 'none' when the model carries its loss")
+                       help="the loss function, or 'none' when the model carries its loss")
     build.add_argument("--loss-option", action="append", default=[], metavar="KEY=VALUE",
                        type=_key_value,
                        help="add_loss_output option, e.g. weight_name=w or delta=1.5")
@@ -125,8 +146,12 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--optimizer", type=_json('\'{"type": "Adam", "learning_rate": 0.001}\''),
                        default={"type": "SGD"},
                        help='JSON, e.g. \'{"type": "Adam", "learning_rate": 0.001}\'')
-    build.add_argument("--trainable", nargs="+")
-    build.add_argument("--gradient", default="onnx", choices=["onnx", "ort"])
+    build.add_argument("--weights", nargs="+", help="the weights to train")
+    build.add_argument("--trainable", dest="weights", nargs="+", action=_Renamed,
+                       new="--weights")
+    build.add_argument("--backend", default="onnx", choices=["onnx", "ort"],
+                       help="the gradient backend")
+    build.add_argument("--gradient", dest="backend", action=_Renamed, new="--backend")
     build.add_argument("--fuse", default="step", choices=["separate", "step", "epoch"])
     build.add_argument("--target", default=None, help="default or onnxruntime")
 
@@ -176,19 +201,19 @@ def _run(args: argparse.Namespace) -> int:
     """Run one parsed command; return the exit status."""
     if args.command == "add-loss":
         result = add_loss_output(
-            args.model, args.score, loss_name=args.loss_name, label_name=args.label_name,
+            args.model, args.loss, loss_name=args.loss_name, label_name=args.label_name,
             weight_name=args.weight_name, penalty=args.penalty,
             output_index=_output_index(args.output_index), reduction=args.reduction,
             **dict(args.option))
     elif args.command == "gradient":
-        result = gradient(args.model, wrt=args.wrt, loss=args.loss, backend=args.backend,
-                          outputs=args.outputs)
+        result = gradient(args.model, weights=args.weights, loss_name=args.loss_name,
+                          backend=args.backend, outputs=args.outputs)
     elif args.command == "compile":
         program = compile_program(
-            args.model, trainable=args.trainable,
+            args.model, weights=args.weights,
             loss=None if args.loss == "none" else args.loss, loss_options=dict(args.loss_option),
             penalty=args.penalty, optimizer=optimizer_from_dict(args.optimizer),
-            gradient=args.gradient, fuse=args.fuse, target=args.target)
+            backend=args.backend, fuse=args.fuse, target=args.target)
         program.save(args.output)
         print(f"{args.output}: {', '.join(sorted(program.graphs))}")
         return 0

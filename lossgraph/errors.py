@@ -110,3 +110,7 @@ class NoGradientError(LossgraphError, ValueError):
 
 class InvalidRuleError(LossgraphError, TypeError):
     """A gradient rule broke the rule contract (one gradient or ``None`` per input)."""
+
+
+class LossgraphDeprecationWarning(DeprecationWarning):
+    """A spelling that still works in this release and goes in the next (lossgraph.deprecation)."""

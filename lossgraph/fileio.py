@@ -37,13 +37,12 @@ from pathlib import Path
 import onnx
 
 from .errors import UnsafeWriteError
+from .metadata import WRITTEN_BY_KEY
 
 __all__ = ["WRITTEN_BY_KEY", "FolderKind", "serialize", "written_by_lossgraph", "write_file",
            "save_model", "ensure_folder", "check_file_target", "check_folder_target",
            "replace_directory"]
 
-#: Metadata key that marks an ONNX file as written by lossgraph (so it may be replaced).
-WRITTEN_BY_KEY = "lossgraph.written_by"
 _SHOWN = 5  # foreign entries named in an error message
 
 

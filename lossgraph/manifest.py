@@ -1,4 +1,4 @@
-"""The program manifest: its format name, fusion modes, and a check of its structure.
+"""The program manifest: its format, how it is built, and a check of its structure.
 
 A manifest is a JSON object (docs/reference/program.md)::
 
@@ -9,6 +9,7 @@ A manifest is a JSON object (docs/reference/program.md)::
 
     io = {"name": str, "role": str, "dtype": numpy dtype name, "shape": [int | str | null]}
 
+:func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything
 trusts it, so a damaged one fails with the key at fault rather than a ``KeyError``
 deep inside training.
@@ -20,10 +21,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import helper
 
 from .errors import InvalidProgramError
+from .optim import Optimizer
+from .signature import Signature
 
-__all__ = ["FORMAT", "FUSE_MODES", "REQUIRED_GRAPHS", "check_manifest"]
+__all__ = ["FORMAT", "FUSE_MODES", "REQUIRED_GRAPHS", "build_manifest", "check_manifest"]
 
 FORMAT = "lossgraph-program/1"
 FUSE_MODES = ("separate", "step", "epoch")
@@ -106,3 +111,50 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
             for position, value in enumerate(_field(entry, key, list, at)):
                 _check_io(value, f"{at} {key}[{position}]")
     return manifest
+
+
+def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
+                   optimizer: Optimizer, fuse: str, roles: Mapping[str, str]) -> dict[str, Any]:
+    """The program's description: graphs with the role of every input and output."""
+    role_of = {name: "feature" for name in signature.features}
+    role_of.update({signature.label: "label", signature.loss: "loss",
+                    signature.learning_rate: "learning_rate", signature.step: "step"})
+    if signature.sample_weight:
+        role_of[signature.sample_weight] = "sample_weight"
+    role_of.update({w: "weight" for w in signature.weights})
+    role_of.update({s: "state" for s in signature.state_names})
+    role_of.update({signature.new[w]: "new_weight" for w in signature.weights})
+    role_of.update({signature.new[s]: "new_state" for s in signature.state_names})
+    role_of.update({g: "gradient" for g in signature.gradients.values()})
+    role_of.update({f"{w}_penalty_grad": "penalty_gradient" for w in signature.weights})
+    role_of["penalty"] = "penalty"
+    for key, role in (("permutation", "permutation"), ("learning_rates", "learning_rates"),
+                      ("losses", "losses"), ("prediction", "prediction"),
+                      ("prediction_grad", "prediction_grad")):
+        if getattr(signature, key):
+            role_of[getattr(signature, key)] = role
+
+    def describe(values) -> list[dict[str, Any]]:
+        described = []
+        for value in values:
+            tensor = value.type.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                    for d in tensor.shape.dim]
+            described.append({"name": value.name, "role": role_of.get(value.name, "output"),
+                              "dtype": helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
+                              "shape": dims})
+        return described
+
+    return {
+        "format": FORMAT,
+        "fuse": fuse,
+        "optimizer": optimizer.to_dict(),
+        "roles": dict(roles),
+        "weights": [{"name": w, "new": signature.new[w],
+                     "states": [{"name": s, "new": signature.new[s]}
+                                for s in signature.states.get(w, [])]}
+                    for w in signature.weights],
+        "graphs": {name: {"file": f"{name}.onnx", "inputs": describe(g.graph.input),
+                          "outputs": describe(g.graph.output)}
+                   for name, g in graphs.items()},
+    }

@@ -19,10 +19,11 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-from .errors import InvalidModelError
+from .errors import InternalError, InvalidModelError
 from .graphs import stored_tensors
+from .target import finalize
 
-__all__ = ["ModelLike", "as_model", "check_model"]
+__all__ = ["ModelLike", "as_model", "check_model", "check_emitted"]
 
 #: What every public function accepts as a model.
 ModelLike = onnx.ModelProto | bytes | str | os.PathLike
@@ -134,4 +135,17 @@ def check_model(model: onnx.ModelProto, what: str = "The model") -> None:
             f"{what} is not a valid ONNX model: {first_line}. "
             "Check it with onnx.checker.check_model(model, full_check=True) and fix the "
             "exporter's output before passing it to lossgraph."
+        ) from exc
+
+
+def check_emitted(model: onnx.ModelProto, what: str) -> None:
+    """Give ``model`` its IR version and opsets for the active target, and prove it valid
+    (full check); an invalid model is a lossgraph bug, an :class:`InternalError`."""
+    finalize(model)
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as exc:
+        raise InternalError(
+            f"{what} emitted an invalid model ({exc}). This is a bug in lossgraph; "
+            "please report it with the input model."
         ) from exc

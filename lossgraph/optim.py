@@ -359,7 +359,7 @@ def optimizer_from_dict(d: Mapping[str, Any]) -> Optimizer:
 
 
 def as_optimizer(value: Optimizer | str | Mapping[str, Any] | None) -> Optimizer:
-    """The optimizer ``value`` describes, for ``compile(optimizer=...)``.
+    """The optimizer ``value`` describes, for ``compile_program(optimizer=...)``.
 
     Accepted on purpose: an :class:`Optimizer`; ``None`` (``SGD()``); a type name in any
     case (``"adam"``: default hyper-parameters); the dict form of :meth:`Optimizer.to_dict`

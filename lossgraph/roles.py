@@ -16,10 +16,9 @@ import json
 import onnx
 
 from .errors import InvalidModelError
+from .metadata import ROLES_KEY, read_text, write_json
 
 __all__ = ["ROLES_KEY", "get_roles", "set_roles", "check_loss_roles"]
-
-ROLES_KEY = "lossgraph.roles"
 
 #: Where each role's tensor must be: an output or an input of the loss model.
 _PLACES = {"loss": "output", "prediction": "output", "label": "input", "weight": "input"}
@@ -29,10 +28,8 @@ _FIX = ("lossgraph.add_loss_output writes this record: remove the entry from "
 
 def get_roles(model: onnx.ModelProto) -> dict[str, str]:
     """The recorded roles (empty when the model has none)."""
-    for prop in model.metadata_props:
-        if prop.key == ROLES_KEY:
-            return _parse(prop.value)
-    return {}
+    text = read_text(model, ROLES_KEY)
+    return {} if text is None else _parse(text)
 
 
 def _parse(text: str) -> dict[str, str]:
@@ -53,9 +50,7 @@ def _parse(text: str) -> dict[str, str]:
 
 def set_roles(model: onnx.ModelProto, roles: dict[str, str]) -> None:
     """Record ``roles`` in place, replacing any previous record."""
-    props = {p.key: p.value for p in model.metadata_props}
-    props[ROLES_KEY] = json.dumps(roles, sort_keys=True)
-    onnx.helper.set_model_props(model, props)
+    write_json(model, ROLES_KEY, roles)
 
 
 def check_loss_roles(model: onnx.ModelProto) -> dict[str, str]:

@@ -188,7 +188,7 @@ def _folder(path: str | os.PathLike, what: str, writer: str) -> Path:
     if not folder.exists():
         raise InvalidProgramError(f"There is no {what} at {str(folder)!r}.")
     if not folder.is_dir():
-        hint = (" To train a model file, compile it first (lossgraph.compile, or lossgraph "
+        hint = (" To train a model file, compile it first (lossgraph.compile_program, or lossgraph "
                 "compile MODEL -o FOLDER)." if folder.suffix == ".onnx" else "")
         raise InvalidProgramError(
             f"{str(folder)!r} is a file; a {what} is a folder written by {writer}.{hint}")

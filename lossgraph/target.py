@@ -17,8 +17,8 @@ import onnx
 from .errors import UnsupportedModelError, UnsupportedOptionError, suggest
 from .graphs import all_graphs, opset_version
 
-__all__ = ["Target", "DEFAULT_TARGET", "TARGETS", "active_target", "check_opset", "finalize",
-           "resolve_target", "use_target"]
+__all__ = ["Target", "DEFAULT_TARGET", "TARGETS", "active_target", "check_opset",
+           "check_opset_option", "finalize", "resolve_target", "use_target"]
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,17 @@ class Target:
     max_opset: int
     min_opset: int = 13
 
+    def supports(self, opset: int) -> bool:
+        """True when the target's runtimes load ``ai.onnx`` opset ``opset``."""
+        return self.min_opset <= opset <= self.max_opset
+
 
 #: Loadable by onnxruntime-training 1.19.2 and by current plain onnxruntime.
 DEFAULT_TARGET = Target(
     description="onnxruntime-training 1.19 and current onnxruntime", ir_version=10, max_opset=21
 )
 
-#: The runtimes a model can be emitted for, by name (``compile(..., target=name)``).
+#: The runtimes a model can be emitted for, by name (``compile_program(..., target=name)``).
 TARGETS = {
     "default": DEFAULT_TARGET,
     "onnxruntime-training-1.19": DEFAULT_TARGET,
@@ -90,19 +94,31 @@ def check_opset(model: onnx.ModelProto, target: Target | None = None) -> int:
             "The model imports no 'ai.onnx' opset. Add one, e.g. "
             "model.opset_import.append(onnx.helper.make_opsetid('', 17))."
         )
-    if not target.min_opset <= version <= target.max_opset:
+    if not target.supports(version):
         suggested = min(max(version, target.min_opset), target.max_opset)
         raise UnsupportedModelError(
             f"The model uses ai.onnx opset {version}; lossgraph emits models for "
             f"{target.description}, which needs opset {target.min_opset} to "
             f"{target.max_opset}. Convert it first, e.g. "
             f"onnx.version_converter.convert_version(model, {suggested})."
-            + (" Or emit for current onnxruntime only: compile(..., target='onnxruntime') or "
+            + (" Or emit for current onnxruntime only: "
+               "compile_program(..., target='onnxruntime') or "
                "with lossgraph.target.use_target('onnxruntime'): ..."
                if version > target.max_opset and version <= TARGETS["onnxruntime"].max_opset
                else "")
         )
     return version
+
+
+def check_opset_option(opset: int, target: Target | None = None) -> int:
+    """An ``opset=`` option of a graph lossgraph builds from scratch, checked like a model's."""
+    target = target or active_target()
+    if not target.supports(opset):
+        raise UnsupportedOptionError(
+            f"opset={opset} is outside {target.min_opset}..{target.max_opset}, "
+            f"the range {target.description} load."
+        )
+    return opset
 
 
 def finalize(model: onnx.ModelProto, target: Target | None = None) -> None:

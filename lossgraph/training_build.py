@@ -42,5 +42,5 @@ def bindings(purpose: str = "backend='ort'") -> ModuleType:
             f"{purpose} needs the onnxruntime training build (pip install "
             "'lossgraph[training]' in an environment without plain onnxruntime); the "
             "installed onnxruntime has no GradientGraphBuilder. Use backend='onnx' "
-            "(gradient='onnx' in compile).")
+            "(lossgraph.compile_program(..., backend='onnx')).")
     return module

@@ -5,7 +5,7 @@ optimizer for its name) or raises the :mod:`lossgraph.errors` class that fits, w
 message naming the option, tensor or row at fault and how to fix it. Decisions made
 here, once for every caller:
 
-- a single name where a list of names is expected (``trainable="coef"``, one
+- a single name where a list of names is expected (``weights="coef"``, one
   callback) is a list of one, never split into letters;
 - Python lists are data: converted to the dtype the model declares (a list has no dtype
   of its own); objects with ``to_numpy()`` (pandas, polars) or ``__array__`` are read as
@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from . import training_build
 from .errors import (
@@ -41,7 +42,8 @@ from .graphs import FLOAT_TYPES, elem_type_name
 from .manifest import FUSE_MODES
 from .optim import Optimizer, as_optimizer
 from .passes.gradient import BACKENDS
-from .passes.loss import OUTPUT_OPTIONS, parse_penalty, resolve_score
+from .passes.loss import OUTPUT_OPTIONS, resolve_score
+from .penalties import parse_penalty
 
 __all__ = [
     "CompileOptions", "compile_options", "check_trainable_model", "no_weights_error",
@@ -147,28 +149,28 @@ def names(option: str, value: Any) -> list[str] | None:
 class CompileOptions:
     """``compile``'s options, checked and in the form the pipeline uses."""
 
-    trainable: list[str] | None
+    weights: list[str] | None
     loss_options: dict[str, Any]
     optimizer: Optimizer
-    gradient: str
+    backend: str
     fuse: str
 
 
-def compile_options(trainable: Any, loss: Any, loss_options: Any, penalty: Any,
-                    optimizer: Any, gradient: Any, fuse: Any) -> CompileOptions:
+def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
+                    optimizer: Any, backend: Any, fuse: Any) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
-    gradient = choice("gradient", gradient, BACKENDS)
-    if gradient == "ort":
-        training_build.bindings("gradient='ort'")  # before any work, not after the loss
+    backend = choice("backend", backend, BACKENDS)
+    if backend == "ort":
+        training_build.bindings("backend='ort'")  # before any work, not after the loss
     options = _loss_options(loss, loss_options)
     parse_penalty(penalty)
     if loss is None and penalty:
         raise UnsupportedOptionError(
             "penalty= needs lossgraph to add the loss; with loss=None the model carries its "
             "own. Add the penalty when building it: add_loss_output(..., penalty=...).")
-    return CompileOptions(names("trainable", trainable), options, as_optimizer(optimizer),
-                          gradient, fuse)
+    return CompileOptions(names("weights", weights), options, as_optimizer(optimizer),
+                          backend, fuse)
 
 
 def _loss_options(loss: Any, options: Any) -> dict[str, Any]:
@@ -187,8 +189,8 @@ def _loss_options(loss: Any, options: Any) -> dict[str, Any]:
                 "loss already): leave it out.")
         return options
     for key in options:
-        if key in ("score_name", "penalty"):
-            where = "loss=" if key == "score_name" else "penalty="
+        if key in ("loss", "score_name", "penalty"):
+            where = "penalty=" if key == "penalty" else "loss="
             raise UnsupportedOptionError(
                 f"loss_options holds {key!r}: pass it to compile itself as {where}...")
     score, _ = resolve_score(loss, {}, option="loss")
@@ -207,7 +209,7 @@ def check_penalized(penalty: Mapping[str, Any] | None, weights: Sequence[str]) -
     for name in parse_penalty(penalty):
         if name not in weights:
             raise UnsupportedOptionError(
-                f"penalty names {name!r}, which is not trained (trainable: {list(weights)}): a "
+                f"penalty names {name!r}, which is not trained (trained: {list(weights)}): a "
                 "penalty on a frozen weight would add a constant to the loss and change "
                 "nothing. Train it, or drop it from penalty." + suggest(name, weights, "weights"))
 
@@ -254,6 +256,27 @@ def check_trainable_model(model: onnx.ModelProto) -> None:
             "scikit-learn) and convert it again.")
 
 
+def weights_dtype(weights: Mapping[str, np.ndarray], what: str) -> np.dtype:
+    """The one float dtype (float32 or float64) all ``weights`` share."""
+    if not weights:
+        raise UnsupportedOptionError(f"{what} needs at least one weight; none was given.")
+    dtypes: dict[np.dtype, str] = {}
+    for name, value in weights.items():
+        dtype = np.asarray(value).dtype
+        if helper.np_dtype_to_tensor_dtype(dtype) not in FLOAT_TYPES:
+            raise DTypeMismatchError(
+                f"Weight {name!r} is {dtype}; {what} works on float32 or float64 weights."
+            )
+        dtypes.setdefault(dtype, name)
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{name!r} is {dtype}" for dtype, name in dtypes.items())
+        raise UnsupportedModelError(
+            f"{what} needs weights of one float type, but {listing}. Cast the model's "
+            "weights to one type first."
+        )
+    return next(iter(dtypes))
+
+
 def no_weights_error(model: onnx.ModelProto) -> UnsupportedModelError:
     """Why the model has no trainable weight, and what to do."""
     graph = model.graph
@@ -269,7 +292,7 @@ def no_weights_error(model: onnx.ModelProto) -> UnsupportedModelError:
                        for t in list(graph.initializer)[:10])
     return UnsupportedModelError(
         "The model has no trainable weights (float initializers of rank >= 1 that influence the "
-        f"loss); its initializers: {listed}. Pass trainable=[...] to name the ones to train.")
+        f"loss); its initializers: {listed}. Pass weights=[...] to name the ones to train.")
 
 
 # -- data --------------------------------------------------------------------------------

@@ -377,7 +377,7 @@ class _Random(Exception):
 def _gradient_graph(forward: Forward) -> tuple[onnx.ModelProto, list[str], str]:
     """lossgraph's VJP graph for x: (model, names of its cotangent inputs, grad output)."""
     with use_target(_target()):
-        graph = lossgraph.gradient(forward.model, wrt=[forward.x], outputs=forward.seeded)
+        graph = lossgraph.gradient(forward.model, weights=[forward.x], outputs=forward.seeded)
     seed_inputs = [i.name for i in graph.graph.input][len(forward.model.graph.input):]
     return graph, seed_inputs, graph.graph.output[-1].name
 
@@ -545,7 +545,7 @@ def audit_input(case, x: str) -> Result:
     if not forwards:  # lossgraph may still refuse it: that verdict holds on any runtime
         try:
             with use_target(_target()):
-                lossgraph.gradient(model, wrt=[x], outputs=_float_outputs(model)[1])
+                lossgraph.gradient(model, weights=[x], outputs=_float_outputs(model)[1])
         except Exception as exc:
             category, message = _classify_error(exc)
             return Result(case.name, x, category, message + suffix)

@@ -166,7 +166,7 @@ class Context:
 
     def program(self, model: onnx.ModelProto | None = None, **options: Any):
         options.setdefault("optimizer", Momentum(0.01, nesterov=True))
-        return lossgraph.compile(model if model is not None else linear(), **options)
+        return lossgraph.compile_program(model if model is not None else linear(), **options)
 
     def trainer(self, model: onnx.ModelProto | None = None, **options: Any) -> lossgraph.Trainer:
         trainer = lossgraph.Trainer(self.program(model, **options))
@@ -214,7 +214,7 @@ def diverge(ctx: Context, mode: str, bad_row: int = 35) -> None:
 
 def truncated(ctx: Context) -> None:
     data = linear().SerializeToString()
-    lossgraph.compile(ctx.file("cut.onnx", data[:len(data) // 2]))
+    lossgraph.compile_program(ctx.file("cut.onnx", data[:len(data) // 2]))
 
 
 def link_out(ctx: Context) -> None:
@@ -222,7 +222,7 @@ def link_out(ctx: Context) -> None:
     path = external_model(ctx.tmp / "m", "link.bin")
     outside = ctx.file("real.bin", np.zeros(4, np.float32).tobytes())
     os.symlink(outside, ctx.tmp / "m" / "link.bin")
-    lossgraph.compile(path)
+    lossgraph.compile_program(path)
 
 
 def one_shot(ctx: Context) -> None:
@@ -240,111 +240,111 @@ class Frame:
 CASES: list[Case] = [
     # -- model files ------------------------------------------------------------------------
     Case("file-not-onnx", "a text file given as the model",
-         lambda c: lossgraph.compile(c.file("notes.onnx", b"my thesis, chapter 1\n")),
+         lambda c: lossgraph.compile_program(c.file("notes.onnx", b"my thesis, chapter 1\n")),
          InvalidModelError, "notes.onnx' is not an ONNX model"),
     Case("file-truncated", "the first half of a model file",
          truncated, InvalidModelError, "cut.onnx' is not an ONNX model, or is cut short"),
-    Case("file-empty", "an empty file", lambda c: lossgraph.compile(c.file("empty.onnx", b"")),
+    Case("file-empty", "an empty file", lambda c: lossgraph.compile_program(c.file("empty.onnx", b"")),
          InvalidModelError, "empty.onnx' is empty"),
-    Case("bytes-empty", "empty bytes", lambda c: lossgraph.compile(b""),
+    Case("bytes-empty", "empty bytes", lambda c: lossgraph.compile_program(b""),
          InvalidModelError, "serialized model is empty"),
     Case("bytes-no-graph", "bytes that parse as a ModelProto without a graph",
-         lambda c: lossgraph.compile(b"\x08\x0a"), InvalidModelError, "it has no graph"),
+         lambda c: lossgraph.compile_program(b"\x08\x0a"), InvalidModelError, "it has no graph"),
     Case("file-missing", "a path where no file is",
-         lambda c: lossgraph.compile(c.tmp / "missing.onnx"), InvalidModelError,
+         lambda c: lossgraph.compile_program(c.tmp / "missing.onnx"), InvalidModelError,
          "No ONNX file at"),
     Case("file-is-folder", "a folder given as the model file",
-         lambda c: lossgraph.compile(c.tmp), InvalidModelError, "is a folder"),
-    Case("model-not-a-model", "a number given as the model", lambda c: lossgraph.compile(3),
+         lambda c: lossgraph.compile_program(c.tmp), InvalidModelError, "is a folder"),
+    Case("model-not-a-model", "a number given as the model", lambda c: lossgraph.compile_program(3),
          InvalidModelError, "got int"),
     Case("external-data-missing", "a weight in an external file that is not there",
-         lambda c: lossgraph.compile(external_model(c.tmp / "m", "coef.bin")),
+         lambda c: lossgraph.compile_program(external_model(c.tmp / "m", "coef.bin")),
          InvalidModelError, "'coef.bin', which does not exist"),
     Case("external-data-outside", "an external data location leading out of the folder (..)",
-         lambda c: lossgraph.compile(external_model(c.tmp / "m", "../secret.bin",
+         lambda c: lossgraph.compile_program(external_model(c.tmp / "m", "../secret.bin",
                                                     c.tmp / "secret.bin")),
          InvalidModelError, "outside the model's folder"),
     Case("external-data-absolute", "an absolute external data location",
-         lambda c: lossgraph.compile(external_model(c.tmp / "m", str(c.tmp / "abs.bin"),
+         lambda c: lossgraph.compile_program(external_model(c.tmp / "m", str(c.tmp / "abs.bin"),
                                                     c.tmp / "abs.bin")),
          InvalidModelError, "must be a file name relative to the model's folder"),
     Case("external-data-link-out", "an external data file that links out of the folder",
          link_out, InvalidModelError, "outside the model's folder"),
     Case("external-data-not-loaded", "a ModelProto loaded without its external data",
-         lambda c: lossgraph.compile(onnx.load(
+         lambda c: lossgraph.compile_program(onnx.load(
              external_model(c.tmp / "m", "coef.bin", c.tmp / "m" / "coef.bin"),
              load_external_data=False)),
          InvalidModelError, "'coef.bin', which was not loaded"),
     # -- models ------------------------------------------------------------------------------
     Case("model-invalid", "a node reading a value nothing defines",
-         lambda c: lossgraph.compile(linear(("MatMul(x, coef)", "MatMul(x, kofe)"))),
+         lambda c: lossgraph.compile_program(linear(("MatMul(x, coef)", "MatMul(x, kofe)"))),
          InvalidModelError, "not a valid ONNX model"),
     Case("model-empty-graph", "a graph without nodes",
-         lambda c: lossgraph.compile(parse("""<ir_version: 8, opset_import: ["" : 18]>
+         lambda c: lossgraph.compile_program(parse("""<ir_version: 8, opset_import: ["" : 18]>
              g (float[N, 4] x) => (float[N, 4] x) { }""")),
          UnsupportedModelError, "has no nodes"),
     Case("model-no-initializers", "weights kept in Constant nodes",
-         lambda c: lossgraph.compile(parse("""<ir_version: 8, opset_import: ["" : 18]>
+         lambda c: lossgraph.compile_program(parse("""<ir_version: 8, opset_import: ["" : 18]>
              g (float[N, 4] x) => (float[N, 1] y) {
                  c = Constant <value = float[4, 1] {1, 2, 3, 4}> ()
                  y = MatMul(x, c) }""")),
          UnsupportedModelError, "Constant nodes ('c')"),
     Case("model-no-trainable-weights", "only integer initializers",
-         lambda c: lossgraph.compile(parse("""<ir_version: 8, opset_import: ["" : 18]>
+         lambda c: lossgraph.compile_program(parse("""<ir_version: 8, opset_import: ["" : 18]>
              g (float[N, 4] x) => (float[N, 4] y) <int64[1] axis = {1}> {
                  y = Relu(x) }""")),
          UnsupportedModelError, "'axis' (int64[1])"),
     Case("model-fixed-batch", "a torch export without dynamic axes (input float[1, 4])",
-         lambda c: lossgraph.compile(linear(FIXED_BATCH)),
+         lambda c: lossgraph.compile_program(linear(FIXED_BATCH)),
          UnsupportedModelError, "Input 'x' has a fixed batch dimension of 1"),
     Case("model-scalar-input", "a data input without a batch axis",
-         lambda c: lossgraph.compile(linear(("float[N, 4] x)", "float[N, 4] x, float t)"))),
+         lambda c: lossgraph.compile_program(linear(("float[N, 4] x)", "float[N, 4] x, float t)"))),
          UnsupportedModelError, "Input 't' is a scalar"),
     Case("model-zipmap", "a skl2onnx classifier with its default ZipMap output",
-         lambda c: lossgraph.compile(zipmap_classifier(), loss="cross_entropy"),
+         lambda c: lossgraph.compile_program(zipmap_classifier(), loss="multiclass_log_loss"),
          UnsupportedModelError, "options={'zipmap': False}"),
     Case("model-tree-ensemble", "an ai.onnx.ml TreeEnsembleRegressor",
-         lambda c: lossgraph.compile(tree_ensemble()), UnsupportedModelError,
+         lambda c: lossgraph.compile_program(tree_ensemble()), UnsupportedModelError,
          "Node 'tree' is an ai.onnx.ml TreeEnsembleRegressor"),
     Case("model-opset-too-old", "ai.onnx opset 9",
-         lambda c: lossgraph.compile(linear(('"" : 18', '"" : 9'))), UnsupportedModelError,
+         lambda c: lossgraph.compile_program(linear(('"" : 18', '"" : 9'))), UnsupportedModelError,
          "opset 9"),
     Case("model-opset-too-new-for-default", "ai.onnx opset 23 for the default target",
-         lambda c: lossgraph.compile(linear(('"" : 18', '"" : 23'))), UnsupportedModelError,
+         lambda c: lossgraph.compile_program(linear(('"" : 18', '"" : 23'))), UnsupportedModelError,
          "target='onnxruntime'"),
     Case("model-opset-too-new", "ai.onnx opset 26, newer than any target",
-         lambda c: lossgraph.compile(linear(('"" : 18', '"" : 26')), target="onnxruntime"),
+         lambda c: lossgraph.compile_program(linear(('"" : 18', '"" : 26')), target="onnxruntime"),
          UnsupportedModelError, "opset 26"),
     Case("model-loop-without-rule", "a Loop between a weight and the loss",
-         lambda c: lossgraph.compile(parse(LOOP)), MissingGradientError, "op 'Loop'"),
+         lambda c: lossgraph.compile_program(parse(LOOP)), MissingGradientError, "op 'Loop'"),
     Case("model-scan-without-rule", "a Scan between a weight and the loss",
-         lambda c: lossgraph.compile(parse(SCAN), loss_options={"output_index": "y"}),
+         lambda c: lossgraph.compile_program(parse(SCAN), loss_options={"output_index": "y"}),
          MissingGradientError, "op 'Scan'"),
     Case("model-roles-not-json", "a lossgraph.roles metadata entry that is not JSON",
-         lambda c: lossgraph.compile(with_roles("{loss: loss}")), InvalidModelError,
+         lambda c: lossgraph.compile_program(with_roles("{loss: loss}")), InvalidModelError,
          "'lossgraph.roles' is not JSON"),
     Case("model-roles-not-an-object", "a lossgraph.roles entry that is a JSON list",
-         lambda c: lossgraph.compile(with_roles('["loss"]')), InvalidModelError,
+         lambda c: lossgraph.compile_program(with_roles('["loss"]')), InvalidModelError,
          "must be a JSON object"),
     Case("model-roles-unknown-tensor", "lossgraph.roles naming a loss the model lacks",
-         lambda c: lossgraph.compile(with_roles(
+         lambda c: lossgraph.compile_program(with_roles(
              '{"loss": "cost", "label": "x", "prediction": "y"}'), loss=None),
          InvalidModelError, "names 'cost' as the loss"),
     Case("model-loss-none-without-loss", "loss=None for an inference model",
-         lambda c: lossgraph.compile(linear(), loss=None), UnsupportedModelError,
+         lambda c: lossgraph.compile_program(linear(), loss=None), UnsupportedModelError,
          "records no loss output"),
     Case("model-has-loss-already", "a model with a loss, compiled with a loss name",
-         lambda c: lossgraph.compile(lossgraph.add_loss_output(linear())),
+         lambda c: lossgraph.compile_program(lossgraph.add_loss_output(linear())),
          UnsupportedModelError, "pass loss=None"),
     Case("model-mixed-float-weights", "float and double weights in one model",
-         lambda c: lossgraph.compile(parse("""<ir_version: 8, opset_import: ["" : 18]>
+         lambda c: lossgraph.compile_program(parse("""<ir_version: 8, opset_import: ["" : 18]>
              g (float[N, 2] x) => (float[N, 2] y) <float[2] a = {1, 2}, double[2] d = {3, 4}> {
                  e = Cast <to = 1> (d)
                  t = Mul(x, a)
                  y = Add(t, e) }""")),
          UnsupportedModelError, "'a' is float32, 'd' is float64"),
     Case("model-cross-entropy-one-column", "cross_entropy on a one-column output",
-         lambda c: lossgraph.compile(parse(BINARY), loss="cross_entropy"),
+         lambda c: lossgraph.compile_program(parse(BINARY), loss="multiclass_log_loss"),
          ShapeMismatchError, "at least 2 classes"),
     # -- compile options ---------------------------------------------------------------------
     Case("loss-unknown", "loss='squred_error'",
@@ -378,7 +378,7 @@ CASES: list[Case] = [
     Case("penalty-unknown-weight", "penalty={'coeff': 0.1}",
          lambda c: c.program(penalty={"coeff": 0.1}), UnknownNameError, "Did you mean 'coef'"),
     Case("penalty-frozen-weight", "a penalty on a weight that is not trained",
-         lambda c: c.program(trainable=["intercept"], penalty={"coef": 0.1}),
+         lambda c: c.program(weights=["intercept"], penalty={"coef": 0.1}),
          UnsupportedOptionError, "penalty names 'coef', which is not trained"),
     Case("optimizer-unknown-name", "optimizer='adamm'",
          lambda c: c.program(optimizer="adamm"), UnsupportedOptionError, "Did you mean 'Adam'"),
@@ -402,19 +402,19 @@ CASES: list[Case] = [
          "Unknown target 'onnxruntime-2'"),
     Case("target-wrong-type", "target=21", lambda c: c.program(target=21),
          UnsupportedOptionError, "target=21 must be a name"),
-    Case("gradient-unknown", "gradient='torch'", lambda c: c.program(gradient="torch"),
-         UnsupportedOptionError, "gradient='torch' is not accepted"),
-    Case("trainable-empty", "trainable=[]", lambda c: c.program(trainable=[]),
-         UnsupportedOptionError, "trainable=[] names no weight"),
-    Case("trainable-duplicate", "trainable=['coef', 'coef']",
-         lambda c: c.program(trainable=["coef", "coef"]), UnsupportedOptionError,
+    Case("backend-unknown", "backend='torch'", lambda c: c.program(backend="torch"),
+         UnsupportedOptionError, "backend='torch' is not accepted"),
+    Case("weights-empty", "weights=[]", lambda c: c.program(weights=[]),
+         UnsupportedOptionError, "weights=[] names no weight"),
+    Case("weights-duplicate", "weights=['coef', 'coef']",
+         lambda c: c.program(weights=["coef", "coef"]), UnsupportedOptionError,
          "names 'coef' more than once"),
-    Case("trainable-misspelt-name", "trainable='cof' (one name, misspelt)",
-         lambda c: c.program(trainable="cof"), UnknownNameError, "'cof' is not an initializer"),
-    Case("trainable-not-a-name", "trainable=[0]", lambda c: c.program(trainable=[0]),
-         UnsupportedOptionError, "trainable holds 0 (int)"),
-    Case("trainable-an-input", "trainable=['x'] (a data input)",
-         lambda c: c.program(trainable=["x"]), UnknownNameError, "'x' is not an initializer"),
+    Case("weights-misspelt-name", "weights='cof' (one name, misspelt)",
+         lambda c: c.program(weights="cof"), UnknownNameError, "'cof' is not an initializer"),
+    Case("weights-not-a-name", "weights=[0]", lambda c: c.program(weights=[0]),
+         UnsupportedOptionError, "weights holds 0 (int)"),
+    Case("weights-an-input", "weights=['x'] (a data input)",
+         lambda c: c.program(weights=["x"]), UnknownNameError, "'x' is not an initializer"),
     # -- fit options -------------------------------------------------------------------------
     *[Case(f"batch-size-{label}", f"batch_size={value!r}",
            lambda c, v=value: c.fit(batch_size=v), UnsupportedOptionError,
@@ -437,7 +437,7 @@ CASES: list[Case] = [
          UnsupportedOptionError, "callbacks=3 must be a list"),
     Case("trainer-of-a-model", "Trainer(model) instead of Trainer(program)",
          lambda c: lossgraph.Trainer(linear()), UnsupportedOptionError,
-         "Trainer(lossgraph.compile(model))"),
+         "Trainer(lossgraph.compile_program(model))"),
     Case("providers-unknown", "providers=['NoSuchExecutionProvider']",
          lambda c: lossgraph.Trainer(c.program(), providers=["NoSuchExecutionProvider"]),
          UnsupportedOptionError, "'NoSuchExecutionProvider', which this onnxruntime does not"),
@@ -508,23 +508,23 @@ CASES: list[Case] = [
          lambda c: c.fit(validation_data=(X[:50],)), InvalidDataError, "got 1 item."),
     Case("labels-out-of-range", "class label 3 for a 3-class cross_entropy model",
          lambda c: c.fit(y=with_value(np.zeros(len(X), np.int64), 11, 3), model=parse(CLASSIFIER),
-                         compile_options={"loss": "cross_entropy"}),
+                         compile_options={"loss": "multiclass_log_loss"}),
          InvalidDataError, "class label 3 at row 11, but the model's classes are 0..2"),
     Case("labels-negative", "class label -1",
          lambda c: c.fit(y=with_value(np.zeros(len(X), np.int64), 4, -1), model=parse(CLASSIFIER),
-                         compile_options={"loss": "cross_entropy"}),
+                         compile_options={"loss": "multiclass_log_loss"}),
          InvalidDataError, "class label -1 at row 4"),
     Case("labels-not-binary", "label 2 for the binary log loss",
          lambda c: c.fit(y=with_value(np.zeros(len(X), np.int64), 8, 2), model=parse(BINARY),
-                         compile_options={"loss": "log"}),
+                         compile_options={"loss": "binary_log_loss"}),
          InvalidDataError, "class label 2 at row 8, but the model's classes are 0..1"),
     Case("labels-float", "float labels for a classification loss",
          lambda c: c.fit(y=np.zeros(len(X), np.float32), model=parse(CLASSIFIER),
-                         compile_options={"loss": "cross_entropy"}),
+                         compile_options={"loss": "multiclass_log_loss"}),
          DTypeMismatchError, "y is float32 but input 'label' of the model is int64"),
     Case("labels-fractional-list", "a list of labels [0.5, ...] for class indices",
          lambda c: c.fit(X[:2], [0.5, 1.0], model=parse(CLASSIFIER),
-                         compile_options={"loss": "cross_entropy"}),
+                         compile_options={"loss": "multiclass_log_loss"}),
          DTypeMismatchError, "non-integral numbers"),
     Case("batches-with-separate-y", "a list of (X, y) batches and a separate y",
          lambda c: c.fit([(X[:100], Y[:100]), (X[100:], Y[100:])], Y), InvalidDataError,
@@ -611,7 +611,7 @@ def test_nan_written_into_checked_data_is_still_named_by_row():
     """Arrays checked once are not checked again on the next fit; a NaN written into one
     in between makes the loss NaN, and the error still names its row."""
     data = X.copy()
-    trainer = lossgraph.Trainer(lossgraph.compile(linear(), optimizer=SGD(0.01)))
+    trainer = lossgraph.Trainer(lossgraph.compile_program(linear(), optimizer=SGD(0.01)))
     trainer.fit(data, Y, batch_size=10, shuffle=False, progress=False)
     data[57, 1] = np.nan
     with pytest.raises(InvalidDataError, match="row 57, epoch 1, batch 5"):
@@ -622,7 +622,7 @@ def test_nan_written_into_checked_data_is_still_named_by_row():
 
 
 def trained(X_data: Any = X, y_data: Any = Y, **fit_options: Any) -> dict[str, np.ndarray]:
-    trainer = lossgraph.Trainer(lossgraph.compile(linear(), optimizer=SGD(0.01)))
+    trainer = lossgraph.Trainer(lossgraph.compile_program(linear(), optimizer=SGD(0.01)))
     fit_options = {"epochs": 2, "batch_size": 20, "random_state": 0, "progress": False,
                    **fit_options}
     return trainer.fit(X_data, y_data, **fit_options).state
@@ -686,24 +686,24 @@ def test_any_memory_layout_trains_the_same_and_the_data_is_never_written(layout)
 
 
 def test_an_optimizer_by_name_or_dict_form_equals_the_instance():
-    programs = [lossgraph.compile(linear(), optimizer=optimizer)
+    programs = [lossgraph.compile_program(linear(), optimizer=optimizer)
                 for optimizer in (Adam(), "adam", "Adam", {"type": "Adam"})]
     assert all(p.manifest["optimizer"] == programs[0].manifest["optimizer"] for p in programs)
 
 
 def test_a_single_weight_name_is_one_weight_never_letters():
-    assert lossgraph.compile(linear(), trainable="coef").weights == ["coef"]
+    assert lossgraph.compile_program(linear(), weights="coef").weights == ["coef"]
 
 
 def test_a_single_callable_is_one_callback():
     seen = []
-    trainer = lossgraph.Trainer(lossgraph.compile(linear()))
+    trainer = lossgraph.Trainer(lossgraph.compile_program(linear()))
     trainer.fit(X, Y, epochs=2, progress=False, callbacks=lambda t, e, logs: seen.append(e))
     assert seen == [0, 1]
 
 
 def test_zero_epochs_train_nothing():
-    trainer = lossgraph.Trainer(lossgraph.compile(linear())).fit(X, Y, epochs=0, progress=False)
+    trainer = lossgraph.Trainer(lossgraph.compile_program(linear())).fit(X, Y, epochs=0, progress=False)
     assert trainer.steps_ == 0 and trainer.train_losses_ == []
 
 
@@ -715,7 +715,7 @@ def test_a_model_that_imputes_missing_values_takes_nan_features():
           filled = Where(missing, zero, x)
           h = MatMul(filled, coef)
           y = Add(h, intercept) }""")
-    trainer = lossgraph.Trainer(lossgraph.compile(imputing, optimizer=SGD(0.01)))
+    trainer = lossgraph.Trainer(lossgraph.compile_program(imputing, optimizer=SGD(0.01)))
     trainer.fit(with_value(X, 3, np.nan, 1), Y, epochs=2, progress=False)
     assert all(np.isfinite(v).all() for v in trainer.state.values())
     assert trainer.train_losses_[-1] < trainer.train_losses_[0]
@@ -726,7 +726,7 @@ def test_opsets_are_checked_at_compile_time_not_when_loading(tmp_path):
     onnx.save(linear(('"" : 18', '"" : 9')), path)
     assert lossgraph.models.as_model(path).opset_import[0].version == 9
     with pytest.raises(UnsupportedModelError, match="opset 9"):
-        lossgraph.compile(path)
+        lossgraph.compile_program(path)
 
 
 def test_compile_with_the_ort_backend_needs_the_training_build_before_reading_the_model(
@@ -735,14 +735,14 @@ def test_compile_with_the_ort_backend_needs_the_training_build_before_reading_th
 
     if HAS_TRAINING:
         pytest.skip("the training build is installed here")
-    with pytest.raises(RuntimeUnavailableError, match="gradient='ort' needs"):
-        lossgraph.compile(tmp_path / "not-even-there.onnx", gradient="ort")
+    with pytest.raises(RuntimeUnavailableError, match="backend='ort' needs"):
+        lossgraph.compile_program(tmp_path / "not-even-there.onnx", backend="ort")
 
 
 def test_external_data_inside_the_model_folder_loads(tmp_path):
     path = external_model(tmp_path / "m", "weights/coef.bin", tmp_path / "m" / "weights" /
                           "coef.bin")
-    program = lossgraph.compile(path)
+    program = lossgraph.compile_program(path)
     np.testing.assert_array_equal(program.state["coef"].ravel(),
                                   np.array([0.1, -0.2, 0.3, 0.0], np.float32))
 

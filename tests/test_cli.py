@@ -33,10 +33,10 @@ def model_file(tmp_path):
 
 def test_add_loss_then_gradient_from_the_shell(model_file, tmp_path, run_model, rng):
     loss_file, grad_file = tmp_path / "loss.onnx", tmp_path / "grad.onnx"
-    assert main(["add-loss", str(model_file), "-o", str(loss_file), "--score", "huber",
+    assert main(["add-loss", str(model_file), "-o", str(loss_file), "--loss", "huber",
                  "--option", "delta=0.5", "--penalty", '{"z_weight": 0.1}']) == 0
     assert get_roles(onnx.load(loss_file))["loss"] == "loss"
-    assert main(["gradient", str(loss_file), "-o", str(grad_file), "--wrt", "a_bias"]) == 0
+    assert main(["gradient", str(loss_file), "-o", str(grad_file), "--weights", "a_bias"]) == 0
     feeds = {"x": rng.normal(size=(4, 3)).astype(np.float32),
              "label": rng.normal(size=(4, 2)).astype(np.float32)}
     assert run_model(onnx.load(grad_file), feeds)["a_bias_grad"].shape == (2,)
@@ -56,8 +56,8 @@ def test_ops_lists_the_supported_ops(capsys):
 
 def test_errors_print_a_message_and_exit_2_leaving_no_output(model_file, tmp_path, capsys):
     output = tmp_path / "out.onnx"
-    assert main(["add-loss", str(model_file), "-o", str(output), "--score", "nope"]) == 2
-    assert "Unknown score_name 'nope'" in capsys.readouterr().err
+    assert main(["add-loss", str(model_file), "-o", str(output), "--loss", "nope"]) == 2
+    assert "Unknown loss 'nope'" in capsys.readouterr().err
     assert not output.exists()
     assert list(tmp_path.iterdir()) == [model_file]
 

@@ -128,7 +128,7 @@ def test_binary_log_loss_equals_scikit_learn(run_model, rng, dtype, layout, weig
     p = {"N": p2[:, 1], "N, 1": p2[:, 1:], "N, 2": p2}[layout]
     y = rng.integers(0, 2, size=60)
     w = rng.uniform(0.5, 2, size=60).astype(np_dtype)
-    model = add_loss_output(identity_model(layout, dtype), "log",
+    model = add_loss_output(identity_model(layout, dtype), "binary_log_loss",
                             weight_name="w" if weighted else None)
     feeds = {"x": p, "label": y, **({"w": w} if weighted else {})}
     expected = log_loss(y, p2[:, 1], sample_weight=w if weighted else None)
@@ -139,7 +139,7 @@ def test_binary_log_loss_equals_scikit_learn(run_model, rng, dtype, layout, weig
 def test_log_loss_clips_probabilities_with_eps(run_model):
     p = np.array([0.0, 1.0, 0.5], dtype=np.float64)
     y = np.array([1, 0, 1])
-    model = add_loss_output(identity_model("N", "double"), "log", eps=1e-6)
+    model = add_loss_output(identity_model("N", "double"), "binary_log_loss", eps=1e-6)
     expected = -(np.log(1e-6) + np.log(1e-6) + np.log(0.5)) / 3
     np.testing.assert_allclose(loss_of(run_model, model, x=p, label=y), expected, rtol=1e-9)
 
@@ -170,7 +170,7 @@ def test_cross_entropy_equals_scikit_learn(run_model, rng, dtype, weighted):
     p = _probabilities(rng, 70, 4, np_dtype)
     y = rng.integers(0, 4, size=70)
     w = rng.uniform(0.5, 2, size=70).astype(np_dtype)
-    model = add_loss_output(identity_model("N, 4", dtype), "cross_entropy",
+    model = add_loss_output(identity_model("N, 4", dtype), "multiclass_log_loss",
                             weight_name="w" if weighted else None)
     feeds = {"x": p, "label": y, **({"w": w} if weighted else {})}
     expected = log_loss(y, p, sample_weight=w if weighted else None, labels=range(4))
@@ -181,7 +181,7 @@ def test_cross_entropy_equals_scikit_learn(run_model, rng, dtype, weighted):
 def test_cross_entropy_from_logits_uses_a_stable_log_softmax(run_model, rng):
     z = rng.normal(size=(30, 3)) * 50
     y = rng.integers(0, 3, size=30)
-    model = add_loss_output(identity_model("N, 3", "double"), "cross_entropy", from_logits=True)
+    model = add_loss_output(identity_model("N, 3", "double"), "multiclass_log_loss", from_logits=True)
     shifted = z - z.max(axis=1, keepdims=True)
     log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     expected = -log_softmax[np.arange(30), y].mean()
@@ -218,7 +218,7 @@ def test_regression_label_has_the_prediction_type_and_class_label_is_int64_rows(
     label = regression.graph.input[1].type.tensor_type
     assert label.elem_type == onnx.TensorProto.DOUBLE
     assert [d.dim_param or d.dim_value for d in label.shape.dim] == ["N", 3]
-    classifier = add_loss_output(identity_model("N, 3"), "cross_entropy")
+    classifier = add_loss_output(identity_model("N, 3"), "multiclass_log_loss")
     label = classifier.graph.input[1].type.tensor_type
     assert label.elem_type == onnx.TensorProto.INT64
     assert [d.dim_param for d in label.shape.dim] == ["N"]
@@ -291,7 +291,7 @@ def test_emitted_model_has_ir_10_and_one_opset_per_domain():
     ({"penalty": {"coef": {"l1": -1}}}, UnsupportedOptionError, "l1=-1"),
     ({"penalty": {"coef": {"l3": 1}}}, UnsupportedOptionError, "'l3'"),
     ({"penalty": {"shape_like": 0.1}}, DTypeMismatchError, "int64"),
-    ({"score_name": "log"}, ShapeMismatchError, "cross_entropy"),
+    ({"loss": "binary_log_loss"}, ShapeMismatchError, "multiclass_log_loss"),
     ({"score_name": "logistic"}, ShapeMismatchError, "from_logits"),
 ])
 def test_bad_options_raise_clear_errors(kwargs, error, pattern):
@@ -334,7 +334,7 @@ def test_model_with_a_loss_already_is_rejected():
 
 def test_every_error_is_a_lossgraph_error():
     with pytest.raises(LossgraphError):
-        add_loss_output(identity_model(), score_name="nope")
+        add_loss_output(identity_model(), loss="nope")
 
 
 # -- properties -------------------------------------------------------------------------

@@ -615,7 +615,7 @@ def test_lowered_scores_are_differentiated_by_lossgraphs_gradient_pass(rng, post
 
     coef, intercepts = _weights(rng, 3, 4, post)
     lowered = lower_ml_ops(classifier(coef, intercepts, post=post, ints=[0, 1, 2]))
-    grads = gradient(lowered, wrt=["coef"], outputs=["scores"])
+    grads = gradient(lowered, weights=["coef"], outputs=["scores"])
     assert {n.domain for n in grads.graph.node} == {""}
     x = _features(rng, 5, 4, "float")
     seed = rng.normal(size=(5, 3)).astype(np.float32)

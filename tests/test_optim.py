@@ -19,7 +19,7 @@ from lossgraph.errors import (
 )
 from lossgraph.names import NameAuthority
 from lossgraph.optim import SGD, Adam, AdamW, Momentum, Optimizer, optimizer_from_dict
-from lossgraph.passes.update import update_graph
+from lossgraph.separate import update_graph
 
 STEPS = 5
 SHAPES = {"coef": (4, 3), "bias": (3,), "scale": ()}

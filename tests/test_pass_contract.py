@@ -27,11 +27,20 @@ import pytest
 
 import lossgraph
 from lossgraph.optim import SGD, Adam, Momentum
+from lossgraph.passes import (
+    AddLossOutput,
+    AlphabetizeInitializers,
+    EpochGraph,
+    Gradient,
+    LowerMlOps,
+    PackWeights,
+    PassResult,
+    StepGraph,
+    WeightsToInputs,
+)
 from lossgraph.passes.broadcast import widen_scalar_constants
-from lossgraph.passes.penalty import penalty_graph
-from lossgraph.passes.update import update_graph
-from lossgraph.passes.weights import weights_to_inputs
 from lossgraph.runtime.specialize import specialize_batch
+from lossgraph.separate import penalty_graph, update_graph
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
 HERE = Path(__file__).resolve().parent
@@ -45,34 +54,42 @@ def with_loss(name: str, score: str = "squared_error") -> onnx.ModelProto:
     return lossgraph.add_loss_output(lossgraph.lower_ml_ops(golden(name)), score)
 
 
+def with_gradients(name: str) -> onnx.ModelProto:
+    """A golden model's loss model with its weights as inputs, and their gradients."""
+    weights = lossgraph.trainable_initializers(with_loss(name))
+    return Gradient(weights)(WeightsToInputs(weights)(with_loss(name)).model).model
+
+
 def compiled(fuse: str, **options: Any) -> Callable[[onnx.ModelProto], Any]:
-    return lambda model: lossgraph.compile(model, fuse=fuse, **options)
+    return lambda model: lossgraph.compile_program(model, fuse=fuse, **options)
 
 
 def step_graph_of(name: str) -> onnx.ModelProto:
-    return lossgraph.compile(golden(name), optimizer=Momentum(0.01)).graphs["train_step"]
+    return lossgraph.compile_program(golden(name), optimizer=Momentum(0.01)).graphs["train_step"]
 
 
 WEIGHTS = {"coef": np.ones((3, 1), np.float32), "bias": np.zeros(1, np.float32)}
 
-#: name -> (the input model, the pass applied to it). Every pass of lossgraph.passes and
-#: the runtime's batch specialization, and compile in every fusion mode.
+#: name -> (the input model, the pass applied to it). Every pass of lossgraph.passes, the
+#: optimization passes, the standalone graphs, and compile_program in every fusion mode.
 PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], Any]]] = {
-    "lower_ml_ops": (lambda: golden("skl_logistic_multiclass"), lossgraph.lower_ml_ops),
-    "add_loss_output": (lambda: golden("hand_mlp_tanh_double"),
-                        lambda m: lossgraph.add_loss_output(m, "huber", penalty={"W1": 0.1})),
-    "add_loss_output cross_entropy": (
+    "LowerMlOps": (lambda: golden("skl_logistic_multiclass"), LowerMlOps()),
+    "AddLossOutput": (lambda: golden("hand_mlp_tanh_double"),
+                      AddLossOutput("huber", penalty={"W1": 0.1})),
+    "AddLossOutput multiclass_log_loss": (
         lambda: lossgraph.lower_ml_ops(golden("skl_mlp_classifier")),
-        lambda m: lossgraph.add_loss_output(m, "cross_entropy")),
-    "alphabetize_initializers": (lambda: golden("skl_mlp_regressor"),
-                                 lossgraph.alphabetize_initializers),
-    "weights_to_inputs": (lambda: with_loss("hand_linear"),
-                          lambda m: weights_to_inputs(m, ["W", "B"])),
-    "gradient": (lambda: with_loss("torch_cnn"), lossgraph.gradient),
-    "gradient (vector-Jacobian)": (lambda: golden("hand_broadcast_reuse"),
-                                   lambda m: lossgraph.gradient(m, outputs=["Y"])),
-    "gradient (ort backend)": (lambda: with_loss("hand_linear"),
-                               lambda m: lossgraph.gradient(m, backend="ort")),
+        AddLossOutput("multiclass_log_loss")),
+    "AlphabetizeInitializers": (lambda: golden("skl_mlp_regressor"), AlphabetizeInitializers()),
+    "WeightsToInputs": (lambda: with_loss("hand_linear"), WeightsToInputs(["W", "B"])),
+    "Gradient": (lambda: with_loss("torch_cnn"), Gradient()),
+    "Gradient (vector-Jacobian)": (lambda: golden("hand_broadcast_reuse"),
+                                   Gradient(outputs=["Y"])),
+    "Gradient (ort backend)": (lambda: with_loss("hand_linear"), Gradient(backend="ort")),
+    "StepGraph": (lambda: with_gradients("skl_mlp_regressor"), StepGraph(Adam(0.01))),
+    "PackWeights": (lambda: with_gradients("skl_mlp_regressor"), PackWeights(Momentum(0.01))),
+    "EpochGraph": (lambda: StepGraph(Momentum(0.01, nesterov=True))(
+        PackWeights(Momentum(0.01, nesterov=True))(with_gradients("hand_linear")).model).model,
+        EpochGraph()),
     "widen_scalar_constants": (lambda: step_graph_of("skl_mlp_regressor"),
                                widen_scalar_constants),
     "specialize_batch": (lambda: step_graph_of("skl_mlp_regressor"),
@@ -80,17 +97,20 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
     "penalty_graph": (lambda: None, lambda _: penalty_graph(WEIGHTS, {"coef": {"l1": 0.1}})),
     "update_graph": (lambda: None, lambda _: update_graph(Adam(0.01), WEIGHTS)),
     **{f"compile fuse={fuse}": (lambda: golden("skl_mlp_classifier"),
-                                compiled(fuse, loss="cross_entropy", penalty={"coefficient": 1e-3},
+                                compiled(fuse, loss="multiclass_log_loss",
+                                         penalty={"coefficient": 1e-3},
                                          optimizer=Momentum(0.01, nesterov=True)))
        for fuse in ("step", "epoch", "separate")},
 }
-MARKS = {"gradient (ort backend)": pytest.mark.training}
+MARKS = {"Gradient (ort backend)": pytest.mark.training}
 
 
 def _models(result: Any) -> list[onnx.ModelProto]:
     """Every model a pass returned."""
     if isinstance(result, onnx.ModelProto):
         return [result]
+    if isinstance(result, PassResult):
+        return [result.model]
     if isinstance(result, lossgraph.TrainingProgram):
         return [*result.graphs.values(), result.inference_model]
     if isinstance(result, tuple):
@@ -180,7 +200,7 @@ def resume_data() -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
 def test_a_checkpoint_resumed_in_a_new_process_continues_bit_for_bit(tmp_path, fuse):
     X, y = resume_data()
-    program = lossgraph.compile(golden("hand_linear"), penalty={"W": 0.01}, fuse=fuse,
+    program = lossgraph.compile_program(golden("hand_linear"), penalty={"W": 0.01}, fuse=fuse,
                                 optimizer=Adam(0.01) if fuse != "separate" else SGD(0.01))
     straight = lossgraph.Trainer(program).fit(X, y, epochs=3, batch_size=7, random_state=5,
                                               progress=False)

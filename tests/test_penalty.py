@@ -1,4 +1,5 @@
-"""penalty_graph and emit_penalty: value and gradient against numpy and torch autograd."""
+"""The penalty formula (lossgraph.penalties) and the standalone penalty graph: value and
+gradient against numpy and torch autograd."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 from lossgraph.builder import GraphBuilder
 from lossgraph.errors import UnknownNameError, UnsupportedModelError, UnsupportedOptionError
 from lossgraph.names import NameAuthority
-from lossgraph.passes.penalty import emit_penalty, penalty_graph
+from lossgraph.penalties import penalty_gradient, penalty_terms
+from lossgraph.separate import penalty_graph
 
 PENALTIES = [
     {"coef": {"l1": 0.1}},
@@ -114,7 +116,13 @@ def test_penalized_weights_of_mixed_types_are_rejected():
     assert penalty_graph(w, {"a": 0.1}).graph.input[0].name == "a"  # only penalized ones count
 
 
-def test_emit_penalty_leaves_out_zero_terms():
+def emit_penalty(b: GraphBuilder, weight: str, coefficients: dict, dtype) -> tuple[str, str]:
+    terms = penalty_terms(b, weight, coefficients, dtype, hint=weight)
+    value = terms[0] if len(terms) == 1 else b.Add(*terms)
+    return value, penalty_gradient(b, weight, coefficients, dtype)
+
+
+def test_the_penalty_formula_leaves_out_zero_terms():
     b = GraphBuilder(NameAuthority(["w"]), 18)
     emit_penalty(b, "w", {"l2": 0.5}, np.float32)
     assert [n.op_type for n in b.nodes] == ["ReduceSumSquare", "Mul", "Mul"]
@@ -124,7 +132,7 @@ def test_emit_penalty_leaves_out_zero_terms():
 
 
 @pytest.mark.parametrize("opset", [13, 17])
-def test_emit_penalty_before_opset_18(run_model, opset):
+def test_the_penalty_formula_before_opset_18(run_model, opset):
     """ReduceL1 and ReduceSumSquare took axes as an attribute before opset 18."""
     from onnx import TensorProto, helper
 

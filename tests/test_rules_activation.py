@@ -108,7 +108,7 @@ def test_relu_gradient_is_the_positive_mask(rng):
 
 def test_relu_rule_emits_no_where():
     model = loss_model(_unary("Relu"), {"x": np.ones((3, 4))})
-    ops = {n.op_type for n in gradient(model, wrt=["x"], loss="gradcheck_loss").graph.node}
+    ops = {n.op_type for n in gradient(model, weights=["x"], loss_name="gradcheck_loss").graph.node}
     assert "Where" not in ops and "Cast" in ops
 
 
@@ -206,7 +206,7 @@ def test_dropout_in_training_mode_scales_by_the_forward_mask(rng, run_model, tra
     x = rng.normal(size=(6, 5))
     feeds = {"x": x, "t": np.array(True)} if training_as_input else {"x": x}
     with_loss = loss_model(onnx.parser.parse_model(model), feeds)
-    graph = gradient(with_loss, wrt=["x"], loss="gradcheck_loss")
+    graph = gradient(with_loss, weights=["x"], loss_name="gradcheck_loss")
     onnx.checker.check_model(graph, full_check=True)
     results = run_model(graph, feeds)
     mask = results["m"]
@@ -230,7 +230,7 @@ def test_dropout_in_training_mode_without_mask_output_is_refused(rng):
     """
     with_loss = loss_model(onnx.parser.parse_model(model), {"x": np.ones((3, 4))})
     with pytest.raises(UnsupportedModelError, match="mask"):
-        gradient(with_loss, wrt=["x"], loss="gradcheck_loss")
+        gradient(with_loss, weights=["x"], loss_name="gradcheck_loss")
 
 
 # ------------------------------------------------------------- Softmax family

@@ -192,4 +192,4 @@ def test_einsum_diagonal_with_symbolic_size_is_a_clear_error():
     """)
     model.graph.output.append(onnx.helper.make_tensor_value_info("loss", 11, []))
     with pytest.raises(UnsupportedModelError, match="repeated subscript"):
-        gradient(model, wrt=["a"], loss="loss")
+        gradient(model, weights=["a"], loss_name="loss")

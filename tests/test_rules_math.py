@@ -88,7 +88,7 @@ def test_unary_gradient_matches_torch_autograd(op, rng):
 def test_sin_gradient_in_double_avoids_the_cos_kernel(rng):
     x = uniform(rng, -3, 3, (5,))
     net = model(signature({"x": x}, "double[5] y"), "y = Sin(x)")
-    graph = gradient(loss_model(net, {"x": x}), wrt=["x"], loss="gradcheck_loss")
+    graph = gradient(loss_model(net, {"x": x}), weights=["x"], loss_name="gradcheck_loss")
     assert "Cos" not in {n.op_type for n in graph.graph.node}
     check_gradients(net, {"x": x})
 
@@ -227,7 +227,7 @@ def test_pow_at_a_zero_base_matches_torch_autograd():
     ta, tb = (torch.tensor(v, requires_grad=True) for v in (a, b))
     (torch.pow(ta, tb) * torch.tensor(cotangent((4,), F64))).sum().backward()
     net = model(signature({"a": a, "b": b}, "double[4] y"), "y = Pow(a, b)")
-    graph = gradient(loss_model(net, {"a": a, "b": b}), wrt=["a", "b"], loss="gradcheck_loss")
+    graph = gradient(loss_model(net, {"a": a, "b": b}), weights=["a", "b"], loss_name="gradcheck_loss")
     import onnxruntime
 
     session = onnxruntime.InferenceSession(graph.SerializeToString(),
@@ -348,7 +348,7 @@ def test_min_max_ties_give_the_whole_gradient_to_the_first_tied_input(op, rng):
     c = a.copy()  # a, b, c all tie on rows 1 and 2
     net = model(signature({"a": a, "b": b, "c": c}, "double[3, 4] y"), f"y = {op}(a, b, c)")
     inputs = {"a": a, "b": b, "c": c}
-    graph = gradient(loss_model(net, inputs), wrt=["a", "b", "c"], loss="gradcheck_loss")
+    graph = gradient(loss_model(net, inputs), weights=["a", "b", "c"], loss_name="gradcheck_loss")
     import onnxruntime
 
     session = onnxruntime.InferenceSession(graph.SerializeToString(),

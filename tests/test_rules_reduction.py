@@ -27,7 +27,7 @@ NO_DOUBLE = {13: {"ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum"},
 
 def gradient_of(model: str, inputs: dict) -> dict:
     """lossgraph's gradient of ``sum(y * cotangent)``, without finite differences."""
-    graph = gradient(loss_model(model, inputs), wrt=list(inputs), loss="gradcheck_loss")
+    graph = gradient(loss_model(model, inputs), weights=list(inputs), loss_name="gradcheck_loss")
     return dict(zip(inputs, _session(graph).run([f"{w}_grad" for w in inputs], inputs)))
 
 

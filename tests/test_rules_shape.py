@@ -197,8 +197,8 @@ def test_reverse_sequence_gradient_copies_rows_of_length_zero(rng, run_model):
     net = model("(double[3, 4] x, int64[3] l) => (double[3, 4] y)",
                 "y = ReverseSequence <batch_axis = 0, time_axis = 1> (x, l)", opset=13)
     r = cotangent((3, 4), np.float64)
-    graph = gradient(loss_model(net, {"x": x, "l": lengths}), wrt=["x"],
-                     loss="gradcheck_loss")
+    graph = gradient(loss_model(net, {"x": x, "l": lengths}), weights=["x"],
+                     loss_name="gradcheck_loss")
     expected = np.array(r)
     for b, n in enumerate(lengths):
         expected[b, :n] = r[b, :n][::-1]

@@ -36,7 +36,7 @@ MODEL = onnx.parser.parse_model("""
 
 
 def compiled(fuse: str = "step") -> lossgraph.TrainingProgram:
-    return lossgraph.compile(MODEL, optimizer=lossgraph.optim.Momentum(0.01), fuse=fuse)
+    return lossgraph.compile_program(MODEL, optimizer=lossgraph.optim.Momentum(0.01), fuse=fuse)
 
 
 def data(rows: int = 40) -> tuple[np.ndarray, np.ndarray]:
@@ -212,7 +212,7 @@ def test_a_save_killed_midway_leaves_the_previous_program_loadable(saved, moment
             os.kill(os.getpid(), signal.SIGKILL)
         {hook} = die
         model = onnx.load({str(saved.parent / "model.onnx")!r})
-        lossgraph.compile(model, fuse="epoch").save({str(saved)!r})
+        lossgraph.compile_program(model, fuse="epoch").save({str(saved)!r})
     """)
     onnx.save(MODEL, saved.parent / "model.onnx")
     before = listing(saved)

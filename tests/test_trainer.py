@@ -28,7 +28,7 @@ def data():
 
 
 def program(mode="step", optimizer=None, **kwargs):
-    return lossgraph.compile(onnx.parser.parse_model(LINEAR), fuse=mode,
+    return lossgraph.compile_program(onnx.parser.parse_model(LINEAR), fuse=mode,
                              optimizer=optimizer or Momentum(0.01, nesterov=True), **kwargs)
 
 
@@ -147,7 +147,7 @@ def test_separate_mode_takes_a_chosen_label_name(data):
 
 def test_sample_weights_weigh_rows(data):
     X, y = data
-    weighted = lossgraph.compile(onnx.parser.parse_model(LINEAR), fuse="step",
+    weighted = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), fuse="step",
                                  loss_options={"weight_name": "w"}, optimizer=SGD(0.05))
     w = np.where(np.arange(len(X)) % 2 == 0, 1.0, 0.0).astype(np.float32)
     a = lossgraph.Trainer(weighted).fit(X, y, sample_weight=w, epochs=1, batch_size=len(X),
@@ -288,7 +288,7 @@ def test_compile_rejects_unknown_fusion_modes_and_weightless_models():
         g (float[N, 2] x) => (float[N, 2] y) { y = Relu(x) }
     """)
     with pytest.raises(lossgraph.LossgraphError, match="no trainable weights"):
-        lossgraph.compile(weightless)
+        lossgraph.compile_program(weightless)
 
 
 def test_progress_bar_runs(data, capsys):
@@ -304,13 +304,13 @@ OPSET_23 = LINEAR.replace('"" : 18', '"" : 23')
 
 def test_default_target_rejects_newer_opsets_and_names_the_way_out():
     with pytest.raises(lossgraph.LossgraphError, match="target='onnxruntime'"):
-        lossgraph.compile(onnx.parser.parse_model(OPSET_23))
+        lossgraph.compile_program(onnx.parser.parse_model(OPSET_23))
 
 
 def test_onnxruntime_target_emits_newer_opsets(data):
     from conftest import HAS_TRAINING
 
-    prog = lossgraph.compile(onnx.parser.parse_model(OPSET_23), target="onnxruntime",
+    prog = lossgraph.compile_program(onnx.parser.parse_model(OPSET_23), target="onnxruntime",
                              optimizer=SGD(0.05))
     assert all(g.opset_import[0].version == 23 and g.ir_version == 10
                for g in prog.graphs.values())
@@ -332,7 +332,7 @@ def test_ort_gradient_backend_trains_like_the_onnx_backend(data, mode):
     X, y = data
     ours = lossgraph.Trainer(program(mode, Adam(0.01))).fit(X, y, epochs=2, random_state=0,
                                                             progress=False)
-    theirs = lossgraph.Trainer(program(mode, Adam(0.01), gradient="ort")).fit(
+    theirs = lossgraph.Trainer(program(mode, Adam(0.01), backend="ort")).fit(
         X, y, epochs=2, random_state=0, progress=False)
     np.testing.assert_allclose(theirs.state["coef"], ours.state["coef"], rtol=1e-5, atol=1e-6)
 
@@ -350,4 +350,4 @@ def test_compile_rejects_weights_of_mixed_float_types():
     """)
     with pytest.raises(lossgraph.errors.UnsupportedModelError,
                        match="one float type, but 'a' is float32, 'c' is float64"):
-        lossgraph.compile(mixed)
+        lossgraph.compile_program(mixed)

@@ -50,7 +50,7 @@ def _numpy_update(optimizer, step: int, w, g, state):
 def numpy_linear_epochs(X, y, optimizer, penalty, batch_size, epochs):
     """Minibatch training of y = X coef + intercept on mean squared error + penalty."""
     params = {"coef": np.array([[0.1], [-0.2], [0.3], [0.0]]), "intercept": np.array([0.5])}
-    coefficients = lossgraph.passes.loss.parse_penalty(penalty)
+    coefficients = lossgraph.penalties.parse_penalty(penalty)
     states = {name: {} for name in params}
     losses, step = [], 0
     X64, y64 = X.astype(np.float64), y.astype(np.float64).reshape(-1, 1)
@@ -81,7 +81,7 @@ def _batch_losses(trainer_losses_per_epoch):
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_linear_training_equals_numpy_step_for_step(data, mode, penalty, optimizer):
     X, y = data
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=OPTIMIZERS[optimizer],
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=OPTIMIZERS[optimizer],
                                 penalty=PENALTIES[penalty], fuse=mode)
     recorded = []
     trainer = lossgraph.Trainer(program)
@@ -103,7 +103,7 @@ def test_fusion_modes_give_the_same_weights_with_shuffling(data, optimizer):
     X, y = data
     results = []
     for mode in MODES:
-        program = lossgraph.compile(onnx.parser.parse_model(LINEAR),
+        program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR),
                                     optimizer=OPTIMIZERS[optimizer],
                                     penalty=PENALTIES["elastic"], fuse=mode)
         trainer = lossgraph.Trainer(program).fit(X, y, epochs=3, batch_size=32, shuffle=True,
@@ -162,7 +162,7 @@ def test_mlp_training_equals_torch_step_for_step(data, mode, optimizer):
     model = _mlp_model({k: v.detach().numpy() for k, v in params.items()})
     ours, make_theirs = TORCH_OPTIMIZERS[optimizer]
     l2 = 0.01
-    program = lossgraph.compile(model, optimizer=ours, fuse=mode, penalty={"w1": l2, "w2": l2})
+    program = lossgraph.compile_program(model, optimizer=ours, fuse=mode, penalty={"w1": l2, "w2": l2})
     trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=40, shuffle=False,
                                              progress=False)
 
@@ -199,7 +199,7 @@ ODD_RANKS = """
 
 
 def test_epoch_scan_carries_weights_and_each_state_as_one_flat_vector():
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
                                 fuse="epoch")
     for name in ("train_epoch", "train_epoch_ordered"):
         graph = program.graphs[name].graph
@@ -218,7 +218,7 @@ def test_epoch_scan_carries_weights_and_each_state_as_one_flat_vector():
                                                   (Momentum(0.05, nesterov=True), False)])
 def test_epoch_scan_carries_the_step_counter_only_when_the_update_reads_it(optimizer,
                                                                            reads_step):
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=optimizer,
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=optimizer,
                                 fuse="epoch")
     (scan,) = [n for n in program.graphs["train_epoch"].graph.node if n.op_type == "Scan"]
     body = scan.attribute[0].g
@@ -237,8 +237,8 @@ def test_packed_epoch_equals_per_weight_steps_for_weights_of_any_rank(optimizer)
     y = (X @ [1.0, -1.0, 2.0, 0.5] + 0.3).astype(np.float32)
     states = []
     for mode in ("step", "epoch"):  # 6 full batches of 8 in the Scan, then 2 rows alone
-        program = lossgraph.compile(onnx.parser.parse_model(ODD_RANKS),
-                                    trainable=["w", "scale", "cube", "b"],
+        program = lossgraph.compile_program(onnx.parser.parse_model(ODD_RANKS),
+                                    weights=["w", "scale", "cube", "b"],
                                     optimizer=OPTIMIZERS[optimizer], fuse=mode)
         trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=8, shuffle=True,
                                                  random_state=1, progress=False)
@@ -272,11 +272,11 @@ def test_every_golden_model_trains_the_same_packed_and_specialized(name):
     1 ulp, with onnxruntime's graph optimizations on or off. onnxruntime's kernels pick
     their code paths (and so their summation order) by CPU, shape and memory layout, and
     the Scan's in-graph batches are laid out differently from the step's numpy views."""
-    score = ("log" if name == "skl_logistic_binary" else "cross_entropy"
+    score = ("binary_log_loss" if name == "skl_logistic_binary" else "multiclass_log_loss"
              if "classifier" in name or "logistic" in name else "squared_error")
     states = []
     for mode in ("step", "epoch"):
-        program = lossgraph.compile(GOLDEN_MODELS / f"{name}.onnx", loss=score,
+        program = lossgraph.compile_program(GOLDEN_MODELS / f"{name}.onnx", loss=score,
                                     optimizer=Adam(0.01), fuse=mode)
         X, y = _random_data(program, rows=37, classes=2 if "binary" in name else 3, seed=0)
         trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=8, shuffle=True,

@@ -28,7 +28,7 @@ onx = to_onnx(start, X[:1], target_opset={"": 18, "ai.onnx.ml": 3})
 print("inference model:", [node.op_type for node in onx.graph.node])
 
 # compile: lower the ml op to standard ops, add the loss, derive gradients, add SGD.
-program = lossgraph.compile(onx, loss="squared_error", optimizer=SGD(0.05))
+program = lossgraph.compile_program(onx, loss="squared_error", optimizer=SGD(0.05))
 print("trainable weights:", [w["name"] for w in program.manifest["weights"]])
 
 trainer = lossgraph.Trainer(program)

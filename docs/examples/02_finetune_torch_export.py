@@ -47,7 +47,7 @@ def main() -> None:
     print("exported weights:", lossgraph.trainable_initializers(onx))
 
     # lossgraph: one epoch of SGD on the ONNX model, batches in order.
-    trainer = lossgraph.Trainer(lossgraph.compile(onx, optimizer=SGD(LEARNING_RATE)))
+    trainer = lossgraph.Trainer(lossgraph.compile_program(onx, optimizer=SGD(LEARNING_RATE)))
     trainer.fit(X, y, epochs=1, batch_size=BATCH, shuffle=False, progress=False)
 
     # torch: the same epoch on its own copy (MSELoss is lossgraph's squared error).

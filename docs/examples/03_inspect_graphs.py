@@ -29,7 +29,7 @@ model = onnx.parser.parse_model("""
         y = Add(h, intercept)
     }
 """)
-program = lossgraph.compile(model, optimizer=Momentum(0.01))
+program = lossgraph.compile_program(model, optimizer=Momentum(0.01))
 manifest = program.manifest  # program.save(folder) writes it as manifest.json
 print("graphs:", sorted(program.graphs), "| optimizer:", manifest["optimizer"]["type"])
 for weight in manifest["weights"]:

@@ -62,7 +62,7 @@ with scoped_rules():
         denominator = g.Add(g.Abs(x), g.const_like(1.0, x))
         return g.Div(dy, g.Mul(denominator, denominator))
 
-    graph = lossgraph.gradient(model, wrt=["w"])  # the loss is the model's scalar output
+    graph = lossgraph.gradient(model, weights=["w"])  # the loss is the model's scalar output
 
 assert not lossgraph.supported_ops("example.ops")  # the scope ended: the rule is gone
 print("gradient graph outputs:", [o.name for o in graph.graph.output])

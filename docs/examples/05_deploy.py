@@ -41,7 +41,7 @@ rng = np.random.default_rng(0)
 X = rng.uniform(-2, 2, size=(1000, 2)).astype(np.float32)
 y = (np.sin(X[:, :1]) * np.cos(X[:, 1:])).astype(np.float32)
 
-trainer = lossgraph.Trainer(lossgraph.compile(model, optimizer=Adam(0.01)))
+trainer = lossgraph.Trainer(lossgraph.compile_program(model, optimizer=Adam(0.01)))
 trainer.fit(X, y, epochs=30, batch_size=50, random_state=0, progress=False)
 print(f"train loss by epoch: {trainer.train_losses_[0]:.4f} -> {trainer.train_losses_[-1]:.4f}")
 assert trainer.train_losses_[-1] < trainer.train_losses_[0] / 2

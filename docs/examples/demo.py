@@ -95,7 +95,7 @@ def main() -> None:
     # alpha/(2 batch) |W|^2 when l2 = alpha/batch, so half the learning rate takes the
     # same steps.
     penalty = {"coefficient": ALPHA / BATCH, "coefficient1": ALPHA / BATCH}
-    program = lossgraph.compile(onx, loss="squared_error", penalty=penalty, fuse="epoch",
+    program = lossgraph.compile_program(onx, loss="squared_error", penalty=penalty, fuse="epoch",
                                 optimizer=Momentum(LEARNING_RATE / 2, nesterov=True))
     trainer = lossgraph.Trainer(program)
     began = time.perf_counter()

@@ -54,9 +54,9 @@ SETUPS = [
     Setup("skl_sgd_regressor", "squared_error", "momentum", 0.02, 30, 20, "zeros"),
     # full batches, like MLPRegressor's own Adam (batch_size=min(200, n), 300 iterations)
     Setup("skl_mlp_regressor", "squared_error", "adam", 0.01, 300, 200, "random"),
-    Setup("skl_logistic_binary", "log", "adam", 0.1, 30, 20, "zeros"),
-    Setup("skl_logistic_multiclass", "cross_entropy", "adam", 0.1, 30, 20, "zeros"),
-    Setup("skl_mlp_classifier", "cross_entropy", "adam", 0.01, 30, 20, "random"),
+    Setup("skl_logistic_binary", "binary_log_loss", "adam", 0.1, 30, 20, "zeros"),
+    Setup("skl_logistic_multiclass", "multiclass_log_loss", "adam", 0.1, 30, 20, "zeros"),
+    Setup("skl_mlp_classifier", "multiclass_log_loss", "adam", 0.01, 30, 20, "random"),
 ]
 
 
@@ -103,7 +103,7 @@ def train(setup: Setup, fuse: str = "epoch", epochs: int | None = None) -> dict[
     recipe = recipes.RECIPES[setup.name]
     X_train, y_train, X_test, y_test = recipes.dataset(setup.name)
     start = time.perf_counter()
-    program = lossgraph.compile(recipe.path, loss=setup.loss, optimizer=optimizer(setup),
+    program = lossgraph.compile_program(recipe.path, loss=setup.loss, optimizer=optimizer(setup),
                                 fuse=fuse)
     trainer = lossgraph.Trainer(program)
     trainer.set_state(initial_weights(program, setup.init))

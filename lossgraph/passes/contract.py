@@ -15,9 +15,9 @@ A pass is an object built with its options and called on a model
 - **honest about bad input**: a model that fails ``onnx.checker`` (full check) is
   rejected with :class:`~lossgraph.errors.InvalidModelError` before any work, and so is
   an opset the active target (:func:`lossgraph.target.use_target`) cannot load;
-- **valid and loadable**: the result gets a deliberate IR version and opset list
-  (:func:`lossgraph.target.finalize`) and must pass the full checker, including
-  strict shape inference; failing that is a lossgraph bug (:class:`InternalError`).
+- **valid and loadable**: the result gets a deliberate IR version and opset list and
+  must pass the full checker, including strict shape inference
+  (:func:`lossgraph.models.check_emitted`); failing that is a lossgraph bug.
 
 Passes are deterministic because everything they name goes through one
 :class:`~lossgraph.names.NameAuthority` and nothing iterates over unordered sets.
@@ -36,11 +36,10 @@ from typing import Any
 
 import onnx
 
-from ..errors import InternalError
-from ..models import ModelLike, as_model, check_model
-from ..target import check_opset, finalize
+from ..models import ModelLike, as_model, check_emitted, check_model
+from ..target import check_opset
 
-__all__ = ["Pass", "PassResult", "Pipeline", "check_emitted"]
+__all__ = ["Pass", "PassResult", "Pipeline"]
 
 
 @dataclass(frozen=True)
@@ -78,19 +77,6 @@ class Pass(abc.ABC):
 
     def __str__(self) -> str:
         return _describe(self)
-
-
-def check_emitted(model: onnx.ModelProto, what: str) -> None:
-    """Give ``model`` its IR version and opsets, and prove it valid; an invalid model is a
-    lossgraph bug, reported as :class:`~lossgraph.errors.InternalError`."""
-    finalize(model)
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except Exception as exc:
-        raise InternalError(
-            f"{what} emitted an invalid model ({exc}). This is a bug in lossgraph; "
-            "please report it with the input model."
-        ) from exc
 
 
 @dataclass(frozen=True)

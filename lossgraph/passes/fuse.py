@@ -1,14 +1,14 @@
 """Fusion: one training graph per step, or per epoch.
 
-``step_graph`` turns a loss model with gradients (weights as inputs) into
+``StepGraph`` turns a loss model with gradients (weights as inputs) into
 
     (features, label[, sample_weight], learning_rate, step, weights..., states...)
         -> (loss, <w>_new..., <state>_new...)
 
 by appending each weight's optimizer update to the gradient graph.
 
-``pack_weights`` lays a gradient model's weights end to end in one flat vector
-(and their gradients in another), so that ``step_graph`` emits one update for all
+``PackWeights`` lays a gradient model's weights end to end in one flat vector
+(and their gradients in another), so that ``StepGraph`` emits one update for all
 weights instead of one per weight:
 
     theta -> Split -> Reshape -> w_1 ... w_n         g_1 ... g_n -> Reshape(-1) -> Concat
@@ -16,7 +16,7 @@ weights instead of one per weight:
 The optimizers' updates are elementwise, so the packed update is the per-weight one
 to the last bit; it runs a handful of kernels instead of a handful per weight.
 
-``epoch_graph`` wraps a step graph in a ``Scan`` over the batches of one epoch:
+``EpochGraph`` wraps a step graph in a ``Scan`` over the batches of one epoch:
 
     (features, label[, sample_weight], permutation, learning_rates, step, weights..., states...)
         -> (losses, <w>_new..., <state>_new...)
@@ -36,7 +36,7 @@ are the per-weight ones either way.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -45,64 +45,52 @@ from onnx import TensorProto, helper
 from ..builder import GraphBuilder
 from ..graphs import names_in_graph, np_dtype, opset_version, rename_values, values_read
 from ..names import NameAuthority
-from .contract import model_pass
+from ..optim import Optimizer
+from ..signature import Signature
+from .contract import Pass, PassResult
 
-__all__ = ["Signature", "pack_weights", "step_graph", "epoch_graph"]
-
-
-@dataclass
-class Signature:
-    """Who is who among a training graph's inputs and outputs."""
-
-    features: list[str]
-    label: str
-    sample_weight: str | None
-    loss: str
-    weights: list[str]
-    states: dict[str, list[str]] = field(default_factory=dict)  # weight -> its state names
-    gradients: dict[str, str] = field(default_factory=dict)  # weight -> gradient value
-    learning_rate: str = "learning_rate"
-    step: str = "step"
-    new: dict[str, str] = field(default_factory=dict)  # weight or state -> its output name
-    permutation: str | None = None  # epoch graphs only
-    learning_rates: str | None = None
-    losses: str | None = None
-    prediction: str | None = None  # separate graphs only
-    prediction_grad: str | None = None
-    unpacked: Signature | None = None  # packed graphs only: the per-weight signature
-    shapes: dict[str, list[int]] = field(default_factory=dict)  # packed: weight -> shape
-
-    @property
-    def data(self) -> list[str]:
-        """The per-row inputs: features, label, sample weight."""
-        return [*self.features, self.label, *([self.sample_weight] if self.sample_weight else [])]
-
-    @property
-    def state_names(self) -> list[str]:
-        """Every optimizer state, weight by weight."""
-        return [s for w in self.weights for s in self.states.get(w, [])]
-
-    def members(self, flat: str) -> list[str]:
-        """Packed graphs: the per-weight values that the flat weight or state ``flat`` holds."""
-        unpacked = self.unpacked
-        assert unpacked is not None, "only packed signatures have members"
-        if flat in self.weights:
-            return list(unpacked.weights)
-        index = self.state_names.index(flat)
-        return [unpacked.states[w][index] for w in unpacked.weights]
+__all__ = ["PackWeights", "StepGraph", "EpochGraph"]
 
 
-@model_pass
-def pack_weights(model: onnx.ModelProto, signature: Signature) -> tuple[onnx.ModelProto, Signature]:
+def name_update(model: onnx.ModelProto, signature: Signature,
+                optimizer: Optimizer) -> tuple[Signature, NameAuthority]:
+    """``signature`` completed with the names a step graph of ``model`` gives its learning
+    rate, step, optimizer states and new values, and the authority that minted them.
+
+    The names depend only on ``model`` and ``optimizer``, so a packed epoch graph and the
+    step graph of the same gradient model name their per-weight values alike.
+    """
+    named = copy.deepcopy(signature)
+    names = NameAuthority.for_model(model)
+    named.learning_rate = names.fresh(named.learning_rate)
+    named.step = names.fresh(named.step)
+    for weight in named.weights:
+        named.states[weight] = [names.fresh(s) for s in optimizer.state_names(weight)]
+        for old in [weight, *named.states[weight]]:
+            named.new[old] = names.fresh(f"{old}_new")
+    return named, names
+
+
+@dataclass(frozen=True)
+class PackWeights(Pass):
     """One flat weight input and one flat gradient instead of one per weight (module doc).
 
-    ``model`` is a gradient model whose weights are graph inputs of static shapes
-    and one float type; ``signature`` its per-weight signature (with the state names
-    :func:`step_graph` chose, which the packed signature keeps in ``unpacked``).
+    The input is a gradient model whose weights are graph inputs of static shapes and
+    one float type. The packed signature it records keeps the per-weight one, named as
+    :class:`StepGraph` with ``optimizer`` names the unpacked step graph, in ``unpacked``.
     """
-    unpacked = copy.deepcopy(signature)
+
+    optimizer: Optimizer
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        unpacked, names = name_update(model, Signature.of_gradient_model(model), self.optimizer)
+        packed = _pack(model, unpacked, names)
+        packed.record(model)
+        return PassResult(model, packed)
+
+
+def _pack(model: onnx.ModelProto, unpacked: Signature, names: NameAuthority) -> Signature:
     graph = model.graph
-    names = NameAuthority.for_model(model)
     inputs = {v.name: v for v in graph.input}
     shapes = {w: [d.dim_value for d in inputs[w].type.tensor_type.shape.dim]
               for w in unpacked.weights}
@@ -124,72 +112,83 @@ def pack_weights(model: onnx.ModelProto, signature: Signature) -> tuple[onnx.Mod
     del graph.input[:]
     size = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
     graph.input.extend([*kept, helper.make_tensor_value_info(theta, elem_type, [size])])
-    packed = Signature(features=unpacked.features, label=unpacked.label,
-                       sample_weight=unpacked.sample_weight, loss=unpacked.loss,
-                       weights=[theta], gradients={theta: gradient}, unpacked=unpacked,
-                       shapes=shapes)
-    return model, packed
+    return Signature(features=unpacked.features, label=unpacked.label,
+                     sample_weight=unpacked.sample_weight, loss=unpacked.loss,
+                     weights=[theta], gradients={theta: gradient}, unpacked=unpacked,
+                     shapes=shapes)
 
 
-@model_pass
-def step_graph(model: onnx.ModelProto, signature: Signature,
-               optimizer) -> tuple[onnx.ModelProto, Signature]:
-    """Append the optimizer's update of every weight to a gradient model (see module doc).
+@dataclass(frozen=True)
+class StepGraph(Pass):
+    """Append ``optimizer``'s update of every weight to a gradient model (module doc).
 
-    ``model`` holds the loss, and ``signature.gradients[w]`` for each weight ``w``,
-    which must be a graph input. Returns the step graph and a copy of ``signature``
-    completed with the names chosen for the new inputs and outputs (learning rate,
-    step, states, ``<name>_new``).
+    The input holds the loss and each weight's gradient (the weights are graph inputs),
+    per weight or packed by :class:`PackWeights`. The step graph records its signature,
+    completed with the names chosen for the new inputs and outputs (learning rate, step,
+    states, ``<name>_new``), and reports it.
     """
-    signature = copy.deepcopy(signature)
+
+    optimizer: Optimizer
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        signature, names = name_update(model, Signature.of(model), self.optimizer)
+        _append_update(model, signature, names, self.optimizer)
+        signature.record(model)
+        return PassResult(model, signature)
+
+
+def _append_update(model: onnx.ModelProto, signature: Signature, names: NameAuthority,
+                   optimizer: Optimizer) -> None:
     graph = model.graph
-    names = NameAuthority.for_model(model)
     types = {v.name: v.type for v in graph.input}
     dtype_code = types[signature.weights[0]].tensor_type.elem_type
     dtype = np_dtype(dtype_code)
-    signature.learning_rate = names.fresh(signature.learning_rate)
-    signature.step = names.fresh(signature.step)
     graph.input.append(helper.make_tensor_value_info(signature.learning_rate, dtype_code, []))
     graph.input.append(helper.make_tensor_value_info(signature.step, TensorProto.INT64, []))
     b = GraphBuilder(names, opset_version(model) or 13, prefix="update/")
     outputs = [graph.output[[o.name for o in graph.output].index(signature.loss)]]
     for weight in signature.weights:
-        states = [names.fresh(s) for s in optimizer.state_names(weight)]
-        signature.states[weight] = states
+        states = signature.states[weight]
         for state in states:
             graph.input.append(helper.make_value_info(state, types[weight]))
-        reserved = {old: names.fresh(f"{old}_new") for old in [weight, *states]}
         new_weight, new_states = optimizer.emit_update(
             b, weight, signature.gradients[weight], states, signature.learning_rate,
             signature.step, dtype)
         for old, value in zip([weight, *states], [new_weight, *new_states]):
-            signature.new[old] = _bind(b, value, reserved[old])
+            _bind(b, value, signature.new[old])
             outputs.append(helper.make_value_info(signature.new[old], types[weight]))
     b.append_to(graph)
     del graph.output[:]
     graph.output.extend(outputs)
-    return model, signature
 
 
-def _bind(b: GraphBuilder, value: str, name: str) -> str:
+def _bind(b: GraphBuilder, value: str, name: str) -> None:
     """Give ``value`` the output name ``name`` (renaming its producer when it has one)."""
     try:
-        return b.rename(value, name)
+        b.rename(value, name)
     except KeyError:
-        return b.Identity(value, outputs=[name])
+        b.Identity(value, outputs=[name])
 
 
-@model_pass
-def epoch_graph(step: onnx.ModelProto, signature: Signature,
-                shuffled: bool = True) -> tuple[onnx.ModelProto, Signature]:
-    """Wrap a step graph (from :func:`step_graph`) in a Scan over one epoch's batches.
+@dataclass(frozen=True)
+class EpochGraph(Pass):
+    """Wrap a step graph (from :class:`StepGraph`) in a Scan over one epoch's batches.
 
     With ``shuffled=False`` there is no permutation input: the data inputs hold exactly
     the epoch's rows in order (a view of the first ``batches * batch`` rows), and no
-    copy of them is made. Returns the epoch graph and a copy of ``signature`` with its
+    copy of them is made. The epoch graph records and reports its signature, with its
     permutation, learning rates and losses names.
     """
-    signature = copy.deepcopy(signature)
+
+    shuffled: bool = True
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        signature = _wrap_in_scan(model, Signature.of(model), self.shuffled)
+        signature.record(model)
+        return PassResult(model, signature)
+
+
+def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -> Signature:
     outer = signature.unpacked or signature  # the epoch graph's inputs and outputs
     names = NameAuthority([*names_in_graph(step.graph), *outer.weights, *outer.state_names,
                            *outer.new.values(), outer.step])
@@ -279,7 +278,7 @@ def epoch_graph(step: onnx.ModelProto, signature: Signature,
     signature = copy.deepcopy(outer)
     signature.permutation, signature.learning_rates, signature.losses = (
         permutation, learning_rates, losses)
-    return step, signature
+    return signature
 
 
 def _outer_types(graph: onnx.GraphProto, signature: Signature) -> dict[str, onnx.TypeProto]:

@@ -20,10 +20,10 @@ on the training build).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -33,6 +33,7 @@ from .. import training_build
 from ..analysis import differentiable_values, trainable_initializers
 from ..autodiff.walker import ForwardFacts, differentiate
 from ..builder import GraphBuilder
+from ..deprecation import renamed_keywords
 from ..errors import (
     DTypeMismatchError,
     MissingGradientError,
@@ -42,56 +43,76 @@ from ..errors import (
     suggest,
 )
 from ..graphs import FLOAT_TYPES, elem_type_name, names_in_graph, rename_values
+from ..metadata import GRADIENTS_KEY, write_json
+from ..models import ModelLike
 from ..names import NameAuthority
 from ..roles import get_roles
-from .contract import model_pass
+from .contract import Pass, PassResult
 
-__all__ = ["gradient", "GRADIENTS_KEY", "BACKENDS"]
-
-#: Metadata key recording ``{weight: gradient output}`` (names differ from ``<w>_grad``
-#: only when that name was already taken).
-GRADIENTS_KEY = "lossgraph.gradients"
+__all__ = ["Gradient", "gradient", "BACKENDS"]
 
 #: The gradient backends: lossgraph's own autodiff, and onnxruntime-training's builder.
 BACKENDS = ("onnx", "ort")
 
 
-@model_pass
+@dataclass(frozen=True)
+class Gradient(Pass):
+    """Add ``<w>_grad`` outputs for each ``w`` of ``weights`` (module docstring; the options
+    are those of :func:`gradient`). The report is ``{weight: gradient output}``."""
+
+    weights: Sequence[str] | None = None
+    loss_name: str | None = None
+    backend: str = "onnx"
+    outputs: Sequence[str] | None = None
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        grad_names = _differentiate(model, self.weights, self.loss_name, self.backend,
+                                    self.outputs)
+        return PassResult(model, grad_names)
+
+
+@renamed_keywords(wrt="weights", loss="loss_name")
 def gradient(
-    model: onnx.ModelProto,
-    wrt: Sequence[str] | None = None,
-    loss: str | None = None,
+    model: ModelLike,
+    weights: Sequence[str] | None = None,
+    loss_name: str | None = None,
     backend: str = "onnx",
     outputs: Sequence[str] | None = None,
 ) -> onnx.ModelProto:
-    """Return a copy of ``model`` that also outputs ``<w>_grad`` for each ``w`` in ``wrt``.
+    """Return a copy of ``model`` that also outputs ``<w>_grad`` for each ``w`` in ``weights``.
 
     Args:
         model: the model (ModelProto, bytes or path).
-        wrt: initializers or graph inputs to differentiate with respect to, in the order
+        weights: initializers or graph inputs to differentiate with respect to, in the order
             of the new outputs; default :func:`~lossgraph.trainable_initializers` that
             reach the loss (or ``outputs``). One that no gradient reaches is a
             :class:`~lossgraph.errors.NoGradientError`.
-        loss: the scalar output to differentiate (scalar-loss mode); default the loss
+        loss_name: the scalar output to differentiate (scalar-loss mode); default the loss
             recorded by :func:`~lossgraph.add_loss_output`, else ``"loss"``.
         backend: ``"onnx"`` (standard ops, any onnxruntime) or ``"ort"``
             (onnxruntime-training's builder, training build only).
         outputs: vector-Jacobian mode: outputs whose incoming gradients become inputs
-            named ``<output>_grad``. Exclusive with ``loss``.
+            named ``<output>_grad``. Exclusive with ``loss_name``.
     """
+    return Gradient(weights, loss_name, backend, outputs)(model).model
+
+
+def _differentiate(model: onnx.ModelProto, wrt: Sequence[str] | None, loss: str | None,
+                   backend: str, outputs: Sequence[str] | None) -> dict[str, str]:
     if backend not in BACKENDS:
         raise UnsupportedOptionError(f"backend={backend!r} is not 'onnx' or 'ort'.")
     graph = model.graph
     output_names = [o.name for o in graph.output]
     if outputs is not None and loss is not None:
         raise UnsupportedOptionError(
-            "Pass either loss= (scalar-loss mode) or outputs= (vector-Jacobian mode), not both."
+            "Pass either loss_name= (scalar-loss mode) or outputs= (vector-Jacobian mode), not "
+            "both."
         )
     default_loss = get_roles(model).get("loss", "loss")
     targets = list(outputs) if outputs is not None else [loss or default_loss]
     for target in targets:
         if target not in output_names:
-            what = "outputs=" if outputs is not None else "loss="
+            what = "outputs=" if outputs is not None else "loss_name="
             raise UnknownNameError(
                 f"{what} names {target!r}, which is not an output of the model."
                 + suggest(target, output_names, "outputs")
@@ -132,10 +153,8 @@ def gradient(
     graph.input.extend(seed_inputs)
     for w in wrt:
         graph.output.append(helper.make_value_info(grad_names[w], facts.types[w]))
-    props = {p.key: p.value for p in model.metadata_props}
-    props[GRADIENTS_KEY] = json.dumps(grad_names)
-    helper.set_model_props(model, props)
-    return model
+    write_json(model, GRADIENTS_KEY, grad_names)
+    return grad_names
 
 
 def _type_name(facts: ForwardFacts, name: str) -> str:
@@ -153,11 +172,12 @@ def _check_wrt(graph: onnx.GraphProto, wrt: Sequence[str], facts: ForwardFacts) 
         i.name for i in graph.input if i.name not in {t.name for t in graph.initializer}
     ]
     if len(set(wrt)) != len(wrt):
-        raise UnsupportedOptionError(f"wrt lists a name twice: {list(wrt)}.")
+        raise UnsupportedOptionError(f"weights lists a name twice: {list(wrt)}.")
     for w in wrt:
         if w not in candidates:
             raise UnknownNameError(
-                f"wrt names {w!r}, which is neither an initializer nor an input of the model."
+                f"weights names {w!r}, which is neither an initializer nor an input of the "
+                "model."
                 + suggest(w, candidates, "initializers and inputs")
             )
         if facts.elem_types.get(w) not in FLOAT_TYPES:

@@ -8,18 +8,21 @@ sample weights ``w`` (shape ``(N,)``), the pass adds
            = sum_i w_i l_i                  reduction="sum"
            + sum_k a_k sum|W_k| + b_k sum W_k^2                     (penalty)
 
-with these scores (``d = p - y``):
+with these loss functions (``d = p - y``):
 
-    squared_error (l2)   d^2
-    absolute_error (l1)  |d|
-    elastic              l1_weight |d| + l2_weight d^2
-    huber                0.5 q^2 + delta (|d| - q),   q = min(|d|, delta)
-    log                  -(y log p1 + (1 - y) log(1 - p1)),  p1 clipped to [eps, 1 - eps]
-    logistic             max(s, 0) - y s + log(1 + exp(-|s|))    (s a raw score)
-    cross_entropy        -log p[y]   (or -log_softmax(z)[y] with from_logits=True)
+    squared_error (l2)    d^2
+    absolute_error (l1)   |d|
+    elastic               l1_weight |d| + l2_weight d^2
+    huber                 0.5 q^2 + delta (|d| - q),   q = min(|d|, delta)
+    binary_log_loss       -(y log p1 + (1 - y) log(1 - p1)),  p1 clipped to [eps, 1 - eps]
+    logistic              max(s, 0) - y s + log(1 + exp(-|s|))    (s a raw score)
+    multiclass_log_loss   -log p[y]   (or -log_softmax(z)[y] with from_logits=True)
 
 so that ``reduction="mean"`` equals scikit-learn's ``mean_squared_error``,
-``mean_absolute_error`` and ``log_loss`` (sample weights included). Regression
+``mean_absolute_error`` and ``log_loss`` (sample weights included): ``log_loss`` is
+``binary_log_loss`` for two classes given the probability of the second, and
+``multiclass_log_loss`` for a probability per class. ``"log"`` and
+``"cross_entropy"``, their names in the previous release, still work (deprecated). Regression
 labels have the prediction's shape and type; class labels are int64 class
 indices of shape ``(N,)``.
 
@@ -34,7 +37,7 @@ from __future__ import annotations
 import numbers
 import reprlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,12 +53,15 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
+from ..deprecation import warn_renamed
 from ..graphs import FLOAT_TYPES, elem_type_name, np_dtype, opset_version
+from ..models import ModelLike
 from ..names import NameAuthority
+from ..penalties import parse_penalty, penalty_terms
 from ..roles import get_roles, set_roles
-from .contract import model_pass
+from .contract import Pass, PassResult
 
-__all__ = ["add_loss_output", "SCORES", "parse_penalty", "resolve_score", "OUTPUT_OPTIONS"]
+__all__ = ["AddLossOutput", "add_loss_output", "SCORES", "resolve_score", "OUTPUT_OPTIONS"]
 
 
 @dataclass(frozen=True)
@@ -129,13 +135,13 @@ def _positive_probability(b: GraphBuilder, p: _Prediction) -> str:
     if p.rank == 2 and columns in (1, 2):
         return b.Gather(p.name, b.const(columns - 1, np.int64, "positive_class"), axis=1)
     raise ShapeMismatchError(
-        f"score_name='log' is the binary log loss and needs a probability output of shape "
+        f"loss='binary_log_loss' needs a probability output of shape "
         f"(N,), (N, 1) or (N, 2); output {p.name!r} has {_shape_text(p.dims)}. "
-        "Use score_name='cross_entropy' for more than two classes."
+        "Use loss='multiclass_log_loss' for more than two classes."
     )
 
 
-def _log(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+def _binary_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
     eps = o["eps"] if o["eps"] is not None else float(np.finfo(p.dtype).eps)
     p1 = b.Clip(_positive_probability(b, p), b.const(eps, p.dtype, "eps"),
                 b.const(1 - eps, p.dtype, "one_minus_eps"))
@@ -151,8 +157,8 @@ def _raw_score(b: GraphBuilder, p: _Prediction, what: str) -> str:
     if p.rank == 2 and p.dims[1].dim_value == 1:
         return b.squeeze(p.name, [1])
     raise ShapeMismatchError(
-        f"score_name={what!r} needs a raw score of shape (N,) or (N, 1); output {p.name!r} "
-        f"has {_shape_text(p.dims)}. Use score_name='cross_entropy' with from_logits=True "
+        f"loss={what!r} needs a raw score of shape (N,) or (N, 1); output {p.name!r} "
+        f"has {_shape_text(p.dims)}. Use loss='multiclass_log_loss' with from_logits=True "
         "for several classes."
     )
 
@@ -165,12 +171,12 @@ def _logistic(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any])
     return b.Sub(softplus, b.Mul(y, s), hint="logistic_loss")
 
 
-def _cross_entropy(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+def _multiclass_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
     if p.rank != 2 or p.dims[1].dim_value == 1:
         raise ShapeMismatchError(
-            f"score_name='cross_entropy' needs an output of shape (N, classes) with at least 2 "
+            f"loss='multiclass_log_loss' needs an output of shape (N, classes) with at least 2 "
             f"classes; output {p.name!r} has {_shape_text(p.dims)}. For one column of "
-            "probabilities use score_name='log', for one raw score 'logistic'."
+            "probabilities use loss='binary_log_loss', for one raw score 'logistic'."
         )
     if o["from_logits"]:
         log_p = b.LogSoftmax(p.name, axis=1)
@@ -180,7 +186,7 @@ def _cross_entropy(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, 
                          b.const(1 - eps, p.dtype, "one_minus_eps"))
         log_p = b.Log(clipped)
     picked = b.GatherElements(log_p, b.unsqueeze(label, [1]), axis=1)
-    return b.Neg(b.squeeze(picked, [1]), hint="cross_entropy")
+    return b.Neg(b.squeeze(picked, [1]), hint="multiclass_log_loss")
 
 
 SCORES: dict[str, Score] = {
@@ -188,11 +194,14 @@ SCORES: dict[str, Score] = {
     "absolute_error": Score(_absolute, False, {}, True),
     "elastic": Score(_elastic, False, {"l1_weight": 0.5, "l2_weight": 0.5}, True),
     "huber": Score(_huber, False, {"delta": 1.0}, True),
-    "log": Score(_log, True, {"eps": None}, False),
+    "binary_log_loss": Score(_binary_log_loss, True, {"eps": None}, False),
     "logistic": Score(_logistic, True, {}, False),
-    "cross_entropy": Score(_cross_entropy, True, {"eps": None, "from_logits": False}, False),
+    "multiclass_log_loss": Score(_multiclass_log_loss, True, {"eps": None, "from_logits": False},
+                                 False),
 }
 _ALIASES = {"l2": "squared_error", "l1": "absolute_error"}
+#: Score names of the previous release (deprecated).
+_RENAMED = {"log": "binary_log_loss", "cross_entropy": "multiclass_log_loss"}
 _NON_NEGATIVE_OPTIONS = ("l1_weight", "l2_weight", "delta", "eps")
 _BOOL_OPTIONS = ("from_logits",)
 #: The options of add_loss_output other than the score's own (``delta``, ``eps``, ...).
@@ -208,13 +217,16 @@ def _shape_text(dims: list[onnx.TensorShapeProto.Dimension]) -> str:
 
 
 def resolve_score(score_name: str, options: Mapping[str, Any],
-                  option: str = "score_name") -> tuple[Score, dict[str, Any]]:
+                  option: str = "loss") -> tuple[Score, dict[str, Any]]:
     """The score and its complete options; ``option`` is the name errors give the score
     (``compile`` calls it ``loss``)."""
     if not isinstance(score_name, str):
         raise UnsupportedOptionError(
             f"{option}={reprlib.repr(score_name)} must be a score name: one of "
             f"{', '.join(map(repr, [*SCORES, *_ALIASES]))}.")
+    if score_name in _RENAMED:
+        warn_renamed(f"{option}={score_name!r}", f"{option}={_RENAMED[score_name]!r}", 4)
+        score_name = _RENAMED[score_name]
     canonical = _ALIASES.get(score_name, score_name)
     if canonical not in SCORES:
         raise UnsupportedOptionError(
@@ -247,45 +259,6 @@ def resolve_score(score_name: str, options: Mapping[str, Any],
     if resolved.get("eps") is not None and not resolved["eps"] < 0.5:
         raise UnsupportedOptionError(f"Option eps={resolved['eps']!r} must be below 0.5.")
     return score, resolved
-
-
-def parse_penalty(penalty: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
-    """Normalize ``{name: b}`` / ``{name: {"l1": a, "l2": b}}`` to ``{name: {"l1": a, "l2": b}}``.
-
-    Coefficients must be finite and non-negative; unknown keys are errors.
-    """
-    if penalty is not None and not isinstance(penalty, Mapping):
-        raise UnsupportedOptionError(
-            f"penalty={reprlib.repr(penalty)} must be a dict by weight name: {{'coef': 0.1}} "
-            "(L2) or {'coef': {'l1': 0.01, 'l2': 0.1}}.")
-    normalized: dict[str, dict[str, float]] = {}
-    for name, spec in (penalty or {}).items():
-        if not isinstance(name, str):
-            raise UnsupportedOptionError(
-                f"Penalty keys are weight names; {name!r} is a {type(name).__name__}.")
-        if isinstance(spec, Mapping):
-            unknown = sorted(set(spec) - {"l1", "l2"})
-            if unknown:
-                raise UnsupportedOptionError(
-                    f"Penalty on {name!r} has unknown key {unknown[0]!r}; use 'l1' and/or 'l2', "
-                    f"e.g. {{{name!r}: {{'l1': 0.01, 'l2': 0.1}}}}."
-                )
-            coefficients = {"l1": spec.get("l1", 0.0), "l2": spec.get("l2", 0.0)}
-        else:
-            coefficients = {"l1": 0.0, "l2": spec}
-        for kind, value in coefficients.items():
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                number = float("nan")
-            if not (np.isfinite(number) and number >= 0):
-                raise UnsupportedOptionError(
-                    f"Penalty coefficient {kind}={value!r} on {name!r} must be a finite "
-                    "number >= 0."
-                )
-            coefficients[kind] = number
-        normalized[name] = coefficients
-    return normalized
 
 
 def _select_output(graph: onnx.GraphProto, output_index: int | str | None) -> onnx.ValueInfoProto:
@@ -347,24 +320,47 @@ def _not_a_tensor(graph: onnx.GraphProto, output: onnx.ValueInfoProto) -> Unsupp
 # -- the pass --------------------------------------------------------------------------
 
 
-@model_pass
+@dataclass(frozen=True)
+class AddLossOutput(Pass):
+    """Add a scalar loss as the model's first output (module docstring; the options are
+    those of :func:`add_loss_output`, the score's own in ``options``). The report is
+    the roles recorded (:mod:`lossgraph.roles`)."""
+
+    loss: str = "squared_error"
+    loss_name: str | None = None
+    label_name: str | None = None
+    weight_name: str | None = None
+    penalty: Mapping[str, Any] | None = None
+    output_index: int | str | None = None
+    reduction: str = "mean"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        roles = _add_loss(model, self.loss, self.loss_name, self.label_name, self.weight_name,
+                          self.penalty, self.output_index, self.reduction, dict(self.options))
+        return PassResult(model, roles)
+
+
 def add_loss_output(
-    model: onnx.ModelProto,
-    score_name: str = "squared_error",
+    model: ModelLike,
+    loss: str | None = None,
     loss_name: str | None = None,
     label_name: str | None = None,
     weight_name: str | None = None,
     penalty: Mapping[str, Any] | None = None,
     output_index: int | str | None = None,
     reduction: str = "mean",
-    **kwargs: Any,
+    *,
+    score_name: str | None = None,
+    **options: Any,
 ) -> onnx.ModelProto:
     """Return a copy of ``model`` with a scalar loss as its first output.
 
     Args:
         model: the inference model (ModelProto, bytes or path).
-        score_name: ``squared_error`` (``l2``), ``absolute_error`` (``l1``), ``elastic``,
-            ``huber``, ``log``, ``logistic`` or ``cross_entropy``; see the module docstring.
+        loss: the loss function: ``squared_error`` (``l2``), ``absolute_error`` (``l1``),
+            ``elastic``, ``huber``, ``binary_log_loss``, ``logistic`` or
+            ``multiclass_log_loss``; see the module docstring. Default ``squared_error``.
         loss_name: name of the loss output; ``None`` means ``"loss"`` or, if taken, the
             first free ``"loss_1"``, ``"loss_2"``, ... An explicit name must be free.
         label_name: name of the label input, chosen like ``loss_name`` (``"label"``).
@@ -374,9 +370,24 @@ def add_loss_output(
         output_index: the output the loss is computed on: ``None`` (the only output, or
             the only float output), a position or a name.
         reduction: ``"mean"`` (weighted mean over rows) or ``"sum"``.
-        **kwargs: options of the score (``l1_weight``, ``l2_weight``, ``delta``, ``eps``,
-            ``from_logits``).
+        score_name: the reference documents' name of ``loss`` (either may be given).
+        **options: options of the loss function (``l1_weight``, ``l2_weight``, ``delta``,
+            ``eps``, ``from_logits``).
     """
+    if loss is not None and score_name is not None:
+        raise UnsupportedOptionError(
+            f"add_loss_output got loss={loss!r} and score_name={score_name!r}: score_name is "
+            "the reference documents' name of loss; pass one of them.")
+    chosen = loss if loss is not None else score_name if score_name is not None else (
+        "squared_error")
+    return AddLossOutput(chosen, loss_name, label_name, weight_name, penalty, output_index,
+                         reduction, options)(model).model
+
+
+def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
+              label_name: str | None, weight_name: str | None,
+              penalty: Mapping[str, Any] | None, output_index: int | str | None,
+              reduction: str, kwargs: dict[str, Any]) -> dict[str, str]:
     graph = model.graph
     if get_roles(model).get("loss"):
         raise UnsupportedModelError(
@@ -397,7 +408,7 @@ def add_loss_output(
     if prediction.elem_type not in FLOAT_TYPES:
         raise DTypeMismatchError(
             f"Output {prediction.name!r} is {elem_type_name(prediction.elem_type)}; "
-            f"score_name={score_name!r} needs a float or double output. Pick another output "
+            f"loss={score_name!r} needs a float or double output. Pick another output "
             "with output_index=..."
         )
     if prediction.rank == 0:
@@ -452,7 +463,7 @@ def add_loss_output(
     if weight is not None:
         roles["weight"] = weight
     set_roles(model, roles)
-    return model
+    return roles
 
 
 def _penalty_terms(b: GraphBuilder, graph: onnx.GraphProto,
@@ -476,9 +487,5 @@ def _penalty_terms(b: GraphBuilder, graph: onnx.GraphProto,
         weight = name
         if initializers[name].data_type != prediction.elem_type:
             weight = b.Cast(name, to=prediction.elem_type)
-        for kind, reduce_op in (("l1", "ReduceL1"), ("l2", "ReduceSumSquare")):
-            if coefficients[kind] > 0:
-                norm = b.reduce(reduce_op, weight, keepdims=0, hint=f"{name}_{kind}")
-                coefficient = b.const(coefficients[kind], prediction.dtype, f"{name}_{kind}_coef")
-                terms.append(b.Mul(norm, coefficient, hint=f"{name}_{kind}_penalty"))
+        terms += penalty_terms(b, weight, coefficients, prediction.dtype, hint=name)
     return terms

@@ -78,10 +78,11 @@ from onnx import TensorProto, numpy_helper
 from ..builder import GraphBuilder
 from ..errors import InvalidModelError, UnsupportedModelError
 from ..graphs import all_graphs, attribute_values, opset_version, value_types, values_read
+from ..models import ModelLike
 from ..names import NameAuthority
-from .contract import model_pass
+from .contract import Pass, PassResult
 
-__all__ = ["lower_ml_ops", "LOWERED_OPS"]
+__all__ = ["LowerMlOps", "lower_ml_ops", "LOWERED_OPS"]
 
 ML_DOMAIN = "ai.onnx.ml"
 #: The ``ai.onnx.ml`` operators this pass rewrites.
@@ -443,8 +444,8 @@ _LOWER = {
 }
 
 
-@model_pass
-def lower_ml_ops(model: onnx.ModelProto) -> onnx.ModelProto:
+@dataclass(frozen=True)
+class LowerMlOps(Pass):
     """Rewrite ``ai.onnx.ml`` LinearRegressor, LinearClassifier and Normalizer nodes.
 
     The result computes the same outputs in standard ONNX ops (see the module
@@ -452,11 +453,24 @@ def lower_ml_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     initializers ``coef`` (shape ``(C, F)``) and ``intercept`` (shape ``(C,)``), so
     later passes can train them. Other ``ai.onnx.ml`` operators stay as they are.
     """
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        graph = model.graph
+        for sub_graph in list(all_graphs(graph))[1:]:
+            _reject_nested(sub_graph)
+        if not any(_is_lowered(node) for node in graph.node):
+            return PassResult(model, changed=False)
+        _lower(model)
+        return PassResult(model)
+
+
+def lower_ml_ops(model: ModelLike) -> onnx.ModelProto:
+    """``model`` with its ``ai.onnx.ml`` linear models in standard ops (:class:`LowerMlOps`)."""
+    return LowerMlOps()(model).model
+
+
+def _lower(model: onnx.ModelProto) -> None:
     graph = model.graph
-    for sub_graph in list(all_graphs(graph))[1:]:
-        _reject_nested(sub_graph)
-    if not any(_is_lowered(node) for node in graph.node):
-        return model
     used = values_read(graph) | {output.name for g in all_graphs(graph) for output in g.output}
     names = NameAuthority.for_model(model)
     builder = GraphBuilder(names, opset_version(model) or 13)
@@ -474,7 +488,6 @@ def lower_ml_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.node[:]
     graph.node.extend(nodes)
     graph.initializer.extend(initializers)
-    return model
 
 
 def _reject_nested(graph: onnx.GraphProto) -> None:

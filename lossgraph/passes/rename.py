@@ -11,28 +11,48 @@ already sort in graph order:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import onnx
 
 from ..analysis import trainable_initializers
+from ..deprecation import renamed_keywords
 from ..errors import UnknownNameError, suggest
 from ..graphs import rename_values
+from ..models import ModelLike
 from ..names import NameAuthority
 from ..roles import get_roles, set_roles
-from .contract import model_pass
+from .contract import Pass, PassResult
 
-__all__ = ["alphabetize_initializers"]
+__all__ = ["AlphabetizeInitializers", "alphabetize_initializers"]
 
 
-@model_pass
-def alphabetize_initializers(
-    model: onnx.ModelProto, names: Sequence[str] | None = None
-) -> tuple[onnx.ModelProto, dict[str, str]]:
-    """Rename ``names`` (default: the trainable initializers) so they sort in graph order.
+@dataclass(frozen=True)
+class AlphabetizeInitializers(Pass):
+    """Rename ``weights`` (default: the trainable initializers) so they sort in graph order.
 
-    Returns the renamed copy and the mapping ``old name -> new name`` (the identity
-    when the names already sort in graph order, in which case nothing is renamed).
+    The report is the mapping ``old name -> new name``: the identity when the names
+    already sort in graph order, in which case nothing is renamed.
     """
+
+    weights: Sequence[str] | None = None
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        mapping = _alphabetize(model, self.weights)
+        return PassResult(model, mapping, changed=any(k != v for k, v in mapping.items()))
+
+
+@renamed_keywords(names="weights")
+def alphabetize_initializers(
+    model: ModelLike, weights: Sequence[str] | None = None
+) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """The renamed model and the mapping ``old name -> new name``
+    (:class:`AlphabetizeInitializers`)."""
+    result = AlphabetizeInitializers(weights)(model)
+    return result.model, result.report
+
+
+def _alphabetize(model: onnx.ModelProto, names: Sequence[str] | None) -> dict[str, str]:
     initializers = [t.name for t in model.graph.initializer]
     if names is None:
         names = trainable_initializers(model)
@@ -45,7 +65,7 @@ def alphabetize_initializers(
     chosen = set(names)
     ordered = [n for n in initializers if n in chosen]
     if ordered == sorted(ordered):
-        return model, {n: n for n in ordered}
+        return {n: n for n in ordered}
     authority = NameAuthority.for_model(model)
     width = len(str(len(ordered) - 1))
     mapping = {old: authority.fresh(f"I{k:0{width}d}_{old}") for k, old in enumerate(ordered)}
@@ -53,4 +73,4 @@ def alphabetize_initializers(
     roles = get_roles(model)
     if roles:
         set_roles(model, {role: mapping.get(value, value) for role, value in roles.items()})
-    return model, mapping
+    return mapping

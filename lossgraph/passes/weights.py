@@ -10,25 +10,30 @@ initial values travel in the training program's state.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import UnknownNameError, suggest
-from .contract import model_pass
+from .contract import Pass, PassResult
 
-__all__ = ["weights_to_inputs"]
+__all__ = ["WeightsToInputs"]
 
 
-@model_pass
-def weights_to_inputs(
-    model: onnx.ModelProto, names: Sequence[str]
-) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """Turn the initializers ``names`` into graph inputs (appended in ``names`` order).
+@dataclass(frozen=True)
+class WeightsToInputs(Pass):
+    """Turn the initializers ``weights`` into graph inputs (appended in that order); the
+    report is their values by name."""
 
-    Returns the new model and the initializers' values by name.
-    """
+    weights: Sequence[str]
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        return PassResult(model, _lift(model, list(self.weights)))
+
+
+def _lift(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     for name in names:
@@ -48,4 +53,4 @@ def weights_to_inputs(
             tensor = initializers[name]
             graph.input.append(
                 helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
-    return model, values
+    return values

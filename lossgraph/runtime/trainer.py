@@ -1,6 +1,6 @@
 """Trainer: fit a TrainingProgram with onnxruntime, scikit-learn style.
 
-    trainer = Trainer(lossgraph.compile(model, optimizer=Momentum(0.01, nesterov=True)))
+    trainer = Trainer(lossgraph.compile_program(model, optimizer=Momentum(0.01, nesterov=True)))
     trainer.fit(X, y, epochs=10, batch_size=100, random_state=0)
     trainer.predict(X_test), trainer.train_losses_, trainer.to_inference_model()
 
@@ -56,9 +56,9 @@ class Trainer:
         if not isinstance(program, TrainingProgram):
             hint = ""
             if isinstance(program, (onnx.ModelProto, bytes, str, os.PathLike)):
-                hint = " Compile a model first: Trainer(lossgraph.compile(model))."
+                hint = " Compile a model first: Trainer(lossgraph.compile_program(model))."
             raise UnsupportedOptionError(
-                f"Trainer takes a TrainingProgram (from lossgraph.compile or "
+                f"Trainer takes a TrainingProgram (from lossgraph.compile_program or "
                 f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
         self.program = program
         self.providers = checked_providers(providers)

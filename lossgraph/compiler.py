@@ -1,0 +1,251 @@
+"""compile_program: an inference model into a TrainingProgram, by a declared pipeline.
+
+The loss model comes first::
+
+    loss model = LowerMlOps -> AddLossOutput(loss, penalty, ...)     (or the model's own loss)
+
+then every graph of the program is a pipeline of passes from the loss model (``predict``:
+from the lowered inference model), declared by :func:`plan` and printable before it
+runs (``print(describe_plan(...))``)::
+
+    evaluate            = WeightsToInputs
+    predict             = WeightsToInputs                                   (no loss)
+    train_step          = WeightsToInputs -> Gradient -> StepGraph
+    train_epoch         = WeightsToInputs -> Gradient -> PackWeights -> StepGraph -> EpochGraph
+    train_epoch_ordered = ... -> EpochGraph(shuffled=False)
+
+each followed by the onnxruntime optimization passes (:data:`OPTIMIZATIONS`). Pipelines
+that begin alike share the work: a prefix runs once. ``fuse="separate"`` builds the
+reference documents' four graphs instead of the training graphs
+(:mod:`lossgraph.separate`). The manifest is written from the graphs and the
+signature they record (:mod:`lossgraph.manifest`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .analysis import trainable_initializers
+from .deprecation import renamed_keywords
+from .errors import UnsupportedModelError, UnsupportedOptionError
+from .manifest import build_manifest
+from .models import ModelLike, as_model
+from .optim import Optimizer
+from .passes.broadcast import widen_scalar_constants
+from .passes.contract import PassResult, Pipeline
+from .passes.fuse import EpochGraph, PackWeights, StepGraph
+from .passes.gradient import Gradient
+from .passes.loss import AddLossOutput
+from .passes.lower_ml import LowerMlOps
+from .passes.weights import WeightsToInputs
+from .program import TrainingProgram
+from .roles import check_loss_roles, get_roles
+from .separate import separate_graphs
+from .signature import Signature
+from .target import Target, use_target
+from .validation import (
+    check_penalized,
+    check_trainable_model,
+    compile_options,
+    no_weights_error,
+    weights_dtype,
+)
+
+__all__ = ["compile_program", "plan", "describe_plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every graph of a program as a pipeline, from the model named by its ``start``."""
+
+    pipelines: dict[str, Pipeline]
+    starts: dict[str, str]  # graph -> "loss model" or "inference model"
+
+    def __str__(self) -> str:
+        width = max(map(len, self.pipelines))
+        return "\n".join(f"{name:<{width}} = {self.starts[name]} -> {pipeline}"
+                         for name, pipeline in self.pipelines.items())
+
+
+def plan(weights: Sequence[str], optimizer: Optimizer, backend: str, fuse: str) -> Plan:
+    """The pipelines of a program's graphs (see the module docstring)."""
+    lift = WeightsToInputs(tuple(weights))
+    pipelines = {"evaluate": Pipeline((lift,)), "predict": Pipeline((lift,))}
+    starts = {"evaluate": "loss model", "predict": "inference model"}
+    if fuse != "separate":
+        differentiate = Gradient(tuple(weights), backend=backend)
+        step = StepGraph(optimizer)
+        pipelines["train_step"] = Pipeline((lift, differentiate, step))
+        starts["train_step"] = "loss model"
+    if fuse == "epoch":
+        pack = PackWeights(optimizer)
+        for name, shuffled in (("train_epoch_ordered", False), ("train_epoch", True)):
+            pipelines[name] = Pipeline((lift, differentiate, pack, step, EpochGraph(shuffled)))
+            starts[name] = "loss model"
+    return Plan(pipelines, starts)
+
+
+def describe_plan(model: ModelLike, **options: Any) -> str:
+    """What :func:`compile_program` would run on ``model`` with ``options`` (its keyword
+    arguments but ``target``), as text: the loss model is built, nothing else runs."""
+    unknown = sorted(set(options) - set(_DEFAULTS))
+    if unknown:
+        raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
+    _, _, weights, checked = _front(model, {**_DEFAULTS, **options})
+    return str(plan(weights, checked.optimizer, checked.backend, checked.fuse))
+
+
+_DEFAULTS: dict[str, Any] = {"weights": None, "loss": "squared_error", "loss_options": None,
+                             "penalty": None, "optimizer": None, "backend": "onnx",
+                             "fuse": "step"}
+
+
+@renamed_keywords(trainable="weights", gradient="backend")
+def compile_program(
+    model: ModelLike,
+    weights: Sequence[str] | str | None = None,
+    loss: str | None = "squared_error",
+    loss_options: Mapping[str, Any] | None = None,
+    penalty: Mapping[str, Any] | None = None,
+    optimizer: Any = None,
+    backend: str = "onnx",
+    fuse: str = "step",
+    target: Target | str | None = None,
+) -> TrainingProgram:
+    """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
+
+    Options are checked before the model is read, and the model before any pass runs
+    (:mod:`lossgraph.validation`); every bad input is a :mod:`lossgraph.errors` error.
+
+    Args:
+        model: an inference model (a loss is added), or a model that already has a loss
+            output, recorded by :func:`~lossgraph.add_loss_output` (pass ``loss=None``).
+        weights: the weights to train (a list of names, or one name); default
+            :func:`~lossgraph.trainable_initializers`.
+        loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows, or
+            ``None`` when the model carries its loss already.
+        loss_options: further arguments of ``add_loss_output`` (``weight_name``,
+            ``output_index``, ``reduction``, options of the loss such as ``delta``).
+        penalty: ``{weight: {"l1": a, "l2": b}}`` or ``{weight: b}``, added to the loss
+            (and so to its gradient and to the reported loss).
+        optimizer: a :mod:`lossgraph.optim` optimizer, its name (``"adam"``) or its dict
+            form (``{"type": "Adam", "learning_rate": 0.01}``); default ``SGD()``.
+        backend: the gradient backend: ``"onnx"`` (standard ops, any onnxruntime) or
+            ``"ort"`` (onnxruntime-training's builder, training build only).
+        fuse: ``"separate"``, ``"step"`` or ``"epoch"`` (see the module docstring).
+        target: the runtimes the graphs must load in: a name of
+            :data:`lossgraph.target.TARGETS` (``"default"``: onnxruntime-training 1.19
+            and current onnxruntime, opsets 13-21; ``"onnxruntime"``: current
+            onnxruntime only, opsets up to 25) or a :class:`~lossgraph.target.Target`.
+    """
+    options = {"weights": weights, "loss": loss, "loss_options": loss_options,
+               "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse}
+    with use_target(target):
+        return _compile(model, options)
+
+
+def _front(model: ModelLike, options: Mapping[str, Any]):
+    """The checked options, the lowered inference model, the loss model and the weights."""
+    checked = compile_options(options["weights"], options["loss"], options["loss_options"],
+                              options["penalty"], options["optimizer"], options["backend"],
+                              options["fuse"])
+    given = as_model(model)
+    check_trainable_model(given)
+    source = LowerMlOps()(given).model
+    loss, penalty = options["loss"], options["penalty"]
+    carried = get_roles(source).get("loss")
+    if loss is None:
+        if not carried:
+            raise UnsupportedModelError(
+                "loss=None says the model carries its loss, but it records no loss output: "
+                "pass a loss name (e.g. loss='squared_error'), or build the loss with "
+                "lossgraph.add_loss_output.")
+        check_loss_roles(source)
+        loss_model = source
+    elif carried:
+        raise UnsupportedModelError(
+            f"The model carries a loss already ({carried!r}, recorded by add_loss_output): "
+            "pass loss=None to train on it, or compile the inference model.")
+    else:
+        output_options = {k: v for k, v in checked.loss_options.items()
+                          if k in _OUTPUT_FIELDS}
+        score_options = {k: v for k, v in checked.loss_options.items()
+                         if k not in _OUTPUT_FIELDS}
+        loss_model = AddLossOutput(loss, penalty=penalty, options=score_options,
+                                   **output_options)(source).model
+    weights = checked.weights or trainable_initializers(loss_model)
+    if not weights:
+        raise no_weights_error(loss_model)
+    check_penalized(penalty, weights)
+    types = {t.name: t.data_type for t in loss_model.graph.initializer}
+    if all(w in types for w in weights):  # one float type, or a clear error before any work
+        weights_dtype({w: np.empty(0, helper.tensor_dtype_to_np_dtype(types[w]))
+                       for w in weights}, "compile_program")
+    if checked.fuse == "separate" and loss is None:
+        raise UnsupportedOptionError(
+            "fuse='separate' builds its own loss graph: pass a loss name as loss=.")
+    return loss_model, source, weights, checked
+
+
+_OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
+
+
+def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
+    loss_model, source, weights, checked = _front(model, options)
+    optimizer, fuse = checked.optimizer, checked.fuse
+    the_plan = plan(weights, optimizer, checked.backend, fuse)
+    starts = {"loss model": loss_model, "inference model": source}
+    results = _run(the_plan, starts)
+    initial = results["evaluate"].report["WeightsToInputs"]
+    graphs = {name: result.model for name, result in results.items()}
+    roles = get_roles(loss_model)
+    if fuse == "separate":
+        signature = _evaluate_signature(graphs["evaluate"], roles, weights)
+        graphs.update(separate_graphs(graphs["predict"], roles, options["loss"],
+                                      checked.loss_options, options["penalty"], initial,
+                                      optimizer, checked.backend, signature))
+    else:
+        last = "train_epoch" if fuse == "epoch" else "train_step"
+        signature = next(reversed(results[last].report.values()))
+    state = dict(initial)
+    for weight in weights:
+        for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
+            state[name] = value
+    graphs = {name: widen_scalar_constants(graph) for name, graph in graphs.items()}
+    manifest = build_manifest(graphs, signature, optimizer, fuse, roles)
+    return TrainingProgram(graphs, manifest, state, source)
+
+
+def _run(the_plan: Plan, starts: Mapping[str, onnx.ModelProto]) -> dict[str, PassResult]:
+    """Run every pipeline of the plan; a prefix several pipelines share runs once."""
+    done: dict[tuple[int, ...], tuple[onnx.ModelProto, dict[str, Any]]] = {}
+    results = {}
+    for name, pipeline in the_plan.pipelines.items():
+        start = the_plan.starts[name]
+        model, reports = starts[start], {}
+        key: tuple[int, ...] = (id(starts[start]),)
+        for step in pipeline.passes:
+            key = (*key, id(step))
+            if key not in done:
+                result = step(model)
+                done[key] = (result.model, {**reports, **({step.name: result.report}
+                                                          if result.report is not None else {})})
+            model, reports = done[key]
+        results[name] = PassResult(model, reports)
+    return results
+
+
+def _evaluate_signature(evaluate: onnx.ModelProto, roles: Mapping[str, str],
+                        weights: Sequence[str]) -> Signature:
+    """The separate graphs' signature, begun from the loss model with weights as inputs."""
+    data = {roles["label"], roles.get("weight"), *weights}
+    features = [i.name for i in evaluate.graph.input if i.name not in data]
+    return Signature(features=features, label=roles["label"], sample_weight=roles.get("weight"),
+                     loss=roles["loss"], weights=list(weights))
+

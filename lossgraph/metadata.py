@@ -1,0 +1,46 @@
+"""The keys lossgraph writes into a model's ``metadata_props``, and JSON records under them.
+
+    lossgraph.roles       {"loss": ..., "label": ..., "prediction": ...[, "weight": ...]}
+                          which tensor plays which role in a loss model (lossgraph.roles)
+    lossgraph.gradients   {weight: gradient output}, written by the gradient pass
+    lossgraph.signature   who is who among a training graph's inputs and outputs
+                          (lossgraph.signature.Signature), written by the fusion passes
+    lossgraph.written_by  "lossgraph": marks a file lossgraph wrote (lossgraph.fileio)
+
+A pass records what later passes need in the model itself, so the data flows forward
+through the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import onnx
+
+__all__ = ["ROLES_KEY", "GRADIENTS_KEY", "SIGNATURE_KEY", "WRITTEN_BY_KEY", "read_text",
+           "read_json", "write_json"]
+
+ROLES_KEY = "lossgraph.roles"
+GRADIENTS_KEY = "lossgraph.gradients"
+SIGNATURE_KEY = "lossgraph.signature"
+WRITTEN_BY_KEY = "lossgraph.written_by"
+
+
+def read_text(model: onnx.ModelProto, key: str) -> str | None:
+    """The value recorded under ``key``, or ``None``."""
+    return next((p.value for p in model.metadata_props if p.key == key), None)
+
+
+def read_json(model: onnx.ModelProto, key: str) -> Any:
+    """The JSON value recorded under ``key`` (``None`` when there is none). Callers that
+    read a record users may have edited check its structure themselves."""
+    text = read_text(model, key)
+    return None if text is None else json.loads(text)
+
+
+def write_json(model: onnx.ModelProto, key: str, value: Any) -> None:
+    """Record ``value`` as JSON under ``key``, in place, replacing any previous record."""
+    props = {p.key: p.value for p in model.metadata_props}
+    props[key] = json.dumps(value, sort_keys=key == ROLES_KEY)
+    onnx.helper.set_model_props(model, props)

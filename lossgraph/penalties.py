@@ -1,0 +1,91 @@
+"""L1, L2 and elastic penalties on weights: the formula, in one place.
+
+For a weight ``W`` with coefficients ``a`` (L1) and ``b`` (L2)::
+
+    penalty(W)      = a sum|W| + b sum W^2
+    penalty_grad(W) = a sign(W) + 2 b W          (sign(0) = 0, the subgradient torch uses)
+
+``add_loss_output`` adds the terms to the loss (autodiff then derives their gradient);
+the standalone penalty graph of ``fuse="separate"`` emits both the terms and the
+gradient. Penalties are given as ``{weight: b}`` (L2) or ``{weight: {"l1": a, "l2": b}}``.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .builder import GraphBuilder
+from .errors import UnsupportedOptionError
+
+__all__ = ["parse_penalty", "penalty_terms", "penalty_gradient"]
+
+_REDUCTIONS = (("l1", "ReduceL1"), ("l2", "ReduceSumSquare"))
+
+
+def parse_penalty(penalty: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Normalize ``{name: b}`` / ``{name: {"l1": a, "l2": b}}`` to ``{name: {"l1": a, "l2": b}}``.
+
+    Coefficients must be finite and non-negative; unknown keys are errors.
+    """
+    if penalty is not None and not isinstance(penalty, Mapping):
+        raise UnsupportedOptionError(
+            f"penalty={reprlib.repr(penalty)} must be a dict by weight name: {{'coef': 0.1}} "
+            "(L2) or {'coef': {'l1': 0.01, 'l2': 0.1}}.")
+    normalized: dict[str, dict[str, float]] = {}
+    for name, spec in (penalty or {}).items():
+        if not isinstance(name, str):
+            raise UnsupportedOptionError(
+                f"Penalty keys are weight names; {name!r} is a {type(name).__name__}.")
+        if isinstance(spec, Mapping):
+            unknown = sorted(set(spec) - {"l1", "l2"})
+            if unknown:
+                raise UnsupportedOptionError(
+                    f"Penalty on {name!r} has unknown key {unknown[0]!r}; use 'l1' and/or 'l2', "
+                    f"e.g. {{{name!r}: {{'l1': 0.01, 'l2': 0.1}}}}."
+                )
+            coefficients = {"l1": spec.get("l1", 0.0), "l2": spec.get("l2", 0.0)}
+        else:
+            coefficients = {"l1": 0.0, "l2": spec}
+        for kind, value in coefficients.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = float("nan")
+            if not (np.isfinite(number) and number >= 0):
+                raise UnsupportedOptionError(
+                    f"Penalty coefficient {kind}={value!r} on {name!r} must be a finite "
+                    "number >= 0."
+                )
+            coefficients[kind] = number
+        normalized[name] = coefficients
+    return normalized
+
+
+def penalty_terms(b: GraphBuilder, weight: str, coefficients: Mapping[str, float], dtype: Any,
+                  hint: str) -> list[str]:
+    """``[a sum|W|, b sum W^2]`` for ``weight``, without the zero terms."""
+    terms = []
+    for kind, reduce_op in _REDUCTIONS:
+        if coefficients.get(kind, 0.0) > 0:
+            norm = b.reduce(reduce_op, weight, keepdims=0, hint=f"{hint}_{kind}")
+            coefficient = b.const(coefficients[kind], dtype, f"{hint}_{kind}_coef")
+            terms.append(b.Mul(norm, coefficient, hint=f"{hint}_{kind}_penalty"))
+    return terms
+
+
+def penalty_gradient(b: GraphBuilder, weight: str, coefficients: Mapping[str, float],
+                     dtype: Any) -> str:
+    """``a sign(W) + 2 b W``; ``0 W`` when both coefficients are zero."""
+    l1, l2 = float(coefficients.get("l1", 0.0)), float(coefficients.get("l2", 0.0))
+    grads = []
+    if l1:
+        grads.append(b.Mul(b.Sign(weight), b.const(l1, dtype, "l1")))
+    if l2:
+        grads.append(b.Mul(weight, b.const(2.0 * l2, dtype, "two_l2")))
+    if not grads:
+        return b.Mul(weight, b.const(0.0, dtype, "zero"))
+    return grads[0] if len(grads) == 1 else b.Add(*grads)

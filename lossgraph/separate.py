@@ -1,0 +1,169 @@
+"""The graphs of ``fuse="separate"``: the reference documents' forward/backward design.
+
+A separate-mode program trains with four graphs that a runner chains itself::
+
+    gradient (x, weights..., prediction_grad) -> (prediction, <w>_grad...)     model VJP
+    loss     (prediction, label[, weight])    -> (loss, prediction_grad)
+    penalty  (penalized weights...)           -> (penalty, <w>_penalty_grad...)   optional
+    update   (learning_rate, step, <w>, <w>_grad, <w states>...) -> (<w>_new, <state>_new...)
+
+with the penalty and the update (:mod:`lossgraph.optim`)::
+
+    penalty(W)      = a sum|W| + b sum W^2       penalty_grad(W) = a sign(W) + 2 b W
+
+``update`` is IR 10 and standard ONNX ops only, so it runs on onnxruntime-training 1.19
+and on current onnxruntime alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .builder import GraphBuilder, standalone_model
+from .errors import UnknownNameError, UnsupportedOptionError, suggest
+from .names import NameAuthority
+from .optim import Optimizer
+from .passes.gradient import Gradient
+from .passes.loss import AddLossOutput
+from .penalties import parse_penalty, penalty_gradient, penalty_terms
+from .signature import Signature
+from .target import check_opset_option
+from .validation import weights_dtype
+
+__all__ = ["separate_graphs", "penalty_graph", "update_graph"]
+
+
+def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: str,
+                    options: Mapping[str, Any], penalty: Mapping[str, Any] | None,
+                    initial: Mapping[str, np.ndarray], optimizer: Optimizer, backend: str,
+                    signature: Signature) -> dict[str, onnx.ModelProto]:
+    """The four graphs for ``predict`` (weights as inputs) and ``loss`` with ``options``.
+
+    ``signature`` is completed with the update graph's names.
+    """
+    prediction = roles["prediction"]
+    weights = list(initial)
+    model_gradient = Gradient(weights, outputs=[prediction], backend=backend)(predict).model
+    value = next(o for o in predict.graph.output if o.name == prediction)
+    names = NameAuthority({prediction, roles["label"], roles.get("weight", "")})
+    copy_name = names.fresh(f"{prediction}_copy")
+    identity = helper.make_model(
+        helper.make_graph([helper.make_node("Identity", [prediction], [copy_name])], "loss",
+                          [value], [helper.make_value_info(copy_name, value.type)]),
+        opset_imports=[helper.make_opsetid("", 18)])
+    own = {k: v for k, v in options.items() if k not in ("output_index", "label_name")}
+    output_options = {k: own.pop(k) for k in ("loss_name", "weight_name", "reduction")
+                      if k in own}
+    loss_model = AddLossOutput(loss, label_name=roles["label"], options=own,
+                               **output_options)(identity).model
+    loss_step = Gradient([prediction], loss_name=roles["loss"], backend=backend)(loss_model)
+    graphs = {"gradient": model_gradient, "loss": loss_step.model,
+              "update": update_graph(optimizer, initial)}
+    if penalty:
+        graphs["penalty"] = penalty_graph(initial, penalty)
+    signature.gradients = {w: f"{w}_grad" for w in weights}
+    signature.states = {w: optimizer.state_names(w) for w in weights}
+    signature.new = {n: f"{n}_new" for w in weights for n in [w, *signature.states[w]]}
+    signature.prediction = prediction
+    signature.prediction_grad = loss_step.report[prediction]
+    return graphs
+
+
+def penalty_graph(weights: Mapping[str, np.ndarray], penalty: Any) -> onnx.ModelProto:
+    """The standalone penalty graph for ``penalty`` (add_loss_output's dict form).
+
+    ``weights`` maps every trainable weight's name to its value (giving dtype and
+    shape); the penalty's names must be among them. Inputs: the penalized weights in
+    the penalty's order; outputs: ``penalty`` (their sum, a scalar of the weights'
+    float type), then ``<W>_penalty_grad`` for each.
+    """
+    coefficients = parse_penalty(penalty)
+    if not coefficients:
+        raise UnsupportedOptionError(
+            "penalty_graph needs at least one penalized weight, e.g. "
+            "{'coef': {'l1': 0.01, 'l2': 0.1}}; the penalty given is empty."
+        )
+    for name in coefficients:
+        if name not in weights:
+            raise UnknownNameError(
+                f"The penalty names {name!r}, which is not a weight."
+                + suggest(name, list(weights), "weights")
+            )
+    penalized = {name: np.asarray(weights[name]) for name in coefficients}
+    dtype = weights_dtype(penalized, "penalty_graph")
+    elem_type = helper.np_dtype_to_tensor_dtype(dtype)
+    names = NameAuthority()
+    inputs = [
+        helper.make_tensor_value_info(names.claim(name, "weight name"), elem_type, value.shape)
+        for name, value in penalized.items()
+    ]
+    total_name = names.claim("penalty", "output name")
+    grad_names = {name: names.claim(f"{name}_penalty_grad", "output name") for name in penalized}
+
+    b = GraphBuilder(names, opset=18)
+    total: str | None = None
+    outputs: list[tuple[str, str, onnx.ValueInfoProto]] = []
+    for name, value in penalized.items():
+        terms = penalty_terms(b, name, coefficients[name], dtype, hint=name)
+        term = (b.Add(*terms) if len(terms) > 1 else terms[0]) if terms else b.const(
+            0.0, dtype, "zero")
+        total = term if total is None else b.Add(total, term)
+        grad = penalty_gradient(b, name, coefficients[name], dtype)
+        info = helper.make_tensor_value_info(grad_names[name], elem_type, value.shape)
+        outputs.append((grad, grad_names[name], info))
+    assert total is not None
+    outputs.insert(0, (total, total_name, helper.make_tensor_value_info(total_name, elem_type, [])))
+    return standalone_model(b, "penalty", inputs, outputs, 18)
+
+
+def update_graph(
+    optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset: int = 18
+) -> onnx.ModelProto:
+    """The standalone update graph of ``optimizer`` for ``weights`` (name -> initial value).
+
+    Inputs: ``learning_rate`` (a scalar of the weights' float type: the schedule's value
+    for this update), ``step`` (int64 scalar, the 1-based update number; Adam and AdamW
+    read it), then per weight ``w``, ``w_grad``, its states
+    (:meth:`Optimizer.state_names`); outputs per weight ``w_new`` then ``<state>_new``.
+    A runner feeds the outputs back as the next step's inputs.
+    """
+    if not isinstance(optimizer, Optimizer):
+        raise UnsupportedOptionError(
+            f"optimizer must be a lossgraph.optim optimizer (SGD, Momentum, Adam, AdamW), "
+            f"not {optimizer!r}."
+        )
+    check_opset_option(opset)
+    dtype = weights_dtype(weights, "update_graph")
+    elem_type = helper.np_dtype_to_tensor_dtype(dtype)
+    names = NameAuthority()
+    inputs = [
+        helper.make_tensor_value_info(names.claim("learning_rate", "input name"), elem_type, []),
+        helper.make_tensor_value_info(names.claim("step", "input name"), TensorProto.INT64, []),
+    ]
+    plan: list[tuple[str, str, list[str], list[str], tuple[int, ...]]] = []
+    for weight, value in weights.items():
+        shape = np.shape(value)
+        states = optimizer.state_names(weight)
+        for name in (weight, f"{weight}_grad", *states):
+            names.claim(name, "weight, gradient or state name")
+            inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        plan.append((weight, f"{weight}_grad", states, [], shape))
+    for weight, _, states, out_names, _ in plan:
+        for name in (weight, *states):
+            out_names.append(names.claim(f"{name}_new", "output name"))
+
+    b = GraphBuilder(names, opset)
+    outputs: list[tuple[str, str, onnx.ValueInfoProto]] = []
+    for weight, grad, states, out_names, shape in plan:
+        new_weight, new_states = optimizer.emit_update(
+            b, weight, grad, states, "learning_rate", "step", dtype
+        )
+        for value, out_name in zip([new_weight, *new_states], out_names):
+            info = helper.make_tensor_value_info(out_name, elem_type, shape)
+            outputs.append((value, out_name, info))
+    return standalone_model(b, f"{type(optimizer).__name__}_update", inputs, outputs, opset)

@@ -1,0 +1,95 @@
+"""Signature: who is who among a training graph's inputs and outputs.
+
+The fusion passes record it in the graph's metadata (:data:`lossgraph.metadata.SIGNATURE_KEY`)
+so that the next pass, and the manifest, read the names instead of guessing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+
+from .errors import UnsupportedModelError
+from .metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json, write_json
+from .roles import get_roles
+
+__all__ = ["Signature"]
+
+
+@dataclass
+class Signature:
+    """The names of a training graph's inputs and outputs, by what they are."""
+
+    features: list[str]
+    label: str
+    sample_weight: str | None
+    loss: str
+    weights: list[str]
+    states: dict[str, list[str]] = field(default_factory=dict)  # weight -> its state names
+    gradients: dict[str, str] = field(default_factory=dict)  # weight -> gradient value
+    learning_rate: str = "learning_rate"
+    step: str = "step"
+    new: dict[str, str] = field(default_factory=dict)  # weight or state -> its output name
+    permutation: str | None = None  # epoch graphs only
+    learning_rates: str | None = None
+    losses: str | None = None
+    prediction: str | None = None  # separate graphs only
+    prediction_grad: str | None = None
+    unpacked: Signature | None = None  # packed graphs only: the per-weight signature
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # packed: weight -> shape
+
+    @classmethod
+    def of_gradient_model(cls, model: onnx.ModelProto) -> Signature:
+        """The signature of a loss model with gradients (weights as inputs): roles from
+        ``add_loss_output``, weights and gradients from the gradient pass."""
+        roles = get_roles(model)
+        gradients = read_json(model, GRADIENTS_KEY)
+        if not gradients or "loss" not in roles:
+            raise UnsupportedModelError(
+                "A training graph is built from a loss model with gradients: the model records "
+                "no loss (lossgraph.add_loss_output) or no gradients (lossgraph.gradient with "
+                "its weights as inputs).")
+        data = {roles["label"], roles.get("weight"), *gradients}
+        features = [i.name for i in model.graph.input if i.name not in data]
+        return cls(features=features, label=roles["label"], sample_weight=roles.get("weight"),
+                   loss=roles["loss"], weights=list(gradients), gradients=dict(gradients))
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> Signature:
+        """The signature recorded in ``model`` by a fusion pass, else the gradient model's."""
+        recorded = read_json(model, SIGNATURE_KEY)
+        return cls.from_dict(recorded) if recorded else cls.of_gradient_model(model)
+
+    def record(self, model: onnx.ModelProto) -> None:
+        """Write this signature into ``model``'s metadata, in place."""
+        write_json(model, SIGNATURE_KEY, self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Signature:
+        unpacked = record.get("unpacked")
+        return cls(**{**record, "unpacked": cls.from_dict(unpacked) if unpacked else None})
+
+    @property
+    def data(self) -> list[str]:
+        """The per-row inputs: features, label, sample weight."""
+        return [*self.features, self.label, *([self.sample_weight] if self.sample_weight else [])]
+
+    @property
+    def state_names(self) -> list[str]:
+        """Every optimizer state, weight by weight."""
+        return [s for w in self.weights for s in self.states.get(w, [])]
+
+    def members(self, flat: str) -> list[str]:
+        """Packed graphs: the per-weight values that the flat weight or state ``flat`` holds."""
+        unpacked = self.unpacked
+        assert unpacked is not None, "only packed signatures have members"
+        if flat in self.weights:
+            return list(unpacked.weights)
+        index = self.state_names.index(flat)
+        return [unpacked.states[w][index] for w in unpacked.weights]

@@ -1,0 +1,129 @@
+"""One word per idea (docs/concepts.md), and the previous release's spellings still working
+with a LossgraphDeprecationWarning (the suite turns that warning into an error elsewhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+
+import lossgraph
+from lossgraph.cli import main
+from lossgraph.errors import LossgraphDeprecationWarning, UnsupportedOptionError
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
+
+
+@pytest.fixture
+def linear() -> onnx.ModelProto:
+    return onnx.load(GOLDEN / "hand_linear.onnx")
+
+
+def same_graphs(a: lossgraph.TrainingProgram, b: lossgraph.TrainingProgram) -> bool:
+    return all(a.graphs[n].SerializeToString() == b.graphs[n].SerializeToString()
+               for n in a.graphs) and a.graphs.keys() == b.graphs.keys()
+
+
+def test_lossgraph_compile_is_compile_program_with_a_warning(linear):
+    with pytest.warns(LossgraphDeprecationWarning, match="use lossgraph.compile_program"):
+        old = lossgraph.compile
+    assert old is lossgraph.compile_program
+
+
+@pytest.mark.parametrize("old, new, value", [("trainable", "weights", ["W"]),
+                                             ("gradient", "backend", "onnx")])
+def test_old_compile_keywords_give_the_same_program_with_a_warning(linear, old, new, value):
+    expected = lossgraph.compile_program(linear, **{new: value})
+    with pytest.warns(LossgraphDeprecationWarning, match=f"{old}=.*use {new}="):
+        program = lossgraph.compile_program(linear, **{old: value})
+    assert same_graphs(program, expected)
+
+
+def test_an_old_and_a_new_keyword_together_are_an_error(linear):
+    with pytest.raises(UnsupportedOptionError, match="both trainable= and weights="):
+        lossgraph.compile_program(linear, trainable=["W"], weights=["W"])
+
+
+@pytest.mark.parametrize("old, new", [("wrt", "weights"), ("loss", "loss_name")])
+def test_old_gradient_keywords_work_with_a_warning(linear, old, new):
+    with_loss = lossgraph.add_loss_output(linear)
+    value = ["W"] if new == "weights" else "loss"
+    expected = lossgraph.gradient(with_loss, **{new: value})
+    with pytest.warns(LossgraphDeprecationWarning, match=f"gradient\\({old}="):
+        graph = lossgraph.gradient(with_loss, **{old: value})
+    assert graph.SerializeToString() == expected.SerializeToString()
+
+
+@pytest.mark.parametrize("old, new", [("log", "binary_log_loss"),
+                                      ("cross_entropy", "multiclass_log_loss")])
+def test_old_loss_names_build_the_same_loss_with_a_warning(old, new):
+    columns = 1 if new == "binary_log_loss" else 3
+    model = onnx.parser.parse_model(f"""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, {columns}] p) => (float[N, {columns}] q) {{ q = Identity(p) }}""")
+    expected = lossgraph.add_loss_output(model, new)
+    with pytest.warns(LossgraphDeprecationWarning, match=f"'{old}'.*'{new}'"):
+        built = lossgraph.add_loss_output(model, old)
+    assert built.SerializeToString() == expected.SerializeToString()
+
+
+def test_score_name_is_the_reference_documents_spelling_and_stays(linear, recwarn):
+    with_score_name = lossgraph.add_loss_output(linear, score_name="elastic", l1_weight=0.1,
+                                                l2_weight=0.9)
+    with_loss = lossgraph.add_loss_output(linear, loss="elastic", l1_weight=0.1, l2_weight=0.9)
+    assert with_score_name.SerializeToString() == with_loss.SerializeToString()
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+    with pytest.raises(UnsupportedOptionError, match="pass one of them"):
+        lossgraph.add_loss_output(linear, loss="huber", score_name="elastic")
+
+
+def test_alphabetize_initializers_takes_weights(linear):
+    renamed, mapping = lossgraph.alphabetize_initializers(linear, weights=["W", "B"])
+    assert list(mapping) == ["W", "B"]
+    with pytest.warns(LossgraphDeprecationWarning, match="names="):
+        assert lossgraph.alphabetize_initializers(linear, names=["W", "B"])[1] == mapping
+
+
+@pytest.mark.parametrize("command, old, new", [
+    (["add-loss"], ["--score", "huber"], ["--loss", "huber"]),
+    (["add-loss"], ["--weight", "w"], ["--weight-name", "w"]),
+    (["gradient"], ["--wrt", "W"], ["--weights", "W"]),
+    (["gradient"], ["--loss", "loss"], ["--loss-name", "loss"]),
+])
+def test_old_command_line_options_work_with_a_warning(tmp_path, linear, capsys, command, old,
+                                                     new):
+    source = tmp_path / "model.onnx"
+    model = lossgraph.add_loss_output(linear) if command == ["gradient"] else linear
+    onnx.save(model, source)
+    outputs = []
+    for options, name in ((new, "new.onnx"), (old, "old.onnx")):
+        assert main([*command, str(source), "-o", str(tmp_path / name), *options]) == 0
+        outputs.append((tmp_path / name).read_bytes())
+    assert outputs[0] == outputs[1]
+    err = capsys.readouterr().err
+    assert f"warning: {old[0]} is deprecated" in err and f"use {new[0]}" in err
+
+
+def test_old_compile_options_on_the_command_line(tmp_path, linear, capsys):
+    source = tmp_path / "model.onnx"
+    onnx.save(linear, source)
+    assert main(["compile", str(source), "-o", str(tmp_path / "p"), "--trainable", "W",
+                 "--gradient", "onnx"]) == 0
+    err = capsys.readouterr().err
+    assert "--trainable is deprecated" in err and "--gradient is deprecated" in err
+    assert lossgraph.TrainingProgram.load(tmp_path / "p").weights == ["W"]
+
+
+def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
+    text = lossgraph.describe_plan(linear, fuse="epoch", weights=["W"])
+    lines = {name.strip(): passes for name, passes in
+             (line.split(" = ", 1) for line in text.splitlines())}
+    assert list(lines) == ["evaluate", "predict", "train_step", "train_epoch_ordered",
+                           "train_epoch"]
+    assert lines["train_epoch"].startswith("loss model -> WeightsToInputs(weights=('W',)) -> "
+                                           "Gradient(weights=('W',)) -> PackWeights(")
+    assert lines["train_epoch"].endswith("-> EpochGraph")
+    assert lines["train_epoch_ordered"].endswith("-> EpochGraph(shuffled=False)")
+    program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
+    assert list(program.graphs) == list(lines)

@@ -31,7 +31,6 @@ __all__ = [
     "consumers",
     "stored_tensors",
     "shortest_path",
-    "value_types",
     "elem_type_name",
     "np_dtype",
     "opset_version",
@@ -281,11 +280,6 @@ def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
         if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
             return np.array(helper.get_attribute_value(attribute))
     return None
-
-
-def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """The type of every top-level value of ``model``: ``ForwardFacts.of(model).types``."""
-    return ForwardFacts.of(model).types
 
 
 def known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:

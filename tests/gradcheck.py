@@ -131,7 +131,7 @@ def check_gradients(
     eps = eps if eps is not None else (1e-6 if double else 1e-2)
     with_loss = loss_model(model, inputs, output, basic_optimizations)
 
-    graph = gradient(with_loss, wrt=list(wrt), loss="gradcheck_loss")
+    graph = gradient(with_loss, weights=list(wrt), loss_name="gradcheck_loss")
     foreign = {n.domain for n in graph.graph.node if n.domain not in ("", "ai.onnx")}
     assert not foreign, f"onnx backend emitted non-standard domains {foreign}"
     grad_outputs = [f"{w}_grad" for w in wrt]
@@ -197,7 +197,7 @@ def _compare_with_ort(with_loss, inputs, wrt, grads, ort, rtol, atol) -> None:
                   for k, v in inputs.items()}
         rtol, atol = max(rtol, 1e-4), max(atol, 1e-4)
     try:
-        graph = gradient(with_loss, wrt=list(wrt), loss="gradcheck_loss", backend="ort")
+        graph = gradient(with_loss, weights=list(wrt), loss_name="gradcheck_loss", backend="ort")
         session = _session(graph)
     except RuntimeUnavailableError:
         return  # plain onnxruntime: nothing to compare with

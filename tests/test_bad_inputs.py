@@ -244,7 +244,8 @@ CASES: list[Case] = [
          InvalidModelError, "notes.onnx' is not an ONNX model"),
     Case("file-truncated", "the first half of a model file",
          truncated, InvalidModelError, "cut.onnx' is not an ONNX model, or is cut short"),
-    Case("file-empty", "an empty file", lambda c: lossgraph.compile_program(c.file("empty.onnx", b"")),
+    Case("file-empty", "an empty file",
+         lambda c: lossgraph.compile_program(c.file("empty.onnx", b"")),
          InvalidModelError, "empty.onnx' is empty"),
     Case("bytes-empty", "empty bytes", lambda c: lossgraph.compile_program(b""),
          InvalidModelError, "serialized model is empty"),
@@ -351,7 +352,7 @@ CASES: list[Case] = [
          lambda c: c.program(loss="squred_error"), UnsupportedOptionError,
          "Did you mean 'squared_error'"),
     Case("loss-wrong-type", "loss=3", lambda c: c.program(loss=3), UnsupportedOptionError,
-         "loss=3 must be a score name"),
+         "loss=3 must be a loss name"),
     Case("loss-options-unknown-key", "loss_options={'dleta': 2.0} for huber",
          lambda c: c.program(loss="huber", loss_options={"dleta": 2.0}),
          UnsupportedOptionError, "no key 'dleta'"),
@@ -703,7 +704,8 @@ def test_a_single_callable_is_one_callback():
 
 
 def test_zero_epochs_train_nothing():
-    trainer = lossgraph.Trainer(lossgraph.compile_program(linear())).fit(X, Y, epochs=0, progress=False)
+    trainer = lossgraph.Trainer(lossgraph.compile_program(linear())).fit(X, Y, epochs=0,
+                                                                         progress=False)
     assert trainer.steps_ == 0 and trainer.train_losses_ == []
 
 

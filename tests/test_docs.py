@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lossgraph.autodiff import scoped_rules
 from lossgraph.autodiff.table import markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,8 @@ BLOCKS = [(page, index, code) for page in PAGES
                          ids=[f"{p.relative_to(ROOT)}[{i}]" for p, i, _ in BLOCKS])
 def test_python_example_runs(page, index, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # examples may write files
-    exec(compile(code, f"{page.name}[{index}]", "exec"), {"__name__": "__doc_example__"})
+    with scoped_rules():  # a rule an example registers stays in the example
+        exec(compile(code, f"{page.name}[{index}]", "exec"), {"__name__": "__doc_example__"})
 
 
 def test_demo_runs(capsys):

@@ -64,7 +64,7 @@ def _numpy_linear_grads(feeds):
 
 def test_scalar_loss_mode_adds_one_grad_output_per_weight_in_wrt_order(linear, run_model,
                                                                       linear_feeds):
-    result = gradient(linear, wrt=["b", "w"])
+    result = gradient(linear, weights=["b", "w"])
     assert [o.name for o in result.graph.output] == ["loss", "y", "b_grad", "w_grad"]
     assert [i.name for i in result.graph.input] == ["x", "label"]
     outputs = run_model(result, linear_feeds)
@@ -82,7 +82,7 @@ def test_default_wrt_is_the_trainable_initializers(linear):
 
 def test_vector_jacobian_mode_takes_the_output_gradient_as_an_input(linear, run_model,
                                                                     linear_feeds, rng):
-    result = gradient(linear, wrt=["w", "b"], outputs=["y"])
+    result = gradient(linear, weights=["w", "b"], outputs=["y"])
     assert [i.name for i in result.graph.input] == ["x", "label", "y_grad"]
     y_grad = rng.normal(size=(6, 2)).astype(np.float32)
     outputs = run_model(result, {**linear_feeds, "y_grad": y_grad})
@@ -91,7 +91,7 @@ def test_vector_jacobian_mode_takes_the_output_gradient_as_an_input(linear, run_
 
 
 def test_gradient_with_respect_to_a_graph_input(linear, run_model, linear_feeds):
-    result = gradient(linear, wrt=["x"])
+    result = gradient(linear, weights=["x"])
     w = np.array([[1, 2], [3, 4], [5, 6]], np.float32)
     d = linear_feeds["x"] @ w + [0.5, -0.5] - linear_feeds["label"]
     np.testing.assert_allclose(run_model(result, linear_feeds)["x_grad"], 2 * d @ w.T, rtol=1e-5)
@@ -111,9 +111,9 @@ def test_a_weight_that_does_not_influence_the_loss_is_an_error_not_zeros(run_mod
     model = onnx.parser.parse_model(TWO_OUTPUTS)
     with pytest.raises(NoGradientError, match="No gradient reaches 'c': it does not influence "
                                               "'loss' at all"):
-        gradient(model, wrt=["a", "c"])
+        gradient(model, weights=["a", "c"])
     x = rng.normal(size=(3, 2)).astype(np.float32)
-    outputs = run_model(gradient(model, wrt=["a"]), {"x": x})
+    outputs = run_model(gradient(model, weights=["a"]), {"x": x})
     np.testing.assert_allclose(outputs["a_grad"], x.sum(axis=0), rtol=1e-6)
 
 
@@ -130,7 +130,7 @@ def test_training_a_weight_no_gradient_reaches_is_refused_when_compiling():
           y = Mul(b, a) }
     """)
     with pytest.raises(NoGradientError, match="No gradient reaches 'c'.*\\[Shape\\] blocks"):
-        lossgraph.compile(model, trainable=["a", "c"])
+        lossgraph.compile_program(model, weights=["a", "c"])
 
 
 def test_the_default_weights_are_those_that_reach_the_differentiated_output():
@@ -167,7 +167,7 @@ def test_a_weight_reaching_the_loss_only_through_non_differentiable_values_is_na
     """)
     next(n for n in model.graph.node if n.op_type == blocking).name = "block"
     with pytest.raises(NoGradientError) as info:
-        gradient(model, wrt=["w"])
+        gradient(model, weights=["w"])
     message = str(info.value)
     assert "No gradient reaches 'w': it influences 'loss' only through values that carry no " \
            "gradient" in message
@@ -185,7 +185,7 @@ def test_a_value_used_twice_gets_one_sum_of_its_contributions(run_model, rng):
           u = Add(z, y)
           loss = ReduceSum <keepdims = 0> (u) }
     """)
-    result = gradient(model, wrt=["a"])
+    result = gradient(model, weights=["a"])
     added = [n for n in result.graph.node if n.name.startswith("grad/")]
     assert sum(n.op_type == "Sum" for n in added) == 1
     x = rng.normal(size=(4, 2)).astype(np.float32)
@@ -213,7 +213,7 @@ def test_a_bias_gradient_sums_its_batch_in_the_fastest_form(run_model, rng, outp
             loss = ReduceSum <keepdims = 0> (s)
         }}
     """)
-    result = gradient(model, wrt=["b"])
+    result = gradient(model, weights=["b"])
     producers = {o: n for n in result.graph.node for o in n.output}
     summing = producers["b_grad"]
     while summing.op_type in ("Reshape", "Identity"):
@@ -236,7 +236,7 @@ def test_no_gradient_work_for_values_off_the_path(rng):
           y = Mul(q, a)
           loss = ReduceSum <keepdims = 0> (y) }
     """)
-    added = [n for n in gradient(model, wrt=["a"]).graph.node if n.name.startswith("grad/")]
+    added = [n for n in gradient(model, weights=["a"]).graph.node if n.name.startswith("grad/")]
     assert not any({"x", "p", "c"} & set(n.input) for n in added)  # nothing flows towards c
     assert "Exp" not in {n.op_type for n in added}
 
@@ -248,7 +248,7 @@ def test_gradient_graph_uses_standard_onnx_ops_only(linear):
 
 def test_taken_grad_name_gets_a_fresh_one_recorded_in_metadata():
     model = onnx.parser.parse_model(LINEAR.replace("d = Sub", "w_grad = Identity(y)\n d = Sub"))
-    result = gradient(model, wrt=["w"])
+    result = gradient(model, weights=["w"])
     mapping = json.loads(dict((p.key, p.value) for p in result.metadata_props)[GRADIENTS_KEY])
     assert mapping == {"w": "w_grad_1"}
     assert result.graph.output[-1].name == "w_grad_1"
@@ -268,7 +268,7 @@ def test_missing_rule_names_the_op_node_and_path():
     """)
     model.graph.node[1].name = "frob"
     with pytest.raises(MissingGradientError) as info:
-        gradient(model, wrt=["a"], loss="loss")
+        gradient(model, weights=["a"], loss_name="loss")
     message = str(info.value)
     assert "'Frobnicate'" in message and "'frob'" in message
     assert "a -> [Mul] -> y -> [Frobnicate 'frob'] -> z -> [ReduceSum] -> loss" in message
@@ -297,7 +297,7 @@ def test_users_can_register_a_rule_for_their_own_op(run_model, rng):
         (x,) = node.inputs
         return g.Mul(dy, g.Mul(g.const_like(3.0, x), g.Mul(x, x)))
 
-    result = gradient(model, wrt=["a"])
+    result = gradient(model, weights=["a"])
     cube_node = [n for n in result.graph.node if n.op_type == "Cube"]
     assert len(cube_node) == 1  # the forward op, not differentiated into more custom ops
     assert any(r.op_type == "Cube" and r.domain == "my.domain" for r in supported_ops(None))
@@ -336,7 +336,7 @@ def test_a_rule_breaking_the_contract_is_an_error_naming_op_node_rule_and_counts
     model = onnx.parser.parse_model(CONTRACT_MODEL)
     model.graph.node[0].name = "scaler"
     with pytest.raises(InvalidRuleError) as info:
-        gradient(model, wrt=["w"])
+        gradient(model, weights=["w"])
     message = str(info.value)
     assert "for op 'Scale' (node 'scaler')" in message
     assert f"{rule.__module__}.{rule.__qualname__}" in message
@@ -352,7 +352,7 @@ def test_a_rule_may_answer_a_value_read_twice_at_one_position():
     grad_rule("Scale", domain="contract.test")(square)
     model = onnx.parser.parse_model(CONTRACT_MODEL.replace("Scale(x, w)", "Scale(w, w)")
                                     .replace("(float[N, 2] x)", "(float[2] x)"))
-    result = gradient(model, wrt=["w"])
+    result = gradient(model, weights=["w"])
     producer = next(n for n in result.graph.node if "w_grad" in n.output)
     assert producer.op_type == "Mul"  # the rule's 2 dy w, the only contribution
 
@@ -363,7 +363,7 @@ def test_a_rule_giving_a_gradient_for_an_input_it_declares_nondiff_is_an_error()
     with pytest.raises(InvalidRuleError, match="returned a gradient for input 0 \\('x'\\), which "
                                                "its registration declares non-differentiable "
                                                "\\(nondiff=\\(0,\\)\\)"):
-        gradient(model, wrt=["w"])
+        gradient(model, weights=["w"])
 
 
 def test_an_input_declared_nondiff_carries_no_gradient_for_the_walker_and_the_analyses():
@@ -376,17 +376,17 @@ def test_an_input_declared_nondiff_carries_no_gradient_for_the_walker_and_the_an
     assert trainable_initializers(model) == []
     with pytest.raises(NoGradientError, match="'w' enters it as input 1, which carries no "
                                               "gradient"):
-        gradient(model, wrt=["w"])
+        gradient(model, weights=["w"])
 
 
 @pytest.mark.parametrize(("kwargs", "error", "pattern"), [
-    ({"wrt": ["ww"]}, UnknownNameError, "Did you mean 'w'"),
-    ({"wrt": ["axes"]}, DTypeMismatchError, "int64"),
-    ({"wrt": ["w", "w"]}, UnsupportedOptionError, "twice"),
-    ({"loss": "los"}, UnknownNameError, "Did you mean 'loss'"),
-    ({"loss": "y"}, ShapeMismatchError, "scalar"),
+    ({"weights": ["ww"]}, UnknownNameError, "Did you mean 'w'"),
+    ({"weights": ["axes"]}, DTypeMismatchError, "int64"),
+    ({"weights": ["w", "w"]}, UnsupportedOptionError, "twice"),
+    ({"loss_name": "los"}, UnknownNameError, "Did you mean 'loss'"),
+    ({"loss_name": "y"}, ShapeMismatchError, "scalar"),
     ({"outputs": ["z"]}, UnknownNameError, "not an output"),
-    ({"outputs": ["y"], "loss": "loss"}, UnsupportedOptionError, "not both"),
+    ({"outputs": ["y"], "loss_name": "loss"}, UnsupportedOptionError, "not both"),
     ({"backend": "torch"}, UnsupportedOptionError, "'onnx' or 'ort'"),
 ])
 def test_bad_arguments_raise_clear_errors(linear, kwargs, error, pattern):
@@ -452,7 +452,7 @@ def test_golden_mlp_regressor_gradients_equal_scikit_learns_backprop(run_model, 
     # scikit-learn minimizes MSE/2 + alpha/(2n) sum W^2: twice that is our loss below.
     penalty = {"coefficient": est.alpha / n, "coefficient1": est.alpha / n}
     model = add_loss_output(recipes.GOLDEN_DIR / f"{name}.onnx", penalty=penalty)
-    result = gradient(model, wrt=["coefficient", "intercepts", "coefficient1", "intercepts1"])
+    result = gradient(model, weights=["coefficient", "intercepts", "coefficient1", "intercepts1"])
     outputs = run_model(result, {"X": X, "label": y.reshape(-1, 1).astype(X.dtype)})
     coef_grads, intercept_grads = _sklearn_backprop(est, X.astype(np.float64),
                                                     y.reshape(-1, 1).astype(np.float64))
@@ -469,9 +469,9 @@ def test_golden_mlp_classifier_gradients_equal_scikit_learns_backprop(run_model)
     X, y, _, _ = recipes.dataset(name)
     n = X.shape[0]
     penalty = {"coefficient": est.alpha / (2 * n), "coefficient1": est.alpha / (2 * n)}
-    model = add_loss_output(recipes.GOLDEN_DIR / f"{name}.onnx", "cross_entropy",
+    model = add_loss_output(recipes.GOLDEN_DIR / f"{name}.onnx", "multiclass_log_loss",
                             penalty=penalty)
-    result = gradient(model, wrt=["coefficient", "intercepts", "coefficient1", "intercepts1"])
+    result = gradient(model, weights=["coefficient", "intercepts", "coefficient1", "intercepts1"])
     label = np.searchsorted(est.classes_, y).astype(np.int64)
     outputs = run_model(result, {"X": X, "label_1": label})
     Y = est._label_binarizer.transform(y).astype(np.float64)
@@ -482,8 +482,10 @@ def test_golden_mlp_classifier_gradients_equal_scikit_learns_backprop(run_model)
             outputs[f"{ours}_grad"].shape), rtol=2e-4, atol=1e-6, err_msg=ours)
 
 
-SCORE_FOR = {"skl_logistic_binary": "log", "skl_logistic_multiclass": "cross_entropy",
-             "skl_sgd_classifier": "cross_entropy", "skl_mlp_classifier": "cross_entropy"}
+SCORE_FOR = {"skl_logistic_binary": "binary_log_loss",
+             "skl_logistic_multiclass": "multiclass_log_loss",
+             "skl_sgd_classifier": "multiclass_log_loss",
+             "skl_mlp_classifier": "multiclass_log_loss"}
 
 
 # skl2onnx writes SGDClassifier's one-vs-rest probabilities as 1 / (1 + Exp(-s)); this

@@ -181,7 +181,8 @@ def test_cross_entropy_equals_scikit_learn(run_model, rng, dtype, weighted):
 def test_cross_entropy_from_logits_uses_a_stable_log_softmax(run_model, rng):
     z = rng.normal(size=(30, 3)) * 50
     y = rng.integers(0, 3, size=30)
-    model = add_loss_output(identity_model("N, 3", "double"), "multiclass_log_loss", from_logits=True)
+    model = add_loss_output(identity_model("N, 3", "double"), "multiclass_log_loss",
+                            from_logits=True)
     shifted = z - z.max(axis=1, keepdims=True)
     log_softmax = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     expected = -log_softmax[np.arange(30), y].mean()

@@ -273,13 +273,13 @@ def test_softmax_rule_cleans_nan_only_where_a_where_selects_from_it():
         <ir_version: 8, opset_import: ["" : 13]>
         g (double[3, 4] x) => (double[3, 4] y) { y = Softmax(x) }
     """
-    ops = {n.op_type for n in gradient(loss_model(plain, {"x": np.ones((3, 4))}), wrt=["x"],
-                                       loss="gradcheck_loss").graph.node}
+    ops = {n.op_type for n in gradient(loss_model(plain, {"x": np.ones((3, 4))}), weights=["x"],
+                                       loss_name="gradcheck_loss").graph.node}
     assert not {"Where", "IsNaN"} & ops
     masked = plain.replace("y = Softmax(x)", "p = Softmax(x)\n c = Cast <to = 11> (p)\n"
                            " m = Greater(x, x)\n y = Where(m, x, c)")
-    ops = {n.op_type for n in gradient(loss_model(masked, {"x": np.ones((3, 4))}), wrt=["x"],
-                                       loss="gradcheck_loss").graph.node}
+    ops = {n.op_type for n in gradient(loss_model(masked, {"x": np.ones((3, 4))}), weights=["x"],
+                                       loss_name="gradcheck_loss").graph.node}
     assert "IsNaN" in ops
 
 

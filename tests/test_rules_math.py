@@ -227,7 +227,8 @@ def test_pow_at_a_zero_base_matches_torch_autograd():
     ta, tb = (torch.tensor(v, requires_grad=True) for v in (a, b))
     (torch.pow(ta, tb) * torch.tensor(cotangent((4,), F64))).sum().backward()
     net = model(signature({"a": a, "b": b}, "double[4] y"), "y = Pow(a, b)")
-    graph = gradient(loss_model(net, {"a": a, "b": b}), weights=["a", "b"], loss_name="gradcheck_loss")
+    graph = gradient(loss_model(net, {"a": a, "b": b}), weights=["a", "b"],
+                     loss_name="gradcheck_loss")
     import onnxruntime
 
     session = onnxruntime.InferenceSession(graph.SerializeToString(),

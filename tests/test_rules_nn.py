@@ -306,7 +306,7 @@ def test_golden_cnn_weight_gradients_match_torch():
     from conftest import GOLDEN_MODELS
 
     model = onnx.load(str(GOLDEN_MODELS / "torch_cnn.onnx"))
-    with_loss = lossgraph.add_loss_output(model, "cross_entropy", from_logits=True)
+    with_loss = lossgraph.add_loss_output(model, "multiclass_log_loss", from_logits=True)
     graph = lossgraph.gradient(with_loss)
     X, y, _, _ = recipes.dataset("torch_cnn")
     X, y = X[:16], y[:16]

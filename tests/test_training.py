@@ -81,8 +81,9 @@ def _batch_losses(trainer_losses_per_epoch):
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_linear_training_equals_numpy_step_for_step(data, mode, penalty, optimizer):
     X, y = data
-    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=OPTIMIZERS[optimizer],
-                                penalty=PENALTIES[penalty], fuse=mode)
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR),
+                                        optimizer=OPTIMIZERS[optimizer],
+                                        penalty=PENALTIES[penalty], fuse=mode)
     recorded = []
     trainer = lossgraph.Trainer(program)
     trainer.fit(X, y, epochs=2, batch_size=50, shuffle=False, progress=False,
@@ -162,7 +163,8 @@ def test_mlp_training_equals_torch_step_for_step(data, mode, optimizer):
     model = _mlp_model({k: v.detach().numpy() for k, v in params.items()})
     ours, make_theirs = TORCH_OPTIMIZERS[optimizer]
     l2 = 0.01
-    program = lossgraph.compile_program(model, optimizer=ours, fuse=mode, penalty={"w1": l2, "w2": l2})
+    program = lossgraph.compile_program(model, optimizer=ours, fuse=mode,
+                                        penalty={"w1": l2, "w2": l2})
     trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=40, shuffle=False,
                                              progress=False)
 

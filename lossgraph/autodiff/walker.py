@@ -205,7 +205,7 @@ def _no_gradient_message(model: onnx.ModelProto, w: str, seeds: Mapping[str, str
     targets = list(seeds)
     shown = targets[0] if len(targets) == 1 else targets
     block = gradient_block(model, w, targets, facts.types)
-    advice = (f" Remove {w!r} from the weights to differentiate or train (wrt=, trainable=); "
+    advice = (f" Remove {w!r} from the weights to differentiate or train (weights=); "
               "lossgraph.trainable_initializers(model) lists those that get a gradient.")
     if block.at < 0:
         return f"No gradient reaches {w!r}: it does not influence {shown!r} at all." + advice
@@ -271,9 +271,8 @@ def _missing_rule_message(model: onnx.ModelProto, node: Node, wrt: Sequence[str]
         f"at node {node.name or '<unnamed>'!r}, which lies on the path {path}. "
         f"Register one with @lossgraph.grad_rule({node.op_type!r}"
         + (f", domain={node.proto.domain!r}" if node.proto.domain else "")
-        + "), train only weights that do not pass through it (wrt=... in gradient, "
-        "trainable=... in compile), or use backend='ort' (gradient='ort' in compile). "
-        "lossgraph.supported_ops() lists the covered ops."
+        + "), train only weights that do not pass through it (weights=...), or use "
+        "backend='ort'. lossgraph.supported_ops() lists the covered ops."
     )
 
 

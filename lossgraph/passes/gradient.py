@@ -31,7 +31,7 @@ from onnx import helper
 
 from .. import training_build
 from ..analysis import differentiable_values, trainable_initializers
-from ..autodiff.walker import ForwardFacts, differentiate
+from ..autodiff.walker import differentiate
 from ..builder import GraphBuilder
 from ..deprecation import renamed_keywords
 from ..errors import (
@@ -42,7 +42,7 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
-from ..graphs import FLOAT_TYPES, elem_type_name, names_in_graph, rename_values
+from ..graphs import FLOAT_TYPES, ForwardFacts, elem_type_name, names_in_graph, rename_values
 from ..metadata import GRADIENTS_KEY, write_json
 from ..models import ModelLike
 from ..names import NameAuthority

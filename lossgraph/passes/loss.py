@@ -45,6 +45,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
+from ..deprecation import warn_renamed
 from ..errors import (
     DTypeMismatchError,
     ShapeMismatchError,
@@ -53,7 +54,6 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
-from ..deprecation import warn_renamed
 from ..graphs import FLOAT_TYPES, elem_type_name, np_dtype, opset_version
 from ..models import ModelLike
 from ..names import NameAuthority
@@ -222,7 +222,7 @@ def resolve_score(score_name: str, options: Mapping[str, Any],
     (``compile`` calls it ``loss``)."""
     if not isinstance(score_name, str):
         raise UnsupportedOptionError(
-            f"{option}={reprlib.repr(score_name)} must be a score name: one of "
+            f"{option}={reprlib.repr(score_name)} must be a loss name: one of "
             f"{', '.join(map(repr, [*SCORES, *_ALIASES]))}.")
     if score_name in _RENAMED:
         warn_renamed(f"{option}={score_name!r}", f"{option}={_RENAMED[score_name]!r}", 4)
@@ -231,7 +231,7 @@ def resolve_score(score_name: str, options: Mapping[str, Any],
     if canonical not in SCORES:
         raise UnsupportedOptionError(
             f"Unknown {option} {score_name!r}."
-            + suggest(score_name, [*SCORES, *_ALIASES], "score names")
+            + suggest(score_name, [*SCORES, *_ALIASES], "loss names")
         )
     score = SCORES[canonical]
     unknown = sorted(set(options) - set(score.options))

@@ -77,7 +77,7 @@ from onnx import TensorProto, numpy_helper
 
 from ..builder import GraphBuilder
 from ..errors import InvalidModelError, UnsupportedModelError
-from ..graphs import all_graphs, attribute_values, opset_version, value_types, values_read
+from ..graphs import ForwardFacts, all_graphs, attribute_values, opset_version, values_read
 from ..models import ModelLike
 from ..names import NameAuthority
 from .contract import Pass, PassResult
@@ -474,7 +474,7 @@ def _lower(model: onnx.ModelProto) -> None:
     used = values_read(graph) | {output.name for g in all_graphs(graph) for output in g.output}
     names = NameAuthority.for_model(model)
     builder = GraphBuilder(names, opset_version(model) or 13)
-    ctx = _Context(builder, value_types(model), used)
+    ctx = _Context(builder, ForwardFacts.of(model).types, used)
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         if not _is_lowered(node):

@@ -27,6 +27,13 @@ import pytest
 
 import lossgraph
 from lossgraph.optim import SGD, Adam, Momentum
+from lossgraph.optimize import (
+    FoldStaticShapes,
+    SpecializeBatch,
+    SplitRowProducts,
+    SumRowsByProduct,
+    WidenScalarConstants,
+)
 from lossgraph.passes import (
     AddLossOutput,
     AlphabetizeInitializers,
@@ -38,8 +45,6 @@ from lossgraph.passes import (
     StepGraph,
     WeightsToInputs,
 )
-from lossgraph.passes.broadcast import widen_scalar_constants
-from lossgraph.runtime.specialize import specialize_batch
 from lossgraph.separate import penalty_graph, update_graph
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
@@ -90,10 +95,16 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
     "EpochGraph": (lambda: StepGraph(Momentum(0.01, nesterov=True))(
         PackWeights(Momentum(0.01, nesterov=True))(with_gradients("hand_linear")).model).model,
         EpochGraph()),
-    "widen_scalar_constants": (lambda: step_graph_of("skl_mlp_regressor"),
-                               widen_scalar_constants),
-    "specialize_batch": (lambda: step_graph_of("skl_mlp_regressor"),
-                         lambda m: specialize_batch(m, 16)),
+    "SumRowsByProduct": (lambda: lossgraph.gradient(with_loss("skl_mlp_regressor")),
+                         SumRowsByProduct()),
+    "WidenScalarConstants": (lambda: step_graph_of("skl_mlp_regressor"), WidenScalarConstants()),
+    "FoldStaticShapes": (lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+        g (float[4, 3] x) => (float[4, 3] y, int64 n) { s = Shape(x) n = Size(x) y = Reshape(x, s) }
+        """), FoldStaticShapes()),
+    "SplitRowProducts": (lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+        g (float[1, 1000] row, float[1000, 3] m) => (float[1, 3] y) { y = MatMul(row, m) }
+        """), SplitRowProducts()),
+    "SpecializeBatch": (lambda: step_graph_of("skl_mlp_regressor"), SpecializeBatch(16)),
     "penalty_graph": (lambda: None, lambda _: penalty_graph(WEIGHTS, {"coef": {"l1": 0.1}})),
     "update_graph": (lambda: None, lambda _: update_graph(Adam(0.01), WEIGHTS)),
     **{f"compile fuse={fuse}": (lambda: golden("skl_mlp_classifier"),

@@ -37,11 +37,11 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
+from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
 from .session import checked_providers, create_session
-from .specialize import specialize_batch
 
 __all__ = ["Trainer"]
 
@@ -131,7 +131,7 @@ class Trainer:
                 for stale in [k for k in self._sessions if k[0] == graph and k[1] is not None]:
                     del self._sessions[stale]
                     self._runners.pop(stale, None)
-                model = specialize_batch(model, batch)
+                model = SpecializeBatch(batch)(model).model
             self._sessions[key] = create_session(model, self.providers, self.session_options)
         return self._sessions[key]
 

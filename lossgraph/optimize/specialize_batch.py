@@ -1,0 +1,85 @@
+"""A training graph as onnxruntime should run it for one batch size::
+
+    SpecializeBatch(batch) = fix the batch size -> FoldStaticShapes -> SplitRowProducts
+
+    batch input  x[N, ...]  ->  x[batch, ...]    (the scanned inputs of an epoch graph's
+                                                 Scan; a step graph's own data inputs)
+
+A program's ``train_step`` and ``train_epoch`` graphs serve every batch size: a step
+takes a batch of symbolic size and recomputes its shapes every time. For the one batch
+size a fit uses they are constants (:mod:`~lossgraph.optimize.fold_static_shapes`),
+and long one-row products can be split for onnxruntime's threads
+(:mod:`~lossgraph.optimize.split_row_products`). The result is for running, not for
+saving: the program keeps its general graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import onnx
+
+from ..errors import UnsupportedOptionError
+from ..graphs import opset_version, subgraphs
+from ..models import ModelLike
+from ..passes.contract import Pass, PassResult, Pipeline
+from ..target import TARGETS, Target, active_target, use_target
+from .fold_static_shapes import FoldStaticShapes
+from .split_row_products import SplitRowProducts
+
+__all__ = ["SpecializeBatch"]
+
+
+@dataclass(frozen=True)
+class SpecializeBatch(Pass):
+    """The training graph with its steps taking batches of ``batch`` rows, its shape
+    arithmetic folded and its long one-row products split (module doc)."""
+
+    batch: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise UnsupportedOptionError(
+                f"SpecializeBatch(batch={self.batch!r}): the batch size must be an int >= 1.")
+
+    def __call__(self, model: ModelLike) -> PassResult:
+        """Run for the runtimes that load ``model``: a program compiled for current
+        onnxruntime alone (a newer opset) is specialized for it too."""
+        with use_target(_loading_target(model)):
+            return super().__call__(model)
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        scans = [node for node in model.graph.node if node.op_type == "Scan"]
+        if scans:  # the Scan's batches get the static size
+            fixed = False
+            for scan in scans:
+                scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
+                body_inputs = next(subgraphs(scan)).input  # a Scan holds one graph: its body
+                fixed |= _fix_leading_dim(body_inputs[len(body_inputs) - scanned:], self.batch)
+        else:
+            fixed = _fix_leading_dim(model.graph.input, self.batch)
+        folded = Pipeline((FoldStaticShapes(), SplitRowProducts()))(model)
+        return PassResult(folded.model, folded.report or None, fixed or folded.changed)
+
+
+def _fix_leading_dim(values: Iterable[onnx.ValueInfoProto], batch: int) -> bool:
+    """Give every value of symbolic leading dimension (a batch, not a scalar or a weight)
+    the leading dimension ``batch``; True if any."""
+    fixed = False
+    for value in values:
+        dims = value.type.tensor_type.shape.dim
+        if dims and not dims[0].HasField("dim_value"):
+            dims[0].Clear()
+            dims[0].dim_value = batch
+            fixed = True
+    return fixed
+
+
+def _loading_target(model: ModelLike) -> Target:
+    """The first of :data:`~lossgraph.target.TARGETS` that loads ``model``'s opset, else
+    the active target (whose check then names the problem)."""
+    opset = opset_version(model) if isinstance(model, onnx.ModelProto) else None
+    return next((target for target in TARGETS.values()
+                 if opset is not None and target.min_opset <= opset <= target.max_opset),
+                active_target())

@@ -1,0 +1,375 @@
+"""The speed rewrites of lossgraph.optimize: each on a tiny graph, for structure and
+numbers, and as the compiler and the Trainer apply them."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from linear_data import LINEAR, linear_data
+from models import model
+
+import lossgraph
+from lossgraph.errors import UnsupportedOptionError
+from lossgraph.optim import Adam, Momentum
+from lossgraph.optimize import (
+    FoldStaticShapes,
+    SpecializeBatch,
+    SplitRowProducts,
+    SumRowsByProduct,
+    WidenScalarConstants,
+)
+from lossgraph.optimize.split_row_products import row_product_parts
+
+
+def ops(graph: onnx.GraphProto) -> list[str]:
+    return [node.op_type for node in graph.node]
+
+
+def scan_body(graph: onnx.ModelProto) -> onnx.GraphProto:
+    return next(n for n in graph.graph.node if n.op_type == "Scan").attribute[0].g
+
+
+# -- WidenScalarConstants ---------------------------------------------------------------
+
+SCALARS = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    scalars (float[N, 1] column, float[N] row) => (float[N, 1] a, float[N] b, float[N, 1] c)
+    <float two = {2.0}, float[1] three = {3.0}>
+    {
+        a = Mul(column, two)
+        b = Mul(row, two)
+        c = Add(three, column)
+    }
+"""
+
+
+def test_scalar_constants_take_the_rank_of_what_they_broadcast_against(run_model):
+    given = onnx.parser.parse_model(SCALARS)
+    result = WidenScalarConstants()(given)
+    assert result.changed
+    shapes = {t.name: list(t.dims) for t in result.model.graph.initializer}
+    a, b, c = result.model.graph.node
+    assert shapes[a.input[1]] == [1, 1] and shapes[c.input[0]] == [1, 1]
+    assert b.input[1] == "two"  # against a vector a scalar is fast: left alone
+    feeds = {"column": np.arange(6, dtype=np.float32).reshape(6, 1),
+             "row": np.arange(6, dtype=np.float32)}
+    expected = run_model(given, feeds)
+    for name, value in run_model(result.model, feeds).items():
+        assert value.shape == expected[name].shape
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_widening_nothing_to_widen_says_it_changed_nothing():
+    given = model("(float[N, 3] x) => (float[N, 3] y) <float[1, 3] k = {1, 2, 3}>",
+                  "y = Mul(x, k)")
+    result = WidenScalarConstants()(given)
+    assert not result.changed
+    assert result.model.graph.node[0].input[1] == "k"
+
+
+def test_compiled_epoch_graphs_have_their_scalars_widened_in_the_scan():
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Momentum(0.05),
+                                fuse="epoch")
+    body = scan_body(program.graphs["train_epoch_ordered"])  # compile widens every graph
+    assert any(t.name.endswith("_rank2") and list(t.dims) == [1, 1] for t in body.initializer)
+
+
+# -- FoldStaticShapes ---------------------------------------------------------------------
+
+def test_shapes_of_static_values_fold_to_constants_until_nothing_changes(run_model):
+    given = model("(float[4, 3] x) => (float[4, 3] y, int64 n, int64[1] last)",
+                  """s = Shape(x)
+                     n = Size(x)
+                     last = Shape <start = -1> (x)
+                     e = Expand(x, s)
+                     y = Reshape(e, s)""")
+    result = FoldStaticShapes()(given)
+    assert result.changed
+    assert ops(result.model.graph) == ["Constant", "Constant", "Constant", "Expand", "Identity"]
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    expected = run_model(given, {"x": x})
+    for name, value in run_model(result.model, {"x": x}).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    assert not FoldStaticShapes()(result.model).changed
+
+
+def test_shapes_of_a_symbolic_batch_are_left_to_run_time():
+    given = model("(float[N, 3] x) => (int64[2] s)", "s = Shape(x)")
+    result = FoldStaticShapes()(given)
+    assert not result.changed and ops(result.model.graph) == ["Shape"]
+
+
+# -- SplitRowProducts ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows, parts", [(1000, 4), (2000, 8), (1009, None), (500, None),
+                                         (100, None)])
+def test_row_product_parts_are_the_most_that_keep_250_rows_each(rows, parts):
+    assert row_product_parts(rows) == parts
+
+
+@pytest.mark.parametrize("rows, parts", [(1000, 4), (500, None)])
+def test_a_long_one_row_product_is_a_sum_of_batched_parts(run_model, rows, parts):
+    given = model(f"(float[1, {rows}] row, float[{rows}, 3] m) => (float[1, 3] y)",
+                  "y = MatMul(row, m)")
+    result = SplitRowProducts()(given)
+    assert result.changed == bool(parts)
+    if parts:
+        assert ops(result.model.graph) == ["Reshape", "Reshape", "MatMul", "ReduceSum"]
+        shapes = [onnx.numpy_helper.to_array(t).tolist() for t in result.model.graph.initializer]
+        assert [parts, 1, rows // parts] in shapes and [parts, rows // parts, 3] in shapes
+    rng = np.random.default_rng(0)
+    feeds = {"row": rng.normal(size=(1, rows)).astype(np.float32),
+             "m": rng.normal(size=(rows, 3)).astype(np.float32)}
+    np.testing.assert_allclose(run_model(result.model, feeds)["y"], feeds["row"] @ feeds["m"],
+                               rtol=1e-5, atol=1e-5)
+
+
+# -- SumRowsByProduct ------------------------------------------------------------------------
+
+def sum_model(x_type: str, axes: str, target: str, out_type: str, *, keepdims: int = 0,
+              opset: int = 18) -> onnx.ModelProto:
+    """``y = Reshape(ReduceSum(x, axes, keepdims), target)``: the sum a bias gradient is."""
+    return model(f"({x_type} x) => ({out_type} y) <int64[{axes.count(',') + 1}] axes = {{{axes}}},"
+                 f" int64[{target.count(',') + 1 if target else 0}] target = {{{target}}}>",
+                 f"""t = ReduceSum <keepdims = {keepdims}> (x, axes)
+                     y = Reshape(t, target)""", opset=opset)
+
+
+@pytest.mark.parametrize("x_shape, axes, target, expected_ops", [
+    ((7, 3), "0", "3", ["Shape", "Concat", "ConstantOfShape", "MatMul", "Reshape"]),
+    ((7, 3), "0", "1, 3", ["Shape", "Concat", "ConstantOfShape", "MatMul"]),
+    ((7, 5, 2), "0, 1", "2", ["Reshape", "Shape", "ReduceProd", "Concat", "ConstantOfShape",
+                              "MatMul", "Reshape"]),
+    ((7, 4, 3), "0", "4, 3", ["Reshape", "Shape", "Concat", "ConstantOfShape", "MatMul",
+                              "Reshape"]),
+    ((7, 1), "0", "1", ["ReduceSum", "Reshape"]),
+    ((7,), "0", "", ["ReduceSum"]),
+])
+def test_a_sum_over_leading_axes_becomes_a_product_with_a_row_of_ones(run_model, x_shape, axes,
+                                                                       target, expected_ops):
+    x_type = f"float[N, {', '.join(map(str, x_shape[1:]))}]" if len(x_shape) > 1 else "float[N]"
+    out_type = f"float[{target}]" if target else "float"
+    given = sum_model(x_type, axes, target, out_type)
+    result = SumRowsByProduct()(given)
+    assert result.changed
+    assert ops(result.model.graph) == expected_ops
+    assert {t.name for t in result.model.graph.initializer}.isdisjoint({"axes", "target"})
+    x = np.random.default_rng(1).normal(size=x_shape).astype(np.float32)
+    got = run_model(result.model, {"x": x})["y"]
+    leading = len(axes.split(","))
+    want = x.sum(axis=tuple(range(leading))).reshape([int(d) for d in target.split(",")]
+                                                     if target else [])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_product_computes_bit_for_bit_what_ones_times_rows_does(run_model):
+    """The rewrite is exactly the bias-sum form: a row of ones times the rows."""
+    rewritten = SumRowsByProduct()(sum_model("float[N, 3]", "0", "3", "float[3]")).model
+    by_hand = model("(float[N, 3] x) => (float[3] y) <int64[1] one = {1}, int64[1] three = {3}>",
+                    """n = Shape <start = 0, end = 1> (x)
+                       size = Concat <axis = 0> (one, n)
+                       ones = ConstantOfShape <value = float[1] {1}> (size)
+                       total = MatMul(ones, x)
+                       y = Reshape(total, three)""")
+    x = np.random.default_rng(2).normal(size=(1000, 3)).astype(np.float32)
+    np.testing.assert_array_equal(run_model(rewritten, {"x": x})["y"],
+                                  run_model(by_hand, {"x": x})["y"])
+
+
+def test_sums_of_rows_of_the_same_batch_share_their_row_of_ones():
+    given = model("(float[N, 3] x, float[N, 2] z) => (float[3] a, float[2] b) "
+                  "<int64[1] axes = {0}, int64[1] three = {3}, int64[1] two = {2}>",
+                  """s = ReduceSum <keepdims = 0> (x, axes)
+                     a = Reshape(s, three)
+                     t = ReduceSum <keepdims = 0> (z, axes)
+                     b = Reshape(t, two)""")
+    rewritten = SumRowsByProduct()(given).model
+    assert ops(rewritten.graph).count("ConstantOfShape") == 1
+    assert ops(rewritten.graph).count("MatMul") == 2
+
+
+@pytest.mark.parametrize("why, signature, body", [
+    ("keepdims=1", "(float[N, 3] x) => (float[3] y)",
+     "t = ReduceSum <keepdims = 1> (x, axes)\n y = Reshape(t, target)"),
+    ("not the leading axes", "(float[N, 3] x) => (float[N] y)",
+     "t = ReduceSum <keepdims = 0> (x, last)\n y = Reshape(t, rows)"),
+    ("no Reshape after it", "(float[N, 3] x) => (float[3] y)",
+     "y = ReduceSum <keepdims = 0> (x, axes)"),
+    ("read twice", "(float[N, 3] x) => (float[3] y, float[3] t)",
+     "t = ReduceSum <keepdims = 0> (x, axes)\n y = Reshape(t, target)"),
+    ("shape computed at run time", "(float[N, 3] x, int64[1] shape) => (float[3] y)",
+     "t = ReduceSum <keepdims = 0> (x, axes)\n y = Reshape(t, shape)"),
+    ("a -1 in the shape", "(float[N, 3] x) => (float[3] y)",
+     "t = ReduceSum <keepdims = 0> (x, axes)\n y = Reshape(t, any)"),
+    ("integers", "(int64[N, 3] x) => (int64[3] y)",
+     "t = ReduceSum <keepdims = 0> (x, axes)\n y = Reshape(t, target)"),
+])
+def test_other_sums_are_left_as_they_are(why, signature, body):
+    given = model(f"{signature} <int64[1] axes = {{0}}, int64[1] last = {{1}}, "
+                  "int64[1] target = {3}, int64[1] rows = {-1}, int64[1] any = {-1}>", body)
+    result = SumRowsByProduct()(given)
+    assert not result.changed, why
+    assert ops(result.model.graph) == ops(given.graph)
+
+
+@pytest.mark.parametrize("outputs, fast_ops", [
+    (3, ["Shape", "Concat", "ConstantOfShape", "MatMul", "Reshape"]),
+    (1, ["ReduceSum", "Reshape"]),  # one column: summed whole
+])
+def test_a_bias_gradient_is_a_plain_sum_until_the_pass_rewrites_it(run_model, outputs,
+                                                                   fast_ops):
+    """The rule emits the mathematics, ``Reshape(ReduceSum(dy, axes=0), b's shape)``;
+    the pass turns it into the form onnxruntime runs fastest, which compile applies."""
+    w = ", ".join(str(v) for v in range(4 * outputs))
+    b = ", ".join(str(v / 10) for v in range(outputs))
+    given = model(f"(float[N, 4] x) => (float[N, {outputs}] y) "
+                  f"<float[4, {outputs}] w = {{{w}}}, float[{outputs}] b = {{{b}}}>",
+                  "h = MatMul(x, w)\n y = Add(h, b)")
+    plain = lossgraph.gradient(given, outputs=["y"], wrt=["b"])
+    assert ops(plain.graph) == ["MatMul", "Add", "ReduceSum", "Reshape"]
+    reduce_sum = plain.graph.node[2]
+    assert reduce_sum.input[0] == "y_grad"
+    assert onnx.helper.get_attribute_value(reduce_sum.attribute[0]) == 0  # keepdims
+    fast = SumRowsByProduct()(plain).model
+    assert ops(fast.graph) == ["MatMul", "Add", *fast_ops]
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.normal(size=(50, 4)).astype(np.float32),
+             "y_grad": rng.normal(size=(50, outputs)).astype(np.float32)}
+    np.testing.assert_allclose(run_model(fast, feeds)["b_grad"], feeds["y_grad"].sum(axis=0),
+                               rtol=1e-5, atol=1e-5)
+    compiled = lossgraph.compile(given, optimizer=Momentum(0.1)).graphs["train_step"]
+    assert ("ConstantOfShape" in ops(compiled.graph)) == (outputs > 1)  # compile runs the pass
+
+
+# -- SpecializeBatch ---------------------------------------------------------------------------
+
+def _epoch_feeds(program, graph, X, y, batch, batches, sample_weight=None):
+    rows = batch * batches
+    data = {"x": X[:rows], "label": y[:rows].reshape(-1, 1)}
+    if sample_weight is not None:
+        data["w"] = sample_weight[:rows]
+    feeds = {**data, **program.state}
+    feeds[program.io(graph, "learning_rates")[0]] = np.full(batches, 0.05, np.float32)
+    feeds[program.io(graph, "step")[0]] = np.array(1, np.int64)
+    return feeds
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_specialized_epoch_has_no_shape_arithmetic_and_computes_the_same(run_model, weighted):
+    X, y = linear_data(120, seed=3)
+    weights = np.linspace(0.5, 1.5, 120, dtype=np.float32) if weighted else None
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
+                                loss_options={"weight_name": "w"} if weighted else None,
+                                fuse="epoch")
+    general = program.graphs["train_epoch_ordered"]
+    result = SpecializeBatch(20)(general)
+    assert result.changed
+    assert not [n for n in scan_body(result.model).node if n.op_type in ("Shape", "Size")]
+    assert any(n.op_type in ("Shape", "Size") for n in scan_body(general).node)  # untouched
+    feeds = _epoch_feeds(program, "train_epoch_ordered", X, y, 20, 6, weights)
+    expected = run_model(general, feeds)
+    for name, value in run_model(result.model, feeds).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_specialization_is_a_pipeline_of_the_rewrites():
+    assert str(SpecializeBatch(16)) == "SpecializeBatch(batch=16)"
+    with pytest.raises(UnsupportedOptionError, match="batch size must be an int >= 1"):
+        SpecializeBatch(0)
+
+
+def test_a_trainer_switching_batch_sizes_equals_step_by_step_training():
+    X, y = linear_data(100, seed=4)
+    states = []
+    for mode in ("step", "epoch"):
+        program = lossgraph.compile(onnx.parser.parse_model(LINEAR),
+                                    optimizer=Momentum(0.02, momentum=0.9), fuse=mode)
+        trainer = lossgraph.Trainer(program)
+        for batch in (32, 10, 32):  # a new batch size replaces the specialized session
+            trainer.fit(X, y, epochs=1, batch_size=batch, shuffle=True, random_state=batch,
+                        progress=False, warm_start=True)
+        states.append(trainer.state)
+    for name, value in states[0].items():
+        np.testing.assert_allclose(states[1][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_a_reshape_to_the_shape_a_value_already_has_becomes_identity(run_model):
+    given = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        reshaped (float[N, 4] x) => (float[N, 1] y)
+        <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5},
+         int64[2] column = {-1, 1}>
+        {
+            h = MatMul(x, coef)
+            t = Add(h, intercept)
+            y = Reshape(t, column)
+        }
+    """)
+    program = lossgraph.compile(given, optimizer=Momentum(0.05), fuse="epoch")
+    specialized = SpecializeBatch(10)(program.graphs["train_epoch_ordered"]).model
+    (forward,) = [n for n in scan_body(specialized).node if n.input and n.input[0] == "t_in_step"]
+    assert forward.op_type == "Identity"
+    X, y = linear_data(40, seed=5)
+    feeds = _epoch_feeds(program, "train_epoch_ordered", X, y, 10, 4)
+    expected = run_model(program.graphs["train_epoch_ordered"], feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_specialized_step_graph_folds_its_shapes_and_computes_the_same(run_model):
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
+                                fuse="step")
+    general = program.graphs["train_step"]
+    specialized = SpecializeBatch(16)(general).model
+    assert [i.type.tensor_type.shape.dim[0].dim_value for i in specialized.graph.input
+            if i.name in ("x", "label")] == [16, 16]
+    assert any(n.op_type in ("Shape", "Size") for n in general.graph.node)
+    assert not [n for n in specialized.graph.node if n.op_type in ("Shape", "Size")]
+    X, y = linear_data(16, seed=6)
+    feeds = {"x": X, "label": y.reshape(-1, 1), **program.state,
+             program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
+             program.io("train_step", "step")[0]: np.array(1, np.int64)}
+    expected = run_model(general, feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_a_step_graph_for_current_onnxruntime_alone_specializes_too():
+    newer = LINEAR.replace('"" : 18', '"" : 23')
+    program = lossgraph.compile(onnx.parser.parse_model(newer), target="onnxruntime",
+                                optimizer=Momentum(0.05))
+    specialized = SpecializeBatch(16)(program.graphs["train_step"]).model
+    assert specialized.opset_import[0].version == 23
+
+
+def test_only_full_batches_of_an_array_fit_run_a_specialized_step_graph():
+    X, y = linear_data(100, seed=7)
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Momentum(0.02),
+                                fuse="step")
+    trainer = lossgraph.Trainer(program)
+    trainer.fit(X, y, epochs=1, batch_size=32, shuffle=False, progress=False)
+    assert sorted(trainer._sessions, key=str) == [("train_step", 32), ("train_step", None)]
+    streamed = [(X[a:b], y[a:b]) for a, b in [(0, 7), (7, 30), (30, 100)]]
+    trainer.fit(streamed, epochs=2, progress=False, warm_start=True)  # no session per size
+    assert sorted(trainer._sessions, key=str) == [("train_step", 32), ("train_step", None)]
+
+
+@pytest.mark.parametrize("batch, parts", [(1000, 4), (2000, 8), (1009, None), (500, None)])
+def test_a_long_one_row_product_of_a_specialized_epoch_is_split(run_model, batch, parts):
+    """The weight gradient of a one-output layer, ``row[1, batch] @ x[batch, 4]``, runs as
+    ``parts`` products of ``batch / parts`` rows summed (onnxruntime threads those), when
+    the batch is long enough and divides into parts of at least 250 rows."""
+    program = lossgraph.compile(onnx.parser.parse_model(LINEAR),
+                                optimizer=Momentum(0.02, momentum=0.9), fuse="epoch")
+    general = program.graphs["train_epoch_ordered"]
+    specialized = SpecializeBatch(batch)(general).model
+    body = scan_body(specialized)
+    shapes = [onnx.numpy_helper.to_array(i).tolist() for i in body.initializer]
+    split = [s for s in shapes if isinstance(s, list) and len(s) == 3 and s[1] == 1]
+    assert split == ([[parts, 1, batch // parts]] if parts else [])
+    X, y = linear_data(2 * batch, seed=8)
+    feeds = _epoch_feeds(program, "train_epoch_ordered", X, y, batch, 2)
+    expected = run_model(general, feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -26,8 +26,8 @@ def sub(g, node, dy):
 @grad_rule("Mul", broadcast=True)
 def mul(g, node, dy):
     a, b = node.inputs
-    if a == b:  # a square: one term, (2 dy) a. The same float as dy (2 a) (doubling is
-        # exact), and when dy is a constant (a mean's 1/n, shapes static) 2 dy folds away
+    if a == b:  # a square: d(a^2) = 2 a da, so da = (2 dy) a; 2 dy first, so that a
+        # constant dy (a mean's 1/n, shapes static) folds with the 2 into one constant
         return g.Mul(g.Mul(dy, g.const_like(2.0, a, "two")), a), None
     return g.Mul(dy, b), g.Mul(dy, a)
 

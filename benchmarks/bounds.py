@@ -29,7 +29,7 @@ from benchmarks.problems import (
     Weights,
     not_compared,
 )
-from lossgraph.runtime.specialize import row_product_parts
+from lossgraph.optimize import row_product_parts
 
 
 def hand_graph_bound(problem: Problem, batch: int) -> Implementation:

@@ -21,7 +21,7 @@ times each step (the least of ``--repeat`` runs); memory is the worker's peak re
 subprocess, tracemalloc's peak (Python objects and numpy arrays; protobuf's own memory is
 invisible to it). The tools:
 
-- ``lossgraph``: the hand-written utilities a library provides: ``specialize_batch``
+- ``lossgraph``: the hand-written utilities a library provides: ``SpecializeBatch``
   (static batch, ``Shape``/``Size``/``Reshape`` folded to a fixed point), the walker's
   dead-code removal, ``rename_values`` of every value;
 - ``graphsurgeon``: ``import_onnx``, static batch, ``fold_constants``, ``cleanup``,
@@ -203,12 +203,12 @@ def _renamed(name: str) -> str:
 def run_lossgraph(path: Path, batch: int, steps: Steps) -> onnx.ModelProto:
     from lossgraph.autodiff.walker import _drop_dead_code
     from lossgraph.graphs import names_in_graph, rename_values
-    from lossgraph.runtime.specialize import specialize_batch
+    from lossgraph.optimize import SpecializeBatch
 
     with steps("load"):
         model = onnx.load(path)
     with steps("fold shapes"):
-        model = specialize_batch(model, batch)
+        model = SpecializeBatch(batch)(model).model
     with steps("dead code"):
         graph = model.graph
         kept = SimpleNamespace(nodes=list(graph.node), initializers=list(graph.initializer))

@@ -8,17 +8,21 @@ then every graph of the program is a pipeline of passes from the loss model (``p
 from the lowered inference model), declared by :func:`plan` and printable before it
 runs (``print(describe_plan(...))``)::
 
-    evaluate            = WeightsToInputs
-    predict             = WeightsToInputs                                   (no loss)
-    train_step          = WeightsToInputs -> Gradient -> StepGraph
-    train_epoch         = WeightsToInputs -> Gradient -> PackWeights -> StepGraph -> EpochGraph
-    train_epoch_ordered = ... -> EpochGraph(shuffled=False)
+    evaluate            = WeightsToInputs -> WidenScalarConstants
+    predict             = WeightsToInputs -> WidenScalarConstants           (no loss)
+    train_step          = WeightsToInputs -> Gradient -> SumRowsByProduct -> StepGraph
+                          -> WidenScalarConstants
+    train_epoch         = WeightsToInputs -> Gradient -> SumRowsByProduct -> PackWeights
+                          -> StepGraph -> EpochGraph -> WidenScalarConstants
+    train_epoch_ordered = ... -> EpochGraph(shuffled=False) -> WidenScalarConstants
 
-each followed by the onnxruntime optimization passes (:data:`OPTIMIZATIONS`). Pipelines
-that begin alike share the work: a prefix runs once. ``fuse="separate"`` builds the
+``SumRowsByProduct`` and ``WidenScalarConstants`` are optimization passes for
+onnxruntime (:mod:`lossgraph.optimize`): same values, faster kernels. Pipelines that
+begin alike share the work: a prefix runs once. ``fuse="separate"`` builds the
 reference documents' four graphs instead of the training graphs
-(:mod:`lossgraph.separate`). The manifest is written from the graphs and the
-signature they record (:mod:`lossgraph.manifest`).
+(:mod:`lossgraph.separate`), each finished with ``WidenScalarConstants`` too. The
+manifest is written from the graphs and the signature they record
+(:mod:`lossgraph.manifest`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from .errors import UnsupportedModelError, UnsupportedOptionError
 from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .optim import Optimizer
-from .passes.broadcast import widen_scalar_constants
+from .optimize import SumRowsByProduct, WidenScalarConstants
 from .passes.contract import PassResult, Pipeline
 from .passes.fuse import EpochGraph, PackWeights, StepGraph
 from .passes.gradient import Gradient
@@ -75,18 +79,19 @@ class Plan:
 
 def plan(weights: Sequence[str], optimizer: Optimizer, backend: str, fuse: str) -> Plan:
     """The pipelines of a program's graphs (see the module docstring)."""
-    lift = WeightsToInputs(tuple(weights))
-    pipelines = {"evaluate": Pipeline((lift,)), "predict": Pipeline((lift,))}
+    lift, widen = WeightsToInputs(tuple(weights)), WidenScalarConstants()
+    pipelines = {"evaluate": Pipeline((lift, widen)), "predict": Pipeline((lift, widen))}
     starts = {"evaluate": "loss model", "predict": "inference model"}
     if fuse != "separate":
-        differentiate = Gradient(tuple(weights), backend=backend)
+        differentiate = (Gradient(tuple(weights), backend=backend), SumRowsByProduct())
         step = StepGraph(optimizer)
-        pipelines["train_step"] = Pipeline((lift, differentiate, step))
+        pipelines["train_step"] = Pipeline((lift, *differentiate, step, widen))
         starts["train_step"] = "loss model"
     if fuse == "epoch":
         pack = PackWeights(optimizer)
         for name, shuffled in (("train_epoch_ordered", False), ("train_epoch", True)):
-            pipelines[name] = Pipeline((lift, differentiate, pack, step, EpochGraph(shuffled)))
+            pipelines[name] = Pipeline((lift, *differentiate, pack, step, EpochGraph(shuffled),
+                                        widen))
             starts[name] = "loss model"
     return Plan(pipelines, starts)
 
@@ -206,18 +211,20 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     graphs = {name: result.model for name, result in results.items()}
     roles = get_roles(loss_model)
     if fuse == "separate":
-        signature = _evaluate_signature(graphs["evaluate"], roles, weights)
-        graphs.update(separate_graphs(graphs["predict"], roles, options["loss"],
-                                      checked.loss_options, options["penalty"], initial,
-                                      optimizer, checked.backend, signature))
+        signature = Signature.of_loss_model(graphs["evaluate"], list(weights))
+        predict = WeightsToInputs(tuple(weights))(source).model
+        separate = separate_graphs(predict, roles, options["loss"], checked.loss_options,
+                                   options["penalty"], initial, optimizer, checked.backend,
+                                   signature)
+        graphs.update({name: WidenScalarConstants()(graph).model
+                       for name, graph in separate.items()})
     else:
         last = "train_epoch" if fuse == "epoch" else "train_step"
-        signature = next(reversed(results[last].report.values()))
+        signature = results[last].report["StepGraph" if fuse == "step" else "EpochGraph"]
     state = dict(initial)
     for weight in weights:
         for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
             state[name] = value
-    graphs = {name: widen_scalar_constants(graph) for name, graph in graphs.items()}
     manifest = build_manifest(graphs, signature, optimizer, fuse, roles)
     return TrainingProgram(graphs, manifest, state, source)
 
@@ -240,12 +247,4 @@ def _run(the_plan: Plan, starts: Mapping[str, onnx.ModelProto]) -> dict[str, Pas
         results[name] = PassResult(model, reports)
     return results
 
-
-def _evaluate_signature(evaluate: onnx.ModelProto, roles: Mapping[str, str],
-                        weights: Sequence[str]) -> Signature:
-    """The separate graphs' signature, begun from the loss model with weights as inputs."""
-    data = {roles["label"], roles.get("weight"), *weights}
-    features = [i.name for i in evaluate.graph.input if i.name not in data]
-    return Signature(features=features, label=roles["label"], sample_weight=roles.get("weight"),
-                     loss=roles["loss"], weights=list(weights))
 

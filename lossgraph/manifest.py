@@ -26,6 +26,7 @@ from onnx import helper
 
 from .errors import InvalidProgramError
 from .optim import Optimizer
+from .roles import renamed_roles
 from .signature import Signature
 
 __all__ = ["FORMAT", "FUSE_MODES", "REQUIRED_GRAPHS", "build_manifest", "check_manifest"]
@@ -91,6 +92,7 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
         raise _fail(where, f"fuse is {fuse!r}, not one of {', '.join(FUSE_MODES)}")
     _field(_field(manifest, "optimizer", dict, where), "type", str, f"{where} optimizer")
     roles = _field(manifest, "roles", dict, where)
+    manifest["roles"] = roles = renamed_roles(roles)  # a program of the previous release
     for role in ("loss", "label", "prediction"):
         _field(roles, role, str, f"{where} roles")
     for index, weight in enumerate(_field(manifest, "weights", list, where)):

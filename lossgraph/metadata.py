@@ -1,6 +1,6 @@
 """The keys lossgraph writes into a model's ``metadata_props``, and JSON records under them.
 
-    lossgraph.roles       {"loss": ..., "label": ..., "prediction": ...[, "weight": ...]}
+    lossgraph.roles       {"loss": ..., "label": ..., "prediction": ...[, "sample_weight": ...]}
                           which tensor plays which role in a loss model (lossgraph.roles)
     lossgraph.gradients   {weight: gradient output}, written by the gradient pass
     lossgraph.signature   who is who among a training graph's inputs and outputs

@@ -18,10 +18,13 @@ import onnx
 from .errors import InvalidModelError
 from .metadata import ROLES_KEY, read_text, write_json
 
-__all__ = ["ROLES_KEY", "get_roles", "set_roles", "check_loss_roles"]
+__all__ = ["ROLES_KEY", "get_roles", "set_roles", "check_loss_roles", "renamed_roles"]
 
 #: Where each role's tensor must be: an output or an input of the loss model.
-_PLACES = {"loss": "output", "prediction": "output", "label": "input", "weight": "input"}
+_PLACES = {"loss": "output", "prediction": "output", "label": "input",
+           "sample_weight": "input"}
+#: Role names of the previous release: the sample weight was "weight".
+_RENAMED = {"weight": "sample_weight"}
 _FIX = ("lossgraph.add_loss_output writes this record: remove the entry from "
         "model.metadata_props, or build the loss again from the inference model.")
 
@@ -29,7 +32,12 @@ _FIX = ("lossgraph.add_loss_output writes this record: remove the entry from "
 def get_roles(model: onnx.ModelProto) -> dict[str, str]:
     """The recorded roles (empty when the model has none)."""
     text = read_text(model, ROLES_KEY)
-    return {} if text is None else _parse(text)
+    return {} if text is None else renamed_roles(_parse(text))
+
+
+def renamed_roles(roles: dict[str, str]) -> dict[str, str]:
+    """``roles`` with the previous release's role names (``"weight"``) in today's."""
+    return {_RENAMED.get(role, role): value for role, value in roles.items()}
 
 
 def _parse(text: str) -> dict[str, str]:
@@ -61,7 +69,7 @@ def check_loss_roles(model: onnx.ModelProto) -> dict[str, str]:
              "input": {i.name for i in model.graph.input}}
     for role, place in _PLACES.items():
         if role not in roles:
-            if role == "weight":
+            if role == "sample_weight":
                 continue
             raise InvalidModelError(
                 f"The model's metadata {ROLES_KEY!r} records no {role!r} tensor (it records "

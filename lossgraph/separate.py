@@ -28,6 +28,8 @@ from .builder import GraphBuilder, standalone_model
 from .errors import UnknownNameError, UnsupportedOptionError, suggest
 from .names import NameAuthority
 from .optim import Optimizer
+from .optimize import SumRowsByProduct
+from .passes.contract import Pipeline
 from .passes.gradient import Gradient
 from .passes.loss import AddLossOutput
 from .penalties import parse_penalty, penalty_gradient, penalty_terms
@@ -48,9 +50,11 @@ def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: st
     """
     prediction = roles["prediction"]
     weights = list(initial)
-    model_gradient = Gradient(weights, outputs=[prediction], backend=backend)(predict).model
+    model_gradient = Pipeline((Gradient(weights, outputs=[prediction], backend=backend),
+                               SumRowsByProduct()))(predict).model
+    model_gradient = SumRowsByProduct()(model_gradient).model  # OPTIMIZE: sum-rows helper
     value = next(o for o in predict.graph.output if o.name == prediction)
-    names = NameAuthority({prediction, roles["label"], roles.get("weight", "")})
+    names = NameAuthority({prediction, roles["label"], roles.get("sample_weight", "")})
     copy_name = names.fresh(f"{prediction}_copy")
     identity = helper.make_model(
         helper.make_graph([helper.make_node("Identity", [prediction], [copy_name])], "loss",
@@ -61,7 +65,8 @@ def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: st
                       if k in own}
     loss_model = AddLossOutput(loss, label_name=roles["label"], options=own,
                                **output_options)(identity).model
-    loss_step = Gradient([prediction], loss_name=roles["loss"], backend=backend)(loss_model)
+    loss_step = Pipeline((Gradient([prediction], loss_name=roles["loss"], backend=backend),
+                          SumRowsByProduct()))(loss_model)
     graphs = {"gradient": model_gradient, "loss": loss_step.model,
               "update": update_graph(optimizer, initial)}
     if penalty:
@@ -70,7 +75,7 @@ def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: st
     signature.states = {w: optimizer.state_names(w) for w in weights}
     signature.new = {n: f"{n}_new" for w in weights for n in [w, *signature.states[w]]}
     signature.prediction = prediction
-    signature.prediction_grad = loss_step.report[prediction]
+    signature.prediction_grad = loss_step.report["Gradient"][prediction]
     return graphs
 
 

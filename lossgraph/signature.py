@@ -52,10 +52,19 @@ class Signature:
                 "A training graph is built from a loss model with gradients: the model records "
                 "no loss (lossgraph.add_loss_output) or no gradients (lossgraph.gradient with "
                 "its weights as inputs).")
-        data = {roles["label"], roles.get("weight"), *gradients}
+        signature = cls.of_loss_model(model, list(gradients))
+        signature.gradients = dict(gradients)
+        return signature
+
+    @classmethod
+    def of_loss_model(cls, model: onnx.ModelProto, weights: list[str]) -> Signature:
+        """The signature of a loss model whose ``weights`` are graph inputs."""
+        roles = get_roles(model)
+        data = {roles["label"], roles.get("sample_weight"), *weights}
         features = [i.name for i in model.graph.input if i.name not in data]
-        return cls(features=features, label=roles["label"], sample_weight=roles.get("weight"),
-                   loss=roles["loss"], weights=list(gradients), gradients=dict(gradients))
+        return cls(features=features, label=roles["label"],
+                   sample_weight=roles.get("sample_weight"), loss=roles["loss"],
+                   weights=list(weights))
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> Signature:

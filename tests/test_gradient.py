@@ -28,6 +28,7 @@ from lossgraph.errors import (
     UnknownNameError,
     UnsupportedOptionError,
 )
+from lossgraph.optimize import SumRowsByProduct
 from lossgraph.passes.gradient import GRADIENTS_KEY
 
 LINEAR = """
@@ -196,8 +197,9 @@ def test_a_value_used_twice_gets_one_sum_of_its_contributions(run_model, rng):
 
 @pytest.mark.parametrize("outputs", [1, 2])
 def test_a_bias_gradient_sums_its_batch_in_the_fastest_form(run_model, rng, outputs):
-    """Several columns: a row of ones times the rows; one column: one whole ReduceSum
-    (each many times faster in onnxruntime than ReduceSum over the batch axis)."""
+    """After SumRowsByProduct (which compile runs after every gradient), several columns:
+    a row of ones times the rows; one column: one whole ReduceSum (each many times faster
+    in onnxruntime than ReduceSum over the batch axis)."""
     w = rng.normal(size=(3, outputs)).astype(np.float32)
     b = rng.normal(size=outputs).astype(np.float32)
     model = onnx.parser.parse_model(f"""
@@ -213,7 +215,7 @@ def test_a_bias_gradient_sums_its_batch_in_the_fastest_form(run_model, rng, outp
             loss = ReduceSum <keepdims = 0> (s)
         }}
     """)
-    result = gradient(model, weights=["b"])
+    result = SumRowsByProduct()(gradient(model, weights=["b"])).model
     producers = {o: n for n in result.graph.node for o in n.output}
     summing = producers["b_grad"]
     while summing.op_type in ("Reshape", "Identity"):

@@ -211,7 +211,8 @@ def test_loss_is_the_first_output_and_label_then_weight_the_last_inputs():
     assert [o.name for o in model.graph.output] == ["loss", "y"]
     loss = model.graph.output[0].type.tensor_type
     assert loss.elem_type == onnx.TensorProto.FLOAT and len(loss.shape.dim) == 0
-    assert get_roles(model) == {"loss": "loss", "label": "label", "weight": "w", "prediction": "y"}
+    assert get_roles(model) == {"loss": "loss", "label": "label", "sample_weight": "w",
+                               "prediction": "y"}
 
 
 def test_regression_label_has_the_prediction_type_and_class_label_is_int64_rows():

@@ -69,7 +69,7 @@ def test_widening_nothing_to_widen_says_it_changed_nothing():
 
 
 def test_compiled_epoch_graphs_have_their_scalars_widened_in_the_scan():
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Momentum(0.05),
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=Momentum(0.05),
                                 fuse="epoch")
     body = scan_body(program.graphs["train_epoch_ordered"])  # compile widens every graph
     assert any(t.name.endswith("_rank2") and list(t.dims) == [1, 1] for t in body.initializer)
@@ -226,7 +226,7 @@ def test_a_bias_gradient_is_a_plain_sum_until_the_pass_rewrites_it(run_model, ou
     given = model(f"(float[N, 4] x) => (float[N, {outputs}] y) "
                   f"<float[4, {outputs}] w = {{{w}}}, float[{outputs}] b = {{{b}}}>",
                   "h = MatMul(x, w)\n y = Add(h, b)")
-    plain = lossgraph.gradient(given, outputs=["y"], wrt=["b"])
+    plain = lossgraph.gradient(given, outputs=["y"], weights=["b"])
     assert ops(plain.graph) == ["MatMul", "Add", "ReduceSum", "Reshape"]
     reduce_sum = plain.graph.node[2]
     assert reduce_sum.input[0] == "y_grad"
@@ -238,7 +238,7 @@ def test_a_bias_gradient_is_a_plain_sum_until_the_pass_rewrites_it(run_model, ou
              "y_grad": rng.normal(size=(50, outputs)).astype(np.float32)}
     np.testing.assert_allclose(run_model(fast, feeds)["b_grad"], feeds["y_grad"].sum(axis=0),
                                rtol=1e-5, atol=1e-5)
-    compiled = lossgraph.compile(given, optimizer=Momentum(0.1)).graphs["train_step"]
+    compiled = lossgraph.compile_program(given, optimizer=Momentum(0.1)).graphs["train_step"]
     assert ("ConstantOfShape" in ops(compiled.graph)) == (outputs > 1)  # compile runs the pass
 
 
@@ -259,7 +259,7 @@ def _epoch_feeds(program, graph, X, y, batch, batches, sample_weight=None):
 def test_specialized_epoch_has_no_shape_arithmetic_and_computes_the_same(run_model, weighted):
     X, y = linear_data(120, seed=3)
     weights = np.linspace(0.5, 1.5, 120, dtype=np.float32) if weighted else None
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
                                 loss_options={"weight_name": "w"} if weighted else None,
                                 fuse="epoch")
     general = program.graphs["train_epoch_ordered"]
@@ -283,7 +283,7 @@ def test_a_trainer_switching_batch_sizes_equals_step_by_step_training():
     X, y = linear_data(100, seed=4)
     states = []
     for mode in ("step", "epoch"):
-        program = lossgraph.compile(onnx.parser.parse_model(LINEAR),
+        program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR),
                                     optimizer=Momentum(0.02, momentum=0.9), fuse=mode)
         trainer = lossgraph.Trainer(program)
         for batch in (32, 10, 32):  # a new batch size replaces the specialized session
@@ -306,7 +306,7 @@ def test_a_reshape_to_the_shape_a_value_already_has_becomes_identity(run_model):
             y = Reshape(t, column)
         }
     """)
-    program = lossgraph.compile(given, optimizer=Momentum(0.05), fuse="epoch")
+    program = lossgraph.compile_program(given, optimizer=Momentum(0.05), fuse="epoch")
     specialized = SpecializeBatch(10)(program.graphs["train_epoch_ordered"]).model
     (forward,) = [n for n in scan_body(specialized).node if n.input and n.input[0] == "t_in_step"]
     assert forward.op_type == "Identity"
@@ -318,7 +318,7 @@ def test_a_reshape_to_the_shape_a_value_already_has_becomes_identity(run_model):
 
 
 def test_specialized_step_graph_folds_its_shapes_and_computes_the_same(run_model):
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
                                 fuse="step")
     general = program.graphs["train_step"]
     specialized = SpecializeBatch(16)(general).model
@@ -337,7 +337,7 @@ def test_specialized_step_graph_folds_its_shapes_and_computes_the_same(run_model
 
 def test_a_step_graph_for_current_onnxruntime_alone_specializes_too():
     newer = LINEAR.replace('"" : 18', '"" : 23')
-    program = lossgraph.compile(onnx.parser.parse_model(newer), target="onnxruntime",
+    program = lossgraph.compile_program(onnx.parser.parse_model(newer), target="onnxruntime",
                                 optimizer=Momentum(0.05))
     specialized = SpecializeBatch(16)(program.graphs["train_step"]).model
     assert specialized.opset_import[0].version == 23
@@ -345,7 +345,7 @@ def test_a_step_graph_for_current_onnxruntime_alone_specializes_too():
 
 def test_only_full_batches_of_an_array_fit_run_a_specialized_step_graph():
     X, y = linear_data(100, seed=7)
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR), optimizer=Momentum(0.02),
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=Momentum(0.02),
                                 fuse="step")
     trainer = lossgraph.Trainer(program)
     trainer.fit(X, y, epochs=1, batch_size=32, shuffle=False, progress=False)
@@ -360,7 +360,7 @@ def test_a_long_one_row_product_of_a_specialized_epoch_is_split(run_model, batch
     """The weight gradient of a one-output layer, ``row[1, batch] @ x[batch, 4]``, runs as
     ``parts`` products of ``batch / parts`` rows summed (onnxruntime threads those), when
     the batch is long enough and divides into parts of at least 250 rows."""
-    program = lossgraph.compile(onnx.parser.parse_model(LINEAR),
+    program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR),
                                 optimizer=Momentum(0.02, momentum=0.9), fuse="epoch")
     general = program.graphs["train_epoch_ordered"]
     specialized = SpecializeBatch(batch)(general).model

@@ -41,6 +41,7 @@ from lossgraph.passes import (
     Gradient,
     LowerMlOps,
     PackWeights,
+    Pass,
     PassResult,
     StepGraph,
     WeightsToInputs,
@@ -168,6 +169,15 @@ def test_every_pass_is_pure_valid_and_deterministic(name):
     assert emitted
     for emitted_model in emitted:
         onnx.checker.check_model(emitted_model, full_check=True)
+
+
+def test_every_pass_class_of_lossgraph_is_checked_here():
+    def subclasses(cls: type) -> set[type]:
+        return {c for s in cls.__subclasses__() for c in {s, *subclasses(s)}}
+
+    ours = {c.__name__ for c in subclasses(Pass) if c.__module__.startswith("lossgraph.")}
+    checked = {type(run).__name__ for _, run in PASSES.values()}
+    assert ours - {"Pipeline"} <= checked, sorted(ours - checked)
 
 
 def _available(name: str) -> bool:

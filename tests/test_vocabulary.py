@@ -122,8 +122,10 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
     assert list(lines) == ["evaluate", "predict", "train_step", "train_epoch_ordered",
                            "train_epoch"]
     assert lines["train_epoch"].startswith("loss model -> WeightsToInputs(weights=('W',)) -> "
-                                           "Gradient(weights=('W',)) -> PackWeights(")
-    assert lines["train_epoch"].endswith("-> EpochGraph")
-    assert lines["train_epoch_ordered"].endswith("-> EpochGraph(shuffled=False)")
+                                           "Gradient(weights=('W',)) -> SumRowsByProduct -> "
+                                           "PackWeights(")
+    assert lines["train_epoch"].endswith("-> EpochGraph -> WidenScalarConstants")
+    assert lines["train_epoch_ordered"].endswith(
+        "-> EpochGraph(shuffled=False) -> WidenScalarConstants")
     program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
     assert list(program.graphs) == list(lines)

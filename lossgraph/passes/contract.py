@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,26 +126,3 @@ def _default(f: dataclasses.Field) -> Any:
         return f.default_factory()
     return dataclasses.MISSING
 
-
-def passes_in(pipeline: Pass) -> Iterable[Pass]:
-    """Every pass of ``pipeline``, nested pipelines flattened."""
-    if isinstance(pipeline, Pipeline):
-        for step in pipeline.passes:
-            yield from passes_in(step)
-    else:
-        yield pipeline
-
-
-def model_pass(fn):  # transitional: removed once every pass is a Pass
-    import functools
-
-    @functools.wraps(fn)
-    def run(model, *args, **kwargs):
-        working = as_model(model)
-        check_model(working, f"The model given to {fn.__name__}")
-        check_opset(working)
-        result = fn(working, *args, **kwargs)
-        check_emitted(result[0] if isinstance(result, tuple) else result, fn.__name__)
-        return result
-
-    return run

@@ -461,7 +461,7 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
 
     roles = {"loss": loss, "label": label, "prediction": prediction.name}
     if weight is not None:
-        roles["weight"] = weight
+        roles["sample_weight"] = weight
     set_roles(model, roles)
     return roles
 

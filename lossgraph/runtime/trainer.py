@@ -65,7 +65,7 @@ class Trainer:
         self.session_options = session_options
         manifest = program.manifest
         roles = manifest["roles"]
-        self._sample_weight = roles.get("weight")
+        self._sample_weight = roles.get("sample_weight")
         self._classes = _class_count(manifest)
         # Models that impute missing values take NaN features on purpose.
         self._allows_missing = any(node.op_type in ("Imputer", "IsNaN")

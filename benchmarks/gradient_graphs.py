@@ -23,21 +23,12 @@ import numpy as np
 import onnx
 
 import lossgraph
+from lossgraph.runtime.session import create_session
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = [("skl_mlp_regressor", "squared_error", {}),
           ("skl_mlp_classifier", "multiclass_log_loss", {}),
           ("torch_cnn", "multiclass_log_loss", {"from_logits": True})]
-
-
-def _session(model: onnx.ModelProto) -> Any:
-    """An onnxruntime CPU session for ``model``, quiet below errors."""
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    return onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                        providers=["CPUExecutionProvider"])
 
 
 def _gradient_nodes(model: onnx.ModelProto, backend: str) -> int | str:
@@ -94,7 +85,7 @@ def build_time() -> None:
         result = lossgraph.gradient(with_loss)
         times.append(time.perf_counter() - start)
     label = np.zeros((2, 10, 32), np.float32)
-    outputs = _session(result).run([f"{w}_grad" for w in weights],
+    outputs = create_session(result).run([f"{w}_grad" for w in weights],
                                    {"x": x.numpy(), "label": label})
     loss = ((net(x) - torch.from_numpy(label)) ** 2).mean()
     loss.backward()

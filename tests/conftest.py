@@ -15,7 +15,8 @@ install; nothing else is skipped. For other optional packages use the flags
 first use), e.g. ``from conftest import HAS_SKL2ONNX`` and
 ``@pytest.mark.skipif(not HAS_SKL2ONNX, reason="needs skl2onnx")``.
 
-``golden_models/`` is put on ``sys.path`` so tests can ``import recipes``.
+``golden_models/`` and ``docs/examples/`` are on ``sys.path`` (pyproject's pytest
+``pythonpath``) so tests can ``import recipes``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import functools
 import importlib
 import importlib.util
 import os
-import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -34,9 +34,10 @@ import numpy as np
 import onnx
 import pytest
 
+from lossgraph import training_build
+from lossgraph.runtime.session import create_session, quiet_session_options
+
 GOLDEN_MODELS = Path(__file__).resolve().parents[1] / "golden_models"
-if str(GOLDEN_MODELS) not in sys.path:
-    sys.path.insert(0, str(GOLDEN_MODELS))
 
 
 # ------------------------------------------------------------ capabilities
@@ -55,25 +56,12 @@ def _import_or_none(module: str) -> Any | None:
         return None
 
 
-def _training_build() -> bool:
-    """True when the imported onnxruntime is the training build.
-
-    Looks in ``onnxruntime.capi._pybind_state`` only: ``import onnxruntime.training``
-    imports torch and fails without it, although the training features themselves
-    do not need torch.
-    """
-    if _import_or_none("onnxruntime") is None:
-        return False
-    pybind = _import_or_none("onnxruntime.capi._pybind_state")
-    return pybind is not None and hasattr(pybind, "GradientGraphBuilder")
-
-
 # Probed on first use, not at import: torch and skl2onnx take seconds to import,
 # and a run of tests that need neither should not pay for them. Read them as
 # ``from conftest import HAS_TORCH`` (module __getattr__, PEP 562) or ``has("torch")``.
 _PROBES: dict[str, Callable[[], bool]] = {
     "onnxruntime": lambda: _import_or_none("onnxruntime") is not None,
-    "training": _training_build,
+    "training": training_build.available,
     "torch": lambda: _import_or_none("torch") is not None,
     "skl2onnx": lambda: _import_or_none("skl2onnx") is not None,
 }
@@ -180,20 +168,13 @@ def ort_session() -> SessionFactory:
     """
     if not has("onnxruntime"):
         pytest.skip("needs onnxruntime (pip install 'lossgraph[runtime]')")
-    import onnxruntime
 
     def make(model: onnx.ModelProto | bytes | str | os.PathLike, **options: Any) -> Any:
-        so = onnxruntime.SessionOptions()
-        so.log_severity_level = 3
-        for key, value in options.items():
-            if not hasattr(so, key):
-                raise TypeError(f"SessionOptions has no attribute {key!r}")
-            setattr(so, key, value)
-        if isinstance(model, onnx.ModelProto):
-            model = model.SerializeToString()
-        elif isinstance(model, os.PathLike):
-            model = os.fspath(model)
-        return onnxruntime.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        if isinstance(model, bytes):
+            model = onnx.load_model_from_string(model)
+        elif not isinstance(model, onnx.ModelProto):
+            model = onnx.load(os.fspath(model))
+        return create_session(model, session_options=quiet_session_options(**options))
 
     return make
 

@@ -10,12 +10,9 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+import recipes
 
 GOLDEN_DIR = Path(__file__).parents[1] / "golden_models"
-if str(GOLDEN_DIR) not in sys.path:
-    sys.path.insert(0, str(GOLDEN_DIR))
-
-import recipes  # noqa: E402
 
 NAMES = list(recipes.RECIPES)
 # The torch model's comparison needs torch: conftest skips ``torch``-marked items.

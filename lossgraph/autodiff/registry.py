@@ -155,8 +155,6 @@ def scoped_rules() -> Iterator[None]:
 
 def supported_ops(domain: str | None = "") -> list[RuleInfo]:
     """Every registered rule (of ``domain``; all domains with ``None``), sorted by op."""
-    from . import rules  # noqa: F401  (registers the built-in rules)
-
     return sorted(
         (r for (d, _), infos in _RULES.items() for r in infos if domain is None or d == domain),
         key=lambda r: (r.domain, r.op_type, r.since),

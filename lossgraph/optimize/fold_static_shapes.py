@@ -34,12 +34,14 @@ __all__ = ["FoldStaticShapes"]
 @dataclass(frozen=True)
 class FoldStaticShapes(Pass):
     """``Shape``/``Size`` of static shapes to constants, no-op ``Reshape`` to ``Identity``
-    (module doc)."""
+    (module doc). Shapes are inferred with data propagation, which resolves shapes
+    computed from ``Shape`` values: on a 665-node transformer's step graph 43 ``Shape``
+    nodes are left instead of 119 (docs/design.md)."""
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         changed, folded = False, True
         while folded:
-            inferred = onnx.shape_inference.infer_shapes(model)
+            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
             folded = False
             for graph, shaped in main_and_scan_bodies(model, inferred):
                 static = {name: shape for name, shape in known_shapes(shaped).items()

@@ -17,7 +17,7 @@ from ..errors import RuntimeUnavailableError, UnsupportedOptionError, suggest
 from ..training_build import available as training_build_available
 
 __all__ = ["checked_providers", "create_session", "cpu_device", "ortvalue",
-           "training_build_available"]
+           "quiet_session_options", "training_build_available"]
 
 
 def _onnxruntime():
@@ -51,14 +51,23 @@ def checked_providers(providers: Any) -> list | None:
     return list(listed)
 
 
+def quiet_session_options(**settings: Any):
+    """onnxruntime ``SessionOptions`` logging errors only, with ``settings`` set on them
+    (e.g. ``intra_op_num_threads=1``)."""
+    options = _onnxruntime().SessionOptions()
+    options.log_severity_level = 3
+    for key, value in settings.items():
+        if not hasattr(options, key):
+            raise UnsupportedOptionError(f"onnxruntime's SessionOptions has no {key!r}.")
+        setattr(options, key, value)
+    return options
+
+
 def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = None,
                    session_options: Any = None):
     """An InferenceSession for ``model`` (CPU by default), quiet unless told otherwise."""
     onnxruntime = _onnxruntime()
-    options = session_options
-    if options is None:
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
+    options = quiet_session_options() if session_options is None else session_options
     return onnxruntime.InferenceSession(model.SerializeToString(), options,
                                         providers=list(providers or ["CPUExecutionProvider"]))
 

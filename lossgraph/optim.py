@@ -49,6 +49,7 @@ from onnx import helper
 
 from .builder import GraphBuilder
 from .errors import UnsupportedOptionError, suggest
+from .options import finite, non_negative
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "optimizer_from_dict", "as_optimizer",
            "OPTIMIZERS"]
@@ -59,22 +60,12 @@ SCHEDULES = ("constant", "invscaling", "optimal")
 # -- validation helpers ----------------------------------------------------------------
 
 
-def _number(owner: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise UnsupportedOptionError(f"{owner}: {name}={value!r} must be a real number.")
-    number = float(value)
-    if not math.isfinite(number):
-        raise UnsupportedOptionError(f"{owner}: {name}={value!r} must be finite.")
-    return number
-
-
 def _non_negative(owner: str, name: str, value: Any) -> None:
-    if _number(owner, name, value) < 0:
-        raise UnsupportedOptionError(f"{owner}: {name}={value!r} must be >= 0.")
+    non_negative(f"{owner}: {name}", value)
 
 
 def _unit_interval(owner: str, name: str, value: Any) -> None:
-    if not 0 <= _number(owner, name, value) < 1:
+    if not 0 <= finite(f"{owner}: {name}", value) < 1:
         raise UnsupportedOptionError(f"{owner}: {name}={value!r} must lie in [0, 1).")
 
 
@@ -179,7 +170,7 @@ class SGD(Optimizer):
             )
         if self.eta0 is not None:
             _non_negative("SGD", "eta0", self.eta0)
-        _number("SGD", "power_t", self.power_t)
+        finite("SGD: power_t", self.power_t)
         _non_negative("SGD", "alpha", self.alpha)
         if self.learning_rate_schedule == "optimal" and self.alpha == 0:
             raise UnsupportedOptionError(

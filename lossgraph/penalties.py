@@ -16,10 +16,9 @@ import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from .builder import GraphBuilder
 from .errors import UnsupportedOptionError
+from .options import non_negative
 
 __all__ = ["parse_penalty", "penalty_terms", "penalty_gradient"]
 
@@ -51,16 +50,8 @@ def parse_penalty(penalty: Mapping[str, Any] | None) -> dict[str, dict[str, floa
         else:
             coefficients = {"l1": 0.0, "l2": spec}
         for kind, value in coefficients.items():
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                number = float("nan")
-            if not (np.isfinite(number) and number >= 0):
-                raise UnsupportedOptionError(
-                    f"Penalty coefficient {kind}={value!r} on {name!r} must be a finite "
-                    "number >= 0."
-                )
-            coefficients[kind] = number
+            coefficients[kind] = non_negative(f"Penalty coefficient {kind}", value,
+                                              f" on {name!r}")
         normalized[name] = coefficients
     return normalized
 

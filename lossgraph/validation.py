@@ -41,6 +41,7 @@ from .errors import (
 from .graphs import FLOAT_TYPES, elem_type_name
 from .manifest import FUSE_MODES
 from .optim import Optimizer, as_optimizer
+from .options import choice, count, flag
 from .passes.gradient import BACKENDS
 from .passes.loss import OUTPUT_OPTIONS, resolve_score
 from .penalties import parse_penalty
@@ -59,33 +60,6 @@ _FINITE_BLOCK = 1 << 16
 
 
 # -- options -----------------------------------------------------------------------------
-
-
-def count(name: str, value: Any, minimum: int) -> int:
-    """An integer option such as ``epochs`` or ``batch_size``, at least ``minimum``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise UnsupportedOptionError(
-            f"{name}={reprlib.repr(value)} must be an integer >= {minimum}, not a "
-            f"{type(value).__name__}.")
-    if value < minimum:
-        raise UnsupportedOptionError(f"{name}={value} must be >= {minimum}.")
-    return int(value)
-
-
-def flag(name: str, value: Any) -> bool:
-    """A True/False option (a string such as ``"no"`` would read as True)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise UnsupportedOptionError(f"{name}={reprlib.repr(value)} must be True or False.")
-    return bool(value)
-
-
-def choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    """One of ``choices``, with a suggestion for a near miss."""
-    if not isinstance(value, str) or value not in choices:
-        hint = suggest(value, choices, "values") if isinstance(value, str) else (
-            f" Valid values: {', '.join(map(repr, choices))}.")
-        raise UnsupportedOptionError(f"{name}={reprlib.repr(value)} is not accepted.{hint}")
-    return value
 
 
 def random_state(value: Any) -> int | np.random.Generator | None:

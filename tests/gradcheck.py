@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from lossgraph import gradient
-from lossgraph.errors import InternalError, MissingGradientError, RuntimeUnavailableError
+from lossgraph.errors import MissingGradientError, RuntimeUnavailableError
 from lossgraph.graphs import all_graphs
 
 COTANGENT_SEED = 1234
@@ -176,17 +176,13 @@ def to_float32(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _builder_unsupported(exc: Exception) -> bool:
     """Whether ``exc``, raised while differentiating with ``backend="ort"`` or loading its
-    graph, means that GradientGraphBuilder does not support the op: it refuses it
-    (MissingGradientError), emits a graph the ONNX checker rejects (its gradient ops'
-    shapes or opsets; an InternalError caused by the checker), or one onnxruntime cannot
-    load (no kernel for its gradient op, or its own shape inference fails)."""
+    graph, means that GradientGraphBuilder does not support the op: it refuses it or
+    emits a graph the ONNX checker rejects (MissingGradientError), or one onnxruntime
+    cannot load (no kernel for its gradient op, or its own shape inference fails)."""
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
     if isinstance(exc, MissingGradientError):
         return True
-    if isinstance(exc, InternalError):
-        return isinstance(exc.__cause__, (onnx.checker.ValidationError,
-                                          onnx.shape_inference.InferenceError))
     return isinstance(exc, (ort_errors.NotImplemented, ort_errors.Fail))
 
 

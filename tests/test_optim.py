@@ -341,9 +341,9 @@ def test_bad_update_graph_arguments():
 
 
 @pytest.mark.parametrize(("make", "message"), [
-    (lambda: SGD(learning_rate=-0.1), "learning_rate=-0.1 must be >= 0"),
-    (lambda: SGD(learning_rate=float("nan")), "must be finite"),
-    (lambda: SGD(learning_rate="0.1"), "must be a real number"),
+    (lambda: SGD(learning_rate=-0.1), "learning_rate=-0.1 must be a finite number >= 0"),
+    (lambda: SGD(learning_rate=float("nan")), "learning_rate=nan must be a finite number >= 0"),
+    (lambda: SGD(learning_rate="0.1"), "learning_rate='0.1' must be a finite number >= 0"),
     (lambda: SGD(learning_rate_schedule="optimall"), "Did you mean 'optimal'"),
     (lambda: SGD(learning_rate_schedule="optimal", alpha=0), "alpha > 0"),
     (lambda: SGD(eta0=-1.0), "eta0"),

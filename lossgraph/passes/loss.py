@@ -34,7 +34,6 @@ outputs. The roles of these tensors are recorded in the metadata
 
 from __future__ import annotations
 
-import numbers
 import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from ..errors import (
 from ..graphs import FLOAT_TYPES, elem_type_name, np_dtype, opset_version
 from ..models import ModelLike
 from ..names import NameAuthority
+from ..options import flag, non_negative
 from ..penalties import parse_penalty, penalty_terms
 from ..roles import get_roles, set_roles
 from .contract import Pass, PassResult
@@ -241,19 +241,13 @@ def resolve_score(score_name: str, options: Mapping[str, Any],
             f"{option}={score_name!r} takes no option {unknown[0]!r} (its options: {valid})."
         )
     resolved = {**score.options, **options}
+    where = f" of {option}={score_name!r}"
     for key in _NON_NEGATIVE_OPTIONS:
-        value = resolved.get(key)
-        if value is not None and not (isinstance(value, numbers.Real)
-                                      and not isinstance(value, bool)
-                                      and np.isfinite(value) and value >= 0):
-            raise UnsupportedOptionError(
-                f"Option {key}={value!r} of {option}={score_name!r} must be a finite number "
-                ">= 0.")
+        if resolved.get(key) is not None:
+            non_negative(f"Option {key}", resolved[key], where)
     for key in _BOOL_OPTIONS:
-        if key in resolved and not isinstance(resolved[key], (bool, np.bool_)):
-            raise UnsupportedOptionError(
-                f"Option {key}={resolved[key]!r} of {option}={score_name!r} must be True or "
-                "False.")
+        if key in resolved:
+            flag(f"Option {key}", resolved[key], where)
     if canonical == "huber" and resolved["delta"] == 0:
         raise UnsupportedOptionError(f"Option delta of {option}='huber' must be > 0.")
     if resolved.get("eps") is not None and not resolved["eps"] < 0.5:

@@ -1,0 +1,73 @@
+"""Checks of one option's value, shared by every function that takes options.
+
+Each names the option as the caller shows it (``what``: ``"batch_size"``, ``"SGD:
+learning_rate"``, ``"Option delta"``), and ``where`` says whose option it is when the
+name alone does not (``" of loss='huber'"``, ``" on 'coef'"``):
+
+    count("epochs", 1.5, 0)    ->  epochs=1.5 must be an integer >= 0, not a float.
+    flag("shuffle", "no")      ->  shuffle='no' must be True or False.
+    non_negative("Option delta", -1, " of loss='huber'")
+                               ->  Option delta=-1 of loss='huber' must be a finite number >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import reprlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import UnsupportedOptionError, suggest
+
+__all__ = ["count", "flag", "choice", "finite", "non_negative"]
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def count(what: str, value: Any, minimum: int) -> int:
+    """An integer option such as ``epochs`` or ``batch_size``, at least ``minimum``."""
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        raise UnsupportedOptionError(
+            f"{what}={reprlib.repr(value)} must be an integer >= {minimum}, not a "
+            f"{type(value).__name__}.")
+    if value < minimum:
+        raise UnsupportedOptionError(f"{what}={value} must be >= {minimum}.")
+    return int(value)
+
+
+def flag(what: str, value: Any, where: str = "") -> bool:
+    """A True/False option (a string such as ``"no"`` would read as True)."""
+    if not _is_bool(value):
+        raise UnsupportedOptionError(f"{what}={reprlib.repr(value)}{where} must be True or False.")
+    return bool(value)
+
+
+def choice(what: str, value: Any, choices: Sequence[str]) -> str:
+    """One of ``choices``, with a suggestion for a near miss."""
+    if not isinstance(value, str) or value not in choices:
+        hint = suggest(value, choices, "values") if isinstance(value, str) else (
+            f" Valid values: {', '.join(map(repr, choices))}.")
+        raise UnsupportedOptionError(f"{what}={reprlib.repr(value)} is not accepted.{hint}")
+    return value
+
+
+def finite(what: str, value: Any, where: str = "") -> float:
+    """A finite real number (not a bool, a string or a NaN)."""
+    if _is_bool(value) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise UnsupportedOptionError(
+            f"{what}={reprlib.repr(value)}{where} must be a finite real number.")
+    return float(value)
+
+
+def non_negative(what: str, value: Any, where: str = "") -> float:
+    """A finite real number >= 0."""
+    if _is_bool(value) or not isinstance(value, numbers.Real) or not (
+            math.isfinite(value) and value >= 0):
+        raise UnsupportedOptionError(
+            f"{what}={reprlib.repr(value)}{where} must be a finite number >= 0.")
+    return float(value)

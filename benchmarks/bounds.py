@@ -30,6 +30,7 @@ from benchmarks.problems import (
     not_compared,
 )
 from lossgraph.optimize import row_product_parts
+from lossgraph.runtime.session import create_session
 
 
 def hand_graph_bound(problem: Problem, batch: int) -> Implementation:
@@ -193,11 +194,9 @@ def scan_session(model: onnx.ModelProto, problem: Problem,
                  batch: int) -> tuple[Any, dict[str, np.ndarray]]:
     """An onnxruntime session for a model from :func:`_epoch_scan`, and its data feeds."""
     try:
-        import onnxruntime
-    except ImportError as error:
+        session = create_session(model)
+    except ImportError as error:  # lossgraph's RuntimeUnavailableError
         raise Unavailable("onnxruntime is not installed") from error
-    session = onnxruntime.InferenceSession(model.SerializeToString(),
-                                           providers=["CPUExecutionProvider"])
     n, features = problem.X.shape
     return session, {"X": problem.X.reshape(n // batch, batch, features),
                      "y": problem.y.reshape(n // batch, batch, 1)}

@@ -95,12 +95,11 @@ def _basic_optimized(model: onnx.ModelProto, path: Path) -> None:
     folded, Identity and Squeeze chains gone), importing only the standard domain."""
     import onnxruntime
 
-    options = onnxruntime.SessionOptions()
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.optimized_model_filepath = str(path)
-    options.log_severity_level = 3
-    onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                 providers=["CPUExecutionProvider"])
+    from lossgraph.runtime.session import create_session, quiet_session_options
+
+    create_session(model, session_options=quiet_session_options(
+        graph_optimization_level=onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        optimized_model_filepath=str(path)))
     optimized = onnx.load(path)
     standard = [o for o in optimized.opset_import if o.domain in ("", "ai.onnx")]
     del optimized.opset_import[:]

@@ -31,6 +31,7 @@ from onnx import helper, numpy_helper
 from lossgraph import gradient
 from lossgraph.errors import MissingGradientError, RuntimeUnavailableError
 from lossgraph.graphs import all_graphs
+from lossgraph.runtime.session import create_session, quiet_session_options
 
 COTANGENT_SEED = 1234
 
@@ -40,12 +41,9 @@ def _session(model: onnx.ModelProto, basic: bool = False):
     for ``x * Sigmoid(x)``) have float32 kernels only."""
     import onnxruntime
 
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    if basic:
-        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                        providers=["CPUExecutionProvider"])
+    settings = ({"graph_optimization_level": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC}
+                if basic else {})
+    return create_session(model, session_options=quiet_session_options(**settings))
 
 
 def _as_model(model: onnx.ModelProto | str) -> onnx.ModelProto:

@@ -68,6 +68,7 @@ from lossgraph.errors import (
     MissingGradientError,
     NoGradientError,
 )
+from lossgraph.runtime.session import create_session, quiet_session_options
 from lossgraph.target import TARGETS, use_target
 
 PASS, WRONG, MISSING, UNSUPPORTED, NOT_DIFFERENTIABLE, CRASH, SKIPPED = (
@@ -235,13 +236,9 @@ def _retype_value(value, precision: Precision):
 
 # ------------------------------------------------------------------------- runtime
 def _session(model: onnx.ModelProto):
-    ort = _runtime()
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
     model = onnx.ModelProto.FromString(model.SerializeToString())
     model.ir_version = min(model.ir_version, 10)
-    return ort.InferenceSession(model.SerializeToString(), options,
-                                providers=["CPUExecutionProvider"])
+    return create_session(model, session_options=quiet_session_options(log_severity_level=4))
 
 
 @dataclass

@@ -85,7 +85,30 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
     "AddLossOutput multiclass_log_loss": (
         lambda: lossgraph.lower_ml_ops(golden("skl_mlp_classifier")),
         AddLossOutput("multiclass_log_loss")),
+    "AddLossOutput elastic, float32, 1-D, sample weight, sum": (
+        lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+            g (float[N, 3] x) => (float[N] y) <float[3, 1] w = {1, 2, 3}, int64[1] last = {1}>
+            {
+                h = MatMul(x, w)
+                y = Squeeze(h, last)
+            }"""),
+        AddLossOutput("elastic", weight_name="w_row", reduction="sum",
+                      options={"l1_weight": 0.3, "l2_weight": 0.7})),
+    "LowerMlOps LinearRegressor": (lambda: golden("skl_linear_regression"), LowerMlOps()),
+    "LowerMlOps LinearClassifier binary": (lambda: golden("skl_logistic_binary"), LowerMlOps()),
     "AlphabetizeInitializers": (lambda: golden("skl_mlp_regressor"), AlphabetizeInitializers()),
+    "AlphabetizeInitializers in If branches": (
+        lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+            net (float[N, 3] x, bool flag) => (float[N, 2] y)
+            <float[3, 2] z_weight = {1, 2, 3, 4, 5, 6}, float[2] a_bias = {0.5, -0.5}>
+            {
+                h = MatMul(x, z_weight)
+                y = If(flag) <
+                    then_branch = g1 () => (float[N, 2] t) { t = Add(h, a_bias) },
+                    else_branch = g2 () => (float[N, 2] e) { e = Sub(h, a_bias) }
+                >
+            }"""),
+        AlphabetizeInitializers()),
     "WeightsToInputs": (lambda: with_loss("hand_linear"), WeightsToInputs(["W", "B"])),
     "Gradient": (lambda: with_loss("torch_cnn"), Gradient()),
     "Gradient (vector-Jacobian)": (lambda: golden("hand_broadcast_reuse"),

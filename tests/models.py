@@ -6,6 +6,8 @@ is the model of the graph ``g (double[3, 4] x, double[4] w) => (double[3, 4] y) 
 importing ai.onnx at opset 18 (and any ``domains={"ai.onnx.ml": 3}``), at the lowest IR
 version that opset allows. :func:`model_of_graph` wraps a ``GraphProto`` built otherwise
 (``onnx.helper``) the same way; :func:`signature` writes a signature from example arrays.
+:data:`UNSORTED` is a model whose weights' alphabetical order differs from their graph
+order, read in ``If`` branches.
 """
 
 from __future__ import annotations
@@ -59,3 +61,18 @@ def declaration(name: str, array: np.ndarray) -> str:
 def signature(inputs: Mapping[str, np.ndarray], outputs: str) -> str:
     """``(double[3, 4] x, ...) => (outputs)``: the inputs declared like their example arrays."""
     return f"({', '.join(declaration(k, v) for k, v in inputs.items())}) => ({outputs})"
+
+
+# Weights named so that alphabetical order (a_bias, z_weight) differs from graph order.
+UNSORTED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    net (float[N, 3] x, bool flag) => (float[N, 2] y)
+    <float[3, 2] z_weight = {1, 2, 3, 4, 5, 6}, float[2] a_bias = {0.5, -0.5}>
+    {
+        h = MatMul(x, z_weight)
+        y = If(flag) <
+            then_branch = g1 () => (float[N, 2] t) { t = Add(h, a_bias) },
+            else_branch = g2 () => (float[N, 2] e) { e = Sub(h, a_bias) }
+        >
+    }
+"""

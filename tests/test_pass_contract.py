@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+from models import UNSORTED
 
 import lossgraph
 from lossgraph.optim import SGD, Adam, Momentum
@@ -98,16 +99,7 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
     "LowerMlOps LinearClassifier binary": (lambda: golden("skl_logistic_binary"), LowerMlOps()),
     "AlphabetizeInitializers": (lambda: golden("skl_mlp_regressor"), AlphabetizeInitializers()),
     "AlphabetizeInitializers in If branches": (
-        lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
-            net (float[N, 3] x, bool flag) => (float[N, 2] y)
-            <float[3, 2] z_weight = {1, 2, 3, 4, 5, 6}, float[2] a_bias = {0.5, -0.5}>
-            {
-                h = MatMul(x, z_weight)
-                y = If(flag) <
-                    then_branch = g1 () => (float[N, 2] t) { t = Add(h, a_bias) },
-                    else_branch = g2 () => (float[N, 2] e) { e = Sub(h, a_bias) }
-                >
-            }"""),
+        lambda: onnx.parser.parse_model(UNSORTED),
         AlphabetizeInitializers()),
     "WeightsToInputs": (lambda: with_loss("hand_linear"), WeightsToInputs(["W", "B"])),
     "Gradient": (lambda: with_loss("torch_cnn"), Gradient()),

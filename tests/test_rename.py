@@ -5,23 +5,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from models import UNSORTED
 
 from lossgraph import add_loss_output, alphabetize_initializers, get_roles
 from lossgraph.errors import UnknownNameError
-
-# Weights named so that alphabetical order (a_bias, z_weight) differs from graph order.
-UNSORTED = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    net (float[N, 3] x, bool flag) => (float[N, 2] y)
-    <float[3, 2] z_weight = {1, 2, 3, 4, 5, 6}, float[2] a_bias = {0.5, -0.5}>
-    {
-        h = MatMul(x, z_weight)
-        y = If(flag) <
-            then_branch = g1 () => (float[N, 2] t) { t = Add(h, a_bias) },
-            else_branch = g2 () => (float[N, 2] e) { e = Sub(h, a_bias) }
-        >
-    }
-"""
 
 
 def test_weights_are_renamed_so_alphabetical_order_is_graph_order():

@@ -27,6 +27,7 @@ manifest is written from the graphs and the signature they record
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,10 +107,6 @@ def describe_plan(model: ModelLike, **options: Any) -> str:
     return str(plan(weights, checked.optimizer, checked.backend, checked.fuse))
 
 
-_DEFAULTS: dict[str, Any] = {"weights": None, "loss": "squared_error", "loss_options": None,
-                             "penalty": None, "optimizer": None, "backend": "onnx",
-                             "fuse": "step"}
-
 
 @renamed_keywords(trainable="weights", gradient="backend")
 def compile_program(
@@ -153,6 +150,12 @@ def compile_program(
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse}
     with use_target(target):
         return _compile(model, options)
+
+
+#: compile_program's options but the model and the target, with their defaults.
+_DEFAULTS: dict[str, Any] = {name: p.default for name, p in
+                             inspect.signature(compile_program).parameters.items()
+                             if name not in ("model", "target")}
 
 
 def _front(model: ModelLike, options: Mapping[str, Any]):

@@ -127,5 +127,8 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
     assert lines["train_epoch"].endswith("-> EpochGraph -> WidenScalarConstants")
     assert lines["train_epoch_ordered"].endswith(
         "-> EpochGraph(shuffled=False) -> WidenScalarConstants")
+    assert "-> StepGraph(optimizer=SGD) ->" in lines["train_step"]  # options off default only
+    momentum = lossgraph.describe_plan(linear, optimizer=lossgraph.optim.Momentum(0.05))
+    assert "StepGraph(optimizer=Momentum(learning_rate=0.05))" in momentum
     program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
     assert list(program.graphs) == list(lines)

@@ -110,13 +110,15 @@ class Pipeline(Pass):
         return " -> ".join(str(step) for step in self.passes) or "(no passes)"
 
 
-def _describe(step: Pass) -> str:
-    """``Name(option=value, ...)`` with the options that differ from their defaults."""
-    if not dataclasses.is_dataclass(step):
-        return step.name
-    shown = [f"{f.name}={getattr(step, f.name)!r}" for f in dataclasses.fields(step)
-             if f.repr and getattr(step, f.name) != _default(f)]
-    return f"{step.name}({', '.join(shown)})" if shown else step.name
+def _describe(value: Any) -> str:
+    """``Name(option=value, ...)`` for a pass, or an option that is itself a dataclass (an
+    optimizer), with the options that differ from their defaults; ``repr`` otherwise."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return repr(value)
+    shown = [f"{f.name}={_describe(getattr(value, f.name))}" for f in dataclasses.fields(value)
+             if f.repr and getattr(value, f.name) != _default(f)]
+    name = type(value).__name__
+    return f"{name}({', '.join(shown)})" if shown else name
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -16,6 +16,19 @@ from typing import Any
 from . import optim
 from .analysis import trainable_initializers
 from .autodiff import grad_rule, supported_ops
+from .compat import (
+    AbsoluteLearningLoss,
+    BaseLearningLoss,
+    BaseLearningPenalty,
+    BaseLearningRate,
+    ElasticLearningLoss,
+    ElasticLearningPenalty,
+    LearningRateSGD,
+    LearningRateSGDNesterov,
+    NegLogLearningLoss,
+    NoLearningPenalty,
+    SquareLearningLoss,
+)
 from .compiler import compile_program, describe_plan
 from .deprecation import warn_renamed
 from .errors import LossgraphError
@@ -45,6 +58,17 @@ __all__ = [
     "optim",
     "trainable_initializers",
     "__version__",
+    "AbsoluteLearningLoss",
+    "BaseLearningLoss",
+    "BaseLearningPenalty",
+    "BaseLearningRate",
+    "ElasticLearningLoss",
+    "ElasticLearningPenalty",
+    "LearningRateSGD",
+    "LearningRateSGDNesterov",
+    "NegLogLearningLoss",
+    "NoLearningPenalty",
+    "SquareLearningLoss",
 ]
 
 

@@ -114,3 +114,18 @@ class InvalidRuleError(LossgraphError, TypeError):
 
 class LossgraphDeprecationWarning(DeprecationWarning):
     """A spelling that still works in this release and goes in the next (lossgraph.deprecation)."""
+
+
+class ConvergenceWarning(UserWarning):
+    """Training stopped before it converged (the iterations ran out)."""
+
+
+class EvaluationError(LossgraphError, RuntimeError):
+    """Running a graph failed while training or predicting."""
+
+
+class ProviderError(LossgraphError, ValueError):
+    """The requested device or execution provider cannot run the graphs."""
+
+
+__all__ += ["ConvergenceWarning", "EvaluationError", "ProviderError"]

@@ -1,0 +1,141 @@
+"""The learning rates of the reference documents' forward/backward optimizer.
+
+A learning rate is stepped once per epoch; ``t`` counts the epochs already finished
+(``t = 0`` for the first epoch), and every update of epoch ``t`` uses::
+
+    constant    eta_t = eta0
+    invscaling  eta_t = eta0 / (t + 1)^power_t                 (MLP's SGDOptimizer.iteration_ends)
+    optimal     eta_t = 1 / (alpha (t0 + t)),  t0 = 1 / (alpha typw),  typw = alpha^(-1/4)
+
+``optimal`` is scikit-learn's ``SGDRegressor`` schedule (``_sgd_fast``, whose own counter
+is ``t + 1``, stepped per sample there and per epoch here). The update of
+:class:`LearningRateSGDNesterov` is scikit-learn's ``SGDOptimizer``::
+
+    u' = m u - eta_t g;   w' = w + u'                 nesterov=False
+                          w' = w + m u' - eta_t g     nesterov=True
+
+:class:`lossgraph.optim.Momentum` keeps ``v = -u / eta_t`` instead (``v' = m v + g``,
+``w' = w - eta_t v'`` or ``w - eta_t (g + m v')``): the same numbers while ``eta_t`` holds,
+and exactly the same across epochs when the runner multiplies every velocity by
+:meth:`LearningRateSGDNesterov.velocity_scale` before the first update of epoch ``t``
+(``eta_{t-1} / eta_t``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..errors import UnsupportedOptionError, suggest
+from ..optim import SGD, Momentum, Optimizer
+from ..options import finite, non_negative
+
+__all__ = ["BaseLearningRate", "LearningRateSGD", "LearningRateSGDNesterov"]
+
+SCHEDULES = ("constant", "invscaling", "optimal")
+
+
+@dataclass(frozen=True)
+class BaseLearningRate:
+    """A per-epoch learning-rate schedule and the lossgraph optimizer doing its update."""
+
+    eta0: float = 0.01
+    alpha: float = 0.0001
+    power_t: float = 0.25
+    learning_rate: str = "invscaling"
+
+    #: The names :meth:`select` accepts for this class, besides the class name.
+    aliases: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        non_negative(f"{owner}: eta0", self.eta0)
+        non_negative(f"{owner}: alpha", self.alpha)
+        finite(f"{owner}: power_t", self.power_t)
+        if self.learning_rate not in SCHEDULES:
+            raise UnsupportedOptionError(
+                f"{owner}: unknown learning_rate {self.learning_rate!r}."
+                + suggest(str(self.learning_rate), SCHEDULES, "schedules"))
+        if self.learning_rate == "optimal" and self.alpha == 0:
+            raise UnsupportedOptionError(
+                f"{owner}: learning_rate='optimal' needs alpha > 0 (its rate is "
+                "1 / (alpha (t0 + t))).")
+
+    @property
+    def optimal_init(self) -> float:
+        """scikit-learn's ``t0`` of the optimal schedule: ``1 / (alpha typw)``."""
+        typw = math.sqrt(1.0 / math.sqrt(self.alpha))
+        return 1.0 / (typw * self.alpha)
+
+    def value(self, epoch: int) -> float:
+        """The learning rate of every update in epoch ``epoch`` (0 for the first)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise UnsupportedOptionError(f"epoch={epoch!r} must be an integer >= 0.")
+        if self.learning_rate == "invscaling":
+            return float(self.eta0) / float(epoch + 1) ** self.power_t
+        if self.learning_rate == "optimal":
+            return 1.0 / (self.alpha * (self.optimal_init + epoch))
+        return float(self.eta0)
+
+    def to_optimizer(self) -> Optimizer:
+        """The lossgraph optimizer whose update graph does this rate's per-step update;
+        feed it :meth:`value` as its ``learning_rate`` input."""
+        raise NotImplementedError
+
+    @classmethod
+    def select(cls, value: Any) -> BaseLearningRate:
+        """An instance for ``value``: an instance (returned as is), a float (a constant
+        rate), a class name or an alias (``"SGD"``, ``"SGDNesterov"``, ``"Nesterov"``)."""
+        if isinstance(value, BaseLearningRate):
+            return value
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return LearningRateSGD(eta0=float(value), learning_rate="constant")
+        names = {name: kind for kind in (LearningRateSGD, LearningRateSGDNesterov)
+                 for name in (kind.__name__, *kind.aliases)}
+        if isinstance(value, str) and value in names:
+            return names[value]()
+        raise UnsupportedOptionError(
+            f"Unknown learning rate {value!r}: give a float, an instance or a name."
+            + suggest(str(value), names, "learning rates"))
+
+
+@dataclass(frozen=True)
+class LearningRateSGD(BaseLearningRate):
+    """Plain SGD, ``w' = w - eta_t g``: :class:`lossgraph.optim.SGD`."""
+
+    aliases: ClassVar[tuple[str, ...]] = ("SGD",)
+
+    def to_optimizer(self) -> SGD:
+        return SGD(learning_rate=self.eta0)
+
+
+@dataclass(frozen=True)
+class LearningRateSGDNesterov(BaseLearningRate):
+    """SGD with momentum, Nesterov's by default, as scikit-learn's ``SGDOptimizer``:
+    :class:`lossgraph.optim.Momentum` with :meth:`velocity_scale` (module docstring)."""
+
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    aliases: ClassVar[tuple[str, ...]] = ("SGDNesterov", "Nesterov")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.to_optimizer()  # Momentum checks momentum and nesterov
+
+    def to_optimizer(self) -> Momentum:
+        return Momentum(learning_rate=self.eta0, momentum=self.momentum, nesterov=self.nesterov)
+
+    def velocity_scale(self, epoch: int) -> float:
+        """The factor ``eta_{t-1} / eta_t`` the velocities take before epoch ``t``'s first
+        update, so that Momentum's ``-eta_t v`` stays scikit-learn's ``u`` (1 for ``t = 0``)."""
+        if epoch == 0:
+            return 1.0
+        current = self.value(epoch)
+        if current == 0:
+            raise UnsupportedOptionError(
+                f"{type(self).__name__}: the rate of epoch {epoch} is 0, so Momentum's velocity "
+                "cannot carry scikit-learn's; use eta0 > 0.")
+        return self.value(epoch - 1) / current

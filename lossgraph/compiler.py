@@ -43,7 +43,7 @@ from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .optim import Optimizer
 from .optimize import SumRowsByProduct, WidenScalarConstants
-from .passes.contract import PassResult, Pipeline
+from .passes.contract import Pass, PassResult, Pipeline
 from .passes.fuse import EpochGraph, PackWeights, StepGraph
 from .passes.gradient import Gradient
 from .passes.loss import AddLossOutput
@@ -208,14 +208,16 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     loss_model, source, weights, checked = _front(model, options)
     optimizer, fuse = checked.optimizer, checked.fuse
     the_plan = plan(weights, optimizer, checked.backend, fuse)
-    starts = {"loss model": loss_model, "inference model": source}
-    results = _run(the_plan, starts)
+    runner = _PrefixRunner({"loss model": loss_model, "inference model": source})
+    results = {name: runner.run(the_plan.starts[name], pipeline.passes)
+               for name, pipeline in the_plan.pipelines.items()}
     initial = results["evaluate"].report["WeightsToInputs"]
     graphs = {name: result.model for name, result in results.items()}
     roles = get_roles(loss_model)
     if fuse == "separate":
         signature = Signature.of_loss_model(graphs["evaluate"], list(weights))
-        predict = WeightsToInputs(tuple(weights))(source).model
+        lift = the_plan.pipelines["predict"].passes[0]  # the predict graph before widening
+        predict = runner.run("inference model", (lift,)).model
         separate = separate_graphs(predict, roles, options["loss"], checked.loss_options,
                                    options["penalty"], initial, optimizer, checked.backend,
                                    signature)
@@ -232,22 +234,23 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     return TrainingProgram(graphs, manifest, state, source)
 
 
-def _run(the_plan: Plan, starts: Mapping[str, onnx.ModelProto]) -> dict[str, PassResult]:
-    """Run every pipeline of the plan; a prefix several pipelines share runs once."""
-    done: dict[tuple[int, ...], tuple[onnx.ModelProto, dict[str, Any]]] = {}
-    results = {}
-    for name, pipeline in the_plan.pipelines.items():
-        start = the_plan.starts[name]
-        model, reports = starts[start], {}
-        key: tuple[int, ...] = (id(starts[start]),)
-        for step in pipeline.passes:
+class _PrefixRunner:
+    """Runs pipelines from named start models; a prefix several pipelines share runs once."""
+
+    def __init__(self, starts: Mapping[str, onnx.ModelProto]) -> None:
+        self.starts = starts
+        self.done: dict[tuple[int, ...], PassResult] = {}
+
+    def run(self, start: str, passes: Sequence[Pass]) -> PassResult:
+        """The model after ``passes`` and their reports by pass name."""
+        result = PassResult(self.starts[start], {})
+        key: tuple[int, ...] = (id(self.starts[start]),)
+        for step in passes:
             key = (*key, id(step))
-            if key not in done:
-                result = step(model)
-                done[key] = (result.model, {**reports, **({step.name: result.report}
-                                                          if result.report is not None else {})})
-            model, reports = done[key]
-        results[name] = PassResult(model, reports)
-    return results
-
-
+            if key not in self.done:
+                done = step(result.model)
+                reports = {**result.report, **({step.name: done.report}
+                                               if done.report is not None else {})}
+                self.done[key] = PassResult(done.model, reports)
+            result = self.done[key]
+        return result

@@ -17,7 +17,8 @@ and on current onnxruntime alike.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,10 @@ import onnx
 from onnx import TensorProto, helper
 
 from .builder import GraphBuilder, standalone_model
-from .errors import UnknownNameError, UnsupportedOptionError, suggest
+from .errors import InternalError, UnknownNameError, UnsupportedOptionError, suggest
+from .graphs import ForwardFacts, outer_references, subgraphs
+from .metadata import GRADIENTS_KEY, read_json
+from .models import check_emitted
 from .names import NameAuthority
 from .optim import Optimizer
 from .optimize import SumRowsByProduct
@@ -37,7 +41,8 @@ from .signature import Signature
 from .target import check_opset_option
 from .validation import weights_dtype
 
-__all__ = ["separate_graphs", "penalty_graph", "update_graph"]
+__all__ = ["separate_graphs", "penalty_graph", "update_graph", "ForwardBackward",
+           "split_gradient"]
 
 
 def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: str,
@@ -172,3 +177,90 @@ def update_graph(
             info = helper.make_tensor_value_info(out_name, elem_type, shape)
             outputs.append((value, out_name, info))
     return standalone_model(b, f"{type(optimizer).__name__}_update", inputs, outputs, opset)
+
+
+@dataclass(frozen=True)
+class ForwardBackward:
+    """A vector-Jacobian graph cut in two at its forward outputs (:func:`split_gradient`).
+
+    ``forward`` takes the gradient graph's inputs but the seeds and returns ``outputs``,
+    then the ``residuals`` that are not among them: the forward values the backward
+    half reads. ``backward`` takes ``residuals``, then ``reused`` (the forward inputs it
+    reads again, such as features and weights), then the seeds, and returns the
+    gradients.
+    """
+
+    forward: onnx.ModelProto
+    backward: onnx.ModelProto
+    outputs: tuple[str, ...]
+    residuals: tuple[str, ...]
+    reused: tuple[str, ...]
+    seeds: tuple[str, ...]
+    gradients: tuple[str, ...]
+
+
+def split_gradient(model: onnx.ModelProto, outputs: Sequence[str],
+                   seeds: Sequence[str]) -> ForwardBackward:
+    """Cut a vector-Jacobian graph (:class:`~lossgraph.passes.gradient.Gradient` with
+    ``outputs=``) into a forward and a backward half, so that training computes the
+    forward pass once::
+
+        gradient(x, W, y_grad) -> (y, W_grad)
+            = backward(forward(x, W).residuals, x, W, y_grad)
+
+    The forward half holds the nodes ``outputs`` need; the backward half the nodes
+    the gradients (recorded by the pass) need, once the forward half has run; other
+    outputs are left out.
+    """
+    graph = model.graph
+    seeds, outputs = tuple(seeds), tuple(outputs)
+    producer = {o: i for i, node in enumerate(graph.node) for o in node.output if o}
+    reads = [[*dict.fromkeys([*node.input, *(n for sub in subgraphs(node)
+                                              for n in sorted(outer_references(sub)))])]
+             for node in graph.node]
+
+    def needed(targets: Sequence[str], known: set[int]) -> set[int]:
+        """The nodes computing ``targets``, but those in ``known``."""
+        found: set[int] = set()
+        pending = [producer[t] for t in targets if t in producer]
+        while pending:
+            index = pending.pop()
+            if index not in found and index not in known:
+                found.add(index)
+                pending.extend(producer[n] for n in reads[index] if n in producer)
+        return found
+
+    gradients = tuple(read_json(model, GRADIENTS_KEY).values())
+    in_forward = needed(outputs, set())
+    in_backward = needed(gradients, in_forward)
+    forward_nodes = [n for i, n in enumerate(graph.node) if i in in_forward]
+    backward_nodes = [n for i, n in enumerate(graph.node) if i in in_backward]
+    inputs = [i.name for i in graph.input]
+    backward_reads = {n for i in in_backward for n in reads[i]}
+    residuals = tuple(o for n in forward_nodes for o in n.output if o in backward_reads)
+    reused = tuple(i for i in inputs if i in backward_reads and i not in seeds)
+    types = ForwardFacts.of(model).types
+    initializers = {t.name: t for t in graph.initializer}
+
+    def half(name: str, nodes: list[onnx.NodeProto], in_names: Sequence[str],
+             out_names: Sequence[str]) -> onnx.ModelProto:
+        made = {o for n in nodes for o in n.output}
+        if not made.issuperset(out_names):
+            raise InternalError(f"split_gradient: the {name} half does not compute "
+                                f"{sorted(set(out_names) - made)}.")
+        used = {n for node in nodes for n in node.input} | {
+            n for node in nodes for sub in subgraphs(node) for n in outer_references(sub)}
+        body = helper.make_graph(
+            nodes, f"{graph.name}_{name}",
+            [helper.make_value_info(i, types[i]) for i in in_names],
+            [helper.make_value_info(o, types[o]) for o in out_names],
+            [initializers[n] for n in initializers if n in used and n not in in_names])
+        half_model = helper.make_model(body, opset_imports=list(model.opset_import))
+        check_emitted(half_model, f"split_gradient ({name})")
+        return half_model
+
+    forward_inputs = [i for i in inputs if i not in seeds]
+    forward = half("forward", forward_nodes, forward_inputs,
+                   [*outputs, *(r for r in residuals if r not in outputs)])
+    backward = half("backward", backward_nodes, [*residuals, *reused, *seeds], list(gradients))
+    return ForwardBackward(forward, backward, outputs, residuals, reused, seeds, gradients)

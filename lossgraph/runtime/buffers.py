@@ -13,6 +13,7 @@ Every OrtValue here aliases a numpy array that this module keeps alive.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -91,15 +92,17 @@ class GraphRunner:
         for binding in self._bindings:
             binding.bind_ortvalue_output(name, value)
 
-    def run(self, data: Mapping[str, np.ndarray]) -> None:
-        """One run on the live state; ``data`` arrays must be C-contiguous (they are aliased).
+    def run(self, data: Mapping[str, Any]) -> None:
+        """One run on the live state; ``data`` holds OrtValues or C-contiguous arrays (they
+        are aliased).
 
         The arrays stay referenced until this binding's next run rebinds them, since the
         binding still holds OrtValues over their memory.
         """
         parity = self.buffers.current
         binding = self._bindings[parity]
-        values = [ortvalue(array, self.buffers.device) for array in data.values()]
+        values = [ortvalue(value, self.buffers.device) if isinstance(value, np.ndarray) else value
+                  for value in data.values()]
         for name, value in zip(data, values):
             binding.bind_ortvalue_input(name, value)
         self._data[parity] = (data, values)

@@ -41,6 +41,7 @@ from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
+from .forward_backward import SeparateStep
 from .session import checked_providers, create_session
 
 __all__ = ["Trainer"]
@@ -77,6 +78,7 @@ class Trainer:
         self._buffers = StateBuffers(self._names, program.state)
         self._sessions: dict[tuple[str, int | None], Any] = {}
         self._runners: dict[tuple[str, int | None], GraphRunner] = {}
+        self._separate: dict[int | None, SeparateStep] = {}
         self._optimizer = program.optimizer
         self._dtype = program.state[program.weights[0]].dtype
         self._learning_rate = np.zeros((), self._dtype)
@@ -132,8 +134,11 @@ class Trainer:
                     del self._sessions[stale]
                     self._runners.pop(stale, None)
                 model = SpecializeBatch(batch)(model).model
-            self._sessions[key] = create_session(model, self.providers, self.session_options)
+            self._sessions[key] = self._new_session(model)
         return self._sessions[key]
+
+    def _new_session(self, model: onnx.ModelProto):
+        return create_session(model, self.providers, self.session_options)
 
     def _runner(self, graph: str, batch: int | None = None) -> GraphRunner:
         key = (graph, batch)
@@ -321,8 +326,8 @@ class Trainer:
         count = math.ceil(rows / batch_size)
         losses = np.empty(count)
         sizes = np.empty(count, np.int64)
-        train = (self._separate_step if self.program.fuse == "separate" else
-                 functools.partial(self._fused_step, full=batch_size if specialize else None))
+        step = self._separate_step if self.program.fuse == "separate" else self._fused_step
+        train = functools.partial(step, full=batch_size if specialize else None)
         for index in range(count):
             lo, hi = index * batch_size, min(rows, (index + 1) * batch_size)
             batch = {name: array[lo:hi] for name, array in data.items()}
@@ -347,44 +352,18 @@ class Trainer:
         self._runner("train_step", rows if rows == full else None).run(batch)
         return float(self._loss)
 
-    @functools.cached_property
-    def _separate_io(self) -> dict[str, Any]:
-        """The names the ``fuse="separate"`` graphs exchange, looked up once."""
-        io, graphs = self.program.io, self.program.graphs
-        return {
-            "prediction": io("loss", "prediction")[0],
-            "features": io("predict", "feature"),
-            "loss_data": io("loss", "label") + io("loss", "sample_weight"),
-            "loss_outputs": io("loss", "loss") + io("loss", "prediction_grad"),
-            "prediction_grad": io("gradient", "prediction_grad")[0],
-            "gradients": io("gradient", "gradient"),
-            "penalized": io("penalty", "weight") if "penalty" in graphs else [],
-            "penalty_outputs": (io("penalty", "penalty") + io("penalty", "penalty_gradient")
-                                if "penalty" in graphs else []),
-            "update_gradients": io("update", "gradient"),
-        }
-
-    def _separate_step(self, batch: dict[str, np.ndarray]) -> float:
-        """The reference documents' sequence: predict, loss, model gradient, penalty, update."""
-        names, weights = self._separate_io, self._weights()
-        features = {n: batch[n] for n in names["features"]}
-        (predicted,) = self._session("predict").run([names["prediction"]],
-                                                    {**features, **weights})
-        loss, prediction_grad = self._session("loss").run(
-            names["loss_outputs"],
-            {names["prediction"]: predicted, **{n: batch[n] for n in names["loss_data"]}})
-        grads = self._session("gradient").run(
-            names["gradients"], {**features, **weights, names["prediction_grad"]: prediction_grad})
-        grads = dict(zip(self.program.weights, grads))
-        if names["penalized"]:
-            penalty, *extra = self._session("penalty").run(
-                names["penalty_outputs"], {w: weights[w] for w in names["penalized"]})
-            loss = loss + penalty
-            for weight, grad in zip(names["penalized"], extra):
-                grads[weight] = grads[weight] + grad
-        self._runner("update").run({name: np.ascontiguousarray(grads[w]) for w, name in
-                                    zip(self.program.weights, names["update_gradients"])})
-        return float(loss)
+    def _separate_step(self, batch: dict[str, np.ndarray], full: int | None = None) -> float:
+        """The reference documents' sequence: forward, loss, backward, penalty, update
+        (:class:`~lossgraph.runtime.forward_backward.SeparateStep`); a batch of ``full``
+        rows runs graphs specialized to it, as :meth:`_fused_step` does."""
+        rows = len(next(iter(batch.values())))
+        size = rows if rows == full else None
+        if size not in self._separate:
+            if size is not None:  # one batch size at a time, as for the fused graphs
+                self._separate = {k: v for k, v in self._separate.items() if k is None}
+            self._separate[size] = SeparateStep(self.program, self._buffers, self._new_session,
+                                                self._runner("update"), size)
+        return self._separate[size].run(batch)
 
     def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,
                      batch_size: int, epoch: int) -> np.ndarray:

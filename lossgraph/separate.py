@@ -33,15 +33,16 @@ from .models import check_emitted
 from .names import NameAuthority
 from .optim import Optimizer
 from .optimize import SumRowsByProduct
-from .passes.contract import Pipeline
+from .passes.contract import PassResult, Pipeline
 from .passes.gradient import Gradient
 from .passes.loss import AddLossOutput
 from .penalties import parse_penalty, penalty_gradient, penalty_terms
+from .roles import get_roles
 from .signature import Signature
 from .target import check_opset_option
 from .validation import weights_dtype
 
-__all__ = ["separate_graphs", "penalty_graph", "update_graph", "ForwardBackward",
+__all__ = ["separate_graphs", "loss_graph", "penalty_graph", "update_graph", "ForwardBackward",
            "split_gradient"]
 
 
@@ -59,19 +60,11 @@ def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: st
                                SumRowsByProduct()))(predict).model
     model_gradient = SumRowsByProduct()(model_gradient).model  # OPTIMIZE: sum-rows helper
     value = next(o for o in predict.graph.output if o.name == prediction)
-    names = NameAuthority({prediction, roles["label"], roles.get("sample_weight", "")})
-    copy_name = names.fresh(f"{prediction}_copy")
-    identity = helper.make_model(
-        helper.make_graph([helper.make_node("Identity", [prediction], [copy_name])], "loss",
-                          [value], [helper.make_value_info(copy_name, value.type)]),
-        opset_imports=[helper.make_opsetid("", 18)])
     own = {k: v for k, v in options.items() if k not in ("output_index", "label_name")}
     output_options = {k: own.pop(k) for k in ("loss_name", "weight_name", "reduction")
                       if k in own}
-    loss_model = AddLossOutput(loss, label_name=roles["label"], options=own,
-                               **output_options)(identity).model
-    loss_step = Pipeline((Gradient([prediction], loss_name=roles["loss"], backend=backend),
-                          SumRowsByProduct()))(loss_model)
+    loss_step = loss_graph(value, loss, own, label_name=roles["label"], backend=backend,
+                           **output_options)
     graphs = {"gradient": model_gradient, "loss": loss_step.model,
               "update": update_graph(optimizer, initial)}
     if penalty:
@@ -80,8 +73,37 @@ def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: st
     signature.states = {w: optimizer.state_names(w) for w in weights}
     signature.new = {n: f"{n}_new" for w in weights for n in [w, *signature.states[w]]}
     signature.prediction = prediction
-    signature.prediction_grad = loss_step.report["Gradient"][prediction]
+    signature.prediction_grad = loss_step.report[prediction]
     return graphs
+
+
+def loss_graph(prediction: onnx.ValueInfoProto, loss: str, options: Mapping[str, Any],
+               *, label_name: str | None = None, loss_name: str | None = None,
+               weight_name: str | None = None, reduction: str = "mean",
+               backend: str = "onnx", opset: int = 18) -> PassResult:
+    """The graph ``(prediction, label[, weight]) -> (loss, prediction_grad)`` of
+    ``loss`` (an :func:`~lossgraph.add_loss_output` loss with its ``options``) on a
+    prediction of type ``prediction``; the report maps the prediction to its gradient.
+
+    With ``reduction="none"`` the graph is ``(prediction, label[, weight]) -> (loss)``,
+    the loss of each row, and has no gradient.
+    """
+    names = NameAuthority({prediction.name})
+    copy = names.fresh(f"{prediction.name}_copy")  # the loss pass needs an output to score
+    identity = helper.make_model(
+        helper.make_graph([helper.make_node("Identity", [prediction.name], [copy])], "loss",
+                          [prediction], [helper.make_value_info(copy, prediction.type)]),
+        opset_imports=[helper.make_opsetid("", opset)])
+    loss_model = AddLossOutput(loss, loss_name, label_name, weight_name, None, None, reduction,
+                               dict(options))(identity).model
+    kept = [o for o in loss_model.graph.output if o.name != copy]
+    del loss_model.graph.output[:]
+    loss_model.graph.output.extend(kept)
+    if reduction == "none":
+        return PassResult(loss_model, {})
+    step = Pipeline((Gradient([prediction.name], loss_name=get_roles(loss_model)["loss"],
+                              backend=backend), SumRowsByProduct()))(loss_model)
+    return PassResult(step.model, step.report["Gradient"])
 
 
 def penalty_graph(weights: Mapping[str, np.ndarray], penalty: Any) -> onnx.ModelProto:

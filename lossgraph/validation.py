@@ -175,6 +175,10 @@ def _loss_options(loss: Any, options: Any) -> dict[str, Any]:
             f"loss_options has no key {unknown[0]!r} for loss={loss!r}."
             + suggest(str(unknown[0]), valid, "keys"))
     resolve_score(loss, {k: v for k, v in options.items() if k in score.options}, option="loss")
+    if options.get("reduction") == "none":
+        raise UnsupportedOptionError(
+            "loss_options={'reduction': 'none'} gives a loss per row; training needs one number "
+            "to minimize: use 'mean' (the default) or 'sum'.")
     return options
 
 

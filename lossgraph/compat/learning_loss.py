@@ -28,15 +28,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..builder import GraphBuilder
 from ..errors import UnsupportedOptionError, suggest
-from ..graphs import opset_version
-from ..names import NameAuthority
 from ..options import non_negative
-from ..passes.contract import Pipeline
-from ..passes.gradient import Gradient
-from ..passes.loss import AddLossOutput
-from ..roles import get_roles
+from ..separate import loss_graph
 
 __all__ = ["BaseLearningLoss", "SquareLearningLoss", "AbsoluteLearningLoss",
            "ElasticLearningLoss", "NegLogLearningLoss"]
@@ -48,9 +42,8 @@ PREDICTION = "prediction"
 class BaseLearningLoss:
     """A loss function and the ONNX graph computing it and its gradient."""
 
-    #: lossgraph's loss function, its options and the factor applied to its value.
+    #: lossgraph's loss function (:data:`lossgraph.passes.loss.SCORES`).
     loss: ClassVar[str]
-    scale: ClassVar[float] = 1.0
     #: The names :meth:`select` accepts for this class, besides the class name.
     aliases: ClassVar[tuple[str, ...]] = ()
 
@@ -70,19 +63,8 @@ class BaseLearningLoss:
             raise UnsupportedOptionError(f"device={device!r} must be a string such as 'cpu'.")
         elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         value = helper.make_tensor_value_info(PREDICTION, elem_type, ["N", 1])
-        identity = helper.make_model(
-            helper.make_graph([helper.make_node("Identity", [PREDICTION], ["score"])],
-                              type(self).__name__, [value],
-                              [helper.make_tensor_value_info("score", elem_type, ["N", 1])]),
-            opset_imports=[helper.make_opsetid("", opset)])
-        loss_model = AddLossOutput(self.loss, weight_name=weight_name, reduction=reduction,
-                                   options=dict(self.loss_options()))(identity).model
-        if self.scale != 1.0:
-            _scale_loss(loss_model, self.scale)
-        outputs = [o for o in loss_model.graph.output if o.name != "score"]
-        del loss_model.graph.output[:]
-        loss_model.graph.output.extend(outputs)
-        return Pipeline((Gradient([PREDICTION]),))(loss_model).model
+        return loss_graph(value, self.loss, self.loss_options(), weight_name=weight_name,
+                          reduction=reduction, opset=opset).model
 
     @classmethod
     def select(cls, value: Any, **options: Any) -> BaseLearningLoss:
@@ -100,26 +82,12 @@ class BaseLearningLoss:
             f"Unknown learning loss {value!r}." + suggest(str(value), names, "losses"))
 
 
-def _scale_loss(model: onnx.ModelProto, factor: float) -> None:
-    """Multiply the loss output by ``factor`` in place (the output keeps its name)."""
-    loss = get_roles(model)["loss"]
-    graph = model.graph
-    b = GraphBuilder(NameAuthority.for_model(model), opset_version(model), prefix="loss/")
-    unscaled = b.names.fresh(f"{loss}_unscaled")
-    for node in graph.node:
-        node.output[:] = [unscaled if o == loss else o for o in node.output]
-    dtype = helper.tensor_dtype_to_np_dtype(graph.output[0].type.tensor_type.elem_type)
-    b.rename(b.Mul(unscaled, b.const(factor, dtype, "loss_scale")), loss, uses=False)
-    b.append_to(graph)
-
-
 @dataclass(frozen=True)
 class SquareLearningLoss(BaseLearningLoss):
     """``0.5 (p - y)^2`` per row, scikit-learn's MLP convention: lossgraph's
-    ``squared_error`` scaled by 0.5, so the gradient is ``p - y``."""
+    ``half_squared_error``, whose gradient is ``p - y``."""
 
-    loss: ClassVar[str] = "squared_error"
-    scale: ClassVar[float] = 0.5
+    loss: ClassVar[str] = "half_squared_error"
     aliases: ClassVar[tuple[str, ...]] = ("square_error", "square")
 
 

@@ -7,10 +7,13 @@ sample weights ``w`` (shape ``(N,)``), the pass adds
     loss   = sum_i w_i l_i / sum_i w_i      reduction="mean"  (plain mean without w)
            = sum_i w_i l_i                  reduction="sum"
            + sum_k a_k sum|W_k| + b_k sum W_k^2                     (penalty)
+    loss_i = w_i l_i                        reduction="none"  (per row, no penalty:
+                                                               for evaluation, not training)
 
 with these loss functions (``d = p - y``):
 
     squared_error (l2)    d^2
+    half_squared_error    0.5 d^2   (scikit-learn's MLP loss, whose gradient is d)
     absolute_error (l1)   |d|
     elastic               l1_weight |d| + l2_weight d^2
     huber                 0.5 q^2 + delta (|d| - q),   q = min(|d|, delta)
@@ -61,7 +64,8 @@ from ..penalties import parse_penalty, penalty_terms
 from ..roles import get_roles, set_roles
 from .contract import Pass, PassResult
 
-__all__ = ["AddLossOutput", "add_loss_output", "SCORES", "resolve_score", "OUTPUT_OPTIONS"]
+__all__ = ["AddLossOutput", "add_loss_output", "SCORES", "resolve_score", "OUTPUT_OPTIONS",
+           "REDUCTIONS"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,11 @@ def _diff(b: GraphBuilder, p: _Prediction, label: str) -> str:
 def _squared(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
     d = _diff(b, p, label)
     return b.Mul(d, d, hint="squared_error")
+
+
+def _half_squared(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
+    d = _diff(b, p, label)
+    return b.Mul(b.Mul(d, d), b.const(0.5, p.dtype, "half"), hint="half_squared_error")
 
 
 def _absolute(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
@@ -191,6 +200,7 @@ def _multiclass_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping
 
 SCORES: dict[str, Score] = {
     "squared_error": Score(_squared, False, {}, True),
+    "half_squared_error": Score(_half_squared, False, {}, True),
     "absolute_error": Score(_absolute, False, {}, True),
     "elastic": Score(_elastic, False, {"l1_weight": 0.5, "l2_weight": 0.5}, True),
     "huber": Score(_huber, False, {"delta": 1.0}, True),
@@ -204,6 +214,8 @@ _ALIASES = {"l2": "squared_error", "l1": "absolute_error"}
 _RENAMED = {"log": "binary_log_loss", "cross_entropy": "multiclass_log_loss"}
 _NON_NEGATIVE_OPTIONS = ("l1_weight", "l2_weight", "delta", "eps")
 _BOOL_OPTIONS = ("from_logits",)
+#: How the per-row losses become the loss output.
+REDUCTIONS = ("mean", "sum", "none")
 #: The options of add_loss_output other than the score's own (``delta``, ``eps``, ...).
 OUTPUT_OPTIONS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
 
@@ -363,7 +375,9 @@ def add_loss_output(
         penalty: ``{initializer: {"l1": a, "l2": b}}`` or ``{initializer: b}`` (L2).
         output_index: the output the loss is computed on: ``None`` (the only output, or
             the only float output), a position or a name.
-        reduction: ``"mean"`` (weighted mean over rows) or ``"sum"``.
+        reduction: ``"mean"`` (weighted mean over rows), ``"sum"``, or ``"none"`` (the
+            weighted loss of each row, shape ``(N,)``: an evaluation graph, which the
+            gradient pass refuses, and without a penalty).
         score_name: the reference documents' name of ``loss`` (either may be given).
         **options: options of the loss function (``l1_weight``, ``l2_weight``, ``delta``,
             ``eps``, ``from_logits``).
@@ -393,9 +407,14 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
                           ("weight_name", weight_name)):
         if value is not None and not isinstance(value, str):
             raise UnsupportedOptionError(f"{option}={value!r} must be a tensor name or None.")
-    if reduction not in ("mean", "sum"):
-        raise UnsupportedOptionError(f"reduction={reduction!r} is not 'mean' or 'sum'.")
+    if reduction not in REDUCTIONS:
+        raise UnsupportedOptionError(
+            f"reduction={reduction!r} is not one of {', '.join(map(repr, REDUCTIONS))}.")
     penalties = parse_penalty(penalty)
+    if reduction == "none" and penalties:
+        raise UnsupportedOptionError(
+            "reduction='none' gives a loss per row, to which a penalty on the weights does not "
+            "belong: leave penalty= out, or use reduction='mean' or 'sum'.")
     output = _select_output(graph, output_index)
     tensor_type = output.type.tensor_type
     prediction = _Prediction(output.name, tensor_type.elem_type, list(tensor_type.shape.dim))
@@ -424,7 +443,9 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
     elif score.per_element and prediction.rank > 1:
         per_row = b.reduce("ReduceMean", per_item, list(range(1, prediction.rank)), keepdims=0,
                            hint="row_loss")
-    if per_row is None:
+    if reduction == "none":
+        total = per_row if weight is None else b.Mul(per_row, weight)
+    elif per_row is None:
         total = b.reduce("ReduceMean", per_item, keepdims=0)
     elif weight is None:
         reduce_op = "ReduceMean" if reduction == "mean" else "ReduceSum"
@@ -450,7 +471,10 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
         graph.input.append(weight_info)
     outputs = list(graph.output)
     del graph.output[:]
-    graph.output.append(helper.make_tensor_value_info(loss, prediction.elem_type, []))
+    loss_shape = [None] if reduction == "none" else []
+    graph.output.append(helper.make_tensor_value_info(loss, prediction.elem_type, loss_shape))
+    if reduction == "none":
+        graph.output[-1].type.tensor_type.shape.dim[0].CopyFrom(batch)
     graph.output.extend(outputs)
 
     roles = {"loss": loss, "label": label, "prediction": prediction.name}

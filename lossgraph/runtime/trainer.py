@@ -95,6 +95,7 @@ class Trainer:
         self.train_losses_: list[float] = []
         self.validation_losses_: list[float] = []
         self._rng: np.random.Generator | None = None
+        self._epoch_rate: Callable[[int], float] | None = None
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -223,7 +224,8 @@ class Trainer:
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None, epochs: int = 1,
             batch_size: int = 32, shuffle: bool = True, random_state: Any = None,
             validation_data: tuple | None = None, callbacks: Iterable[Callback] | None = None,
-            progress: bool | None = None, warm_start: bool = False) -> Trainer:
+            progress: bool | None = None, warm_start: bool = False,
+            epoch_learning_rate: Callable[[int], float] | None = None) -> Trainer:
         """Train for ``epochs`` epochs of minibatch updates; returns ``self``.
 
         ``X`` is an array (or a dict of arrays by feature input name; a list, or an object
@@ -232,8 +234,10 @@ class Trainer:
         several epochs). ``warm_start=True`` continues from the current state, step count
         and shuffling generator; otherwise training restarts from the program's state.
         Each callback is called as ``callback(trainer, epoch, logs)`` after every epoch;
-        one returning ``True`` stops training. Every argument is checked before the state
-        changes.
+        one returning ``True`` stops training. ``epoch_learning_rate``, a function of the
+        epoch (``epochs_``, 0 for the first), gives the learning rate of every update of
+        that epoch instead of the optimizer's schedule (a per-epoch schedule, as
+        scikit-learn's MLP takes). Every argument is checked before the state changes.
         """
         epochs = checks.count("epochs", epochs, 0)
         batch_size = checks.count("batch_size", batch_size, 1)
@@ -241,6 +245,10 @@ class Trainer:
         progress = None if progress is None else checks.flag("progress", progress)
         seed = checks.random_state(random_state)
         callbacks = checks.callbacks(callbacks)
+        if epoch_learning_rate is not None and not callable(epoch_learning_rate):
+            raise UnsupportedOptionError(
+                f"epoch_learning_rate={epoch_learning_rate!r} must be a function of the epoch "
+                "returning the learning rate, or None.")
         streaming = _streaming(X, y, sample_weight)
         if streaming and epochs > 1 and not callable(X) and iter(X) is X:
             raise InvalidDataError(
@@ -260,6 +268,7 @@ class Trainer:
             self.reset()
         if self._rng is None:
             self._rng = np.random.default_rng(seed)
+        self._epoch_rate = epoch_learning_rate
         bar = self._progress_bar(progress, epochs)
         try:
             for _ in range(epochs):
@@ -331,7 +340,7 @@ class Trainer:
         for index in range(count):
             lo, hi = index * batch_size, min(rows, (index + 1) * batch_size)
             batch = {name: array[lo:hi] for name, array in data.items()}
-            self._learning_rate[()] = self._optimizer.schedule(self.steps_ + 1)
+            self._learning_rate[()] = self._rate(self.steps_ + 1)
             self._step[()] = self.steps_ + 1
             loss = train(batch)
             if not math.isfinite(loss):
@@ -341,6 +350,18 @@ class Trainer:
             self.steps_ += 1
             losses[index], sizes[index] = loss, hi - lo
         return losses, sizes
+
+    def _rate(self, step: int) -> float:
+        """The learning rate of update ``step`` (1-based) in the current epoch."""
+        if self._epoch_rate is None:
+            return self._optimizer.schedule(step)
+        rate = self._epoch_rate(self.epochs_)
+        if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not (
+                math.isfinite(rate) and rate >= 0):
+            raise UnsupportedOptionError(
+                f"epoch_learning_rate({self.epochs_}) returned {rate!r}; a learning rate is a "
+                "finite number >= 0.")
+        return float(rate)
 
     def _fused_step(self, batch: dict[str, np.ndarray], full: int | None = None) -> float:
         """One run of ``train_step``: the loss; the next state waits in the other buffers.
@@ -371,7 +392,8 @@ class Trainer:
         graph = "train_epoch" if order is not None else "train_epoch_ordered"
         runner = self._runner(graph, batch_size)
         first = self.steps_ + 1
-        rates = self._optimizer.schedules(first, full).astype(self._dtype)
+        rates = (self._optimizer.schedules(first, full) if self._epoch_rate is None else
+                 np.full(full, self._rate(first))).astype(self._dtype)
         losses = np.empty(full, self._dtype)
         runner.bind_output(self.program.io(graph, "losses")[0], losses)
         feeds = {self.program.io(graph, "learning_rates")[0]: rates}
@@ -438,7 +460,7 @@ class Trainer:
             "set_state() before training again.")
         raise ConvergenceError(
             f"The loss became {loss} at {where}: training diverged. Try a smaller learning "
-            f"rate (now {self._optimizer.schedule(self.steps_ + 1):g}), scale the features, or "
+            f"rate (now {self._rate(self.steps_ + 1):g}), scale the features, or "
             f"a smaller penalty. The weights are those before {restored}.{kept}")
 
     # -- evaluation and export ---------------------------------------------------------

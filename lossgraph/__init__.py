@@ -9,6 +9,9 @@ The public surface (docs/concepts.md gives its vocabulary):
   optimizers in :mod:`lossgraph.optim`; :func:`describe_plan` shows what compiling runs
 - analyses: :func:`trainable_initializers`
 - errors: :class:`LossgraphError` and its subclasses in :mod:`lossgraph.errors`
+- the reference documents' classes (:mod:`lossgraph.compat`): :class:`OrtGradientOptimizer`,
+  :class:`OrtGradientForwardBackwardOptimizer`, :class:`OrtGradientForwardBackward`, the
+  learning rates, losses and penalties
 """
 
 from typing import Any
@@ -27,6 +30,9 @@ from .compat import (
     LearningRateSGDNesterov,
     NegLogLearningLoss,
     NoLearningPenalty,
+    OrtGradientForwardBackward,
+    OrtGradientForwardBackwardOptimizer,
+    OrtGradientOptimizer,
     SquareLearningLoss,
 )
 from .compiler import compile_program, describe_plan
@@ -68,6 +74,9 @@ __all__ = [
     "LearningRateSGDNesterov",
     "NegLogLearningLoss",
     "NoLearningPenalty",
+    "OrtGradientForwardBackward",
+    "OrtGradientForwardBackwardOptimizer",
+    "OrtGradientOptimizer",
     "SquareLearningLoss",
 ]
 

@@ -128,4 +128,8 @@ class ProviderError(LossgraphError, ValueError):
     """The requested device or execution provider cannot run the graphs."""
 
 
-__all__ += ["ConvergenceWarning", "EvaluationError", "ProviderError"]
+class NotFittedError(LossgraphError, AttributeError):
+    """An estimator was asked for what only a fit gives (its trained state, a prediction)."""
+
+
+__all__ += ["ConvergenceWarning", "EvaluationError", "ProviderError", "NotFittedError"]

@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
+from .errors import ShapeMismatchError, UnknownNameError, suggest
 from .fileio import check_file_target, ensure_folder, save_model, serialize
 from .optim import Optimizer, optimizer_from_dict
 from .storage import read_program, save_program
 
-__all__ = ["TrainingProgram"]
+__all__ = ["TrainingProgram", "with_weights"]
 
 
 @dataclass
@@ -104,11 +105,27 @@ class TrainingProgram:
     def to_inference_model(self, state: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
         """The inference model with ``state``'s weights (default: the initial ones) written back."""
         state = self.state if state is None else state
-        model = onnx.ModelProto()
-        model.CopyFrom(self.inference_model)
-        by_name = {t.name: i for i, t in enumerate(model.graph.initializer)}
-        for weight in self.weights:
-            value = np.asarray(state[weight])
-            tensor = numpy_helper.from_array(value.astype(self.state[weight].dtype), weight)
-            model.graph.initializer[by_name[weight]].CopyFrom(tensor)
-        return model
+        return with_weights(self.inference_model,
+                            {w: np.asarray(state[w]).astype(self.state[w].dtype)
+                             for w in self.weights})
+
+
+def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers named in ``weights`` hold those values (each
+    keeps its name, dtype and shape)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    by_name = {t.name: t for t in copy.graph.initializer}
+    for name, value in weights.items():
+        if name not in by_name:
+            raise UnknownNameError(f"{name!r} is not an initializer of the model."
+                                   + suggest(name, list(by_name), "initializers"))
+        old = by_name[name]
+        value = np.asarray(value)
+        if tuple(old.dims) != value.shape or old.data_type != helper.np_dtype_to_tensor_dtype(
+                value.dtype):
+            raise ShapeMismatchError(
+                f"Weight {name!r} is {value.dtype}{list(value.shape)}; the model's initializer "
+                f"is {helper.tensor_dtype_to_np_dtype(old.data_type)}{list(old.dims)}.")
+        old.CopyFrom(numpy_helper.from_array(value, name))
+    return copy

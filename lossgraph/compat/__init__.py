@@ -1,7 +1,15 @@
-"""The reference documents' (onnxcustom's) value objects on lossgraph: learning rates,
-losses, penalties and exceptions (docs/reference/compat.md)."""
+"""The reference documents' (onnxcustom's) classes on lossgraph: the two optimizers, the
+forward/backward object, learning rates, losses, penalties and exceptions
+(docs/reference/compat.md)."""
 
-from .exceptions import ConvergenceError, ConvergenceWarning, EvaluationError, ProviderError
+from .exceptions import (
+    ConvergenceError,
+    ConvergenceWarning,
+    EvaluationError,
+    NotFittedError,
+    ProviderError,
+)
+from .forward_backward import OrtGradientForwardBackward, OrtGradientForwardBackwardFunction
 from .learning_loss import (
     AbsoluteLearningLoss,
     BaseLearningLoss,
@@ -11,6 +19,7 @@ from .learning_loss import (
 )
 from .learning_penalty import BaseLearningPenalty, ElasticLearningPenalty, NoLearningPenalty
 from .learning_rate import BaseLearningRate, LearningRateSGD, LearningRateSGDNesterov
+from .optimizers import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
 __all__ = [
     "AbsoluteLearningLoss",
@@ -26,6 +35,11 @@ __all__ = [
     "LearningRateSGDNesterov",
     "NegLogLearningLoss",
     "NoLearningPenalty",
+    "NotFittedError",
+    "OrtGradientForwardBackward",
+    "OrtGradientForwardBackwardFunction",
+    "OrtGradientForwardBackwardOptimizer",
+    "OrtGradientOptimizer",
     "ProviderError",
     "SquareLearningLoss",
 ]

@@ -1,0 +1,546 @@
+"""The reference documents' two optimizers, as scikit-learn estimators on lossgraph.
+
+- :class:`OrtGradientOptimizer`, the whole-graph API: a model that carries its loss
+  (:func:`~lossgraph.add_loss_output`) compiled with ``fuse="epoch"``, one run of
+  onnxruntime per epoch.
+- :class:`OrtGradientForwardBackwardOptimizer`, the forward/backward API: an inference
+  model compiled with ``fuse="separate"``, whose loss, penalty and update graphs come
+  from the ``learning_loss``, ``learning_penalty`` and ``learning_rate`` objects; a
+  step runs the model's forward graph, the loss graph, the model's backward graph,
+  the penalty graph and the update graph.
+
+Both are thin: :func:`~lossgraph.compile_program` builds the graphs and a
+:class:`~lossgraph.Trainer` runs them. The learning rate is stepped once per epoch
+(``Trainer.fit(epoch_learning_rate=...)``); for momentum the velocities are rescaled
+between epochs so that the updates are scikit-learn's ``SGDOptimizer``'s
+(:mod:`lossgraph.compat.learning_rate`). Training starts from the model's own
+initializers; ``warm_start=True`` continues the last fit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..analysis import trainable_initializers
+from ..compiler import compile_program
+from ..errors import (
+    ConvergenceError,
+    ConvergenceWarning,
+    NotFittedError,
+    UnknownNameError,
+    UnsupportedModelError,
+    UnsupportedOptionError,
+    suggest,
+)
+from ..fileio import check_file_target, save_model, serialize
+from ..models import ModelLike, as_model
+from ..options import count, flag
+from ..program import TrainingProgram, with_weights
+from ..roles import get_roles
+from ..runtime import Trainer
+from ..runtime.session import create_session
+from ..separate import loss_graph
+from ..validation import names
+from .forward_backward import device_providers
+from .learning_loss import BaseLearningLoss
+from .learning_penalty import BaseLearningPenalty
+from .learning_rate import BaseLearningRate, LearningRateSGDNesterov
+
+__all__ = ["BaseEstimator", "OrtGradientOptimizer", "OrtGradientForwardBackwardOptimizer"]
+
+#: The optimizer the reference documents' classes run (both support it alone).
+TRAINING_OPTIMIZERS = ("SGDOptimizer",)
+
+
+class BaseEstimator:
+    """scikit-learn's estimator conventions without importing scikit-learn:
+    ``get_params``/``set_params`` from the constructor's signature, a readable repr,
+    pickling that keeps the trained state and rebuilds the onnxruntime sessions."""
+
+    @classmethod
+    def _get_param_names(cls) -> list[str]:
+        return [p.name for p in inspect.signature(cls.__init__).parameters.values()
+                if p.name != "self" and p.kind != p.VAR_KEYWORD]
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """The constructor's arguments, by name."""
+        return {name: getattr(self, name) for name in self._get_param_names()}
+
+    def set_params(self, **params: Any) -> BaseEstimator:
+        """Change constructor arguments; the next ``fit`` compiles again."""
+        valid = self._get_param_names()
+        for name, value in params.items():
+            if name not in valid:
+                raise UnsupportedOptionError(
+                    f"{type(self).__name__} has no parameter {name!r}."
+                    + suggest(name, valid, "parameters"))
+            setattr(self, name, value)
+        return self
+
+    def __repr__(self) -> str:
+        defaults = {p.name: p.default for p in
+                    inspect.signature(type(self).__init__).parameters.values()}
+        shown = []
+        for name in self._get_param_names():
+            value = getattr(self, name)
+            if isinstance(value, onnx.ModelProto):
+                shown.append(f"{name}=<ModelProto {value.graph.name!r}>")
+            elif defaults[name] is inspect.Parameter.empty or not _same(value, defaults[name]):
+                shown.append(f"{name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    def __sklearn_tags__(self) -> Any:
+        from sklearn.utils import ClassifierTags, RegressorTags, Tags, TargetTags
+
+        classifier = self._is_classifier()
+        return Tags(estimator_type="classifier" if classifier else "regressor",
+                    target_tags=TargetTags(required=True),
+                    classifier_tags=ClassifierTags() if classifier else None,
+                    regressor_tags=None if classifier else RegressorTags())
+
+    def _is_classifier(self) -> bool:
+        return False
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return bool(value == default)
+    except Exception:
+        return False
+
+
+class _TrainingEstimator(BaseEstimator):
+    """What both optimizers share: compile once per set of parameters, fit epoch by
+    epoch with the per-epoch rate, keep the losses, export the trained model."""
+
+    #: Attributes a fit sets; pickled with the parameters.
+    _FITTED = ("train_losses_", "validation_losses_", "trained_coef_")
+
+    # -- compiling ---------------------------------------------------------------------
+    def _program(self) -> TrainingProgram:
+        raise NotImplementedError
+
+    def _compile_key(self) -> tuple:
+        """What the compiled program depends on (a changed parameter recompiles)."""
+        return tuple((name, id(getattr(self, name)), repr(getattr(self, name)))
+                     for name in self._COMPILE_PARAMS)
+
+    def _trainer(self) -> Trainer:
+        key = self._compile_key()
+        if getattr(self, "_compiled_key", None) != key:
+            providers = device_providers(self.device)
+            self._rate = BaseLearningRate.select(self.learning_rate)
+            self.train_session_ = Trainer(self._program(), providers=providers)
+            self._compiled_key = key
+            if hasattr(self, "trained_coef_"):  # unpickled, or parameters changed after fit
+                self.train_session_.set_state(self._restorable(self.trained_coef_))
+        return self.train_session_
+
+    def _restorable(self, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        live = self.train_session_.state
+        return {k: v for k, v in state.items() if k in live and np.shape(v) == live[k].shape}
+
+    # -- checks --------------------------------------------------------------------------
+    def _check_params(self) -> None:
+        count("max_iter", self.max_iter, 1)
+        count("batch_size", self.batch_size, 1)
+        flag("warm_start", self.warm_start)
+        if self.training_optimizer_name not in TRAINING_OPTIMIZERS:
+            raise UnsupportedOptionError(
+                f"training_optimizer_name={self.training_optimizer_name!r}: the reference "
+                "documents' classes run 'SGDOptimizer' only; pick momentum with "
+                "learning_rate=LearningRateSGDNesterov(...), or use lossgraph.compile_program "
+                "with lossgraph.optim.Adam for Adam.")
+        if isinstance(self.verbose, bool) or not isinstance(self.verbose, numbers.Integral):
+            raise UnsupportedOptionError(f"verbose={self.verbose!r} must be an int (0: silent).")
+        every = self.validation_every
+        if isinstance(every, bool) or not isinstance(every, numbers.Real) or not (
+                math.isfinite(every) and every > 0):
+            raise UnsupportedOptionError(
+                f"validation_every={every!r} must be a number > 0: a fraction of max_iter "
+                "(below 1) or a number of epochs.")
+
+    def _validation_period(self) -> int:
+        """Epochs between two validation losses: ``validation_every`` epochs, or that
+        fraction of ``max_iter`` when below 1 (at least 1: the reference divided by zero
+        for ``max_iter < 10``)."""
+        every = self.validation_every
+        return max(1, int(self.max_iter * every) if every < 1 else int(every))
+
+    # -- training ----------------------------------------------------------------------
+    def _fit(self, X: Any, y: Any, sample_weight: Any, X_val: Any, y_val: Any) -> Any:
+        self._check_params()
+        trainer = self._trainer()
+        if (X_val is None) != (y_val is None):
+            raise UnsupportedOptionError("Pass both X_val and y_val, or neither.")
+        rate = self._rate
+        callbacks = [self._rescale_velocities(rate)]
+        validation: list[float] = []
+        if X_val is not None:
+            period = self._validation_period()
+            trainer._prepare(X_val, y_val, what="validation data ")  # checked before work
+
+            def validate(t: Trainer, epoch: int, logs: dict) -> None:
+                if (epoch + 1) % period == 0:
+                    validation.append(t.score(X_val, y_val))
+
+            callbacks.append(validate)
+        try:
+            trainer.fit(X, y, sample_weight, epochs=self.max_iter, batch_size=self.batch_size,
+                        shuffle=True, random_state=self.random_state, callbacks=callbacks,
+                        progress=self.verbose > 0, warm_start=self.warm_start,
+                        epoch_learning_rate=rate.value)
+        except ConvergenceError as exc:
+            if getattr(self, "exc", True):
+                raise
+            warnings.warn(f"{exc} Training stopped.", ConvergenceWarning, stacklevel=3)
+        self.train_losses_ = list(trainer.train_losses_)
+        self.validation_losses_ = None if X_val is None else (
+            list(getattr(self, "validation_losses_", None) or []) * bool(self.warm_start)
+            + validation)
+        self.trained_coef_ = self.get_state()
+        return self
+
+    def _rescale_velocities(self, rate: BaseLearningRate):
+        """A callback giving Momentum's velocities scikit-learn's meaning for the next
+        epoch (:meth:`LearningRateSGDNesterov.velocity_scale`)."""
+
+        def rescale(t: Trainer, epoch: int, logs: dict) -> None:
+            if not isinstance(rate, LearningRateSGDNesterov) or not t.program.states:
+                return
+            scale = rate.velocity_scale(epoch + 1)
+            if scale != 1.0:
+                state = t.state
+                t.set_state({s: state[s] * state[s].dtype.type(scale) for s in t.program.states})
+
+        return rescale
+
+    # -- state and export ---------------------------------------------------------------
+    def _fitted(self) -> Trainer:
+        if not hasattr(self, "trained_coef_"):
+            raise NotFittedError(f"This {type(self).__name__} is not fitted yet: call fit first.")
+        return self._trainer()
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        """The trained weights, by name (a copy)."""
+        trainer = self._trainer() if hasattr(self, "train_session_") else self._fitted()
+        state = trainer.state
+        return {w: state[w] for w in trainer.program.weights}
+
+    def set_state(self, state: Mapping[str, np.ndarray] | Sequence[np.ndarray]) -> None:
+        """Replace the weights: a dict by name, or a list in ``weights_to_train`` order."""
+        trainer = self._trainer()
+        if not isinstance(state, Mapping):
+            weights = trainer.program.weights
+            state = list(state)
+            if len(state) != len(weights):
+                raise UnsupportedOptionError(
+                    f"set_state got {len(state)} arrays for the {len(weights)} weights "
+                    f"{weights}: give one per weight, or a dict by name.")
+            state = dict(zip(weights, state))
+        trainer.set_state(state)
+        self.trained_coef_ = self.get_state()
+
+    def get_trained_onnx(self, model: ModelLike | None = None) -> onnx.ModelProto:
+        """``model`` (default: the model given to the constructor) with the trained
+        weights written into its initializers."""
+        self._fitted()
+        return with_weights(as_model(self.model_onnx if model is None else model),
+                            self.get_state())
+
+    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """The negated loss on ``(X, y)``, so that higher is better (scikit-learn's
+        convention)."""
+        return -self._fitted().score(X, y, sample_weight)
+
+    def predict(self, X: Any) -> np.ndarray:
+        """The model's prediction with the trained weights."""
+        return self._fitted().predict(X)
+
+    # -- pickling -------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        kept = {name: getattr(self, name) for name in self._get_param_names()}
+        if isinstance(kept.get("model_onnx"), onnx.ModelProto):
+            kept["model_onnx"] = kept["model_onnx"].SerializeToString()
+            kept["_model_was_proto"] = True
+        kept.update({name: getattr(self, name) for name in self._FITTED if hasattr(self, name)})
+        return kept
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state.pop("_model_was_proto", False):
+            state["model_onnx"] = onnx.load_model_from_string(state["model_onnx"])
+        self.__dict__.update(state)
+
+
+class OrtGradientOptimizer(_TrainingEstimator):
+    """The whole-graph API: train ``model_onnx``, which carries its loss, with SGD.
+
+    ``model_onnx`` comes from :func:`~lossgraph.add_loss_output` (its loss output is
+    ``loss_output_name``, its sample-weight input ``sample_weight_name`` when it has
+    one); ``weights_to_train`` names its initializers to train. ``learning_rate`` is a
+    :class:`~lossgraph.compat.BaseLearningRate`, its name or a float;
+    :class:`~lossgraph.compat.LearningRateSGDNesterov` adds (Nesterov) momentum.
+    ``max_iter`` epochs of ``batch_size`` rows; ``validation_every`` (epochs, or a
+    fraction of ``max_iter`` below 1) spaces the validation losses; ``saved_gradient``,
+    a file path, receives the training-step graph; ``verbose > 0`` shows a progress bar
+    with the running loss. ``random_state`` (lossgraph's addition) seeds the shuffling.
+    """
+
+    _COMPILE_PARAMS = ("model_onnx", "weights_to_train", "loss_output_name", "learning_rate",
+                       "sample_weight_name")
+
+    def __init__(self, model_onnx: ModelLike, weights_to_train: Sequence[str] | None,
+                 loss_output_name: str = "loss", max_iter: int = 100,
+                 training_optimizer_name: str = "SGDOptimizer", batch_size: int = 10,
+                 learning_rate: Any = "SGD", device: str = "cpu", warm_start: bool = False,
+                 verbose: int = 0, validation_every: float = 0.1,
+                 saved_gradient: str | os.PathLike | None = None,
+                 sample_weight_name: str = "weight", random_state: Any = None) -> None:
+        self.model_onnx = model_onnx
+        self.weights_to_train = weights_to_train
+        self.loss_output_name = loss_output_name
+        self.max_iter = max_iter
+        self.training_optimizer_name = training_optimizer_name
+        self.batch_size = batch_size
+        self.learning_rate = learning_rate
+        self.device = device
+        self.warm_start = warm_start
+        self.verbose = verbose
+        self.validation_every = validation_every
+        self.saved_gradient = saved_gradient
+        self.sample_weight_name = sample_weight_name
+        self.random_state = random_state
+
+    def _loss_model(self) -> onnx.ModelProto:
+        model = as_model(self.model_onnx)
+        roles = get_roles(model)
+        if "loss" not in roles:
+            raise UnsupportedModelError(
+                "OrtGradientOptimizer trains a model that carries its loss: build it with "
+                "lossgraph.add_loss_output(model, ...), or use "
+                "OrtGradientForwardBackwardOptimizer for an inference model.")
+        if roles["loss"] != self.loss_output_name:
+            raise UnknownNameError(
+                f"loss_output_name={self.loss_output_name!r}, but the model's loss output is "
+                f"{roles['loss']!r}: pass loss_output_name={roles['loss']!r}.")
+        weight = roles.get("sample_weight")
+        if weight is not None and weight != self.sample_weight_name:
+            raise UnknownNameError(
+                f"sample_weight_name={self.sample_weight_name!r}, but the model's sample-weight "
+                f"input is {weight!r}: pass sample_weight_name={weight!r}.")
+        return model
+
+    def _program(self) -> TrainingProgram:
+        program = compile_program(self._loss_model(), weights=self.weights_to_train, loss=None,
+                                  optimizer=BaseLearningRate.select(
+                                      self.learning_rate).to_optimizer(),
+                                  fuse="epoch")
+        if self.saved_gradient is not None:
+            save_model(program.graphs["train_step"], check_file_target(self.saved_gradient))
+        return program
+
+    def _is_classifier(self) -> bool:
+        model = as_model(self.model_onnx)
+        label = get_roles(model).get("label")
+        types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+        return types.get(label) == onnx.TensorProto.INT64
+
+    def fit(self, X: Any, y: Any, sample_weight: Any = None, X_val: Any = None,
+            y_val: Any = None, use_numpy: bool = False) -> OrtGradientOptimizer:
+        """Train for ``max_iter`` epochs; returns ``self``.
+
+        ``use_numpy`` is accepted for the reference's signature: lossgraph always binds
+        the data's memory directly, which gives the same numbers as copying it.
+        """
+        flag("use_numpy", use_numpy)
+        if sample_weight is not None and "sample_weight" not in get_roles(self._loss_model()):
+            raise UnsupportedOptionError(
+                "sample_weight was given, but the model has no sample-weight input: build it "
+                f"with add_loss_output(..., weight_name={self.sample_weight_name!r}).")
+        return self._fit(X, y, sample_weight, X_val, y_val)
+
+
+class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
+    """The forward/backward API: train the inference model ``model_onnx`` with the
+    separate graphs of ``learning_loss``, ``learning_penalty`` and ``learning_rate``.
+
+    ``weights_to_train=None`` trains :func:`~lossgraph.trainable_initializers`;
+    ``weight_name`` names the loss graph's sample-weight input (``None``: no sample
+    weights); ``exc=False`` turns a diverging fit into a
+    :class:`~lossgraph.errors.ConvergenceWarning` that stops training with the last
+    finite weights. The other parameters are :class:`OrtGradientOptimizer`'s.
+    """
+
+    _COMPILE_PARAMS = ("model_onnx", "weights_to_train", "learning_rate", "learning_loss",
+                       "weight_name", "learning_penalty")
+
+    def __init__(self, model_onnx: ModelLike, weights_to_train: Sequence[str] | None = None,
+                 loss_output_name: str = "loss", max_iter: int = 100,
+                 training_optimizer_name: str = "SGDOptimizer", batch_size: int = 10,
+                 learning_rate: Any = "SGD", device: str = "cpu", warm_start: bool = False,
+                 verbose: int = 0, validation_every: float = 0.1,
+                 learning_loss: Any = "square_error", enable_logging: bool = False,
+                 weight_name: str | None = None, learning_penalty: Any = None,
+                 exc: bool = True, random_state: Any = None) -> None:
+        self.model_onnx = model_onnx
+        self.weights_to_train = weights_to_train
+        self.loss_output_name = loss_output_name
+        self.max_iter = max_iter
+        self.training_optimizer_name = training_optimizer_name
+        self.batch_size = batch_size
+        self.learning_rate = learning_rate
+        self.device = device
+        self.warm_start = warm_start
+        self.verbose = verbose
+        self.validation_every = validation_every
+        self.learning_loss = learning_loss
+        self.enable_logging = enable_logging
+        self.weight_name = weight_name
+        self.learning_penalty = learning_penalty
+        self.exc = exc
+        self.random_state = random_state
+
+    @property
+    def _loss(self) -> BaseLearningLoss:
+        return BaseLearningLoss.select(self.learning_loss)
+
+    @property
+    def _penalty(self) -> BaseLearningPenalty:
+        return BaseLearningPenalty.select(self.learning_penalty)
+
+    def _program(self) -> TrainingProgram:
+        loss, penalty = self._loss, self._penalty
+        model = as_model(self.model_onnx)
+        if get_roles(model).get("loss"):
+            raise UnsupportedModelError(
+                "OrtGradientForwardBackwardOptimizer trains an inference model with its own "
+                "learning_loss; this model carries a loss already: pass the inference model, "
+                "or use OrtGradientOptimizer.")
+        loss_options = {**loss.loss_options(), "loss_name": self.loss_output_name}
+        if self.weight_name is not None:
+            loss_options["weight_name"] = self.weight_name
+        weights = names("weights_to_train", self.weights_to_train) or trainable_initializers(model)
+        return compile_program(model, weights=weights, loss=loss.loss,
+                               loss_options=loss_options, penalty=penalty.penalty(weights),
+                               optimizer=BaseLearningRate.select(self.learning_rate).to_optimizer(),
+                               fuse="separate")
+
+    def _is_classifier(self) -> bool:
+        return self._loss.loss == "logistic"
+
+    def fit(self, X: Any, y: Any, sample_weight: Any = None, X_val: Any = None,
+            y_val: Any = None) -> OrtGradientForwardBackwardOptimizer:
+        """Train for ``max_iter`` epochs; returns ``self``."""
+        flag("exc", self.exc)
+        flag("enable_logging", self.enable_logging)
+        if sample_weight is not None and self.weight_name is None:
+            raise UnsupportedOptionError(
+                "sample_weight was given, but weight_name is None: pass weight_name='weight' "
+                "(the name of the loss graph's sample-weight input).")
+        return self._fit(X, y, sample_weight, X_val, y_val)
+
+    # -- per-row losses ----------------------------------------------------------------------
+    def _row_loss_session(self) -> Any:
+        trainer = self._fitted()
+        key = self._compiled_key
+        if getattr(self, "_row_loss_key", None) != key:
+            prediction = trainer.program.manifest["roles"]["prediction"]
+            value = next(o for o in trainer.program.graphs["predict"].graph.output
+                         if o.name == prediction)
+            graph = loss_graph(value, self._loss.loss, self._loss.loss_options(),
+                               weight_name=self.weight_name, reduction="none").model
+            self._row_loss = (graph, create_session(graph, device_providers(self.device)))
+            self._row_loss_key = key
+        return self._row_loss
+
+    def losses(self, X: Any, y: Any, sample_weight: Any = None) -> np.ndarray:
+        """The loss of each row of ``(X, y)`` (times its sample weight), without the
+        penalty."""
+        trainer = self._fitted()
+        graph, session = self._row_loss_session()
+        if sample_weight is not None and self.weight_name is None:
+            raise UnsupportedOptionError(
+                "sample_weight was given, but weight_name is None: pass weight_name='weight'.")
+        data = trainer._prepare(X, y, sample_weight)
+        feeds = {graph.graph.input[0].name: trainer.predict(X)}
+        roles = trainer.program.manifest["roles"]
+        feeds[graph.graph.input[1].name] = data[roles["label"]]
+        if self.weight_name is not None:
+            feeds[self.weight_name] = data[roles["sample_weight"]]
+        return session.run(None, feeds)[0]
+
+    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """The negated mean loss per row (weighted by ``sample_weight``), so that higher is
+        better."""
+        losses = self.losses(X, y, sample_weight)
+        total = len(losses) if sample_weight is None else float(np.sum(sample_weight))
+        return -float(np.sum(losses, dtype=np.float64) / total)
+
+    # -- the graphs ------------------------------------------------------------------------
+    def save_onnx_graph(self, folder: Any, prefix: str | None = None,
+                        suffix: str | None = None) -> dict[str, Any]:
+        """Every graph this optimizer runs, by attribute: ``{"model_onnx", "gradient",
+        "predict", "evaluate", "learning_loss": {"loss_grad_onnx"}, "learning_rate":
+        {"update_onnx"}, "learning_penalty": {"penalty_onnx"}}``.
+
+        ``folder=bytes`` returns the serialized graphs; a folder (which must exist)
+        receives ``<prefix><class><suffix>.<attribute>.onnx`` files, written atomically,
+        and the dict holds their paths. A file already there is replaced only when
+        lossgraph wrote it; every path is checked before anything is written.
+        """
+        program = self._trainer().program
+        graphs = {"model_onnx": as_model(self.model_onnx), "gradient": program.graphs["gradient"],
+                  "predict": program.graphs["predict"], "evaluate": program.graphs["evaluate"],
+                  "learning_loss": {"loss_grad_onnx": program.graphs["loss"]},
+                  "learning_rate": {"update_onnx": program.graphs["update"]},
+                  "learning_penalty": ({"penalty_onnx": program.graphs["penalty"]}
+                                       if "penalty" in program.graphs else {})}
+        if folder is bytes:
+            return _map(graphs, lambda _, graph: serialize(graph))
+        if not isinstance(folder, (str, os.PathLike)) or not Path(folder).is_dir():
+            raise UnsupportedOptionError(
+                f"save_onnx_graph(folder={folder!r}): give an existing folder, or bytes for "
+                "the serialized graphs.")
+        owners = {"learning_loss": self._loss, "learning_rate": BaseLearningRate.select(
+            self.learning_rate), "learning_penalty": self._penalty}
+
+        def path(key: tuple[str, ...], graph: onnx.ModelProto) -> Path:
+            owner = type(owners[key[0]] if len(key) > 1 else self).__name__
+            middle = "".join(f".{k}" for k in key[:-1])
+            name = f"{prefix or ''}{_short(owner)}{suffix or ''}{middle}.{key[-1]}.onnx"
+            return Path(folder) / name
+
+        paths = _map(graphs, path)
+        _map(paths, lambda _, p: check_file_target(p))
+        return _map(graphs, lambda key, graph: str(save_model(graph, _get(paths, key))))
+
+
+def _short(name: str) -> str:
+    """The reference's short file names: Learning -> L, OrtGradient -> Grad,
+    ForwardBackward -> FB."""
+    for long, short in (("Learning", "L"), ("OrtGradient", "Grad"), ("ForwardBackward", "FB")):
+        name = name.replace(long, short)
+    return name
+
+
+def _map(tree: Mapping[str, Any], fn, key: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {k: _map(v, fn, (*key, k)) if isinstance(v, Mapping) else fn((*key, k), v)
+            for k, v in tree.items()}
+
+
+def _get(tree: Mapping[str, Any], key: tuple[str, ...]) -> Any:
+    for part in key:
+        tree = tree[part]
+    return tree
+
+

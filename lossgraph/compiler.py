@@ -2,7 +2,9 @@
 
 The loss model comes first::
 
-    loss model = LowerMlOps -> AddLossOutput(loss, penalty, ...)     (or the model's own loss)
+    loss model = LowerMlOps -> AddLossOutput(loss, penalty, ...)     (or the model's own loss,
+                                                                      then inference model =
+                                                                      RemoveLossOutput(it))
 
 then every graph of the program is a pipeline of passes from the loss model (``predict``:
 from the lowered inference model), declared by :func:`plan` and printable before it
@@ -46,7 +48,7 @@ from .optimize import SumRowsByProduct, WidenScalarConstants
 from .passes.contract import Pass, PassResult, Pipeline
 from .passes.fuse import EpochGraph, PackWeights, StepGraph
 from .passes.gradient import Gradient
-from .passes.loss import AddLossOutput
+from .passes.loss import AddLossOutput, RemoveLossOutput
 from .passes.lower_ml import LowerMlOps
 from .passes.weights import WeightsToInputs
 from .program import TrainingProgram
@@ -175,7 +177,7 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
                 "pass a loss name (e.g. loss='squared_error'), or build the loss with "
                 "lossgraph.add_loss_output.")
         check_loss_roles(source)
-        loss_model = source
+        loss_model, source = source, RemoveLossOutput()(source).model
     elif carried:
         raise UnsupportedModelError(
             f"The model carries a loss already ({carried!r}, recorded by add_loss_output): "

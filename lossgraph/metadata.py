@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 
 __all__ = ["ROLES_KEY", "GRADIENTS_KEY", "SIGNATURE_KEY", "WRITTEN_BY_KEY", "read_text",
-           "read_json", "write_json"]
+           "read_json", "write_json", "remove_record"]
 
 ROLES_KEY = "lossgraph.roles"
 GRADIENTS_KEY = "lossgraph.gradients"
@@ -44,3 +44,10 @@ def write_json(model: onnx.ModelProto, key: str, value: Any) -> None:
     props = {p.key: p.value for p in model.metadata_props}
     props[key] = json.dumps(value, sort_keys=key == ROLES_KEY)
     onnx.helper.set_model_props(model, props)
+
+
+def remove_record(model: onnx.ModelProto, key: str) -> None:
+    """Drop the record under ``key``, in place (nothing when there is none)."""
+    kept = [p for p in model.metadata_props if p.key != key]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)

@@ -22,10 +22,13 @@ EXAMPLES = sorted((ROOT / "docs" / "examples").glob("[0-9][0-9]_*.py"))
 EXAMPLE_MARKS = {"02_finetune_torch_export.py": pytest.mark.torch}
 BLOCKS = [(page, index, code) for page in PAGES
           for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
+#: A block whose first line is "# needs torch" runs where torch is installed.
+BLOCK_MARKS = {"# needs torch": pytest.mark.torch}
 
 
-@pytest.mark.parametrize(("page", "index", "code"), BLOCKS,
-                         ids=[f"{p.relative_to(ROOT)}[{i}]" for p, i, _ in BLOCKS])
+@pytest.mark.parametrize(("page", "index", "code"), [
+    pytest.param(page, index, code, marks=BLOCK_MARKS.get(code.split("\n", 1)[0], ()),
+                 id=f"{page.relative_to(ROOT)}[{index}]") for page, index, code in BLOCKS])
 def test_python_example_runs(page, index, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # examples may write files
     with scoped_rules():  # a rule an example registers stays in the example

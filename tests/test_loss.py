@@ -374,3 +374,47 @@ def test_loss_equals_the_numpy_formula(run_model, score, dtype, columns, weighte
     feeds = {"x": p, "label": y, **({"w": w} if weighted else {})}
     np.testing.assert_allclose(loss_of(run_model, with_loss, **feeds), total,
                                rtol=1e-4 if dtype == "float" else 1e-10, atol=1e-6)
+
+
+# -- half_squared_error, reduction="none", RemoveLossOutput ------------------------------------
+
+
+def test_half_squared_error_is_half_the_squared_error(run_model):
+    p = np.array([[1.0, 3.0], [0.0, -2.0]], np.float32)
+    y = np.array([[0.0, 1.0], [1.0, 1.0]], np.float32)
+    full = run_model(add_loss_output(identity_model(), "squared_error"),
+                     {"x": p, "label": y})["loss"]
+    half = run_model(add_loss_output(identity_model(), "half_squared_error"), {"x": p, "label": y})
+    assert half["loss"] == pytest.approx(0.5 * full) == pytest.approx(0.5 * np.mean((p - y) ** 2))
+
+
+def test_reduction_none_gives_the_weighted_loss_of_each_row(run_model):
+    p = np.array([[1.0, 3.0], [0.0, -2.0], [2.0, 2.0]], np.float32)
+    y = np.zeros((3, 2), np.float32)
+    w = np.array([1.0, 0.5, 2.0], np.float32)
+    model = add_loss_output(identity_model(), "absolute_error", weight_name="w", reduction="none")
+    assert [d.dim_param for d in model.graph.output[0].type.tensor_type.shape.dim] == ["N"]
+    rows = run_model(model, {"x": p, "label": y, "w": w})["loss"]
+    np.testing.assert_allclose(rows, w * np.abs(p - y).mean(axis=1))
+    with pytest.raises(UnsupportedOptionError, match="penalty"):
+        add_loss_output(identity_model(), reduction="none", penalty={"coef": 0.1})
+
+
+def test_remove_loss_output_gives_back_the_inference_model(run_model):
+    from lossgraph.passes import RemoveLossOutput
+
+    original = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        m (float[N, 2] x) => (float[N, 2] y)
+        <float[2] coef = {1.0, -2.0}>
+        { y = Mul(x, coef) }""")
+    loss_model = add_loss_output(original, "elastic", weight_name="w", penalty={"coef": 0.5})
+    back = RemoveLossOutput()(loss_model).model
+    assert [i.name for i in back.graph.input] == ["x"]
+    assert [o.name for o in back.graph.output] == ["y"]
+    assert get_roles(back) == {}
+    assert [n.op_type for n in back.graph.node] == ["Mul"]
+    x = np.array([[1.0, 2.0]], np.float32)
+    expected = run_model(original, {"x": x})["y"]
+    np.testing.assert_array_equal(run_model(back, {"x": x})["y"], expected)
+    assert RemoveLossOutput()(original).changed is False

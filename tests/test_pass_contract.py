@@ -44,6 +44,7 @@ from lossgraph.passes import (
     PackWeights,
     Pass,
     PassResult,
+    RemoveLossOutput,
     StepGraph,
     WeightsToInputs,
 )
@@ -95,6 +96,10 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
             }"""),
         AddLossOutput("elastic", weight_name="w_row", reduction="sum",
                       options={"l1_weight": 0.3, "l2_weight": 0.7})),
+    "RemoveLossOutput": (lambda: lossgraph.add_loss_output(golden("skl_mlp_regressor"),
+                                                           weight_name="w",
+                                                 penalty={"coefficient": 0.1}),
+                         RemoveLossOutput()),
     "LowerMlOps LinearRegressor": (lambda: golden("skl_linear_regression"), LowerMlOps()),
     "LowerMlOps LinearClassifier binary": (lambda: golden("skl_logistic_binary"), LowerMlOps()),
     "AlphabetizeInitializers": (lambda: golden("skl_mlp_regressor"), AlphabetizeInitializers()),

@@ -4,7 +4,8 @@ Every pass is a :class:`~lossgraph.passes.contract.Pass` (pure, checked, determi
 it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 
 - :class:`LowerMlOps`: ``ai.onnx.ml`` linear models into standard ops
-- :class:`AddLossOutput`: a scalar loss (and penalty) as the first output
+- :class:`AddLossOutput`: a scalar loss (and penalty) as the first output;
+  :class:`RemoveLossOutput` undoes it (the inference model inside a loss model)
 - :class:`AlphabetizeInitializers`: weights renamed so their names sort in graph order
 - :class:`WeightsToInputs`: trainable initializers become graph inputs
 - :class:`Gradient`: gradients or vector-Jacobian products
@@ -17,10 +18,11 @@ The onnxruntime optimization passes live in :mod:`lossgraph.optimize`.
 from .contract import Pass, PassResult, Pipeline
 from .fuse import EpochGraph, PackWeights, StepGraph
 from .gradient import Gradient
-from .loss import AddLossOutput
+from .loss import AddLossOutput, RemoveLossOutput
 from .lower_ml import LowerMlOps
 from .rename import AlphabetizeInitializers
 from .weights import WeightsToInputs
 
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "Gradient", "LowerMlOps",
-           "PackWeights", "Pass", "PassResult", "Pipeline", "StepGraph", "WeightsToInputs"]
+           "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "StepGraph",
+           "WeightsToInputs"]

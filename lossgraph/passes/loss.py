@@ -56,7 +56,15 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
-from ..graphs import FLOAT_TYPES, elem_type_name, np_dtype, opset_version
+from ..graphs import (
+    FLOAT_TYPES,
+    elem_type_name,
+    np_dtype,
+    opset_version,
+    outer_references,
+    subgraphs,
+)
+from ..metadata import ROLES_KEY, remove_record
 from ..models import ModelLike
 from ..names import NameAuthority
 from ..options import flag, non_negative
@@ -64,8 +72,8 @@ from ..penalties import parse_penalty, penalty_terms
 from ..roles import get_roles, set_roles
 from .contract import Pass, PassResult
 
-__all__ = ["AddLossOutput", "add_loss_output", "SCORES", "resolve_score", "OUTPUT_OPTIONS",
-           "REDUCTIONS"]
+__all__ = ["AddLossOutput", "RemoveLossOutput", "add_loss_output", "SCORES", "resolve_score",
+           "OUTPUT_OPTIONS", "REDUCTIONS"]
 
 
 @dataclass(frozen=True)
@@ -507,3 +515,42 @@ def _penalty_terms(b: GraphBuilder, graph: onnx.GraphProto,
             weight = b.Cast(name, to=prediction.elem_type)
         terms += penalty_terms(b, weight, coefficients, prediction.dtype, hint=name)
     return terms
+
+
+@dataclass(frozen=True)
+class RemoveLossOutput(Pass):
+    """The inference model inside a loss model: :class:`AddLossOutput` undone::
+
+        (inputs, label[, weight]) -> (loss, outputs)   becomes   (inputs) -> (outputs)
+
+    The loss output goes with every node, initializer and input only it needed (the
+    label, the sample weight, the penalty's constants), and so does the roles record.
+    A model without a recorded loss is returned unchanged.
+    """
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        roles = get_roles(model)
+        if "loss" not in roles:
+            return PassResult(model, None, changed=False)
+        graph = model.graph
+        outputs = [o for o in graph.output if o.name != roles["loss"]]
+        needed = {o.name for o in outputs}
+        kept = []
+        for node in reversed(graph.node):
+            if any(o in needed for o in node.output):
+                kept.append(node)
+                needed.update(i for i in node.input if i)
+                needed.update(n for sub in subgraphs(node) for n in outer_references(sub))
+        del graph.node[:]
+        graph.node.extend(reversed(kept))
+        for field_name, values in (("output", outputs),
+                                   ("input", [i for i in graph.input if i.name in needed]),
+                                   ("initializer", [t for t in graph.initializer
+                                                    if t.name in needed])):
+            del getattr(graph, field_name)[:]
+            getattr(graph, field_name).extend(values)
+        kept_info = [v for v in graph.value_info if v.name in needed]
+        del graph.value_info[:]
+        graph.value_info.extend(kept_info)
+        remove_record(model, ROLES_KEY)
+        return PassResult(model, None)

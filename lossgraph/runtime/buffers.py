@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .session import cpu_device, ortvalue
+from .session import cpu_device, evaluation_error, ortvalue
 
 __all__ = ["StateBuffers", "GraphRunner"]
 
@@ -58,9 +58,11 @@ class GraphRunner:
     def __init__(self, session, buffers: StateBuffers, state_inputs: Mapping[str, str],
                  state_outputs: Mapping[str, str],
                  fixed_inputs: Mapping[str, np.ndarray] | None = None,
-                 fixed_outputs: Mapping[str, np.ndarray] | None = None) -> None:
+                 fixed_outputs: Mapping[str, np.ndarray] | None = None,
+                 graph: str = "training") -> None:
         from onnxruntime.capi import _pybind_state as C
 
+        self.graph = graph
         self._session = session._sess
         self._run_options = C.RunOptions()
         self.buffers = buffers
@@ -106,4 +108,7 @@ class GraphRunner:
         for name, value in zip(data, values):
             binding.bind_ortvalue_input(name, value)
         self._data[parity] = (data, values)
-        self._session.run_with_iobinding(binding, self._run_options)
+        try:
+            self._session.run_with_iobinding(binding, self._run_options)
+        except Exception as exc:  # onnxruntime's errors derive from Exception only
+            raise evaluation_error(self.graph, exc) from None

@@ -19,7 +19,7 @@ from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
 from ..separate import ForwardBackward, split_gradient
 from .buffers import GraphRunner, StateBuffers
-from .session import cpu_device, ortvalue
+from .session import cpu_device, evaluation_error, ortvalue
 
 __all__ = ["ForwardBackwardRunner", "SeparateStep"]
 
@@ -29,9 +29,10 @@ SessionFactory = Callable[[onnx.ModelProto], Any]
 class _Bound:
     """One session with a reusable IOBinding whose outputs onnxruntime allocates."""
 
-    def __init__(self, session: Any, outputs: Sequence[str]) -> None:
+    def __init__(self, session: Any, outputs: Sequence[str], graph: str) -> None:
         from onnxruntime.capi import _pybind_state as C
 
+        self.graph = graph
         self._session = session._sess
         self._binding = C.SessionIOBinding(self._session)
         self._run_options = C.RunOptions()
@@ -47,7 +48,10 @@ class _Bound:
         binding.clear_binding_outputs()  # else the next run writes into the last outputs
         for name in self._outputs:
             binding.bind_output(name, self._device)
-        self._session.run_with_iobinding(binding, self._run_options)
+        try:
+            self._session.run_with_iobinding(binding, self._run_options)
+        except Exception as exc:  # onnxruntime's errors derive from Exception only
+            raise evaluation_error(self.graph, exc) from None
         values = binding.get_outputs()
         # by index: iterating an OrtValueVector ends on a C++ exception (about 20 us)
         return [values[i] for i in range(len(self._outputs))]
@@ -59,8 +63,8 @@ class ForwardBackwardRunner:
     def __init__(self, split: ForwardBackward, make_session: SessionFactory) -> None:
         self.split = split
         self._forward_outputs = [o.name for o in split.forward.graph.output]
-        self._forward = _Bound(make_session(split.forward), self._forward_outputs)
-        self._backward = _Bound(make_session(split.backward), split.gradients)
+        self._forward = _Bound(make_session(split.forward), self._forward_outputs, "forward")
+        self._backward = _Bound(make_session(split.backward), split.gradients, "backward")
 
     def forward(self, inputs: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """The forward outputs and the residuals the backward half needs (OrtValues)."""
@@ -109,11 +113,12 @@ class SeparateStep:
         self._index = {name: i for i, name in enumerate(buffers.names)}
         self._loss_prediction = io("loss", "prediction")[0]
         self._loss = _Bound(make_session(graphs["loss"]),
-                            io("loss", "loss") + io("loss", "prediction_grad"))
+                            io("loss", "loss") + io("loss", "prediction_grad"), "loss")
         self._loss_data = io("loss", "label") + io("loss", "sample_weight")
         self._penalized = io("penalty", "weight") if "penalty" in program.graphs else []
         self._penalty = (_Bound(make_session(program.graphs["penalty"]),
-                                io("penalty", "penalty") + io("penalty", "penalty_gradient"))
+                                io("penalty", "penalty") + io("penalty", "penalty_gradient"),
+                                "penalty")
                          if self._penalized else None)
         self._update_gradients = dict(zip(program.weights, io("update", "gradient")))
         self._device = cpu_device()

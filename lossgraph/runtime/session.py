@@ -13,11 +13,17 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..errors import RuntimeUnavailableError, UnsupportedOptionError, suggest
+from ..errors import (
+    EvaluationError,
+    LossgraphError,
+    RuntimeUnavailableError,
+    UnsupportedOptionError,
+    suggest,
+)
 from ..training_build import available as training_build_available
 
 __all__ = ["checked_providers", "create_session", "cpu_device", "ortvalue",
-           "quiet_session_options", "training_build_available"]
+           "quiet_session_options", "training_build_available", "evaluation_error"]
 
 
 def _onnxruntime():
@@ -84,3 +90,15 @@ def ortvalue(array: np.ndarray, device=None):
     from onnxruntime.capi import _pybind_state as C
 
     return C.OrtValue.ortvalue_from_numpy(array, device or cpu_device())
+
+
+def evaluation_error(graph: str, exc: Exception) -> Exception:
+    """The error for onnxruntime failing to run ``graph`` (its message's first line, without
+    the C++ source location); a lossgraph error is returned as it is."""
+    if isinstance(exc, LossgraphError):
+        return exc
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    detail = detail.rsplit(" : ", 1)[-1].rstrip(".")  # after "[ONNXRuntimeError] : 2 : ..."
+    return EvaluationError(
+        f"onnxruntime could not run the {graph!r} graph: {detail}. Check the data's shapes and "
+        "dtypes against the graph's inputs (TrainingProgram.manifest lists them).")

@@ -42,7 +42,7 @@ from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
 from .forward_backward import SeparateStep
-from .session import checked_providers, create_session
+from .session import checked_providers, create_session, evaluation_error
 
 __all__ = ["Trainer"]
 
@@ -156,7 +156,7 @@ class Trainer:
             if "loss" in roles:
                 fixed_out[roles["loss"]] = self._loss
             self._runners[key] = GraphRunner(self._session(graph, batch), self._buffers, inputs,
-                                             outputs, fixed_in, fixed_out)
+                                             outputs, fixed_in, fixed_out, graph)
         return self._runners[key]
 
     # -- data --------------------------------------------------------------------------
@@ -467,7 +467,7 @@ class Trainer:
     def _evaluate(self, data: Mapping[str, np.ndarray]) -> float:
         session = self._session("evaluate")
         loss = self.program.manifest["roles"]["loss"]
-        return float(session.run([loss], {**data, **self._weights()})[0])
+        return float(self._run(session, "evaluate", [loss], {**data, **self._weights()})[0])
 
     def _weights(self) -> dict[str, np.ndarray]:
         live = self._buffers.live()
@@ -481,7 +481,15 @@ class Trainer:
         """The model's prediction (the output the loss is computed on) for ``X``."""
         data = self._prepare(X, graph="predict", with_label=False)
         prediction = self.program.manifest["roles"]["prediction"]
-        return self._session("predict").run([prediction], {**data, **self._weights()})[0]
+        return self._run(self._session("predict"), "predict", [prediction],
+                         {**data, **self._weights()})[0]
+
+    @staticmethod
+    def _run(session: Any, graph: str, outputs: list[str], feeds: Mapping[str, Any]) -> list:
+        try:
+            return session.run(outputs, feeds)
+        except Exception as exc:  # onnxruntime's errors derive from Exception only
+            raise evaluation_error(graph, exc) from None
 
     def to_inference_model(self) -> onnx.ModelProto:
         """The original inference model with the trained weights written back."""

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("[0-9][0-9]_*.py"))
 #: Examples that need more than the core dependencies, by the marker that says so.
-EXAMPLE_MARKS = {"02_finetune_torch_export.py": pytest.mark.torch}
+EXAMPLE_MARKS = {"02_finetune_torch_export.py": pytest.mark.torch,
+                 "06_torch_layer.py": pytest.mark.torch}
 BLOCKS = [(page, index, code) for page in PAGES
           for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
 #: A block whose first line is "# needs torch" runs where torch is installed.

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from conftest import HAS_SKL2ONNX
 
 from benchmarks.bounds import hand_graph_bound, products_graph, scan_session
 from benchmarks.lossgraph_modes import compile_modes, lossgraph_trainer
@@ -53,3 +56,44 @@ def test_products_floor_computes_every_matrix_product_of_a_step(data, model, bat
     assert len(outputs) == len(layers)
     for ours, theirs in zip(outputs, expected):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not HAS_SKL2ONNX, reason="needs scikit-learn and skl2onnx")
+def test_reference_tutorial_quick_run_reports_every_candidate(tmp_path, capsys):
+    """The reference tutorial's benchmark runs in quick mode and its report has every row,
+    both APIs training the same weights (no timing is checked)."""
+    from benchmarks import reference_tutorial as bench
+
+    out = tmp_path / "reference.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert bench.WHOLE in printed and bench.FORWARD_BACKWARD in printed
+    figures = json.loads(out.read_text())
+    assert figures["generator"] == bench.BENCHMARK_MARK
+    assert figures["config"]["rows"] == bench.QUICK_ROWS
+    assert figures["config"]["epochs"] == bench.QUICK_EPOCHS
+    rows = figures["rows"]
+    names = [bench.SKLEARN, bench.WHOLE, bench.FORWARD_BACKWARD,
+             "floor: matrix products (onnxruntime)", "floor: matrix products (numpy)"]
+    assert [(r["optimizer"], r["candidate"]) for r in rows] == [
+        (optimizer, name) for optimizer in bench.OPTIMIZERS for name in names]
+    for row in rows:
+        assert row["error"] is None, row
+        assert row["seconds_per_100_epochs"] > 0 and len(row["samples_s"]) == 1
+        if row["kind"] == "lossgraph":
+            assert row["verdict"] in ("PASS", "MISS") and row["ratio_to_sklearn"] > 0
+            assert row["setup_s"] >= 0 and row["setup_fit_of_one_epoch_s"] > 0
+            assert row["target"] == bench.TARGET
+        if row["kind"] != "floor":  # same data, same optimizer: comparable losses
+            assert np.isfinite(row["train_loss"]) and np.isfinite(row["full_data_loss"])
+            assert not row["loss_differs"], row
+        else:
+            assert row["train_loss"] is None and row["verdict"] == "-"
+    for optimizer in bench.OPTIMIZERS:  # same start, same shuffles: the same weights
+        assert figures["checks"][optimizer] < 1e-4
+    # a second run may replace its own file, never someone else's
+    foreign = tmp_path / "notes.json"
+    foreign.write_text("{}")
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--json", str(foreign)])
+    assert foreign.read_text() == "{}"

@@ -39,6 +39,21 @@ def machine_facts() -> dict[str, str]:
     return facts
 
 
+def report_load(cpu_before: tuple[float, float] | None, wall: float,
+                facts: dict[str, str]) -> None:
+    """Print (and record in ``facts``) how busy other processes kept the machine since
+    ``cpu_before`` (:func:`cpu_seconds`), warning when the figures are unreliable."""
+    cpu_after = cpu_seconds()
+    if not (cpu_before and cpu_after):
+        return
+    others = max(0.0, (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1]))
+    facts["other processes' CPU load during the run (cores)"] = f"{others / wall:.2f}"
+    warning = ("  WARNING: the machine was busy, figures are unreliable: rerun on a quiet "
+               "machine" if others / wall > 0.25 else "")
+    print(f"other processes kept {others / wall:.2f} of {os.cpu_count()} cores busy "
+          f"during the run{warning}")
+
+
 def cpu_seconds() -> tuple[float, float] | None:
     """(CPU seconds busy on the whole machine, CPU seconds used by this process), Linux only."""
     try:

@@ -54,7 +54,7 @@ import onnx
 
 from benchmarks.bounds import products_floor
 from benchmarks.harness import SETTLE_S
-from benchmarks.machine import cpu_seconds, machine_facts
+from benchmarks.machine import cpu_seconds, machine_facts, report_load
 from benchmarks.problems import N_FEATURES, Problem, Unavailable, Weights, make_data
 from lossgraph.errors import UnsafeWriteError
 from lossgraph.fileio import check_file_target, write_file
@@ -489,14 +489,7 @@ def run(config: Config) -> dict[str, Any]:
     figures = report(candidates, setting)
     wall = time.perf_counter() - started
     print(f"\ntotal wall time {wall:.0f} s")
-    cpu_after = cpu_seconds()
-    if cpu_before and cpu_after:
-        others = max(0.0, (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1]))
-        facts["other processes' CPU load during the run (cores)"] = f"{others / wall:.2f}"
-        warning = ("  WARNING: the machine was busy, figures are unreliable: rerun on a quiet "
-                   "machine" if others / wall > 0.25 else "")
-        print(f"other processes kept {others / wall:.2f} of {os.cpu_count()} cores busy "
-              f"during the run{warning}")
+    report_load(cpu_before, wall, facts)
     return {"generator": BENCHMARK_MARK, "machine": facts,
             "config": {"rows": config.rows, "features": N_FEATURES, "batch": config.batch,
                        "epochs": config.epochs, "hidden_layer_sizes": list(HIDDEN_LAYERS),

@@ -28,14 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.harness import SETTLE_S, run_model
-from benchmarks.machine import cpu_seconds, machine_facts
+from benchmarks.machine import cpu_seconds, machine_facts, report_load
 from benchmarks.problems import N_FEATURES, PROBLEMS, make_data
 from benchmarks.report import ModelReport, is_benchmark_output, plot, report_model, to_json
 from lossgraph.errors import UnsafeWriteError
@@ -89,14 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             reports[name] = report_model(result, batches, n)
     wall = time.perf_counter() - started
     print(f"\ntotal wall time {wall:.0f} s")
-    cpu_after = cpu_seconds()
-    if cpu_before and cpu_after:
-        others = max(0.0, (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1]))
-        facts["other processes' CPU load during the run (cores)"] = f"{others / wall:.2f}"
-        warning = ("  WARNING: the machine was busy, figures are unreliable: rerun on a quiet "
-                   "machine" if others / wall > 0.25 else "")
-        print(f"other processes kept {others / wall:.2f} of {os.cpu_count()} cores busy "
-              f"during the run{warning}")
+    report_load(cpu_before, wall, facts)
     if args.json:
         write_file(args.json, json.dumps(to_json(facts, reports, args.repeat, n),
                                          indent=2).encode(), owned=is_benchmark_output)

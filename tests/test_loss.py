@@ -418,3 +418,15 @@ def test_remove_loss_output_gives_back_the_inference_model(run_model):
     expected = run_model(original, {"x": x})["y"]
     np.testing.assert_array_equal(run_model(back, {"x": x})["y"], expected)
     assert RemoveLossOutput()(original).changed is False
+
+
+def test_logistic_loss_gradient_at_a_zero_score_is_sigmoid_of_zero_minus_y(run_model):
+    """A zero-initialized model starts with every raw score at 0: the derivative there is
+    0.5 - y (Relu's and Abs's derivatives at 0 are 0, which gave -y)."""
+    from lossgraph import gradient
+
+    model = gradient(add_loss_output(identity_model("N"), "logistic", reduction="sum"),
+                     weights=["x"])
+    outputs = run_model(model, {"x": np.zeros(4, np.float32),
+                                "label": np.array([0, 1, 1, 0], np.int64)})
+    np.testing.assert_allclose(outputs["x_grad"], [0.5, -0.5, -0.5, 0.5])

@@ -49,7 +49,7 @@ from ..program import TrainingProgram, with_weights
 from ..roles import get_roles
 from ..runtime import Trainer
 from ..runtime.session import create_session
-from ..separate import loss_graph
+from ..separate import loss_graph, split_gradient
 from ..validation import names
 from .forward_backward import device_providers
 from .learning_loss import BaseLearningLoss
@@ -71,6 +71,12 @@ class BaseEstimator:
     def _get_param_names(cls) -> list[str]:
         return [p.name for p in inspect.signature(cls.__init__).parameters.values()
                 if p.name != "self" and p.kind != p.VAR_KEYWORD]
+
+    def _keep_params(self, values: Mapping[str, Any]) -> None:
+        """Store each constructor argument under its own name, as given (scikit-learn's
+        ``clone`` compares them by identity)."""
+        for name in self._get_param_names():
+            setattr(self, name, values[name])
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
         """The constructor's arguments, by name."""
@@ -121,7 +127,10 @@ def _same(value: Any, default: Any) -> bool:
 
 class _TrainingEstimator(BaseEstimator):
     """What both optimizers share: compile once per set of parameters, fit epoch by
-    epoch with the per-epoch rate, keep the losses, export the trained model."""
+    epoch with the per-epoch rate, keep the losses, export the trained model. A pickled
+    estimator keeps its Trainer's program, state and progress, so a warm start after
+    unpickling continues as it would have (optimizer states, the schedule's epoch, the
+    shuffling generator, the losses)."""
 
     #: Attributes a fit sets; pickled with the parameters.
     _FITTED = ("train_losses_", "validation_losses_", "trained_coef_")
@@ -142,7 +151,7 @@ class _TrainingEstimator(BaseEstimator):
             self._rate = BaseLearningRate.select(self.learning_rate)
             self.train_session_ = Trainer(self._program(), providers=providers)
             self._compiled_key = key
-            if hasattr(self, "trained_coef_"):  # unpickled, or parameters changed after fit
+            if hasattr(self, "trained_coef_"):  # parameters changed after fit
                 self.train_session_.set_state(self._restorable(self.trained_coef_))
         return self.train_session_
 
@@ -195,21 +204,46 @@ class _TrainingEstimator(BaseEstimator):
                     validation.append(t.score(X_val, y_val))
 
             callbacks.append(validate)
+        raises = getattr(self, "exc", True)
+        finite: list[dict[str, np.ndarray]] = []
+        if not raises:  # a divergence must leave finite weights: remember the last ones
+            finite.append(trainer.state if self.warm_start else
+                          {k: v.copy() for k, v in trainer.program.state.items()})
+            callbacks.append(self._remember_finite(finite))
         try:
             trainer.fit(X, y, sample_weight, epochs=self.max_iter, batch_size=self.batch_size,
                         shuffle=True, random_state=self.random_state, callbacks=callbacks,
                         progress=self.verbose > 0, warm_start=self.warm_start,
                         epoch_learning_rate=rate.value)
         except ConvergenceError as exc:
-            if getattr(self, "exc", True):
+            if raises:
                 raise
-            warnings.warn(f"{exc} Training stopped.", ConvergenceWarning, stacklevel=3)
+            message = f"{exc} Training stopped."
+            if not all(np.isfinite(v).all() for v in trainer.state.values()):
+                # an update overflowed before the loss did: back to the last finite weights
+                trainer.set_state(finite[0])
+                message = (f"{str(exc).split(' The weights are')[0]} Training stopped; the "
+                           "weights are those at the end of the last epoch that left them "
+                           "finite (the starting weights when none did).")
+            warnings.warn(message, ConvergenceWarning, stacklevel=3)
         self.train_losses_ = list(trainer.train_losses_)
         self.validation_losses_ = None if X_val is None else (
             list(getattr(self, "validation_losses_", None) or []) * bool(self.warm_start)
             + validation)
         self.trained_coef_ = self.get_state()
         return self
+
+    @staticmethod
+    def _remember_finite(finite: list[dict[str, np.ndarray]]):
+        """A callback keeping, in ``finite[0]``, the state of the last epoch that ended with
+        finite weights and optimizer states."""
+
+        def remember(t: Trainer, epoch: int, logs: dict) -> None:
+            state = t.state
+            if all(np.isfinite(v).all() for v in state.values()):
+                finite[0] = state
+
+        return remember
 
     def _rescale_velocities(self, rate: BaseLearningRate):
         """A callback giving Momentum's velocities scikit-learn's meaning for the next
@@ -270,16 +304,17 @@ class _TrainingEstimator(BaseEstimator):
     # -- pickling -------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         kept = {name: getattr(self, name) for name in self._get_param_names()}
-        if isinstance(kept.get("model_onnx"), onnx.ModelProto):
-            kept["model_onnx"] = kept["model_onnx"].SerializeToString()
-            kept["_model_was_proto"] = True
         kept.update({name: getattr(self, name) for name in self._FITTED if hasattr(self, name)})
+        trainer = getattr(self, "train_session_", None)
+        if trainer is not None and getattr(self, "_compiled_key", None) == self._compile_key():
+            kept["train_session_"] = trainer  # its program, state and progress (no sessions)
         return kept
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if state.pop("_model_was_proto", False):
-            state["model_onnx"] = onnx.load_model_from_string(state["model_onnx"])
         self.__dict__.update(state)
+        if "train_session_" in state:  # compiled for these very parameters
+            self._rate = BaseLearningRate.select(self.learning_rate)
+            self._compiled_key = self._compile_key()
 
 
 class OrtGradientOptimizer(_TrainingEstimator):
@@ -297,7 +332,7 @@ class OrtGradientOptimizer(_TrainingEstimator):
     """
 
     _COMPILE_PARAMS = ("model_onnx", "weights_to_train", "loss_output_name", "learning_rate",
-                       "sample_weight_name")
+                       "sample_weight_name", "saved_gradient", "device")
 
     def __init__(self, model_onnx: ModelLike, weights_to_train: Sequence[str] | None,
                  loss_output_name: str = "loss", max_iter: int = 100,
@@ -306,20 +341,7 @@ class OrtGradientOptimizer(_TrainingEstimator):
                  verbose: int = 0, validation_every: float = 0.1,
                  saved_gradient: str | os.PathLike | None = None,
                  sample_weight_name: str = "weight", random_state: Any = None) -> None:
-        self.model_onnx = model_onnx
-        self.weights_to_train = weights_to_train
-        self.loss_output_name = loss_output_name
-        self.max_iter = max_iter
-        self.training_optimizer_name = training_optimizer_name
-        self.batch_size = batch_size
-        self.learning_rate = learning_rate
-        self.device = device
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.validation_every = validation_every
-        self.saved_gradient = saved_gradient
-        self.sample_weight_name = sample_weight_name
-        self.random_state = random_state
+        self._keep_params(locals())
 
     def _loss_model(self) -> onnx.ModelProto:
         model = as_model(self.model_onnx)
@@ -375,14 +397,15 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
     separate graphs of ``learning_loss``, ``learning_penalty`` and ``learning_rate``.
 
     ``weights_to_train=None`` trains :func:`~lossgraph.trainable_initializers`;
-    ``weight_name`` names the loss graph's sample-weight input (``None``: no sample
-    weights); ``exc=False`` turns a diverging fit into a
+    ``weight_name`` names the loss graph's sample-weight input (``None``: ``"weight"``,
+    made once a fit is given sample weights); ``exc=False`` turns a diverging fit into a
     :class:`~lossgraph.errors.ConvergenceWarning` that stops training with the last
     finite weights. The other parameters are :class:`OrtGradientOptimizer`'s.
     """
 
     _COMPILE_PARAMS = ("model_onnx", "weights_to_train", "learning_rate", "learning_loss",
-                       "weight_name", "learning_penalty")
+                       "_weight_input", "learning_penalty", "loss_output_name", "device")
+    _FITTED = (*_TrainingEstimator._FITTED, "_weighted")
 
     def __init__(self, model_onnx: ModelLike, weights_to_train: Sequence[str] | None = None,
                  loss_output_name: str = "loss", max_iter: int = 100,
@@ -392,23 +415,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
                  learning_loss: Any = "square_error", enable_logging: bool = False,
                  weight_name: str | None = None, learning_penalty: Any = None,
                  exc: bool = True, random_state: Any = None) -> None:
-        self.model_onnx = model_onnx
-        self.weights_to_train = weights_to_train
-        self.loss_output_name = loss_output_name
-        self.max_iter = max_iter
-        self.training_optimizer_name = training_optimizer_name
-        self.batch_size = batch_size
-        self.learning_rate = learning_rate
-        self.device = device
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.validation_every = validation_every
-        self.learning_loss = learning_loss
-        self.enable_logging = enable_logging
-        self.weight_name = weight_name
-        self.learning_penalty = learning_penalty
-        self.exc = exc
-        self.random_state = random_state
+        self._keep_params(locals())
 
     @property
     def _loss(self) -> BaseLearningLoss:
@@ -417,6 +424,14 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
     @property
     def _penalty(self) -> BaseLearningPenalty:
         return BaseLearningPenalty.select(self.learning_penalty)
+
+    @property
+    def _weight_input(self) -> str | None:
+        """The loss graph's sample-weight input: ``weight_name``, else ``"weight"`` once a
+        fit has had sample weights (the reference documents pass them without a name)."""
+        if self.weight_name is not None:
+            return self.weight_name
+        return "weight" if getattr(self, "_weighted", False) else None
 
     def _program(self) -> TrainingProgram:
         loss, penalty = self._loss, self._penalty
@@ -427,8 +442,8 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
                 "learning_loss; this model carries a loss already: pass the inference model, "
                 "or use OrtGradientOptimizer.")
         loss_options = {**loss.loss_options(), "loss_name": self.loss_output_name}
-        if self.weight_name is not None:
-            loss_options["weight_name"] = self.weight_name
+        if self._weight_input is not None:
+            loss_options["weight_name"] = self._weight_input
         weights = names("weights_to_train", self.weights_to_train) or trainable_initializers(model)
         return compile_program(model, weights=weights, loss=loss.loss,
                                loss_options=loss_options, penalty=penalty.penalty(weights),
@@ -443,10 +458,8 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         """Train for ``max_iter`` epochs; returns ``self``."""
         flag("exc", self.exc)
         flag("enable_logging", self.enable_logging)
-        if sample_weight is not None and self.weight_name is None:
-            raise UnsupportedOptionError(
-                "sample_weight was given, but weight_name is None: pass weight_name='weight' "
-                "(the name of the loss graph's sample-weight input).")
+        if sample_weight is not None:
+            self._weighted = True
         return self._fit(X, y, sample_weight, X_val, y_val)
 
     # -- per-row losses ----------------------------------------------------------------------
@@ -458,7 +471,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
             value = next(o for o in trainer.program.graphs["predict"].graph.output
                          if o.name == prediction)
             graph = loss_graph(value, self._loss.loss, self._loss.loss_options(),
-                               weight_name=self.weight_name, reduction="none").model
+                               weight_name=self._weight_input, reduction="none").model
             self._row_loss = (graph, create_session(graph, device_providers(self.device)))
             self._row_loss_key = key
         return self._row_loss
@@ -468,15 +481,16 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         penalty."""
         trainer = self._fitted()
         graph, session = self._row_loss_session()
-        if sample_weight is not None and self.weight_name is None:
+        if sample_weight is not None and self._weight_input is None:
             raise UnsupportedOptionError(
-                "sample_weight was given, but weight_name is None: pass weight_name='weight'.")
+                "sample_weight was given, but the loss has no sample-weight input: pass "
+                "weight_name='weight', or fit with sample weights first.")
         data = trainer._prepare(X, y, sample_weight)
         feeds = {graph.graph.input[0].name: trainer.predict(X)}
         roles = trainer.program.manifest["roles"]
         feeds[graph.graph.input[1].name] = data[roles["label"]]
-        if self.weight_name is not None:
-            feeds[self.weight_name] = data[roles["sample_weight"]]
+        if self._weight_input is not None:
+            feeds[self._weight_input] = data[roles["sample_weight"]]
         return session.run(None, feeds)[0]
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
@@ -489,9 +503,10 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
     # -- the graphs ------------------------------------------------------------------------
     def save_onnx_graph(self, folder: Any, prefix: str | None = None,
                         suffix: str | None = None) -> dict[str, Any]:
-        """Every graph this optimizer runs, by attribute: ``{"model_onnx", "gradient",
-        "predict", "evaluate", "learning_loss": {"loss_grad_onnx"}, "learning_rate":
-        {"update_onnx"}, "learning_penalty": {"penalty_onnx"}}``.
+        """Every graph this optimizer runs, by attribute: ``{"model_onnx", "forward",
+        "backward", "gradient", "predict", "evaluate", "learning_loss": {"loss_grad_onnx"},
+        "learning_rate": {"update_onnx"}, "learning_penalty": {"penalty_onnx"}}``
+        (``gradient`` is ``forward`` and ``backward`` in one graph).
 
         ``folder=bytes`` returns the serialized graphs; a folder (which must exist)
         receives ``<prefix><class><suffix>.<attribute>.onnx`` files, written atomically,
@@ -499,7 +514,10 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         lossgraph wrote it; every path is checked before anything is written.
         """
         program = self._trainer().program
-        graphs = {"model_onnx": as_model(self.model_onnx), "gradient": program.graphs["gradient"],
+        halves = split_gradient(program.graphs["gradient"], program.io("gradient", "prediction"),
+                                program.io("gradient", "prediction_grad"))
+        graphs = {"model_onnx": as_model(self.model_onnx), "forward": halves.forward,
+                  "backward": halves.backward, "gradient": program.graphs["gradient"],
                   "predict": program.graphs["predict"], "evaluate": program.graphs["evaluate"],
                   "learning_loss": {"loss_grad_onnx": program.graphs["loss"]},
                   "learning_rate": {"update_onnx": program.graphs["update"]},

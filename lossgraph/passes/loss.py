@@ -184,7 +184,11 @@ def _logistic(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any])
     s = _raw_score(b, p, "logistic")
     y = b.Cast(label, to=p.elem_type)
     one = b.const(1, p.dtype, "one")
-    softplus = b.Add(b.Relu(s), b.Log(b.Add(one, b.Exp(b.Neg(b.Abs(s))))))
+    # max(s, 0) as (s + |s|) / 2: its derivative at 0 is 1/2 (Relu's is 0), so the gradient
+    # at s = 0 is sigmoid(0) - y, as everywhere else (a zero-initialized model starts there)
+    a = b.Abs(s)
+    half = b.const(0.5, p.dtype, "half")
+    softplus = b.Add(b.Add(b.Mul(s, half), b.Mul(a, half)), b.Log(b.Add(one, b.Exp(b.Neg(a)))))
     return b.Sub(softplus, b.Mul(y, s), hint="logistic_loss")
 
 

@@ -504,12 +504,10 @@ class Trainer:
         """
         program = TrainingProgram(self.program.graphs, self.program.manifest, self.state,
                                   self.program.inference_model)
+        progress = self._progress()
+        rng = progress["rng"]
         return save_checkpoint(path, program, {
-            "steps": self.steps_, "epochs": self.epochs_,
-            "train_losses": self.train_losses_,
-            "validation_losses": self.validation_losses_,
-            "rng": None if self._rng is None else self._rng.bit_generator.state,
-        })
+            **progress, "rng": None if rng is None else rng.bit_generator.state})
 
     @classmethod
     def load_checkpoint(cls, path: str | os.PathLike, providers: Sequence[str] | None = None,
@@ -520,11 +518,34 @@ class Trainer:
         """
         parts, record = read_checkpoint(path)
         trainer = cls(TrainingProgram(*parts), providers, session_options)
-        trainer.steps_, trainer.epochs_ = record["steps"], record["epochs"]
-        trainer.train_losses_ = record["train_losses"]
-        trainer.validation_losses_ = record["validation_losses"]
-        trainer._rng = record["rng"]
+        trainer._restore_progress(record)
         return trainer
+
+    def _progress(self) -> dict[str, Any]:
+        """What ``fit(warm_start=True)`` continues besides the state: the counters, the
+        losses and the shuffling generator."""
+        return {"steps": self.steps_, "epochs": self.epochs_,
+                "train_losses": list(self.train_losses_),
+                "validation_losses": list(self.validation_losses_), "rng": self._rng}
+
+    def _restore_progress(self, progress: Mapping[str, Any]) -> None:
+        self.steps_, self.epochs_ = progress["steps"], progress["epochs"]
+        self.train_losses_ = list(progress["train_losses"])
+        self.validation_losses_ = list(progress["validation_losses"])
+        self._rng = progress["rng"]
+
+    # -- pickling ----------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """A trainer pickles as its program, live state and progress; onnxruntime sessions
+        are made again on first use after unpickling. ``session_options`` (onnxruntime's,
+        not picklable) are not kept: pass them again with a new Trainer if needed."""
+        return {"program": self.program, "providers": self.providers, "state": self.state,
+                "progress": self._progress()}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self.__init__(saved["program"], saved["providers"])
+        self.set_state(saved["state"])
+        self._restore_progress(saved["progress"])
 
 
 def _class_count(manifest: Mapping[str, Any]) -> int | None:

@@ -4,7 +4,9 @@ A learning rate is stepped once per epoch; ``t`` counts the epochs already finis
 (``t = 0`` for the first epoch), and every update of epoch ``t`` uses::
 
     constant    eta_t = eta0
-    invscaling  eta_t = eta0 / (t + 1)^power_t                 (MLP's SGDOptimizer.iteration_ends)
+    invscaling  eta_t = eta0 / (t + 1)^power_t     (SGDOptimizer.iteration_ends's formula, with
+                                                   t the epoch: scikit-learn's MLP passes the
+                                                   number of samples seen instead)
     optimal     eta_t = 1 / (alpha (t0 + t)),  t0 = 1 / (alpha typw),  typw = alpha^(-1/4)
 
 ``optimal`` is scikit-learn's ``SGDRegressor`` schedule (``_sgd_fast``, whose own counter

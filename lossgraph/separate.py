@@ -90,6 +90,7 @@ def loss_graph(prediction: onnx.ValueInfoProto, loss: str, options: Mapping[str,
     """
     names = NameAuthority({prediction.name})
     copy = names.fresh(f"{prediction.name}_copy")  # the loss pass needs an output to score
+    prediction = _named_dims(prediction)
     identity = helper.make_model(
         helper.make_graph([helper.make_node("Identity", [prediction.name], [copy])], "loss",
                           [prediction], [helper.make_value_info(copy, prediction.type)]),
@@ -104,6 +105,18 @@ def loss_graph(prediction: onnx.ValueInfoProto, loss: str, options: Mapping[str,
     step = Pipeline((Gradient([prediction.name], loss_name=get_roles(loss_model)["loss"],
                               backend=backend), SumRowsByProduct()))(loss_model)
     return PassResult(step.model, step.report["Gradient"])
+
+
+def _named_dims(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    """``value`` with a name for each dimension that has neither a size nor a name: the
+    label, declared like the prediction, then shares them, so shape inference proves the
+    two alike and the loss's gradient needs no run-time broadcast reduction."""
+    named = onnx.ValueInfoProto()
+    named.CopyFrom(value)
+    for index, dim in enumerate(named.type.tensor_type.shape.dim):
+        if not dim.HasField("dim_value") and not dim.dim_param:
+            dim.dim_param = "N" if index == 0 else f"d{index}"
+    return named
 
 
 def penalty_graph(weights: Mapping[str, np.ndarray], penalty: Any) -> onnx.ModelProto:

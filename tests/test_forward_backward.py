@@ -66,3 +66,42 @@ def test_split_gradient_is_deterministic():
     first, second = split_gradient(*args), split_gradient(*args)
     assert first.forward.SerializeToString() == second.forward.SerializeToString()
     assert first.backward.SerializeToString() == second.backward.SerializeToString()
+
+
+@pytest.mark.parametrize("penalty", [None, {"coefficient": {"l1": 0.01, "l2": 0.02}}])
+def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(penalty):
+    """A full batch runs the graphs specialized to it with every exchanged value in a
+    preallocated buffer; a last, smaller batch the general graphs. Both give the numbers
+    of the other, bit for bit."""
+    from lossgraph.runtime.forward_backward import SeparateStep
+
+    model = onnx.load(GOLDEN_MODELS / "skl_mlp_regressor.onnx")
+    program = lossgraph.compile_program(model, fuse="separate", penalty=penalty,
+                                        optimizer=lossgraph.optim.Momentum(0.01, nesterov=True))
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(8, 5)).astype(np.float32)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+    states, kinds = [], []
+    for batch in (8, None):
+        trainer = lossgraph.Trainer(program)
+        step = SeparateStep(program, trainer._buffers, trainer._new_session, trainer._runner,
+                            batch)
+        kinds.append(step._static)
+        losses = []
+        for _ in range(3):
+            losses.append(step.run({"X": X, "label": y}))
+            trainer._buffers.swap()
+        states.append((losses, trainer.state))
+    assert kinds == [True, False]
+    assert states[0][0] == states[1][0]
+    for name, value in states[0][1].items():
+        np.testing.assert_array_equal(value, states[1][1][name])
+
+
+def test_the_separate_loss_graph_proves_prediction_and_label_alike():
+    """The prediction's unnamed batch axis gets a name the label shares: the loss gradient
+    needs no run-time broadcast reduction (Equal, Not, And, Compress on shapes)."""
+    model = onnx.load(GOLDEN_MODELS / "skl_mlp_regressor.onnx")
+    program = lossgraph.compile_program(model, fuse="separate")
+    ops = {node.op_type for node in program.graphs["loss"].graph.node}
+    assert not ops & {"Compress", "Equal", "And"}, ops

@@ -373,3 +373,16 @@ def test_a_long_one_row_product_of_a_specialized_epoch_is_split(run_model, batch
     expected = run_model(general, feeds)
     for name, value in run_model(specialized, feeds).items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_specializing_a_named_batch_fixes_it_in_the_outputs_too():
+    """A dimension name stands for one size in the whole graph: the outputs that carry the
+    inputs' batch name get the batch size, the others keep theirs."""
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 3] x, float[M, 3] z) => (float[N, 3] y, float[M, 3] w, float[K] k)
+        { y = Relu(x)  w = Relu(z)  k = Shape(x) }""")
+    model.graph.output[2].type.tensor_type.elem_type = onnx.TensorProto.INT64
+    special = SpecializeBatch(4)(model).model
+    dims = {o.name: [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim]
+            for o in special.graph.output}
+    assert dims == {"y": [4, 3], "w": [4, 3], "k": ["K"]}

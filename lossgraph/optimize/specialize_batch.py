@@ -56,24 +56,39 @@ class SpecializeBatch(Pass):
             for scan in scans:
                 scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
                 body_inputs = next(subgraphs(scan)).input  # a Scan holds one graph: its body
-                fixed |= _fix_leading_dim(body_inputs[len(body_inputs) - scanned:], self.batch)
+                fixed |= bool(_fix_leading_dim(body_inputs[len(body_inputs) - scanned:],
+                                               self.batch))
         else:
-            fixed = _fix_leading_dim(model.graph.input, self.batch)
+            names = _fix_leading_dim(model.graph.input, self.batch)
+            fixed = names is not None
+            _fix_named_dims(model.graph, (names or set()) - {""}, self.batch)
         folded = Pipeline((FoldStaticShapes(), SplitRowProducts()))(model)
         return PassResult(folded.model, folded.report or None, fixed or folded.changed)
 
 
-def _fix_leading_dim(values: Iterable[onnx.ValueInfoProto], batch: int) -> bool:
+def _fix_leading_dim(values: Iterable[onnx.ValueInfoProto], batch: int) -> set[str] | None:
     """Give every value of symbolic leading dimension (a batch, not a scalar or a weight)
-    the leading dimension ``batch``; True if any."""
-    fixed = False
+    the leading dimension ``batch``; the names of the dimensions fixed (``""`` for an
+    unnamed one), or None when there was none."""
+    names: set[str] = set()
     for value in values:
         dims = value.type.tensor_type.shape.dim
         if dims and not dims[0].HasField("dim_value"):
+            names.add(dims[0].dim_param)
             dims[0].Clear()
             dims[0].dim_value = batch
-            fixed = True
-    return fixed
+    return names or None
+
+
+def _fix_named_dims(graph: onnx.GraphProto, names: set[str], batch: int) -> None:
+    """Declare ``batch`` for every dimension of the graph's outputs and values named like a
+    fixed batch dimension (a name stands for one size throughout the graph), so that the
+    outputs' shapes are as static as the inputs'."""
+    for value in (*graph.output, *graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param and dim.dim_param in names:
+                dim.Clear()
+                dim.dim_value = batch
 
 
 def _loading_target(model: ModelLike) -> Target:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..graphs import np_dtype
 from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
 from ..separate import ForwardBackward, split_gradient
@@ -24,6 +25,8 @@ from .session import cpu_device, evaluation_error, ortvalue
 __all__ = ["ForwardBackwardRunner", "SeparateStep"]
 
 SessionFactory = Callable[[onnx.ModelProto], Any]
+#: ``make_runner(graph, batch=None, bound=None)``: the Trainer's GraphRunner of a program graph.
+RunnerFactory = Callable[..., GraphRunner]
 
 
 class _Bound:
@@ -88,12 +91,18 @@ class SeparateStep:
         update(W, W_grad (+ W_penalty_grad), states) -> W', states'
 
     Weights and states stay in ``buffers``; the update writes the next state into the
-    other buffer set (the caller swaps them after a finite loss). With ``batch``, the
-    step takes batches of that many rows only, and runs graphs specialized to it.
+    other buffer set (the caller swaps them after a finite loss).
+
+    With ``batch``, the step takes batches of that many rows only and runs graphs
+    specialized to it. Every value between the graphs then has a static shape, so each
+    lives in one preallocated array bound once, as an output of the graph computing it
+    and an input of the graphs reading it: a step binds its data and runs the graphs,
+    nothing else. Without ``batch`` (or where a shape stays unknown), onnxruntime
+    allocates the values each step and they are bound as they come.
     """
 
     def __init__(self, program: TrainingProgram, buffers: StateBuffers,
-                 make_session: SessionFactory, update: GraphRunner,
+                 make_session: SessionFactory, make_runner: RunnerFactory,
                  batch: int | None = None) -> None:
         io = program.io
         graphs = dict(program.graphs)
@@ -101,30 +110,84 @@ class SeparateStep:
             for name in ("gradient", "loss"):
                 graphs[name] = SpecializeBatch(batch)(graphs[name]).model
         self._buffers = buffers
-        self._update = update
-        self.prediction = io("gradient", "prediction")[0]
-        prediction_grad = io("gradient", "prediction_grad")[0]
-        split = split_gradient(graphs["gradient"], [self.prediction], [prediction_grad])
-        self._model = ForwardBackwardRunner(split, make_session)
-        self._seed = prediction_grad
         self._weights = program.weights
+        prediction, seed = io("gradient", "prediction")[0], io("gradient", "prediction_grad")[0]
+        split = split_gradient(graphs["gradient"], [prediction], [seed])
+        self._split = split
         self._features = [i.name for i in split.forward.graph.input
                           if i.name not in self._weights]
-        self._index = {name: i for i, name in enumerate(buffers.names)}
-        self._loss_prediction = io("loss", "prediction")[0]
-        self._loss = _Bound(make_session(graphs["loss"]),
-                            io("loss", "loss") + io("loss", "prediction_grad"), "loss")
         self._loss_data = io("loss", "label") + io("loss", "sample_weight")
-        self._penalized = io("penalty", "weight") if "penalty" in program.graphs else []
-        self._penalty = (_Bound(make_session(program.graphs["penalty"]),
-                                io("penalty", "penalty") + io("penalty", "penalty_gradient"),
-                                "penalty")
-                         if self._penalized else None)
-        self._update_gradients = dict(zip(program.weights, io("update", "gradient")))
+        self._penalized = io("penalty", "weight") if "penalty" in graphs else []
+        update_gradients = dict(zip(program.weights, io("update", "gradient")))
+        loss_io = {"prediction": io("loss", "prediction")[0], "loss": io("loss", "loss")[0],
+                   "prediction_grad": io("loss", "prediction_grad")[0]}
         self._device = cpu_device()
+        arrays = _static_values(split, graphs["loss"]) if batch is not None else None
+        if arrays is None:
+            self._static = False
+            self._model = ForwardBackwardRunner(split, make_session)
+            self._index = {name: i for i, name in enumerate(buffers.names)}
+            self._seed, self._loss_io = seed, loss_io
+            self._loss = _Bound(make_session(graphs["loss"]),
+                                [loss_io["loss"], loss_io["prediction_grad"]], "loss")
+            self._update = make_runner("update")
+            self._update_gradients = update_gradients
+        else:
+            self._static = True
+            self._arrays = arrays
+            weights = set(self._weights)
+            residuals = {r: arrays[r] for r in split.residuals}
+            self._forward = GraphRunner(
+                make_session(split.forward), buffers, {w: w for w in self._weights}, {}, {},
+                {o.name: arrays[o.name] for o in split.forward.graph.output}, "forward")
+            self._loss_value = arrays[loss_io["loss"]]
+            self._loss_runner = GraphRunner(
+                make_session(graphs["loss"]), buffers, {}, {},
+                {loss_io["prediction"]: arrays[prediction]},
+                {loss_io["loss"]: self._loss_value,
+                 loss_io["prediction_grad"]: arrays[seed]}, "loss")
+            self._reused = [n for n in split.reused if n not in weights]
+            self._backward = GraphRunner(
+                make_session(split.backward), buffers,
+                {w: w for w in split.reused if w in weights}, {},
+                {**residuals, seed: arrays[seed]},
+                {g: arrays[g] for g in split.gradients}, "backward")
+            self._gradients = dict(zip(self._weights, (arrays[g] for g in split.gradients)))
+            self._update = make_runner("update", batch, {update_gradients[w]: g for w, g in
+                                                          self._gradients.items()})
+        self._penalty = None
+        if self._penalized:
+            total, *grads = io("penalty", "penalty") + io("penalty", "penalty_gradient")
+            self._penalty_total = np.empty((), program.state[self._penalized[0]].dtype)
+            self._penalty_grads = [np.empty_like(program.state[w]) for w in self._penalized]
+            self._penalty = GraphRunner(make_session(graphs["penalty"]), buffers,
+                                        {w: w for w in self._penalized}, {}, {},
+                                        {total: self._penalty_total,
+                                         **dict(zip(grads, self._penalty_grads))}, "penalty")
 
     def run(self, batch: Mapping[str, np.ndarray]) -> float:
         """One step on ``batch`` (C-contiguous arrays by input name); the loss."""
+        return self._run_static(batch) if self._static else self._run_dynamic(batch)
+
+    def _add_penalty(self, gradients: dict[str, Any]) -> float:
+        """Run the penalty graph; add its gradients to ``gradients`` (numpy arrays,
+        changed in place); the penalty."""
+        self._penalty.run({})
+        for weight, grad in zip(self._penalized, self._penalty_grads):
+            np.add(gradients[weight], grad, out=gradients[weight])
+        return float(self._penalty_total)
+
+    def _run_static(self, batch: Mapping[str, np.ndarray]) -> float:
+        self._forward.run({n: batch[n] for n in self._features})
+        self._loss_runner.run({n: batch[n] for n in self._loss_data})
+        self._backward.run({n: batch[n] for n in self._reused})
+        total = float(self._loss_value)
+        if self._penalty is not None:
+            total += self._add_penalty(self._gradients)
+        self._update.run({})
+        return total
+
+    def _run_dynamic(self, batch: Mapping[str, np.ndarray]) -> float:
         device = self._device
         data = {name: ortvalue(array, device) for name, array in batch.items()}
         live = self._buffers.values[self._buffers.current]
@@ -132,16 +195,27 @@ class SeparateStep:
         (prediction,), residuals = self._model.forward(
             {**{n: data[n] for n in self._features}, **weights})
         loss, prediction_grad = self._loss.run(
-            {self._loss_prediction: prediction, **{n: data[n] for n in self._loss_data}})
-        reused = {n: data[n] if n in data else weights[n] for n in self._model.split.reused}
+            {self._loss_io["prediction"]: prediction, **{n: data[n] for n in self._loss_data}})
+        reused = {n: data[n] if n in data else weights[n] for n in self._split.reused}
         grads = self._model.backward(residuals, reused, {self._seed: prediction_grad})
         total = float(loss.numpy())
-        gradients = dict(zip(self._weights, grads))
+        gradients: dict[str, Any] = dict(zip(self._weights, grads))
         if self._penalty is not None:
-            penalty, *extra = self._penalty.run({w: weights[w] for w in self._penalized})
-            total += float(penalty.numpy())
-            for weight, grad in zip(self._penalized, extra):
-                summed = gradients[weight].numpy() + grad.numpy()
-                gradients[weight] = summed
+            gradients.update({w: gradients[w].numpy().copy() for w in self._penalized})
+            total += self._add_penalty(gradients)
         self._update.run({self._update_gradients[w]: g for w, g in gradients.items()})
         return total
+
+
+def _static_values(split: ForwardBackward, loss: onnx.ModelProto) -> dict[str, np.ndarray] | None:
+    """An array for each value the graphs of a step exchange (the forward outputs, the
+    loss's outputs, the gradients), or None when a shape is not static."""
+    values = [*split.forward.graph.output, *loss.graph.output, *split.backward.graph.output]
+    arrays = {}
+    for value in values:
+        tensor = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if not tensor.HasField("shape") or None in dims:
+            return None
+        arrays[value.name] = np.empty(dims, np_dtype(tensor.elem_type))
+    return arrays

@@ -77,7 +77,7 @@ class Trainer:
         self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
         self._buffers = StateBuffers(self._names, program.state)
         self._sessions: dict[tuple[str, int | None], Any] = {}
-        self._runners: dict[tuple[str, int | None], GraphRunner] = {}
+        self._runners: dict[tuple[str, int | None, tuple[str, ...]], GraphRunner] = {}
         self._separate: dict[int | None, SeparateStep] = {}
         self._optimizer = program.optimizer
         self._dtype = program.state[program.weights[0]].dtype
@@ -133,7 +133,8 @@ class Trainer:
             if batch is not None:
                 for stale in [k for k in self._sessions if k[0] == graph and k[1] is not None]:
                     del self._sessions[stale]
-                    self._runners.pop(stale, None)
+                for stale in [k for k in self._runners if k[0] == graph and k[1] is not None]:
+                    del self._runners[stale]
                 model = SpecializeBatch(batch)(model).model
             self._sessions[key] = self._new_session(model)
         return self._sessions[key]
@@ -141,15 +142,18 @@ class Trainer:
     def _new_session(self, model: onnx.ModelProto):
         return create_session(model, self.providers, self.session_options)
 
-    def _runner(self, graph: str, batch: int | None = None) -> GraphRunner:
-        key = (graph, batch)
+    def _runner(self, graph: str, batch: int | None = None,
+                bound: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
+        """The runner of ``graph`` over the state buffers (specialized to ``batch``), with
+        the learning rate, the step and the arrays ``bound`` (by input name) bound once."""
+        key = (graph, batch, tuple(bound or ()))
         if key not in self._runners:
             entry = self.program.manifest["graphs"][graph]
             inputs = {v["name"]: v["name"] for v in entry["inputs"]
                       if v["role"] in ("weight", "state")}
             outputs = {self._new[name]: name for name in inputs.values()}
             roles = {v["role"]: v["name"] for v in (*entry["inputs"], *entry["outputs"])}
-            fixed_in = {roles["step"]: self._step}
+            fixed_in = {roles["step"]: self._step, **(bound or {})}
             fixed_out = {}
             if "learning_rate" in roles:
                 fixed_in[roles["learning_rate"]] = self._learning_rate
@@ -383,7 +387,7 @@ class Trainer:
             if size is not None:  # one batch size at a time, as for the fused graphs
                 self._separate = {k: v for k, v in self._separate.items() if k is None}
             self._separate[size] = SeparateStep(self.program, self._buffers, self._new_session,
-                                                self._runner("update"), size)
+                                                self._runner, size)
         return self._separate[size].run(batch)
 
     def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,

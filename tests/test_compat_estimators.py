@@ -1071,3 +1071,16 @@ def test_sample_weights_without_weight_name_weigh_rows_as_the_documents_call_it(
         np.testing.assert_array_equal(unnamed.get_state()[name], value)
     assert not np.allclose(unweighted.get_state()["coef"], named.get_state()["coef"])
     np.testing.assert_allclose(unnamed.losses(X, y, w), named.losses(X, y, w))
+
+
+def test_enable_logging_logs_each_epoch_to_the_lossgraph_logger(caplog):
+    X, y, onx = small_linear()
+    with caplog.at_level("INFO", logger="lossgraph"):
+        est = FB(onx, enable_logging=True, max_iter=3, learning_rate=0.01,
+                 random_state=0).fit(X, y)
+    lines = [r.getMessage() for r in caplog.records if r.name == "lossgraph"]
+    assert len(lines) == 3 and lines[0].startswith("[OrtGradientForwardBackwardOptimizer.fit]")
+    assert f"loss={est.train_losses_[2]:g}" in lines[2] and "learning_rate=0.01" in lines[2]
+    caplog.clear()
+    FB(onx, max_iter=2).fit(X, y)
+    assert not [r for r in caplog.records if r.name == "lossgraph"]

@@ -20,6 +20,7 @@ initializers; ``warm_start=True`` continues the last fit.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import numbers
 import os
@@ -194,6 +195,8 @@ class _TrainingEstimator(BaseEstimator):
             raise UnsupportedOptionError("Pass both X_val and y_val, or neither.")
         rate = self._rate
         callbacks = [self._rescale_velocities(rate)]
+        if getattr(self, "enable_logging", False):
+            callbacks.append(self._log_epoch(rate))
         validation: list[float] = []
         if X_val is not None:
             period = self._validation_period()
@@ -244,6 +247,18 @@ class _TrainingEstimator(BaseEstimator):
                 finite[0] = state
 
         return remember
+
+    def _log_epoch(self, rate: BaseLearningRate):
+        """A callback logging each epoch's loss and learning rate to the ``lossgraph``
+        logger at INFO level (``enable_logging=True``)."""
+        logger = logging.getLogger("lossgraph")
+        owner = type(self).__name__
+
+        def log(t: Trainer, epoch: int, logs: dict) -> None:
+            logger.info("[%s.fit] epoch %d loss=%g learning_rate=%g", owner, epoch,
+                        logs["loss"], rate.value(epoch))
+
+        return log
 
     def _rescale_velocities(self, rate: BaseLearningRate):
         """A callback giving Momentum's velocities scikit-learn's meaning for the next
@@ -397,6 +412,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
     separate graphs of ``learning_loss``, ``learning_penalty`` and ``learning_rate``.
 
     ``weights_to_train=None`` trains :func:`~lossgraph.trainable_initializers`;
+    ``enable_logging=True`` logs each epoch's loss and rate to the ``lossgraph`` logger;
     ``weight_name`` names the loss graph's sample-weight input (``None``: ``"weight"``,
     made once a fit is given sample weights); ``exc=False`` turns a diverging fit into a
     :class:`~lossgraph.errors.ConvergenceWarning` that stops training with the last

@@ -273,28 +273,29 @@ def test_linear_regression_whole_graph_matches_scikit_learn():
     est = OrtGradientOptimizer(onx_loss, ["intercept", "coef"], learning_rate=1e-2,
                                max_iter=60, batch_size=10, random_state=0)
     assert est.fit(X, y) is est
+    exact = assert_like_scikit_learn_linear_regression(est, X, y)
+    best = float(np.mean((exact.predict(X) - y) ** 2))  # the loss is the mean squared error
+    assert est.train_losses_[0] > 10 * best and est.train_losses_[-1] < 1.1 * best
+
+
+def assert_like_scikit_learn_linear_regression(est, X, y) -> LinearRegression:
+    """The estimator's weights are LinearRegression's and its predictions SGDRegressor's
+    (to what 60 epochs of minibatch SGD allow); LinearRegression's fit."""
     state = est.get_state()
     exact = LinearRegression().fit(X, y)
     np.testing.assert_allclose(state["coef"].ravel(), exact.coef_, rtol=2e-3)
     np.testing.assert_allclose(state["intercept"], [exact.intercept_], atol=0.1)
     sgd = SGDRegressor(alpha=0.0, penalty=None, max_iter=60, tol=None, random_state=0).fit(X, y)
     np.testing.assert_allclose(est.predict(X).ravel(), sgd.predict(X), atol=0.05 * np.std(y))
-    best = float(np.mean((exact.predict(X) - y) ** 2))  # the loss is the mean squared error
-    assert est.train_losses_[0] > 10 * best and est.train_losses_[-1] < 1.1 * best
+    return exact
 
 
 def test_linear_regression_forward_backward_matches_scikit_learn():
     X, y, onx = linear_problem()
     est = FB(onx, ["coef", "intercept"], learning_rate=LearningRateSGD(
         eta0=1e-2, learning_rate="constant"), max_iter=60, batch_size=10, random_state=0)
-    est.fit(X, y)
-    state = est.get_state()
-    exact = LinearRegression().fit(X, y)
-    np.testing.assert_allclose(state["coef"].ravel(), exact.coef_, rtol=2e-3)
-    np.testing.assert_allclose(state["intercept"], [exact.intercept_], atol=0.1)
-    # SGDRegressor with loss 0.5 (p - y)^2 per row, the forward/backward optimizer's
-    sgd = SGDRegressor(alpha=0.0, penalty=None, max_iter=60, tol=None, random_state=0).fit(X, y)
-    np.testing.assert_allclose(est.predict(X).ravel(), sgd.predict(X), atol=0.05 * np.std(y))
+    # SGDRegressor's loss is 0.5 (p - y)^2 per row, the forward/backward optimizer's
+    assert_like_scikit_learn_linear_regression(est.fit(X, y), X, y)
 
 
 def test_documents_elastic_whole_graph_example_equals_numpy():

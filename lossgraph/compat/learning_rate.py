@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import numpy as np
+import onnx
 
 from ..errors import UnsupportedOptionError, suggest
 from ..optim import SGD, Momentum, Optimizer
 from ..options import finite, non_negative
+from ..separate import update_graph
 
 __all__ = ["BaseLearningRate", "LearningRateSGD", "LearningRateSGDNesterov"]
 
@@ -85,6 +90,16 @@ class BaseLearningRate:
         """The lossgraph optimizer whose update graph does this rate's per-step update;
         feed it :meth:`value` as its ``learning_rate`` input."""
         raise NotImplementedError
+
+    def build_onnx_function(self, weights: Mapping[str, np.ndarray], opset: int = 18,
+                            device: str = "cpu") -> onnx.ModelProto:
+        """The update graph for ``weights`` (name -> value, giving shapes and dtype):
+        ``(learning_rate, step, W, W_grad, states...) -> (W_new, states_new...)``, as
+        :func:`lossgraph.separate.update_graph` builds it for :meth:`to_optimizer`. The
+        graph does not depend on ``device``; the session running it picks the device."""
+        if not isinstance(device, str):
+            raise UnsupportedOptionError(f"device={device!r} must be a string such as 'cpu'.")
+        return update_graph(self.to_optimizer(), weights, opset)
 
     @classmethod
     def select(cls, value: Any) -> BaseLearningRate:

@@ -924,6 +924,10 @@ def test_exc_false_turns_divergence_into_a_warning_with_finite_weights(kind, eta
     est = ESTIMATORS[kind](max_iter=50, learning_rate=eta, batch_size=20, random_state=0)
     with pytest.raises(ConvergenceError):
         est.fit(X, y)
+    # the fitted attributes say what the trainer holds: the state from before the failure
+    assert len(est.train_losses_) < 50
+    for name, value in est.get_state().items():
+        np.testing.assert_array_equal(est.trained_coef_[name], value)
     if kind == "whole_graph":
         return  # exc is the forward/backward optimizer's parameter
     est.set_params(exc=False)

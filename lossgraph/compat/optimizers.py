@@ -220,6 +220,7 @@ class _TrainingEstimator(BaseEstimator):
                         epoch_learning_rate=rate.value)
         except ConvergenceError as exc:
             if raises:
+                self._record(trainer, X_val, validation)  # what was trained until then
                 raise
             message = f"{exc} Training stopped."
             if not all(np.isfinite(v).all() for v in trainer.state.values()):
@@ -229,12 +230,16 @@ class _TrainingEstimator(BaseEstimator):
                            "weights are those at the end of the last epoch that left them "
                            "finite (the starting weights when none did).")
             warnings.warn(message, ConvergenceWarning, stacklevel=3)
+        self._record(trainer, X_val, validation)
+        return self
+
+    def _record(self, trainer: Trainer, X_val: Any, validation: list[float]) -> None:
+        """The fitted attributes, from the trainer after a fit (a stopped one included)."""
         self.train_losses_ = list(trainer.train_losses_)
         self.validation_losses_ = None if X_val is None else (
             list(getattr(self, "validation_losses_", None) or []) * bool(self.warm_start)
             + validation)
         self.trained_coef_ = self.get_state()
-        return self
 
     @staticmethod
     def _remember_finite(finite: list[dict[str, np.ndarray]]):

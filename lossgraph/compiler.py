@@ -2,9 +2,9 @@
 
 The loss model comes first::
 
-    loss model = LowerMlOps -> AddLossOutput(loss, penalty, ...)     (or the model's own loss,
-                                                                      then inference model =
-                                                                      RemoveLossOutput(it))
+    loss model      = LowerMlOps -> AddLossOutput(loss, penalty, ...)   (or the model's own loss)
+    inference model = LowerMlOps -> StripTraining     (no loss; BatchNormalization and Dropout
+                                                       in inference mode)
 
 then every graph of the program is a pipeline of passes from the loss model (``predict``:
 from the lowered inference model), declared by :func:`plan` and printable before it
@@ -48,8 +48,9 @@ from .optimize import SumRowsByProduct, WidenScalarConstants
 from .passes.contract import Pass, PassResult, Pipeline
 from .passes.fuse import EpochGraph, PackWeights, StepGraph
 from .passes.gradient import Gradient
-from .passes.loss import AddLossOutput, RemoveLossOutput
+from .passes.loss import AddLossOutput
 from .passes.lower_ml import LowerMlOps
+from .passes.strip import StripTraining
 from .passes.weights import WeightsToInputs
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
@@ -105,7 +106,7 @@ def describe_plan(model: ModelLike, **options: Any) -> str:
     unknown = sorted(set(options) - set(_DEFAULTS))
     if unknown:
         raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
-    _, _, weights, checked = _front(model, {**_DEFAULTS, **options})
+    _, _, _, weights, checked = _front(model, {**_DEFAULTS, **options})
     return str(plan(weights, checked.optimizer, checked.backend, checked.fuse))
 
 
@@ -161,7 +162,8 @@ _DEFAULTS: dict[str, Any] = {name: p.default for name, p in
 
 
 def _front(model: ModelLike, options: Mapping[str, Any]):
-    """The checked options, the lowered inference model, the loss model and the weights."""
+    """The loss model, the models without a loss in training and in inference mode, the
+    weights and the checked options."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
                               options["fuse"])
@@ -177,7 +179,7 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
                 "pass a loss name (e.g. loss='squared_error'), or build the loss with "
                 "lossgraph.add_loss_output.")
         check_loss_roles(source)
-        loss_model, source = source, RemoveLossOutput()(source).model
+        loss_model = source
     elif carried:
         raise UnsupportedModelError(
             f"The model carries a loss already ({carried!r}, recorded by add_loss_output): "
@@ -200,17 +202,21 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
     if checked.fuse == "separate" and loss is None:
         raise UnsupportedOptionError(
             "fuse='separate' builds its own loss graph: pass a loss name as loss=.")
-    return loss_model, source, weights, checked
+    # what predicts and what is exported: the loss gone, every layer in inference mode
+    stripped = StripTraining()(source)
+    inference = stripped.model if stripped.changed else source  # unchanged: one prefix run
+    return loss_model, source, inference, weights, checked
 
 
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
 
 
 def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
-    loss_model, source, weights, checked = _front(model, options)
+    loss_model, forward, inference, weights, checked = _front(model, options)
     optimizer, fuse = checked.optimizer, checked.fuse
     the_plan = plan(weights, optimizer, checked.backend, fuse)
-    runner = _PrefixRunner({"loss model": loss_model, "inference model": source})
+    runner = _PrefixRunner({"loss model": loss_model, "inference model": inference,
+                            "forward model": forward})
     results = {name: runner.run(the_plan.starts[name], pipeline.passes)
                for name, pipeline in the_plan.pipelines.items()}
     initial = results["evaluate"].report["WeightsToInputs"]
@@ -218,8 +224,9 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     roles = get_roles(loss_model)
     if fuse == "separate":
         signature = Signature.of_loss_model(graphs["evaluate"], list(weights))
-        lift = the_plan.pipelines["predict"].passes[0]  # the predict graph before widening
-        predict = runner.run("inference model", (lift,)).model
+        lift = the_plan.pipelines["predict"].passes[0]  # weights to inputs
+        # the model's forward pass as training runs it (a layer's training mode kept)
+        predict = runner.run("forward model", (lift,)).model
         separate = separate_graphs(predict, roles, options["loss"], checked.loss_options,
                                    options["penalty"], initial, optimizer, checked.backend,
                                    signature)
@@ -233,7 +240,7 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
         for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
             state[name] = value
     manifest = build_manifest(graphs, signature, optimizer, fuse, roles)
-    return TrainingProgram(graphs, manifest, state, source)
+    return TrainingProgram(graphs, manifest, state, inference)
 
 
 class _PrefixRunner:

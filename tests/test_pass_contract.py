@@ -46,6 +46,7 @@ from lossgraph.passes import (
     PassResult,
     RemoveLossOutput,
     StepGraph,
+    StripTraining,
     WeightsToInputs,
 )
 from lossgraph.separate import penalty_graph, update_graph
@@ -100,6 +101,12 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
                                                            weight_name="w",
                                                  penalty={"coefficient": 0.1}),
                          RemoveLossOutput()),
+    "StripTraining": (lambda: lossgraph.add_loss_output(onnx.parser.parse_model(
+        """<ir_version: 10, opset_import: ["" : 18]>
+        g (float[N, 2] x) => (float[N, 2] y) <float[2] s = {1, 2}, float[2] b = {0, 1},
+        float[2] m = {0, 1}, float[2] v = {1, 4}, float r = {0.5}, bool t = {1}> {
+            h, rm, rv = BatchNormalization <training_mode: int = 1> (x, s, b, m, v)
+            y, mask = Dropout(h, r, t) }"""), weight_name="w"), StripTraining()),
     "LowerMlOps LinearRegressor": (lambda: golden("skl_linear_regression"), LowerMlOps()),
     "LowerMlOps LinearClassifier binary": (lambda: golden("skl_logistic_binary"), LowerMlOps()),
     "AlphabetizeInitializers": (lambda: golden("skl_mlp_regressor"), AlphabetizeInitializers()),

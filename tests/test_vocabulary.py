@@ -111,7 +111,19 @@ def test_old_compile_options_on_the_command_line(tmp_path, linear, capsys):
     assert main(["compile", str(source), "-o", str(tmp_path / "p"), "--trainable", "W",
                  "--gradient", "onnx"]) == 0
     err = capsys.readouterr().err
-    assert "--trainable is deprecated" in err and "--gradient is deprecated" in err
+    assert "--gradient is deprecated" in err
+    assert lossgraph.TrainingProgram.load(tmp_path / "p").weights == ["W"]
+
+
+@pytest.mark.parametrize("option", ["--trainable", "--weights"])
+def test_compile_takes_trainable_and_weights_alike_without_a_warning(tmp_path, linear, capsys,
+                                                                     option):
+    # --trainable is compile's documented flag (lossgraph inspect's word); --weights, the
+    # vocabulary's word and gradient's flag, stays a plain alias of it
+    source = tmp_path / "model.onnx"
+    onnx.save(linear, source)
+    assert main(["compile", str(source), "-o", str(tmp_path / "p"), option, "W"]) == 0
+    assert "warning" not in capsys.readouterr().err
     assert lossgraph.TrainingProgram.load(tmp_path / "p").weights == ["W"]
 
 

@@ -11,6 +11,8 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 - :class:`Gradient`: gradients or vector-Jacobian products
 - :class:`PackWeights`, :class:`StepGraph`, :class:`EpochGraph`: fusion with the
   optimizer's update
+- :class:`StripTraining`: nothing of training left (loss, roles, BatchNormalization and
+  Dropout in training mode), for the inference export
 
 The onnxruntime optimization passes live in :mod:`lossgraph.optimize`.
 """
@@ -21,8 +23,9 @@ from .gradient import Gradient
 from .loss import AddLossOutput, RemoveLossOutput
 from .lower_ml import LowerMlOps
 from .rename import AlphabetizeInitializers
+from .strip import StripTraining
 from .weights import WeightsToInputs
 
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "Gradient", "LowerMlOps",
            "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "StepGraph",
-           "WeightsToInputs"]
+           "StripTraining", "WeightsToInputs"]

@@ -1,0 +1,30 @@
+"""Deployment: what lossgraph writes for the runtimes people deploy to.
+
+- :func:`to_ort_artifacts` (:mod:`lossgraph.export.artifacts`): onnxruntime's on-device
+  training artifacts (training, eval and optimizer models and a checkpoint), written
+  without torch or the training build.
+- :func:`to_inference_model`, :func:`save_inference_model`
+  (:mod:`lossgraph.export.inference`): the inference model with trained weights and
+  nothing of training left.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Public name -> the module of this package that defines it.
+_HOMES = {
+    "to_ort_artifacts": ".artifacts",
+    "read_ort_checkpoint": ".ort_checkpoint",
+    "to_inference_model": ".inference",
+    "save_inference_model": ".inference",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lossgraph.export' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name], __name__), name)

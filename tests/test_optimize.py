@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import GOLDEN_MODELS
 from linear_data import LINEAR, linear_data
 from models import model
 
@@ -386,3 +387,17 @@ def test_specializing_a_named_batch_fixes_it_in_the_outputs_too():
     dims = {o.name: [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim]
             for o in special.graph.output}
     assert dims == {"y": [4, 3], "w": [4, 3], "k": ["K"]}
+
+
+def test_a_scalar_read_only_in_its_wide_form_is_not_left_behind():
+    """onnxruntime warns of initializers no node reads: widening leaves none."""
+    from lossgraph.graphs import all_graphs, values_read
+
+    model = onnx.load(GOLDEN_MODELS / "skl_mlp_regressor.onnx")
+    for fuse in ("step", "epoch", "separate"):
+        program = lossgraph.compile_program(model, fuse=fuse)
+        for name, graph in program.graphs.items():
+            read = values_read(graph.graph)
+            for body in all_graphs(graph.graph):
+                unread = [t.name for t in body.initializer if t.name not in read]
+                assert not unread, (fuse, name, unread)

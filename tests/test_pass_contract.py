@@ -49,6 +49,7 @@ from lossgraph.passes import (
     StripTraining,
     WeightsToInputs,
 )
+from lossgraph.passes.strip import InferenceMode
 from lossgraph.separate import penalty_graph, update_graph
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
@@ -107,6 +108,7 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
         float[2] m = {0, 1}, float[2] v = {1, 4}, float r = {0.5}, bool t = {1}> {
             h, rm, rv = BatchNormalization <training_mode: int = 1> (x, s, b, m, v)
             y, mask = Dropout(h, r, t) }"""), weight_name="w"), StripTraining()),
+    "InferenceMode": (lambda: PASSES["StripTraining"][0](), InferenceMode()),
     "LowerMlOps LinearRegressor": (lambda: golden("skl_linear_regression"), LowerMlOps()),
     "LowerMlOps LinearClassifier binary": (lambda: golden("skl_logistic_binary"), LowerMlOps()),
     "AlphabetizeInitializers": (lambda: golden("skl_mlp_regressor"), AlphabetizeInitializers()),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import numpy_helper
 
-from ..graphs import initializer_arrays, known_shapes
+from ..graphs import initializer_arrays, known_shapes, values_read
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
 from .scopes import main_and_scan_bodies
@@ -66,4 +66,10 @@ def _widen(graph: onnx.GraphProto, shaped: onnx.GraphProto, names: NameAuthority
                     numpy_helper.from_array(value.reshape([1] * rank), widened[key]))
             node.input[index] = widened[key]
             changed = True
+    originals = {name for name, _ in widened}
+    if originals:  # a scalar now read only in its wide form goes (onnxruntime warns of it)
+        read = values_read(graph) | {o.name for o in graph.output}
+        kept = [t for t in graph.initializer if t.name not in originals or t.name in read]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
     return changed

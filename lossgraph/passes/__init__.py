@@ -12,7 +12,8 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 - :class:`PackWeights`, :class:`StepGraph`, :class:`EpochGraph`: fusion with the
   optimizer's update
 - :class:`StripTraining`: nothing of training left (loss, roles, BatchNormalization and
-  Dropout in training mode), for the inference export
+  Dropout in training mode), for the inference export; :class:`InferenceMode` the layers'
+  part alone, for eval graphs
 
 The onnxruntime optimization passes live in :mod:`lossgraph.optimize`.
 """
@@ -23,9 +24,9 @@ from .gradient import Gradient
 from .loss import AddLossOutput, RemoveLossOutput
 from .lower_ml import LowerMlOps
 from .rename import AlphabetizeInitializers
-from .strip import StripTraining
+from .strip import InferenceMode, StripTraining
 from .weights import WeightsToInputs
 
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "Gradient", "LowerMlOps",
            "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "StepGraph",
-           "StripTraining", "WeightsToInputs"]
+           "StripTraining", "InferenceMode", "WeightsToInputs"]

@@ -20,6 +20,8 @@ the training state, not a prediction); any other use of them is an error. Values
 constants, nodes and graph inputs that only the rewritten nodes read (the ``training``
 flag, a Dropout's ``ratio``) go too. The ``lossgraph.roles`` record goes with the loss.
 
+:class:`InferenceMode` does the layers' part alone, keeping the loss (an eval graph).
+
 A model that records gradients or a training graph's signature (``lossgraph.gradients``,
 ``lossgraph.signature``) is a training graph, not a model with a loss: it is refused
 with the way to export its inference model instead.
@@ -43,7 +45,7 @@ from ..roles import get_roles
 from .contract import Pass, PassResult
 from .loss import RemoveLossOutput
 
-__all__ = ["StripTraining", "strip_training"]
+__all__ = ["InferenceMode", "StripTraining", "strip_training"]
 
 #: Metadata that marks a training graph, which this pass refuses (see the module docstring).
 _TRAINING_GRAPH_KEYS = (GRADIENTS_KEY, SIGNATURE_KEY)
@@ -62,6 +64,20 @@ class StripTraining(Pass):
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         report = _strip(model)
+        return PassResult(model, report, changed=any(report.values()))
+
+
+@dataclass(frozen=True)
+class InferenceMode(Pass):
+    """Put BatchNormalization and Dropout in inference mode and nothing else: the loss, its
+    inputs and the roles stay (an eval graph, with the loss, runs this; see the module
+    docstring for the rewrites). The report has :class:`StripTraining`'s keys but
+    ``loss`` and ``metadata``."""
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        report: dict[str, Any] = {"inference_mode": [], "identity": [], "inputs": [],
+                                  "outputs": [], "nodes": [], "initializers": []}
+        _to_inference_mode(model, report)
         return PassResult(model, report, changed=any(report.values()))
 
 
@@ -93,6 +109,13 @@ def _strip(model: onnx.ModelProto) -> dict[str, Any]:
             left = {v.name for v in kept}
             report[key].extend(v.name for v in values if v.name not in left)
     remove_record(model, ROLES_KEY)
+    _to_inference_mode(model, report)
+    return report
+
+
+def _to_inference_mode(model: onnx.ModelProto, report: dict[str, Any]) -> None:
+    """Put every BatchNormalization and Dropout in inference mode, in place, then remove
+    what only their training mode read; ``report`` lists what changed and went."""
     before = _referenced(model)
     authority = NameAuthority.for_model(model)
     constants = _constant_values(model)
@@ -120,7 +143,6 @@ def _strip(model: onnx.ModelProto) -> dict[str, Any]:
                 if action:
                     report[action].append(label)
     _prune_orphans(model, before, report)
-    return report
 
 
 def _batch_norm_to_inference(graph: onnx.GraphProto, main: bool, node: onnx.NodeProto,

@@ -542,3 +542,28 @@ def test_gradients_accumulate_in_their_buffers_until_lazy_reset_grad(tmp_path, r
     module.lazy_reset_grad()
     module(*batches[2])
     np.testing.assert_allclose(state.parameters["W"].grad, g3, rtol=1e-5, atol=1e-7)
+
+
+def test_an_artifacts_folder_exports_the_inference_model_with_its_checkpoints_weights(tmp_path,
+                                                                                    run_model):
+    """The inference export reads an artifacts folder: the eval model with the checkpoint's
+    weights, nothing of training left; it predicts like the Trainer with those weights."""
+    from lossgraph.export import to_inference_model
+
+    X, y = data(MLP)
+    paths = to_ort_artifacts(onnx.load(MLP), tmp_path / "artifacts", optimizer=SGD(0.05))
+    program = lossgraph.compile_program(onnx.load(MLP), optimizer=SGD(0.05))
+    trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=10, shuffle=False,
+                                             progress=False)
+    checkpoint = read_ort_checkpoint(paths.checkpoint)
+    trained = OrtCheckpoint(trainable={w: trainer.state[w] for w in checkpoint.trainable},
+                            optimizer_groups=checkpoint.optimizer_groups)
+    write_ort_checkpoint(paths.checkpoint, trained, overwrite=True)  # as a device would
+    exported = to_inference_model(tmp_path / "artifacts")
+    assert [i.name for i in exported.graph.input] == ["X"]
+    assert {o.name for o in exported.graph.output} == {o.name for o in onnx.load(MLP).graph.output}
+    assert not any(p.key.startswith("lossgraph.") for p in exported.metadata_props)
+    expected = trainer.predict(X)
+    output = program.manifest["roles"]["prediction"]
+    np.testing.assert_allclose(run_model(exported, {"X": X})[output], expected, rtol=1e-5,
+                               atol=1e-6)

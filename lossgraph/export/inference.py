@@ -66,12 +66,15 @@ from ..errors import (
 from ..fileio import check_file_target, save_model, write_file
 from ..metadata import WRITTEN_BY_KEY, remove_record
 from ..models import as_model
+from ..passes.loss import RemoveLossOutput
 from ..passes.lower_ml import LowerMlOps
 from ..passes.strip import StripTraining
 from ..program import TrainingProgram
 from ..runtime.trainer import Trainer
 from ..storage import TRAINER_FILE, read_checkpoint, read_program
 from ..target import Target, active_target, use_target
+from .artifacts import CHECKPOINT_FILE, EVAL_FILE
+from .ort_checkpoint import read_ort_checkpoint
 
 __all__ = ["to_inference_model", "save_inference_model", "Source", "EXTERNAL_MIN_BYTES",
            "PROTOBUF_LIMIT", "DATA_SUFFIX", "DATA_MAGIC"]
@@ -185,6 +188,13 @@ def _source(source: Source) -> _Source:
         return _of_program(source, source.state)
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
         folder = Path(source)
+        if all((folder / name).is_file() for name in (EVAL_FILE, CHECKPOINT_FILE)):
+            # onnxruntime training artifacts: the eval model, with the checkpoint's weights
+            # (a folder lossgraph wrote, or one onnxruntime trained and saved over)
+            evaluation = as_model(folder / EVAL_FILE)
+            loss = evaluation.graph.output[0].name  # the artifacts' contract: loss first
+            return _Source(RemoveLossOutput(loss)(evaluation).model,
+                           dict(read_ort_checkpoint(folder / CHECKPOINT_FILE)))
         if (folder / TRAINER_FILE).exists() or (folder / TRAINER_FILE).is_symlink():
             parts, _ = read_checkpoint(folder)
         else:
@@ -195,7 +205,8 @@ def _source(source: Source) -> _Source:
         return _Source(as_model(source))
     raise UnsupportedOptionError(
         f"Cannot export the inference model of a {type(source).__name__}: pass a Trainer, a "
-        "TrainingProgram, the path of a program or checkpoint folder, or a model "
+        "TrainingProgram, the path of a program, checkpoint or onnxruntime training artifacts "
+        "folder, or a model "
         "(ModelProto, bytes or .onnx path) with state= its weights by name.")
 
 

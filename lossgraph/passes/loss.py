@@ -529,15 +529,22 @@ class RemoveLossOutput(Pass):
 
     The loss output goes with every node, initializer and input only it needed (the
     label, the sample weight, the penalty's constants), and so does the roles record.
-    A model without a recorded loss is returned unchanged.
+    ``loss_name`` names the loss of a model that records none (onnxruntime's eval model,
+    whose loss is its first output); by default the recorded loss, and a model without
+    one is returned unchanged.
     """
 
+    loss_name: str | None = None
+
     def call(self, model: onnx.ModelProto) -> PassResult:
-        roles = get_roles(model)
-        if "loss" not in roles:
+        loss = self.loss_name or get_roles(model).get("loss")
+        if loss is None:
             return PassResult(model, None, changed=False)
         graph = model.graph
-        outputs = [o for o in graph.output if o.name != roles["loss"]]
+        if loss not in {o.name for o in graph.output}:
+            raise UnknownNameError(f"RemoveLossOutput: {loss!r} is not an output of the model."
+                                   + suggest(loss, [o.name for o in graph.output], "outputs"))
+        outputs = [o for o in graph.output if o.name != loss]
         needed = {o.name for o in outputs}
         kept = []
         for node in reversed(graph.node):

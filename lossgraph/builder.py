@@ -53,7 +53,16 @@ class GraphBuilder:
         domain: str = "",
         **attributes: Any,
     ) -> Any:
-        """Append one node; return its output name (or a tuple of names)."""
+        """Append one node; return its output name (or a tuple of names).
+
+        A ``Transpose`` whose ``perm`` keeps every axis in place is no node: its input is
+        returned (onnxruntime's Gemm-Transpose fusion takes any Transpose after a Gemm for
+        a real one, which made such an identity a wrong result).
+        """
+        perm = attributes.get("perm")
+        if (op_type == "Transpose" and isinstance(outputs, int) and perm is not None
+                and list(perm) == list(range(len(perm)))):
+            return inputs[0]
         if isinstance(outputs, int):
             base = hint or op_type.lower()
             hints = [base] if outputs == 1 else [f"{base}_{i}" for i in range(outputs)]

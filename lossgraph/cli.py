@@ -316,7 +316,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--fuse", default=None, choices=["separate", "step", "epoch"],
                        help="how the training graphs are fused (default: step)")
     build.add_argument("--target", default=None,
-                       help="the runtimes the graphs must load in: default or onnxruntime")
+                       help="the runtimes the graphs must load in: a target name (default, "
+                            "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "
+                            "see docs/reference/targets.md")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")
@@ -362,7 +364,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="keep the large weights in FILE.data beside the model (default: "
                              "only for models over protobuf's 2 GiB)")
     export.add_argument("--target", default=None,
-                        help="the runtimes the model must load in (default: default)")
+                        help="the runtimes the model must load in: a target name (default: "
+                             "default) or ir<IR>-opset<N>; see docs/reference/targets.md")
 
     add_loss = command("add-loss", "append a scalar loss output")
     add_loss.add_argument("model", help="input ONNX file")

@@ -145,9 +145,10 @@ def compile_program(
             ``"ort"`` (onnxruntime-training's builder, training build only).
         fuse: ``"separate"``, ``"step"`` or ``"epoch"`` (see the module docstring).
         target: the runtimes the graphs must load in: a name of
-            :data:`lossgraph.target.TARGETS` (``"default"``: onnxruntime-training 1.19
-            and current onnxruntime, opsets 13-21; ``"onnxruntime"``: current
-            onnxruntime only, opsets up to 25) or a :class:`~lossgraph.target.Target`.
+            :data:`lossgraph.target.TARGETS` (``"default"``: onnxruntime-training 1.19 and
+            every onnxruntime since 1.19, opsets 13-21; ``"onnxruntime-1.23"``, ...,
+            ``"onnxruntime-latest"``), an explicit pair such as ``"ir10-opset21"``, or a
+            :class:`~lossgraph.target.Target` (docs/reference/targets.md).
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse}

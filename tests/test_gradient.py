@@ -516,3 +516,25 @@ def test_every_golden_model_differentiates_and_runs(run_model, name):
     outputs = run_model(result, {result.graph.input[0].name: X, label.name: label_value})
     for name_ in grads:
         assert np.all(np.isfinite(outputs[name_])), name_
+
+
+@pytest.mark.parametrize("rows", [4, 8])
+def test_a_gather_on_axis_1_before_a_gemm_differentiates_right(rows, run_model):
+    """torch's ``out[:, -1]`` into a linear head: the rule's transpose of dy is the identity
+    there, and onnxruntime's Gemm-Transpose fusion took an identity Transpose after a Gemm
+    for a real one (a crash at 4 rows, a silently wrong gradient at 8). The builder emits
+    no identity Transpose."""
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 5, 8] x) => (float[N, 1] y) <float[1, 8] w = {1,2,3,4,5,6,7,8}, int64 i = {-1}>
+        { t = Gather<axis=1>(x, i)  y = Gemm<transB=1>(t, w) }""")
+    vjp = gradient(model, weights=["x", "w"], outputs=["y"])
+    perms = [list(n.attribute[0].ints) for n in vjp.graph.node if n.op_type == "Transpose"]
+    assert all(p != sorted(p) for p in perms), perms
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 5, 8)).astype(np.float32)
+    dy = rng.normal(size=(rows, 1)).astype(np.float32)
+    out = run_model(vjp, {"x": x, "y_grad": dy})
+    expected = np.zeros_like(x)
+    expected[:, -1, :] = dy * np.arange(1, 9, dtype=np.float32)
+    np.testing.assert_allclose(out["x_grad"], expected, rtol=1e-6)
+    np.testing.assert_allclose(out["w_grad"], dy.T @ x[:, -1, :], rtol=1e-5)

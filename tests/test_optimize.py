@@ -401,3 +401,32 @@ def test_a_scalar_read_only_in_its_wide_form_is_not_left_behind():
             for body in all_graphs(graph.graph):
                 unread = [t.name for t in body.initializer if t.name not in read]
                 assert not unread, (fuse, name, unread)
+
+
+def test_a_scan_of_the_model_itself_is_not_taken_for_the_epoch_scan():
+    """Only the epoch graph's Scan (its signature names the learning rates it scans) gets
+    the batch size on its scanned inputs; a step graph holding a Scan of its own (a
+    recurrent layer's) is specialized on its data inputs."""
+    body = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["s", "e"], ["s_new"]),
+         onnx.helper.make_node("Identity", ["s_new"], ["o"])], "body",
+        [onnx.helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, ["B", 3]),
+         onnx.helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, ["B", 3])],
+        [onnx.helper.make_tensor_value_info("s_new", onnx.TensorProto.FLOAT, ["B", 3]),
+         onnx.helper.make_tensor_value_info("o", onnx.TensorProto.FLOAT, ["B", 3])])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Scan", ["s0", "x"], ["s", "ys"], body=body,
+                               num_scan_inputs=1)], "g",
+        [onnx.helper.make_tensor_value_info("s0", onnx.TensorProto.FLOAT, ["B", 3]),
+         onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["T", "B", 3])],
+        [onnx.helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, ["B", 3]),
+         onnx.helper.make_tensor_value_info("ys", onnx.TensorProto.FLOAT, ["T", "B", 3])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    special = SpecializeBatch(5)(model).model
+    dims = [[d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
+            for i in special.graph.input]
+    assert dims == [[5, 3], [5, "B", 3]]  # the graph's own inputs, not the body's
+    body_dims = [[d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
+                 for i in special.graph.node[0].attribute[0].g.input]
+    assert body_dims == [["B", 3], ["B", 3]]

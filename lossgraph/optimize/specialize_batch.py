@@ -3,7 +3,8 @@
     SpecializeBatch(batch) = fix the batch size -> FoldStaticShapes -> SplitRowProducts
 
     batch input  x[N, ...]  ->  x[batch, ...]    (the scanned inputs of an epoch graph's
-                                                 Scan; a step graph's own data inputs)
+                                                 Scan, which its signature names; any other
+                                                 graph's own data inputs)
 
 A program's ``train_step`` and ``train_epoch`` graphs serve every batch size: a step
 takes a batch of symbolic size and recomputes its shapes every time. For the one batch
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 import onnx
 
 from ..errors import UnsupportedOptionError
-from ..graphs import opset_version, subgraphs
+from ..graphs import subgraphs
+from ..metadata import SIGNATURE_KEY, read_json
 from ..models import ModelLike
 from ..passes.contract import Pass, PassResult, Pipeline
-from ..target import TARGETS, Target, active_target, use_target
+from ..target import active_target, loading_target, use_target
 from .fold_static_shapes import FoldStaticShapes
 from .split_row_products import SplitRowProducts
 
@@ -46,12 +48,16 @@ class SpecializeBatch(Pass):
     def __call__(self, model: ModelLike) -> PassResult:
         """Run for the runtimes that load ``model``: a program compiled for current
         onnxruntime alone (a newer opset) is specialized for it too."""
-        with use_target(_loading_target(model)):
+        loading = loading_target(model) if isinstance(model, onnx.ModelProto) else None
+        with use_target(loading or active_target()):
             return super().__call__(model)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        scans = [node for node in model.graph.node if node.op_type == "Scan"]
-        if scans:  # the Scan's batches get the static size
+        signature = read_json(model, SIGNATURE_KEY) or {}
+        rates = signature.get("learning_rates")  # the epoch Scan's last input (EpochGraph)
+        scans = [node for node in model.graph.node
+                 if node.op_type == "Scan" and rates and node.input[-1] == rates]
+        if scans:  # an epoch graph: the Scan's batches get the static size
             fixed = False
             for scan in scans:
                 scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
@@ -89,12 +95,3 @@ def _fix_named_dims(graph: onnx.GraphProto, names: set[str], batch: int) -> None
             if dim.dim_param and dim.dim_param in names:
                 dim.Clear()
                 dim.dim_value = batch
-
-
-def _loading_target(model: ModelLike) -> Target:
-    """The first of :data:`~lossgraph.target.TARGETS` that loads ``model``'s opset, else
-    the active target (whose check then names the problem)."""
-    opset = opset_version(model) if isinstance(model, onnx.ModelProto) else None
-    return next((target for target in TARGETS.values()
-                 if opset is not None and target.min_opset <= opset <= target.max_opset),
-                active_target())

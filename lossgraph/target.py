@@ -239,7 +239,7 @@ def _newer_targets_hint(version: int) -> str:
             if version > DEFAULT_TARGET.max_opset and legacy.supports(version) else "")
     return (f" Or emit for a target that loads opset {version}: compile_program(..., "
             f"target='{name}'){also}, or with lossgraph.target.use_target('{name}'): ... "
-            "(docs/reference/targets.md).")
+            f"(on the command line: --target {name}; docs/reference/targets.md).")
 
 
 def check_opset(model: onnx.ModelProto, target: Target | None = None) -> int:

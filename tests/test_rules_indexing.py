@@ -209,14 +209,6 @@ def test_scatter_elements_gradients_for_data_and_updates(rng, axis, reduction):
                     ort=True if reduction == "none" else False)
 
 
-def test_scatter_elements_with_mul_reduction_is_a_clear_error(rng):
-    net = model("(double[3] x, int64[1] i, double[1] u) => (double[3] y)",
-                'y = ScatterElements <reduction = "mul"> (x, i, u)', opset=16)
-    with pytest.raises(UnsupportedModelError, match="reduction"):
-        check_gradients(net, {"x": rand(rng, 3), "i": np.array([1]), "u": rand(rng, 1)},
-                        wrt=["x", "u"])
-
-
 # ------------------------------------------------------------------------ TopK, Trilu
 @pytest.mark.parametrize("axis, largest", [(-1, 1), (0, 0), (1, 1)])
 def test_topk_gradient_flows_to_the_selected_elements(rng, axis, largest):

@@ -14,6 +14,17 @@
     ScatterND(x, i, u)        dx = ScatterND(dy, i, zeros)   du = GatherND(dy, i)
     ScatterElements(x, i, u)  dx = ScatterElements(dy, i, zeros, a)   du = GatherElements(dy, i, a)
                               (reduction=add: dx = dy)
+                              reduction=max/min, y_p = max(x_p, u_k: i_k = p): the gradient
+                              goes to the factors equal to y_p, ties share it evenly (as
+                              ReduceMax, and torch's scatter_reduce amax/amin):
+                              n_p = (x_p == y_p) + sum_k (u_k == y_p) (a scatter with add)
+                              dx = dy (x == y) / n,  du_k = (dy / n)[i_k] (u_k == y[i_k])
+                              reduction=mul, y_p = x_p prod u_k: zero-safe as ReduceProd:
+                              with f' = f + (f == 0), P = x'_p prod u'_k and Z the count of
+                              zero factors at p, df = dy P / f' (Z == (f == 0))
+    Compress(x, c, axis)      dx = ScatterElements(zeros, j, dy, axis), j the selected
+                              positions Compress(Range(dim), c) broadcast like dy (no axis:
+                              on the flattened x)
     OneHot(i, d, (off, on))   y = off + (on - off) H, H = OneHot(i, d, (0, 1)):
                               don = sum(dy H), doff = sum(dy) - don
     TopK(x, k) -> (v, i)      dx = ScatterElements(zeros, i, dv, axis)
@@ -206,31 +217,100 @@ def gather_nd(g, node, dy):
 
 
 # --------------------------------------------------------------------------- Scatter
+_SCATTER_REDUCTIONS = ("none", "add", "mul", "max", "min")
+
+
 def _reduction(node) -> str:
     reduction = node.attr("reduction", "none")
-    if reduction not in ("none", "add"):
+    if reduction not in _SCATTER_REDUCTIONS:
         raise UnsupportedModelError(
             f"No gradient for {node.op_type} node {node.name!r} with reduction={reduction!r} "
-            "(only 'none' and 'add').")
+            f"(only {', '.join(_SCATTER_REDUCTIONS)}).")
     return reduction
 
 
-@grad_rule("ScatterND", since=13, nondiff=(1,), notes="reduction none or add")
+class _Scatter:
+    """A ScatterND or ScatterElements node's scatter (with ``reduction``) and its gather."""
+
+    def __init__(self, g, node) -> None:
+        self.g, self.node = g, node
+        x, self.indices, _ = node.inputs
+        self.elements = node.op_type == "ScatterElements"
+        self.axis = node.attr("axis", 0) % g.rank(x) if self.elements else None
+
+    def scatter(self, data: str, updates: str, reduction: str | None = None) -> str:
+        kwargs = {"axis": self.axis} if self.elements else {}
+        return getattr(self.g, self.node.op_type)(data, self.indices, updates,
+                                                  reduction=reduction, **kwargs)
+
+    def gather(self, data: str) -> str:
+        if self.elements:
+            return self.g.GatherElements(data, self.indices, axis=self.axis)
+        return self.g.GatherND(data, self.indices)
+
+
+def _scatter_grads(g, node, dy) -> tuple[str, None, str]:
+    x, _, updates = node.inputs
+    y = node.outputs[0]
+    op = _Scatter(g, node)
+    reduction = _reduction(node)
+    if reduction == "none":
+        return op.scatter(dy, g.zeros_like(updates)), None, op.gather(dy)
+    if reduction == "add":
+        return dy, None, op.gather(dy)
+    if reduction in ("max", "min"):  # the selected factors share dy evenly
+        chosen_x = g.mask(g.Equal(x, y), x, hint="selected")
+        chosen_u = g.mask(g.Equal(updates, op.gather(y)), x, hint="selected")
+        ties = op.scatter(chosen_x, chosen_u, reduction="add")
+        share = g.Div(dy, ties)  # ties >= 1: y_p is one of the factors
+        return g.Mul(share, chosen_x), None, g.Mul(op.gather(share), chosen_u)
+    # mul: zero-safe products of the other factors
+    zero = g.const_like(0, x, "zero")
+    zero_x = g.mask(g.Equal(x, zero), x, hint="is_zero")
+    zero_u = g.mask(g.Equal(updates, zero), x, hint="is_zero")
+    safe_x, safe_u = g.Add(x, zero_x), g.Add(updates, zero_u)
+    product = op.scatter(safe_x, safe_u, reduction="mul")
+    zeros = op.scatter(zero_x, zero_u, reduction="add")
+    scaled = g.Mul(dy, product)
+    dx = g.Mul(g.Div(scaled, safe_x), g.mask(g.Equal(zeros, zero_x), x))
+    du = g.Mul(g.Div(op.gather(scaled), safe_u), g.mask(g.Equal(op.gather(zeros), zero_u), x))
+    return dx, None, du
+
+
+@grad_rule("ScatterND", since=13, nondiff=(1,),
+           notes="reductions none, add, mul (zero-safe), max and min (ties share the "
+                 "gradient evenly)")
 def scatter_nd(g, node, dy):
-    _, indices, updates = node.inputs
-    reduction = _reduction(node)
-    dx = dy if reduction == "add" else g.ScatterND(dy, indices, g.zeros_like(updates))
-    return dx, None, g.GatherND(dy, indices)
+    return _scatter_grads(g, node, dy)
 
 
-@grad_rule("ScatterElements", since=13, nondiff=(1,), notes="reduction none or add")
+@grad_rule("ScatterElements", since=13, nondiff=(1,),
+           notes="reductions none, add, mul (zero-safe), max and min (ties share the "
+                 "gradient evenly)")
 def scatter_elements(g, node, dy):
-    x, indices, updates = node.inputs
-    axis = node.attr("axis", 0) % g.rank(x)
-    reduction = _reduction(node)
-    dx = dy if reduction == "add" else g.ScatterElements(dy, indices, g.zeros_like(updates),
-                                                          axis=axis)
-    return dx, None, g.GatherElements(dy, indices, axis=axis)
+    return _scatter_grads(g, node, dy)
+
+
+# -------------------------------------------------------------------------- Compress
+@grad_rule("Compress", nondiff=(1,), notes="dy scattered back to the selected positions")
+def compress(g, node, dy):
+    x, condition = node.inputs
+    axis = node.attr("axis")
+    zero, one = g.const(0, np.int64, "zero"), g.const(1, np.int64, "one")
+    if axis is None:  # on the flattened input
+        size = g.Size(x)
+        positions = g.Compress(g.Range(zero, size, one), condition, axis=0)
+        flat = g.filled(g.Reshape(size, g.ints([1], "shape")), 0, x, hint="zeros")
+        dx = g.ScatterElements(flat, positions, dy, axis=0)
+        return node.grads(g.Reshape(dx, shape_of(g, x)))
+    rank = g.rank(x)
+    axis %= rank
+    positions = g.Compress(g.Range(zero, _dim(g, x, axis, scalar=True), one), condition,
+                           axis=0)
+    along = [1] * rank
+    along[axis] = -1
+    index = g.Expand(g.Reshape(positions, g.ints(along, "shape")), g.Shape(dy))
+    return node.grads(g.ScatterElements(g.zeros_like(x), index, dy, axis=axis))
 
 
 # ------------------------------------------------------------------------------ TopK

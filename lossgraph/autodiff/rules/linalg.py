@@ -14,6 +14,11 @@
                                  matrix (static sizes only); ellipses become explicit letters,
                                  and size-1 ellipsis dims that broadcast are squeezed out first
                                  (their gradient is summed, then unsqueezed back)
+    Det(X), X [*, M, M]          dX = dy C, C the cofactor matrix: C_ij = (-1)^(i+j) Det(X
+                                 without row i and column j) (the adjugate transposed; exact
+                                 for singular X too, unlike dy Det(X) X^-T); the (M, M)
+                                 minors are gathered with constant row and column indices
+                                 (static M); M = 1: dX = dy
 """
 
 from __future__ import annotations
@@ -203,3 +208,28 @@ def _einsum_operand_grad(g, node, dy, out, values, terms, k, spare, sizes) -> st
     if missing:  # letters summed within this operand alone: broadcast back
         grad = g.Expand(g.unsqueeze(grad, missing), g.Shape(values[k]))
     return grad
+
+
+@grad_rule("Det", notes="static matrix size; cofactors from the minors' determinants "
+                        "(onnxruntime has float Det only)")
+def det(g, node, dy):
+    (x,) = node.inputs
+    rank = g.rank(x)
+    size = (g.shape(x) or [None])[-1]
+    if not isinstance(size, int) or size < 1:
+        raise UnsupportedModelError(
+            f"The gradient of Det node {node.name or '<unnamed>'!r} needs the static matrix "
+            f"size of {x!r}; shape inference found {g.shape(x)}. Give the model's inputs "
+            "static shapes.")
+    scattered = g.unsqueeze(dy, [rank - 2, rank - 1])  # [*, 1, 1]
+    if size == 1:  # det of a 1 x 1 matrix is its element
+        return scattered
+    others = g.const([[k for k in range(size) if k != i] for i in range(size)], np.int64,
+                     "minor_index")
+    # Gather with the (M, M - 1) index: [*, M, M] -> [*, M, M - 1, M] -> [*, M, M-1, M, M-1]
+    both = g.Gather(g.Gather(x, others, axis=rank - 2), others, axis=rank)
+    b = rank - 2
+    minors = g.Transpose(both, perm=[*range(b), b, b + 2, b + 1, b + 3])  # [*, i, j, minor]
+    signs = (-1.0) ** np.add.outer(np.arange(size), np.arange(size))
+    cofactors = g.Mul(g.Det(minors), g.const_like(signs, x, "cofactor_signs"))
+    return g.Mul(cofactors, scattered)

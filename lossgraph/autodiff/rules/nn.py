@@ -37,6 +37,25 @@
                              (opset 21: scale and bias per channel)
     LpNormalization(x)       y = x / n, n = ||x||_p along axis:
                              dx = (dy - s sum(dy y)) / n, s = sign(x) (p=1) or y (p=2)
+    MaxUnpool(x, I)          y.flat[I_j] = x_j (zeros elsewhere): dx_j = dy.flat[I_j], to the
+                             element whose write survives where I repeats (the last one, as
+                             the reference implementation and onnxruntime write in order:
+                             found by ScatterElements(positions, reduction=max), or before
+                             opset 18 by a plain ScatterElements, which onnxruntime applies
+                             in order too)
+    Col2Im(x, image, block)  y sums the columns of x onto the image (torch's fold); its
+                             adjoint cuts the image into the columns again (unfold):
+                             dx[n, c K + k, l] = dy[n, c, p(k, l)], p(k, l) the image position
+                             of offset k in block l (a constant index map for constant image
+                             and block shapes; 0 where it falls in the padding)
+    LpPool(x; p)             y = (sum over the window of |x|^p)^(1/p):
+                             dx = W^T(dy y^(1-p)) |x|^(p-1) sign(x), W^T the windows' adjoint
+                                  (ConvTranspose with a ones kernel, per channel; ceil_mode
+                                  by longer end pads); 0 where y = 0 (a subgradient of the
+                                  norm at the origin, instead of 0 * inf)
+    LRN(x; a, b, k, n)       y = x d^-b, d = k + a/n S, S = B(x^2) the sum of squares over the
+                             channel window (B a constant band matrix, static C):
+                             dx = dy d^-b - 2 a b / n x B^T(dy x d^(-b-1))
 """
 
 from __future__ import annotations
@@ -44,6 +63,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx import numpy_helper
 
 from ...errors import UnsupportedModelError
 from ...graphs import attribute_values
@@ -428,3 +448,149 @@ def lp_normalization(g, node, dy):
         raise UnsupportedModelError(f"LpNormalization with p={p} is not 1 or 2.")
     dot = g.reduce("ReduceSum", g.Mul(dy, y), axes, keepdims=1)
     return g.Div(g.Sub(dy, g.Mul(slope, dot)), norm)
+
+
+# ------------------------------------------------------------------ Lp pooling
+def _window_sum_adjoint(g, values: str, x: str, sizes, out_sizes, kernel, strides, pads,
+                        dilations) -> str:
+    """The adjoint of summing each pooling window of ``x``: every window's value in
+    ``values`` (shaped like the pooled output) added back onto the positions of x it
+    covered. A ones-kernel ConvTranspose per channel; a window past the end of x
+    (ceil_mode) gets a longer end pad, which the ConvTranspose crops."""
+    n = len(kernel)
+    begin = pads[:n]
+    end = []
+    for size, out, k, s, d, b in zip(sizes, out_sizes, kernel, strides, dilations, begin):
+        end.append((out - 1) * s + (k - 1) * d + 1 - b - size)
+    short = [max(-e, 0) for e in end]  # positions past the last window: zeros
+    planes = g.Reshape(values, g.ints([-1, 1, *out_sizes], "shape"))
+    ones = g.const_like(np.ones([1, 1, *kernel]), x, "ones_kernel")
+    summed = g.ConvTranspose(planes, ones, strides=strides, dilations=dilations,
+                             pads=[*begin, *(max(e, 0) for e in end)], hint="window_sum_dx")
+    if any(short):
+        summed = g.Pad(summed, g.ints([0, 0, *[0] * n, 0, 0, *short], "pads"), mode="constant")
+    return g.Reshape(summed, g.Shape(x))
+
+
+@grad_rule("LpPool", notes="zero gradient where a window's norm is 0")
+def lp_pool(g, node, dy):
+    (x,) = node.inputs
+    y = node.outputs[0]
+    kernel = list(node.attr("kernel_shape"))
+    p = node.attr("p", 2)
+    if p < 1:
+        raise UnsupportedModelError(
+            f"No gradient for LpPool node {node.name or '<unnamed>'!r} with p={p}: the "
+            "p-norm needs p >= 1.")
+    strides, pads, dilations = _window(g, node, x, kernel)
+    sizes, out_sizes = _static(g, x, "LpPool"), _static(g, y, "LpPool")
+    if p == 1:
+        back = _window_sum_adjoint(g, dy, x, sizes, out_sizes, kernel, strides, pads,
+                                   dilations)
+        return g.Mul(back, g.Sign(x))
+    zero = g.mask(g.Equal(y, g.const_like(0, y, "zero")), y, hint="zero_norm")
+    safe = g.Add(y, zero)  # 1 where the norm is 0; its dy is masked out below
+    scale = g.Pow(safe, g.const_like(1 - p, y, "one_minus_p"))
+    coefficient = g.Mul(g.Mul(dy, scale), g.Sub(g.const_like(1, y, "one"), zero))
+    back = _window_sum_adjoint(g, coefficient, x, sizes, out_sizes, kernel, strides, pads,
+                               dilations)
+    if p == 2:
+        return g.Mul(back, x)
+    slope = g.Mul(g.Pow(g.Abs(x), g.const_like(p - 1, x, "p_minus_one")), g.Sign(x))
+    return g.Mul(back, slope)
+
+
+# ------------------------------------------------------------------------- LRN
+@grad_rule("LRN", notes="static channel count")
+def lrn(g, node, dy):
+    (x,) = node.inputs
+    size = node.attr("size")
+    alpha, beta, bias = node.attr("alpha", 1e-4), node.attr("beta", 0.75), node.attr("bias", 1.0)
+    channels = _channels(g, x, "LRN")
+    # the band matrix B: (v B)_c = sum of v_i over max(0, c - lo) <= i <= min(C - 1, c + hi)
+    lo, hi = (size - 1) // 2, -(-(size - 1) // 2)
+    i, c = np.arange(channels)[:, None], np.arange(channels)[None, :]
+    band = ((i >= c - lo) & (i <= c + hi)).astype(np.float64)
+    # (N, C, P) with the channels in the middle: B^T (x^2) sums each channel's window
+    flat = g.ints([0, 0, -1], "shape")
+    x3, dy3 = g.Reshape(x, flat), g.Reshape(dy, flat)
+    squares = g.MatMul(g.const_like(band.T, x, "lrn_band_t"), g.Mul(x3, x3))
+    d = g.Add(g.Mul(squares, g.const_like(alpha / size, x, "alpha_over_size")),
+              g.const_like(bias, x, "bias"))
+    direct = g.Mul(dy3, g.Pow(d, g.const_like(-beta, x, "minus_beta")))  # dy d^-b
+    through = g.MatMul(g.const_like(band, x, "lrn_band"), g.Div(g.Mul(direct, x3), d))
+    dx = g.Sub(direct, g.Mul(g.Mul(x3, through),
+                             g.const_like(2 * alpha * beta / size, x, "two_alpha_beta")))
+    return g.Reshape(dx, g.Shape(x))
+
+
+# -------------------------------------------------------------------- MaxUnpool
+@grad_rule("MaxUnpool", nondiff=(1, 2),
+           notes="output_shape only where it equals the inferred shape (onnxruntime and the "
+                 "specification's reference place the values differently otherwise)")
+def max_unpool(g, node, dy):
+    x, indices = node.inputs[:2]
+    y = node.outputs[0]
+    kernel = list(node.attr("kernel_shape"))
+    n = len(kernel)
+    strides = list(node.attr("strides", [1] * n))
+    pads = list(node.attr("pads", [0] * 2 * n))
+    sizes, out_sizes = _static(g, x, "MaxUnpool"), _static(g, y, "MaxUnpool")
+    inferred = [(sizes[i] - 1) * strides[i] - pads[i] - pads[n + i] + kernel[i]
+                for i in range(n)]
+    if list(out_sizes) != inferred:
+        raise UnsupportedModelError(
+            f"No gradient for MaxUnpool node {node.name or '<unnamed>'!r} with an "
+            f"output_shape ({list(out_sizes)}) other than the inferred one ({inferred}): the "
+            "ONNX reference implementation writes into the inferred shape and pads it, "
+            "onnxruntime indexes the larger output directly, so their forwards differ.")
+    flat = g.ints([-1], "flat")
+    index = g.Reshape(indices, flat)
+    picked = g.Gather(g.Reshape(dy, flat), index, axis=0)
+    value = g.value(indices)
+    if value is None or len(np.unique(value)) != np.asarray(value).size:
+        # several writes to one place: only the last one's value survives
+        positions = g.Range(g.const(0, np.int64, "zero"), g.Size(x), g.const(1, np.int64, "one"))
+        size = g.Reshape(g.Size(y), g.ints([1], "one_dim"))
+        nobody = g.ConstantOfShape(size, value=numpy_helper.from_array(np.zeros(1, np.int64)))
+        owners = g.ScatterElements(nobody, index, positions, axis=0,
+                                   reduction="max" if g.opset >= 18 else None, hint="owners")
+        kept = g.mask(g.Equal(g.Gather(owners, index, axis=0), positions), x, hint="survives")
+        picked = g.Mul(picked, kept)
+    return node.grads(g.Reshape(picked, g.Shape(x)))
+
+
+# ------------------------------------------------------------------------ Col2Im
+def _unfold_positions(image: list[int], block: list[int], strides: list[int],
+                      pads: list[int], dilations: list[int]) -> np.ndarray:
+    """(K, L) flat image positions that Col2Im adds column entry (k, l) to; prod(image)
+    (one past the last position) where it falls in the padding."""
+    n = len(image)
+    counts = [(image[i] + pads[i] + pads[n + i] - dilations[i] * (block[i] - 1) - 1)
+              // strides[i] + 1 for i in range(n)]
+    offsets = np.stack(np.meshgrid(*[np.arange(b) for b in block], indexing="ij"),
+                       -1).reshape(-1, n)  # (K, n), row-major over the block
+    starts = np.stack(np.meshgrid(*[np.arange(c) for c in counts], indexing="ij"),
+                      -1).reshape(-1, n)  # (L, n), row-major over the blocks
+    coords = (starts[None, :, :] * np.array(strides) - np.array(pads[:n])
+              + offsets[:, None, :] * np.array(dilations))  # (K, L, n)
+    inside = np.all((coords >= 0) & (coords < np.array(image)), axis=-1)
+    flat = np.ravel_multi_index(tuple(np.clip(coords, 0, np.array(image) - 1).transpose(2, 0, 1)),
+                                image)
+    return np.where(inside, flat, int(np.prod(image)))
+
+
+@grad_rule("Col2Im", since=18, nondiff=(1, 2), notes="constant image_shape and block_shape")
+def col2im(g, node, dy):
+    image = g.ints_value(node.inputs[1], "Col2Im's image_shape")
+    block = g.ints_value(node.inputs[2], "Col2Im's block_shape")
+    n = len(image)
+    strides = list(node.attr("strides", [1] * n))
+    dilations = list(node.attr("dilations", [1] * n))
+    pads = list(node.attr("pads", [0] * 2 * n))
+    positions = _unfold_positions(image, block, strides, pads, dilations)
+    size = int(np.prod(image))
+    planes = g.Reshape(dy, g.ints([0, 0, size], "shape"))  # (N, C, P)
+    with_zero = g.Pad(planes, g.ints([0, 0, 0, 0, 0, 1], "pads"), mode="constant")  # P + 1
+    columns = g.Gather(with_zero, g.const(positions, np.int64, "unfold_positions"), axis=2)
+    return node.grads(g.Reshape(columns, g.ints([0, -1, positions.shape[1]], "shape")))

@@ -13,11 +13,16 @@
                            CRD: dx = SpaceToDepth(dy, b) with channels regrouped
                                 (N, b*b, C, HW) -> (N, C, b*b, HW)
     SpaceToDepth(x, b)     dx = DepthToSpace(dy, b, mode=DCR)
+    CenterCropPad(x, s)    a centered window (crop) or a centered frame of zeros (pad) per
+                           axis: its adjoint pads what was cropped and crops what was padded,
+                           dx = Pad(dy, (b, d - b)) along the axes, d = dim - s and
+                           b = floor(d / 2) (crop) or -floor(-d / 2) (pad, the odd pixel right)
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 
 from ...errors import UnsupportedModelError
 from ..registry import grad_rule
@@ -162,3 +167,26 @@ def depth_to_space(g, node, dy):
     grouped = g.Reshape(dx, g.ints([0, b * b, channels // (b * b), -1], hint="shape"))
     regrouped = g.Transpose(grouped, perm=[0, 2, 1, 3])
     return reshape_back(g, regrouped, x)
+
+
+@grad_rule("CenterCropPad", since=18, nondiff=(1,))
+def center_crop_pad(g, node, dy):
+    x, target = node.inputs
+    rank = g.rank(x)
+    axes = [a % rank for a in node.attr("axes", list(range(rank)))]
+    shape, sizes = g.shape(x), g.value(target)
+    dims = [shape[a] for a in axes] if shape is not None else [None]
+    if sizes is not None and all(isinstance(d, int) for d in dims):
+        diffs = [d - int(s) for d, s in zip(dims, np.asarray(sizes).reshape(-1))]
+        # trunc(d / 2): floor for a crop (d > 0), -floor(-d / 2) for a pad (d < 0)
+        begin = [int(np.sign(d)) * (abs(d) // 2) for d in diffs]
+        pads = g.ints(begin + [d - b for d, b in zip(diffs, begin)], hint="pads")
+    else:  # the same at run time: b = Sign(d) (|d| / 2), on non-negative integers
+        dims = g.Gather(g.Shape(x), g.ints(axes, hint="axes"), axis=0)
+        if g.elem_type(target) != onnx.TensorProto.INT64:
+            target = g.Cast(target, to=onnx.TensorProto.INT64)
+        diffs = g.Sub(dims, target)
+        two = g.const(2, np.int64, "two")
+        begin = g.Mul(g.Sign(diffs), g.Div(g.Abs(diffs), two))
+        pads = g.Concat(begin, g.Sub(diffs, begin), axis=0)
+    return node.grads(g.Pad(dy, pads, "", g.ints(axes, hint="axes"), mode="constant"))

@@ -780,7 +780,8 @@ def test_outputs_are_rewritten_but_never_over_foreign_files(model_file, tmp_path
 
 @pytest.mark.skipif(not _has("matplotlib"), reason="needs matplotlib (pip install matplotlib)")
 def test_the_loss_curve_is_a_png_lossgraph_recognises(model_file, tmp_path):
-    from lossgraph.cli import _is_plot, loss_curve_png
+    from lossgraph.cli.outputs import _is_plot
+    from lossgraph.cli.train import loss_curve_png
 
     data = loss_curve_png([1.0, 0.5, 0.25], [1.1, 0.6, 0.3])
     assert data.startswith(b"\x89PNG\r\n\x1a\n")

@@ -1,0 +1,127 @@
+"""lossgraph compile: a model into a program folder or training artifacts."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..analysis import trainable_initializers
+from ..compiler import compile_program
+from ..errors import (
+    RuntimeUnavailableError,
+    UnsupportedOptionError,
+)
+from ..optim import SGD, Adam, AdamW, Momentum, Optimizer, optimizer_from_dict
+from ..passes.loss import add_loss_output
+from ..passes.lower_ml import lower_ml_ops
+from ..target import use_target
+
+EXIT_OK = 0
+
+# -- compile ---------------------------------------------------------------------------------
+
+
+def _optimizer(args: argparse.Namespace) -> Optimizer:
+    """The optimizer of ``--optimizer`` with ``--learning-rate`` and ``--momentum``."""
+    spec, rate, momentum = args.optimizer, args.learning_rate, args.momentum
+    if not isinstance(spec, str):  # the JSON form
+        if momentum is not None:
+            raise UnsupportedOptionError(
+                "--momentum goes with --optimizer momentum or nesterov; in the JSON form, write "
+                'it inside: \'{"type": "Momentum", "momentum": 0.9}\'.')
+        if rate is not None:
+            if isinstance(spec, Mapping) and "learning_rate" in spec:
+                raise UnsupportedOptionError(
+                    "The learning rate is given twice, by --learning-rate and in --optimizer's "
+                    "JSON: give it once.")
+            spec = {**spec, "learning_rate": rate} if isinstance(spec, Mapping) else spec
+        return optimizer_from_dict(spec)
+    options: dict[str, Any] = {} if rate is None else {"learning_rate": rate}
+    if spec in ("momentum", "nesterov"):
+        return Momentum(**options, momentum=0.9 if momentum is None else momentum,
+                        nesterov=spec == "nesterov")
+    if momentum is not None:
+        raise UnsupportedOptionError(
+            f"--momentum goes with --optimizer momentum or nesterov, not {spec}.")
+    return {"sgd": SGD, "adam": Adam, "adamw": AdamW}[spec](**options)
+
+
+def _loss_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = dict(args.loss_option)
+    if args.weight_name is not None:
+        if "weight_name" in options and options["weight_name"] != args.weight_name:
+            raise UnsupportedOptionError(
+                "--weight-name and --loss-option weight_name=... disagree: give it once.")
+        options["weight_name"] = args.weight_name
+    return options
+
+
+def _penalty(args: argparse.Namespace, loss: str | None,
+             loss_options: Mapping[str, Any]) -> Any:
+    """``--penalty``'s JSON, or ``--penalty-l1/--penalty-l2`` on every trained weight."""
+    l1, l2 = args.penalty_l1, args.penalty_l2
+    if l1 is None and l2 is None:
+        return args.penalty
+    if args.penalty is not None:
+        raise UnsupportedOptionError(
+            "--penalty (per weight) and --penalty-l1/--penalty-l2 (every trained weight) "
+            "cannot be combined: use one form.")
+    if loss is None:
+        raise UnsupportedOptionError(
+            "--penalty-l1/--penalty-l2 need lossgraph to add the loss; with --loss none the "
+            "model carries its own: add the penalty when building it (lossgraph add-loss "
+            "--penalty).")
+    weights = args.weights
+    if not weights:  # the weights compile_program trains by default: those of the loss model
+        with use_target(args.target):
+            weights = trainable_initializers(add_loss_output(lower_ml_ops(args.model), loss,
+                                                             **loss_options))
+    return {w: {"l1": l1 or 0.0, "l2": l2 or 0.0} for w in weights}
+
+
+def _compile(args: argparse.Namespace) -> int:
+    loss = None if args.loss == "none" else args.loss
+    loss_options = _loss_options(args)
+    optimizer = _optimizer(args)
+    penalty = _penalty(args, loss, loss_options)
+    if args.format == "ort-artifacts":
+        given = [option for option, value in (("--fuse", args.fuse), ("--backend", args.backend),
+                                              ("--target", args.target)) if value]
+        if given:
+            raise UnsupportedOptionError(
+                f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --format "
+                "program only: onnxruntime's training "
+                "artifacts have their own graphs, gradients from lossgraph's onnx backend, and "
+                "the opsets of onnxruntime-training 1.19.")
+        to_ort_artifacts = _export_function("to_ort_artifacts")
+        written = to_ort_artifacts(args.model, args.output, optimizer=optimizer,
+                                   weights=args.weights, loss=loss, loss_options=loss_options,
+                                   penalty=penalty)
+        print(f"{args.output}: {', '.join(Path(path).name for path in written)}; trains with "
+              f"{type(optimizer).__name__} (learning rate {optimizer.learning_rate:g}: "
+              "onnxruntime's Optimizer starts at 0.001, set_learning_rate sets it)")
+        return EXIT_OK
+    program = compile_program(
+        args.model, weights=args.weights, loss=loss, loss_options=loss_options, penalty=penalty,
+        optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
+        target=args.target)
+    program.save(args.output)
+    print(f"{args.output}: {', '.join(sorted(program.graphs))}; trains "
+          f"{', '.join(program.weights)} with {type(program.optimizer).__name__} "
+          f"(learning rate {program.optimizer.learning_rate:g})")
+    return EXIT_OK
+
+
+def _export_function(name: str) -> Callable[..., Any]:
+    """``lossgraph.export.<name>``, or a clear error where it cannot be imported."""
+    from .. import export
+
+    try:
+        return getattr(export, name)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeUnavailableError(
+            f"lossgraph.export.{name} is not available in this installation ({exc}).") from None
+
+

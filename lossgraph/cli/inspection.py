@@ -1,0 +1,259 @@
+"""lossgraph inspect: what a model holds and what of it can be trained."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..analysis import differentiable_values, influenced_values, trainable_initializers
+from ..autodiff.registry import find_rule
+from ..differentiability import differentiable_inputs
+from ..errors import (
+    LossgraphError,
+)
+from ..graphs import (
+    ForwardFacts,
+    all_graphs,
+    elem_type_name,
+    opset_version,
+    outer_references,
+    shortest_path,
+    subgraphs,
+)
+from ..models import as_model
+from ..passes.lower_ml import LOWERED_OPS, lower_ml_ops
+from ..roles import get_roles
+from .parser import ML_DOMAIN, _one_line
+
+EXIT_OK = 0
+
+# -- inspect ---------------------------------------------------------------------------------
+
+
+def _type_text(value_type: onnx.TypeProto) -> tuple[str, list[int | str | None] | None]:
+    """``(element type, shape)`` of a value: the shape lists ints, names and None
+    (unknown), or is None when even the rank is unknown."""
+    kind = value_type.WhichOneof("value")
+    if kind != "tensor_type":
+        return {"sequence_type": "sequence", "map_type": "map", "optional_type": "optional",
+                "sparse_tensor_type": "sparse tensor"}.get(kind or "", "unknown"), None
+    tensor = value_type.tensor_type
+    dtype = elem_type_name(tensor.elem_type) if tensor.elem_type else "unknown"
+    if not tensor.HasField("shape"):
+        return dtype, None
+    dims: list[int | str | None] = []
+    for dim in tensor.shape.dim:
+        which = dim.WhichOneof("value")
+        dims.append(dim.dim_value if which == "dim_value" else
+                    dim.dim_param if which == "dim_param" else None)
+    return dtype, dims
+
+
+def _values(values: Iterable[onnx.ValueInfoProto], skip: set[str]) -> list[dict[str, Any]]:
+    described = []
+    for value in values:
+        if value.name in skip:
+            continue
+        dtype, shape = _type_text(value.type)
+        described.append({"name": value.name, "dtype": dtype, "shape": shape})
+    return described
+
+
+def _label(node: onnx.NodeProto) -> str:
+    op = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+    return f"{op} {node.name!r}" if node.name else op
+
+
+def _rule_path(graph: onnx.GraphProto, node: onnx.NodeProto, weights: Sequence[str],
+               entering: set[str], leaving: str, targets: set[str]) -> tuple[list[str], int]:
+    """``[weight, node, value, ..., node, ..., output]``, the shortest way from a trainable
+    weight into ``node`` (through one of ``entering``) and from ``leaving`` to a target,
+    and the position of ``node`` in it."""
+    back: list[str | onnx.NodeProto] = []
+    for weight in weights:
+        found = shortest_path(graph, weight, entering)
+        if found is not None and (not back or len(found) < len(back)):
+            back = found
+    onward = shortest_path(graph, leaving, targets) or [leaving]
+    steps = [*back, node, *onward]
+    return [step if isinstance(step, str) else _label(step) for step in steps], len(back)
+
+
+def _short_path(path: Sequence[str], at: int, ends: int = 4) -> str:
+    """``path`` joined by arrows; a long one keeps both ends and the node at ``at``."""
+    keep = {*range(ends), *range(at - 1, at + 2), *range(len(path) - ends, len(path))}
+    shown, last = [], -1
+    for index in sorted(i for i in keep if 0 <= i < len(path)):
+        if index > last + 1:
+            shown.append("...")
+        shown.append(path[index])
+        last = index
+    return " -> ".join(shown)
+
+
+def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
+    """What ``lossgraph inspect`` reports about the model at ``path``, as a JSON-ready dict.
+
+    Initializers, trainable candidates and missing gradient rules are those of the model
+    as :func:`~lossgraph.compile_program` sees it: with its ``ai.onnx.ml`` linear models
+    lowered into standard ops (their coefficients become initializers).
+    """
+    model = as_model(path)
+    graph = model.graph
+    try:
+        lowered = lower_ml_ops(model)
+    except LossgraphError as exc:  # compile fails the same way; the rest still tells
+        lowered, lowering = model, _one_line(str(exc))
+    else:
+        lowering = None
+    given = {t.name for t in graph.initializer}
+    facts = ForwardFacts.of(lowered)
+    roles = get_roles(lowered)
+    targets = [roles["loss"]] if roles.get("loss") else [o.name for o in lowered.graph.output]
+    candidates = trainable_initializers(lowered)
+    needed = differentiable_values(lowered, targets, facts.types)
+    relevant = influenced_values(lowered, candidates, facts.types) & needed
+
+    missing = []
+    for node in lowered.graph.node:
+        opset = opset_version(lowered, node.domain or "") or 1
+        if find_rule(node.op_type, node.domain, opset) is not None:
+            continue
+        leaving = [o for o in node.output if o in needed]
+        positions = differentiable_inputs(node.op_type, node.domain, len(node.input),
+                                          opset=opset)
+        entering = {node.input[p] for p in positions if node.input[p] in relevant}
+        entering |= {n for sub in subgraphs(node) for n in outer_references(sub) if n in relevant}
+        if leaving and entering:
+            path_, at = _rule_path(lowered.graph, node, candidates, entering, leaving[0],
+                                   set(targets))
+            missing.append({"op_type": node.op_type, "domain": node.domain, "node": node.name,
+                            "opset": opset, "path": path_, "at": at})
+
+    counts: dict[tuple[str, str], int] = {}
+    for sub in all_graphs(graph):
+        for node in sub.node:
+            key = ("" if node.domain == "ai.onnx" else node.domain, node.op_type)
+            counts[key] = counts.get(key, 0) + 1
+    blocking = {(m["domain"], m["op_type"]) for m in missing}
+    ops = []
+    for (domain, op_type), count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if domain == ML_DOMAIN and op_type in LOWERED_OPS:
+            rule = "lowered"
+        elif find_rule(op_type, domain, opset_version(model, domain) or 1) is not None:
+            rule = "yes"
+        else:
+            rule = "missing" if (domain, op_type) in blocking else "no"
+        ops.append({"domain": domain, "op_type": op_type, "count": count, "gradient_rule": rule})
+
+    initializers = []
+    for tensor in lowered.graph.initializer:
+        initializers.append({
+            "name": tensor.name, "dtype": elem_type_name(tensor.data_type),
+            "shape": list(tensor.dims), "size": int(np.prod(tensor.dims, dtype=np.int64)),
+            "trainable": tensor.name in candidates,
+            "origin": "model" if tensor.name in given else "lowered"})
+    return {
+        "file": str(path),
+        "ir_version": model.ir_version,
+        "producer": {"name": model.producer_name, "version": model.producer_version},
+        "opsets": {op.domain or "ai.onnx": op.version for op in model.opset_import},
+        "inputs": _values(graph.input, given),
+        "outputs": _values(graph.output, set()),
+        "initializers": initializers,
+        "trainable": candidates,
+        "lowered_ops": sorted({n.op_type for n in graph.node
+                               if n.domain == ML_DOMAIN and n.op_type in LOWERED_OPS}),
+        "lowering_error": lowering,
+        "roles": roles,
+        "ops": ops,
+        "missing_gradient_rules": missing,
+    }
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "  ") -> str:
+    """Rows as aligned text columns under ``header``."""
+    cells = [list(header), *([str(cell) for cell in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join(indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in cells)
+
+
+def _shape_text(shape: list[int | str | None] | None) -> str:
+    if shape is None:
+        return "unknown"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _op_text(domain: str, op_type: str) -> str:
+    return f"{domain}::{op_type}" if domain else op_type
+
+
+#: ``gradient_rule`` of inspect's op counts, in words.
+_RULE_TEXT = {"yes": "yes", "missing": "MISSING (see below)",
+              "no": "no (no gradient needs to pass it)",
+              "lowered": "lowered into standard ops by compile"}
+
+
+def format_inspection(report: Mapping[str, Any]) -> str:
+    """:func:`inspect_model`'s report as readable tables."""
+    producer = " ".join(filter(None, report["producer"].values())) or "unknown producer"
+    opsets = ", ".join(f"{domain} {version}" for domain, version in report["opsets"].items())
+    parts = [f"{report['file']}: ONNX IR version {report['ir_version']}, {producer}, opsets "
+             f"{opsets}"]
+    for key in ("inputs", "outputs"):
+        parts.append(f"\n{key}\n" + _table(
+            ("name", "type", "shape"),
+            ((v["name"], v["dtype"], _shape_text(v["shape"])) for v in report[key])))
+    initializers = report["initializers"]
+    if initializers:
+        total = sum(t["size"] for t in initializers)
+        trainable = sum(t["size"] for t in initializers if t["trainable"])
+        title = (f"\ninitializers ({len(initializers)}: {total} values, {trainable} in "
+                 "trainable candidates)")
+        header = ["name", "type", "shape", "values", "trainable"]
+        rows = [[t["name"], t["dtype"], _shape_text(t["shape"]), t["size"],
+                 "yes" if t["trainable"] else "-"] for t in initializers]
+        if report["lowered_ops"]:  # say which initializers compile makes of ai.onnx.ml nodes
+            header.append("from")
+            for row, tensor in zip(rows, initializers):
+                row.append("the model" if tensor["origin"] == "model" else
+                           f"lowering {'/'.join(report['lowered_ops'])} (see lossgraph lower-ml)")
+        parts.append(title + "\n" + _table(header, rows))
+    else:
+        parts.append("\ninitializers: none")
+    if report["lowering_error"]:
+        parts.append(f"the ai.onnx.ml ops cannot be lowered into standard ops (compile fails "
+                     f"the same way): {report['lowering_error']}")
+    if report["roles"].get("loss"):
+        parts.append(f"the model carries its loss {report['roles']['loss']!r} (compile it with "
+                     "--loss none); trainable means: reaching the loss")
+    if report["trainable"]:
+        parts.append("trainable candidates (what compile trains unless --trainable says "
+                     f"otherwise): {' '.join(report['trainable'])}")
+    else:
+        parts.append("trainable candidates: none (no float initializer reaches an output "
+                     "differentiably)")
+    nodes = sum(op["count"] for op in report["ops"])
+    parts.append(f"\nops ({nodes} node{'s' * (nodes != 1)})\n" + _table(
+        ("op", "count", "gradient rule"),
+        ((_op_text(op["domain"], op["op_type"]), op["count"], _RULE_TEXT[op["gradient_rule"]])
+         for op in report["ops"])))
+    missing = report["missing_gradient_rules"]
+    if missing:
+        parts.append("\nops without a gradient rule between a trainable weight and an output:\n"
+                     "compile fails on them; train other weights (--trainable), register a rule "
+                     "(lossgraph.grad_rule) or compile with --backend ort\n" + _table(
+                         ("op", "node", "path"),
+                         ((_op_text(m["domain"], m["op_type"]), m["node"] or "-",
+                           _short_path(m["path"], m["at"])) for m in missing)))
+    elif report["trainable"]:
+        parts.append("\nevery op between the trainable weights and the outputs has a gradient "
+                     "rule")
+    return "\n".join(parts)
+
+

@@ -1,0 +1,345 @@
+"""Argument parsing: the commands, their options and their help."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from .. import __version__
+
+EXIT_OK = 0
+
+EXIT_INTERNAL = 1
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report it
+EXIT_BROKEN_PIPE = 141  # stdout closed early, as shells report SIGPIPE
+#: Set (to anything but "" or "0") to print the traceback of an internal error.
+DEBUG_VARIABLE = "LOSSGRAPH_DEBUG"
+
+ML_DOMAIN = "ai.onnx.ml"
+HISTORY_FORMAT = "lossgraph-history/1"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
+
+EXAMPLES = {
+    "inspect": """\
+example:
+  lossgraph inspect model.onnx          # a table: inputs, outputs, initializers, ops
+  lossgraph inspect model.onnx --json   # the same, as JSON""",
+    "compile": """\
+examples:
+  lossgraph compile model.onnx -o program/
+  lossgraph compile model.onnx -o program/ --optimizer nesterov --learning-rate 0.01 \\
+      --momentum 0.9 --penalty-l2 1e-4 --fuse epoch
+  lossgraph compile model.onnx -o program/ --trainable coef intercept --loss huber \\
+      --loss-option delta=0.5 --weight-name sample_weight
+  lossgraph compile model.onnx -o program/ \\
+      --optimizer '{"type": "AdamW", "learning_rate": 0.001, "weight_decay": 0.05}'
+  lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
+    "train": """\
+examples:
+  lossgraph train program/ --data train.npz --epochs 10 -o trained.onnx
+  lossgraph train program/ --data train.csv --label price --epochs 20 --batch-size 64 \\
+      --validation-split 0.2 --random-state 0 -o trained.onnx --checkpoint ckpt/ \\
+      --history history.json --plot loss.png
+  lossgraph train --resume ckpt/ --data train.csv --epochs 5 -o trained.onnx \\
+      --checkpoint ckpt/      # 5 more epochs from the checkpoint
+
+data: an .npz file or a folder of .npy files (arrays X, y and optionally sample_weight,
+or those --features, --label, --sample-weight name), or a .csv (a header row, then
+numbers) or .parquet file (columns --features, --label, --sample-weight: by default the
+label is the column y or label, the sample weight the column sample_weight when there
+is one and the program takes sample weights (compile --weight-name), the features every
+other column). --validation-split F holds out the last F of the rows, in the file's
+order.""",
+    "export": """\
+examples:
+  lossgraph export ckpt/ -o deployed.onnx       # a checkpoint folder (lossgraph train)
+  lossgraph export program/ -o initial.onnx     # a program folder (lossgraph compile)""",
+    "add-loss": """\
+example:
+  lossgraph add-loss model.onnx -o loss.onnx --loss huber --option delta=0.5 \\
+      --weight-name sample_weight --penalty '{"coef": {"l1": 0.01, "l2": 0.1}}'""",
+    "gradient": """\
+examples:
+  lossgraph gradient loss.onnx -o grad.onnx --weights coef intercept
+  lossgraph gradient model.onnx -o vjp.onnx --outputs y    # vector-Jacobian mode""",
+    "lower-ml": """\
+example:
+  lossgraph lower-ml model.onnx -o lowered.onnx""",
+    "alphabetize": """\
+example:
+  lossgraph alphabetize model.onnx -o renamed.onnx    # prints the old -> new names""",
+    "trainable": """\
+example:
+  lossgraph trainable model.onnx      # one name per line""",
+    "ops": """\
+example:
+  lossgraph ops                       # op, opsets and notes of every gradient rule""",
+}
+
+EPILOG = """\
+from model.onnx to a trained model:
+  lossgraph inspect model.onnx
+  lossgraph compile model.onnx -o program/ --optimizer adam --learning-rate 0.01
+  lossgraph train program/ --data train.csv --epochs 20 --validation-split 0.2 \\
+      -o trained.onnx --checkpoint ckpt/ --history history.json --plot loss.png
+  lossgraph export ckpt/ -o deployed.onnx
+
+exit status: 0 done; 2 a user error (one line on stderr); 1 an internal error (a bug:
+please report it; LOSSGRAPH_DEBUG=1 prints the traceback)."""
+
+
+
+# -- argument parsing ----------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, like every other lossgraph error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _json(example: str) -> Callable[[str], Any]:
+    """An argument type: JSON text, with ``example`` in the message when it is not."""
+
+    def parse(text: str) -> Any:
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not JSON; write it like {example}") from None
+
+    parse.__name__ = "JSON"
+    return parse
+
+
+class _Renamed(argparse.Action):
+    """An option's previous spelling: stores into the new one's ``dest``, with a warning."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: Any):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed in the "
+              f"next release: use {self.new}.", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    """An argument type: ``KEY=VALUE``, the value read as a bool, a number or a string."""
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. delta=1.5)")
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return key, lowered == "true"
+    try:
+        return key, float(value)
+    except ValueError:
+        return key, value
+
+
+#: ``--optimizer NAME``: the optimizers the flag form builds (the JSON form takes any).
+OPTIMIZER_NAMES = ("sgd", "momentum", "nesterov", "adam", "adamw")
+_OPTIMIZER_EXAMPLE = '\'{"type": "Adam", "learning_rate": 0.001}\''
+
+
+def _optimizer_spec(text: str) -> str | Any:
+    """An argument type: an optimizer name (any case), or the JSON form."""
+    if text.lower() in OPTIMIZER_NAMES:
+        return text.lower()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = text
+    if isinstance(value, str):  # a name, maybe quoted
+        if value.lower() in OPTIMIZER_NAMES:
+            return value.lower()
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an optimizer name ({', '.join(OPTIMIZER_NAMES)}) nor JSON "
+            f"like {_OPTIMIZER_EXAMPLE}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """An argument type: a number strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction between 0 and 1 (e.g. 0.2)")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lossgraph", description="From an ONNX model to a trained ONNX "
+                     "model: inspect it, compile it into training\ngraphs, train them on a data "
+                     "file, export the result.", epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lossgraph {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                     metavar="COMMAND")
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help_,
+                                   description=textwrap.fill(help_[0].upper() + help_[1:] + ".",
+                                                             width=88),
+                                   epilog=EXAMPLES[name],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def output_file(cmd: argparse.ArgumentParser, help_: str = "output ONNX file") -> None:
+        cmd.add_argument("-o", "--output", required=True, metavar="FILE", help=help_)
+        cmd.add_argument("--force", action="store_true",
+                         help="replace output files even if lossgraph did not write them")
+
+    penalty = _json('\'{"coef": {"l1": 0.01, "l2": 0.1}}\'')
+
+    inspect = command("inspect", "show a model's inputs, outputs, opsets, initializers (which "
+                                 "are trainable), op counts and ops without a gradient rule")
+    inspect.add_argument("model", help="ONNX model file")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    build = command("compile", "compile a model into a training program folder (or onnxruntime "
+                               "training artifacts)")
+    build.add_argument("model", help="ONNX model file (an inference model)")
+    build.add_argument("-o", "--output", required=True, metavar="FOLDER",
+                       help="output folder: new, empty, or one lossgraph wrote")
+    build.add_argument("--format", default="program", choices=["program", "ort-artifacts"],
+                       help="a lossgraph program folder (for lossgraph train), or onnxruntime's "
+                            "on-device training artifacts (default: program)")
+    build.add_argument("--trainable", "--weights", dest="weights", nargs="+", metavar="NAME",
+                       help="the initializers to train (default: every trainable candidate, "
+                            "as lossgraph inspect lists them)")
+    build.add_argument("--loss", default="squared_error",
+                       help="the loss function (default: squared_error), or 'none' when the "
+                            "model carries its loss")
+    build.add_argument("--loss-option", action="append", default=[], metavar="KEY=VALUE",
+                       type=_key_value,
+                       help="an option of the loss, e.g. delta=1.5, or of add-loss, e.g. "
+                            "reduction=sum (repeat for several)")
+    build.add_argument("--weight-name", metavar="NAME",
+                       help="add a per-row sample-weight input of this name (lossgraph train "
+                            "--sample-weight feeds it)")
+    build.add_argument("--optimizer", type=_optimizer_spec, default="sgd",
+                       metavar="NAME|JSON",
+                       help=f"{'|'.join(OPTIMIZER_NAMES)} (default: sgd), or the JSON form, "
+                            f"e.g. {_OPTIMIZER_EXAMPLE}")
+    build.add_argument("--learning-rate", type=float, metavar="LR",
+                       help="the learning rate (default: the optimizer's: 0.01 for sgd, "
+                            "momentum and nesterov, 0.001 for adam and adamw)")
+    build.add_argument("--momentum", type=float, metavar="M",
+                       help="the momentum of --optimizer momentum or nesterov (default: 0.9)")
+    build.add_argument("--penalty-l1", type=float, metavar="A",
+                       help="add A * sum|w| to the loss for every trained weight w")
+    build.add_argument("--penalty-l2", type=float, metavar="B",
+                       help="add B * sum w^2 to the loss for every trained weight w")
+    build.add_argument("--penalty", type=penalty, default=None, metavar="JSON",
+                       help='per-weight penalties, e.g. \'{"coef": {"l1": 0.01, "l2": 0.1}}\' '
+                            "(not with --penalty-l1/--penalty-l2)")
+    build.add_argument("--backend", default=None, choices=["onnx", "ort"],
+                       help="the gradient backend (default: onnx; ort needs the onnxruntime "
+                            "training build)")
+    build.add_argument("--gradient", dest="backend", action=_Renamed, new="--backend")
+    build.add_argument("--fuse", default=None, choices=["separate", "step", "epoch"],
+                       help="how the training graphs are fused (default: step)")
+    build.add_argument("--target", default=None,
+                       help="the runtimes the graphs must load in: a target name (default, "
+                            "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "
+                            "see docs/reference/targets.md")
+
+    train = command("train", "train a compiled program on a data file; write the trained model, "
+                             "and optionally a checkpoint, the loss history and its plot")
+    train.add_argument("program", nargs="?",
+                       help="program folder (lossgraph compile -o); optional with --resume")
+    train.add_argument("--data", required=True, metavar="PATH",
+                       help=".npz, folder of .npy files, .csv or .parquet (see below)")
+    train.add_argument("--features", nargs="+", metavar="NAME",
+                       help="the feature columns (.csv, .parquet) or arrays (.npz, .npy)")
+    train.add_argument("--label", nargs="+", metavar="NAME",
+                       help="the label column(s) or array (default: y, else label)")
+    train.add_argument("--sample-weight", metavar="NAME",
+                       help="the sample-weight column or array (default: sample_weight if "
+                            "present and the program takes sample weights)")
+    train.add_argument("--validation-split", type=_fraction, metavar="F",
+                       help="hold out the last fraction F of the rows as validation data")
+    train.add_argument("--epochs", type=int, default=1, help="epochs to train (default: 1)")
+    train.add_argument("--batch-size", type=int, default=32, help="rows a step (default: 32)")
+    train.add_argument("--no-shuffle", action="store_true",
+                       help="visit the rows in order (default: shuffled every epoch)")
+    train.add_argument("--random-state", type=int, default=None, metavar="SEED",
+                       help="seed of the shuffling (ignored with --resume: the checkpoint's "
+                            "generator goes on)")
+    train.add_argument("--resume", metavar="CHECKPOINT",
+                       help="continue this checkpoint folder (lossgraph train --checkpoint) "
+                            "for --epochs more epochs")
+    output_file(train, "the trained inference model (.onnx)")
+    train.add_argument("--checkpoint", metavar="FOLDER",
+                       help="also save a checkpoint folder here, to --resume or export")
+    train.add_argument("--history", metavar="FILE",
+                       help="also write the losses of every epoch here, as JSON")
+    train.add_argument("--plot", metavar="FILE",
+                       help="also draw the loss curve into this PNG (needs matplotlib)")
+    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="show a progress bar (default: when stderr is a terminal)")
+
+    export = command("export", "write the inference model of a checkpoint or program folder, "
+                               "with its weights and nothing of training left")
+    export.add_argument("source", help="checkpoint folder (lossgraph train --checkpoint), "
+                                       "program folder (lossgraph compile) or .onnx model")
+    output_file(export, "the inference model (.onnx)")
+    export.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep the large weights in FILE.data beside the model (default: "
+                             "only for models over protobuf's 2 GiB)")
+    export.add_argument("--target", default=None,
+                        help="the runtimes the model must load in: a target name (default: "
+                             "default) or ir<IR>-opset<N>; see docs/reference/targets.md")
+
+    add_loss = command("add-loss", "append a scalar loss output")
+    add_loss.add_argument("model", help="input ONNX file")
+    output_file(add_loss)
+    add_loss.add_argument("--loss", default="squared_error", help="the loss function")
+    add_loss.add_argument("--score", dest="loss", action=_Renamed, new="--loss")
+    add_loss.add_argument("--loss-name")
+    add_loss.add_argument("--label-name")
+    add_loss.add_argument("--weight-name", help="name of a per-row sample-weight input")
+    add_loss.add_argument("--weight", dest="weight_name", action=_Renamed, new="--weight-name")
+    add_loss.add_argument("--output-index", help="output name or position")
+    add_loss.add_argument("--reduction", default="mean", choices=["mean", "sum"])
+    add_loss.add_argument("--penalty", type=penalty, default=None,
+                          help='JSON, e.g. \'{"coef": {"l1": 0.01, "l2": 0.1}}\'')
+    add_loss.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                          type=_key_value,
+                          help="option of the loss, e.g. delta=1.5 or from_logits=true")
+
+    grad = command("gradient", "add <weight>_grad outputs")
+    grad.add_argument("model", help="input ONNX file")
+    output_file(grad)
+    grad.add_argument("--weights", nargs="+", help="what to differentiate with respect to")
+    grad.add_argument("--wrt", dest="weights", nargs="+", action=_Renamed, new="--weights")
+    grad.add_argument("--loss-name", help="the scalar output to differentiate")
+    grad.add_argument("--loss", dest="loss_name", action=_Renamed, new="--loss-name")
+    grad.add_argument("--outputs", nargs="+", help="vector-Jacobian mode")
+    grad.add_argument("--backend", default="onnx", choices=["onnx", "ort"])
+
+    for name, help_ in (("lower-ml", "rewrite ai.onnx.ml linear models into standard ops"),
+                        ("alphabetize", "rename trainable initializers into graph order")):
+        simple = command(name, help_)
+        simple.add_argument("model", help="input ONNX file")
+        output_file(simple)
+    command("trainable", "list the trainable initializers").add_argument("model")
+    command("ops", "list the ops lossgraph can differentiate")
+    return parser
+
+def _one_line(text: str, limit: int = 2000) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."

@@ -1,0 +1,126 @@
+"""lossgraph train: fit a program, write the model, checkpoint, history and plot."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import __version__
+from ..errors import (
+    UnsupportedOptionError,
+)
+from ..fileio import write_file
+from ..program import TrainingProgram
+from ..runtime import Trainer
+from .build import _export_function
+from .data import _rows, _split, _training_data
+from .outputs import _external_note, _figure_class, _is_history, _is_plot
+from .parser import HISTORY_FORMAT
+
+EXIT_OK = 0
+
+# -- train -----------------------------------------------------------------------------------
+
+
+def loss_curve_png(train_losses: Sequence[float], validation_losses: Sequence[float],
+                   title: str = "") -> bytes:
+    """The loss by epoch drawn as a PNG (marked as lossgraph's); validation losses are
+    drawn against the last epochs when there are fewer of them."""
+    figure = _figure_class()(figsize=(6.4, 4.0), dpi=100)
+    axes = figure.add_subplot()
+    count = len(train_losses)
+    marker = "o" if count <= 40 else None
+    axes.plot(range(1, count + 1), train_losses, marker=marker, markersize=3,
+              label="training loss")
+    if validation_losses:
+        first = count - len(validation_losses) + 1
+        axes.plot(range(first, first + len(validation_losses)), validation_losses,
+                  marker=marker, markersize=3, label="validation loss")
+    values = [v for v in (*train_losses, *validation_losses) if math.isfinite(v)]
+    if values and min(values) > 0 and max(values) / min(values) > 100:
+        axes.set_yscale("log")
+    else:
+        axes.ticklabel_format(axis="y", useOffset=False)  # the losses as they are printed
+    axes.xaxis.get_major_locator().set_params(integer=True)
+    axes.set_xlabel("epoch")
+    axes.set_ylabel("loss")
+    axes.set_title(title or "loss by epoch")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", metadata={"Software": f"lossgraph {__version__}"})
+    return buffer.getvalue()
+
+
+def _trainer(args: argparse.Namespace) -> Trainer:
+    """A trainer of the program folder, or resuming ``--resume``'s checkpoint."""
+    if args.resume is None:
+        if args.program is None:
+            raise UnsupportedOptionError(
+                "Name the program folder to train (lossgraph train PROGRAM --data ...), or a "
+                "checkpoint to continue with --resume CHECKPOINT.")
+        return Trainer(TrainingProgram.load(args.program))
+    trainer = Trainer.load_checkpoint(args.resume)
+    if args.program is not None:
+        program = TrainingProgram.load(args.program)
+        if program.manifest != trainer.program.manifest:
+            raise UnsupportedOptionError(
+                f"The checkpoint {args.resume!r} was not saved by training the program "
+                f"{args.program!r} (their manifests differ): leave the program out to continue "
+                "the checkpoint's own.")
+    return trainer
+
+
+def _train(args: argparse.Namespace) -> int:
+    trainer = _trainer(args)
+    data = _training_data(args.data, args, trainer.program)
+    validation = None
+    if args.validation_split is not None:
+        data, validation = _split(data, args.validation_split)
+    before = len(trainer.train_losses_), len(trainer.validation_losses_)  # a checkpoint's
+    trainer.fit(**data, epochs=args.epochs, batch_size=args.batch_size,
+                shuffle=not args.no_shuffle, random_state=args.random_state,
+                validation_data=validation, progress=args.progress,
+                warm_start=args.resume is not None)
+    train_losses, validation_losses = trainer.train_losses_, trainer.validation_losses_
+    print(f"trained {args.epochs}{' more' if args.resume else ''} epoch"
+          f"{'s' * (args.epochs != 1)} on {_rows(data['y'])} rows"
+          + (f" ({_rows(validation[1])} held out for validation)" if validation else "")
+          + (f", {trainer.epochs_} in all with those of {args.resume}" if args.resume else ""))
+    span = f" {before[0] + 1}-{len(train_losses)}" if args.resume else ""
+    print(f"losses by epoch{span}: "
+          f"{', '.join(f'{v:.6g}' for v in train_losses[before[0]:])}")
+    if len(validation_losses) > before[1]:
+        print(f"validation losses by epoch{span}: "
+              f"{', '.join(f'{v:.6g}' for v in validation_losses[before[1]:])}")
+    # everything but the model is rendered before the first write
+    history = None
+    if args.history:
+        history = json.dumps({
+            "format": HISTORY_FORMAT, "epochs": trainer.epochs_, "steps": trainer.steps_,
+            "train_loss": list(train_losses), "validation_loss": list(validation_losses),
+            "batch_size": args.batch_size, "data": args.data,
+            "validation_split": args.validation_split,
+            "program": args.program, "resumed_from": args.resume}, indent=2) + "\n"
+    plot = loss_curve_png(train_losses, validation_losses,
+                          f"lossgraph: {Path(args.data).name}") if args.plot else None
+    _export_function("save_inference_model")(trainer, args.output, overwrite=args.force)
+    written = [f"{args.output}{_external_note(args.output)}"]
+    if args.checkpoint:
+        trainer.save_checkpoint(args.checkpoint)
+        written.append(args.checkpoint)
+    if history is not None:
+        write_file(args.history, history.encode(), _is_history, overwrite=args.force)
+        written.append(args.history)
+    if plot is not None:
+        write_file(args.plot, plot, _is_plot, overwrite=args.force)
+        written.append(args.plot)
+    print(f"wrote {', '.join(written)}")
+    return EXIT_OK
+
+

@@ -10,13 +10,30 @@ then every graph of the program is a pipeline of passes from the loss model (``p
 from the lowered inference model), declared by :func:`plan` and printable before it
 runs (``print(describe_plan(...))``)::
 
-    evaluate            = WeightsToInputs -> WidenScalarConstants
-    predict             = WeightsToInputs -> WidenScalarConstants           (no loss)
-    train_step          = WeightsToInputs -> Gradient -> SumRowsByProduct -> StepGraph
+    evaluate            = WeightsToInputs -> InferenceMode -> StabilizeNumerics
                           -> WidenScalarConstants
-    train_epoch         = WeightsToInputs -> Gradient -> SumRowsByProduct -> PackWeights
-                          -> StepGraph -> EpochGraph -> WidenScalarConstants
+    predict             = WeightsToInputs -> WidenScalarConstants           (no loss)
+    train_step          = WeightsToInputs -> StabilizeNumerics -> Gradient -> SumRowsByProduct
+                          -> StepGraph -> WidenScalarConstants
+    train_epoch         = WeightsToInputs -> StabilizeNumerics -> Gradient -> SumRowsByProduct
+                          -> PackWeights -> StepGraph -> EpochGraph -> WidenScalarConstants
     train_epoch_ordered = ... -> EpochGraph(shuffled=False) -> WidenScalarConstants
+
+``StabilizeNumerics`` (:mod:`lossgraph.passes.stabilize`) rewrites the overflowing forms
+converters emit (skl2onnx's ``1 / (1 + Exp(-s))``, ``Log(Softmax)``, ``Log(Sigmoid)``, ...)
+into stable ones with the same values, so that their gradients stay finite. It runs on
+every graph that computes the loss, before ``Gradient`` (and in ``fuse="separate"`` on the
+forward model the ``gradient`` graph differentiates), after ``WeightsToInputs`` so that a
+weight is never taken for a constant; never on the inference model: ``predict`` and the
+exported model keep the user's ops. ``fuse="separate"``'s ``loss`` graph is lossgraph's own
+loss, written in stable forms already.
+
+A model whose BatchNormalization runs in training mode has **buffers**, the running
+statistics that training updates every step (:mod:`lossgraph.passes.running_stats`):
+``WeightsToInputs`` lifts them with the weights in every graph, and every training
+pipeline (and ``fuse="separate"``'s gradient graph) runs ``RunningStatistics`` right after
+it, so that the graphs output their next values. ``evaluate`` and ``predict`` run every
+BatchNormalization and Dropout in inference mode, with the buffers as inputs.
 
 ``SumRowsByProduct`` and ``WidenScalarConstants`` are optimization passes for
 onnxruntime (:mod:`lossgraph.optimize`): same values, faster kernels. Pipelines that
@@ -50,7 +67,9 @@ from .passes.fuse import EpochGraph, PackWeights, StepGraph
 from .passes.gradient import Gradient
 from .passes.loss import AddLossOutput
 from .passes.lower_ml import LowerMlOps
-from .passes.strip import StripTraining
+from .passes.running_stats import RunningStatistics, buffer_names
+from .passes.stabilize import StabilizeNumerics
+from .passes.strip import InferenceMode, StripTraining
 from .passes.weights import WeightsToInputs
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
@@ -74,20 +93,37 @@ class Plan:
 
     pipelines: dict[str, Pipeline]
     starts: dict[str, str]  # graph -> "loss model" or "inference model"
+    #: fuse="separate": the passes on the forward model before lossgraph.separate builds
+    #: the gradient graph from it (and the loss, penalty and update graphs beside it)
+    separate: Pipeline | None = None
 
     def __str__(self) -> str:
-        width = max(map(len, self.pipelines))
-        return "\n".join(f"{name:<{width}} = {self.starts[name]} -> {pipeline}"
-                         for name, pipeline in self.pipelines.items())
+        lines = [(name, f"{self.starts[name]} -> {pipeline}")
+                 for name, pipeline in self.pipelines.items()]
+        if self.separate is not None:
+            lines.append(("gradient", f"forward model -> {self.separate} -> separate_graphs "
+                                      "-> WidenScalarConstants"))
+        width = max(len(name) for name, _ in lines)
+        return "\n".join(f"{name:<{width}} = {text}" for name, text in lines)
 
 
-def plan(weights: Sequence[str], optimizer: Optimizer, backend: str, fuse: str) -> Plan:
-    """The pipelines of a program's graphs (see the module docstring)."""
-    lift, widen = WeightsToInputs(tuple(weights)), WidenScalarConstants()
-    pipelines = {"evaluate": Pipeline((lift, widen)), "predict": Pipeline((lift, widen))}
+def plan(weights: Sequence[str], optimizer: Optimizer, backend: str, fuse: str,
+         buffers: Sequence[str] = ()) -> Plan:
+    """The pipelines of a program's graphs (see the module docstring); ``buffers``: the
+    running statistics the training graphs update (:func:`buffer_names`)."""
+    lift, widen = WeightsToInputs((*weights, *buffers)), WidenScalarConstants()
+    # the buffers' update, where there are buffers (then the loss model's layers are in
+    # training mode, and the evaluate graph's are not)
+    update_buffers = (RunningStatistics(),) if buffers else ()
+    # stable forms of what the loss computes, before it is differentiated (never in predict)
+    stabilize = StabilizeNumerics(backend)
+    pipelines = {"evaluate": Pipeline((lift, InferenceMode(), stabilize, widen)),
+                 "predict": Pipeline((lift, widen))}
     starts = {"evaluate": "loss model", "predict": "inference model"}
+    separate = Pipeline((lift, *update_buffers, stabilize)) if fuse == "separate" else None
     if fuse != "separate":
-        differentiate = (Gradient(tuple(weights), backend=backend), SumRowsByProduct())
+        differentiate = (*update_buffers, stabilize, Gradient(tuple(weights), backend=backend),
+                         SumRowsByProduct())
         step = StepGraph(optimizer)
         pipelines["train_step"] = Pipeline((lift, *differentiate, step, widen))
         starts["train_step"] = "loss model"
@@ -97,7 +133,7 @@ def plan(weights: Sequence[str], optimizer: Optimizer, backend: str, fuse: str) 
             pipelines[name] = Pipeline((lift, *differentiate, pack, step, EpochGraph(shuffled),
                                         widen))
             starts[name] = "loss model"
-    return Plan(pipelines, starts)
+    return Plan(pipelines, starts, separate)
 
 
 def describe_plan(model: ModelLike, **options: Any) -> str:
@@ -106,8 +142,8 @@ def describe_plan(model: ModelLike, **options: Any) -> str:
     unknown = sorted(set(options) - set(_DEFAULTS))
     if unknown:
         raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
-    _, _, _, weights, checked = _front(model, {**_DEFAULTS, **options})
-    return str(plan(weights, checked.optimizer, checked.backend, checked.fuse))
+    _, _, _, weights, buffers, checked = _front(model, {**_DEFAULTS, **options})
+    return str(plan(weights, checked.optimizer, checked.backend, checked.fuse, buffers))
 
 
 
@@ -164,7 +200,7 @@ _DEFAULTS: dict[str, Any] = {name: p.default for name, p in
 
 def _front(model: ModelLike, options: Mapping[str, Any]):
     """The loss model, the models without a loss in training and in inference mode, the
-    weights and the checked options."""
+    weights, the buffers (running statistics training updates) and the checked options."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
                               options["fuse"])
@@ -196,6 +232,13 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
     if not weights:
         raise no_weights_error(loss_model)
     check_penalized(penalty, weights)
+    buffers = buffer_names(loss_model)
+    trained = [w for w in weights if w in buffers]
+    if trained:
+        raise UnsupportedOptionError(
+            f"weights names {trained[0]!r}, a running statistic of a BatchNormalization in "
+            "training mode: training updates it from the batch statistics (a buffer, as torch "
+            "updates it), not by gradient. Leave it out of weights.")
     types = {t.name: t.data_type for t in loss_model.graph.initializer}
     if all(w in types for w in weights):  # one float type, or a clear error before any work
         weights_dtype({w: np.empty(0, helper.tensor_dtype_to_np_dtype(types[w]))
@@ -206,33 +249,37 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripped = StripTraining()(source)
     inference = stripped.model if stripped.changed else source  # unchanged: one prefix run
-    return loss_model, source, inference, weights, checked
+    return loss_model, source, inference, weights, buffers, checked
 
 
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
 
 
 def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
-    loss_model, forward, inference, weights, checked = _front(model, options)
+    loss_model, forward, inference, weights, buffers, checked = _front(model, options)
     optimizer, fuse = checked.optimizer, checked.fuse
-    the_plan = plan(weights, optimizer, checked.backend, fuse)
+    the_plan = plan(weights, optimizer, checked.backend, fuse, buffers)
     runner = _PrefixRunner({"loss model": loss_model, "inference model": inference,
                             "forward model": forward})
     results = {name: runner.run(the_plan.starts[name], pipeline.passes)
                for name, pipeline in the_plan.pipelines.items()}
-    initial = results["evaluate"].report["WeightsToInputs"]
+    lifted = results["evaluate"].report["WeightsToInputs"]  # weights and buffers
+    initial = {w: lifted[w] for w in weights}
     graphs = {name: result.model for name, result in results.items()}
     roles = get_roles(loss_model)
     if fuse == "separate":
-        signature = Signature.of_loss_model(graphs["evaluate"], list(weights))
-        lift = the_plan.pipelines["predict"].passes[0]  # weights to inputs
-        # the model's forward pass as training runs it (a layer's training mode kept)
-        predict = runner.run("forward model", (lift,)).model
-        separate = separate_graphs(predict, roles, options["loss"], checked.loss_options,
-                                   options["penalty"], initial, optimizer, checked.backend,
-                                   signature)
+        signature = Signature.of_loss_model(graphs["evaluate"], list(weights), list(buffers))
+        # the model's forward pass as training runs it (a layer's training mode kept, the
+        # buffers' next values as outputs, stable forms): weights and buffers to inputs,
+        # RunningStatistics where there are buffers, StabilizeNumerics
+        assert the_plan.separate is not None
+        forward_pass = runner.run("forward model", the_plan.separate.passes)
+        separate = separate_graphs(forward_pass.model, roles, options["loss"],
+                                   checked.loss_options, options["penalty"], initial, optimizer,
+                                   checked.backend, signature)
         graphs.update({name: WidenScalarConstants()(graph).model
                        for name, graph in separate.items()})
+        signature.new.update(forward_pass.report.get("RunningStatistics", {}))
     else:
         last = "train_epoch" if fuse == "epoch" else "train_step"
         signature = results[last].report["StepGraph" if fuse == "step" else "EpochGraph"]
@@ -240,6 +287,7 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     for weight in weights:
         for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
             state[name] = value
+    state.update((b, lifted[b]) for b in buffers)
     manifest = build_manifest(graphs, signature, optimizer, fuse, roles)
     return TrainingProgram(graphs, manifest, state, inference)
 

@@ -5,13 +5,16 @@ them and every link enters its node through a differentiable input. Shape, index
 axis, condition and count inputs never do. For an op with a gradient rule, its
 registration says which (``@grad_rule("Gather", nondiff=(1,))``, see
 :mod:`lossgraph.autodiff.registry`); :data:`NON_DIFFERENTIABLE_INPUTS` says it for
-the ops without one. :func:`differentiable_inputs` answers for both, for
+the ops without one, and :data:`NOT_DIFFERENTIABLE` names the ops (of any domain)
+whose outputs have no derivative worth having, with the reason.
+:func:`differentiable_inputs` answers for all of them, for
 :func:`~lossgraph.trainable_initializers`, the analyses and the gradient walker.
 """
 
 from __future__ import annotations
 
-__all__ = ["NON_DIFFERENTIABLE_INPUTS", "NON_TRAINABLE_INPUTS", "differentiable_inputs"]
+__all__ = ["NON_DIFFERENTIABLE_INPUTS", "NON_TRAINABLE_INPUTS", "NOT_DIFFERENTIABLE",
+           "differentiable_inputs", "not_differentiable_reason"]
 
 _ALL = frozenset(range(64))
 
@@ -22,7 +25,6 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "Upsample": frozenset({1}),
     "ConstantOfShape": _ALL,
     "Range": _ALL,
-    "Loop": frozenset({0, 1}),
     # ops whose outputs are not differentiable in their inputs at all
     "Shape": _ALL,
     "Size": _ALL,
@@ -32,6 +34,27 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, frozenset[int]] = {
     "RandomNormalLike": _ALL,
     "RandomUniformLike": _ALL,
     "EyeLike": _ALL,
+}
+
+#: (domain, op type) -> why no input of the op carries a gradient: ops without a rule
+#: whose outputs have no derivative worth having (any domain; "" is ai.onnx).
+NOT_DIFFERENTIABLE: dict[tuple[str, str], str] = {
+    ("", "Unique"): "its outputs change shape when a repeated value moves (the values "
+                    "split); a derivative exists only without repeats, where Unique merely "
+                    "sorts (use TopK or Gather there)",
+    ("", "Bernoulli"): "a random draw of 0 or 1, piecewise constant in the probabilities",
+    ("", "MelWeightMatrix"): "piecewise constant in the edge frequencies: the triangles' "
+                             "corners are rounded to whole DFT bins",
+    ("ai.onnx.ml", "TreeEnsemble"): "piecewise constant in X, and its leaf values are "
+                                    "attributes, not tensors a gradient could train",
+    ("ai.onnx.ml", "TreeEnsembleRegressor"): "piecewise constant in X, and its leaf values "
+                                             "are attributes",
+    ("ai.onnx.ml", "TreeEnsembleClassifier"): "piecewise constant in X, and its leaf values "
+                                              "are attributes",
+    **{("ai.onnx.preview.training", op): "an optimizer's update step: lossgraph emits its "
+                                          "own updates after the gradient and does not "
+                                          "differentiate through one (meta-learning)"
+       for op in ("Adagrad", "Adam", "Momentum")},
 }
 
 #: op type -> float inputs that carry a gradient but are not weights: statistics
@@ -59,6 +82,14 @@ def differentiable_inputs(op_type: str, domain: str, arity: int, trainable: bool
     if skipped is None:
         standard = domain in ("", "ai.onnx")
         skipped = NON_DIFFERENTIABLE_INPUTS.get(op_type, frozenset()) if standard else frozenset()
+        if not_differentiable_reason(op_type, domain) is not None:
+            skipped = _ALL
     if trainable and domain in ("", "ai.onnx"):
         skipped = skipped | NON_TRAINABLE_INPUTS.get(op_type, frozenset())
     return [i for i in range(arity) if i not in skipped]
+
+
+def not_differentiable_reason(op_type: str, domain: str = "") -> str | None:
+    """Why no input of ``domain::op_type`` carries a gradient (:data:`NOT_DIFFERENTIABLE`),
+    or ``None``; a rule registered for the op overrides the declaration."""
+    return NOT_DIFFERENTIABLE.get(("" if domain == "ai.onnx" else domain, op_type))

@@ -9,6 +9,13 @@ A manifest is a JSON object (docs/reference/program.md)::
 
     io = {"name": str, "role": str, "dtype": numpy dtype name, "shape": [int | str | null]}
 
+A program with buffers (the running statistics of a training-mode BatchNormalization,
+:mod:`lossgraph.passes.running_stats`) has the format ``"lossgraph-program/2"`` and one
+more key, ``"buffers": [{"name": b, "new": b_new}]``, with the roles ``buffer`` and
+``new_buffer`` in its graphs' inputs and outputs. A program without buffers is written
+exactly as before (format 1), and both formats are read: a lossgraph that knows no
+buffers refuses a program that has them instead of training or exporting it without them.
+
 :func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything
 trusts it, so a damaged one fails with the key at fault rather than a ``KeyError``
@@ -29,9 +36,14 @@ from .optim import Optimizer
 from .roles import renamed_roles
 from .signature import Signature
 
-__all__ = ["FORMAT", "FUSE_MODES", "REQUIRED_GRAPHS", "build_manifest", "check_manifest"]
+__all__ = ["FORMAT", "FORMAT_WITH_BUFFERS", "FORMATS", "FUSE_MODES", "REQUIRED_GRAPHS",
+           "build_manifest", "check_manifest"]
 
 FORMAT = "lossgraph-program/1"
+#: The format of a program with buffers (a manifest with the key "buffers").
+FORMAT_WITH_BUFFERS = "lossgraph-program/2"
+#: Every format this lossgraph reads.
+FORMATS = (FORMAT, FORMAT_WITH_BUFFERS)
 FUSE_MODES = ("separate", "step", "epoch")
 
 #: The graphs a program of each fusion mode must hold ("penalty" is optional).
@@ -83,10 +95,11 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
     message rather than one about its keys.
     """
     form = _field(manifest, "format", str, where)
-    if form != FORMAT:
+    if form not in FORMATS:
         raise InvalidProgramError(
-            f"{where}: the program has format {form!r}; this lossgraph reads {FORMAT!r}. "
-            "Compile the model again with this version of lossgraph.")
+            f"{where}: the program has format {form!r}; this lossgraph reads "
+            f"{' and '.join(map(repr, FORMATS))}. Compile the model again with this version "
+            "of lossgraph.")
     fuse = _field(manifest, "fuse", str, where)
     if fuse not in FUSE_MODES:
         raise _fail(where, f"fuse is {fuse!r}, not one of {', '.join(FUSE_MODES)}")
@@ -102,6 +115,15 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
         for position, state in enumerate(_field(weight, "states", list, at)):
             _field(state, "name", str, f"{at} states[{position}]")
             _field(state, "new", str, f"{at} states[{position}]")
+    if "buffers" in manifest:
+        if form != FORMAT_WITH_BUFFERS:
+            raise _fail(where, f"a program with buffers has the format {FORMAT_WITH_BUFFERS!r}")
+        for index, buffer in enumerate(_field(manifest, "buffers", list, where)):
+            _field(buffer, "name", str, f"{where} buffers[{index}]")
+            _field(buffer, "new", str, f"{where} buffers[{index}]")
+    elif form == FORMAT_WITH_BUFFERS:
+        raise _fail(where, f"a {FORMAT_WITH_BUFFERS!r} program lists its buffers, and the key "
+                           "'buffers' is missing")
     graphs = _field(manifest, "graphs", dict, where)
     missing = [name for name in REQUIRED_GRAPHS[fuse] if name not in graphs]
     if missing:
@@ -127,6 +149,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
     role_of.update({s: "state" for s in signature.state_names})
     role_of.update({signature.new[w]: "new_weight" for w in signature.weights})
     role_of.update({signature.new[s]: "new_state" for s in signature.state_names})
+    role_of.update({b: "buffer" for b in signature.buffers})
+    role_of.update({signature.new[b]: "new_buffer" for b in signature.buffers})
     role_of.update({g: "gradient" for g in signature.gradients.values()})
     role_of.update({f"{w}_penalty_grad": "penalty_gradient" for w in signature.weights})
     role_of["penalty"] = "penalty"
@@ -147,8 +171,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                               "shape": dims})
         return described
 
-    return {
-        "format": FORMAT,
+    manifest: dict[str, Any] = {
+        "format": FORMAT_WITH_BUFFERS if signature.buffers else FORMAT,
         "fuse": fuse,
         "optimizer": optimizer.to_dict(),
         "roles": dict(roles),
@@ -156,7 +180,10 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                      "states": [{"name": s, "new": signature.new[s]}
                                 for s in signature.states.get(w, [])]}
                     for w in signature.weights],
-        "graphs": {name: {"file": f"{name}.onnx", "inputs": describe(g.graph.input),
-                          "outputs": describe(g.graph.output)}
-                   for name, g in graphs.items()},
     }
+    if signature.buffers:
+        manifest["buffers"] = [{"name": b, "new": signature.new[b]} for b in signature.buffers]
+    manifest["graphs"] = {name: {"file": f"{name}.onnx", "inputs": describe(g.graph.input),
+                                 "outputs": describe(g.graph.output)}
+                          for name, g in graphs.items()}
+    return manifest

@@ -5,6 +5,8 @@
     lossgraph.gradients   {weight: gradient output}, written by the gradient pass
     lossgraph.signature   who is who among a training graph's inputs and outputs
                           (lossgraph.signature.Signature), written by the fusion passes
+    lossgraph.buffers     {buffer: its next value's output}, written by RunningStatistics
+                          (lossgraph.passes.running_stats)
     lossgraph.written_by  "lossgraph": marks a file lossgraph wrote (lossgraph.fileio)
 
 A pass records what later passes need in the model itself, so the data flows forward
@@ -18,12 +20,13 @@ from typing import Any
 
 import onnx
 
-__all__ = ["ROLES_KEY", "GRADIENTS_KEY", "SIGNATURE_KEY", "WRITTEN_BY_KEY", "read_text",
-           "read_json", "write_json", "remove_record"]
+__all__ = ["ROLES_KEY", "GRADIENTS_KEY", "SIGNATURE_KEY", "BUFFERS_KEY", "WRITTEN_BY_KEY",
+           "read_text", "read_json", "write_json", "remove_record"]
 
 ROLES_KEY = "lossgraph.roles"
 GRADIENTS_KEY = "lossgraph.gradients"
 SIGNATURE_KEY = "lossgraph.signature"
+BUFFERS_KEY = "lossgraph.buffers"
 WRITTEN_BY_KEY = "lossgraph.written_by"
 
 

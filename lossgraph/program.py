@@ -2,10 +2,10 @@
 
 Whatever the fusion mode (:mod:`lossgraph.compiler` builds them), a program holds
 
-- ``evaluate``: (features, label[, sample_weight], weights) -> (loss, predictions...)
-- ``predict``: (features, weights) -> (the inference model's outputs)
+- ``evaluate``: (features, label[, sample_weight], weights, buffers) -> (loss, predictions...)
+- ``predict``: (features, weights, buffers) -> (the inference model's outputs)
 
-and, by mode,
+(both with every BatchNormalization and Dropout in inference mode) and, by mode,
 
 - ``fuse="step"``: ``train_step`` (one minibatch step, update included);
 - ``fuse="epoch"``: ``train_epoch`` (a Scan over all full batches) and ``train_step``
@@ -16,6 +16,12 @@ and, by mode,
 
 The manifest (JSON) names every graph's inputs and outputs with their roles, so a
 runner in any language can drive the graphs; see docs/reference/program.md.
+
+The state holds the weights, the optimizer's states and the **buffers**: the running
+mean and variance of each training-mode BatchNormalization, which the training graphs
+read and write every step as torch updates them (:mod:`lossgraph.passes.running_stats`),
+without gradients and untouched by the optimizer. The inference export writes the
+weights and the buffers back.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ class TrainingProgram:
         return [s["name"] for w in self.manifest["weights"] for s in w["states"]]
 
     @property
+    def buffers(self) -> list[str]:
+        """The running statistics the training graphs update (none in most programs)."""
+        return [b["name"] for b in self.manifest.get("buffers", [])]
+
+    @property
     def optimizer(self) -> Optimizer:
         return optimizer_from_dict(self.manifest["optimizer"])
 
@@ -103,11 +114,12 @@ class TrainingProgram:
 
     # -- export -------------------------------------------------------------------------
     def to_inference_model(self, state: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
-        """The inference model with ``state``'s weights (default: the initial ones) written back."""
+        """The inference model with ``state``'s weights and buffers (default: the initial
+        ones) written back."""
         state = self.state if state is None else state
         return with_weights(self.inference_model,
                             {w: np.asarray(state[w]).astype(self.state[w].dtype)
-                             for w in self.weights})
+                             for w in (*self.weights, *self.buffers)})
 
 
 def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:

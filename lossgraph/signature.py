@@ -13,7 +13,7 @@ from typing import Any
 import onnx
 
 from .errors import UnsupportedModelError
-from .metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json, write_json
+from .metadata import BUFFERS_KEY, GRADIENTS_KEY, SIGNATURE_KEY, read_json, write_json
 from .roles import get_roles
 
 __all__ = ["Signature"]
@@ -32,7 +32,7 @@ class Signature:
     gradients: dict[str, str] = field(default_factory=dict)  # weight -> gradient value
     learning_rate: str = "learning_rate"
     step: str = "step"
-    new: dict[str, str] = field(default_factory=dict)  # weight or state -> its output name
+    new: dict[str, str] = field(default_factory=dict)  # weight, state or buffer -> its output
     permutation: str | None = None  # epoch graphs only
     learning_rates: str | None = None
     losses: str | None = None
@@ -40,11 +40,15 @@ class Signature:
     prediction_grad: str | None = None
     unpacked: Signature | None = None  # packed graphs only: the per-weight signature
     shapes: dict[str, list[int]] = field(default_factory=dict)  # packed: weight -> shape
+    # state the graph updates without gradients or optimizer: training-mode
+    # BatchNormalization's running statistics (lossgraph.passes.running_stats), never packed
+    buffers: list[str] = field(default_factory=list)
 
     @classmethod
     def of_gradient_model(cls, model: onnx.ModelProto) -> Signature:
         """The signature of a loss model with gradients (weights as inputs): roles from
-        ``add_loss_output``, weights and gradients from the gradient pass."""
+        ``add_loss_output``, weights and gradients from the gradient pass, buffers and their
+        next values from :class:`~lossgraph.passes.running_stats.RunningStatistics`."""
         roles = get_roles(model)
         gradients = read_json(model, GRADIENTS_KEY)
         if not gradients or "loss" not in roles:
@@ -52,19 +56,23 @@ class Signature:
                 "A training graph is built from a loss model with gradients: the model records "
                 "no loss (lossgraph.add_loss_output) or no gradients (lossgraph.gradient with "
                 "its weights as inputs).")
-        signature = cls.of_loss_model(model, list(gradients))
+        buffers = read_json(model, BUFFERS_KEY) or {}
+        signature = cls.of_loss_model(model, list(gradients), list(buffers))
         signature.gradients = dict(gradients)
+        signature.new.update(buffers)
         return signature
 
     @classmethod
-    def of_loss_model(cls, model: onnx.ModelProto, weights: list[str]) -> Signature:
-        """The signature of a loss model whose ``weights`` are graph inputs."""
+    def of_loss_model(cls, model: onnx.ModelProto, weights: list[str],
+                      buffers: list[str] | None = None) -> Signature:
+        """The signature of a loss model whose ``weights`` (and ``buffers``) are graph inputs."""
         roles = get_roles(model)
-        data = {roles["label"], roles.get("sample_weight"), *weights}
+        buffers = list(buffers or [])
+        data = {roles["label"], roles.get("sample_weight"), *weights, *buffers}
         features = [i.name for i in model.graph.input if i.name not in data]
         return cls(features=features, label=roles["label"],
                    sample_weight=roles.get("sample_weight"), loss=roles["loss"],
-                   weights=list(weights))
+                   weights=list(weights), buffers=buffers)
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> Signature:
@@ -77,7 +85,8 @@ class Signature:
         write_json(model, SIGNATURE_KEY, self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The signature as JSON-ready data; without buffers, as recorded before buffers."""
+        return _without_empty_buffers(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> Signature:
@@ -102,3 +111,11 @@ class Signature:
             return list(unpacked.weights)
         index = self.state_names.index(flat)
         return [unpacked.states[w][index] for w in unpacked.weights]
+
+
+def _without_empty_buffers(record: dict[str, Any]) -> dict[str, Any]:
+    if not record.get("buffers"):
+        record.pop("buffers", None)
+    if record.get("unpacked"):
+        record["unpacked"] = _without_empty_buffers(record["unpacked"])
+    return record

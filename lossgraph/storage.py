@@ -4,8 +4,8 @@ A **program folder** (``TrainingProgram.save``, ``lossgraph compile -o``) holds:
 
     manifest.json     the manifest (lossgraph.manifest), plus "files": {name: sha256}
     <graph>.onnx      one file per graph, named by the manifest
-    state.npz         initial weights and optimizer states
-    inference.onnx    the inference model the weights are written back into
+    state.npz         initial weights, optimizer states and buffers
+    inference.onnx    the inference model the weights and buffers are written back into
 
 A **checkpoint folder** (``Trainer.save_checkpoint``) holds ``trainer.json`` (counters,
 losses, the shuffling generator) and a program folder ``program/`` with the state
@@ -273,10 +273,11 @@ def _read_state(data: bytes, path: Path) -> dict[str, np.ndarray]:
 
 
 def _check_state(state: Mapping[str, np.ndarray], manifest: Mapping[str, Any], path: Path) -> None:
-    """The state holds exactly the manifest's weights and states, typed and shaped as the graphs
-    take them."""
+    """The state holds exactly the manifest's weights, states and buffers, typed and shaped as
+    the graphs take them."""
     expected = [w["name"] for w in manifest["weights"]]
     expected += [s["name"] for w in manifest["weights"] for s in w["states"]]
+    expected += [b["name"] for b in manifest.get("buffers", [])]
     missing = [n for n in expected if n not in state]
     extra = sorted(set(state) - set(expected))
     if missing or extra:
@@ -285,7 +286,7 @@ def _check_state(state: Mapping[str, np.ndarray], manifest: Mapping[str, Any], p
             + "; ".join(filter(None, [missing and f"missing {missing}",
                                       extra and f"unexpected {extra}"])) + ".")
     declared = {io["name"]: io for entry in manifest["graphs"].values() for io in entry["inputs"]
-                if io["role"] in ("weight", "state")}
+                if io["role"] in ("weight", "state", "buffer")}
     for name in expected:
         array, io = state[name], declared.get(name)
         if io is None:
@@ -319,7 +320,8 @@ def read_program(path: str | os.PathLike) -> ProgramParts:
     inference = _parse_onnx(_verified_bytes(folder, INFERENCE_FILE, checksums, at),
                             folder / INFERENCE_FILE)
     initializers = {t.name for t in inference.graph.initializer}
-    lacking = [w["name"] for w in manifest["weights"] if w["name"] not in initializers]
+    lacking = [v["name"] for v in (*manifest["weights"], *manifest.get("buffers", []))
+               if v["name"] not in initializers]
     if lacking:
         raise InvalidProgramError(
             f"{str(folder / INFERENCE_FILE)!r} has no initializer {lacking[0]!r} to write the "

@@ -114,25 +114,12 @@ def tree_ensemble() -> onnx.ModelProto:
         helper.make_opsetid("", 18), helper.make_opsetid("ai.onnx.ml", 3)])
 
 
-LOOP = """
-    <ir_version: 8, opset_import: ["" : 18]>
+CUSTOM_OP = """
+    <ir_version: 8, opset_import: ["" : 18, "com.example" : 1]>
     g (float[N, 4] x) => (float[N, 1] y)
-    <float[4, 1] coef = {1, 2, 3, 4}, int64 trip = {2}, bool cond = {1}>
+    <float[4, 1] coef = {1, 2, 3, 4}>
     { h = MatMul(x, coef)
-      y = Loop(trip, cond, h) <body = body (int64 i, bool c, float[N, 1] a)
-                                            => (bool co, float[N, 1] b) {
-          co = Identity(c)
-          b = Add(a, a) }> }
-"""
-SCAN = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    g (float[N, 4] x) => (float[N, 1] y)
-    <float[4, 1] coef = {1, 2, 3, 4}, float[1] start = {0}>
-    { h = MatMul(x, coef)
-      total, y = Scan(start, h) <num_scan_inputs = 1, body = body (float[1] acc, float[1] r)
-                                                         => (float[1] acc2, float[1] out) {
-          acc2 = Add(acc, r)
-          out = Identity(acc2) }> }
+      y = com.example.Scale(h) }
 """
 
 
@@ -317,11 +304,9 @@ CASES: list[Case] = [
          lambda c: lossgraph.compile_program(linear(('"" : 18', '"" : 29')),
                                              target="onnxruntime-latest"),
          UnsupportedModelError, "opset 29"),
-    Case("model-loop-without-rule", "a Loop between a weight and the loss",
-         lambda c: lossgraph.compile_program(parse(LOOP)), MissingGradientError, "op 'Loop'"),
-    Case("model-scan-without-rule", "a Scan between a weight and the loss",
-         lambda c: lossgraph.compile_program(parse(SCAN), loss_options={"output_index": "y"}),
-         MissingGradientError, "op 'Scan'"),
+    Case("model-op-without-rule", "an op of the user's own domain between a weight and the loss",
+         lambda c: lossgraph.compile_program(parse(CUSTOM_OP)), MissingGradientError,
+         "op 'Scale'"),
     Case("model-roles-not-json", "a lossgraph.roles metadata entry that is not JSON",
          lambda c: lossgraph.compile_program(with_roles("{loss: loss}")), InvalidModelError,
          "'lossgraph.roles' is not JSON"),

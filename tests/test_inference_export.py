@@ -228,8 +228,11 @@ def test_batch_normalization_and_dropout_export_in_inference_mode():
     assert helper.get_attribute_value(norm.attribute[0]) == 0
     names = {t.name for t in exported.graph.initializer}
     assert {"ratio", "training"}.isdisjoint(names)
-    state = {w: trainer.state[w] for w in program.weights}
+    # the trained weights and the running statistics training updated (buffers)
+    assert program.buffers == ["mean", "var"]
+    state = {w: trainer.state[w] for w in [*program.weights, *program.buffers]}
     assert not np.array_equal(state["scale"], program.state["scale"])
+    assert not np.array_equal(state["mean"], program.state["mean"])
     expected = eval_mode_reference(state, X)
     np.testing.assert_allclose(predictions(exported, X, "y"), expected, rtol=1e-5, atol=1e-5)
     # The same rows give the same predictions: nothing random is left.

@@ -49,6 +49,9 @@ from lossgraph.passes import (
     StripTraining,
     WeightsToInputs,
 )
+from lossgraph.passes.expand_functions import ExpandFunctions
+from lossgraph.passes.running_stats import RunningStatistics
+from lossgraph.passes.stabilize import StabilizeNumerics
 from lossgraph.passes.strip import InferenceMode
 from lossgraph.separate import penalty_graph, update_graph
 
@@ -109,6 +112,8 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
             h, rm, rv = BatchNormalization <training_mode: int = 1> (x, s, b, m, v)
             y, mask = Dropout(h, r, t) }"""), weight_name="w"), StripTraining()),
     "InferenceMode": (lambda: PASSES["StripTraining"][0](), InferenceMode()),
+    "RunningStatistics": (lambda: WeightsToInputs(["m", "v"])(PASSES["StripTraining"][0]()).model,
+                          RunningStatistics()),
     "LowerMlOps LinearRegressor": (lambda: golden("skl_linear_regression"), LowerMlOps()),
     "LowerMlOps LinearClassifier binary": (lambda: golden("skl_logistic_binary"), LowerMlOps()),
     "AlphabetizeInitializers": (lambda: golden("skl_mlp_regressor"), AlphabetizeInitializers()),
@@ -116,6 +121,24 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
         lambda: onnx.parser.parse_model(UNSORTED),
         AlphabetizeInitializers()),
     "WeightsToInputs": (lambda: with_loss("hand_linear"), WeightsToInputs(["W", "B"])),
+    "ExpandFunctions": (lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: [
+        "" : 18, "local" : 1]> g (float[N, 3] x) => (float[N, 3] y, float s) {
+            y = local.SiLU <alpha: float = 2.0> (x)   q, s, z = DynamicQuantizeLinear(y) }
+        <domain: "local", opset_import: ["" : 18]> SiLU <alpha> (x) => (y) {
+            a = Constant <value_float: float = @alpha> () ax = Mul(a, x) s = Sigmoid(ax)
+            y = Mul(x, s) }
+        """), ExpandFunctions()),
+    "StabilizeNumerics": (lambda: with_loss("skl_sgd_classifier", "multiclass_log_loss"),
+                          StabilizeNumerics()),
+    "StabilizeNumerics (ort backend, double, in an If branch)": (
+        lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+        g (double[N, 3] x, bool c) => (double[N, 3] y) {
+            y = If(c) <then_branch = t () => (double[N, 3] a) { s = Sigmoid(x)  l = Log(s)
+                                                               a = Neg(l) },
+                       else_branch = f () => (double[N, 3] b) {
+                           one = Constant<value = double {1}>()  r = Sigmoid(x)
+                           d = Sub(one, r)  b = Log(d) }> }"""),
+        StabilizeNumerics("ort")),
     "Gradient": (lambda: with_loss("torch_cnn"), Gradient()),
     "Gradient (vector-Jacobian)": (lambda: golden("hand_broadcast_reuse"),
                                    Gradient(outputs=["Y"])),

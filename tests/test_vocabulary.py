@@ -134,8 +134,8 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
     assert list(lines) == ["evaluate", "predict", "train_step", "train_epoch_ordered",
                            "train_epoch"]
     assert lines["train_epoch"].startswith("loss model -> WeightsToInputs(weights=('W',)) -> "
-                                           "Gradient(weights=('W',)) -> SumRowsByProduct -> "
-                                           "PackWeights(")
+                                           "StabilizeNumerics -> Gradient(weights=('W',)) -> "
+                                           "SumRowsByProduct -> PackWeights(")
     assert lines["train_epoch"].endswith("-> EpochGraph -> WidenScalarConstants")
     assert lines["train_epoch_ordered"].endswith(
         "-> EpochGraph(shuffled=False) -> WidenScalarConstants")

@@ -148,6 +148,13 @@ def to_ort_artifacts(model_or_program: ModelLike | TrainingProgram,
     _check_step(step)
     check_properties(properties or {})
     program = _program(model_or_program, optimizer, compile_options)
+    if program.buffers:  # the evaluate graph runs them in inference mode, as inputs
+        raise UnsupportedModelError(
+            f"The model's BatchNormalization runs in training mode, with running statistics "
+            f"({', '.join(program.buffers)}) that training updates every step; onnxruntime "
+            "training artifacts made by lossgraph do not carry them. Train with "
+            "lossgraph.Trainer and export the inference model, or export the layer in "
+            "inference mode.")
     chosen = program.optimizer if optimizer is None else as_optimizer(optimizer)
     op_type, attributes = ort_optimizer(chosen)
     evaluate = program.graphs["evaluate"]

@@ -6,8 +6,9 @@
 ``source`` is where the model and its weights come from:
 
 - a :class:`~lossgraph.Trainer`: its program's inference model and the trainer's live
-  weights;
-- a :class:`~lossgraph.TrainingProgram`: its inference model and its ``state``'s weights;
+  weights and buffers (the running statistics of a training-mode BatchNormalization);
+- a :class:`~lossgraph.TrainingProgram`: its inference model and its ``state``'s weights
+  and buffers;
 - a program folder (``TrainingProgram.save``) or a checkpoint folder
   (``Trainer.save_checkpoint``), read and checked by :mod:`lossgraph.storage`;
 - a model (``ModelProto``, bytes or an ``.onnx`` path): an inference model or one that
@@ -182,8 +183,7 @@ class _Source:
 def _source(source: Source) -> _Source:
     """What ``source`` gives: its model and its own weights."""
     if isinstance(source, Trainer):
-        live = source.state
-        return _of_program(source.program, {w: live[w] for w in source.program.weights})
+        return _of_program(source.program, source.state)
     if isinstance(source, TrainingProgram):
         return _of_program(source, source.state)
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
@@ -211,7 +211,9 @@ def _source(source: Source) -> _Source:
 
 
 def _of_program(program: TrainingProgram, state: Mapping[str, np.ndarray]) -> _Source:
-    return _Source(program.inference_model, {w: state[w] for w in program.weights},
+    """The program's inference model, with its weights and buffers from ``state``."""
+    return _Source(program.inference_model,
+                   {name: state[name] for name in (*program.weights, *program.buffers)},
                    frozenset(program.states))
 
 

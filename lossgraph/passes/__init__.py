@@ -8,6 +8,10 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
   :class:`RemoveLossOutput` undoes it (the inference model inside a loss model)
 - :class:`AlphabetizeInitializers`: weights renamed so their names sort in graph order
 - :class:`WeightsToInputs`: trainable initializers become graph inputs
+- :class:`RunningStatistics`: a training-mode BatchNormalization's batch statistics made
+  explicit and its running statistics (the program's buffers) updated as torch does
+- :class:`StabilizeNumerics`: overflowing forms (``1 / (1 + Exp(-s))``, ``Log(Softmax)``,
+  ``Log(Sigmoid)``, ...) rewritten into stable ones before differentiation
 - :class:`Gradient`: gradients or vector-Jacobian products
 - :class:`PackWeights`, :class:`StepGraph`, :class:`EpochGraph`: fusion with the
   optimizer's update
@@ -24,9 +28,11 @@ from .gradient import Gradient
 from .loss import AddLossOutput, RemoveLossOutput
 from .lower_ml import LowerMlOps
 from .rename import AlphabetizeInitializers
+from .running_stats import RunningStatistics
+from .stabilize import StabilizeNumerics
 from .strip import InferenceMode, StripTraining
 from .weights import WeightsToInputs
 
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "Gradient", "LowerMlOps",
-           "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "StepGraph",
-           "StripTraining", "InferenceMode", "WeightsToInputs"]
+           "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "RunningStatistics",
+           "StabilizeNumerics", "StepGraph", "StripTraining", "InferenceMode", "WeightsToInputs"]

@@ -2,10 +2,12 @@
 
 ``StepGraph`` turns a loss model with gradients (weights as inputs) into
 
-    (features, label[, sample_weight], learning_rate, step, weights..., states...)
-        -> (loss, <w>_new..., <state>_new...)
+    (features, label[, sample_weight], weights..., buffers..., learning_rate, step, states...)
+        -> (loss, <w>_new..., <state>_new..., <buffer>_new...)
 
-by appending each weight's optimizer update to the gradient graph.
+by appending each weight's optimizer update to the gradient graph. Buffers (the running
+statistics of a training-mode BatchNormalization, :mod:`lossgraph.passes.running_stats`)
+are inputs already and their next values outputs already; the step graph keeps them.
 
 ``PackWeights`` lays a gradient model's weights end to end in one flat vector
 (and their gradients in another), so that ``StepGraph`` emits one update for all
@@ -18,19 +20,19 @@ to the last bit; it runs a handful of kernels instead of a handful per weight.
 
 ``EpochGraph`` wraps a step graph in a ``Scan`` over the batches of one epoch:
 
-    (features, label[, sample_weight], permutation, learning_rates, step, weights..., states...)
-        -> (losses, <w>_new..., <state>_new...)
+    (features, label[, sample_weight], permutation, learning_rates, step, weights..., states...,
+     buffers...) -> (losses, <w>_new..., <state>_new..., <buffer>_new...)
 
 Every data input is gathered by ``permutation`` (shuffling) and reshaped to
 ``(batches, batch, ...)``; ``batches`` is the length of ``learning_rates`` (one
 learning rate per batch) and ``batch`` is ``len(permutation) / batches``. Without
 shuffling (``shuffled=False``) there is no ``permutation``: the data inputs are the
 epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each
-batch to the step graph as a view, carries weights, states and (for an update that
-reads it) the step counter, and stacks the per-batch losses. No Python runs between
+batch to the step graph as a view, carries weights, states, buffers and (for an update
+that reads it) the step counter, and stacks the per-batch losses. No Python runs between
 batches. A packed step graph's Scan carries the flat vectors; the epoch graph packs
 the weights and states before it and unpacks them after it, so its inputs and outputs
-are the per-weight ones either way.
+are the per-weight ones either way; buffers are carried as they are, never packed.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def _pack(model: onnx.ModelProto, unpacked: Signature, names: NameAuthority) -> 
     return Signature(features=unpacked.features, label=unpacked.label,
                      sample_weight=unpacked.sample_weight, loss=unpacked.loss,
                      weights=[theta], gradients={theta: gradient}, unpacked=unpacked,
-                     shapes=shapes)
+                     shapes=shapes, buffers=list(unpacked.buffers),
+                     new={b: unpacked.new[b] for b in unpacked.buffers})
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ def _append_update(model: onnx.ModelProto, signature: Signature, names: NameAuth
             _bind(b, value, signature.new[old])
             outputs.append(helper.make_value_info(signature.new[old], types[weight]))
     b.append_to(graph)
+    computed = {o.name: o for o in graph.output}  # buffers: their next values are outputs
+    outputs += [computed[signature.new[buffer]] for buffer in signature.buffers]
     del graph.output[:]
     graph.output.extend(outputs)
 
@@ -191,7 +196,7 @@ class EpochGraph(Pass):
 def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -> Signature:
     outer = signature.unpacked or signature  # the epoch graph's inputs and outputs
     names = NameAuthority([*names_in_graph(step.graph), *outer.weights, *outer.state_names,
-                           *outer.new.values(), outer.step])
+                           *outer.buffers, *outer.new.values(), outer.step])
     body = onnx.GraphProto()
     body.CopyFrom(step.graph)
     # The body reads nothing from outside: give every body value its own name.
@@ -202,7 +207,8 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -
     for node in body.node:
         node.name = names.fresh(f"scan/{node.name or node.op_type}")
     inputs = {v.name: v for v in body.input}
-    carried = [*signature.weights, *signature.state_names]
+    packable = [*signature.weights, *signature.state_names]
+    carried = [*packable, *signature.buffers]  # buffers: never packed
     # the step counter is carried only where the update reads it (Adam)
     counts_steps = mapping[signature.step] in values_read(body)
     counted = [signature.step] if counts_steps else []
@@ -244,8 +250,10 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -
     if signature.unpacked:
         flat = b.ints([-1], hint="flat")
         scan_in = [b.Concat(*(b.Reshape(m, flat) for m in signature.members(c)), axis=0,
-                            hint=f"{c}_in") for c in carried]
-        scan_out = [names.fresh(f"{c}_out") for c in carried]
+                            hint=f"{c}_in") for c in packable]
+        scan_out = [names.fresh(f"{c}_out") for c in packable]
+        scan_in += signature.buffers
+        scan_out += [outer.new[n] for n in signature.buffers]
     else:
         scan_in, scan_out = carried, [signature.new[n] for n in carried]
     steps_in, steps_out = ([outer.step], [names.fresh("step_final")]) if counts_steps else ([], [])
@@ -254,11 +262,11 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -
          body=body, num_scan_inputs=len(batched) + 1)
     if signature.unpacked:
         shapes = [signature.shapes[w] for w in outer.weights]
-        for packed, out in zip(carried, scan_out):
+        for packed, out in zip(packable, scan_out):
             _unpack(b, out, [outer.new[m] for m in signature.members(packed)], shapes)
 
     dtype_code = outer_types[outer.weights[0]].tensor_type.elem_type
-    outer_carried = [*outer.weights, *outer.state_names]
+    outer_carried = [*outer.weights, *outer.state_names, *outer.buffers]
     new_inputs = [helper.make_value_info(n, outer_types[n]) for n in signature.data]
     if shuffled:
         new_inputs.append(helper.make_tensor_value_info(permutation, TensorProto.INT64, ["rows"]))

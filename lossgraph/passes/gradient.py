@@ -49,6 +49,7 @@ from ..models import ModelLike
 from ..names import NameAuthority
 from ..roles import get_roles
 from .contract import Pass, PassResult
+from .expand_functions import gradient_view
 
 __all__ = ["Gradient", "gradient", "BACKENDS"]
 
@@ -201,15 +202,20 @@ def _check_wrt(graph: onnx.GraphProto, wrt: Sequence[str], facts: ForwardFacts) 
 
 
 def _onnx_backend(model, targets, seed_inputs, wrt, grad_names, names, facts) -> None:
+    # ops without a rule but with a function body are differentiated through the body;
+    # the forward keeps the op (expand_functions.py)
+    view = gradient_view(model, names, facts, wrt, targets)
     if seed_inputs:
         seeds = {t: s.name for t, s in zip(targets, seed_inputs)}
-        context = differentiate(model, seeds, wrt, grad_names, names, facts)
+        context = differentiate(view.model, seeds, wrt, grad_names, names, view.facts or facts)
     else:
         loss = targets[0]
         seeder = GraphBuilder(names, 1)
         one = seeder.const(np.ones(facts.shapes[loss]), facts.elem_types[loss], f"{loss}_seed")
-        context = differentiate(model, {loss: one}, wrt, grad_names, names, facts)
+        context = differentiate(view.model, {loss: one}, wrt, grad_names, names,
+                                view.facts or facts)
         seeder.append_to(model.graph)
+    view.add_recomputation(model, context.nodes)
     context.append_to(model.graph)
 
 

@@ -91,7 +91,11 @@ class SeparateStep:
         update(W, W_grad (+ W_penalty_grad), states) -> W', states'
 
     Weights and states stay in ``buffers``; the update writes the next state into the
-    other buffer set (the caller swaps them after a finite loss).
+    other buffer set (the caller swaps them after a finite loss). A program's buffers
+    (the running statistics of a training-mode BatchNormalization) are read by the forward
+    half, which also computes their next values (outputs of the ``gradient`` graph, so of
+    its forward half): they go into the other buffer set too, as the fused graphs write
+    them.
 
     With ``batch``, the step takes batches of that many rows only and runs graphs
     specialized to it. Every value between the graphs then has a static shape, so each
@@ -111,11 +115,15 @@ class SeparateStep:
                 graphs[name] = SpecializeBatch(batch)(graphs[name]).model
         self._buffers = buffers
         self._weights = program.weights
+        # the model's buffers, and the gradient graph's outputs with their next values
+        self._model_buffers = program.buffers
+        new = {b["name"]: b["new"] for b in program.manifest.get("buffers", [])}
+        self._new_buffers = [new[b] for b in self._model_buffers]
         prediction, seed = io("gradient", "prediction")[0], io("gradient", "prediction_grad")[0]
-        split = split_gradient(graphs["gradient"], [prediction], [seed])
+        split = split_gradient(graphs["gradient"], [prediction, *self._new_buffers], [seed])
         self._split = split
-        self._features = [i.name for i in split.forward.graph.input
-                          if i.name not in self._weights]
+        held = {*self._weights, *self._model_buffers}  # inputs from the state buffers
+        self._features = [i.name for i in split.forward.graph.input if i.name not in held]
         self._loss_data = io("loss", "label") + io("loss", "sample_weight")
         self._penalized = io("penalty", "weight") if "penalty" in graphs else []
         update_gradients = dict(zip(program.weights, io("update", "gradient")))
@@ -135,11 +143,14 @@ class SeparateStep:
         else:
             self._static = True
             self._arrays = arrays
-            weights = set(self._weights)
+            weights = held
             residuals = {r: arrays[r] for r in split.residuals}
             self._forward = GraphRunner(
-                make_session(split.forward), buffers, {w: w for w in self._weights}, {}, {},
-                {o.name: arrays[o.name] for o in split.forward.graph.output}, "forward")
+                make_session(split.forward), buffers,
+                {w: w for w in (*self._weights, *self._model_buffers)},
+                dict(zip(self._new_buffers, self._model_buffers)), {},
+                {o.name: arrays[o.name] for o in split.forward.graph.output
+                 if o.name not in new.values()}, "forward")
             self._loss_value = arrays[loss_io["loss"]]
             self._loss_runner = GraphRunner(
                 make_session(graphs["loss"]), buffers, {}, {},
@@ -190,10 +201,14 @@ class SeparateStep:
     def _run_dynamic(self, batch: Mapping[str, np.ndarray]) -> float:
         device = self._device
         data = {name: ortvalue(array, device) for name, array in batch.items()}
-        live = self._buffers.values[self._buffers.current]
-        weights = {w: live[self._index[w]] for w in self._weights}
-        (prediction,), residuals = self._model.forward(
+        current = self._buffers.current
+        live = self._buffers.values[current]
+        weights = {w: live[self._index[w]] for w in (*self._weights, *self._model_buffers)}
+        (prediction, *new_buffers), residuals = self._model.forward(
             {**{n: data[n] for n in self._features}, **weights})
+        following = self._buffers.arrays[1 - current]  # where the update writes the next state
+        for buffer, value in zip(self._model_buffers, new_buffers):
+            following[self._index[buffer]][...] = value.numpy()
         loss, prediction_grad = self._loss.run(
             {self._loss_io["prediction"]: prediction, **{n: data[n] for n in self._loss_data}})
         reused = {n: data[n] if n in data else weights[n] for n in self._split.reused}

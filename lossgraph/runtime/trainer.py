@@ -6,8 +6,9 @@
 
 Every option and every array is checked before any work (:mod:`lossgraph.validation`:
 types, shapes, NaN and infinity by row, sample weights, class labels). Batches are
-views of the data (a shuffled epoch gathers its rows once); weights and optimizer
-states stay in buffers bound to the sessions and swapped between steps
+views of the data (a shuffled epoch gathers its rows once); weights, optimizer states
+and the program's buffers (running statistics of a training-mode BatchNormalization)
+stay in buffers bound to the sessions and swapped between steps
 (:mod:`lossgraph.runtime.buffers`). A NaN or infinite loss stops training with the
 state as it was before the failing step (for ``fuse="epoch"``: before the epoch) and
 a :class:`~lossgraph.errors.ConvergenceError` naming the epoch and batch, or an
@@ -72,9 +73,10 @@ class Trainer:
         self._allows_missing = any(node.op_type in ("Imputer", "IsNaN")
                                    for node in program.graphs["predict"].graph.node)
         self._checked = checks.CheckedArrays()
-        self._names = program.weights + program.states
+        self._names = program.weights + program.states + program.buffers
         self._new = {w["name"]: w["new"] for w in manifest["weights"]}
         self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
+        self._new.update({b["name"]: b["new"] for b in manifest.get("buffers", [])})
         self._buffers = StateBuffers(self._names, program.state)
         self._sessions: dict[tuple[str, int | None], Any] = {}
         self._runners: dict[tuple[str, int | None, tuple[str, ...]], GraphRunner] = {}
@@ -99,11 +101,12 @@ class Trainer:
 
     @property
     def state(self) -> dict[str, np.ndarray]:
-        """A copy of the current weights and optimizer states."""
+        """A copy of the current weights, optimizer states and buffers (running statistics)."""
         return {name: array.copy() for name, array in self._buffers.live().items()}
 
     def set_state(self, state: Mapping[str, np.ndarray]) -> None:
-        """Replace weights (and optimizer states, when given); names, shapes, dtypes are checked."""
+        """Replace weights (and optimizer states or buffers, when given); names, shapes, dtypes
+        are checked."""
         live = self._buffers.live()
         if not isinstance(state, Mapping):
             raise UnsupportedOptionError(
@@ -111,7 +114,7 @@ class Trainer:
                 f"{type(state).__name__}.")
         for name, value in state.items():
             if name not in live:
-                raise UnknownNameError(f"{name!r} is not a weight or state of this program."
+                raise UnknownNameError(f"{name!r} is not a weight, state or buffer of this program."
                                        + suggest(str(name), list(live), "names"))
             value = np.asarray(value)
             if value.shape != live[name].shape or value.dtype != live[name].dtype:
@@ -150,7 +153,7 @@ class Trainer:
         if key not in self._runners:
             entry = self.program.manifest["graphs"][graph]
             inputs = {v["name"]: v["name"] for v in entry["inputs"]
-                      if v["role"] in ("weight", "state")}
+                      if v["role"] in ("weight", "state", "buffer")}
             outputs = {self._new[name]: name for name in inputs.values()}
             roles = {v["role"]: v["name"] for v in (*entry["inputs"], *entry["outputs"])}
             fixed_in = {roles["step"]: self._step, **(bound or {})}
@@ -471,11 +474,14 @@ class Trainer:
     def _evaluate(self, data: Mapping[str, np.ndarray]) -> float:
         session = self._session("evaluate")
         loss = self.program.manifest["roles"]["loss"]
-        return float(self._run(session, "evaluate", [loss], {**data, **self._weights()})[0])
+        return float(self._run(session, "evaluate", [loss],
+                               {**data, **self._model_state("evaluate")})[0])
 
-    def _weights(self) -> dict[str, np.ndarray]:
+    def _model_state(self, graph: str) -> dict[str, np.ndarray]:
+        """The live weights and buffers that ``graph`` takes as inputs."""
         live = self._buffers.live()
-        return {w: live[w] for w in self.program.weights}
+        return {v["name"]: live[v["name"]] for v in self.program.manifest["graphs"][graph]["inputs"]
+                if v["role"] in ("weight", "buffer")}
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The loss on ``(X, y)`` with the current weights."""
@@ -486,7 +492,7 @@ class Trainer:
         data = self._prepare(X, graph="predict", with_label=False)
         prediction = self.program.manifest["roles"]["prediction"]
         return self._run(self._session("predict"), "predict", [prediction],
-                         {**data, **self._weights()})[0]
+                         {**data, **self._model_state("predict")})[0]
 
     @staticmethod
     def _run(session: Any, graph: str, outputs: list[str], feeds: Mapping[str, Any]) -> list:
@@ -496,7 +502,7 @@ class Trainer:
             raise evaluation_error(graph, exc) from None
 
     def to_inference_model(self) -> onnx.ModelProto:
-        """The original inference model with the trained weights written back."""
+        """The original inference model with the trained weights and buffers written back."""
         return self.program.to_inference_model(self._buffers.live())
 
     # -- checkpoints -------------------------------------------------------------------

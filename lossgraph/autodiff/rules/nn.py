@@ -21,7 +21,9 @@
                                         dx = dy scale inv
                                         dmean = -sum(dy) scale inv
                                         dvar = -sum(dy xh) scale inv^2 / 2
-                             training:  dx = inv (dxh - mean(dxh) - xh mean(dxh xh)),
+                             training (training_mode=1; before opset 14, more than one
+                             output):
+                                        dx = inv (dxh - mean(dxh) - xh mean(dxh xh)),
                                         dxh = dy scale, xh = (x - mu) inv, batch statistics
                                         mu and s2 (biased); running_mean = m mean + (1 - m) mu
                                         and running_var = m var + (1 - m) s2 add
@@ -327,15 +329,19 @@ def _count(g, x: str, axes: list[int]) -> str:
     return g.Cast(g.reduce("ReduceProd", sizes, keepdims=0), to=g.elem_type(x), hint="count")
 
 
-@grad_rule("BatchNormalization", notes="inference and training_mode (batch statistics, and "
-                                       "the running statistics outputs); mean and var get "
-                                       "gradients but are not trained")
+@grad_rule("BatchNormalization", notes="inference and training mode (training_mode=1, or "
+                                       "before opset 14 more than one output: batch "
+                                       "statistics, and the running statistics outputs); mean "
+                                       "and var get gradients but are not trained")
 def batch_normalization(g, node, *dys):
-    if node.opset < 14 and len(node.outputs) > 1:
+    # before opset 14, training mode is the form with the statistics outputs
+    # (y, running_mean, running_var, saved_mean, saved_var), as torch's export writes it
+    training = node.attr("training_mode", 0) if node.opset >= 14 else any(node.outputs[1:])
+    if any(d is not None for d in dys[3:5]):
         raise UnsupportedModelError(
-            f"No gradient for BatchNormalization node {node.name!r} in training mode before "
-            "opset 14 (more than one output). Convert the model to opset 14 or later.")
-    training = node.opset >= 14 and node.attr("training_mode", 0)
+            f"No gradient through the saved_mean or saved_var output of BatchNormalization node "
+            f"{node.name!r} (opset {node.opset}): runtimes disagree on what they hold. Read the "
+            "batch statistics from a ReduceMean of the node's input instead.")
     dy = g.or_zeros(dys[0], node.outputs[0])
     return (_batch_norm_training if training else _batch_norm_inference)(g, node, dy, dys[1:3])
 

@@ -206,3 +206,29 @@ def _compare_with_ort(with_loss, inputs, wrt, grads, ort, rtol, atol) -> None:
         np.testing.assert_allclose(grads[w], expected[w].astype(grads[w].dtype), rtol=rtol,
                                    atol=atol,
                                    err_msg=f"d/d{w}: lossgraph vs onnxruntime-training")
+
+
+def attributes_text(attrs: Mapping[str, object]) -> str:
+    """``<k=v, ...>`` in ONNX text syntax (strings quoted, lists bracketed), or ""."""
+    def text(value: object) -> str:
+        if isinstance(value, str):
+            return f'"{value}"'
+        if isinstance(value, (list, tuple)):
+            return "[" + ",".join(str(i) for i in value) + "]"
+        return str(value)
+
+    return "<" + ", ".join(f"{k}={text(v)}" for k, v in attrs.items()) + ">" if attrs else ""
+
+
+def check_op(op: str, feeds: Mapping[str, np.ndarray], attrs: Mapping[str, object],
+             opset: int = 18, **options):
+    """:func:`check_gradients` of the one-node model ``y = op<attrs>(feeds...)``, whose
+    output has the first input's dtype and rank."""
+    from models import model, signature
+
+    first = next(iter(feeds.values()))
+    kind = "double" if first.dtype == np.float64 else "float"
+    dims = ",".join(f"d{i}" for i in range(first.ndim))
+    body = f"y = {op}{attributes_text(attrs)}({', '.join(feeds)})"
+    return check_gradients(model(signature(feeds, f"{kind}[{dims}] y"), body, opset=opset),
+                           feeds, **options)

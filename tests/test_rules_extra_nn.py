@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent
-from models import model, signature
+from gradcheck import attributes_text, check_gradients, check_op, cotangent
+from models import model
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
@@ -56,24 +56,6 @@ def vjp_against_the_reference(net, x: np.ndarray, forward=None, eps: float = 1e-
     return got
 
 
-def _attrs(attrs: dict) -> str:
-    def fmt(v):
-        if isinstance(v, str):
-            return f'"{v}"'
-        if isinstance(v, (list, tuple)):
-            return "[" + ",".join(str(i) for i in v) + "]"
-        return str(v)
-
-    return "<" + ", ".join(f"{k}={fmt(v)}" for k, v in attrs.items()) + ">" if attrs else ""
-
-
-def _check_op(op: str, feeds: dict, attrs: dict, opset: int = 18, **kwargs):
-    first = next(iter(feeds.values()))
-    kind = "double" if first.dtype == np.float64 else "float"
-    dims = ",".join(f"d{i}" for i in range(first.ndim))
-    body = f"y = {op}{_attrs(attrs)}({', '.join(feeds)})"
-    return check_gradients(model(signature(feeds, f"{kind}[{dims}] y"), body, opset=opset),
-                           feeds, **kwargs)
 
 
 def _away_from_zero(rng, shape):
@@ -101,13 +83,13 @@ LPPOOL_CASES = [
 @pytest.mark.parametrize("attrs, shape, opset", LPPOOL_CASES)
 def test_lp_pool_gradient(rng, attrs, shape, opset):
     x = _away_from_zero(rng, shape)
-    _check_op("LpPool", {"x": x}, attrs, opset=opset, eps=1e-2)
+    check_op("LpPool", {"x": x}, attrs, opset=opset, eps=1e-2)
 
 
 def test_lp_pool_gradient_is_zero_not_nan_where_a_window_is_zero(rng):
     x = _away_from_zero(rng, (1, 1, 4, 4))
     x[0, 0, :2, :2] = 0  # the first window's norm is 0
-    grads = _check_op("LpPool", {"x": x}, {"kernel_shape": [2, 2], "strides": [2, 2]},
+    grads = check_op("LpPool", {"x": x}, {"kernel_shape": [2, 2], "strides": [2, 2]},
                       eps=1e-2)
     assert np.all(np.isfinite(grads["x"]))
     np.testing.assert_array_equal(grads["x"][0, 0, :2, :2], 0)
@@ -123,7 +105,7 @@ def test_lp_pool_gradient_matches_torch(rng, p, kernel, stride):
     tx = torch.tensor(x.astype(np.float64), requires_grad=True)
     y = torch.nn.functional.lp_pool2d(tx, p, kernel, stride)
     (y * torch.from_numpy(cotangent(tuple(y.shape), np.float64))).sum().backward()
-    _check_op("LpPool", {"x": x}, {"kernel_shape": [kernel] * 2, "strides": [stride] * 2,
+    check_op("LpPool", {"x": x}, {"kernel_shape": [kernel] * 2, "strides": [stride] * 2,
                                    "p": p}, eps=1e-2,
               reference={"x": tx.grad.numpy().astype(F32)})
 
@@ -139,7 +121,7 @@ LRN_CASES = [
 @pytest.mark.parametrize("attrs, shape", LRN_CASES)
 def test_lrn_gradient(rng, attrs, shape):
     x = rng.normal(size=shape).astype(F32)
-    _check_op("LRN", {"x": x}, attrs, eps=1e-2)
+    check_op("LRN", {"x": x}, attrs, eps=1e-2)
 
 
 def _lrn(x: np.ndarray, size: int, alpha: float = 1e-4, beta: float = 0.75,
@@ -166,8 +148,8 @@ def test_lrn_gradient_for_even_sizes_and_other_ranks(rng, attrs, shape):
     against the specification's formula (itself checked against onnxruntime's kernel)."""
     x = rng.normal(size=shape)
     dims = ", ".join(str(d) for d in shape)
-    net = model(f"(double[{dims}] x) => (double[{dims}] y)", f"y = LRN {_attrs(attrs)} (x)",
-                opset=13)
+    net = model(f"(double[{dims}] x) => (double[{dims}] y)",
+                f"y = LRN {attributes_text(attrs)} (x)", opset=13)
     vjp_against_the_reference(net, x, lambda v: _lrn(v, **attrs))
 
 
@@ -189,7 +171,7 @@ def test_lrn_gradient_matches_torch(rng, size):
     tx = torch.tensor(x.astype(np.float64), requires_grad=True)
     y = torch.nn.functional.local_response_norm(tx, size, alpha=0.4, beta=0.8, k=1.3)
     (y * torch.from_numpy(cotangent(tuple(y.shape), np.float64))).sum().backward()
-    _check_op("LRN", {"x": x}, attrs, eps=1e-2, reference={"x": tx.grad.numpy().astype(F32)})
+    check_op("LRN", {"x": x}, attrs, eps=1e-2, reference={"x": tx.grad.numpy().astype(F32)})
 
 
 # ---------------------------------------------------------------------- MaxUnpool
@@ -199,12 +181,13 @@ def _max_unpool_model(x_shape, i_value: np.ndarray | None, attrs: dict, out_shap
     out = ", ".join(str(d) for d in out_shape)
     if i_value is None:  # the indices computed at run time, by a MaxPool
         return model(f"(float[{dims}] x, float[{out}] z) => (float[{out}] y)",
-                     f"p, i = MaxPool {_attrs(attrs)} (z)\n y = MaxUnpool {_attrs(attrs)} (x, i)",
+                     f"p, i = MaxPool {attributes_text(attrs)} (z)\n"
+                     f"y = MaxUnpool {attributes_text(attrs)} (x, i)",
                      opset=opset)
     values = ", ".join(str(int(v)) for v in i_value.reshape(-1))
     return model(f"(float[{dims}] x) => (float[{out}] y)",
                  f"i = Constant <value = int64[{dims}] {{{values}}}> ()\n"
-                 f"y = MaxUnpool {_attrs(attrs)} (x, i)", opset=opset)
+                 f"y = MaxUnpool {attributes_text(attrs)} (x, i)", opset=opset)
 
 
 def test_max_unpool_gradient_gathers_dy_at_the_indices(rng):
@@ -266,7 +249,7 @@ def _col2im_model(x_shape, channels: int, image, block, attrs, kind: str = "floa
                  f"({kind}[{x_shape[0]}, {channels}, {img}] y)",
                  f"i = Constant <value = int64[{n}] {{{img}}}> ()\n"
                  f"b = Constant <value = int64[{n}] {{{blk}}}> ()\n"
-                 f"y = Col2Im {_attrs(attrs)} (x, i, b)", opset=18)
+                 f"y = Col2Im {attributes_text(attrs)} (x, i, b)", opset=18)
 
 
 def _col2im_input_shape(channels: int, image, block, attrs) -> tuple[int, int, int]:

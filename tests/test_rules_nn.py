@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent
+from gradcheck import check_gradients, check_op, cotangent
 from models import model, signature
 
 import lossgraph
@@ -19,24 +19,6 @@ from lossgraph.errors import UnsupportedModelError
 F32 = np.float32
 
 
-def _attrs(attrs: dict) -> str:
-    def fmt(v):
-        if isinstance(v, str):
-            return f'"{v}"'
-        if isinstance(v, (list, tuple)):
-            return "[" + ",".join(str(i) for i in v) + "]"
-        return str(v)
-
-    return "<" + ", ".join(f"{k}={fmt(v)}" for k, v in attrs.items()) + ">" if attrs else ""
-
-
-def _check_op(op: str, feeds: dict, attrs: dict, opset: int = 18, **kwargs):
-    first = next(iter(feeds.values()))
-    kind = "double" if first.dtype == np.float64 else "float"
-    dims = ",".join(f"d{i}" for i in range(first.ndim))
-    body = f"y = {op}{_attrs(attrs)}({', '.join(feeds)})"
-    return check_gradients(model(signature(feeds, f"{kind}[{dims}] y"), body, opset=opset),
-                           feeds, **kwargs)
 
 
 # --------------------------------------------------------------------------- Conv
@@ -66,7 +48,7 @@ def test_conv_gradients_for_strides_pads_dilations_groups(rng, x_shape, w_shape,
     # onnxruntime-training's ConvGrad ignores auto_pad SAME_* (finite differences agree
     # with lossgraph there, ConvGrad does not): compare with it only for explicit pads.
     same = attrs.get("auto_pad", "").startswith("SAME")
-    grads = _check_op("Conv", feeds, attrs, eps=1e-2, ort=False if same else True)
+    grads = check_op("Conv", feeds, attrs, eps=1e-2, ort=False if same else True)
     assert set(grads) == set(feeds)
 
 
@@ -90,7 +72,7 @@ def test_conv_gradients_match_torch(rng, x_shape, w_shape, attrs):
     y = conv(torch.nn.functional.pad(tx, torch_pad), tw, stride=attrs.get("strides", 1),
              dilation=attrs.get("dilations", 1), groups=attrs.get("group", 1))
     (y * torch.from_numpy(cotangent(y.shape, F32))).sum().backward()
-    _check_op("Conv", {"x": x, "w": w}, attrs, eps=1e-2,
+    check_op("Conv", {"x": x, "w": w}, attrs, eps=1e-2,
               reference={"x": tx.grad.numpy(), "w": tw.grad.numpy()})
 
 
@@ -105,14 +87,14 @@ def test_conv_transpose_gradients(rng, x_shape, w_shape, attrs):
     feeds = {"x": rng.normal(size=x_shape).astype(F32),
              "w": rng.normal(size=w_shape).astype(F32) * 0.5,
              "b": rng.normal(size=w_shape[1] * attrs.get("group", 1)).astype(F32)}
-    _check_op("ConvTranspose", feeds, attrs, eps=1e-2)
+    check_op("ConvTranspose", feeds, attrs, eps=1e-2)
 
 
 def test_conv_transpose_with_output_shape_is_unsupported(rng):
     feeds = {"x": rng.normal(size=(1, 2, 3, 3)).astype(F32),
              "w": rng.normal(size=(2, 2, 3, 3)).astype(F32)}
     with pytest.raises(UnsupportedModelError, match="explicit pads"):
-        _check_op("ConvTranspose", feeds, {"strides": [2, 2], "output_shape": [6, 6]})
+        check_op("ConvTranspose", feeds, {"strides": [2, 2], "output_shape": [6, 6]})
 
 
 # ------------------------------------------------------------------------ pooling
@@ -139,13 +121,13 @@ MAXPOOL_CASES = [
 @pytest.mark.parametrize("attrs, shape, opset", MAXPOOL_CASES)
 def test_max_pool_routes_gradient_to_the_argmax(rng, attrs, shape, opset, dtype):
     x = _distinct(rng, shape, dtype)
-    _check_op("MaxPool", {"x": x}, attrs, opset=opset, eps=1e-2 if dtype == F32 else 1e-6)
+    check_op("MaxPool", {"x": x}, attrs, opset=opset, eps=1e-2 if dtype == F32 else 1e-6)
 
 
 def test_max_pool_with_overlapping_windows_needs_opset_16(rng):
     x = _distinct(rng, (1, 1, 4, 4))
     with pytest.raises(UnsupportedModelError, match="opset 16"):
-        _check_op("MaxPool", {"x": x}, {"kernel_shape": [3, 3]}, opset=15)
+        check_op("MaxPool", {"x": x}, {"kernel_shape": [3, 3]}, opset=15)
 
 
 @pytest.mark.parametrize("attrs, shape, opset", [
@@ -163,13 +145,13 @@ def test_max_pool_with_overlapping_windows_needs_opset_16(rng):
 ])
 def test_average_pool_gradient_is_the_exact_adjoint(rng, attrs, shape, opset):
     x = rng.normal(size=shape).astype(F32)
-    _check_op("AveragePool", {"x": x}, attrs, opset=opset, eps=1e-2)
+    check_op("AveragePool", {"x": x}, attrs, opset=opset, eps=1e-2)
 
 
 def test_average_pool_ceil_mode_that_changes_the_shape_is_unsupported(rng):
     x = rng.normal(size=(1, 1, 6, 6)).astype(F32)
     with pytest.raises(UnsupportedModelError, match="ceil_mode"):
-        _check_op("AveragePool", {"x": x}, {"kernel_shape": [3, 3], "strides": [2, 2],
+        check_op("AveragePool", {"x": x}, {"kernel_shape": [3, 3], "strides": [2, 2],
                                            "ceil_mode": 1})
 
 
@@ -177,7 +159,7 @@ def test_average_pool_ceil_mode_that_changes_the_shape_is_unsupported(rng):
 @pytest.mark.parametrize("op", ["GlobalAveragePool", "GlobalMaxPool"])
 def test_global_pools(rng, op, shape):
     x = _distinct(rng, shape)
-    _check_op(op, {"x": x}, {}, eps=1e-2, ort=True if op == "GlobalAveragePool" else "auto")
+    check_op(op, {"x": x}, {}, eps=1e-2, ort=True if op == "GlobalAveragePool" else "auto")
 
 
 # ----------------------------------------------------------------- normalizations
@@ -193,7 +175,7 @@ def _bn_feeds(rng, shape):
 def test_batch_normalization_inference(rng, shape, opset):
     c = shape[1]
     feeds = _bn_feeds(rng, shape)
-    grads = _check_op("BatchNormalization", feeds, {"epsilon": 1e-3}, opset=opset)
+    grads = check_op("BatchNormalization", feeds, {"epsilon": 1e-3}, opset=opset)
     inv = 1 / np.sqrt(feeds["var"] + 1e-3)
     r = cotangent(shape, np.float64)
     axes = tuple(i for i in range(len(shape)) if i != 1)
@@ -231,7 +213,7 @@ def test_instance_normalization(rng, shape):
     c = shape[1]
     feeds = {"x": rng.normal(size=shape).astype(F32),
              "scale": rng.normal(size=c).astype(F32), "b": rng.normal(size=c).astype(F32)}
-    _check_op("InstanceNormalization", feeds, {"epsilon": 1e-2}, eps=1e-2, rtol=5e-3,
+    check_op("InstanceNormalization", feeds, {"epsilon": 1e-2}, eps=1e-2, rtol=5e-3,
               atol=5e-3)
 
 
@@ -248,7 +230,7 @@ def test_layer_normalization(rng, shape, axis, scale_shape, with_bias):
     feeds = {"x": rng.normal(size=shape), "scale": rng.normal(size=scale_shape)}
     if with_bias:
         feeds["b"] = rng.normal(size=scale_shape)
-    _check_op("LayerNormalization", feeds, {"axis": axis, "epsilon": 1e-3}, opset=17)
+    check_op("LayerNormalization", feeds, {"axis": axis, "epsilon": 1e-3}, opset=17)
 
 
 @pytest.mark.parametrize("output", ["mean", "inv_std"])
@@ -280,14 +262,14 @@ def test_group_normalization_with_per_channel_scale(rng, shape, groups):
     feeds = {"x": rng.normal(size=shape), "scale": rng.normal(size=shape[1]),
              "b": rng.normal(size=shape[1])}
     # stash_type=11: statistics in double (the default stashes them in float32)
-    _check_op("GroupNormalization", feeds, {"num_groups": groups, "epsilon": 1e-3,
+    check_op("GroupNormalization", feeds, {"num_groups": groups, "epsilon": 1e-3,
                                             "stash_type": 11}, opset=21)
 
 
 def test_group_normalization_in_float32_with_default_stash_type(rng):
     feeds = {"x": rng.normal(size=(2, 6, 4)).astype(F32),
              "scale": rng.normal(size=6).astype(F32), "b": rng.normal(size=6).astype(F32)}
-    _check_op("GroupNormalization", feeds, {"num_groups": 3, "epsilon": 1e-2}, opset=21,
+    check_op("GroupNormalization", feeds, {"num_groups": 3, "epsilon": 1e-2}, opset=21,
               eps=1e-2, rtol=5e-3, atol=5e-3)
 
 
@@ -295,7 +277,7 @@ def test_group_normalization_in_float32_with_default_stash_type(rng):
 @pytest.mark.parametrize("shape, axis", [((3, 4), -1), ((3, 4), 0), ((2, 3, 4), 1)])
 def test_lp_normalization(rng, shape, axis, p):
     x = rng.uniform(0.2, 1.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
-    _check_op("LpNormalization", {"x": x}, {"axis": axis, "p": p})
+    check_op("LpNormalization", {"x": x}, {"axis": axis, "p": p})
 
 
 # ------------------------------------------------------------------ golden CNN

@@ -29,6 +29,7 @@ import pytest
 from gradcheck import check_gradients, cotangent
 from models import model_of_graph
 from onnx import helper
+from torch_steps import assert_sgd_steps_like_torch
 
 import lossgraph
 from lossgraph.errors import MissingGradientError, UnsupportedModelError
@@ -569,17 +570,5 @@ def test_an_exported_recurrent_network_trains_like_torch_step_for_step(kind, fus
     model = _exported(net, torch.from_numpy(X[:2]))
     assert kind in {n.op_type for n in model.graph.node}
     trainer = lossgraph.Trainer(lossgraph.compile_program(model, optimizer=SGD(0.2), fuse=fuse))
-    theirs = torch.optim.SGD(net.parameters(), lr=0.2)
-    for step in range(4):
-        rows = slice(8 * step, 8 * step + 8)
-        trainer.fit(X[rows], y[rows], epochs=1, batch_size=8, shuffle=False, progress=False,
-                    warm_start=step > 0)
-        theirs.zero_grad()
-        loss = ((net(torch.from_numpy(X[rows])) - torch.from_numpy(y[rows])) ** 2).mean()
-        loss.backward()
-        theirs.step()
-        with torch.no_grad():
-            expected = net(torch.from_numpy(X)).numpy()
-        np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-4, atol=1e-5,
-                                   err_msg=f"after step {step}")
+    assert_sgd_steps_like_torch(trainer, net, 0.2, X, y)
     assert abs(trainer.predict(X) - _session(model).run(None, {"x": X})[0]).max() > 1e-3

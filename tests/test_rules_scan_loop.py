@@ -23,6 +23,7 @@ import onnx
 import onnx.numpy_helper
 import pytest
 from gradcheck import check_gradients
+from torch_steps import assert_sgd_steps_like_torch
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
@@ -357,19 +358,7 @@ def test_an_exported_embedding_bag_trains_like_torch_step_for_step(fuse):
     initial = net.bag.weight.detach().numpy().copy()
     trainer = lossgraph.Trainer(lossgraph.compile_program(model, optimizer=SGD(0.5),
                                                            fuse=fuse))
-    theirs = torch.optim.SGD(net.parameters(), lr=0.5)
-    for step in range(4):
-        rows = slice(8 * step, 8 * step + 8)
-        trainer.fit(X[rows], y[rows], epochs=1, batch_size=8, shuffle=False, progress=False,
-                    warm_start=step > 0)
-        theirs.zero_grad()
-        loss = ((net(torch.from_numpy(X[rows])) - torch.from_numpy(y[rows])) ** 2).mean()
-        loss.backward()
-        theirs.step()
-        with torch.no_grad():
-            expected = net(torch.from_numpy(X)).numpy()
-        np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-4, atol=1e-5,
-                                   err_msg=f"after step {step}")
+    assert_sgd_steps_like_torch(trainer, net, 0.5, X, y)
     trained = {t.name: onnx.numpy_helper.to_array(t)
                for t in trainer.to_inference_model().graph.initializer}
     table = net.bag.weight.detach().numpy()

@@ -178,6 +178,25 @@ def test_dynamic_quantize_linear_scale_is_differentiated_through_the_body(rng):
     np.testing.assert_allclose(grads["x"], expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("condition", [True, False])
+def test_a_function_op_inside_an_if_branch_is_differentiated_through_its_body(rng, condition):
+    """The view expands subgraphs too; the If rule recomputes the (expanded) branch."""
+    x = rng.normal(size=(3,))
+    net = onnx.parser.parse_model("""<ir_version: 10, opset_import: ["" : 24]>
+        g (double[3] x, bool c) => (double[3] y) {
+            y = If(c) <then_branch = g1 () => (double[3] t) { t = Swish(x) },
+                       else_branch = g2 () => (double[3] e) { e = Neg(x) }>
+        }""")
+    with _newer_runtime():
+        graph = lossgraph.gradient(net, weights=["x"], outputs=["y"])
+    seed = graph.graph.input[2].name
+    r = cotangent(x.shape, x.dtype)
+    got = create_session(graph).run(["x_grad"], {"x": x, "c": np.array(condition), seed: r})[0]
+    s = 1 / (1 + np.exp(-x))
+    expected = r * (s + x * s * (1 - s)) if condition else -r
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_a_body_that_uses_an_older_form_of_an_op_is_not_placed():
     """A body written for opset 13 (ReduceMean's axes as an attribute) means something
     else in an opset 18 graph (axes became an input): the node is left as it is, for

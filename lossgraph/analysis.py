@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from .differentiability import differentiable_inputs
+from .differentiability import differentiable_inputs, not_differentiable_reason
 from .graphs import (
     FLOAT_TYPES,
     ForwardFacts,
@@ -121,9 +121,11 @@ def gradient_block(model: onnx.ModelProto, source: str, targets: Iterable[str],
         captured = any(value in outer_references(sub) for sub in subgraphs(node))
         if not captured and not any(node.input[p] == value for p in positions):
             where = [i for i, name in enumerate(node.input) if name == value]
+            reason = (not_differentiable_reason(node.op_type, node.domain)
+                      or "a shape, index, axis, count or condition input")
             return GradientBlock(tuple(path), at, (
                 f"{value!r} enters it as input {', '.join(map(str, where))}, which carries no "
-                "gradient (a shape, index, axis, count or condition input)"))
+                f"gradient ({reason})"))
     return GradientBlock(tuple(path), -1, "every link carries a gradient")
 
 

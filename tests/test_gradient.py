@@ -538,3 +538,13 @@ def test_a_gather_on_axis_1_before_a_gemm_differentiates_right(rows, run_model):
     expected[:, -1, :] = dy * np.arange(1, 9, dtype=np.float32)
     np.testing.assert_allclose(out["x_grad"], expected, rtol=1e-6)
     np.testing.assert_allclose(out["w_grad"], dy.T @ x[:, -1, :], rtol=1e-5)
+
+
+def test_a_weight_behind_an_op_declared_not_differentiable_is_told_why():
+    """The NoGradientError names the declared reason (lossgraph.differentiability), not the
+    generic one for shape, index or condition inputs."""
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+        g (float[N] x) => (float[N] y) <float[1] w = {0.5}>
+        { p = Mul(x, w)  y = Bernoulli(p) }""")
+    with pytest.raises(NoGradientError, match="a random draw of 0 or 1"):
+        gradient(model, weights=["w"], outputs=["y"])

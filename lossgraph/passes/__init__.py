@@ -23,6 +23,7 @@ The onnxruntime optimization passes live in :mod:`lossgraph.optimize`.
 """
 
 from .contract import Pass, PassResult, Pipeline
+from .expand_functions import ExpandFunctions
 from .fuse import EpochGraph, PackWeights, StepGraph
 from .gradient import Gradient
 from .loss import AddLossOutput, RemoveLossOutput
@@ -33,6 +34,7 @@ from .stabilize import StabilizeNumerics
 from .strip import InferenceMode, StripTraining
 from .weights import WeightsToInputs
 
-__all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "Gradient", "LowerMlOps",
+__all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "ExpandFunctions",
+           "Gradient", "LowerMlOps",
            "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "RunningStatistics",
            "StabilizeNumerics", "StepGraph", "StripTraining", "InferenceMode", "WeightsToInputs"]

@@ -93,11 +93,10 @@ from ..graphs import (
 from ..models import ModelLike
 from ..names import NameAuthority
 from .contract import Pass, PassResult
+from .gradient import BACKENDS
 
 __all__ = ["StabilizeNumerics", "StableRewrite", "stabilize_numerics"]
 
-#: The backends whose gradients the stable forms must have (as :class:`Gradient`'s).
-_BACKENDS = ("onnx", "ort")
 #: Ops a rewrite starts from, and ops every unstable form reads: a model without both
 #: is not looked at further (no shape inference).
 _ROOTS = frozenset({"Reciprocal", "Div", "Log"})
@@ -132,10 +131,10 @@ class StabilizeNumerics(Pass):
     backend: str = "onnx"
 
     def __post_init__(self) -> None:
-        if self.backend not in _BACKENDS:
+        if self.backend not in BACKENDS:
             raise UnsupportedOptionError(
                 f"StabilizeNumerics(backend={self.backend!r}): the backend must be one of "
-                f"{', '.join(map(repr, _BACKENDS))}.")
+                f"{', '.join(map(repr, BACKENDS))}.")
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         graphs = list(all_graphs(model.graph))

@@ -3,6 +3,7 @@ too); the generated ops table is current."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import runpy
@@ -18,13 +19,23 @@ from lossgraph.autodiff.table import markdown
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("[0-9][0-9]_*.py"))
+
+
+def needs(*modules: str) -> pytest.MarkDecorator:
+    """Skip where one of ``modules`` (optional packages) is not installed."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
+
+
 #: Examples that need more than the core dependencies, by the marker that says so.
 EXAMPLE_MARKS = {"02_finetune_torch_export.py": pytest.mark.torch,
-                 "06_torch_layer.py": pytest.mark.torch}
+                 "06_torch_layer.py": pytest.mark.torch,
+                 "07_out_of_core.py": needs("pyarrow")}
 BLOCKS = [(page, index, code) for page in PAGES
           for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
-#: A block whose first line is "# needs torch" runs where torch is installed.
-BLOCK_MARKS = {"# needs torch": pytest.mark.torch}
+#: A block whose first line is "# needs torch" (or another package) runs where it is installed.
+BLOCK_MARKS = {"# needs torch": pytest.mark.torch, "# needs pyarrow": needs("pyarrow"),
+               "# needs dask-ml": needs("dask_ml", "distributed")}
 
 
 @pytest.mark.parametrize(("page", "index", "code"), [

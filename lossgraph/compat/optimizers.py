@@ -14,7 +14,10 @@ Both are thin: :func:`~lossgraph.compile_program` builds the graphs and a
 (``Trainer.fit(epoch_learning_rate=...)``); for momentum the velocities are rescaled
 between epochs so that the updates are scikit-learn's ``SGDOptimizer``'s
 (:mod:`lossgraph.compat.learning_rate`). Training starts from the model's own
-initializers; ``warm_start=True`` continues the last fit.
+initializers; ``warm_start=True`` continues the last fit, and ``partial_fit`` trains one
+epoch at a time on the data it is given (incremental learning, ``dask_ml``'s
+``Incremental``). Pickling keeps the training's progress; the onnxruntime sessions are
+made again after unpickling.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import math
 import numbers
 import os
+import reprlib
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -37,6 +41,7 @@ from ..compiler import compile_program
 from ..errors import (
     ConvergenceError,
     ConvergenceWarning,
+    InvalidDataError,
     NotFittedError,
     UnknownNameError,
     UnsupportedModelError,
@@ -145,20 +150,29 @@ class _TrainingEstimator(BaseEstimator):
         return tuple((name, id(getattr(self, name)), repr(getattr(self, name)))
                      for name in self._COMPILE_PARAMS)
 
-    def _trainer(self) -> Trainer:
+    def _trainer(self, continuing: bool = False) -> Trainer:
+        """The Trainer of the current parameters, compiled when they changed. A new one
+        starts from the trained weights, if any; ``continuing`` (``partial_fit``, a warm
+        start) carries over the optimizer states of the same names and shapes and the
+        progress too (epoch and step counts, shuffling generator, losses)."""
         key = self._compile_key()
         if getattr(self, "_compiled_key", None) != key:
             providers = device_providers(self.device)
+            previous = getattr(self, "train_session_", None) if continuing else None
             self._rate = BaseLearningRate.select(self.learning_rate)
             self.train_session_ = Trainer(self._program(), providers=providers)
             self._compiled_key = key
-            if hasattr(self, "trained_coef_"):  # parameters changed after fit
+            if previous is not None:
+                self.train_session_.set_state(self._restorable(previous.state))
+                self.train_session_._restore_progress(previous._progress())
+            elif hasattr(self, "trained_coef_"):  # parameters changed after fit
                 self.train_session_.set_state(self._restorable(self.trained_coef_))
         return self.train_session_
 
     def _restorable(self, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         live = self.train_session_.state
-        return {k: v for k, v in state.items() if k in live and np.shape(v) == live[k].shape}
+        return {k: v for k, v in state.items()
+                if k in live and np.shape(v) == live[k].shape and v.dtype == live[k].dtype}
 
     # -- checks --------------------------------------------------------------------------
     def _check_params(self) -> None:
@@ -188,9 +202,59 @@ class _TrainingEstimator(BaseEstimator):
         return max(1, int(self.max_iter * every) if every < 1 else int(every))
 
     # -- training ----------------------------------------------------------------------
-    def _fit(self, X: Any, y: Any, sample_weight: Any, X_val: Any, y_val: Any) -> Any:
+    def _check_fit(self, sample_weight: Any) -> None:
+        """What this class checks of a fit's or partial_fit's arguments before compiling."""
+
+    def partial_fit(self, X: Any, y: Any, sample_weight: Any = None,
+                    classes: Any = None) -> Any:
+        """One epoch over ``(X, y)`` in minibatches of ``batch_size``, continuing the
+        training so far; returns ``self``.
+
+        scikit-learn's incremental learning (its MLP's ``partial_fit``), for data that
+        come in parts (``dask_ml.wrappers.Incremental``, a loop over files): the first call
+        compiles and starts from the model's initializers (or from a previous ``fit``);
+        each call continues the weights, optimizer states, shuffling generator and loss
+        history, and counts as one epoch of the learning-rate schedule
+        (``learning_rate.value(t)`` for the t-th call, momentum rescaled between calls).
+        ``partial_fit`` k times on the same data trains exactly as ``fit`` with
+        ``max_iter=k``; ``max_iter``, ``warm_start`` and validation do not apply.
+        ``classes`` (scikit-learn's argument) may be left out: the labels are class
+        indices, so when given it must hold each of ``0..C-1`` once, C the model's class
+        count where the model fixes it; a regressor takes none.
+        """
+        return self._fit(X, y, sample_weight, None, None, epochs=1, warm_start=True,
+                         classes=classes)
+
+    def _check_classes(self, classes: Any, trainer: Trainer) -> None:
+        """``partial_fit``'s ``classes`` against the labels this model takes (class indices,
+        ``0..C-1``); errors name what to pass instead."""
+        owner = type(self).__name__
+        if not self._is_classifier():
+            raise UnsupportedOptionError(
+                f"classes={reprlib.repr(classes)} was given, but this {owner} is a regressor "
+                "(float labels): classes applies to a classifier's integer class labels. Leave "
+                "it out.")
+        values = np.asarray(classes)
+        known = trainer._classes  # None: the model does not fix it
+        valid = f"0..{known - 1}" if known else "0..C-1"
+        if (values.ndim != 1 or not values.size or values.dtype.kind not in "iu"
+                or (known and len(values) != known)
+                or not np.array_equal(np.sort(values), np.arange(len(values)))):
+            raise InvalidDataError(
+                f"classes={reprlib.repr(classes)}: the model's labels are class indices, so "
+                f"classes must hold each of {valid} once (in any order). Encode labels with "
+                f"sklearn.preprocessing.LabelEncoder and pass classes=range({known or 'C'}), "
+                "or leave classes out.")
+
+    def _fit(self, X: Any, y: Any, sample_weight: Any, X_val: Any, y_val: Any, *,
+             epochs: int, warm_start: bool, classes: Any = None) -> Any:
+        """``epochs`` epochs of training from the start (or, ``warm_start``, from the state
+        so far), recorded in the fitted attributes."""
         self._check_params()
-        trainer = self._trainer()
+        self._check_fit(sample_weight)
+        trainer = self._trainer(continuing=warm_start)
+        if classes is not None:
+            self._check_classes(classes, trainer)
         if (X_val is None) != (y_val is None):
             raise UnsupportedOptionError("Pass both X_val and y_val, or neither.")
         rate = self._rate
@@ -210,13 +274,13 @@ class _TrainingEstimator(BaseEstimator):
         raises = getattr(self, "exc", True)
         finite: list[dict[str, np.ndarray]] = []
         if not raises:  # a divergence must leave finite weights: remember the last ones
-            finite.append(trainer.state if self.warm_start else
+            finite.append(trainer.state if warm_start else
                           {k: v.copy() for k, v in trainer.program.state.items()})
             callbacks.append(self._remember_finite(finite))
         try:
-            trainer.fit(X, y, sample_weight, epochs=self.max_iter, batch_size=self.batch_size,
+            trainer.fit(X, y, sample_weight, epochs=epochs, batch_size=self.batch_size,
                         shuffle=True, random_state=self.random_state, callbacks=callbacks,
-                        progress=self.verbose > 0, warm_start=self.warm_start,
+                        progress=self.verbose > 0, warm_start=warm_start,
                         epoch_learning_rate=rate.value)
         except ConvergenceError as exc:
             if raises:
@@ -405,11 +469,14 @@ class OrtGradientOptimizer(_TrainingEstimator):
         the data's memory directly, which gives the same numbers as copying it.
         """
         flag("use_numpy", use_numpy)
+        return self._fit(X, y, sample_weight, X_val, y_val, epochs=self.max_iter,
+                         warm_start=self.warm_start)
+
+    def _check_fit(self, sample_weight: Any) -> None:
         if sample_weight is not None and "sample_weight" not in get_roles(self._loss_model()):
             raise UnsupportedOptionError(
                 "sample_weight was given, but the model has no sample-weight input: build it "
                 f"with add_loss_output(..., weight_name={self.sample_weight_name!r}).")
-        return self._fit(X, y, sample_weight, X_val, y_val)
 
 
 class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
@@ -477,11 +544,14 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
     def fit(self, X: Any, y: Any, sample_weight: Any = None, X_val: Any = None,
             y_val: Any = None) -> OrtGradientForwardBackwardOptimizer:
         """Train for ``max_iter`` epochs; returns ``self``."""
+        return self._fit(X, y, sample_weight, X_val, y_val, epochs=self.max_iter,
+                         warm_start=self.warm_start)
+
+    def _check_fit(self, sample_weight: Any) -> None:
         flag("exc", self.exc)
         flag("enable_logging", self.enable_logging)
         if sample_weight is not None:
-            self._weighted = True
-        return self._fit(X, y, sample_weight, X_val, y_val)
+            self._weighted = True  # the loss graph gets a sample-weight input
 
     # -- per-row losses ----------------------------------------------------------------------
     def _row_loss_session(self) -> Any:

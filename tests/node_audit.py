@@ -609,14 +609,33 @@ def totals(results: Sequence[Result]) -> Counter:
     return Counter(r.category for r in results)
 
 
+# A test's verdict is the first of these that any of its float inputs got: one wrong
+# input makes the test wrong; a test passes when an input passes and no input is wrong,
+# crashed, missing a rule or unsupported (its other inputs, like Resize's scales, may be
+# not differentiable).
+_TEST_PRECEDENCE = (WRONG, CRASH, MISSING, UNSUPPORTED, PASS, NOT_DIFFERENTIABLE, SKIPPED)
+
+
+def verdicts_per_test(results: Sequence[Result]) -> dict[str, str]:
+    """One verdict per node test, from the verdicts of its float inputs."""
+    seen: dict[str, set[str]] = {}
+    for r in results:
+        seen.setdefault(r.test, set()).add(r.category)
+    return {test: next(c for c in _TEST_PRECEDENCE if c in categories)
+            for test, categories in seen.items()}
+
+
 def table(results: Sequence[Result]) -> str:
-    """The totals as a Markdown table."""
-    counts = totals(results)
-    header = "| " + " | ".join(CATEGORIES) + " | total |"
-    rule = "|" + "---|" * (len(CATEGORIES) + 1)
-    row = "| " + " | ".join(str(counts.get(c, 0)) for c in CATEGORIES) + \
-        f" | {len(results)} |"
-    return "\n".join([header, rule, row])
+    """The totals per float input and per node test, as a Markdown table."""
+    header = "| counted per | " + " | ".join(CATEGORIES) + " | total |"
+    rule = "|" + "---|" * (len(CATEGORIES) + 2)
+    rows = []
+    for unit, categories in (("float input", [r.category for r in results]),
+                             ("node test", list(verdicts_per_test(results).values()))):
+        counts = Counter(categories)
+        rows.append(f"| {unit} | " + " | ".join(str(counts.get(c, 0)) for c in CATEGORIES)
+                    + f" | {len(categories)} |")
+    return "\n".join([header, rule, *rows])
 
 
 def listing(results: Sequence[Result], category: str) -> str:

@@ -20,10 +20,12 @@ from node_audit import (  # noqa: E402
     SKIPPED,
     UNSUPPORTED,
     WRONG,
+    Result,
     audit,
     listing,
     node_tests,
     table,
+    verdicts_per_test,
 )
 
 #: (test, input) -> verdict, for the cases that found a wrong gradient or a crash.
@@ -155,3 +157,13 @@ def test_the_whole_node_test_suite_has_no_wrong_gradient_and_no_crash(request):
     print(table(results))
     bad = [r for r in results if r.category in (WRONG, CRASH)]
     assert not bad, listing(bad, WRONG) + "\n" + listing(bad, CRASH)
+
+
+def test_a_node_test_is_as_bad_as_its_worst_input_and_passes_beside_inputs_without_gradient():
+    results = [Result("t_wrong", "x", PASS), Result("t_wrong", "w", WRONG),
+               Result("t_pass", "x", PASS), Result("t_pass", "scales", NOT_DIFFERENTIABLE),
+               Result("t_unsupported", "x", UNSUPPORTED), Result("t_unsupported", "w", PASS),
+               Result("t_nd", "x", NOT_DIFFERENTIABLE), Result("t_skip", "x", SKIPPED)]
+    assert verdicts_per_test(results) == {
+        "t_wrong": WRONG, "t_pass": PASS, "t_unsupported": UNSUPPORTED,
+        "t_nd": NOT_DIFFERENTIABLE, "t_skip": SKIPPED}

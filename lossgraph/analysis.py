@@ -114,14 +114,16 @@ def gradient_block(model: onnx.ModelProto, source: str, targets: Iterable[str],
         if not is_float(out):
             elem_type = types[out].tensor_type.elem_type
             kind = elem_type_name(elem_type) if elem_type else "not a tensor"
+            why = not_differentiable_reason(node.op_type, node.domain)
             return GradientBlock(tuple(path), at, f"its output {out!r} is {kind}, which "
-                                 "carries no gradient")
+                                 "carries no gradient" + (f" ({why})" if why else ""))
         positions = differentiable_inputs(node.op_type, node.domain, len(node.input),
                                           opset=opset_version(model, node.domain))
         captured = any(value in outer_references(sub) for sub in subgraphs(node))
         if not captured and not any(node.input[p] == value for p in positions):
             where = [i for i, name in enumerate(node.input) if name == value]
-            reason = (not_differentiable_reason(node.op_type, node.domain)
+            reason = (not_differentiable_reason(node.op_type, node.domain, where[0],
+                                                opset_version(model, node.domain))
                       or "a shape, index, axis, count or condition input")
             return GradientBlock(tuple(path), at, (
                 f"{value!r} enters it as input {', '.join(map(str, where))}, which carries no "

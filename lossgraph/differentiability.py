@@ -51,22 +51,28 @@ NOT_DIFFERENTIABLE: dict[tuple[str, str], str] = {
                                              "are attributes",
     ("ai.onnx.ml", "TreeEnsembleClassifier"): "piecewise constant in X, and its leaf values "
                                               "are attributes",
+    ("", "QuantizeLinear"): "its output is rounded; to train through a QuantizeLinear -> "
+                            "DequantizeLinear pair, use the straight-through estimator: "
+                            "lossgraph.passes.straight_through_quantization(model)",
     **{("ai.onnx.preview.training", op): "an optimizer's update step: lossgraph emits its "
                                           "own updates after the gradient and does not "
                                           "differentiate through one (meta-learning)"
        for op in ("Adagrad", "Adam", "Momentum")},
 }
 
-#: op type -> float inputs that carry a gradient but are not weights: statistics
-#: (BatchNormalization's running mean and variance are updated, never trained) and
-#: constants (class weights, one-hot values). The gradient pass differentiates them
-#: when asked; ``trainable_initializers`` skips them.
-NON_TRAINABLE_INPUTS: dict[str, frozenset[int]] = {
+#: op type (of ai.onnx; (domain, op type) for others) -> float inputs that carry a
+#: gradient but are not weights: statistics (BatchNormalization's running mean and
+#: variance are updated, never trained), constants (class weights, one-hot values) and
+#: the scales of a fake quantization (fixed, as torch's FakeQuantize keeps them). The
+#: gradient pass differentiates them when asked; ``trainable_initializers`` skips them.
+NON_TRAINABLE_INPUTS: dict[str | tuple[str, str], frozenset[int]] = {
     "BatchNormalization": frozenset({3, 4}),
     # class weights and one-hot values are constants of the loss or the encoding
     "SoftmaxCrossEntropyLoss": frozenset({2}),
     "NegativeLogLikelihoodLoss": frozenset({2}),
     "OneHot": frozenset({2}),
+    # lossgraph.passes.StraightThroughQuantization's fake quantization
+    ("lossgraph", "FakeQuantizeLinear"): frozenset({1}),
 }
 
 
@@ -84,12 +90,22 @@ def differentiable_inputs(op_type: str, domain: str, arity: int, trainable: bool
         skipped = NON_DIFFERENTIABLE_INPUTS.get(op_type, frozenset()) if standard else frozenset()
         if not_differentiable_reason(op_type, domain) is not None:
             skipped = _ALL
-    if trainable and domain in ("", "ai.onnx"):
-        skipped = skipped | NON_TRAINABLE_INPUTS.get(op_type, frozenset())
+    if trainable:
+        key = op_type if domain in ("", "ai.onnx") else (domain, op_type)
+        skipped = skipped | NON_TRAINABLE_INPUTS.get(key, frozenset())
     return [i for i in range(arity) if i not in skipped]
 
 
-def not_differentiable_reason(op_type: str, domain: str = "") -> str | None:
-    """Why no input of ``domain::op_type`` carries a gradient (:data:`NOT_DIFFERENTIABLE`),
-    or ``None``; a rule registered for the op overrides the declaration."""
+def not_differentiable_reason(op_type: str, domain: str = "", position: int | None = None,
+                              opset: int | None = None) -> str | None:
+    """Why input ``position`` of ``domain::op_type`` (at ``opset``) carries no gradient,
+    where its rule's ``nondiff`` declaration says; else why no input of the op does
+    (:data:`NOT_DIFFERENTIABLE`); else ``None``."""
+    from .autodiff.registry import find_rule
+
+    if position is not None:
+        info = find_rule(op_type, domain, opset) if opset is not None else None
+        reason = info.nondiff_reason(position) if info is not None else None
+        if reason is not None:
+            return reason
     return NOT_DIFFERENTIABLE.get(("" if domain == "ai.onnx" else domain, op_type))

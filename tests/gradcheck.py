@@ -46,6 +46,12 @@ def _session(model: onnx.ModelProto, basic: bool = False):
     return create_session(model, session_options=quiet_session_options(**settings))
 
 
+def _fresh(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Copies of the inputs for one run: onnxruntime's training-mode BatchNormalization
+    writes its running statistics into its inputs' buffers."""
+    return {k: np.array(v, copy=True) for k, v in inputs.items()}
+
+
 def _as_model(model: onnx.ModelProto | str) -> onnx.ModelProto:
     return onnx.parser.parse_model(model) if isinstance(model, str) else model
 
@@ -60,7 +66,7 @@ def forward(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray],
     """The value of ``output`` (default: the first output)."""
     model = _as_model(model)
     output = output or model.graph.output[0].name
-    return _session(model, basic).run([output], dict(inputs))[0]
+    return _session(model, basic).run([output], _fresh(inputs))[0]
 
 
 def loss_model(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray],
@@ -90,12 +96,16 @@ def finite_differences(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray],
     base = {k: np.array(v, copy=True) for k, v in inputs.items()}
     x = base[name]
     grad = np.zeros(x.shape, dtype=np.float64)
+
+    def run() -> float:
+        return float(session.run([loss], _fresh(base))[0])
+
     for index in np.ndindex(x.shape):
         original = x[index]
         x[index] = original + eps
-        plus = float(session.run([loss], base)[0])
+        plus = run()
         x[index] = original - eps
-        minus = float(session.run([loss], base)[0])
+        minus = run()
         x[index] = original
         grad[index] = (plus - minus) / (2 * eps)
     return grad
@@ -133,7 +143,8 @@ def check_gradients(
     foreign = {n.domain for n in graph.graph.node if n.domain not in ("", "ai.onnx")}
     assert not foreign, f"onnx backend emitted non-standard domains {foreign}"
     grad_outputs = [f"{w}_grad" for w in wrt]
-    grads = dict(zip(wrt, _session(graph, basic_optimizations).run(grad_outputs, inputs)))
+    grads = dict(zip(wrt, _session(graph, basic_optimizations).run(grad_outputs,
+                                                                   _fresh(inputs))))
     for w in wrt:
         assert grads[w].shape == inputs[w].shape, (w, grads[w].shape, inputs[w].shape)
         assert grads[w].dtype == inputs[w].dtype, (w, grads[w].dtype, inputs[w].dtype)
@@ -151,23 +162,36 @@ def check_gradients(
 def to_float32(model: onnx.ModelProto) -> onnx.ModelProto:
     """The same model computing in float32 (onnxruntime-training's builder needs it),
     subgraphs included."""
+    return _retyped(model, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT)
+
+
+def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model computing in float64 (a float32 export checked against float64
+    references), subgraphs included."""
+    return _retyped(model, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+
+
+def _retyped(model: onnx.ModelProto, source: int, target: int) -> onnx.ModelProto:
+    """``model`` with every ``source`` float type (values, initializers, Cast targets,
+    tensor attributes) made ``target``."""
+    dtype = helper.tensor_dtype_to_np_dtype(target)
     result = onnx.ModelProto()
     result.CopyFrom(model)
     for graph in all_graphs(result.graph):
         for value in (*graph.input, *graph.output, *graph.value_info):
-            if value.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE:
-                value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+            if value.type.tensor_type.elem_type == source:
+                value.type.tensor_type.elem_type = target
         for index, tensor in enumerate(graph.initializer):
-            if tensor.data_type == onnx.TensorProto.DOUBLE:
-                array = numpy_helper.to_array(tensor).astype(np.float32)
+            if tensor.data_type == source:
+                array = numpy_helper.to_array(tensor).astype(dtype)
                 graph.initializer[index].CopyFrom(numpy_helper.from_array(array, tensor.name))
         for node in graph.node:
             for attribute in node.attribute:
-                if attribute.name == "to" and attribute.i == onnx.TensorProto.DOUBLE:
-                    attribute.i = onnx.TensorProto.FLOAT
+                if attribute.name == "to" and attribute.i == source:
+                    attribute.i = target
                 if attribute.type == onnx.AttributeProto.TENSOR and \
-                        attribute.t.data_type == onnx.TensorProto.DOUBLE:
-                    array = numpy_helper.to_array(attribute.t).astype(np.float32)
+                        attribute.t.data_type == source:
+                    array = numpy_helper.to_array(attribute.t).astype(dtype)
                     attribute.t.CopyFrom(numpy_helper.from_array(array, attribute.t.name))
     return result
 
@@ -201,7 +225,7 @@ def _compare_with_ort(with_loss, inputs, wrt, grads, ort, rtol, atol) -> None:
         if ort is True:
             raise AssertionError(f"onnxruntime-training could not differentiate: {exc}") from exc
         return
-    expected = dict(zip(wrt, session.run([f"{w}_grad" for w in wrt], inputs)))
+    expected = dict(zip(wrt, session.run([f"{w}_grad" for w in wrt], _fresh(inputs))))
     for w in wrt:
         np.testing.assert_allclose(grads[w], expected[w].astype(grads[w].dtype), rtol=rtol,
                                    atol=atol,

@@ -50,6 +50,7 @@ from lossgraph.passes import (
     WeightsToInputs,
 )
 from lossgraph.passes.expand_functions import ExpandFunctions
+from lossgraph.passes.quantization import StraightThroughQuantization
 from lossgraph.passes.running_stats import RunningStatistics
 from lossgraph.passes.stabilize import StabilizeNumerics
 from lossgraph.passes.strip import InferenceMode
@@ -139,6 +140,14 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
                            one = Constant<value = double {1}>()  r = Sigmoid(x)
                            d = Sub(one, r)  b = Log(d) }> }"""),
         StabilizeNumerics("ort")),
+    "StraightThroughQuantization": (lambda: onnx.parser.parse_model("""<ir_version: 8,
+        opset_import: ["" : 13]> g (float[N, 2] x) => (float[N, 2] y)
+        <float[2, 2] w = {0.5, -1, 2, 0.1}, float[2] s = {0.01, 0.02}, int8[2] z = {0, 1},
+         float sa = {0.05}, uint8 za = {128}, int8[2, 2] v = {3, -4, 5, 6}> {
+            wq = QuantizeLinear<axis = 0>(w, s, z)  wd = DequantizeLinear<axis = 0>(wq, s, z)
+            h = MatMul(x, wd)  hq = QuantizeLinear(h, sa, za)  hd = DequantizeLinear(hq, sa, za)
+            vd = DequantizeLinear<axis = 0>(v, s, z)  y = MatMul(hd, vd) }"""),
+        StraightThroughQuantization(dequantize_weights=True)),
     "Gradient": (lambda: with_loss("torch_cnn"), Gradient()),
     "Gradient (vector-Jacobian)": (lambda: golden("hand_broadcast_reuse"),
                                    Gradient(outputs=["Y"])),

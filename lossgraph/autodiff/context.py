@@ -172,15 +172,16 @@ class GradContext(GraphBuilder):
         if kept:
             grad = self.reduce("ReduceSum", grad, kept, keepdims=1)
         if unknown:
-            grad = self._sum_where_broadcast(grad, to, source, unknown, lead)
+            grad = self.sum_where_broadcast(grad, to, source, unknown, lead)
         if lead > 0:
             grad = self.reduce("ReduceSum", grad, list(range(lead)), keepdims=0)
         return grad
 
-    def _sum_where_broadcast(self, grad: str, to: str, source: str, axes: list[int],
-                             lead: int) -> str:
-        """Sum ``grad`` over those of ``axes`` (of ``source``) where ``to`` is 1 at run time
-        and ``source`` is not: ``ReduceSum`` with axes picked by ``Compress``."""
+    def sum_where_broadcast(self, grad: str, to: str, source: str, axes: list[int],
+                            lead: int) -> str:
+        """Sum ``grad`` over those of ``axes`` (of ``source``, axis ``a`` being axis
+        ``a - lead`` of ``to``) where ``to`` is 1 at run time and ``source`` is not:
+        ``ReduceSum`` with axes picked by ``Compress``, dims kept."""
         if self.opset < 13:
             raise UnsupportedModelError(
                 f"Cannot tell statically how {to!r} broadcasts against {source!r}, and summing "

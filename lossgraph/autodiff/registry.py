@@ -18,10 +18,12 @@ also knows forward shapes, types and constant values), ``node`` a
 (``None`` for an output no gradient flows into; single-output ops always get one).
 
 ``nondiff`` declares the input positions that never carry a gradient (shapes, axes,
-indices, conditions, counts, and float inputs such as Resize's scales). The
-declaration is the one source of that fact: the walker and the analyses
-(:mod:`lossgraph.differentiability`, ``trainable_initializers``) read it from here,
-so a rule that overrides a built-in one states it again.
+indices, conditions, counts, and float inputs such as Resize's scales); a mapping
+``{position: reason}`` also says why, for the error that names such an input (a float
+input the op treats as a constant: ``RoiAlign``'s regions). The declaration is the one
+source of that fact: the walker and the analyses (:mod:`lossgraph.differentiability`,
+``trainable_initializers``) read it from here, so a rule that overrides a built-in one
+states it again.
 
 **The rule contract**, checked by the walker for every call:
 
@@ -51,7 +53,7 @@ registered inside ``with scoped_rules():`` are dropped when it ends (tests, tria
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +76,12 @@ class RuleInfo:
     rule: GradRule
     #: input positions that never carry a gradient
     nondiff: frozenset[int] = frozenset()
+    #: (position, why) for the ``nondiff`` inputs whose declaration says why
+    nondiff_reasons: tuple[tuple[int, str], ...] = ()
+
+    def nondiff_reason(self, position: int) -> str | None:
+        """Why input ``position`` carries no gradient, where the rule says."""
+        return dict(self.nondiff_reasons).get(position)
 
     def covers(self, version: int) -> bool:
         return self.since <= version and (self.until is None or version <= self.until)
@@ -94,7 +102,7 @@ def grad_rule(
     until: int | None = None,
     broadcast: bool = False,
     notes: str = "",
-    nondiff: Iterable[int] = (),
+    nondiff: Iterable[int] | Mapping[int, str] = (),
 ) -> Callable[[GradRule], GradRule]:
     """Register the decorated function as the gradient rule of ``domain::op_type``.
 
@@ -103,13 +111,14 @@ def grad_rule(
     "straight-through: zero gradient"); ``nondiff`` lists the input positions that
     never carry a gradient (the rule returns ``None`` there). Registering a rule for
     an op and opset range that already has one replaces it, so users can override
-    built-in rules.
+    built-in rules. ``nondiff`` as a mapping ``{position: reason}`` also says why.
     """
+    reasons = tuple(sorted(nondiff.items())) if isinstance(nondiff, Mapping) else ()
 
     def register(rule: GradRule) -> GradRule:
         key = ("" if domain == "ai.onnx" else domain, op_type)
         info = RuleInfo(op_type, key[0], since, until, broadcast, notes, rule,
-                        frozenset(nondiff))
+                        frozenset(nondiff), reasons)
         kept = [r for r in _RULES.get(key, []) if (r.since, r.until) != (since, until)]
         _RULES[key] = sorted([*kept, info], key=lambda r: r.since)
         return rule

@@ -12,6 +12,9 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
   explicit and its running statistics (the program's buffers) updated as torch does
 - :class:`StabilizeNumerics`: overflowing forms (``1 / (1 + Exp(-s))``, ``Log(Softmax)``,
   ``Log(Sigmoid)``, ...) rewritten into stable ones before differentiation
+- :class:`StraightThroughQuantization` (run by the user, before compiling): fake
+  quantization (QuantizeLinear -> DequantizeLinear) differentiated with the straight-through
+  estimator, for quantization-aware training
 - :class:`Gradient`: gradients or vector-Jacobian products
 - :class:`PackWeights`, :class:`StepGraph`, :class:`EpochGraph`: fusion with the
   optimizer's update
@@ -28,6 +31,7 @@ from .fuse import EpochGraph, PackWeights, StepGraph
 from .gradient import Gradient
 from .loss import AddLossOutput, RemoveLossOutput
 from .lower_ml import LowerMlOps
+from .quantization import StraightThroughQuantization, straight_through_quantization
 from .rename import AlphabetizeInitializers
 from .running_stats import RunningStatistics
 from .stabilize import StabilizeNumerics
@@ -37,4 +41,5 @@ from .weights import WeightsToInputs
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "ExpandFunctions",
            "Gradient", "LowerMlOps",
            "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "RunningStatistics",
-           "StabilizeNumerics", "StepGraph", "StripTraining", "InferenceMode", "WeightsToInputs"]
+           "StabilizeNumerics", "StepGraph", "StraightThroughQuantization", "StripTraining",
+           "InferenceMode", "WeightsToInputs", "straight_through_quantization"]

@@ -50,6 +50,7 @@ from ..names import NameAuthority
 from ..roles import get_roles
 from .contract import Pass, PassResult
 from .expand_functions import gradient_view
+from .quantization import quantized_weight_hint
 
 __all__ = ["Gradient", "gradient", "BACKENDS"]
 
@@ -198,6 +199,7 @@ def _check_wrt(graph: onnx.GraphProto, wrt: Sequence[str], facts: ForwardFacts) 
             raise DTypeMismatchError(
                 f"Cannot differentiate with respect to {w!r} of type {_type_name(facts, w)}: "
                 "only float and double tensors have gradients."
+                + quantized_weight_hint(graph, w)
             )
 
 

@@ -10,7 +10,9 @@
                               OneHot(i)^T @ dy before opset 16
     GatherElements(x, i, a)   dx = ScatterElements(zeros, i, dy, a, reduction=add) (opset 16+),
                               ReduceSum(OneHot(i) * dy, a) before opset 16
-    GatherND(x, i)            dx = ScatterND(zeros, i, dy, reduction=add)  (opset 16+)
+    GatherND(x, i)            dx = ScatterND(zeros, i, dy, reduction=add) (opset 16+); before
+                              opset 16, Gather's form on the flat positions sum_j i_j stride_j
+                              of x flattened over the k axes i indexes
     ScatterND(x, i, u)        dx = ScatterND(dy, i, zeros)   du = GatherND(dy, i)
     ScatterElements(x, i, u)  dx = ScatterElements(dy, i, zeros, a)   du = GatherElements(dy, i, a)
                               (reduction=add: dx = dy)
@@ -31,19 +33,27 @@
     Trilu(x, k)               dx = Trilu(dy, k, upper)
     ReverseSequence(x, n)     dx = GatherElements(dy, i, time axis), i = n - 1 - t inside a
                               sequence and t past its end (a reversal is its own adjoint)
-    Resize(x)                 dx = dy contracted with the constant interpolation matrix of each
-                              resized axis (computed at build time with onnx.reference on unit
-                              vectors: the exact adjoint of every mode). align_corners with
-                              scales whose product with the size is not whole: an error
-                              (onnxruntime and the specification disagree on the forward)
+    Resize(x)                 dx = dy contracted with the interpolation matrix M_a of each
+                              resized axis a (Resize is separable and linear in x): M_a^T is
+                              the runtime's own Resize (the node's attributes, roi and scale or
+                              size of a) of the identity EyeLike(n_a x n_a) along its second
+                              axis, so dx is the exact adjoint of the forward the runtime
+                              computes (onnxruntime folds it to a constant when shapes are
+                              static); keep_aspect_ratio_policy: a 4-D probe that also holds the
+                              axis setting the common scale. Axes with scale 1 (size kept, roi
+                              0..1) cost nothing; where that is known at run time only, If.
+                              align_corners or tf_crop_and_resize with scales whose output
+                              size is not whole: an error (onnxruntime and the specification
+                              disagree on the forward)
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
+from ...builder import GraphBuilder
 from ...errors import UnsupportedModelError
 from ..registry import grad_rule
 from .shape import shape_of, static_shape
@@ -142,6 +152,18 @@ def pad(g, node, dy):
     return node.grads(dx, None, dc)
 
 
+def _sum_rows_by_one_hot(g, positions: str, depth: str, rows: str, like: str,
+                         shape: str) -> str:
+    """``dx[p] = sum of rows[j] where positions[j] = p`` (duplicates accumulate), for
+    ``depth`` positions, reshaped to ``shape``: ``OneHot(positions)^T @ rows``, each
+    flattened to a matrix. Needs no scatter with a reduction (opset 16)."""
+    one_hot = _one_hot(g, positions, depth, like, axis=-1)
+    flat_hot = g.Reshape(one_hot, g.Concat(g.ints([-1]), depth, axis=0))
+    flat_rows = g.Reshape(rows, g.Concat(g.Reshape(g.Size(positions), g.ints([1], hint="shape")),
+                                         g.ints([-1]), axis=0))
+    return g.Reshape(g.Gemm(flat_hot, flat_rows, transA=1), shape)
+
+
 # ---------------------------------------------------------------------------- Gather
 @grad_rule("Gather", since=13, nondiff=(1,),
            notes="duplicate indices accumulate; ScatterND(add) from opset 16, OneHot+Gemm before")
@@ -163,12 +185,8 @@ def gather(g, node, dy):
         dx_t = g.ScatterND(g.filled(shape_t, 0, x, hint="zeros"), g.unsqueeze(idx, [q]), dy_t,
                            reduction="add")
     else:
-        depth = _dim(g, x, axis)
-        one_hot = _one_hot(g, g.unsqueeze(idx, [0]) if q == 0 else idx, depth, x, axis=-1)
-        flat_hot = g.Reshape(one_hot, g.Concat(g.ints([-1]), depth, axis=0))
-        flat_dy = g.Reshape(dy_t, g.Concat(g.Reshape(g.Size(idx), g.ints([1], hint="shape")),
-                                           g.ints([-1]), axis=0))
-        dx_t = g.Reshape(g.Gemm(flat_hot, flat_dy, transA=1), shape_t)
+        dx_t = _sum_rows_by_one_hot(g, g.unsqueeze(idx, [0]) if q == 0 else idx,
+                                    _dim(g, x, axis), dy_t, x, shape_t)
     inverse = [0] * rank
     for i, p in enumerate(perm_x):
         inverse[p] = i
@@ -195,25 +213,30 @@ def gather_elements(g, node, dy):
 
 
 @grad_rule("GatherND", since=13, nondiff=(1,),
-           notes="opset 16+ (ScatterND reduction=add); batch_dims=0")
+           notes="duplicate indices accumulate; ScatterND(add) from opset 16, OneHot+Gemm of "
+                 "the flat positions before; batch_dims=0")
 def gather_nd(g, node, dy):
     x, indices = node.inputs
     if node.attr("batch_dims", 0) != 0:
         raise UnsupportedModelError(
             f"No gradient for GatherND node {node.name!r} with batch_dims != 0.")
-    if g.opset < 16:
-        raise UnsupportedModelError(
-            f"The gradient of GatherND node {node.name!r} needs ScatterND's reduction='add', "
-            f"which needs opset 16; the model has opset {g.opset}. Convert the model to opset "
-            "16 or later (onnx.version_converter).")
     k = (g.shape(indices) or [None])[-1]
     if not isinstance(k, int):
         raise UnsupportedModelError(
             f"The gradient of GatherND node {node.name!r} needs the last dim of {indices!r} to "
             "be static.")
-    dims = g.Slice(g.Shape(x), g.ints([0]), g.ints([k]))
+    dims = g.dims(x, 0, k)
     idx = _normalize(g, indices, dims)
-    return node.grads(g.ScatterND(g.zeros_like(x), idx, dy, reduction="add"))
+    if g.opset >= 16:
+        return node.grads(g.ScatterND(g.zeros_like(x), idx, dy, reduction="add"))
+    # the position of each index tuple in x flattened over its first k axes
+    strides = [g.ints([1], "stride")]
+    for axis in range(k - 1, 0, -1):
+        strides.insert(0, g.Mul(strides[0], _dim(g, x, axis)))
+    flat = g.reduce("ReduceSum", g.Mul(idx, g.Concat(*strides, axis=0)), [-1], keepdims=0)
+    count = g.reduce("ReduceProd", dims, [0], keepdims=1)
+    positions = g.unsqueeze(flat, [0]) if g.rank(indices) == 1 else flat
+    return node.grads(_sum_rows_by_one_hot(g, positions, count, dy, x, shape_of(g, x)))
 
 
 # --------------------------------------------------------------------------- Scatter
@@ -363,81 +386,277 @@ def trilu(g, node, dy):
 
 
 # ---------------------------------------------------------------------------- Resize
+#: The attributes a Resize along one axis shares with the node it differentiates.
 _RESIZE_ATTRIBUTES = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a",
                       "exclude_outside", "antialias")
+_COORDINATE_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners",
+                     "asymmetric", "tf_crop_and_resize")
+_KEPT, _RESIZED, _AT_RUN_TIME = "kept", "resized", "at run time"
 
 
-def _resize_matrix(node, size_in: int, scale: float | None, size_out: int) -> np.ndarray:
-    """The (size_out, size_in) matrix of ``node``'s Resize along one axis.
+class _Resize:
+    """A Resize node seen one axis at a time.
 
-    Column j is the forward Resize of the j-th unit vector, evaluated with onnx.reference
-    on a 1-D input with the node's own attributes, so the gradient is its exact adjoint.
+    Resize is separable and linear in ``x``: along each resized axis ``a`` it multiplies
+    by an interpolation matrix ``M_a`` (out_a x in_a), so ``dx`` is ``dy`` contracted with
+    every ``M_a``. An axis is *kept* (its ``M_a`` is the identity: no work) when its scale
+    is 1 or its size its input's, under ``keep_aspect_ratio_policy`` stretch and a full
+    ``roi``; *resized* when it is not, or may not be; and decided *at run time* when its
+    scale, size or roi is computed at run time (sizes from ``Shape(x)``, as torch's
+    exporters write for ``F.interpolate(size=...)``, keep the batch axis).
     """
-    from onnx import helper
-    from onnx.reference import ReferenceEvaluator
 
-    attributes = {a: node.attr(a) for a in _RESIZE_ATTRIBUTES if node.attr(a) is not None}
-    inputs = ["x", "", "scales"] if scale is not None else ["x", "", "", "sizes"]
-    resize = helper.make_node("Resize", inputs, ["y"], **attributes)
-    graph = helper.make_graph(
-        [resize], "resize_axis",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, [size_in])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
-        [numpy_helper.from_array(np.array([scale], np.float32), "scales") if scale is not None
-         else numpy_helper.from_array(np.array([size_out], np.int64), "sizes")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", node.opset)])
-    evaluator = ReferenceEvaluator(model)
-    columns = [evaluator.run(None, {"x": np.eye(size_in)[j]})[0] for j in range(size_in)]
-    return np.stack(columns, axis=1).reshape(size_out, size_in)
+    def __init__(self, g, node) -> None:
+        self.g, self.node, self.x = g, node, node.inputs[0]
+        self.rank = g.rank(self.x)
+        self.coordinates = node.attr("coordinate_transformation_mode", "half_pixel")
+        self.policy = node.attr("keep_aspect_ratio_policy", "stretch")
+        listed = node.attr("axes")
+        self.axes = [a % self.rank for a in listed] if listed is not None else \
+            list(range(self.rank))
+        self.sizes = node.input(3)
+        scales = node.input(2) if self.sizes is None else None
+        if scales is not None and g.value(scales) is not None and g.value(scales).size == 0:
+            scales = None
+        if scales is None and self.sizes is None:
+            raise UnsupportedModelError(
+                f"Resize node {node.name!r} has neither scales nor sizes.")
+        self.scales = scales
+        self.region = node.input(1) if self.coordinates == "tf_crop_and_resize" else None
+        self._refuse_what_has_no_gradient()
+
+    # -- what is known before run time ------------------------------------------------
+    def _position(self, axis: int) -> int:
+        """The index of ``axis``'s entry in scales, sizes and each half of roi."""
+        return self.axes.index(axis)
+
+    def _entry(self, name: str | None, index: int):
+        value = self.g.value(name)
+        return None if value is None else np.asarray(value).reshape(-1)[index].item()
+
+    def scale(self, axis: int) -> float | None:
+        """The constant scale of ``axis`` (scales given), else ``None``."""
+        return None if self.scales is None else self._entry(self.scales, self._position(axis))
+
+    def size(self, axis: int) -> int | None:
+        """The static size ``axis`` is resized to (sizes given, stretch), else ``None``."""
+        if self.sizes is None or self.policy != "stretch":
+            return None
+        size = self._entry(self.sizes, self._position(axis))
+        return size if size is not None else self._static_dim(self.node.outputs[0], axis)
+
+    def roi(self, axis: int) -> tuple[float, float] | None:
+        """The constant (start, end) of ``axis``'s region of interest, else ``None``."""
+        value = self.g.value(self.region)
+        if value is None:
+            return None
+        value = np.asarray(value, np.float64).reshape(-1)
+        half = value.size // 2
+        return float(value[self._position(axis)]), float(value[half + self._position(axis)])
+
+    def _static_dim(self, name: str, axis: int) -> int | None:
+        shape = self.g.shape(name)
+        return shape[axis] if shape is not None and isinstance(shape[axis], int) else None
+
+    def in_dim(self, axis: int) -> int | None:
+        """The static size of ``x`` along ``axis``, else ``None``."""
+        return self._static_dim(self.x, axis)
+
+    def kind(self, axis: int) -> str:
+        """_KEPT, _RESIZED or _AT_RUN_TIME (see the class)."""
+        if axis not in self.axes:
+            return _KEPT
+        if self.policy != "stretch":
+            return _RESIZED  # the common scale applies to every listed axis
+        if self.scales is not None:
+            scale = self.scale(axis)
+            same = None if scale is None else scale == 1.0
+        else:  # a known size and an input size unknown until run time: resized (M_a is
+            # the identity where they happen to agree)
+            size, dim = self.size(axis), self.in_dim(axis)
+            same = None if size is None else dim is not None and size == dim
+        if self.region is not None:
+            roi = self.roi(axis)
+            full = None if roi is None else roi == (0.0, 1.0)
+            same = False if False in (same, full) else (None if None in (same, full) else True)
+        return {True: _KEPT, False: _RESIZED, None: _AT_RUN_TIME}[same]
+
+    def _refuse_what_has_no_gradient(self) -> None:
+        """A mode of no opset lossgraph emits for; align_corners and tf_crop_and_resize
+        with a constant scale whose output size is not whole (for the static input size,
+        or for most input sizes): there onnxruntime's forward is not the specification's.
+        (With a scale computed at run time, the gradient is that of onnxruntime's forward,
+        as everywhere.)"""
+        node = self.node
+        if self.coordinates not in _COORDINATE_MODES:
+            raise UnsupportedModelError(
+                f"No gradient for Resize node {node.name!r} with coordinate_transformation_mode "
+                f"{self.coordinates!r}, which is not one of opset 13 and later "
+                f"({', '.join(_COORDINATE_MODES)}).")
+        if self.coordinates not in ("align_corners", "tf_crop_and_resize") or \
+                self.scales is None:
+            return
+        for axis in self.axes:
+            scale, dim = self.scale(axis), self.in_dim(axis)
+            if scale is None:  # computed at run time (torch: Concat of Constants): unknown
+                continue
+            if dim is None:  # a whole scale gives a whole size at every input size
+                if scale == int(scale):
+                    continue
+                what, size = f"an input size unknown until run time and scale {scale:g}", ""
+            else:
+                product = float(np.float32(dim * scale))
+                if product == int(product):
+                    continue
+                what = f"{dim} x scale {scale:g} is not a whole number"
+                size = f" (here {int(product)})"
+            raise UnsupportedModelError(
+                f"No gradient for Resize node {node.name!r} ({self.coordinates}) on axis "
+                f"{axis}: {what}, and where the output size is not whole onnxruntime maps "
+                "coordinates with the rounded output size and the ONNX specification with the "
+                f"unrounded one, so their forwards differ. Give the Resize sizes{size} instead "
+                "of scales.")
+
+    # -- the interpolation matrices ---------------------------------------------------
+    def _vector(self, name: str, index: int, dtype) -> str:
+        """Entry ``index`` of the input ``name`` as a 1-element tensor (a constant if it is)."""
+        value = self._entry(name, index)
+        if value is not None:
+            return self.g.const([value], dtype, "entry")
+        return self.g.Slice(name, self.g.ints([index], "start"), self.g.ints([index + 1], "end"))
+
+    def _roi_pair(self, axis: int) -> tuple[str, str]:
+        """(start, end) of ``axis``'s region of interest, 1-element tensors."""
+        position, half = self._position(axis), len(self.axes)
+        dtype = self.g.dtype(self.region)
+        return (self._vector(self.region, position, dtype),
+                self._vector(self.region, half + position, dtype))
+
+    def run_time_matrix(self, b, axis: int) -> str:
+        """``M_a^T`` (in_a x out_a) computed at run time, in ``b``: the runtime's own Resize
+        (the node's attributes; extrapolated outputs are constants, so 0) of the identity
+        matrix along its second axis, with this axis's scale or size and roi; under a
+        ``keep_aspect_ratio_policy``, of a 4-D probe that also has the axis whose ratio sets
+        the common scale, so that the runtime computes that scale and the rounded size
+        itself."""
+        g = self.g
+        attributes = {a: self.node.attr(a) for a in _RESIZE_ATTRIBUTES
+                      if self.node.attr(a) is not None}
+        n = _dim(g, self.x, axis)
+        zero = numpy_helper.from_array(np.zeros(1, g.dtype(self.x)), "value")
+        eye = b.EyeLike(b.ConstantOfShape(b.Concat(n, n, axis=0), value=zero), hint="eye")
+        if self.policy != "stretch":
+            return self._aspect_probe(b, axis, eye, n, attributes)
+        start_end = self._roi_pair(axis) if self.region is not None else None
+        position = self._position(axis)
+        if self.scales is not None:
+            along = self._vector(self.scales, position, np.float32)
+        else:
+            along = self._vector(self.sizes, position, np.int64)
+        if g.opset >= 18:  # the identity's first axis is left alone
+            roi = b.Concat(*start_end, axis=0) if start_end else None
+            resize_args = (along, None) if self.scales is not None else (None, along)
+            return b.Resize(eye, roi, *resize_args, axes=[1], extrapolation_value=0.0,
+                            hint="resize_matrix", **attributes)
+        # before opset 18 every axis is resized: scale 1 (size n, roi 0..1) is the identity
+        roi = None
+        if start_end:
+            dtype = g.dtype(self.region)
+            roi = b.Concat(g.const([0], dtype, "start"), start_end[0],
+                           g.const([1], dtype, "end"), start_end[1], axis=0)
+        if self.scales is not None:
+            resize_args = (b.Concat(g.const([1], np.float32, "scale"), along, axis=0), None)
+        else:
+            resize_args = (None, b.Concat(n, along, axis=0))
+        return b.Resize(eye, roi, *resize_args, extrapolation_value=0.0, hint="resize_matrix",
+                        **attributes)
+
+    def _aspect_probe(self, b, axis: int, eye: str, n: str, attributes: dict) -> str:
+        """Resize of P (n, 1, in_c, n), P[i, 0, j, k] = [i == k], along its last two axes
+        with sizes (sizes_c, sizes_a) and the node's policy, c the axis whose ratio
+        sizes/in is the smallest (not_larger) or largest (not_smaller): the runtime's
+        common scale is the node's, and row 0 of the third axis (the interpolation of a
+        constant: 1, to rounding) holds M_a^T."""
+        g = self.g
+        dims = g.Gather(g.Shape(self.x), g.ints(self.axes), axis=0)
+        ratios = g.Div(g.Cast(self.sizes, to=onnx.TensorProto.FLOAT),
+                       g.Cast(dims, to=onnx.TensorProto.FLOAT))
+        pick = getattr(g, "ArgMin" if self.policy == "not_larger" else "ArgMax")(
+            ratios, axis=0, keepdims=1)
+        size_c, dim_c = g.Gather(self.sizes, pick, axis=0), g.Gather(dims, pick, axis=0)
+        size_a = self._vector(self.sizes, self._position(axis), np.int64)
+        one = g.ints([1], "one")
+        probe = b.Expand(b.unsqueeze(eye, [1, 2]), b.Concat(n, one, dim_c, n, axis=0))
+        roi = None
+        if self.region is not None:
+            start, end = self._roi_pair(axis)
+            dtype = g.dtype(self.region)
+            roi = b.Concat(g.const([0], dtype, "start"), start, g.const([1], dtype, "end"), end,
+                           axis=0)
+        resized = b.Resize(probe, roi, None, b.Concat(size_c, size_a, axis=0), axes=[2, 3],
+                           keep_aspect_ratio_policy=self.policy, extrapolation_value=0.0,
+                           **attributes)
+        first = b.Slice(resized, g.ints([0], "start"), one, g.ints([2]))
+        return b.squeeze(first, [1, 2], hint="resize_matrix")
+
+    def kept_at_run_time(self, axis: int) -> str:
+        """A 1-element bool: ``axis``'s scale is 1 (or its size its input's), and its roi
+        is 0..1."""
+        g = self.g
+        position = self._position(axis)
+        if self.scales is not None:
+            kept = g.Equal(self._vector(self.scales, position, np.float32),
+                           g.const([1], np.float32, "one"))
+        else:
+            kept = g.Equal(self._vector(self.sizes, position, np.int64), _dim(g, self.x, axis))
+        if self.region is not None:
+            start, end = self._roi_pair(axis)
+            dtype = g.dtype(self.region)
+            full = g.And(g.Equal(start, g.const([0], dtype, "zero")),
+                         g.Equal(end, g.const([1], dtype, "one")))
+            kept = g.And(kept, full)
+        return kept
+
+    # -- dx ----------------------------------------------------------------------------
+    def contract(self, b, grad: str, axis: int, transposed: str) -> str:
+        """``grad`` (out_a along ``axis``) contracted with ``M_a``, given as ``M_a^T``."""
+        if axis == self.rank - 1:
+            return b.MatMul(grad, b.Transpose(transposed, perm=[1, 0]))
+        if axis == self.rank - 2:
+            return b.MatMul(transposed, grad)
+        letters = "abcdefghijklmnop"[:self.rank]
+        equation = f"{letters},{letters[axis].upper()}{letters[axis]}->" + \
+            letters.replace(letters[axis], letters[axis].upper())
+        return b.Einsum(grad, transposed, equation=equation)
+
+    def contract_at_run_time(self, grad: str, axis: int) -> str:
+        """``If(axis kept) grad else grad contracted with M_a``: the matrix is built, and
+        the product paid, only where the axis is resized."""
+        g = self.g
+        kept, resized = (GraphBuilder(g.names, g.opset, prefix=g.prefix) for _ in range(2))
+        as_is = kept.Identity(grad)
+        contracted = self.contract(resized, grad, axis, self.run_time_matrix(resized, axis))
+
+        def branch(b: GraphBuilder, value: str, name: str) -> onnx.GraphProto:
+            info = helper.make_tensor_value_info(value, g.elem_type(self.x), [None] * self.rank)
+            return helper.make_graph(b.nodes, g.names.fresh(name), [], [info], b.initializers)
+
+        return g.op("If", self.kept_at_run_time(axis), hint="resize_grad",
+                    then_branch=branch(kept, as_is, "resize_axis_kept"),
+                    else_branch=branch(resized, contracted, "resize_axis_resized"))
 
 
 @grad_rule("Resize", since=13, nondiff=(1, 2, 3),
-           notes="constant scales or sizes and static shapes; exact adjoint via constant "
-                 "per-axis interpolation matrices (any mode but tf_crop_and_resize)")
+           notes="every mode, coordinate transformation, antialias, axes and "
+                 "keep_aspect_ratio_policy, static or run-time shapes: per-axis matrices from "
+                 "the runtime's own Resize of an identity; align_corners or tf_crop_and_resize "
+                 "with a scale whose output size is not whole: an error")
 def resize(g, node, dy):
-    x, y = node.inputs[0], node.outputs[0]
-    in_shape, out_shape = static_shape(g, x), static_shape(g, y)
-    if in_shape is None or out_shape is None:
-        raise UnsupportedModelError(
-            f"The gradient of Resize node {node.name!r} needs static shapes for {x!r} and {y!r}.")
-    if node.attr("coordinate_transformation_mode") == "tf_crop_and_resize":
-        raise UnsupportedModelError(
-            f"No gradient for Resize node {node.name!r} with coordinate_transformation_mode "
-            "'tf_crop_and_resize'.")
-    if node.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
-        raise UnsupportedModelError(
-            f"No gradient for Resize node {node.name!r} with keep_aspect_ratio_policy "
-            f"{node.attr('keep_aspect_ratio_policy')!r} (only 'stretch').")
-    rank = len(in_shape)
-    axes = [a % rank for a in node.attr("axes", list(range(rank)))]
-    scales = node.input(2) and g.value(node.input(2))
-    scales = None if scales is None or np.asarray(scales).size == 0 else np.asarray(scales)
-    if scales is None and node.input(3) is None:
-        raise UnsupportedModelError(
-            f"The gradient of Resize node {node.name!r} needs constant scales or sizes.")
+    plan = _Resize(g, node)
     grad = dy
-    dtype = g.dtype(x)
-    for position, axis in enumerate(axes):
-        scale = float(scales.reshape(-1)[position]) if scales is not None else None
-        if scale is not None and node.attr("coordinate_transformation_mode") == \
-                "align_corners" and float(np.float32(in_shape[axis] * scale)) != out_shape[axis]:
-            raise UnsupportedModelError(
-                f"No gradient for Resize node {node.name!r} (align_corners) on axis {axis}: "
-                f"{in_shape[axis]} x scale {scale:g} is not a whole number, and onnxruntime "
-                "maps coordinates with the rounded output size where the ONNX specification "
-                "uses the unrounded one, so their forwards differ. Give the Resize sizes "
-                f"(here {out_shape[axis]}) instead of scales.")
-        if in_shape[axis] == out_shape[axis] and scale in (None, 1.0) and node.attr(
-                "coordinate_transformation_mode") != "tf_half_pixel_for_nn":
-            continue  # the identity along this axis
-        matrix = _resize_matrix(node, in_shape[axis], scale, out_shape[axis])
-        if axis == rank - 1:
-            grad = g.MatMul(grad, g.const(matrix, dtype, "resize_matrix"))
-        elif axis == rank - 2:
-            grad = g.MatMul(g.const(matrix.T, dtype, "resize_matrix"), grad)
-        else:
-            letters = "abcdefghijklmnop"[:rank]
-            equation = f"{letters},{letters[axis].upper()}{letters[axis]}->" + \
-                letters.replace(letters[axis], letters[axis].upper())
-            grad = g.Einsum(grad, g.const(matrix.T, dtype, "resize_matrix"), equation=equation)
+    kinds = {axis: plan.kind(axis) for axis in range(plan.rank)}
+    for axis in (a for a, kind in kinds.items() if kind == _RESIZED):
+        grad = plan.contract(g, grad, axis, plan.run_time_matrix(g, axis))
+    for axis in (a for a, kind in kinds.items() if kind == _AT_RUN_TIME):
+        grad = plan.contract_at_run_time(grad, axis)
     return node.grads(grad)

@@ -1,7 +1,9 @@
 """Matrix products.
 
     MatMul(a, b)                 da = dy b^T      db = a^T dy    (batched: summed to each
-                                 operand's batch shape; 1-D operands promoted then squeezed;
+                                 operand's batch shape, over the batch axes it broadcasts,
+                                 found at run time where not static; 1-D operands promoted
+                                 then squeezed;
                                  2-D: as Gemm with transA/transB; db of a column b as
                                  the row-times-matrix product dy^T a, reshaped)
     Gemm(A, B, C, alpha, beta)   Y = alpha op(A) op(B) + beta C
@@ -13,7 +15,8 @@
                                  a letter repeated in xk (a diagonal) pairs with an identity
                                  matrix (static sizes only); ellipses become explicit letters,
                                  and size-1 ellipsis dims that broadcast are squeezed out first
-                                 (their gradient is summed, then unsqueezed back)
+                                 (their gradient is summed, then unsqueezed back); ellipsis
+                                 dims of unknown size are summed where 1 at run time
     Det(X), X [*, M, M]          dX = dy C, C the cofactor matrix: C_ij = (-1)^(i+j) Det(X
                                  without row i and column j) (the adjugate transposed; exact
                                  for singular X too, unlike dy Det(X) X^-T); the (M, M)
@@ -74,23 +77,35 @@ def matmul(g, node, dy):
         da = g.MatMul(dy2, _swap_last(g, b2, max(rb, 2)))
         db = g.MatMul(_swap_last(g, a2, max(ra, 2)), dy2)
     # Sum broadcast batch axes away and undo the promotion.
-    da = _to_operand(g, da, a, ra, out_rank, squeeze_axis=-2)
-    db = _to_operand(g, db, b, rb, out_rank, squeeze_axis=-1)
+    y = node.outputs[0]
+    da = _to_operand(g, da, a, ra, out_rank, squeeze_axis=-2, output=y, batched=rb > 2)
+    db = _to_operand(g, db, b, rb, out_rank, squeeze_axis=-1, output=y, batched=ra > 2)
     return da, db
 
 
-def _to_operand(g, grad: str, operand: str, rank: int, out_rank: int, squeeze_axis: int) -> str:
+def _to_operand(g, grad: str, operand: str, rank: int, out_rank: int, squeeze_axis: int,
+                output: str, batched: bool) -> str:
+    """``grad`` (shaped like the product's batch dims and ``operand``'s matrix dims) summed
+    to ``operand``'s shape: over the leading batch axes it lacks and those it broadcasts
+    (a static 1, or, where the dims are not static, a 1 found at run time). ``batched``:
+    the other operand has batch dims too, so that ``output`` has ``out_rank`` dims."""
     if rank == 1:
         if out_rank > 2:
             grad = g.reduce("ReduceSum", grad, list(range(out_rank - 2)), keepdims=0)
         return g.squeeze(grad, [squeeze_axis + 2])
     shape = g.shape(operand)
     lead = out_rank - rank
-    if lead > 0:
-        grad = g.reduce("ReduceSum", grad, list(range(lead)), keepdims=0)
-    batch_ones = [i for i, d in enumerate(shape[:-2]) if d == 1]
+    batch_ones = [lead + i for i, d in enumerate(shape[:-2]) if d == 1]
     if batch_ones and out_rank > 2:
         grad = g.reduce("ReduceSum", grad, batch_ones, keepdims=1)
+    if batched and rank > 2:
+        full = g.shape(output) or [None] * out_rank
+        unknown = [lead + i for i, d in enumerate(shape[:-2]) if not isinstance(d, int)
+                   and full[lead + i] != 1 and not (isinstance(d, str) and full[lead + i] == d)]
+        if unknown:
+            grad = g.sum_where_broadcast(grad, operand, output, unknown, lead)
+    if lead > 0:
+        grad = g.reduce("ReduceSum", grad, list(range(lead)), keepdims=0)
     return grad
 
 
@@ -167,9 +182,24 @@ def einsum(g, node, dy):
             grads.append(None)
             continue
         grads.append(_einsum_operand_grad(g, node, dy, out, values, terms, k, spare, sizes[k]))
+        unknown = _broadcast_at_run_time(terms[k], sizes, k, batch)
+        if unknown:  # dims not static that may be 1 against a larger one: found at run time
+            grads[k] = g.sum_where_broadcast(grads[k], values[k], grads[k], unknown, 0)
         if squeezed[k]:
             grads[k] = g.unsqueeze(grads[k], squeezed[k])
     return grads
+
+
+def _broadcast_at_run_time(term: list[str], sizes: list[dict], k: int,
+                           batch: list[str]) -> list[int]:
+    """The axes of operand ``k`` (letters ``term``) that are ellipsis dims of unknown size
+    which another operand may broadcast them against (its size there not 1, nor the same
+    symbol)."""
+    mine = sizes[k]
+    return [i for i, c in enumerate(term) if c in batch and not isinstance(mine[c], int)
+            and any(c in other and other[c] != 1
+                    and not (isinstance(mine[c], str) and other[c] == mine[c])
+                    for j, other in enumerate(sizes) if j != k)]
 
 
 def _einsum_operand_grad(g, node, dy, out, values, terms, k, spare, sizes) -> str:

@@ -1,19 +1,32 @@
-"""Convolutions, pooling and normalizations (spatial dims must be static).
+"""Convolutions, pooling and normalizations.
 
     Conv(x, W, b)            dx = ConvTranspose(dy, W) (same strides, pads, dilations, group;
-                                  output_padding from the static shapes)
+                                  output_padding from static shapes; spatial dims known at
+                                  run time only: no end pads, s - 1 output padding, cut to
+                                  x's size)
                              dW = Conv(x^T, dy^T) with strides and dilations swapped, batch as
                                   channels (grouped: x reshaped to (C/G, G*N, ...)), cropped
                                   to the kernel and transposed back
                              db = ReduceSum(dy, all axes but 1)
-    ConvTranspose(x, W, b)   dx = Conv(dy, W) (same attributes: it is Conv's adjoint)
+                             (auto_pad SAME_* with a stride above 1 on dims known at run time
+                             only: its pads computed at run time, dx sliced from the uncropped
+                             transpose, dW from x padded explicitly)
+    ConvTranspose(x, W, b)   y = the full output ((in - 1) s + (k - 1) d + 1 + output_padding)
+                                  cropped by the pads; auto_pad SAME_* (out = in s) and
+                                  output_shape give the pads as onnxruntime resolves them
+                                  (an output_shape past the full output appends zeros)
+                             dx = Conv(dy, W) (same attributes: it is Conv's adjoint), cut to
+                                  x's size where output padding or zeros reach a stride
                              dW = the Conv weight gradient with input dy and output grad x
                              db = ReduceSum(dy, all axes but 1)
     MaxPool(x)               dx = ScatterElements(0, Indices, dy, reduction=add), Indices
                                   from MaxPool(x) recomputed with its second output
     AveragePool(x)           dx = ConvTranspose(dy / count, ones kernel), per channel
-                                  (count = prod(kernel), or the non-pad elements of each
-                                  window when count_include_pad=0)
+                                  (count = the taps of each window inside x, or with
+                                  count_include_pad=1 inside x and its pads: prod(kernel)
+                                  but for a ceil_mode window past the end pad, as the
+                                  specification, torch and onnxruntime 1.32 divide; spatial
+                                  dims known at run time only: counted by a Conv of ones)
     GlobalAveragePool(x)     dx = Expand(dy, Shape(x)) / (number of spatial elements)
     GlobalMaxPool(x)         dx = dy * (x == y)
     BatchNormalization       inference: y = scale xh + B, xh = (x - mean) inv,
@@ -63,12 +76,14 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 from onnx import numpy_helper
 
 from ...errors import UnsupportedModelError
 from ...graphs import attribute_values
+from ...target import active_target
 from ..registry import grad_rule
 
 
@@ -84,6 +99,21 @@ def _static(g, name: str, what: str) -> tuple[int, ...]:
     return tuple(shape[2:])
 
 
+def _spatial(g, name: str, what: str) -> list[int | None]:
+    """The spatial dims (axes 2 and on) of ``name``: an int where shape inference found
+    one, ``None`` where only the run time knows it."""
+    shape = g.shape(name)
+    if shape is None:
+        raise UnsupportedModelError(
+            f"The gradient of {what} needs the rank of {name!r}; shape inference found "
+            "none. Give the model's inputs static ranks.")
+    return [d if isinstance(d, int) and d > 0 else None for d in shape[2:]]
+
+
+def _known(*dims: list[int | None]) -> bool:
+    return all(d is not None for sizes in dims for d in sizes)
+
+
 def _channels(g, name: str, what: str) -> int:
     shape = g.shape(name)
     if shape is None or len(shape) < 2 or not isinstance(shape[1], int):
@@ -93,8 +123,15 @@ def _channels(g, name: str, what: str) -> int:
     return shape[1]
 
 
-def _window(g, node, x: str, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """Explicit (strides, pads, dilations) of a sliding-window node, auto_pad resolved."""
+def _window(g, node, x: str, kernel: list[int], at_run_time: bool = False
+            ) -> tuple[list[int], list[int] | None, list[int]]:
+    """Explicit (strides, pads, dilations) of a sliding-window node, auto_pad resolved.
+
+    SAME_* pads by ``total = (ceil(size / s) - 1) s + (k - 1) d + 1 - size`` (at least 0),
+    the odd one at the end (UPPER) or the beginning (LOWER); with stride 1 that is
+    ``(k - 1) d`` whatever the size, so only strides above 1 need static sizes; where they
+    are not static, the pads are ``None`` for a caller that computes them ``at_run_time``
+    (:func:`_same_pads`), an error otherwise."""
     n = len(kernel)
     strides = list(node.attr("strides", [1] * n))
     dilations = list(node.attr("dilations", [1] * n))
@@ -104,11 +141,21 @@ def _window(g, node, x: str, kernel: list[int]) -> tuple[list[int], list[int], l
     elif auto_pad == "VALID":
         pads = [0] * 2 * n
     elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        sizes = _static(g, x, node.op_type)
+        sizes = _spatial(g, x, node.op_type)
         begin, end = [], []
         for size, k, s, d in zip(sizes, kernel, strides, dilations):
-            out = -(-size // s)
-            total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
+            if s == 1:
+                total = (k - 1) * d
+            elif size is None and at_run_time:
+                return strides, None, dilations
+            elif size is None:
+                raise UnsupportedModelError(
+                    f"The gradient of {node.op_type} node {node.name or '<unnamed>'!r} with "
+                    f"auto_pad {auto_pad} and stride {s} needs the static spatial dims of "
+                    f"{x!r}: its pads depend on them; shape inference found {g.shape(x)}. "
+                    "Give the model's inputs static spatial dims, or pad explicitly.")
+            else:
+                total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
             small, large = total // 2, total - total // 2
             begin.append(small if auto_pad == "SAME_UPPER" else large)
             end.append(large if auto_pad == "SAME_UPPER" else small)
@@ -116,6 +163,101 @@ def _window(g, node, x: str, kernel: list[int]) -> tuple[list[int], list[int], l
     else:
         raise UnsupportedModelError(f"Unknown auto_pad {auto_pad!r} on {node.op_type}.")
     return strides, pads, dilations
+
+
+def _same_pads(g, node, x: str, kernel: list[int], strides: list[int], dilations: list[int]
+               ) -> str:
+    """auto_pad SAME_*'s pads of x's spatial dims, computed at run time: an int64 tensor
+    ``[0, 0, begins..., 0, 0, ends...]`` (the form Pad takes)."""
+    n = len(kernel)
+    sizes = g.dims(x, 2, 2 + n)
+    step = g.ints(strides, "strides")
+    out = g.Div(g.Sub(g.Add(sizes, step), g.ints([1] * n, "one")), step)  # ceil(size / s)
+    reach = g.ints([(k - 1) * d + 1 for k, d in zip(kernel, dilations)], "reach")
+    total = g.Max(g.Sub(g.Add(g.Mul(g.Sub(out, g.ints([1] * n, "one")), step), reach), sizes),
+                  g.ints([0] * n, "zero"))
+    small = g.Div(total, g.ints([2] * n, "two"))
+    large = g.Sub(total, small)
+    begin, end = (small, large) if node.attr("auto_pad") == "SAME_UPPER" else (large, small)
+    none = g.ints([0, 0], "no_pads")
+    return g.Concat(none, begin, none, end, axis=0, hint="same_pads")
+
+
+def _conv_grads_with_pads_at_run_time(g, node, dy: str, kernel, strides, dilations, group
+                                      ) -> tuple[str, str]:
+    """(dx, dW) of a Conv whose pads are known at run time only (auto_pad SAME_* with a
+    stride above 1 on dims known at run time). dx: the uncropped transpose, with ``s - 1``
+    output padding (at least ``begin + size`` long), sliced from the begin pads; dW: the
+    weight gradient of x padded explicitly."""
+    x, w = node.inputs[:2]
+    n = len(kernel)
+    pads = _same_pads(g, node, x, kernel, strides, dilations)
+    padding = [s - 1 for s in strides]
+    full = g.ConvTranspose(dy, w, strides=strides, dilations=dilations,
+                           group=group if group != 1 else None,
+                           output_padding=padding if any(padding) else None, hint="conv_dx")
+    begin = g.Slice(pads, g.ints([2], "start"), g.ints([2 + n], "end"))
+    dx = g.Slice(full, begin, g.Add(begin, g.dims(x, 2, 2 + n)), g.ints(list(range(2, n + 2))))
+    padded = g.Pad(x, pads, mode="constant")
+    w_shape = [g.shape(w)[0], g.shape(w)[1], *kernel]
+    channels = _channels(g, x, "Conv") if group != 1 else None
+    dw = _conv_weight_grad(g, padded, dy, w_shape, [None] * n, [None] * n, channels, strides,
+                           [0] * 2 * n, dilations, group)
+    return dx, dw
+
+
+def _transpose_pads(g, node, x: str, kernel: list[int], strides: list[int],
+                    dilations: list[int]) -> list[int]:
+    """The pads a ConvTranspose node crops its full output by, auto_pad and output_shape
+    resolved as onnxruntime (1.19 and 1.32, measured) and the specification resolve them.
+
+    The full output is ``F = (in - 1) s + (k - 1) d + 1 + output_padding`` long; a
+    requested size ``out`` (output_shape, or ``in s`` for auto_pad SAME_*) crops
+    ``total = F - out``: ``total // 2`` at the beginning for SAME_UPPER, ``total - total //
+    2`` otherwise, the rest at the end. A negative total (an output_shape past the full
+    output) appends zeros: begin pad 0, end pad ``total`` (below 0)."""
+    n = len(kernel)
+    name = node.name or "<unnamed>"
+    auto_pad = node.attr("auto_pad", "NOTSET") or "NOTSET"
+    output_shape = node.attr("output_shape")
+    padding = list(node.attr("output_padding", [0] * n))
+    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        raise UnsupportedModelError(f"Unknown auto_pad {auto_pad!r} on ConvTranspose.")
+    if output_shape is None:
+        if auto_pad == "NOTSET":
+            return list(node.attr("pads", [0] * 2 * n))
+        if auto_pad == "VALID":
+            return [0] * 2 * n
+    full = [(k - 1) * d + 1 + p for k, d, p in zip(kernel, dilations, padding)]
+    if output_shape is not None:
+        requested = list(output_shape)[-n:]
+        sizes = _spatial(g, x, "ConvTranspose")
+        if not _known(sizes):
+            raise UnsupportedModelError(
+                f"The gradient of ConvTranspose node {name!r} with output_shape "
+                f"{list(output_shape)} needs the static spatial dims of {x!r}: the pads it "
+                f"implies depend on them; shape inference found {g.shape(x)}.")
+        totals = [(size - 1) * s + f - out
+                  for size, s, f, out in zip(sizes, strides, full, requested)]
+        if any(-t >= s for t, s in zip(totals, strides)):
+            raise UnsupportedModelError(
+                f"No gradient for ConvTranspose node {name!r} with output_shape "
+                f"{list(output_shape)}: it lies a stride or more past the full output "
+                f"({[(size - 1) * s + f for size, s, f in zip(sizes, strides, full)]}), "
+                "which onnxruntime 1.32 rejects and onnxruntime 1.19 fills in scrambled "
+                "order. Request at most stride - 1 more than the full output.")
+    else:  # auto_pad SAME_*: out = in s, whatever in is
+        totals = [f - s for f, s in zip(full, strides)]
+        if any(padding) or any(t < 0 for t in totals):
+            raise UnsupportedModelError(
+                f"No gradient for ConvTranspose node {name!r} with auto_pad {auto_pad}, "
+                f"strides {strides} and output_padding {padding}: its output is not input "
+                "size times stride in onnxruntime (the full output, uncropped), while the "
+                "specification and onnx's shape inference say it is; their shapes differ. "
+                "Give the node explicit pads, or an output_shape.")
+    begin = [0 if t < 0 else t // 2 if auto_pad == "SAME_UPPER" else t - t // 2
+             for t in totals]
+    return [*begin, *(t - b for t, b in zip(totals, begin))]
 
 
 def _output_padding(sizes, out_sizes, kernel, strides, pads, dilations) -> list[int]:
@@ -132,11 +274,48 @@ def _all_but_channel(g, x: str) -> list[int]:
     return [0, *range(2, g.rank(x))]
 
 
+def _with_spatial(g, lead: list[int], like: str, sizes: list[int | None]) -> str:
+    """The shape ``lead`` followed by the spatial dims of ``like`` (``sizes``, from the
+    run time where unknown)."""
+    if _known(sizes):
+        return g.ints([*lead, *sizes], "shape")
+    return g.Concat(g.ints(lead, "shape"), g.dims(like, 2, 2 + len(sizes)), axis=0)
+
+
+def _crop(g, value: str, like: str, sizes: list[int | None]) -> str:
+    """``value`` cut to the spatial dims of ``like`` (``sizes``), from the start."""
+    n = len(sizes)
+    ends = g.ints(sizes, "ends") if _known(sizes) else g.dims(like, 2, 2 + n)
+    return g.Slice(value, g.ints([0] * n, "starts"), ends, g.ints(list(range(2, n + 2))))
+
+
+def _conv_input_grad(g, dy: str, w: str, x: str, sizes, out_sizes, kernel, strides, pads,
+                     dilations, group) -> str:
+    """dx of Conv(x, W): ConvTranspose(dy, W) with the Conv's strides, pads and dilations.
+
+    Static sizes give the output_padding that lands on x's size exactly. Sizes known at
+    run time only: the end pads dropped and ``s - 1`` output padding make the transpose at
+    least as long as x (x's size is at most ``(out - 1) s + (k - 1) d + 1 - begin + s -
+    1``); it is cut to x's."""
+    n = len(kernel)
+    common = dict(strides=strides, dilations=dilations, group=group if group != 1 else None,
+                  hint="conv_dx")
+    if _known(sizes, out_sizes):
+        padding = _output_padding(sizes, out_sizes, kernel, strides, pads, dilations)
+        return g.ConvTranspose(dy, w, pads=pads,
+                               output_padding=padding if any(padding) else None, **common)
+    padding = [s - 1 for s in strides]
+    longer = g.ConvTranspose(dy, w, pads=[*pads[:n], *[0] * n],
+                             output_padding=padding if any(padding) else None, **common)
+    return _crop(g, longer, x, sizes)
+
+
 def _conv_weight_grad(g, x: str, dy: str, w_shape, sizes, out_sizes, channels, strides, pads,
                       dilations, group) -> str:
     """dW of Conv(x, W) (W shaped ``w_shape``) for the output gradient ``dy``.
 
-    ``sizes``/``out_sizes`` are the spatial dims of x and dy, ``channels`` x's channels.
+    ``sizes``/``out_sizes`` are the spatial dims of x and dy (``None`` where known at run
+    time only), ``channels`` x's channels; every end pad at least 0.
     """
     n = len(w_shape) - 2
     kernel = list(w_shape[2:])
@@ -145,15 +324,15 @@ def _conv_weight_grad(g, x: str, dy: str, w_shape, sizes, out_sizes, channels, s
         xt = g.Transpose(x, perm=[1, 0, *spatial])
     else:
         cg = channels // group
-        xt = g.Reshape(x, g.ints([0, group, cg, *sizes], "shape"))
+        xt = g.Reshape(x, _with_spatial(g, [0, group, cg], x, sizes))
         xt = g.Transpose(xt, perm=[2, 1, 0, *range(3, n + 3)])
-        xt = g.Reshape(xt, g.ints([cg, -1, *sizes], "shape"))
+        xt = g.Reshape(xt, _with_spatial(g, [cg, -1], x, sizes))
     dyt = g.Transpose(dy, perm=[1, 0, *spatial])
     grad = g.Conv(xt, dyt, strides=dilations, dilations=strides, pads=pads,
                   group=group if group != 1 else None, hint="conv_dw")
     got = [(sizes[i] + pads[i] + pads[n + i] - ((out_sizes[i] - 1) * strides[i] + 1))
-           // dilations[i] + 1 for i in range(n)]
-    if got != kernel:
+           // dilations[i] + 1 for i in range(n)] if _known(sizes, out_sizes) else None
+    if got != kernel:  # at least the kernel: the forward's windows fit
         grad = g.Slice(grad, g.ints([0] * n, "starts"), g.ints(kernel, "ends"),
                        g.ints(spatial, "axes"))
     return g.Transpose(grad, perm=[1, 0, *spatial])
@@ -178,13 +357,15 @@ def _kernel(g, node, w: str) -> list[int]:
 def conv(g, node, dy):
     x, w = node.inputs[:2]
     kernel = _kernel(g, node, w)
-    strides, pads, dilations = _window(g, node, x, kernel)
+    strides, pads, dilations = _window(g, node, x, kernel, at_run_time=True)
     group = node.attr("group", 1)
-    sizes, out_sizes = _static(g, x, "Conv"), _static(g, node.outputs[0], "Conv")
-    padding = _output_padding(sizes, out_sizes, kernel, strides, pads, dilations)
-    dx = g.ConvTranspose(dy, w, strides=strides, pads=pads, dilations=dilations,
-                         group=group if group != 1 else None,
-                         output_padding=padding if any(padding) else None, hint="conv_dx")
+    if pads is None:
+        dx, dw = _conv_grads_with_pads_at_run_time(g, node, dy, kernel, strides, dilations,
+                                                   group)
+        return node.grads(dx, dw, _bias_grad(g, dy, x) if node.input(2) else None)
+    sizes, out_sizes = _spatial(g, x, "Conv"), _spatial(g, node.outputs[0], "Conv")
+    dx = _conv_input_grad(g, dy, w, x, sizes, out_sizes, kernel, strides, pads, dilations,
+                          group)
     w_shape = [g.shape(w)[0], g.shape(w)[1], *kernel]
     channels = _channels(g, x, "Conv") if group != 1 else None
     dw = _conv_weight_grad(g, x, dy, w_shape, sizes, out_sizes, channels, strides, pads,
@@ -192,27 +373,32 @@ def conv(g, node, dy):
     return node.grads(dx, dw, _bias_grad(g, dy, x) if node.input(2) else None)
 
 
-@grad_rule("ConvTranspose", notes="explicit pads only (no auto_pad SAME_*, no output_shape)")
+@grad_rule("ConvTranspose", notes="auto_pad and output_shape resolved as onnxruntime does "
+                                  "(output_shape: static spatial dims)")
 def conv_transpose(g, node, dy):
     x, w = node.inputs[:2]
-    kernel = _kernel(g, node, w)
-    if node.attr("output_shape") is not None or node.attr("auto_pad", "NOTSET") not in (
-            "NOTSET", "VALID", ""):
-        raise UnsupportedModelError(
-            "The ConvTranspose gradient supports explicit pads only (no output_shape, no "
-            "auto_pad SAME_UPPER/SAME_LOWER).")
-    strides, pads, dilations = _window(g, node, x, kernel)
-    group = node.attr("group", 1)
-    dx = g.Conv(dy, w, strides=strides, pads=pads, dilations=dilations,
-                group=group if group != 1 else None, hint="convt_dx")
-    w_shape = g.shape(w)
-    # ConvTranspose(x, W) is the adjoint of Conv(., W): dW is Conv's weight gradient
-    # with dy as the input and x as the output gradient.
     y = node.outputs[0]
-    sizes, out_sizes = _static(g, x, "ConvTranspose"), _static(g, y, "ConvTranspose")
+    kernel = _kernel(g, node, w)
+    n = len(kernel)
+    strides = list(node.attr("strides", [1] * n))
+    dilations = list(node.attr("dilations", [1] * n))
+    pads = _transpose_pads(g, node, x, kernel, strides, dilations)
+    # appended zeros (an end pad below 0) carry no gradient: Conv reads no pad there
+    conv_pads = [*pads[:n], *(max(p, 0) for p in pads[n:])]
+    group = node.attr("group", 1)
+    sizes, out_sizes = _spatial(g, x, "ConvTranspose"), _spatial(g, y, "ConvTranspose")
+    # ConvTranspose(x, W) is the adjoint of Conv(., W): dx = Conv(dy, W), which is
+    # (output_padding + appended zeros) // stride longer than x where those reach a stride
+    dx = g.Conv(dy, w, strides=strides, pads=conv_pads, dilations=dilations,
+                group=group if group != 1 else None, hint="convt_dx")
+    padding = list(node.attr("output_padding", [0] * n))
+    if any((padding[i] + max(-pads[n + i], 0)) // strides[i] for i in range(n)):
+        dx = _crop(g, dx, x, sizes)
+    w_shape = g.shape(w)
+    # dW is Conv's weight gradient with dy as the input and x as the output gradient
     channels = _channels(g, y, "ConvTranspose") if group != 1 else None
     dw = _conv_weight_grad(g, dy, x, [w_shape[0], w_shape[1], *kernel], out_sizes, sizes,
-                           channels, strides, pads, dilations, group)
+                           channels, strides, conv_pads, dilations, group)
     return node.grads(dx, dw, _bias_grad(g, dy, x) if node.input(2) else None)
 
 
@@ -239,41 +425,89 @@ def max_pool(g, node, dy, *_):
     return g.Reshape(dx, g.Shape(x))
 
 
-def _window_counts(sizes, out_sizes, kernel, strides, pads, dilations) -> np.ndarray:
-    """The number of non-pad input elements in each pooling window."""
+#: Plain onnxruntime from this minor release on averages a ceil_mode window that runs past
+#: the end pad as the specification and torch do, with count_include_pad=1 (measured: 1.32.0
+#: does; 1.19.2, training build and plain, divides it by the whole kernel).
+_SPECIFIED_CEIL_AVERAGE_SINCE = 32
+
+
+def _target_averages_ceil_windows_as_specified() -> bool:
+    match = re.fullmatch(r"onnxruntime-1\.(\d+)", active_target().name)
+    return match is not None and int(match[1]) >= _SPECIFIED_CEIL_AVERAGE_SINCE
+
+
+def _window_divisors(sizes, out_sizes, kernel, strides, pads, dilations, include_pad: bool
+                     ) -> tuple[np.ndarray, bool, bool]:
+    """(each pooling window's divisor, whether a window starts in the end pad, whether a
+    window runs past the end pad).
+
+    The divisor counts the window's taps inside x; with ``include_pad`` inside x and its
+    pads, so that a ceil_mode window running past the end pad counts only the taps before
+    it (the specification, torch and onnxruntime 1.32; onnxruntime 1.19 divides that one
+    by the whole kernel)."""
+    n = len(kernel)
     counts = np.ones((), dtype=np.float64)
+    in_pad = past_end = False
     for i, (size, out, k, s, d) in enumerate(zip(sizes, out_sizes, kernel, strides, dilations)):
-        starts = np.arange(out) * s - pads[i]
+        begin, end = pads[i], pads[n + i]
+        starts = np.arange(out) * s - begin
         taps = starts[:, None] + np.arange(k)[None, :] * d
-        per_dim = ((taps >= 0) & (taps < size)).sum(axis=1)
-        counts = np.multiply.outer(counts, per_dim)
-    return counts
+        low, high = (-begin, size + end) if include_pad else (0, size)
+        counts = np.multiply.outer(counts, ((taps >= low) & (taps < high)).sum(axis=1))
+        in_pad = in_pad or bool((starts >= size).any())
+        past_end = past_end or bool((taps >= size + end).any())
+    return counts, in_pad, past_end
 
 
-@grad_rule("AveragePool", notes="ceil_mode only where it does not change the output shape")
+@grad_rule("AveragePool", notes="ceil_mode and count_include_pad as the specification and "
+                                "torch average (count_include_pad=1 with a window past the "
+                                "end pad: target onnxruntime-1.32 or later)")
 def average_pool(g, node, dy):
     (x,) = node.inputs
+    y = node.outputs[0]
+    name = node.name or "<unnamed>"
     kernel = list(node.attr("kernel_shape"))
-    n = len(kernel)
     strides, pads, dilations = _window(g, node, x, kernel)
-    sizes, out_sizes = _static(g, x, "AveragePool"), _static(g, node.outputs[0], "AveragePool")
-    floor_sizes = [(sizes[i] + pads[i] + pads[n + i] - (kernel[i] - 1) * dilations[i] - 1)
-                   // strides[i] + 1 for i in range(n)]
-    if list(out_sizes) != floor_sizes:
+    ceil = bool(node.attr("ceil_mode", 0))
+    include_pad = bool(node.attr("count_include_pad", 0))
+    sizes, out_sizes = _spatial(g, x, "AveragePool"), _spatial(g, y, "AveragePool")
+    if _known(sizes, out_sizes):
+        counts, in_pad, past_end = _window_divisors(sizes, out_sizes, kernel, strides, pads,
+                                                    dilations, include_pad)
+        if ceil and in_pad:
+            raise UnsupportedModelError(
+                f"No gradient for AveragePool node {name!r} (ceil_mode=1, input "
+                f"{list(sizes)}, output {list(out_sizes)}): its last window starts in the end "
+                "pad. onnx's shape inference before opset 22 and onnxruntime 1.19 keep that "
+                "window (it averages no element of the input: NaN with count_include_pad=0), "
+                "onnxruntime 1.32, torch and opset 22 drop it: the output shapes differ. Use "
+                "pads that end within a stride of the last window, or ceil_mode=0.")
+        if past_end and include_pad and not _target_averages_ceil_windows_as_specified():
+            raise UnsupportedModelError(
+                f"No gradient for AveragePool node {name!r} (ceil_mode=1, count_include_pad=1, "
+                f"input {list(sizes)}, output {list(out_sizes)}) for {active_target()}: its "
+                "last windows run past the end pad, which onnxruntime 1.19 divides by the "
+                "whole kernel, and the specification, torch and onnxruntime 1.32 by the taps "
+                "inside the input and its pads: no one gradient is right on every runtime of "
+                "the target. Compile for target='onnxruntime-1.32' (or later) to run there "
+                "only, or use count_include_pad=0, or pad the input explicitly and use "
+                "ceil_mode=0.")
+        inverse = 1.0 / np.maximum(counts, 1)  # a window of pads only reads no x
+        scale = inverse.flat[0] if np.all(inverse == inverse.flat[0]) else inverse[None, None]
+        scaled = g.Mul(dy, g.const_like(scale, x, "inv_counts"))
+    elif ceil:
         raise UnsupportedModelError(
-            "The AveragePool gradient does not support ceil_mode=1 where it changes the "
-            "output shape.")
-    if node.attr("count_include_pad", 0) or not any(pads):
+            f"The gradient of AveragePool node {name!r} with ceil_mode=1 needs the static "
+            f"spatial dims of {x!r} and {y!r}: which windows run past the input depends on "
+            f"them; shape inference found {g.shape(x)} and {g.shape(y)}.")
+    elif include_pad or not any(pads):
         scaled = g.Mul(dy, g.const_like(1.0 / math.prod(kernel), x, "inv_window"))
-    else:
-        counts = _window_counts(sizes, out_sizes, kernel, strides, pads, dilations)
-        scaled = g.Mul(dy, g.const_like((1.0 / counts)[None, None], x, "inv_counts"))
-    planes = g.Reshape(scaled, g.ints([-1, 1, *out_sizes], "shape"))
-    ones = g.const_like(np.ones([1, 1, *kernel]), x, "ones_kernel")
-    padding = _output_padding(sizes, out_sizes, kernel, strides, pads, dilations)
-    dx = g.ConvTranspose(planes, ones, strides=strides, pads=pads, dilations=dilations,
-                         output_padding=padding if any(padding) else None, hint="avgpool_dx")
-    return g.Reshape(dx, g.Shape(x))
+    else:  # the taps of each window inside x, at run time: a Conv of ones
+        ones = g.filled(_with_spatial(g, [1, 1], x, sizes), 1, x, hint="ones")
+        counts = g.Conv(ones, g.const_like(np.ones([1, 1, *kernel]), x, "ones_kernel"),
+                        strides=strides, pads=pads, dilations=dilations, hint="window_counts")
+        scaled = g.Div(dy, counts)
+    return _window_sum_adjoint(g, scaled, x, sizes, out_sizes, kernel, strides, pads, dilations)
 
 
 @grad_rule("GlobalAveragePool")
@@ -294,6 +528,40 @@ def global_max_pool(g, node, dy):
     (x,) = node.inputs
     mask = g.mask(g.Equal(x, node.outputs[0]), x)
     return g.Mul(dy, mask)
+
+
+def _window_sum_adjoint(g, values: str, x: str, sizes, out_sizes, kernel, strides, pads,
+                        dilations) -> str:
+    """The adjoint of summing each pooling window of ``x``: every window's value in
+    ``values`` (shaped like the pooled output) added back onto the positions of x it
+    covered. A ones-kernel ConvTranspose per channel. With static sizes, a window past the
+    end of x (ceil_mode) gets a longer end pad, which the ConvTranspose crops, and the
+    positions past the last window get zeros (output padding, or a Pad past a stride);
+    sizes known at run time only: no end pad and ``s - 1`` output padding, which covers
+    x, cut to x's size."""
+    n = len(kernel)
+    begin = pads[:n]
+    planes = g.Reshape(values, _with_spatial(g, [-1, 1], values, out_sizes))
+    ones = g.const_like(np.ones([1, 1, *kernel]), x, "ones_kernel")
+    common = dict(strides=strides, dilations=dilations, hint="window_sum_dx")
+    if _known(sizes, out_sizes):
+        end = [(out - 1) * s + (k - 1) * d + 1 - b - size
+               for size, out, k, s, d, b in zip(sizes, out_sizes, kernel, strides, dilations,
+                                                 begin)]
+        short = [max(-e, 0) for e in end]  # positions past the last window: zeros
+        padding = [m if m < max(s, d) else 0 for m, s, d in zip(short, strides, dilations)]
+        summed = g.ConvTranspose(planes, ones, pads=[*begin, *(max(e, 0) for e in end)],
+                                 output_padding=padding if any(padding) else None, **common)
+        rest = [m - p for m, p in zip(short, padding)]
+        if any(rest):
+            summed = g.Pad(summed, g.ints([0, 0, *[0] * n, 0, 0, *rest], "pads"),
+                           mode="constant")
+    else:
+        padding = [s - 1 for s in strides]
+        summed = g.ConvTranspose(planes, ones, pads=[*begin, *[0] * n],
+                                 output_padding=padding if any(padding) else None, **common)
+        summed = _crop(g, summed, x, sizes)
+    return g.Reshape(summed, g.Shape(x))
 
 
 # ---------------------------------------------------------------- normalizations
@@ -426,12 +694,12 @@ def _like(g, d: str | None, output: str, x: str) -> str | None:
 def group_normalization(g, node, dy):
     x, scale, _ = node.inputs
     groups = node.attr("num_groups")
-    sizes = _static(g, x, "GroupNormalization")
-    channels = _channels(g, x, "GroupNormalization")
+    shape = g.shape(x)
     by_group = g.ints([0, groups, -1], "shape")
     grouped = g.Reshape(x, by_group)
     xhat_g, inv = _standardize(g, grouped, [2], node.attr("epsilon", 1e-5), like=x)
-    full = g.ints([0, channels, *sizes], "shape")
+    static = shape is not None and all(isinstance(d, int) for d in shape[1:])
+    full = g.ints([0, *shape[1:]], "shape") if static else g.Shape(x)
     xhat = g.Reshape(xhat_g, full)
     dxhat = g.Reshape(g.Mul(dy, _per_channel(g, scale, x)), by_group)
     dx = g.Reshape(_normalized_grad(g, grouped, xhat_g, inv, dxhat, [2]), full)
@@ -457,27 +725,6 @@ def lp_normalization(g, node, dy):
 
 
 # ------------------------------------------------------------------ Lp pooling
-def _window_sum_adjoint(g, values: str, x: str, sizes, out_sizes, kernel, strides, pads,
-                        dilations) -> str:
-    """The adjoint of summing each pooling window of ``x``: every window's value in
-    ``values`` (shaped like the pooled output) added back onto the positions of x it
-    covered. A ones-kernel ConvTranspose per channel; a window past the end of x
-    (ceil_mode) gets a longer end pad, which the ConvTranspose crops."""
-    n = len(kernel)
-    begin = pads[:n]
-    end = []
-    for size, out, k, s, d, b in zip(sizes, out_sizes, kernel, strides, dilations, begin):
-        end.append((out - 1) * s + (k - 1) * d + 1 - b - size)
-    short = [max(-e, 0) for e in end]  # positions past the last window: zeros
-    planes = g.Reshape(values, g.ints([-1, 1, *out_sizes], "shape"))
-    ones = g.const_like(np.ones([1, 1, *kernel]), x, "ones_kernel")
-    summed = g.ConvTranspose(planes, ones, strides=strides, dilations=dilations,
-                             pads=[*begin, *(max(e, 0) for e in end)], hint="window_sum_dx")
-    if any(short):
-        summed = g.Pad(summed, g.ints([0, 0, *[0] * n, 0, 0, *short], "pads"), mode="constant")
-    return g.Reshape(summed, g.Shape(x))
-
-
 @grad_rule("LpPool", notes="zero gradient where a window's norm is 0")
 def lp_pool(g, node, dy):
     (x,) = node.inputs
@@ -489,7 +736,7 @@ def lp_pool(g, node, dy):
             f"No gradient for LpPool node {node.name or '<unnamed>'!r} with p={p}: the "
             "p-norm needs p >= 1.")
     strides, pads, dilations = _window(g, node, x, kernel)
-    sizes, out_sizes = _static(g, x, "LpPool"), _static(g, y, "LpPool")
+    sizes, out_sizes = _spatial(g, x, "LpPool"), _spatial(g, y, "LpPool")
     if p == 1:
         back = _window_sum_adjoint(g, dy, x, sizes, out_sizes, kernel, strides, pads,
                                    dilations)

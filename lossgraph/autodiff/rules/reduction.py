@@ -19,11 +19,12 @@ elements reduced into each output.
     ReduceLogSumExp(x)  dx = dy~ Exp(x - y~)
     CumSum(x, axis)     dx = CumSum(dy, axis, exclusive, reverse = 1 - reverse)
 
-Axes come from the ``axes`` attribute (opset < 18, ReduceSum < 13) or the constant
-``axes`` input; ReduceSum and ReduceMean with ``keepdims=1`` also take axes computed
-at run time (dy~ = dy then, and n = Size(x) / Size(y)). With empty axes and
-``noop_with_empty_axes=1`` each rule is that of its reduction over no axes,
-elementwise: ReduceSum/Mean/Max/Min/Prod/LogSumExp pass ``dy`` through, ReduceL1/L2
+Axes come from the ``axes`` attribute (opset < 18, ReduceSum < 13) or the ``axes``
+input, constant or computed at run time. Computed axes stay computed: dy~ = dy with
+``keepdims=1``, else Unsqueeze(dy, axes); the sums and products over the reduced axes
+take the same axes input (and ``noop_with_empty_axes``); n = Size(x) / Size(y). With
+empty axes and ``noop_with_empty_axes=1`` each rule is that of its reduction over no
+axes, elementwise: ReduceSum/Mean/Max/Min/Prod/LogSumExp pass ``dy`` through, ReduceL1/L2
 give ``dy Sign(x)``, ReduceSumSquare ``2 dy x`` and ReduceLogSum ``dy / x`` (the ONNX
 reference semantics; onnxruntime 1.19 instead reduces over all axes there for L1, L2
 and LogSum, and returns ``x`` for SumSquare).
@@ -61,11 +62,6 @@ def keep_dims(g, node, value: str, axes: list[int]) -> str:
     return value if node.attr("keepdims", 1) else g.unsqueeze(value, axes)
 
 
-def expand_back(g, node, dy: str, axes: list[int]) -> str:
-    """``dy`` (the reduced shape) broadcast back to the shape of the reduced input."""
-    return g.Expand(keep_dims(g, node, dy, axes), g.Shape(node.inputs[0]))
-
-
 def _count(g, node, axes: list[int] | None) -> str:
     """The number of elements reduced into each output, as a scalar of x's type
     (``axes=None``: axes known at run time only)."""
@@ -92,19 +88,46 @@ def _reduction_rule(op_type: str, notes: str = ""):
     return register
 
 
-def kept_over_computed_axes(g, node) -> bool:
-    """True for ``keepdims=1`` with axes computed at run time: dy broadcasts against x
-    as it is, whatever the axes."""
+def over_computed_axes(g, node) -> bool:
+    """True for axes computed at run time (an ``axes`` input that is not constant)."""
     axes = node.input(1)
-    return bool(node.attr("keepdims", 1)) and axes is not None and g.value(axes) is None
+    return axes is not None and g.value(axes) is None
+
+
+def kept(g, node, value: str) -> str:
+    """``value`` (``dy`` or ``y``, the reduced shape) with the reduced axes present, size 1,
+    whatever the form of the axes: static, none (the identity), or computed at run time,
+    where it is ``Unsqueeze(value, axes)`` (the same axes, of x's rank) without
+    ``keepdims``. Empty computed axes give ``value`` back, right for both their meanings
+    (all axes reduced to a scalar, or none with ``noop_with_empty_axes``)."""
+    if over_computed_axes(g, node):
+        return value if node.attr("keepdims", 1) else g.Unsqueeze(value, node.inputs[1])
+    axes = reduced_axes(g, node)
+    return value if axes is None else keep_dims(g, node, value, axes)
+
+
+def reduced_like(g, node, op_type: str, value: str, hint: str) -> str:
+    """``op_type`` over the axes ``node`` reduces, dims kept (``value`` itself where the
+    node is the identity); computed axes are passed on with ``noop_with_empty_axes``, so
+    that empty ones mean what they mean to the node."""
+    if over_computed_axes(g, node):
+        noop = node.attr("noop_with_empty_axes", 0)
+        return g.op(op_type, value, node.inputs[1], keepdims=1,
+                    noop_with_empty_axes=noop or None, hint=hint)
+    axes = reduced_axes(g, node)
+    return value if axes is None else g.reduce(op_type, value, axes, keepdims=1, hint=hint)
+
+
+def _is_identity(g, node) -> bool:
+    """True for static empty axes with ``noop_with_empty_axes``: dx = dy."""
+    return not over_computed_axes(g, node) and reduced_axes(g, node) is None
 
 
 @_reduction_rule("ReduceSum")
 def reduce_sum(g, node, dy):
-    if reduces_everything(g, node) or kept_over_computed_axes(g, node):
+    if reduces_everything(g, node):
         return g.Expand(dy, g.Shape(node.inputs[0]))  # dy broadcasts as it is
-    axes = reduced_axes(g, node)
-    return dy if axes is None else expand_back(g, node, dy, axes)
+    return dy if _is_identity(g, node) else g.Expand(kept(g, node, dy), g.Shape(node.inputs[0]))
 
 
 @_reduction_rule("ReduceMean")
@@ -113,23 +136,19 @@ def reduce_mean(g, node, dy):
     if reduces_everything(g, node):
         count = g.Cast(g.Size(x), to=g.elem_type(y), hint="count")
         return g.Expand(g.Div(dy, count), g.Shape(x))
-    if kept_over_computed_axes(g, node):
-        return g.Expand(g.Div(dy, _count(g, node, None)), g.Shape(x))
-    axes = reduced_axes(g, node)
-    if axes is None:
+    if _is_identity(g, node):
         return dy
-    return expand_back(g, node, g.Div(dy, _count(g, node, axes)), axes)
+    axes = None if over_computed_axes(g, node) else reduced_axes(g, node)
+    return g.Expand(kept(g, node, g.Div(dy, _count(g, node, axes))), g.Shape(x))
 
 
 def _extremum(g, node, dy):
-    axes = reduced_axes(g, node)
-    if axes is None:
+    if _is_identity(g, node):
         return dy
     x = node.inputs[0]
-    mask = g.mask(g.Equal(x, keep_dims(g, node, node.outputs[0], axes)), x,
-                  hint="argmax_mask")
-    ties = g.reduce("ReduceSum", mask, axes, keepdims=1, hint="ties")
-    return g.Mul(mask, g.Div(keep_dims(g, node, dy, axes), ties))
+    mask = g.mask(g.Equal(x, kept(g, node, node.outputs[0])), x, hint="argmax_mask")
+    ties = reduced_like(g, node, "ReduceSum", mask, hint="ties")
+    return g.Mul(mask, g.Div(kept(g, node, dy), ties))
 
 
 _reduction_rule("ReduceMax", notes="ties share the gradient evenly")(_extremum)
@@ -138,62 +157,53 @@ _reduction_rule("ReduceMin", notes="ties share the gradient evenly")(_extremum)
 
 @_reduction_rule("ReduceProd", notes="zero-safe: no division by zero")
 def reduce_prod(g, node, dy):
-    axes = reduced_axes(g, node)
-    if axes is None:
+    if _is_identity(g, node):
         return dy
     x = node.inputs[0]
     zeros = g.mask(g.Equal(x, g.const_like(0, x, "zero")), x, hint="is_zero")
     safe = g.Add(x, zeros, hint="zeros_as_ones")
-    product = g.reduce("ReduceProd", safe, axes, keepdims=1, hint="nonzero_product")
-    count = g.reduce("ReduceSum", zeros, axes, keepdims=1, hint="zero_count")
+    product = reduced_like(g, node, "ReduceProd", safe, hint="nonzero_product")
+    count = reduced_like(g, node, "ReduceSum", zeros, hint="zero_count")
     # 1 where (no zeros and x != 0) or (one zero and x == 0), else 0
     keep = g.mask(g.Equal(count, zeros), x, hint="prod_mask")
-    scaled = g.Mul(keep_dims(g, node, dy, axes), product)
+    scaled = g.Mul(kept(g, node, dy), product)
     return g.Mul(g.Div(scaled, safe), keep)
 
 
 @_reduction_rule("ReduceL1")
 def reduce_l1(g, node, dy):
-    axes = reduced_axes(g, node)
-    dy = dy if axes is None else keep_dims(g, node, dy, axes)
-    return g.Mul(dy, g.Sign(node.inputs[0]))
+    return g.Mul(kept(g, node, dy), g.Sign(node.inputs[0]))
 
 
 @_reduction_rule("ReduceL2", notes="zero gradient where the norm is 0")
 def reduce_l2(g, node, dy):
-    axes = reduced_axes(g, node)
-    x, y = node.inputs[0], node.outputs[0]
-    if axes is not None:
-        dy, y = keep_dims(g, node, dy, axes), keep_dims(g, node, y, axes)
+    x = node.inputs[0]
+    dy, y = kept(g, node, dy), kept(g, node, node.outputs[0])
     is_zero = g.mask(g.Equal(y, g.const_like(0, x, "zero")), x)
     return g.Mul(g.Div(dy, g.Add(y, is_zero)), x)
 
 
 @_reduction_rule("ReduceSumSquare")
 def reduce_sum_square(g, node, dy):
-    axes = reduced_axes(g, node)
     x = node.inputs[0]
-    dy = dy if axes is None else keep_dims(g, node, dy, axes)
-    return g.Mul(g.Mul(dy, g.const_like(2, x, "two")), x)
+    return g.Mul(g.Mul(kept(g, node, dy), g.const_like(2, x, "two")), x)
 
 
 @_reduction_rule("ReduceLogSum")
 def reduce_log_sum(g, node, dy):
-    axes = reduced_axes(g, node)
     x = node.inputs[0]
-    if axes is None:
+    if _is_identity(g, node):
         return g.Div(dy, x)
-    return expand_back(g, node, g.Div(dy, g.Exp(node.outputs[0])), axes)
+    return g.Expand(kept(g, node, g.Div(dy, g.Exp(node.outputs[0]))), g.Shape(x))
 
 
 @_reduction_rule("ReduceLogSumExp")
 def reduce_log_sum_exp(g, node, dy):
-    axes = reduced_axes(g, node)
-    if axes is None:
+    if _is_identity(g, node):
         return dy
     x = node.inputs[0]
-    softmax = g.Exp(g.Sub(x, keep_dims(g, node, node.outputs[0], axes)), hint="softmax")
-    return g.Mul(keep_dims(g, node, dy, axes), softmax)
+    softmax = g.Exp(g.Sub(x, kept(g, node, node.outputs[0])), hint="softmax")
+    return g.Mul(kept(g, node, dy), softmax)
 
 
 @grad_rule("CumSum", nondiff=(1,), notes="reverse cumulative sum of dy")

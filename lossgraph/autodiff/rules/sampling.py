@@ -55,9 +55,10 @@ offset[n, o(c), k, :, p], for every channel c of offset group o(c):
     taps are Floor(q) - 1 .. Floor(q) + 1 per axis for that)
 
 ``rois`` and ``batch_indices`` are ``nondiff``: the regions are constants of the
-sampling (as torchvision's roi_align treats them); the sample grids are built in the
-graph for any rois when sampling_ratio > 0, and sized at build time from constant rois
-when it is 0 (adaptive: one more sample per unit of region size).
+sampling, as torchvision's roi_align treats them (a weight that reaches the loss only
+through them is a :class:`~lossgraph.errors.NoGradientError` that says so). The sample
+grids are built in the graph for any rois when sampling_ratio > 0, and sized at build
+time from constant rois when it is 0 (adaptive: one more sample per unit of region size).
 """
 
 from __future__ import annotations
@@ -351,7 +352,11 @@ def _roi_axis(g, rois: str, index: int, size: int, bins: int, grid: int, samplin
     return corners, weights, count
 
 
-@grad_rule("RoiAlign", since=16, nondiff=(1, 2),
+@grad_rule("RoiAlign", since=16,
+           nondiff={1: "the regions of interest are constants of the sampling, as in "
+                       "torchvision's roi_align: lossgraph does not differentiate the sample "
+                       "points' positions with respect to the regions' corners",
+                    2: "the batch index of each region"},
            notes="gradient with respect to X (avg and max modes); rois are constants; "
                  "sampling_ratio 0 needs constant rois")
 def roi_align(g, node, dy):

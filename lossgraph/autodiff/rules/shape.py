@@ -5,8 +5,11 @@
     Squeeze(x, axes)       dx = Reshape(dy, Shape(x))
     Unsqueeze(x, axes)     dx = Reshape(dy, Shape(x))
     Transpose(x, perm)     dx = Transpose(dy, perm^-1)
-    Expand(x, s)           dx = dy summed over the broadcast axes (static shapes)
+    Expand(x, s)           dx = dy summed over the broadcast axes: the leading ones, and
+                           those where x is 1 and y is not (picked at run time where the
+                           static shapes cannot tell)
     Tile(x, r)             dx = ReduceSum(Reshape(dy, (r1, d1, r2, d2, ...)), axes=(0, 2, ...))
+                           (the target interleaved at run time where r or x's shape is)
     Concat(x1..xn, axis)   dxi = Split(dy, (size1..sizen), axis)[i]
     Split(x, axis)         dx = Concat(dy1..dyn, axis)    (missing dyi: zeros)
     DepthToSpace(x, b)     DCR: dx = SpaceToDepth(dy, b)
@@ -83,37 +86,31 @@ def transpose(g, node, dy):
     return g.Transpose(dy, perm=inverse)
 
 
-@grad_rule("Expand", nondiff=(1,), notes="needs the broadcast axes to be known statically")
+@grad_rule("Expand", nondiff=(1,), notes="broadcast axes found statically, or at run time")
 def expand(g, node, dy):
     x, y = node.inputs[0], node.outputs[0]
-    source, target = g.shape(y), g.shape(x)
-    if source is None or target is None:
+    if g.shape(y) is None or g.shape(x) is None:
         raise UnsupportedModelError(
             f"The gradient of Expand node {node.name!r} needs the ranks of {x!r} and {y!r}; "
-            "shape inference found none. Give the model's inputs static shapes.")
-    lead = len(source) - len(target)
-    for i, d in enumerate(target):
-        out = source[lead + i]
-        if not isinstance(d, int) and d != out:
-            raise UnsupportedModelError(
-                f"The gradient of Expand node {node.name!r} cannot tell whether axis {i} of "
-                f"{x!r} (dim {d!r}) is broadcast to {out!r}; give {x!r} a static shape.")
+            "shape inference found none. Give the model's inputs static ranks.")
     return node.grads(g.unbroadcast(dy, x, y))
 
 
-@grad_rule("Tile", nondiff=(1,), notes="needs constant repeats")
+@grad_rule("Tile", nondiff=(1,), notes="repeats constant or computed at run time")
 def tile(g, node, dy):
-    x = node.inputs[0]
-    repeats = g.ints_value(node.inputs[1], "Tile's repeats")
-    rank = len(repeats)
-    if all(r == 1 for r in repeats):
+    x, repeats = node.inputs[:2]
+    value = g.value(repeats)
+    counts = None if value is None else [int(r) for r in np.asarray(value).reshape(-1)]
+    if counts is not None and all(r == 1 for r in counts):
         return node.grads(dy)
+    rank = len(counts) if counts is not None else g.rank(x)
     shape = static_shape(g, x)
-    if shape is not None:
-        target = g.ints([v for pair in zip(repeats, shape) for v in pair], hint="shape")
+    if counts is not None and shape is not None:
+        target = g.ints([v for pair in zip(counts, shape) for v in pair], hint="shape")
     else:  # interleave the repeats with Shape(x) at run time
-        pairs = g.Concat(g.const(np.array(repeats, np.int64).reshape(rank, 1), np.int64, "repeats"),
-                         g.unsqueeze(g.Shape(x), [1]), axis=1)
+        column = (g.unsqueeze(repeats, [1]) if counts is None else
+                  g.const(np.array(counts, np.int64).reshape(rank, 1), np.int64, "repeats"))
+        pairs = g.Concat(column, g.unsqueeze(g.Shape(x), [1]), axis=1)
         target = g.Reshape(pairs, g.ints([2 * rank], hint="shape"))
     split = g.Reshape(dy, target)
     return node.grads(g.reduce("ReduceSum", split, list(range(0, 2 * rank, 2)), keepdims=0))

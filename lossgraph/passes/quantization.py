@@ -35,9 +35,8 @@ new float initializer ``w = (q - z) s`` (named after ``q``), which fake-quantize
 exactly ``q``; an integer initializer others read too stays for them.
 
 Train the result like any model: :func:`~lossgraph.compile_program` keeps the function, and
-the exported inference model holds the ``FakeQuantizeLinear`` nodes with their function
-(valid ONNX; ``onnx.inliner.inline_local_functions`` turns them back into the
-QuantizeLinear and DequantizeLinear pairs). The report lists each rewrite
+the exported inference model (:class:`~lossgraph.passes.strip.StripTraining`) has the
+QuantizeLinear and DequantizeLinear pairs again. The report lists each rewrite
 (:class:`FakeQuantization`).
 """
 

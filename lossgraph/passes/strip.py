@@ -11,12 +11,16 @@ the roles record, and layers left in training mode. This pass rewrites them::
                                                     ->  BatchNormalization -> (y)
     Dropout(x, ratio, training) -> (y[, mask unused])   ->  Identity(x) -> (y)
     Dropout(x, ratio, training) -> (y, mask used)       ->  Dropout(x, ratio, false) -> (y, mask)
+    lossgraph.FakeQuantizeLinear(w, s, z)  ->  DequantizeLinear(QuantizeLinear(w, s, z), s, z)
 
 where ``training`` is anything but a constant false (a constant true, a graph input,
 a computed flag); a Dropout whose ``training`` is absent or a constant false runs in
 inference mode already and is left as it is. The running-statistics outputs of a
 BatchNormalization are removed from the graph's outputs when they are there (they are
-the training state, not a prediction); any other use of them is an error. Values,
+the training state, not a prediction); any other use of them is an error. The fake
+quantization that :class:`~lossgraph.passes.quantization.StraightThroughQuantization`
+wrote for training is inlined back into the standard QuantizeLinear/DequantizeLinear
+pairs (its function's body), which quantization tools and runtimes recognise. Values,
 constants, nodes and graph inputs that only the rewritten nodes read (the ``training``
 flag, a Dropout's ``ratio``) go too. The ``lossgraph.roles`` record goes with the loss.
 
@@ -36,6 +40,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..autodiff.rules.quantization import FAKE_QUANTIZE, FAKE_QUANTIZE_DOMAIN
 from ..errors import UnsupportedModelError
 from ..graphs import all_graphs, attribute_value
 from ..metadata import GRADIENTS_KEY, ROLES_KEY, SIGNATURE_KEY, read_text, remove_record
@@ -58,8 +63,8 @@ class StripTraining(Pass):
 
     The report says what went: ``{"loss": name or None, "metadata": [keys],
     "inference_mode": [nodes], "identity": [nodes], "inputs": [names], "outputs": [names],
-    "nodes": [names], "initializers": [names]}``, nodes named by name (or ``op_type#index``
-    in their graph when unnamed).
+    "nodes": [names], "initializers": [names], "inlined": [fake-quantization nodes]}``,
+    nodes named by name (or ``op_type#index`` in their graph when unnamed).
     """
 
     def call(self, model: onnx.ModelProto) -> PassResult:
@@ -96,7 +101,7 @@ def _strip(model: onnx.ModelProto) -> dict[str, Any]:
                 "lossgraph.export.to_inference_model(program or trainer or program folder).")
     report: dict[str, Any] = {"loss": None, "metadata": [], "inference_mode": [],
                               "identity": [], "inputs": [], "outputs": [], "nodes": [],
-                              "initializers": []}
+                              "initializers": [], "inlined": []}
     roles = get_roles(model)
     if read_text(model, ROLES_KEY) is not None:
         report["metadata"].append(ROLES_KEY)
@@ -110,7 +115,31 @@ def _strip(model: onnx.ModelProto) -> dict[str, Any]:
             report[key].extend(v.name for v in values if v.name not in left)
     remove_record(model, ROLES_KEY)
     _to_inference_mode(model, report)
+    report["inlined"] = _inline_fake_quantization(model)
     return report
+
+
+def _inline_fake_quantization(model: onnx.ModelProto) -> list[str]:
+    """Replace lossgraph's FakeQuantizeLinear nodes by their body, in place; their names."""
+    key = (FAKE_QUANTIZE_DOMAIN, FAKE_QUANTIZE)
+    fake = [node.name for graph in all_graphs(model.graph) for node in graph.node
+            if (node.domain, node.op_type) == key]
+    if not fake:
+        return []
+    if not any((f.domain, f.name) == key for f in model.functions):
+        raise UnsupportedModelError(
+            f"The model has {FAKE_QUANTIZE_DOMAIN}.{FAKE_QUANTIZE} nodes ({', '.join(fake[:3])})"
+            " but not the function that defines them: run StraightThroughQuantization on the "
+            "model itself, which declares it.")
+    model.CopyFrom(onnx.inliner.inline_selected_functions(model, [key]))
+    kept = [f for f in model.functions if (f.domain, f.name) != key]
+    del model.functions[:]
+    model.functions.extend(kept)
+    if not any(f.domain == FAKE_QUANTIZE_DOMAIN for f in kept):
+        imports = [o for o in model.opset_import if o.domain != FAKE_QUANTIZE_DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(imports)
+    return fake
 
 
 def _to_inference_mode(model: onnx.ModelProto, report: dict[str, Any]) -> None:

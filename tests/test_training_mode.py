@@ -176,6 +176,43 @@ def test_training_equals_torch_weights_and_running_statistics(kind, optimizer, f
 
 
 @TORCH
+@pytest.mark.parametrize("kind", sorted(NETS))
+def test_the_forward_backward_object_updates_running_statistics_as_torch(kind):
+    """OrtGradientForwardBackward: each training forward updates the running statistics as
+    torch's training step does; an eval forward normalizes with them, as torch's eval."""
+    import torch
+    net = _net(torch, kind)
+    fb = lossgraph.OrtGradientForwardBackward(_export(torch, net, kind))
+    assert set(fb.running_statistics) == {name for name, _ in net.named_buffers()
+                                          if name.endswith(("running_mean", "running_var"))}
+    weights = {name: fb.get_initializer(name) for name in fb.weights_to_train}
+    by_onnx = {name: parameter for name, parameter in net.named_parameters()}
+    assert set(weights) == set(by_onnx)
+    X, y = _data(kind)
+    function = fb.new_instance()
+    for lo in range(0, ROWS, BATCH):
+        batch = slice(lo, lo + BATCH)
+        (prediction,) = function.forward([X[batch], *weights.values()], training=True)
+        net.zero_grad()
+        theirs = net(torch.from_numpy(X[batch]))
+        np.testing.assert_allclose(prediction, theirs.detach().numpy(), rtol=1e-5, atol=1e-6)
+        ((theirs - torch.from_numpy(y[batch])) ** 2).mean().backward()
+        grad_y = 2 * (prediction - y[batch]) / prediction.size
+        grads = function.backward([grad_y])[1:]
+        for name, grad in zip(weights, grads):
+            np.testing.assert_allclose(grad, by_onnx[name].grad.numpy(), rtol=1e-4, atol=1e-6,
+                                       err_msg=name)
+    for name, value in fb.running_statistics.items():
+        buffer = dict(net.named_buffers())[name]
+        np.testing.assert_allclose(value, buffer.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    net.eval()
+    with torch.no_grad():
+        expected = net(torch.from_numpy(X)).numpy()
+    (predicted,) = function.forward([X, *weights.values()], training=False)
+    np.testing.assert_allclose(predicted, expected, rtol=1e-4, atol=1e-5)
+
+
+@TORCH
 @pytest.mark.parametrize("opset", [13, 15])
 def test_older_batch_normalization_forms_train_as_torch(opset):
     """Opset 13's training form (five outputs, no training_mode) and opset 15's."""

@@ -59,6 +59,8 @@ from ..models import ModelLike, as_model
 from ..passes.contract import Pipeline
 from ..passes.gradient import BACKENDS, Gradient
 from ..passes.lower_ml import LowerMlOps
+from ..passes.running_stats import RunningStatistics, buffer_names
+from ..passes.strip import InferenceMode
 from ..passes.weights import WeightsToInputs
 from ..runtime.forward_backward import ForwardBackwardRunner
 from ..runtime.session import checked_providers, cpu_device, create_session, ortvalue
@@ -159,6 +161,17 @@ class OrtGradientForwardBackward:
         self.enable_logging = enable_logging
         self.debug = debug
         self.backend = backend
+        #: The training-mode BatchNormalization layers' running means and variances: the
+        #: state that each ``forward(..., training=True)`` updates as torch does and that
+        #: ``forward(..., training=False)`` normalizes with.
+        self.running_statistics = {name: self.get_initializer(name)
+                                   for name in buffer_names(model)}
+        if self.running_statistics and backend == "ort":
+            raise UnsupportedModelError(
+                f"The model has training-mode BatchNormalization layers (running statistics "
+                f"{', '.join(self.running_statistics)}): backend='ort' runs onnxruntime's "
+                "training-mode kernel, which never updates them for lossgraph. Use "
+                "backend='onnx', or export the model in inference mode.")
         self._build()
 
     def _build(self) -> None:
@@ -174,7 +187,8 @@ class OrtGradientForwardBackward:
             raise UnsupportedOptionError(
                 f"None of the outputs {self.output_names} is a float tensor: nothing to "
                 "differentiate.")
-        lifted = WeightsToInputs(tuple(self.weights_to_train))(model).model
+        lifted = WeightsToInputs((*self.weights_to_train, *self.running_statistics))(
+            model).model
         by_name = {o.name: o for o in lifted.graph.output}
         del lifted.graph.output[:]
         lifted.graph.output.extend(by_name[name] for name in self.output_names)
@@ -322,12 +336,17 @@ class _OnnxGraphs:
         floats = {v.name for v in lifted.graph.input
                   if v.type.tensor_type.elem_type in FLOAT_TYPES}
         wrt = (*[n for n in owner.input_names if n in floats], *owner.weights_to_train)
-        vjp = Pipeline((Gradient(wrt, outputs=owner.differentiable_outputs,
-                                 backend="onnx"),))(lifted)
+        # training runs the layers in training mode and outputs the running statistics'
+        # update after the outputs; predictions run them in inference mode
+        update = (RunningStatistics(),) if owner.running_statistics else ()
+        vjp = Pipeline((*update, Gradient(wrt, outputs=owner.differentiable_outputs,
+                                          backend="onnx")))(lifted)
+        updated = vjp.report.get("RunningStatistics", {})
+        self._updated = list(updated)
         seeds = [f"{o}_grad" for o in owner.differentiable_outputs]
-        self.eval_onnx = lifted
+        self.eval_onnx = InferenceMode()(lifted).model
         self.gradient_onnx = vjp.model
-        self.split = split_gradient(vjp.model, owner.output_names, seeds)
+        self.split = split_gradient(vjp.model, [*owner.output_names, *updated.values()], seeds)
         by_gradient = {g: n for n, g in vjp.report["Gradient"].items()}
         self._gradient_of = [by_gradient.get(g) for g in self.split.gradients]
         self._seeds = dict(zip(owner.differentiable_outputs, seeds))
@@ -336,21 +355,28 @@ class _OnnxGraphs:
         def make(model: onnx.ModelProto) -> Any:
             return create_session(model, owner.providers, owner.sess_options)
 
-        self._predict = make(lifted)
+        self._predict = make(self.eval_onnx)
         self._run_options = owner.run_options
         self._runner = ForwardBackwardRunner(self.split, make)
+        self._statistics = owner.running_statistics
 
     def predict(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The outputs, from the inference graph."""
-        return self._predict.run(self._output_names, feeds, self._run_options)
+        return self._predict.run(self._output_names, {**feeds, **self._statistics},
+                                 self._run_options)
 
     def forward(self, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], Any]:
-        """The outputs and what ``backward`` needs: the residuals and reused inputs."""
+        """The outputs and what ``backward`` needs: the residuals and reused inputs. The
+        running statistics take this batch's update."""
         device = cpu_device()
-        values = {name: ortvalue(array, device) for name, array in feeds.items()}
-        outputs, residuals = self._runner.forward(values)
+        values = {name: ortvalue(array, device)
+                  for name, array in {**feeds, **self._statistics}.items()}
+        computed, residuals = self._runner.forward(values)
         reused = {name: values[name] for name in self.split.reused}
-        return [np.array(value.numpy()) for value in outputs], (residuals, reused)
+        arrays = [np.array(value.numpy()) for value in computed]
+        count = len(self._output_names)
+        self._statistics.update(zip(self._updated, arrays[count:]))
+        return arrays[:count], (residuals, reused)
 
     def backward(self, token: Any, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The gradients by input or weight name, for one forward's ``token``."""

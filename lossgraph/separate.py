@@ -42,8 +42,8 @@ from .signature import Signature
 from .target import check_opset_option
 from .validation import weights_dtype
 
-__all__ = ["separate_graphs", "loss_graph", "penalty_graph", "update_graph", "ForwardBackward",
-           "split_gradient"]
+__all__ = ["separate_graphs", "loss_graph", "program_loss_graph", "penalty_graph", "update_graph",
+           "ForwardBackward", "split_gradient"]
 
 
 def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: str,
@@ -60,11 +60,7 @@ def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: st
                                SumRowsByProduct()))(predict).model
     model_gradient = SumRowsByProduct()(model_gradient).model  # OPTIMIZE: sum-rows helper
     value = next(o for o in predict.graph.output if o.name == prediction)
-    own = {k: v for k, v in options.items() if k not in ("output_index", "label_name")}
-    output_options = {k: own.pop(k) for k in ("loss_name", "weight_name", "reduction")
-                      if k in own}
-    loss_step = loss_graph(value, loss, own, label_name=roles["label"], backend=backend,
-                           **output_options)
+    loss_step = program_loss_graph(value, roles["label"], loss, options, backend)
     graphs = {"gradient": model_gradient, "loss": loss_step.model,
               "update": update_graph(optimizer, initial)}
     if penalty:
@@ -75,6 +71,33 @@ def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: st
     signature.prediction = prediction
     signature.prediction_grad = loss_step.report[prediction]
     return graphs
+
+
+def program_loss_graph(prediction: onnx.ValueInfoProto, label: str, loss: str,
+                       options: Mapping[str, Any], backend: str,
+                       reduction: str | None = None) -> PassResult:
+    """The ``loss`` graph of a separate program: :func:`loss_graph` of ``loss`` with
+    compile_program's ``loss_options`` (``options``) on the prediction ``prediction``, whose
+    label is named ``label``. ``reduction`` replaces the options' reduction: the
+    data-parallel step (:mod:`lossgraph.parallel`) needs the gradient of the loss summed
+    over the rows where the program's loss is their mean, which it divides by the rows'
+    total weight. A mean over the positions an ``ignore_index`` leaves is not that (its
+    divisor counts positions): an UnsupportedOptionError."""
+    own = {k: v for k, v in options.items() if k not in ("output_index", "label_name")}
+    output_options = {k: own.pop(k) for k in ("loss_name", "weight_name", "reduction")
+                      if k in own}
+    if reduction is not None:
+        if (own.get("ignore_index") is not None and reduction == "sum"
+                and output_options.get("reduction", "mean") == "mean"):
+            raise UnsupportedOptionError(
+                f"loss={loss!r} with ignore_index={own['ignore_index']!r} and reduction='mean' "
+                "averages over the positions whose label is not ignored, counted over the "
+                "whole batch; the data-parallel step divides summed gradients by the rows' "
+                "total weight, so it would not compute that mean. Train in one process "
+                "(lossgraph.Trainer), or compile with loss_options reduction='sum' (the "
+                "learning rate then scales with the batch).")
+        output_options["reduction"] = reduction
+    return loss_graph(prediction, loss, own, label_name=label, backend=backend, **output_options)
 
 
 def loss_graph(prediction: onnx.ValueInfoProto, loss: str, options: Mapping[str, Any],
@@ -290,7 +313,8 @@ def split_gradient(model: onnx.ModelProto, outputs: Sequence[str],
             [helper.make_value_info(i, types[i]) for i in in_names],
             [helper.make_value_info(o, types[o]) for o in out_names],
             [initializers[n] for n in initializers if n in used and n not in in_names])
-        half_model = helper.make_model(body, opset_imports=list(model.opset_import))
+        half_model = helper.make_model(body, opset_imports=list(model.opset_import),
+                                       functions=list(model.functions))
         check_emitted(half_model, f"split_gradient ({name})")
         return half_model
 

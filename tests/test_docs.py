@@ -35,7 +35,7 @@ BLOCKS = [(page, index, code) for page in PAGES
           for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
 #: A block whose first line is "# needs torch" (or another package) runs where it is installed.
 BLOCK_MARKS = {"# needs torch": pytest.mark.torch, "# needs pyarrow": needs("pyarrow"),
-               "# needs dask-ml": needs("dask_ml", "distributed")}
+               "# needs dask-ml": needs("dask_ml", "distributed"), "# needs ray": needs("ray")}
 
 
 @pytest.mark.parametrize(("page", "index", "code"), [

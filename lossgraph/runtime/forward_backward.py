@@ -178,7 +178,33 @@ class SeparateStep:
 
     def run(self, batch: Mapping[str, np.ndarray]) -> float:
         """One step on ``batch`` (C-contiguous arrays by input name); the loss."""
-        return self._run_static(batch) if self._static else self._run_dynamic(batch)
+        loss, gradients = self.gradients(batch)
+        return loss + self.update(gradients)
+
+    def gradients(self, batch: Mapping[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
+        """Forward, loss and backward on ``batch``: the loss graph's loss and each weight's
+        gradient (arrays or OrtValues, valid until the next call), without the penalty."""
+        return self._gradients_static(batch) if self._static else self._gradients_dynamic(batch)
+
+    def update(self, gradients: Mapping[str, Any]) -> float:
+        """Add the penalty's gradients to ``gradients`` (from :meth:`gradients`, or numpy
+        arrays shaped like the weights, changed in place) and run the update graph; the
+        penalty (0 without one). The next state waits in the other buffer set."""
+        if self._static:  # the update graph reads the arrays bound at construction
+            for weight, bound in self._gradients.items():
+                if gradients[weight] is not bound:
+                    np.copyto(bound, gradients[weight])
+            gradients = self._gradients
+        else:
+            gradients = dict(gradients)
+        penalty = 0.0
+        if self._penalty is not None:
+            if not self._static:
+                gradients.update({w: _owned(gradients[w]) for w in self._penalized})
+            penalty = self._add_penalty(gradients)
+        self._update.run({} if self._static else
+                         {self._update_gradients[w]: g for w, g in gradients.items()})
+        return penalty
 
     def _add_penalty(self, gradients: dict[str, Any]) -> float:
         """Run the penalty graph; add its gradients to ``gradients`` (numpy arrays,
@@ -188,17 +214,13 @@ class SeparateStep:
             np.add(gradients[weight], grad, out=gradients[weight])
         return float(self._penalty_total)
 
-    def _run_static(self, batch: Mapping[str, np.ndarray]) -> float:
+    def _gradients_static(self, batch: Mapping[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
         self._forward.run({n: batch[n] for n in self._features})
         self._loss_runner.run({n: batch[n] for n in self._loss_data})
         self._backward.run({n: batch[n] for n in self._reused})
-        total = float(self._loss_value)
-        if self._penalty is not None:
-            total += self._add_penalty(self._gradients)
-        self._update.run({})
-        return total
+        return float(self._loss_value), self._gradients
 
-    def _run_dynamic(self, batch: Mapping[str, np.ndarray]) -> float:
+    def _gradients_dynamic(self, batch: Mapping[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
         device = self._device
         data = {name: ortvalue(array, device) for name, array in batch.items()}
         current = self._buffers.current
@@ -213,13 +235,13 @@ class SeparateStep:
             {self._loss_io["prediction"]: prediction, **{n: data[n] for n in self._loss_data}})
         reused = {n: data[n] if n in data else weights[n] for n in self._split.reused}
         grads = self._model.backward(residuals, reused, {self._seed: prediction_grad})
-        total = float(loss.numpy())
-        gradients: dict[str, Any] = dict(zip(self._weights, grads))
-        if self._penalty is not None:
-            gradients.update({w: gradients[w].numpy().copy() for w in self._penalized})
-            total += self._add_penalty(gradients)
-        self._update.run({self._update_gradients[w]: g for w, g in gradients.items()})
-        return total
+        return float(loss.numpy()), dict(zip(self._weights, grads))
+
+
+def _owned(value: Any) -> np.ndarray:
+    """``value`` as a numpy array the caller may change: an OrtValue's contents copied, an
+    array as it is."""
+    return value if isinstance(value, np.ndarray) else value.numpy().copy()
 
 
 def _static_values(split: ForwardBackward, loss: onnx.ModelProto) -> dict[str, np.ndarray] | None:

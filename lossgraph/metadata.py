@@ -2,6 +2,8 @@
 
     lossgraph.roles       {"loss": ..., "label": ..., "prediction": ...[, "sample_weight": ...]}
                           which tensor plays which role in a loss model (lossgraph.roles)
+    lossgraph.loss        {"ignore_index": k}: the label value the loss ignores, written by
+                          add_loss_output when it has one (the Trainer accepts that label)
     lossgraph.gradients   {weight: gradient output}, written by the gradient pass
     lossgraph.signature   who is who among a training graph's inputs and outputs
                           (lossgraph.signature.Signature), written by the fusion passes
@@ -20,10 +22,11 @@ from typing import Any
 
 import onnx
 
-__all__ = ["ROLES_KEY", "GRADIENTS_KEY", "SIGNATURE_KEY", "BUFFERS_KEY", "WRITTEN_BY_KEY",
-           "read_text", "read_json", "write_json", "remove_record"]
+__all__ = ["ROLES_KEY", "LOSS_KEY", "GRADIENTS_KEY", "SIGNATURE_KEY", "BUFFERS_KEY",
+           "WRITTEN_BY_KEY", "read_text", "read_json", "write_json", "remove_record"]
 
 ROLES_KEY = "lossgraph.roles"
+LOSS_KEY = "lossgraph.loss"
 GRADIENTS_KEY = "lossgraph.gradients"
 SIGNATURE_KEY = "lossgraph.signature"
 BUFFERS_KEY = "lossgraph.buffers"

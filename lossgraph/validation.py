@@ -344,10 +344,11 @@ def _from_list(value: list | tuple, expected: np.dtype, what: str) -> np.ndarray
 
 
 def check_values(array: np.ndarray, role: str, what: str, classes: int | None = None,
-                 finite: bool = True) -> None:
+                 finite: bool = True, ignored: int | None = None) -> None:
     """The values fit their role: finite floats (unless ``finite`` is False), sample weights
     >= 0 and not all zero, integer labels class indices in ``0..classes-1`` (any index
-    >= 0 when ``classes`` is None: the model's class count is not static)."""
+    >= 0 when ``classes`` is None: the model's class count is not static) or ``ignored``
+    (the loss's ``ignore_index``), which may not be every label."""
     if finite and array.dtype.kind == "f" and not _all_finite(array):
         rows = np.isfinite(array.reshape(len(array), -1))
         row = int(np.flatnonzero(~rows.all(axis=1))[0])
@@ -366,14 +367,30 @@ def check_values(array: np.ndarray, role: str, what: str, classes: int | None = 
             raise InvalidDataError(
                 f"{what} is all zero: no row would count. Give some rows a positive weight.")
     if role == "label" and array.dtype.kind in "iu":
-        outside = np.flatnonzero((array < 0) | (array >= classes if classes else False))
-        if outside.size:
-            row = int(outside[0])
-            valid = f"0..{classes - 1}" if classes else ">= 0"
+        _check_class_labels(array, what, classes, ignored)
+
+
+def _check_class_labels(array: np.ndarray, what: str, classes: int | None,
+                        ignored: int | None) -> None:
+    """Class indices, or ``ignored``; the first bad one named by row (and position)."""
+    outside = (array < 0) | (array >= classes if classes else False)
+    if ignored is not None:
+        counted = array != ignored
+        if not counted.any():
             raise InvalidDataError(
-                f"{what} holds the class label {int(array.reshape(-1)[row])} at row {row}, but "
-                f"the model's classes are {valid}: encode labels as class indices, e.g. with "
-                "sklearn.preprocessing.LabelEncoder.")
+                f"{what} is {ignored} (the loss's ignore_index) everywhere: no label would "
+                "count, so the mean loss is 0/0. Give some positions a class label.")
+        outside &= counted
+    bad = np.flatnonzero(outside)
+    if bad.size:
+        index = [int(i) for i in np.unravel_index(int(bad[0]), array.shape)]
+        position = f", position {tuple(index[1:])}" if array.ndim > 1 else ""
+        valid = f"0..{classes - 1}" if classes else ">= 0"
+        also = f" (or {ignored}, the loss's ignore_index)" if ignored is not None else ""
+        raise InvalidDataError(
+            f"{what} holds the class label {int(array.reshape(-1)[bad[0]])} at row {index[0]}"
+            f"{position}, but the model's classes are {valid}{also}: encode labels as class "
+            "indices, e.g. with sklearn.preprocessing.LabelEncoder.")
 
 
 def _all_finite(array: np.ndarray) -> bool:

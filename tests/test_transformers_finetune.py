@@ -12,9 +12,9 @@ two names): the TorchScript export and the dynamo export with ``optimize=False``
 initializer; the default dynamo export unties it (``test_the_default_dynamo_export_...``),
 so GPT-2 is fine-tuned from the other two.
 
-GPT-2's next-token loss is written into the model by hand: lossgraph's losses have no
-token-level cross entropy of ``(B, T, V)`` logits (the strict xfail test says what a user
-would write).
+GPT-2's next-token loss is lossgraph's token-level cross entropy (``multiclass_log_loss``
+of the ``(B, T, V)`` logits with ``ignore_index=-100``, the labels shifted by the user), and
+also written into the model by hand (``loss=None``), as ``GPT2LMHeadModel`` computes it.
 """
 
 from __future__ import annotations
@@ -221,8 +221,8 @@ def _torch_next_token_loss(logits, labels):
 
 def _with_next_token_loss(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` carrying :func:`_torch_next_token_loss` of its logits ``(B, T, V)`` against
-    int64 labels ``(B, T)`` (the input ids), built by hand: the loss lossgraph's
-    ``add_loss_output`` does not offer (see the xfail test below)."""
+    int64 labels ``(B, T)`` (the input ids), built by hand, with the shift inside the graph
+    as ``GPT2LMHeadModel`` does it (lossgraph's own loss takes shifted labels)."""
     result = onnx.ModelProto()
     result.CopyFrom(model)
     opset = next(o.version for o in result.opset_import if o.domain in ("", "ai.onnx"))
@@ -265,25 +265,29 @@ def test_gpt2_language_model_fine_tunes_like_torch_with_the_loss_in_the_graph(ex
                             forward=_forward)
 
 
-@pytest.mark.xfail(strict=True, raises=lossgraph.LossgraphError, reason=(
-    "add_loss_output's multiclass_log_loss takes (N, classes) only: no token-level cross "
-    "entropy over (B, T, V) logits with (B, T) int64 labels, no ignore_index option, and "
-    "Trainer.fit refuses the label -100"))
 def test_gpt2_language_model_fine_tunes_with_lossgraphs_token_cross_entropy(exported):
     """What a user writes: lossgraph's cross entropy of the ``(B, T, V)`` logits against
-    the ``(B, T)`` next tokens, the last position ignored (``-100``) as torch does."""
+    the ``(B, T)`` next tokens (shifted by the user), the padding and the last position
+    ignored (``-100``): the loss ``GPT2LMHeadModel`` computes from ``labels``, averaged over
+    the counted tokens of each batch (rows count different numbers of them)."""
     net = _net("gpt2")
     program = lossgraph.compile_program(
         exported("gpt2", "legacy"), loss="multiclass_log_loss",
         loss_options={"from_logits": True, "ignore_index": IGNORE}, optimizer=OPTIMIZERS[0])
-    X = _data(3 * BATCH, padded=False)
-    next_tokens = np.full_like(X["input_ids"], IGNORE)
-    next_tokens[:, :-1] = X["input_ids"][:, 1:]
+    X = _data(3 * BATCH)
+    labels = np.where(X["attention_mask"] == 1, X["input_ids"], IGNORE)  # no loss on padding
+    next_tokens = np.full_like(labels, IGNORE)
+    next_tokens[:, :-1] = labels[:, 1:]  # position t predicts token t + 1
 
     def torch_loss(logits, labels):
         return F.cross_entropy(logits.reshape(-1, VOCABULARY), labels.reshape(-1),
                                ignore_index=IGNORE)
 
+    with torch.no_grad():  # the loss is the one transformers computes from the labels
+        inputs = {k: torch.from_numpy(v) for k, v in X.items()}
+        theirs = net.model(**inputs, labels=torch.from_numpy(labels)).loss
+        assert float(theirs) == pytest.approx(
+            float(torch_loss(_forward(net, inputs), torch.from_numpy(next_tokens))), rel=1e-6)
     assert_steps_like_torch(lossgraph.Trainer(program), net, OPTIMIZERS[1](net.parameters()),
                             X, next_tokens, steps=3, rows=BATCH, loss=torch_loss,
                             forward=_forward)

@@ -4,7 +4,7 @@ For a prediction ``p`` (the chosen output), a label ``y`` and optional per-row
 sample weights ``w`` (shape ``(N,)``), the pass adds
 
     l_i    = mean over the non-batch axes of score(p_i, y_i)       (per-row loss)
-    loss   = sum_i w_i l_i / sum_i w_i      reduction="mean"  (plain mean without w)
+    loss   = sum_i w_i l_i / sum_i w_i f_i  reduction="mean"  (plain mean without w)
            = sum_i w_i l_i                  reduction="sum"
            + sum_k a_k sum|W_k| + b_k sum W_k^2                     (penalty)
     loss_i = w_i l_i                        reduction="none"  (per row, no penalty:
@@ -29,14 +29,28 @@ so that ``reduction="mean"`` equals scikit-learn's ``mean_squared_error``,
 labels have the prediction's shape and type; class labels are int64 class
 indices of shape ``(N,)``.
 
+``multiclass_log_loss`` is also the **token-level** cross entropy: for a prediction of
+shape ``(N, d1, ..., C)``, the classes on the last axis (as for ``(N, C)``; torch's
+``F.cross_entropy`` takes them on axis 1), the labels have shape ``(N, d1, ...)`` and
+the score is taken at each position. With ``ignore_index=k`` (torch's ``-100``
+convention, default None: none ignored) a position whose label is ``k`` scores 0 and
+does not count: ``f_i`` is the fraction of row ``i``'s positions that count (1 for every
+other loss), so that the mean is the sum over the counted positions divided by their
+(weighted) number, torch's ``F.cross_entropy(p.view(-1, C), y.view(-1),
+ignore_index=k)``. ``sum`` and ``none`` keep the per-row losses ``l_i``: torch's
+``reduction="sum"`` over positions is ``d1 * ... * dk`` times lossgraph's.
+
 The result's inputs are the original inputs, the label, then the weight; its
 outputs are the loss (a scalar of the prediction's float type), then the original
 outputs. The roles of these tensors are recorded in the metadata
-(:mod:`lossgraph.roles`).
+(:mod:`lossgraph.roles`); an ``ignore_index`` under ``lossgraph.loss`` (the Trainer
+accepts that label).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -64,7 +78,7 @@ from ..graphs import (
     outer_references,
     subgraphs,
 )
-from ..metadata import ROLES_KEY, remove_record
+from ..metadata import LOSS_KEY, ROLES_KEY, remove_record, write_json
 from ..models import ModelLike
 from ..names import NameAuthority
 from ..options import flag, non_negative
@@ -104,6 +118,15 @@ class Score:
     class_labels: bool
     options: Mapping[str, Any]
     per_element: bool  # True: the result has the prediction's shape and is averaged per row
+    #: True: classes on the prediction's last axis, a class label (and a result) at each
+    #: position of the others (averaged per row); False: one class label per row
+    per_position: bool = False
+
+    def item_dims(self, p: _Prediction) -> list[onnx.TensorShapeProto.Dimension]:
+        """The shape of the score's result: the label's for class labels."""
+        if self.per_element:
+            return p.dims
+        return p.dims[:-1] if self.per_position else p.dims[:1]
 
 
 # -- scores ------------------------------------------------------------------------
@@ -193,21 +216,25 @@ def _logistic(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any])
 
 
 def _multiclass_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
-    if p.rank != 2 or p.dims[1].dim_value == 1:
+    if p.rank < 2 or p.dims[-1].dim_value == 1:
         raise ShapeMismatchError(
             f"loss='multiclass_log_loss' needs an output of shape (N, classes) with at least 2 "
-            f"classes; output {p.name!r} has {_shape_text(p.dims)}. For one column of "
-            "probabilities use loss='binary_log_loss', for one raw score 'logistic'."
+            f"classes, or (N, d1, ..., classes) for a class at each position (the classes on "
+            f"the last axis); output {p.name!r} has {_shape_text(p.dims)}. For one column of "
+            "probabilities use loss='binary_log_loss', for one raw score 'logistic'; for "
+            "torch's (N, classes, d1, ...) layout move the classes last before export "
+            "(logits.movedim(1, -1))."
         )
+    classes = p.rank - 1
     if o["from_logits"]:
-        log_p = b.LogSoftmax(p.name, axis=1)
+        log_p = b.LogSoftmax(p.name, axis=classes)
     else:
         eps = o["eps"] if o["eps"] is not None else float(np.finfo(p.dtype).eps)
         clipped = b.Clip(p.name, b.const(eps, p.dtype, "eps"),
                          b.const(1 - eps, p.dtype, "one_minus_eps"))
         log_p = b.Log(clipped)
-    picked = b.GatherElements(log_p, b.unsqueeze(label, [1]), axis=1)
-    return b.Neg(b.squeeze(picked, [1]), hint="multiclass_log_loss")
+    picked = b.GatherElements(log_p, b.unsqueeze(label, [classes]), axis=classes)
+    return b.Neg(b.squeeze(picked, [classes]), hint="multiclass_log_loss")
 
 
 SCORES: dict[str, Score] = {
@@ -218,14 +245,16 @@ SCORES: dict[str, Score] = {
     "huber": Score(_huber, False, {"delta": 1.0}, True),
     "binary_log_loss": Score(_binary_log_loss, True, {"eps": None}, False),
     "logistic": Score(_logistic, True, {}, False),
-    "multiclass_log_loss": Score(_multiclass_log_loss, True, {"eps": None, "from_logits": False},
-                                 False),
+    "multiclass_log_loss": Score(_multiclass_log_loss, True,
+                                 {"eps": None, "from_logits": False, "ignore_index": None},
+                                 False, per_position=True),
 }
 _ALIASES = {"l2": "squared_error", "l1": "absolute_error"}
 #: Score names of the previous release (deprecated).
 _RENAMED = {"log": "binary_log_loss", "cross_entropy": "multiclass_log_loss"}
 _NON_NEGATIVE_OPTIONS = ("l1_weight", "l2_weight", "delta", "eps")
 _BOOL_OPTIONS = ("from_logits",)
+_INT64 = np.iinfo(np.int64)
 #: How the per-row losses become the loss output.
 REDUCTIONS = ("mean", "sum", "none")
 #: The options of add_loss_output other than the score's own (``delta``, ``eps``, ...).
@@ -272,11 +301,28 @@ def resolve_score(score_name: str, options: Mapping[str, Any],
     for key in _BOOL_OPTIONS:
         if key in resolved:
             flag(f"Option {key}", resolved[key], where)
+    if resolved.get("ignore_index") is not None:
+        resolved["ignore_index"] = _label_value("Option ignore_index", resolved["ignore_index"],
+                                                where)
     if canonical == "huber" and resolved["delta"] == 0:
         raise UnsupportedOptionError(f"Option delta of {option}='huber' must be > 0.")
     if resolved.get("eps") is not None and not resolved["eps"] < 0.5:
         raise UnsupportedOptionError(f"Option eps={resolved['eps']!r} must be below 0.5.")
     return score, resolved
+
+
+def _label_value(what: str, value: Any, where: str) -> int:
+    """An int64 class label value such as ``ignore_index`` (any sign: torch's is -100); an
+    integral float such as the command line's ``-100.0`` is that integer."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
+            and math.isfinite(value) and float(value).is_integer():
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or not _INT64.min <= value <= _INT64.max:
+        raise UnsupportedOptionError(
+            f"{what}={reprlib.repr(value)}{where} must be an int64 label value, e.g. -100 "
+            "(torch's ignore_index), or None.")
+    return int(value)
 
 
 def _select_output(graph: onnx.GraphProto, output_index: int | str | None) -> onnx.ValueInfoProto:
@@ -387,12 +433,13 @@ def add_loss_output(
         penalty: ``{initializer: {"l1": a, "l2": b}}`` or ``{initializer: b}`` (L2).
         output_index: the output the loss is computed on: ``None`` (the only output, or
             the only float output), a position or a name.
-        reduction: ``"mean"`` (weighted mean over rows), ``"sum"``, or ``"none"`` (the
-            weighted loss of each row, shape ``(N,)``: an evaluation graph, which the
-            gradient pass refuses, and without a penalty).
+        reduction: ``"mean"`` (weighted mean over rows; over the counted positions with
+            ``ignore_index``), ``"sum"``, or ``"none"`` (the weighted loss of each row, shape
+            ``(N,)``: an evaluation graph, which the gradient pass refuses, and without a
+            penalty).
         score_name: the reference documents' name of ``loss`` (either may be given).
         **options: options of the loss function (``l1_weight``, ``l2_weight``, ``delta``,
-            ``eps``, ``from_logits``).
+            ``eps``, ``from_logits``, ``ignore_index``).
     """
     if loss is not None and score_name is not None:
         raise UnsupportedOptionError(
@@ -448,32 +495,46 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
     batch = prediction.dims[0]
 
     b = GraphBuilder(names, opset_version(model), prefix="loss/")
-    per_item = score.build(b, prediction, label, options)
-    per_row = per_item
-    if weight is None and reduction == "mean":  # the mean of row means: one reduction
-        per_row = None
-    elif score.per_element and prediction.rank > 1:
-        per_row = b.reduce("ReduceMean", per_item, list(range(1, prediction.rank)), keepdims=0,
-                           hint="row_loss")
-    if reduction == "none":
-        total = per_row if weight is None else b.Mul(per_row, weight)
-    elif per_row is None:
-        total = b.reduce("ReduceMean", per_item, keepdims=0)
-    elif weight is None:
-        reduce_op = "ReduceMean" if reduction == "mean" else "ReduceSum"
-        total = b.reduce(reduce_op, per_row, keepdims=0)
+    item_dims = score.item_dims(prediction)
+    positions = list(range(1, len(item_dims)))  # a row's loss is the mean over these axes
+    ignored = options.get("ignore_index")
+    counted = None  # 1 where a position counts, 0 where its label is ignore_index
+    scored_label = label
+    if ignored is not None:  # the score sees class 0 there, and its loss is multiplied by 0
+        kept = b.Not(b.Equal(label, b.const(ignored, np.int64, "ignore_index")))
+        scored_label = b.Mul(label, b.Cast(kept, to=TensorProto.INT64), hint="scored_label")
+        counted = b.Cast(kept, to=prediction.elem_type, hint="counted")
+    per_item = score.build(b, prediction, scored_label, options)
+    if counted is not None:
+        per_item = b.Mul(per_item, counted, hint="counted_loss")
+    if weight is None and reduction == "mean":  # one reduction over rows and positions
+        if counted is None:
+            total = b.reduce("ReduceMean", per_item, keepdims=0)
+        else:
+            total = b.Div(b.reduce("ReduceSum", per_item, keepdims=0),
+                          b.reduce("ReduceSum", counted, keepdims=0))
     else:
-        total = b.reduce("ReduceSum", b.Mul(per_row, weight), keepdims=0)
-        if reduction == "mean":
-            total = b.Div(total, b.reduce("ReduceSum", weight, keepdims=0))
+        per_row = _row_mean(b, per_item, positions, "row_loss")
+        if reduction == "none":
+            total = per_row if weight is None else b.Mul(per_row, weight)
+        elif weight is None:
+            total = b.reduce("ReduceSum", per_row, keepdims=0)
+        else:
+            total = b.reduce("ReduceSum", b.Mul(per_row, weight), keepdims=0)
+            if reduction == "mean":
+                share = weight if counted is None else b.Mul(
+                    weight, _row_mean(b, counted, positions, "row_share"))  # w_i f_i
+                total = b.Div(total, b.reduce("ReduceSum", share, keepdims=0))
     for term in _penalty_terms(b, graph, penalties, prediction):
         total = b.Add(total, term)
     b.rename(total, loss)
     b.append_to(graph)
 
     if score.class_labels:
-        label_info = helper.make_tensor_value_info(label, TensorProto.INT64, [None])
-        label_info.type.tensor_type.shape.dim[0].CopyFrom(batch)
+        label_info = helper.make_tensor_value_info(label, TensorProto.INT64,
+                                                   [None] * len(item_dims))
+        for dim, item_dim in zip(label_info.type.tensor_type.shape.dim, item_dims):
+            dim.CopyFrom(item_dim)
     else:
         label_info = helper.make_value_info(label, output.type)
     graph.input.append(label_info)
@@ -493,7 +554,16 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
     if weight is not None:
         roles["sample_weight"] = weight
     set_roles(model, roles)
+    if ignored is not None:
+        write_json(model, LOSS_KEY, {"ignore_index": ignored})
     return roles
+
+
+def _row_mean(b: GraphBuilder, values: str, positions: list[int], hint: str) -> str:
+    """The mean of each row of ``values`` over the axes ``positions`` (none: ``values``)."""
+    if not positions:
+        return values
+    return b.reduce("ReduceMean", values, positions, keepdims=0, hint=hint)
 
 
 def _penalty_terms(b: GraphBuilder, graph: onnx.GraphProto,
@@ -564,4 +634,5 @@ class RemoveLossOutput(Pass):
         del graph.value_info[:]
         graph.value_info.extend(kept_info)
         remove_record(model, ROLES_KEY)
+        remove_record(model, LOSS_KEY)
         return PassResult(model, None)

@@ -33,11 +33,13 @@ from .. import validation as checks
 from ..errors import (
     ConvergenceError,
     InvalidDataError,
+    InvalidProgramError,
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedOptionError,
     suggest,
 )
+from ..metadata import LOSS_KEY, read_json
 from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
@@ -69,6 +71,7 @@ class Trainer:
         roles = manifest["roles"]
         self._sample_weight = roles.get("sample_weight")
         self._classes = _class_count(manifest)
+        self._ignored = _ignored_label(program)
         # Models that impute missing values take NaN features on purpose.
         self._allows_missing = any(node.op_type in ("Imputer", "IsNaN")
                                    for node in program.graphs["predict"].graph.node)
@@ -223,7 +226,8 @@ class Trainer:
         context = (role, spec["name"])
         if (array, context) not in self._checked:
             checks.check_values(array, role, what, self._classes,
-                                finite=not (role == "feature" and self._allows_missing))
+                                finite=not (role == "feature" and self._allows_missing),
+                                ignored=self._ignored)
             self._checked.add(array, context)
         return array
 
@@ -462,6 +466,15 @@ class Trainer:
                 f"The sample weights of {where} are all zero, so its mean loss is 0/0. Shuffle "
                 "the rows (shuffle=True), use larger batches, or drop rows of weight zero. The "
                 f"weights are those before {restored}.")
+        labels = data.get(self.program.manifest["roles"]["label"])
+        if self._ignored is not None and labels is not None:
+            counted = (labels != self._ignored).reshape(len(labels), -1).sum(axis=1)
+            if not np.any(counted * data.get(self._sample_weight, 1)):
+                raise InvalidDataError(
+                    f"No label of {where} counts: each is {self._ignored} (the loss's "
+                    "ignore_index) or in a row of weight zero, so its mean loss is 0/0. Shuffle "
+                    "the rows (shuffle=True), use larger batches, or drop such rows. The "
+                    f"weights are those before {restored}.")
         kept = "" if all(np.isfinite(v).all() for v in self._buffers.live().values()) else (
             " They hold non-finite values already (an earlier update overflowed): reset() or "
             "set_state() before training again.")
@@ -560,15 +573,35 @@ class Trainer:
 
 def _class_count(manifest: Mapping[str, Any]) -> int | None:
     """How many classes integer labels index: C for an (N, C) prediction, 2 for (N,) or
-    (N, 1) (a binary loss); None when the count is not static."""
-    prediction = manifest["roles"]["prediction"]
-    outputs = manifest["graphs"]["evaluate"]["outputs"]
-    shape = next((o["shape"] for o in outputs if o["name"] == prediction), None)
-    if shape is None or len(shape) > 2:
+    (N, 1) (a binary loss), C for an (N, d1, ..., C) prediction with labels of shape
+    (N, d1, ...) (a class at each position); None when the count is not static."""
+    roles, graph = manifest["roles"], manifest["graphs"]["evaluate"]
+    shape = next((o["shape"] for o in graph["outputs"] if o["name"] == roles["prediction"]),
+                 None)
+    if shape is None:
         return None
-    if len(shape) == 1 or shape[1] == 1:
+    if len(shape) > 2:
+        label = next((i["shape"] for i in graph["inputs"] if i["name"] == roles["label"]), None)
+        if label != shape[:-1]:
+            return None
+    elif len(shape) == 1 or shape[1] == 1:
         return 2
-    return shape[1] if isinstance(shape[1], int) else None
+    return shape[-1] if isinstance(shape[-1], int) else None
+
+
+def _ignored_label(program: TrainingProgram) -> int | None:
+    """The label value the loss ignores (its ``ignore_index``), recorded by add_loss_output
+    in the loss model and so in the evaluate graph; None when it has none."""
+    record = read_json(program.graphs["evaluate"], LOSS_KEY)
+    if record is None:
+        return None
+    ignored = record.get("ignore_index") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or isinstance(ignored, bool) or not isinstance(
+            ignored, (int, type(None))):
+        raise InvalidProgramError(
+            f"The evaluate graph's metadata {LOSS_KEY!r} must be a JSON object such as "
+            f'{{"ignore_index": -100}}, not {record!r}: compile the model again.')
+    return ignored
 
 
 def _is_data(X: Any) -> bool:

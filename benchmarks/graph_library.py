@@ -311,22 +311,14 @@ def round_trip_identical(tool: str, path: Path) -> bool | None:
     return back.SerializeToString() == model.SerializeToString()
 
 
-def _memory_mb(field: str) -> float:
-    """``VmRSS`` (resident set now) or ``VmHWM`` (its peak) of this process, in MiB.
-    (``ru_maxrss`` would not do: Linux keeps it across exec, so a worker would report
-    the peak of the parent that started it.)"""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def worker(tool: str, path: Path, batch: int, traced: bool) -> dict:
     """One measurement in this (fresh) process, as a JSON-able dict."""
+    from benchmarks.machine import process_memory_mb  # workers run with the root on the path
+
     steps = Steps()
     if traced:
         tracemalloc.start()
-    rss_at_start = _memory_mb("VmRSS")
+    rss_at_start = process_memory_mb("VmRSS")
     try:
         result = RUNNERS[tool](path, batch, steps)
         with steps("serialize"):
@@ -336,7 +328,7 @@ def worker(tool: str, path: Path, batch: int, traced: bool) -> dict:
     record = {"seconds": steps.seconds, "nodes": len(result.graph.node),
               "shape_ops": sum(n.op_type in ("Shape", "Size") for n in result.graph.node),
               "sha256": hashlib.sha256(data).hexdigest(),
-              "peak_rss_mb": _memory_mb("VmHWM"), "rss_at_start_mb": rss_at_start}
+              "peak_rss_mb": process_memory_mb("VmHWM"), "rss_at_start_mb": rss_at_start}
     if traced:
         record["traced_peak_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
     else:

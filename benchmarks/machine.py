@@ -6,6 +6,7 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -64,3 +65,17 @@ def cpu_seconds() -> tuple[float, float] | None:
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     times = os.times()
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), times.user + times.system
+
+
+def process_memory_mb(field: str) -> float:
+    """``VmRSS`` (resident set now) or ``VmHWM`` (its peak) of this process, in MiB; NaN
+    where ``/proc`` has no such file. (``ru_maxrss`` would not do: Linux keeps it across
+    exec, so a worker would report the peak of the parent that started it.)"""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return float("nan")
+    for line in status.splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")

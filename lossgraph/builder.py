@@ -37,11 +37,24 @@ class GraphBuilder:
         self.names = names
         self.opset = opset
         self.prefix = prefix
-        self.nodes: list[onnx.NodeProto] = []
+        self._nodes: list[onnx.NodeProto] = []
+        # value -> the nodes of ``nodes`` that read it, kept by ``op`` for ``rename``
+        # (``None`` after ``nodes`` is replaced: rebuilt on the next rename)
+        self._consumers: dict[str, list[onnx.NodeProto]] | None = {}
         self.initializers: list[onnx.TensorProto] = []
         self._constants: dict[tuple[str, tuple[int, ...], bytes], str] = {}
         self._producers: dict[str, onnx.NodeProto] = {}
         self._memo: dict[tuple, Any] = {}
+
+    @property
+    def nodes(self) -> list[onnx.NodeProto]:
+        """The nodes built so far, in order (append through :meth:`op`, or replace whole)."""
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes: list[onnx.NodeProto]) -> None:
+        self._nodes = nodes
+        self._consumers = None
 
     # -- nodes -------------------------------------------------------------------
     def op(
@@ -77,8 +90,11 @@ class GraphBuilder:
             domain=domain,
             **{k: v for k, v in attributes.items() if v is not None},
         )
-        self.nodes.append(node)
+        self._nodes.append(node)
         self._producers.update((name, node) for name in names)
+        if self._consumers is not None:
+            for name in node.input:
+                self._consumers.setdefault(name, []).append(node)
         return names[0] if len(names) == 1 else tuple(names)
 
     def __getattr__(self, op_type: str) -> Any:
@@ -138,7 +154,9 @@ class GraphBuilder:
         """Call the value the builder produced ``value`` by ``new_name`` from now on.
 
         The producing node's output is renamed, and with ``uses`` every use of the value
-        by the builder's nodes (callers that know there is none skip the scan).
+        by the builder's nodes (callers that know there is none skip them). The uses are
+        found through an index of consumers, so that renaming every value of a large graph
+        costs time in proportion to its size, not to its size squared.
         """
         producer = self._producers.pop(value, None)
         if producer is None:
@@ -146,10 +164,22 @@ class GraphBuilder:
         producer.output[:] = [new_name if o == value else o for o in producer.output]
         self._producers[new_name] = producer
         if uses:
-            for node in self.nodes:
+            consumers = self._consumer_index()
+            readers = consumers.pop(value, [])
+            for node in readers:
                 if value in node.input:
                     node.input[:] = [new_name if name == value else name for name in node.input]
+            consumers.setdefault(new_name, []).extend(readers)
         return new_name
+
+    def _consumer_index(self) -> dict[str, list[onnx.NodeProto]]:
+        """Value -> the nodes that read it (rebuilt here after ``nodes`` was replaced)."""
+        if self._consumers is None:
+            self._consumers = {}
+            for node in self._nodes:
+                for name in node.input:
+                    self._consumers.setdefault(name, []).append(node)
+        return self._consumers
 
     def dims(self, x: str, start: int, end: int, hint: str | None = None) -> str:
         """``Shape(x)[start:end]`` (the ``start``/``end`` attributes need opset 15)."""
@@ -160,9 +190,9 @@ class GraphBuilder:
     # -- output ------------------------------------------------------------------
     def append_to(self, graph: onnx.GraphProto) -> None:
         """Move everything built so far into ``graph``."""
-        graph.node.extend(self.nodes)
+        graph.node.extend(self._nodes)
         graph.initializer.extend(self.initializers)
-        self.nodes, self.initializers = [], []
+        self._nodes, self._consumers, self.initializers = [], {}, []
         self._constants, self._producers, self._memo = {}, {}, {}
 
 

@@ -8,6 +8,7 @@ used anywhere in a model (subgraphs included), and rename values with
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -170,9 +171,9 @@ def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
 #: :func:`without_weight_data` sets aside.
 _FLOAT_ITEM_SIZES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.DOUBLE: 8,
                      onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2}
-#: Tensors of fewer elements keep their data: shape inference reads small constants
-#: (a Reshape target, Resize scales), never a weight matrix.
-_WEIGHT_MIN_ELEMENTS = 1024
+#: Smaller tensors keep their data: they cost less to serialize than to set aside, and
+#: shape inference reads small constants (a Reshape target, Resize scales), never a weight.
+_WEIGHT_MIN_BYTES = 1 << 16
 _VALUE_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data",
                  "uint64_data")
 
@@ -187,9 +188,13 @@ def without_weight_data(model: onnx.ModelProto
     type (same name, element type and dims), so that both see the same types. Only tensors
     whose data the checker would accept are set aside (raw data of exactly the declared
     size, no other value field, not external): any other is left in, for the checker to
-    report. ``model`` itself is returned when nothing is set aside; it is never changed.
+    report; so is every tensor of a model of IR version 3, which must list its
+    initializers as inputs. ``model`` itself is returned when nothing is set aside; it is
+    never changed.
     """
     graph = model.graph
+    if model.ir_version < 4:
+        return model, []
     inputs = {value.name for value in graph.input}
     heavy = [tensor for tensor in graph.initializer
              if tensor.name not in inputs and _well_formed_weight(tensor)]
@@ -207,14 +212,12 @@ def without_weight_data(model: onnx.ModelProto
 
 def _well_formed_weight(tensor: onnx.TensorProto) -> bool:
     """A large floating-point tensor whose data the checker accepts (see above)."""
-    size = _FLOAT_ITEM_SIZES.get(tensor.data_type)
-    if (size is None or not tensor.HasField("raw_data")
-            or tensor.data_location == onnx.TensorProto.EXTERNAL
-            or any(len(getattr(tensor, name)) for name in _VALUE_FIELDS)
-            or any(d < 0 for d in tensor.dims)):
-        return False
-    elements = int(np.prod(tensor.dims, dtype=np.int64))
-    return elements >= _WEIGHT_MIN_ELEMENTS and len(tensor.raw_data) == elements * size
+    nbytes = math.prod(tensor.dims) * _FLOAT_ITEM_SIZES.get(tensor.data_type, 0)
+    return (nbytes >= _WEIGHT_MIN_BYTES and all(d >= 0 for d in tensor.dims)
+            and tensor.HasField("raw_data")
+            and tensor.data_location != onnx.TensorProto.EXTERNAL
+            and not any(len(getattr(tensor, name)) for name in _VALUE_FIELDS)
+            and len(tensor.raw_data) == nbytes)
 
 
 def _copy_fields(source: Any, target: Any, skip: str) -> None:

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .errors import InternalError, InvalidModelError
-from .graphs import stored_tensors
+from .graphs import stored_tensors, without_weight_data
 from .target import finalize
 
 __all__ = ["ModelLike", "as_model", "check_model", "check_emitted"]
@@ -128,7 +128,7 @@ def _load_external(tensor: onnx.TensorProto, what: str, folder: Path | None) -> 
 def check_model(model: onnx.ModelProto, what: str = "The model") -> None:
     """Run the ONNX checker with strict shape inference; raise InvalidModelError on failure."""
     try:
-        onnx.checker.check_model(model, full_check=True)
+        _full_check(model)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidModelError(
@@ -143,9 +143,16 @@ def check_emitted(model: onnx.ModelProto, what: str) -> None:
     (full check); an invalid model is a lossgraph bug, an :class:`InternalError`."""
     finalize(model)
     try:
-        onnx.checker.check_model(model, full_check=True)
+        _full_check(model)
     except Exception as exc:
         raise InternalError(
             f"{what} emitted an invalid model ({exc}). This is a bug in lossgraph; "
             "please report it with the input model."
         ) from exc
+
+
+def _full_check(model: onnx.ModelProto) -> None:
+    """``onnx.checker.check_model(model, full_check=True)``, without serializing the weights'
+    data on each call: the checker sees the model's weights as inputs of the same types
+    (:func:`~lossgraph.graphs.without_weight_data` sets aside only data it would accept)."""
+    onnx.checker.check_model(without_weight_data(model)[0], full_check=True)

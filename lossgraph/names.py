@@ -26,6 +26,9 @@ class NameAuthority:
 
     def __init__(self, taken: Iterable[str] = ()) -> None:
         self._taken: set[str] = set(taken)
+        # per hint, the first suffix not known to be taken: names are only ever added, so
+        # the search resumes there instead of trying hint_1, hint_2, ... again each time
+        self._next_suffix: dict[str, int] = {}
 
     @classmethod
     def for_model(cls, model: onnx.ModelProto) -> NameAuthority:
@@ -38,11 +41,13 @@ class NameAuthority:
     def fresh(self, hint: str) -> str:
         """``hint`` itself if it is free, else the first free ``hint_1``, ``hint_2``, ..."""
         base = _UNSAFE.sub("_", hint) or "t"
-        name, index = base, 0
+        index = self._next_suffix.get(base, 0)
+        name = f"{base}_{index}" if index else base
         while name in self._taken:
             index += 1
             name = f"{base}_{index}"
         self._taken.add(name)
+        self._next_suffix[base] = index + 1
         return name
 
     def claim(self, name: str, what: str = "name") -> str:

@@ -1,13 +1,16 @@
-"""The training-speed benchmark computes what it claims: every implementation it times
-(the hand-written bound and lossgraph included) trains the same weights as numpy."""
+"""The benchmarks compute what they claim: every implementation the training-speed
+benchmark times (the hand-written bound and lossgraph included) trains the same weights as
+numpy; the reference tutorial's and the compile-cost benchmarks report every row."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
 import pytest
 from conftest import HAS_SKL2ONNX
+from onnx import numpy_helper
 
 from benchmarks.bounds import hand_graph_bound, products_graph, scan_session
 from benchmarks.lossgraph_modes import compile_modes, lossgraph_trainer
@@ -97,3 +100,88 @@ def test_reference_tutorial_quick_run_reports_every_candidate(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--json", str(foreign)])
     assert foreign.read_text() == "{}"
+
+
+def test_compile_cost_mlp_is_the_relu_network_it_describes(rng):
+    """The compile-cost benchmark's MLP computes relu(x W + b) layer after layer, then one
+    output column: what its rows say they measure."""
+    from benchmarks.compile_cost import mlp_model
+    from lossgraph.runtime.session import create_session
+
+    model = mlp_model(3, width=8)
+    assert [n.op_type for n in model.graph.node] == ["Gemm", "Relu"] * 3 + ["MatMul"]
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    expected = x
+    for i in range(3):
+        expected = np.maximum(expected @ weights[f"W{i}"] + weights[f"b{i}"], 0)
+    expected = expected @ weights["W_out"]
+    (ours,) = create_session(model).run(None, {"X": x})
+    assert ours.shape == (5, 1)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compile_cost_quick_run_reports_every_cell(tmp_path, capsys):
+    """The compile-cost benchmark in quick mode: every model and mode has a time, a memory
+    figure and the graph it built, the growth of each mode is reported against its target,
+    and BERT is measured or said to be skipped (no timing is checked)."""
+    from benchmarks import compile_cost as bench
+
+    out = tmp_path / "compile_cost.json"
+    assert bench.main(["--quick", "--json", str(out), "--cache", str(tmp_path)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["generator"] == bench.BENCHMARK_MARK
+    assert "cores" in figures["machine"]
+    cells = figures["cells"]
+    small, large = (f"MLP {n} layers" for n in bench.LAYERS_QUICK)
+    for name in (small, large):
+        assert set(cells[name]) == set(bench.MODES)
+        for record in cells[name].values():
+            assert "error" not in record, record
+            assert record["median_ms"] > 0 and len(record["samples_ms"]) == 1
+            assert np.isfinite(record["peak_added_mb"])
+            assert record["built_nodes"] > record["nodes"]
+    assert cells[small]["step"]["nodes"] == 2 * bench.LAYERS_QUICK[0] + 1
+    assert cells[large]["step"]["nodes"] == 2 * bench.LAYERS_QUICK[1] + 1
+    growth = [v for v in figures["verdicts"] if "layers_ratio" in v]
+    assert [v["mode"] for v in growth] == list(bench.MODES)
+    assert all(v["layers_ratio"] == 4 and v["verdict"] in ("PASS", "MISS") for v in growth)
+    if "BERT-tiny" in cells:  # torch and transformers installed
+        assert all("error" not in r and r["built_nodes"] > r["nodes"]
+                   for r in cells["BERT-tiny"].values()), cells["BERT-tiny"]
+    else:
+        assert figures["skipped"] and "BERT-tiny" in figures["skipped"][0]
+    printed = capsys.readouterr().out
+    assert all(f"{mode}: 4x the layers" in printed for mode in bench.MODES)
+    foreign = tmp_path / "notes.json"  # a second run replaces its own file, never another's
+    foreign.write_text("{}")
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--json", str(foreign)])
+    assert foreign.read_text() == "{}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason="needs Ray (pip install 'lossgraph[ray]')")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")  # Ray's own
+def test_cluster_quick_run_trains_what_one_process_trains(tmp_path, monkeypatch):
+    """The cluster benchmark's quick run (its own local cluster, two workers): the Ray run
+    ends with the single process's weights, and every all-reduce is timed (no timing is
+    checked)."""
+    from benchmarks import cluster as bench
+
+    for name, value in bench.RAY_ENVIRONMENT.items():  # restored after the test
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "cluster.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["generator"] == bench.BENCHMARK_MARK
+    single, one_thread, *on_ray = figures["trainings"]
+    assert single["workers"] == one_thread["workers"] == 0
+    assert [t["workers"] for t in on_ray] == [2] and on_ray[0]["error"] is None
+    assert on_ray[0]["max_weight_gap"] < 1e-4
+    assert [r["rows"] for r in on_ray[0]["epochs"]] == [bench.QUICK_ROWS] * bench.QUICK_EPOCHS
+    kinds = {row["all_reduce"] for row in figures["all_reduce"]}
+    assert kinds == {"actor", *(["gloo"] if importlib.util.find_spec("torch") else [])}
+    assert all(row["median_ms"] > 0 for row in figures["all_reduce"])

@@ -1,0 +1,99 @@
+"""Large weights: onnx's checker and shape inference see a copy without their data (so that
+a 440 MB model is not serialized dozens of times per compile), and nothing is lost by it:
+the same types, the same verdicts, the same constants, the caller's model untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import lossgraph
+from lossgraph.errors import InvalidModelError
+from lossgraph.graphs import ForwardFacts, without_weight_data
+from lossgraph.passes import WeightsToInputs
+
+BIG = (256, 128)  # 128 KiB of float32: set aside
+SMALL = (128, 4)  # 2 KiB: kept
+
+
+def model_with_weights(big: onnx.TensorProto | None = None) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    weights = [big or numpy_helper.from_array(rng.standard_normal(BIG, np.float32), "W"),
+               numpy_helper.from_array(rng.standard_normal(SMALL, np.float32), "S"),
+               numpy_helper.from_array(np.array([-1, 128], np.int64), "shape")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Reshape", ["h", "shape"], ["r"]),  # reads its constant
+             helper.make_node("MatMul", ["r", "S"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["N", BIG[0]])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, ["N", 4])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def test_large_weights_become_inputs_of_their_type_and_small_constants_stay():
+    model = model_with_weights()
+    before = model.SerializeToString()
+    light, aside = without_weight_data(model)
+    assert [t.name for t in aside] == ["W"] and aside[0] is model.graph.initializer[0]
+    assert [t.name for t in light.graph.initializer] == ["S", "shape"]
+    (weight,) = [v for v in light.graph.input if v.name == "W"]
+    assert weight.type == helper.make_tensor_type_proto(TensorProto.FLOAT, BIG)
+    assert model.SerializeToString() == before
+    inferred = [onnx.shape_inference.infer_shapes(m, strict_mode=True) for m in (model, light)]
+    assert inferred[0].graph.value_info == inferred[1].graph.value_info
+    assert inferred[0].graph.output == inferred[1].graph.output
+    assert without_weight_data(light)[0] is light  # nothing left to set aside
+
+
+def test_forward_facts_of_a_model_with_large_weights_know_their_values_and_types():
+    model = model_with_weights()
+    facts = ForwardFacts.of(model)
+    np.testing.assert_array_equal(facts.constants["W"],
+                                  numpy_helper.to_array(model.graph.initializer[0]))
+    assert set(facts.constants) == {"W", "S", "shape"}
+    assert facts.shapes["W"] == BIG and len(facts.shapes["r"]) == 2 and facts.shapes["y"][1] == 4
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("short", "raw_data size"), ("two value fields", "one and only one value field"),
+    ("external", "external file")])
+def test_a_large_weight_the_checker_would_refuse_is_still_refused(damage, message):
+    big = numpy_helper.from_array(np.ones(BIG, np.float32), "W")
+    if damage == "short":
+        big.raw_data = big.raw_data[:-4]
+    elif damage == "two value fields":
+        big.float_data.append(1.0)
+    else:
+        big.data_location = TensorProto.EXTERNAL
+    model = model_with_weights(big)
+    assert without_weight_data(model)[1] == []  # left for the checker to see
+    with pytest.raises(InvalidModelError, match=message):
+        WeightsToInputs(["W"])(model)
+
+
+def test_a_weight_that_is_also_a_graph_input_keeps_its_data():
+    model = model_with_weights()
+    model.graph.input.append(helper.make_tensor_value_info("W", TensorProto.FLOAT, BIG))
+    assert without_weight_data(model) == (model, [])
+
+
+def test_an_ir3_model_whose_weight_is_no_input_is_still_refused():
+    """IR version 3 wants every initializer listed as an input: setting the weight aside
+    as an input would hide the error."""
+    model = model_with_weights()
+    model.ir_version = 3
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("", 8))
+    assert without_weight_data(model) == (model, [])
+    with pytest.raises(InvalidModelError, match="W in initializer but not in graph input"):
+        WeightsToInputs(["W"])(model)
+
+
+def test_a_model_with_large_weights_compiles_to_the_weights_it_was_given():
+    model = model_with_weights()
+    program = lossgraph.compile_program(model, fuse="step")
+    for tensor in model.graph.initializer[:2]:
+        np.testing.assert_array_equal(program.state[tensor.name],
+                                      numpy_helper.to_array(tensor))

@@ -12,8 +12,8 @@ initial weights and with the same learning rate and momentum:
     whole graph      lossgraph.OrtGradientOptimizer on add_loss_output(model,
                      score_name="half_squared_error") (one onnxruntime run per epoch)
     forward/backward lossgraph.OrtGradientForwardBackwardOptimizer on the inference
-                     model, learning_loss=SquareLearningLoss() (forward, loss,
-                     backward and update: four runs per step)
+                     model, learning_loss=SquareLearningLoss() (the separate graphs:
+                     forward, loss and backward in one run, then the update)
     floors           never candidates: each step's matrix products alone, in
                      onnxruntime (benchmarks/bounds.py) and in numpy
 

@@ -9,8 +9,8 @@ import pytest
 from conftest import GOLDEN_MODELS
 
 import lossgraph
-from lossgraph.optimize import SpecializeBatch
-from lossgraph.separate import split_gradient
+from lossgraph.optimize import SpecializeBatch, WidenScalarConstants
+from lossgraph.separate import chain_graphs, packed_update, split_gradient, update_graph
 
 GOLDEN = ["hand_linear", "hand_mlp_tanh_double", "hand_broadcast_reuse", "skl_mlp_regressor",
           "skl_mlp_classifier", "skl_logistic_multiclass", "torch_cnn"]
@@ -68,34 +68,141 @@ def test_split_gradient_is_deterministic():
     assert first.backward.SerializeToString() == second.backward.SerializeToString()
 
 
+@pytest.mark.parametrize("optimizer", [lossgraph.optim.Momentum(0.01, nesterov=True),
+                                       lossgraph.optim.Adam(0.01)], ids=["nesterov", "adam"])
 @pytest.mark.parametrize("penalty", [None, {"coefficient": {"l1": 0.01, "l2": 0.02}}])
-def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(penalty):
+@pytest.mark.parametrize(("name", "runs"), [("skl_mlp_regressor", 1),
+                                            ("hand_mlp_tanh_double", 3)])
+def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(name, runs,
+                                                                             penalty, optimizer):
     """A full batch runs the graphs specialized to it with every exchanged value in a
-    preallocated buffer; a last, smaller batch the general graphs. Both give the numbers
-    of the other, bit for bit."""
+    preallocated buffer, the forward half, the loss and the backward half in one run (in
+    three where the model's opset is not the loss graph's), and (where the Trainer packs
+    the state) the update of every weight at once; a last, smaller batch the general
+    graphs one by one. All give the same numbers, bit for bit."""
     from lossgraph.runtime.forward_backward import SeparateStep
 
-    model = onnx.load(GOLDEN_MODELS / "skl_mlp_regressor.onnx")
-    program = lossgraph.compile_program(model, fuse="separate", penalty=penalty,
-                                        optimizer=lossgraph.optim.Momentum(0.01, nesterov=True))
+    model = onnx.load(GOLDEN_MODELS / f"{name}.onnx")
+    weight = next(i.name for i in model.graph.initializer if i.dims)
+    program = lossgraph.compile_program(model, fuse="separate", optimizer=optimizer,
+                                        penalty=penalty and {weight: penalty["coefficient"]})
+    dtype = program.state[weight].dtype
     rng = np.random.default_rng(0)
-    X = rng.normal(size=(8, 5)).astype(np.float32)
-    y = rng.normal(size=(8, 1)).astype(np.float32)
+    feature = program.io("gradient", "feature")[0]
+    X = rng.normal(size=(8, 5)).astype(dtype)
+    y = rng.normal(size=(8, 1)).astype(dtype)
     states, kinds = [], []
-    for batch in (8, None):
+    for batch, packs in ((8, True), (8, False), (None, True)):
         trainer = lossgraph.Trainer(program)
+        trainer._learning_rate[()] = 0.01
+        assert trainer._packed is not None
         step = SeparateStep(program, trainer._buffers, trainer._new_session, trainer._runner,
-                            batch)
-        kinds.append(step._static)
+                            batch, trainer._packed if packs else None)
+        kinds.append((step._static, step._static and len(step._runs),
+                      ("packed update", None) in trainer._sessions))
         losses = []
-        for _ in range(3):
-            losses.append(step.run({"X": X, "label": y}))
+        for number in range(1, 4):
+            trainer._step[()] = number
+            losses.append(step.run({feature: X, program.io("loss", "label")[0]: y}))
             trainer._buffers.swap()
         states.append((losses, trainer.state))
-    assert kinds == [True, False]
-    assert states[0][0] == states[1][0]
-    for name, value in states[0][1].items():
-        np.testing.assert_array_equal(value, states[1][1][name])
+    # (bound buffers, runs for forward, loss and backward, packed update)
+    assert kinds == [(True, runs, True), (True, runs, False), (False, False, False)]
+    for losses, state in states[1:]:
+        assert losses == states[0][0]
+        for name_, value in state.items():
+            np.testing.assert_array_equal(value, states[0][1][name_], err_msg=name_)
+    assert not np.array_equal(states[0][1][weight], program.state[weight])
+
+
+WEIGHTS_OF_ANY_RANK = {"w": np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+                       "s": np.array(0.5, np.float32), "b": np.array([[-1.0, 2.0]], np.float32),
+                       "c": np.ones((2, 1, 3), np.float32)}
+
+
+@pytest.mark.parametrize("optimizer", [
+    lossgraph.optim.SGD(0.1), lossgraph.optim.Momentum(0.1, momentum=0.8),
+    lossgraph.optim.Momentum(0.1, nesterov=True), lossgraph.optim.Adam(0.1),
+    lossgraph.optim.AdamW(0.1, weight_decay=0.3)], ids=lambda o: repr(o).split("(")[0])
+def test_the_packed_update_gives_the_per_weight_update_bit_for_bit(optimizer, run_model):
+    weights = WEIGHTS_OF_ANY_RANK
+    states = {w: optimizer.state_names(w) for w in weights}
+    update = WidenScalarConstants()(update_graph(optimizer, weights)).model
+    packed = packed_update(update, optimizer, weights)
+    assert packed is not None
+    assert len(packed.model.graph.node) < len(update.graph.node) / 2
+    rng = np.random.default_rng(1)
+    feeds = {"learning_rate": np.array(0.1, np.float32), "step": np.array(3, np.int64)}
+    for weight, value in weights.items():
+        feeds[weight] = np.asarray(value + rng.normal(size=value.shape), np.float32)
+        feeds[f"{weight}_grad"] = np.asarray(rng.normal(size=value.shape), np.float32)
+        feeds.update({s: np.asarray(np.abs(rng.normal(size=value.shape)), np.float32)
+                      for s in states[weight]})
+    expected = run_model(update, feeds)
+    flat = {name: np.concatenate([feeds[n].ravel() for n in block])
+            for name, block in packed.inputs.items()}
+    flat[packed.gradient] = np.concatenate([feeds[f"{w}_grad"].ravel() for w in weights])
+    got = run_model(packed.model, {**flat, "learning_rate": feeds["learning_rate"],
+                                   "step": feeds["step"]})
+    for output, block in packed.outputs.items():
+        parts = np.split(got[output], np.cumsum([feeds[n].size for n in block])[:-1])
+        for name, part in zip(block, parts):
+            np.testing.assert_array_equal(part.reshape(feeds[name].shape),
+                                          expected[f"{name}_new"], err_msg=name)
+
+
+def test_the_packed_update_is_made_only_from_the_update_graph_it_would_build():
+    """A program's update graph changed by hand runs as it is (no packed form), as do
+    weights of several float types."""
+    optimizer = lossgraph.optim.Momentum(0.1)
+    weights = WEIGHTS_OF_ANY_RANK
+    update = WidenScalarConstants()(update_graph(optimizer, weights)).model
+    edited = onnx.ModelProto()
+    edited.CopyFrom(update)
+    edited.graph.node[0].op_type = "Add" if edited.graph.node[0].op_type != "Add" else "Mul"
+    assert packed_update(edited, optimizer, weights) is None
+    assert packed_update(update, lossgraph.optim.Momentum(0.1, momentum=0.5), weights) is None
+    mixed = {**weights, "s": np.array(0.5, np.float64)}
+    assert packed_update(update, optimizer, mixed) is None
+
+
+def _parsed(text: str) -> onnx.ModelProto:
+    return onnx.parser.parse_model(text)
+
+
+FIRST = """<ir_version: 8, opset_import: ["" : 18]>
+first (float[2, 3] x, float[3, 1] w) => (float[2, 1] y, float[2, 3] t) {
+    t = Mul(x, x)
+    y = MatMul(t, w)
+}"""
+SECOND = """<ir_version: 8, opset_import: ["" : 18]>
+second (float[2, 1] y, float[2, 1] label, float[2, 3] x) => (float[2, 1] t, float[1, 1] loss) {
+    d = Sub(y, label)
+    t = Mul(d, d)
+    loss = ReduceSum(t)
+}"""
+
+
+def test_chain_graphs_runs_two_graphs_as_one_with_clashing_names_renamed(run_model):
+    first, second = _parsed(FIRST), _parsed(SECOND)
+    chained, renamed = chain_graphs(first, second)
+    assert renamed == {"t": "t_1"}  # the second's own t; its y and x read the first's
+    assert [i.name for i in chained.graph.input] == ["x", "w", "label"]
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.normal(size=(2, 3)).astype(np.float32),
+             "w": rng.normal(size=(3, 1)).astype(np.float32),
+             "label": rng.normal(size=(2, 1)).astype(np.float32)}
+    ahead = run_model(first, {n: feeds[n] for n in ("x", "w")})
+    after = run_model(second, {"y": ahead["y"], "label": feeds["label"], "x": feeds["x"]})
+    got = run_model(chained, feeds)
+    for name, value in [*ahead.items(), *((renamed.get(n, n), v) for n, v in after.items())]:
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_chain_graphs_declines_graphs_of_different_opset_versions():
+    older = _parsed(SECOND.replace('"" : 18', '"" : 17').replace("ReduceSum(t)",
+                                                                 "ReduceSum <keepdims = 1> (t)"))
+    assert chain_graphs(_parsed(FIRST), older) is None
 
 
 def test_the_separate_loss_graph_proves_prediction_and_label_alike():

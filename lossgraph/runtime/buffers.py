@@ -7,6 +7,11 @@ and outputs into set B, or the reverse), so a step only rebinds its data batch.
 After a successful step the sets swap roles; after a failed one they do not, and
 the state is still the one before the step.
 
+Groups of state tensors of one dtype can be *packed*: laid end to end in one flat array
+per set, each tensor a view of its part. A graph then reads or writes the whole group
+as one vector (a runner binds the group by its tuple of names), with no copy: the
+separate mode's update of every weight at once (:mod:`lossgraph.runtime.forward_backward`).
+
 Every OrtValue here aliases a numpy array that this module keeps alive.
 """
 
@@ -19,19 +24,54 @@ import numpy as np
 
 from .session import cpu_device, evaluation_error, ortvalue
 
-__all__ = ["StateBuffers", "GraphRunner"]
+__all__ = ["Block", "StateBuffers", "GraphRunner"]
+
+
+#: A packed group of state tensors: their names, in the order they are laid end to end.
+Block = tuple[str, ...]
 
 
 class StateBuffers:
-    """Two buffer sets for the named state tensors; ``current`` holds the live state."""
+    """Two buffer sets for the named state tensors; ``current`` holds the live state.
 
-    def __init__(self, names: Sequence[str], initial: Mapping[str, np.ndarray]) -> None:
+    Each group in ``packed`` (names of one dtype) lies end to end in one flat array per
+    set (``blocks[group][set]``, also bindable as an OrtValue), its tensors views of it.
+    """
+
+    def __init__(self, names: Sequence[str], initial: Mapping[str, np.ndarray],
+                 packed: Sequence[Sequence[str]] = ()) -> None:
         self.names = list(names)
         self.device = cpu_device()
-        first = [np.array(initial[n], copy=True, order="C") for n in self.names]
-        self.arrays = [first, [np.empty_like(a) for a in first]]
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self.blocks: dict[Block, list[np.ndarray]] = {}
+        self.arrays = [self._allocate(initial, packed) for _ in (0, 1)]
+        for name, array in zip(self.names, self.arrays[0]):
+            array[...] = initial[name]
         self.values = [[ortvalue(a, self.device) for a in arrays] for arrays in self.arrays]
+        self._block_values = {block: [ortvalue(flat, self.device) for flat in flats]
+                              for block, flats in self.blocks.items()}
         self.current = 0
+
+    def _allocate(self, initial: Mapping[str, np.ndarray],
+                  packed: Sequence[Sequence[str]]) -> list[np.ndarray]:
+        """One set of buffers shaped like ``initial``; each packed group views one flat array."""
+        arrays: dict[str, np.ndarray] = {}
+        for group in packed:
+            parts = [np.asarray(initial[n]) for n in group]
+            flat = np.empty(sum(p.size for p in parts), parts[0].dtype)
+            ends = np.cumsum([p.size for p in parts])
+            for name, part, end in zip(group, parts, ends):
+                arrays[name] = flat[end - part.size:end].reshape(part.shape)
+            self.blocks.setdefault(tuple(group), []).append(flat)
+        return [arrays[n] if n in arrays else np.empty_like(initial[n], order="C")
+                for n in self.names]
+
+    def value(self, parity: int, state: str | Block):
+        """The OrtValue of state tensor ``state`` (or of a packed group, by its tuple of
+        names) in buffer set ``parity``."""
+        if isinstance(state, tuple):
+            return self._block_values[state][parity]
+        return self.values[parity][self._index[state]]
 
     def live(self) -> dict[str, np.ndarray]:
         """The live state, by name (the buffers themselves: copy what must outlive a step)."""
@@ -50,13 +90,14 @@ class StateBuffers:
 class GraphRunner:
     """Runs one training graph over the state buffers with pre-built bindings.
 
-    ``state_inputs`` maps graph inputs to state names, ``state_outputs`` graph outputs
-    to state names; ``fixed`` binds small owned arrays (learning rate, step, loss)
-    whose contents the caller updates in place between runs.
+    ``state_inputs`` maps graph inputs to state names (or packed groups), ``state_outputs``
+    graph outputs to state names (or packed groups); ``fixed`` binds small owned arrays
+    (learning rate, step, loss) whose contents the caller updates in place between runs.
     """
 
-    def __init__(self, session, buffers: StateBuffers, state_inputs: Mapping[str, str],
-                 state_outputs: Mapping[str, str],
+    def __init__(self, session, buffers: StateBuffers,
+                 state_inputs: Mapping[str, str | Block],
+                 state_outputs: Mapping[str, str | Block],
                  fixed_inputs: Mapping[str, np.ndarray] | None = None,
                  fixed_outputs: Mapping[str, np.ndarray] | None = None,
                  graph: str = "training") -> None:
@@ -66,7 +107,6 @@ class GraphRunner:
         self._session = session._sess
         self._run_options = C.RunOptions()
         self.buffers = buffers
-        index = {name: i for i, name in enumerate(buffers.names)}
         fixed_inputs, fixed_outputs = fixed_inputs or {}, fixed_outputs or {}
         self._keep = [*fixed_inputs.values(), *fixed_outputs.values()]
         fixed = {n: ortvalue(a, buffers.device) for n, a in fixed_inputs.items()}
@@ -78,9 +118,9 @@ class GraphRunner:
         for parity in (0, 1):
             binding = C.SessionIOBinding(self._session)
             for name, state in state_inputs.items():
-                binding.bind_ortvalue_input(name, buffers.values[parity][index[state]])
+                binding.bind_ortvalue_input(name, buffers.value(parity, state))
             for name, state in state_outputs.items():
-                binding.bind_ortvalue_output(name, buffers.values[1 - parity][index[state]])
+                binding.bind_ortvalue_output(name, buffers.value(1 - parity, state))
             for name, value in fixed.items():
                 binding.bind_ortvalue_input(name, value)
             for name, value in outputs.items():
@@ -103,11 +143,12 @@ class GraphRunner:
         """
         parity = self.buffers.current
         binding = self._bindings[parity]
-        values = [ortvalue(value, self.buffers.device) if isinstance(value, np.ndarray) else value
-                  for value in data.values()]
-        for name, value in zip(data, values):
-            binding.bind_ortvalue_input(name, value)
-        self._data[parity] = (data, values)
+        if data:
+            values = [ortvalue(value, self.buffers.device) if isinstance(value, np.ndarray)
+                      else value for value in data.values()]
+            for name, value in zip(data, values):
+                binding.bind_ortvalue_input(name, value)
+            self._data[parity] = (data, values)
         try:
             self._session.run_with_iobinding(binding, self._run_options)
         except Exception as exc:  # onnxruntime's errors derive from Exception only

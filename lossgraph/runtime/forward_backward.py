@@ -18,7 +18,7 @@ import onnx
 from ..graphs import np_dtype
 from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
-from ..separate import ForwardBackward, split_gradient
+from ..separate import ForwardBackward, PackedUpdate, chain_graphs, split_gradient
 from .buffers import GraphRunner, StateBuffers
 from .session import cpu_device, evaluation_error, ortvalue
 
@@ -103,11 +103,16 @@ class SeparateStep:
     and an input of the graphs reading it: a step binds its data and runs the graphs,
     nothing else. Without ``batch`` (or where a shape stays unknown), onnxruntime
     allocates the values each step and they are bound as they come.
+
+    With ``packed`` (:func:`~lossgraph.separate.packed_update`, the weights and states
+    packed in ``buffers`` as it lays them out), such a step runs the update packed: the
+    backward half writes each gradient into its part of one flat vector, and one small
+    update graph updates every weight at once, to the same numbers.
     """
 
     def __init__(self, program: TrainingProgram, buffers: StateBuffers,
                  make_session: SessionFactory, make_runner: RunnerFactory,
-                 batch: int | None = None) -> None:
+                 batch: int | None = None, packed: PackedUpdate | None = None) -> None:
         io = program.io
         graphs = dict(program.graphs)
         if batch is not None:  # static shapes: no shape arithmetic at run time
@@ -142,30 +147,18 @@ class SeparateStep:
             self._update_gradients = update_gradients
         else:
             self._static = True
+            # the gradients end to end in one vector, for the packed update to read at once
+            packs = packed is not None and tuple(self._weights) in buffers.blocks
+            flat_gradient = _pack_gradients(arrays, split.gradients) if packs else None
             self._arrays = arrays
-            weights = held
-            residuals = {r: arrays[r] for r in split.residuals}
-            self._forward = GraphRunner(
-                make_session(split.forward), buffers,
-                {w: w for w in (*self._weights, *self._model_buffers)},
-                dict(zip(self._new_buffers, self._model_buffers)), {},
-                {o.name: arrays[o.name] for o in split.forward.graph.output
-                 if o.name not in new.values()}, "forward")
             self._loss_value = arrays[loss_io["loss"]]
-            self._loss_runner = GraphRunner(
-                make_session(graphs["loss"]), buffers, {}, {},
-                {loss_io["prediction"]: arrays[prediction]},
-                {loss_io["loss"]: self._loss_value,
-                 loss_io["prediction_grad"]: arrays[seed]}, "loss")
-            self._reused = [n for n in split.reused if n not in weights]
-            self._backward = GraphRunner(
-                make_session(split.backward), buffers,
-                {w: w for w in split.reused if w in weights}, {},
-                {**residuals, seed: arrays[seed]},
-                {g: arrays[g] for g in split.gradients}, "backward")
+            self._runs = self._gradient_runs(split, graphs["loss"], loss_io, arrays, buffers,
+                                             make_session)
             self._gradients = dict(zip(self._weights, (arrays[g] for g in split.gradients)))
-            self._update = make_runner("update", batch, {update_gradients[w]: g for w, g in
-                                                          self._gradients.items()})
+            self._update = (
+                make_runner(packed, batch, {packed.gradient: flat_gradient}) if packs else
+                make_runner("update", batch, {update_gradients[w]: g
+                                              for w, g in self._gradients.items()}))
         self._penalty = None
         if self._penalized:
             total, *grads = io("penalty", "penalty") + io("penalty", "penalty_gradient")
@@ -175,6 +168,41 @@ class SeparateStep:
                                         {w: w for w in self._penalized}, {}, {},
                                         {total: self._penalty_total,
                                          **dict(zip(grads, self._penalty_grads))}, "penalty")
+
+    def _gradient_runs(self, split: ForwardBackward, loss: onnx.ModelProto,
+                       loss_io: Mapping[str, str], arrays: Mapping[str, np.ndarray],
+                       buffers: StateBuffers, make_session: SessionFactory
+                       ) -> list[tuple[GraphRunner, dict[str, str]]]:
+        """The runs of a full batch's forward half, loss and backward half, each with the
+        batch inputs it reads (graph input -> batch input): one run of the three graphs
+        chained (:func:`~lossgraph.separate.chain_graphs`), else one run each."""
+        seed, prediction = loss_io["prediction_grad"], loss_io["prediction"]
+        state_in = {w: w for w in (*self._weights, *self._model_buffers)}
+        state_out = dict(zip(self._new_buffers, self._model_buffers))
+        features, labels = ({n: n for n in names} for names in (self._features, self._loss_data))
+        gradients = {g: arrays[g] for g in split.gradients}
+        ahead = chain_graphs(split.forward, loss)
+        chained = (chain_graphs(ahead[0], split.backward)
+                   if ahead is not None and seed not in ahead[1] else None)
+        if chained is not None:  # the seed, the loss's output, is the backward half's input
+            (model, renamed), loss_renamed = chained, ahead[1]
+            outputs = {loss_renamed.get(loss_io["loss"], loss_io["loss"]): self._loss_value,
+                       **{renamed.get(g, g): array for g, array in gradients.items()}}
+            runner = GraphRunner(make_session(model), buffers, state_in, state_out, {},
+                                 outputs, "gradient and loss")
+            return [(runner, {**features, **{loss_renamed.get(n, n): n for n in labels}})]
+        forward = GraphRunner(make_session(split.forward), buffers, state_in, state_out, {},
+                              {o.name: arrays[o.name] for o in split.forward.graph.output
+                               if o.name not in state_out}, "forward")
+        loss_run = GraphRunner(make_session(loss), buffers, {}, {},
+                               {prediction: arrays[prediction]},
+                               {loss_io["loss"]: self._loss_value, seed: arrays[seed]}, "loss")
+        backward = GraphRunner(make_session(split.backward), buffers,
+                               {w: w for w in split.reused if w in state_in}, {},
+                               {**{r: arrays[r] for r in split.residuals}, seed: arrays[seed]},
+                               gradients, "backward")
+        reused = {n: n for n in split.reused if n not in state_in}
+        return [(forward, features), (loss_run, labels), (backward, reused)]
 
     def run(self, batch: Mapping[str, np.ndarray]) -> float:
         """One step on ``batch`` (C-contiguous arrays by input name); the loss."""
@@ -191,9 +219,10 @@ class SeparateStep:
         arrays shaped like the weights, changed in place) and run the update graph; the
         penalty (0 without one). The next state waits in the other buffer set."""
         if self._static:  # the update graph reads the arrays bound at construction
-            for weight, bound in self._gradients.items():
-                if gradients[weight] is not bound:
-                    np.copyto(bound, gradients[weight])
+            if gradients is not self._gradients:
+                for weight, bound in self._gradients.items():
+                    if gradients[weight] is not bound:
+                        np.copyto(bound, gradients[weight])
             gradients = self._gradients
         else:
             gradients = dict(gradients)
@@ -215,9 +244,8 @@ class SeparateStep:
         return float(self._penalty_total)
 
     def _gradients_static(self, batch: Mapping[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
-        self._forward.run({n: batch[n] for n in self._features})
-        self._loss_runner.run({n: batch[n] for n in self._loss_data})
-        self._backward.run({n: batch[n] for n in self._reused})
+        for runner, reads in self._runs:
+            runner.run({name: batch[data] for name, data in reads.items()})
         return float(self._loss_value), self._gradients
 
     def _gradients_dynamic(self, batch: Mapping[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
@@ -236,6 +264,18 @@ class SeparateStep:
         reused = {n: data[n] if n in data else weights[n] for n in self._split.reused}
         grads = self._model.backward(residuals, reused, {self._seed: prediction_grad})
         return float(loss.numpy()), dict(zip(self._weights, grads))
+
+
+def _pack_gradients(arrays: dict[str, np.ndarray], gradients: Sequence[str]) -> np.ndarray:
+    """One flat array holding ``gradients`` end to end; each of their ``arrays`` becomes a
+    view of its part."""
+    parts = [arrays[g] for g in gradients]
+    flat = np.empty(sum(p.size for p in parts), parts[0].dtype)
+    end = 0
+    for name, part in zip(gradients, parts):
+        arrays[name] = flat[end:end + part.size].reshape(part.shape)
+        end += part.size
+    return flat
 
 
 def _owned(value: Any) -> np.ndarray:

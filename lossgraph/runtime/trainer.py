@@ -42,6 +42,7 @@ from ..errors import (
 from ..metadata import LOSS_KEY, read_json
 from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
+from ..separate import PackedUpdate, packed_update
 from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
 from .forward_backward import SeparateStep
@@ -80,7 +81,10 @@ class Trainer:
         self._new = {w["name"]: w["new"] for w in manifest["weights"]}
         self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
         self._new.update({b["name"]: b["new"] for b in manifest.get("buffers", [])})
-        self._buffers = StateBuffers(self._names, program.state)
+        # separate mode updates every weight at once: weights and states lie end to end
+        self._packed = _packed_update(program) if program.fuse == "separate" else None
+        self._buffers = StateBuffers(self._names, program.state,
+                                     self._packed.blocks if self._packed else ())
         self._sessions: dict[tuple[str, int | None], Any] = {}
         self._runners: dict[tuple[str, int | None, tuple[str, ...]], GraphRunner] = {}
         self._separate: dict[int | None, SeparateStep] = {}
@@ -148,10 +152,13 @@ class Trainer:
     def _new_session(self, model: onnx.ModelProto):
         return create_session(model, self.providers, self.session_options)
 
-    def _runner(self, graph: str, batch: int | None = None,
+    def _runner(self, graph: str | PackedUpdate, batch: int | None = None,
                 bound: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
-        """The runner of ``graph`` over the state buffers (specialized to ``batch``), with
-        the learning rate, the step and the arrays ``bound`` (by input name) bound once."""
+        """The runner of ``graph`` (or of the packed update graph) over the state buffers
+        (specialized to ``batch``), with the learning rate, the step and the arrays
+        ``bound`` (by input name) bound once."""
+        if isinstance(graph, PackedUpdate):
+            return self._packed_runner(graph, bound or {})
         key = (graph, batch, tuple(bound or ()))
         if key not in self._runners:
             entry = self.program.manifest["graphs"][graph]
@@ -168,6 +175,17 @@ class Trainer:
             self._runners[key] = GraphRunner(self._session(graph, batch), self._buffers, inputs,
                                              outputs, fixed_in, fixed_out, graph)
         return self._runners[key]
+
+    def _packed_runner(self, packed: PackedUpdate, bound: Mapping[str, np.ndarray]
+                       ) -> GraphRunner:
+        """A runner of the packed update graph over the packed weights and states, reading
+        the arrays ``bound`` (a new runner each time: each step binds its own gradient)."""
+        key = ("packed update", None)
+        if key not in self._sessions:
+            self._sessions[key] = self._new_session(packed.model)
+        return GraphRunner(self._sessions[key], self._buffers, packed.inputs, packed.outputs,
+                           {packed.learning_rate: self._learning_rate, packed.step: self._step,
+                            **bound}, {}, "update")
 
     # -- data --------------------------------------------------------------------------
     def _inputs(self, graph: str, role: str) -> list[dict]:
@@ -394,7 +412,7 @@ class Trainer:
             if size is not None:  # one batch size at a time, as for the fused graphs
                 self._separate = {k: v for k, v in self._separate.items() if k is None}
             self._separate[size] = SeparateStep(self.program, self._buffers, self._new_session,
-                                                self._runner, size)
+                                                self._runner, size, self._packed)
         return self._separate[size].run(batch)
 
     def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,
@@ -569,6 +587,12 @@ class Trainer:
         self.__init__(saved["program"], saved["providers"])
         self.set_state(saved["state"])
         self._restore_progress(saved["progress"])
+
+
+def _packed_update(program: TrainingProgram) -> PackedUpdate | None:
+    """The packed form of a separate program's update graph (None where it has none)."""
+    return packed_update(program.graphs["update"], program.optimizer,
+                         {w: program.state[w] for w in program.weights})
 
 
 def _class_count(manifest: Mapping[str, Any]) -> int | None:

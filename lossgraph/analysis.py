@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from .differentiability import differentiable_inputs, not_differentiable_reason
+from .errors import InternalError, UnsupportedModelError
 from .graphs import (
     FLOAT_TYPES,
     ForwardFacts,
+    attribute_value,
+    consumers,
     elem_type_name,
     opset_version,
     outer_references,
@@ -20,8 +26,13 @@ from .graphs import (
 from .models import ModelLike, as_model
 from .roles import get_roles
 
-__all__ = ["trainable_initializers", "differentiable_values", "influenced_values",
-           "GradientBlock", "gradient_block"]
+__all__ = ["trainable_initializers", "blocked_initializers", "blocked_weights", "default_weights",
+           "differentiable_values", "influenced_values", "GradientBlock", "gradient_block",
+           "BlockedWeight", "StaticSplit", "static_splits"]
+
+#: Kinds of values that hold tensors without being one, as messages name them.
+_CONTAINERS = {"sequence_type": "a sequence", "optional_type": "an optional",
+               "map_type": "a map"}
 
 
 def _may_be_float(types: Mapping[str, onnx.TypeProto]):
@@ -39,6 +50,40 @@ def _may_be_float(types: Mapping[str, onnx.TypeProto]):
     return may_be_float
 
 
+def _container(value_type: onnx.TypeProto | None) -> str | None:
+    """``"a sequence"``, ``"an optional"`` or ``"a map"`` for a value of that kind that may
+    hold floats (its element type is float, double or unknown); None for anything else."""
+    kind = value_type.WhichOneof("value") if value_type is not None else None
+    if kind not in _CONTAINERS:
+        return None
+    inner = value_type
+    while (inner_kind := inner.WhichOneof("value")) in _CONTAINERS:
+        held = getattr(inner, inner_kind)
+        inner = held.value_type if inner_kind == "map_type" else held.elem_type
+    inner_kind = inner.WhichOneof("value")
+    elem_type = getattr(inner, inner_kind).elem_type if inner_kind else 0
+    return _CONTAINERS[kind] if elem_type in FLOAT_TYPES or not elem_type else None
+
+
+def _reaching(model: onnx.ModelProto, targets: Iterable[str], passes: Callable[[str], bool],
+              trainable: bool) -> set[str]:
+    """The values of the top-level graph that ``passes`` admits and that influence
+    ``targets`` through admitted values, each entering its node through a differentiable
+    input (a subgraph's captured outer values count as inputs of the node that holds it)."""
+    needed = {t for t in targets if passes(t)}
+    for node in reversed(model.graph.node):
+        if not any(o in needed for o in node.output):
+            continue
+        for position in differentiable_inputs(node.op_type, node.domain, len(node.input),
+                                              trainable, opset_version(model, node.domain)):
+            name = node.input[position]
+            if name and passes(name):
+                needed.add(name)
+        for sub in subgraphs(node):
+            needed.update(n for n in outer_references(sub) if passes(n))
+    return needed
+
+
 def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
                           types: Mapping[str, onnx.TypeProto] | None = None,
                           trainable: bool = False) -> set[str]:
@@ -50,21 +95,7 @@ def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
     differentiable but never trained (batch-normalization statistics).
     """
     types = ForwardFacts.of(model).types if types is None else types
-
-    is_float = _may_be_float(types)
-
-    needed = {t for t in targets if is_float(t)}
-    for node in reversed(model.graph.node):
-        if not any(o in needed for o in node.output):
-            continue
-        for position in differentiable_inputs(node.op_type, node.domain, len(node.input),
-                                              trainable, opset_version(model, node.domain)):
-            name = node.input[position]
-            if name and is_float(name):
-                needed.add(name)
-        for sub in subgraphs(node):
-            needed.update(n for n in outer_references(sub) if is_float(n))
-    return needed
+    return _reaching(model, targets, _may_be_float(types), trainable)
 
 
 def influenced_values(model: onnx.ModelProto, sources: Iterable[str],
@@ -112,6 +143,12 @@ def gradient_block(model: onnx.ModelProto, source: str, targets: Iterable[str],
     for at in range(1, len(path), 2):
         value, node, out = path[at - 1], path[at], path[at + 1]
         if not is_float(out):
+            container = _container(types[out])
+            if container:
+                hint = _split_hint(model, node, types)
+                return GradientBlock(tuple(path), at, (
+                    f"its output {out!r} is {container}, and lossgraph differentiates "
+                    "tensors only" + (f" ({hint})" if hint else "")))
             elem_type = types[out].tensor_type.elem_type
             kind = elem_type_name(elem_type) if elem_type else "not a tensor"
             why = not_differentiable_reason(node.op_type, node.domain)
@@ -131,6 +168,173 @@ def gradient_block(model: onnx.ModelProto, source: str, targets: Iterable[str],
     return GradientBlock(tuple(path), -1, "every link carries a gradient")
 
 
+def _split_hint(model: onnx.ModelProto, node: onnx.NodeProto,
+                types: Mapping[str, onnx.TypeProto]) -> str:
+    """What :class:`~lossgraph.passes.SequencesToTensors` does about a SplitToSequence that
+    blocks a gradient, for messages; empty for other nodes."""
+    if node.op_type != "SplitToSequence":
+        return ""
+    if node.output[0] in static_splits(model.graph, types):
+        return ("lossgraph.passes.SequencesToTensors rewrites this SplitToSequence into a "
+                "Split, as compile_program does: run it first")
+    return ("lossgraph.passes.SequencesToTensors rewrites a SplitToSequence into a Split "
+            "only when the number of its pieces is static and every node that reads the "
+            "sequence takes one piece at a constant position, the count or all the pieces")
+
+
+# -- SplitToSequence that is a Split ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StaticSplit:
+    """A ``SplitToSequence`` whose sequence is a tensor split in disguise: the number of its
+    pieces is static, the sequence is no graph output, and every node that reads it takes
+    one piece at a constant position (``SequenceAt``), the count (``SequenceLength``) or
+    all the pieces (``ConcatFromSequence``). :class:`~lossgraph.passes.SequencesToTensors`
+    rewrites it into a ``Split``.
+    """
+
+    node: onnx.NodeProto
+    #: each piece's length along the axis
+    sizes: tuple[int, ...]
+    #: keepdims=0 without a split input: each piece loses the axis
+    squeezed: bool
+    #: the nodes that read the sequence, in graph order
+    readers: tuple[onnx.NodeProto, ...]
+    #: the output of each SequenceAt reader -> the index of the piece it takes (0..n-1)
+    pieces: Mapping[str, int]
+
+
+def static_splits(graph: onnx.GraphProto,
+                  types: Mapping[str, onnx.TypeProto]) -> dict[str, StaticSplit]:
+    """The ``SplitToSequence`` nodes of ``graph`` that are splits (:class:`StaticSplit`),
+    by sequence name; ``types`` gives the static dims (a scalar ``split``, or none, needs
+    the split axis's length)."""
+    nodes = [n for n in graph.node
+             if n.op_type == "SplitToSequence" and n.domain in ("", "ai.onnx")]
+    if not nodes:
+        return {}
+    readers = consumers(graph)
+    outputs = {o.name for o in graph.output}
+    constant = _constants(graph)
+    found = {}
+    for node in nodes:
+        sequence = node.output[0]
+        shape = _split_shape(node, types, constant)
+        if sequence in outputs or shape is None:
+            continue
+        sizes, squeezed = shape
+        pieces = _pieces(sequence, len(sizes), readers.get(sequence, []), constant)
+        if pieces is not None:
+            found[sequence] = StaticSplit(node, sizes, squeezed,
+                                          tuple(readers.get(sequence, [])), pieces)
+    return found
+
+
+def _split_shape(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto],
+                 constant: Callable[[str], np.ndarray | None]
+                 ) -> tuple[tuple[int, ...], bool] | None:
+    """``(the pieces' lengths, whether they lose the axis)`` of a SplitToSequence whose
+    number of pieces is static, else None."""
+    axis = int(attribute_value(node, "axis", 0))
+    x_type = types.get(node.input[0])
+    dims = (x_type.tensor_type.shape.dim if x_type is not None
+            and x_type.tensor_type.HasField("shape") else None)
+    length = None
+    if dims is not None and -len(dims) <= axis < len(dims) and dims[axis].HasField("dim_value"):
+        length = dims[axis].dim_value
+    given = node.input[1] if len(node.input) > 1 else ""
+    if not given:  # pieces of length 1
+        if not length:
+            return None
+        return (1,) * length, int(attribute_value(node, "keepdims", 1)) == 0
+    split = constant(given)
+    if split is None or split.dtype.kind not in "iu" or split.ndim > 1:
+        return None
+    if split.ndim == 1:
+        sizes = tuple(int(v) for v in split)
+        if not sizes or min(sizes) < 0 or (length is not None and sum(sizes) != length):
+            return None
+        return sizes, False
+    chunk = int(split)  # a scalar: pieces of this length, the last one maybe shorter
+    if chunk <= 0 or not length:
+        return None
+    count = -(-length // chunk)
+    return (chunk,) * (count - 1) + (length - chunk * (count - 1),), False
+
+
+def _pieces(sequence: str, count: int, readers: Sequence[onnx.NodeProto],
+            constant: Callable[[str], np.ndarray | None]) -> dict[str, int] | None:
+    """Each SequenceAt reader's output -> the index of the piece it takes, when every
+    reader of ``sequence`` takes a piece at a constant position, the count or all the
+    pieces; else None."""
+    pieces = {}
+    for reader in readers:
+        if (reader.domain not in ("", "ai.onnx") or not reader.input
+                or reader.input[0] != sequence):
+            return None
+        if reader.op_type == "SequenceAt":
+            position = constant(reader.input[1])
+            if position is None or position.dtype.kind not in "iu" or position.size != 1:
+                return None
+            index = int(position.reshape(-1)[0])
+            if not -count <= index < count:
+                return None
+            pieces[reader.output[0]] = index % count
+        elif reader.op_type not in ("SequenceLength", "ConcatFromSequence"):
+            return None
+    return pieces
+
+
+def _constants(graph: onnx.GraphProto) -> Callable[[str], np.ndarray | None]:
+    """The value of a constant of ``graph`` by name (an initializer no input overrides, or
+    a ``Constant`` node's output), read when asked; None for anything else."""
+    fed = {v.name for v in graph.input}
+    tensors = {t.name: t for t in graph.initializer if t.name not in fed}
+    nodes = {n.output[0]: n for n in graph.node
+             if n.op_type == "Constant" and n.domain in ("", "ai.onnx")}
+
+    def value(name: str) -> np.ndarray | None:
+        if name in tensors:
+            return numpy_helper.to_array(tensors[name])
+        for attribute in nodes[name].attribute if name in nodes else ():
+            if attribute.name == "value":
+                return numpy_helper.to_array(attribute.t)
+            if attribute.name in ("value_int", "value_ints"):
+                return np.asarray(helper.get_attribute_value(attribute), np.int64)
+        return None
+
+    return value
+
+
+# -- trainable and blocked weights ------------------------------------------------------
+
+
+def _loss_or_outputs(model: onnx.ModelProto) -> list[str]:
+    """The outputs whose gradients train the model: its loss, else every output."""
+    loss = get_roles(model).get("loss")
+    return [loss] if loss else [o.name for o in model.graph.output]
+
+
+def _view(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto],
+          splits_as_tensors: bool) -> Callable[[str], bool]:
+    """Which values a gradient passes: float tensors, and with ``splits_as_tensors`` the
+    sequences :class:`~lossgraph.passes.SequencesToTensors` turns into tensors (the model
+    as compile_program differentiates it)."""
+    is_float = _may_be_float(types)
+    splits = static_splits(model.graph, types) if splits_as_tensors else {}
+    if not splits:
+        return is_float
+    return lambda name: is_float(name) or name in splits
+
+
+def _trainable(model: onnx.ModelProto, targets: Sequence[str],
+               types: Mapping[str, onnx.TypeProto], splits_as_tensors: bool) -> list[str]:
+    reached = _reaching(model, targets, _view(model, types, splits_as_tensors), trainable=True)
+    return [t.name for t in model.graph.initializer
+            if t.name in reached and t.data_type in FLOAT_TYPES and len(t.dims) > 0]
+
+
 def trainable_initializers(model: ModelLike) -> list[str]:
     """The float initializers that influence a differentiable output, in graph order.
 
@@ -141,13 +345,176 @@ def trainable_initializers(model: ModelLike) -> list[str]:
     (batch-normalization statistics, class weights of the losses, one-hot values; see
     :data:`~lossgraph.differentiability.NON_TRAINABLE_INPUTS`), and rank-0 scalars,
     which exporters use for constants (pass such a name explicitly to train it).
+
+    The model is read as compile_program differentiates it: a ``SplitToSequence`` that
+    :class:`~lossgraph.passes.SequencesToTensors` rewrites into a ``Split`` passes
+    gradients. Weights that influence the outputs through other sequences (or optionals,
+    maps) are :func:`blocked_initializers`.
     """
     model = as_model(model)
-    loss = get_roles(model).get("loss")
-    targets = [loss] if loss else [o.name for o in model.graph.output]
-    needed = differentiable_values(model, targets, trainable=True)
-    return [
-        t.name
-        for t in model.graph.initializer
-        if t.name in needed and t.data_type in FLOAT_TYPES and len(t.dims) > 0
-    ]
+    return _trainable(model, _loss_or_outputs(model), ForwardFacts.of(model).types, True)
+
+
+@dataclass(frozen=True)
+class BlockedWeight:
+    """A float initializer (or input) whose influence on the outputs passes through a
+    value lossgraph does not differentiate: a sequence, an optional or a map.
+
+    ``path`` is the shortest way from the weight to such a value,
+    ``[weight, node, value, ..., node, value]``; ``partial``: the weight also reaches the
+    outputs through tensors alone, so a gradient would miss part of its effect rather
+    than all of it.
+    """
+
+    name: str
+    path: tuple
+    kind: str
+    partial: bool
+
+    @property
+    def value(self) -> str:
+        """The value that blocks the gradient (the last one of ``path``)."""
+        return self.path[-1]
+
+    @property
+    def node(self) -> onnx.NodeProto:
+        """The node whose output blocks the gradient."""
+        return self.path[-2]
+
+    def describe(self) -> str:
+        """``'w' -> [Op 'name'] -> ... -> 'value' (a sequence)``, for messages."""
+        steps = [_label(p) if isinstance(p, onnx.NodeProto) else repr(p) for p in self.path]
+        return f"{' -> '.join(steps)} ({self.kind})"
+
+
+def _label(node: onnx.NodeProto) -> str:
+    return f"[{node.op_type} {node.name!r}]" if node.name else f"[{node.op_type}]"
+
+
+def blocked_weights(model: onnx.ModelProto, targets: Sequence[str],
+                    types: Mapping[str, onnx.TypeProto], candidates: Sequence[str],
+                    splits_as_tensors: bool = True) -> list[BlockedWeight]:
+    """The ``candidates`` whose influence on ``targets`` passes through a sequence, an
+    optional or a map that no gradient passes (:class:`BlockedWeight`), in their order;
+    ``splits_as_tensors`` as for :func:`default_weights`."""
+    if not any(_container(t) for t in types.values()):
+        return []
+    passes = _view(model, types, splits_as_tensors)
+
+    def influences(name: str) -> bool:
+        return passes(name) or _container(types.get(name)) is not None
+
+    # from the float targets only: an output that is a sequence is no differentiable output
+    outputs = [t for t in targets if passes(t)]
+    blocking = {v for v in _reaching(model, outputs, influences, trainable=True)
+                if not passes(v)}
+    behind = _reaching(model, blocking, influences, trainable=True)
+    reached = _reaching(model, outputs, passes, trainable=True)
+    found = []
+    for name in candidates:
+        if name in behind:
+            path = _path_within(model.graph, name, blocking, behind)
+            found.append(BlockedWeight(name, tuple(path), _container(types[path[-1]]) or "",
+                                       name in reached))
+    return found
+
+
+def _path_within(graph: onnx.GraphProto, source: str, targets: set[str],
+                 within: set[str]) -> list:
+    """``[source, node, value, ..., target]``: the shortest chain of nodes from ``source``
+    to one of ``targets`` through values of ``within`` only (breadth first)."""
+    readers = consumers(graph)
+    parents: dict[str, tuple[str, onnx.NodeProto] | None] = {source: None}
+    queue = deque([source])
+    while queue:
+        value = queue.popleft()
+        if value in targets:
+            path: list = [value]
+            while (parent := parents[value]) is not None:
+                value, node = parent
+                path[:0] = [value, node]
+            return path
+        for node in readers.get(value, []):
+            for out in node.output:
+                if out in within and out not in parents:
+                    parents[out] = (value, node)
+                    queue.append(out)
+    raise InternalError(f"{source!r} influences {sorted(targets)}, but no path leads there")
+
+
+def blocked_initializers(model: ModelLike) -> list[BlockedWeight]:
+    """The float initializers that would be :func:`trainable_initializers` (rank >= 1,
+    weights rather than statistics) but influence the loss (else the float outputs)
+    through a value lossgraph does not differentiate: a sequence other than a
+    ``SplitToSequence`` :class:`~lossgraph.passes.SequencesToTensors` rewrites, an optional
+    or a map. No gradient, or only part of one, would reach them, so compile_program
+    refuses to choose its default weights around them (:func:`default_weights`)."""
+    model = as_model(model)
+    types = ForwardFacts.of(model).types
+    return blocked_weights(model, _loss_or_outputs(model), types, _candidates(model))
+
+
+def _candidates(model: onnx.ModelProto) -> list[str]:
+    """The initializers that may be weights: float, rank >= 1."""
+    return [t.name for t in model.graph.initializer
+            if t.data_type in FLOAT_TYPES and len(t.dims) > 0]
+
+
+def default_weights(model: ModelLike, targets: Sequence[str] | None = None,
+                    types: Mapping[str, onnx.TypeProto] | None = None,
+                    splits_as_tensors: bool = True) -> list[str]:
+    """The weights lossgraph trains when none are named: the trainable initializers that
+    reach ``targets`` (default: the loss, else every output), or an
+    :class:`~lossgraph.errors.UnsupportedModelError` when a weight influences them through
+    a value lossgraph does not differentiate (:func:`blocked_initializers`): leaving it
+    out silently would train another model. ``splits_as_tensors``: the model is
+    differentiated after :class:`~lossgraph.passes.SequencesToTensors` (compile_program);
+    False: as it is (:func:`lossgraph.gradient`)."""
+    model = as_model(model)
+    targets = list(targets) if targets is not None else _loss_or_outputs(model)
+    types = ForwardFacts.of(model).types if types is None else types
+    trainable = _trainable(model, targets, types, splits_as_tensors)
+    blocked = blocked_weights(model, targets, types, _candidates(model), splits_as_tensors)
+    if blocked:
+        raise UnsupportedModelError(blocked_message(model, types, blocked, targets, trainable))
+    return trainable
+
+
+def blocked_message(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto],
+                    blocked: Sequence[BlockedWeight], targets: Sequence[str],
+                    trainable: Sequence[str] | None = None) -> str:
+    """Why the ``blocked`` weights get no gradient, or a partial one, and the ways out:
+    for the default weights (``trainable``: the weights that do get a gradient) or for
+    weights named (``trainable=None``)."""
+    shown = repr(targets[0]) if len(targets) == 1 else repr(list(targets))
+    names = ", ".join(repr(b.name) for b in blocked)
+    lines = "".join(f"\n  {b.describe()}" + (", and through tensors alone: its gradient "
+                                              "would be partial" if b.partial else "")
+                    for b in blocked)
+    hints = dict.fromkeys(hint for b in blocked for hint in (
+        _split_hint(model, b.node, types), _EXPORT_HINTS.get(b.node.op_type)) if hint)
+    tensors = ("make these values tensors: "
+               + ("; ".join(hints) if hints else "export the model so that they are") + ".")
+    head = (f"Weight{'s' * (len(blocked) > 1)} {names} influence{'s' * (len(blocked) == 1)} "
+            f"{shown} through values lossgraph does not differentiate (it differentiates "
+            f"tensors only):{lines}\n")
+    if trainable is None:
+        return head + ("A gradient would miss that part of their effect: a wrong number. "
+                       "Leave them out of the weights to differentiate, or " + tensors)
+    complete = [w for w in trainable if w not in {b.name for b in blocked}]
+    listed = (f" (those whose gradient is complete: {', '.join(map(repr, complete))})"
+              if complete else "")
+    them = "them" if len(blocked) > 1 else "it"
+    return head + (f"lossgraph chooses no default weights around {them}: training the others "
+                   "alone would silently train another model. Name the weights to train with "
+                   f"weights=[...]{listed}, or " + tensors)
+
+
+#: What avoids a blocking node, by its op type, for the message of a blocked weight.
+_EXPORT_HINTS = {
+    "SplitToSequence": "torch.onnx.export(..., dynamo=True) with its default optimize=True "
+                       "writes torch.split as Split",
+    "Loop": "e.g. torch.onnx.export(..., dynamo=True) writes nn.EmbeddingBag as a Loop "
+            "that collects a sequence; the TorchScript exporter (dynamo=False) writes it as "
+            "a Loop over tensors, which trains",
+}

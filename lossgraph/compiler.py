@@ -19,6 +19,9 @@ runs (``print(describe_plan(...))``)::
                           -> PackWeights -> StepGraph -> EpochGraph -> WidenScalarConstants
     train_epoch_ordered = ... -> EpochGraph(shuffled=False) -> WidenScalarConstants
 
+A loss model holding a ``SplitToSequence`` gets ``SequencesToTensors``
+(:mod:`lossgraph.passes.sequences`) right before ``StabilizeNumerics`` in the same graphs:
+a split written as a sequence becomes a ``Split``, since gradients pass tensors only.
 ``StabilizeNumerics`` (:mod:`lossgraph.passes.stabilize`) rewrites the overflowing forms
 converters emit (skl2onnx's ``1 / (1 + Exp(-s))``, ``Log(Softmax)``, ``Log(Sigmoid)``, ...)
 into stable ones with the same values, so that their gradients stay finite. It runs on
@@ -55,7 +58,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .analysis import trainable_initializers
+from .analysis import default_weights
 from .deprecation import renamed_keywords
 from .errors import UnsupportedModelError, UnsupportedOptionError
 from .manifest import build_manifest
@@ -68,6 +71,7 @@ from .passes.gradient import Gradient
 from .passes.loss import AddLossOutput
 from .passes.lower_ml import LowerMlOps
 from .passes.running_stats import RunningStatistics, buffer_names
+from .passes.sequences import SequencesToTensors, holds_splits
 from .passes.stabilize import StabilizeNumerics
 from .passes.strip import InferenceMode, StripTraining
 from .passes.weights import WeightsToInputs
@@ -108,21 +112,24 @@ class Plan:
 
 
 def plan(weights: Sequence[str], optimizer: Optimizer, backend: str, fuse: str,
-         buffers: Sequence[str] = ()) -> Plan:
+         buffers: Sequence[str] = (), splits: bool = False) -> Plan:
     """The pipelines of a program's graphs (see the module docstring); ``buffers``: the
-    running statistics the training graphs update (:func:`buffer_names`)."""
+    running statistics the training graphs update (:func:`buffer_names`); ``splits``: the
+    loss model holds a ``SplitToSequence`` (:func:`holds_splits`)."""
     lift, widen = WeightsToInputs((*weights, *buffers)), WidenScalarConstants()
     # the buffers' update, where there are buffers (then the loss model's layers are in
     # training mode, and the evaluate graph's are not)
     update_buffers = (RunningStatistics(),) if buffers else ()
     # stable forms of what the loss computes, before it is differentiated (never in predict)
-    stabilize = StabilizeNumerics(backend)
-    pipelines = {"evaluate": Pipeline((lift, InferenceMode(), stabilize, widen)),
+    # and before it, the splits written as sequences as tensors (gradients pass tensors only)
+    stabilize: tuple[Pass, ...] = (*((SequencesToTensors(),) if splits else ()),
+                                   StabilizeNumerics(backend))
+    pipelines = {"evaluate": Pipeline((lift, InferenceMode(), *stabilize, widen)),
                  "predict": Pipeline((lift, widen))}
     starts = {"evaluate": "loss model", "predict": "inference model"}
-    separate = Pipeline((lift, *update_buffers, stabilize)) if fuse == "separate" else None
+    separate = Pipeline((lift, *update_buffers, *stabilize)) if fuse == "separate" else None
     if fuse != "separate":
-        differentiate = (*update_buffers, stabilize, Gradient(tuple(weights), backend=backend),
+        differentiate = (*update_buffers, *stabilize, Gradient(tuple(weights), backend=backend),
                          SumRowsByProduct())
         step = StepGraph(optimizer)
         pipelines["train_step"] = Pipeline((lift, *differentiate, step, widen))
@@ -142,8 +149,9 @@ def describe_plan(model: ModelLike, **options: Any) -> str:
     unknown = sorted(set(options) - set(_DEFAULTS))
     if unknown:
         raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
-    _, _, _, weights, buffers, checked = _front(model, {**_DEFAULTS, **options})
-    return str(plan(weights, checked.optimizer, checked.backend, checked.fuse, buffers))
+    loss_model, _, _, weights, buffers, checked = _front(model, {**_DEFAULTS, **options})
+    return str(plan(weights, checked.optimizer, checked.backend, checked.fuse, buffers,
+                    holds_splits(loss_model)))
 
 
 
@@ -168,7 +176,9 @@ def compile_program(
         model: an inference model (a loss is added), or a model that already has a loss
             output, recorded by :func:`~lossgraph.add_loss_output` (pass ``loss=None``).
         weights: the weights to train (a list of names, or one name); default
-            :func:`~lossgraph.trainable_initializers`.
+            :func:`~lossgraph.trainable_initializers`, or an ``UnsupportedModelError`` when
+            a weight influences the loss through a sequence lossgraph does not
+            differentiate (:func:`lossgraph.analysis.default_weights`).
         loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows, or
             ``None`` when the model carries its loss already.
         loss_options: further arguments of ``add_loss_output`` (``weight_name``,
@@ -228,7 +238,8 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
                          if k not in _OUTPUT_FIELDS}
         loss_model = AddLossOutput(loss, penalty=penalty, options=score_options,
                                    **output_options)(source).model
-    weights = checked.weights or trainable_initializers(loss_model)
+    # never around a weight no gradient (or part of one) would reach: that is an error
+    weights = checked.weights or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
     check_penalized(penalty, weights)
@@ -258,7 +269,7 @@ _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "red
 def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     loss_model, forward, inference, weights, buffers, checked = _front(model, options)
     optimizer, fuse = checked.optimizer, checked.fuse
-    the_plan = plan(weights, optimizer, checked.backend, fuse, buffers)
+    the_plan = plan(weights, optimizer, checked.backend, fuse, buffers, holds_splits(loss_model))
     runner = _PrefixRunner({"loss model": loss_model, "inference model": inference,
                             "forward model": forward})
     results = {name: runner.run(the_plan.starts[name], pipeline.passes)

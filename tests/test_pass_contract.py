@@ -52,6 +52,7 @@ from lossgraph.passes import (
 from lossgraph.passes.expand_functions import ExpandFunctions
 from lossgraph.passes.quantization import StraightThroughQuantization
 from lossgraph.passes.running_stats import RunningStatistics
+from lossgraph.passes.sequences import SequencesToTensors
 from lossgraph.passes.stabilize import StabilizeNumerics
 from lossgraph.passes.strip import InferenceMode
 from lossgraph.separate import penalty_graph, update_graph
@@ -140,6 +141,12 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
                            one = Constant<value = double {1}>()  r = Sigmoid(x)
                            d = Sub(one, r)  b = Log(d) }> }"""),
         StabilizeNumerics("ort")),
+    "SequencesToTensors": (lambda: onnx.parser.parse_model("""<ir_version: 8,
+        opset_import: ["" : 18]> g (float[N, 5] x) => (float[N, 2] y, float[N, 5] c, int64 n)
+        <int64 two = {2}, int64 last = {-1}> {
+            s = SplitToSequence<axis = 1>(x, two)  a = SequenceAt(s, last)  n = SequenceLength(s)
+            z = Constant<value = int64 {0}>()  b = SequenceAt(s, z)  y = Add(a, b)
+            c = ConcatFromSequence<axis = 1>(s) }"""), SequencesToTensors()),
     "StraightThroughQuantization": (lambda: onnx.parser.parse_model("""<ir_version: 8,
         opset_import: ["" : 13]> g (float[N, 2] x) => (float[N, 2] y)
         <float[2, 2] w = {0.5, -1, 2, 0.1}, float[2] s = {0.01, 0.02}, int8[2] z = {0, 1},

@@ -280,26 +280,20 @@ def exported():
     return get
 
 
-#: Failures found, by (module, exporter): temporary strict xfail marks that list them for
-#: the issue; each goes when lossgraph handles the export.
-KNOWN_FAILURES = {
-    ("embedding_bag", "dynamo"): (
-        "the dynamo exporter's EmbeddingBag is a Loop carrying a tensor sequence "
-        "(SequenceEmpty, SequenceInsert, ConcatFromSequence): no gradient reaches bag.weight "
-        "(NoGradientError), and trainable_initializers leaves it out, so compile_program "
-        "trains the head alone"),
-}
+#: Exports lossgraph refuses by name (test_the_dynamo_embedding_bag_is_refused_...):
+#: the dynamo exporter's EmbeddingBag is a Loop that collects a sequence (SequenceEmpty,
+#: SequenceInsert, ConcatFromSequence), and no gradient passes a sequence.
+REFUSED = {("embedding_bag", "dynamo")}
 
 
 def _case(name: str, exporter: str, opset: int | None, mode: str):
-    known = KNOWN_FAILURES.get((name, exporter))
     return pytest.param(name, exporter, opset, mode,
-                        id=f"{name}-{exporter}-{'opset17' if opset else 'default'}-{mode}",
-                        marks=[pytest.mark.xfail(strict=True, reason=known)] if known else [])
+                        id=f"{name}-{exporter}-{'opset17' if opset else 'default'}-{mode}")
 
 
 MATRIX = [_case(name, exporter, opset, mode)
-          for name in MODULES for exporter in EXPORTERS for opset in OPSETS for mode in MODES]
+          for name in MODULES for exporter in EXPORTERS for opset in OPSETS for mode in MODES
+          if (name, exporter) not in REFUSED]
 
 
 # -- gradients and steps ----------------------------------------------------------------------
@@ -311,6 +305,18 @@ def test_gradients_equal_torch_autograd_in_float64(exported, name, exporter, ops
     model, net = exported(name, exporter, opset, mode)
     X = _inputs(spec, 6)
     assert_gradients_like_torch(model, net, X, _targets(spec, X))
+
+
+@pytest.mark.parametrize("opset", OPSETS, ids=["opset17", "default"])
+def test_the_dynamo_embedding_bag_is_refused_naming_the_weight_and_the_node(exported, opset):
+    """compile_program names the parameter no gradient can reach and the Loop that blocks
+    it, rather than training the head alone; named weights still train."""
+    model, _ = exported("embedding_bag", "dynamo", opset, "eval")
+    with pytest.raises(UnsupportedModelError, match=r"(?s)'bag\.weight'.*-> \[Loop .*\(a "
+                                                    r"sequence\).*'head\.weight', 'head\.bias'"):
+        lossgraph.compile_program(model)
+    program = lossgraph.compile_program(model, weights=["head.weight", "head.bias"])
+    assert program.weights == ["head.weight", "head.bias"]
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -340,18 +346,13 @@ class FixedMask(nn.Module):
 
 
 @pytest.mark.parametrize("opset", OPSETS, ids=["opset17", "default"])
-@pytest.mark.parametrize("exporter", [
-    "legacy",
-    pytest.param("dynamo", marks=pytest.mark.xfail(
-        strict=True, raises=UnsupportedModelError,
-        reason="the dynamo exporter's training Dropout has no mask output, and lossgraph "
-               "asks for one instead of adding it")),
-])
+@pytest.mark.parametrize("exporter", EXPORTERS)
 def test_dropout_gradient_is_torchs_with_the_mask_of_the_forward_pass(exported, exporter,
                                                                        opset):
     """A training-mode Dropout(0.5): the gradient of the run equals torch's with the mask
     that run drew (read from the Dropout's input and output: where its input is 0, after a
-    ReLU, the mask changes nothing)."""
+    ReLU, the mask changes nothing). The dynamo exporter writes the Dropout without its mask
+    output; the gradient pass adds it."""
     exported_model, net = exported("cnn_dropout", exporter, opset, "train")
     model = onnx.ModelProto()
     model.CopyFrom(exported_model)

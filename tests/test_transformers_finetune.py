@@ -59,13 +59,10 @@ INPUTS = ("input_ids", "attention_mask")
 DYNAMO = pytest.mark.slow
 EXPORTERS = ("legacy", pytest.param("dynamo", marks=DYNAMO),
              pytest.param("dynamo_optimized", marks=DYNAMO))
-#: A failure found, a temporary strict xfail mark that lists it for the issue.
-GPT2_EXPORTERS = ("legacy", pytest.param("dynamo", marks=[DYNAMO, pytest.mark.xfail(
-    strict=True, reason="the dynamo exporter (optimize=False) writes GPT-2's torch.split of "
-    "the attention projection as SplitToSequence + SequenceAt: no gradient through "
-    "sequences, so trainable_initializers leaves out c_attn.weight, c_attn.bias, ln_1.weight "
-    "and ln_1.bias of every layer (NoGradientError when named), and compile_program would "
-    "train the rest alone")]))
+#: The dynamo exporter (optimize=False) writes GPT-2's torch.split of the attention
+#: projection as SplitToSequence + SequenceAt, which compile_program rewrites into a Split
+#: (lossgraph.passes.SequencesToTensors).
+GPT2_EXPORTERS = ("legacy", pytest.param("dynamo", marks=DYNAMO))
 
 
 class Logits(torch.nn.Module):

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..analysis import trainable_initializers
+from ..analysis import default_weights
 from ..compiler import compile_program
 from ..errors import (
     RuntimeUnavailableError,
@@ -76,8 +76,8 @@ def _penalty(args: argparse.Namespace, loss: str | None,
     weights = args.weights
     if not weights:  # the weights compile_program trains by default: those of the loss model
         with use_target(args.target):
-            weights = trainable_initializers(add_loss_output(lower_ml_ops(args.model), loss,
-                                                             **loss_options))
+            weights = default_weights(add_loss_output(lower_ml_ops(args.model), loss,
+                                                      **loss_options))
     return {w: {"l1": l1 or 0.0, "l2": l2 or 0.0} for w in weights}
 
 

@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..analysis import differentiable_values, influenced_values, trainable_initializers
+from ..analysis import (
+    blocked_initializers,
+    differentiable_values,
+    influenced_values,
+    trainable_initializers,
+)
 from ..autodiff.registry import find_rule
 from ..differentiability import differentiable_inputs
 from ..errors import (
@@ -115,6 +120,9 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
     roles = get_roles(lowered)
     targets = [roles["loss"]] if roles.get("loss") else [o.name for o in lowered.graph.output]
     candidates = trainable_initializers(lowered)
+    blocked = [{"name": b.name, "kind": b.kind, "partial": b.partial,
+                "path": [_label(p) if isinstance(p, onnx.NodeProto) else p for p in b.path]}
+               for b in blocked_initializers(lowered)]
     needed = differentiable_values(lowered, targets, facts.types)
     relevant = influenced_values(lowered, candidates, facts.types) & needed
 
@@ -166,6 +174,7 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         "outputs": _values(graph.output, set()),
         "initializers": initializers,
         "trainable": candidates,
+        "blocked": blocked,
         "lowered_ops": sorted({n.op_type for n in graph.node
                                if n.domain == ML_DOMAIN and n.op_type in LOWERED_OPS}),
         "lowering_error": lowering,
@@ -233,11 +242,21 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         parts.append(f"the model carries its loss {report['roles']['loss']!r} (compile it with "
                      "--loss none); trainable means: reaching the loss")
     if report["trainable"]:
-        parts.append("trainable candidates (what compile trains unless --trainable says "
-                     f"otherwise): {' '.join(report['trainable'])}")
+        what = ("compile trains them alone only when --trainable names them, see below"
+                if report["blocked"] else "what compile trains unless --trainable says otherwise")
+        parts.append(f"trainable candidates ({what}): {' '.join(report['trainable'])}")
     else:
         parts.append("trainable candidates: none (no float initializer reaches an output "
                      "differentiably)")
+    if report["blocked"]:
+        parts.append(
+            "\nweights whose effect on the outputs passes values lossgraph does not "
+            "differentiate (sequences, optionals): compile chooses no default weights around "
+            "them; name the weights to train with --trainable\n" + _table(
+                ("weight", "gradient", "path"),
+                ((b["name"], "partial" if b["partial"] else "none",
+                  f"{_short_path(b['path'], len(b['path']) - 2)} ({b['kind']})")
+                 for b in report["blocked"])))
     nodes = sum(op["count"] for op in report["ops"])
     parts.append(f"\nops ({nodes} node{'s' * (nodes != 1)})\n" + _table(
         ("op", "count", "gradient rule"),
@@ -251,7 +270,7 @@ def format_inspection(report: Mapping[str, Any]) -> str:
                          ("op", "node", "path"),
                          ((_op_text(m["domain"], m["op_type"]), m["node"] or "-",
                            _short_path(m["path"], m["at"])) for m in missing)))
-    elif report["trainable"]:
+    elif report["trainable"] and not report["blocked"]:
         parts.append("\nevery op between the trainable weights and the outputs has a gradient "
                      "rule")
     return "\n".join(parts)

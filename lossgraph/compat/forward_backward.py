@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 
 from .. import training_build
-from ..analysis import trainable_initializers
+from ..analysis import default_weights
 from ..errors import (
     InternalError,
     InvalidDataError,
@@ -60,6 +60,7 @@ from ..passes.contract import Pipeline
 from ..passes.gradient import BACKENDS, Gradient
 from ..passes.lower_ml import LowerMlOps
 from ..passes.running_stats import RunningStatistics, buffer_names
+from ..passes.sequences import SequencesToTensors, holds_splits
 from ..passes.strip import InferenceMode
 from ..passes.weights import WeightsToInputs
 from ..runtime.forward_backward import ForwardBackwardRunner
@@ -145,7 +146,7 @@ class OrtGradientForwardBackward:
         self.onnx_model = model
         self.graph_builder_config = graph_builder_config
         self.weights_to_train = (_configured_weights(weights_to_train, graph_builder_config)
-                                 or trainable_initializers(model))
+                                 or default_weights(model))
         initializers = {t.name for t in model.graph.initializer}
         data_inputs = [i.name for i in model.graph.input if i.name not in initializers]
         outputs = [o.name for o in model.graph.output]
@@ -339,7 +340,9 @@ class _OnnxGraphs:
         # training runs the layers in training mode and outputs the running statistics'
         # update after the outputs; predictions run them in inference mode
         update = (RunningStatistics(),) if owner.running_statistics else ()
-        vjp = Pipeline((*update, Gradient(wrt, outputs=owner.differentiable_outputs,
+        # a split written as a sequence becomes a Split: gradients pass tensors only
+        splits = (SequencesToTensors(),) if holds_splits(lifted) else ()
+        vjp = Pipeline((*update, *splits, Gradient(wrt, outputs=owner.differentiable_outputs,
                                           backend="onnx")))(lifted)
         updated = vjp.report.get("RunningStatistics", {})
         self._updated = list(updated)

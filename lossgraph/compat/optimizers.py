@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..analysis import trainable_initializers
+from ..analysis import default_weights
 from ..compiler import compile_program
 from ..errors import (
     ConvergenceError,
@@ -483,7 +483,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
     """The forward/backward API: train the inference model ``model_onnx`` with the
     separate graphs of ``learning_loss``, ``learning_penalty`` and ``learning_rate``.
 
-    ``weights_to_train=None`` trains :func:`~lossgraph.trainable_initializers`;
+    ``weights_to_train=None`` trains :func:`~lossgraph.analysis.default_weights`;
     ``enable_logging=True`` logs each epoch's loss and rate to the ``lossgraph`` logger;
     ``weight_name`` names the loss graph's sample-weight input (``None``: ``"weight"``,
     made once a fit is given sample weights); ``exc=False`` turns a diverging fit into a
@@ -532,7 +532,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         loss_options = {**loss.loss_options(), "loss_name": self.loss_output_name}
         if self._weight_input is not None:
             loss_options["weight_name"] = self._weight_input
-        weights = names("weights_to_train", self.weights_to_train) or trainable_initializers(model)
+        weights = names("weights_to_train", self.weights_to_train) or default_weights(model)
         return compile_program(model, weights=weights, loss=loss.loss,
                                loss_options=loss_options, penalty=penalty.penalty(weights),
                                optimizer=BaseLearningRate.select(self.learning_rate).to_optimizer(),

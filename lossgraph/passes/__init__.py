@@ -10,6 +10,8 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 - :class:`WeightsToInputs`: trainable initializers become graph inputs
 - :class:`RunningStatistics`: a training-mode BatchNormalization's batch statistics made
   explicit and its running statistics (the program's buffers) updated as torch does
+- :class:`SequencesToTensors`: a ``SplitToSequence`` read at constant positions rewritten
+  into a ``Split`` before differentiation (lossgraph differentiates tensors only)
 - :class:`StabilizeNumerics`: overflowing forms (``1 / (1 + Exp(-s))``, ``Log(Softmax)``,
   ``Log(Sigmoid)``, ...) rewritten into stable ones before differentiation
 - :class:`StraightThroughQuantization` (run by the user, before compiling): fake
@@ -34,6 +36,7 @@ from .lower_ml import LowerMlOps
 from .quantization import StraightThroughQuantization, straight_through_quantization
 from .rename import AlphabetizeInitializers
 from .running_stats import RunningStatistics
+from .sequences import SequencesToTensors
 from .stabilize import StabilizeNumerics
 from .strip import InferenceMode, StripTraining
 from .weights import WeightsToInputs
@@ -41,5 +44,6 @@ from .weights import WeightsToInputs
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "ExpandFunctions",
            "Gradient", "LowerMlOps",
            "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "RunningStatistics",
-           "StabilizeNumerics", "StepGraph", "StraightThroughQuantization", "StripTraining",
+           "SequencesToTensors", "StabilizeNumerics", "StepGraph", "StraightThroughQuantization",
+           "StripTraining",
            "InferenceMode", "WeightsToInputs", "straight_through_quantization"]

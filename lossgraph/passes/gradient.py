@@ -30,7 +30,7 @@ import onnx
 from onnx import helper
 
 from .. import training_build
-from ..analysis import differentiable_values, trainable_initializers
+from ..analysis import blocked_message, blocked_weights, default_weights
 from ..autodiff.walker import differentiate
 from ..builder import GraphBuilder
 from ..deprecation import renamed_keywords
@@ -40,10 +40,18 @@ from ..errors import (
     MissingGradientError,
     ShapeMismatchError,
     UnknownNameError,
+    UnsupportedModelError,
     UnsupportedOptionError,
     suggest,
 )
-from ..graphs import FLOAT_TYPES, ForwardFacts, elem_type_name, names_in_graph, rename_values
+from ..graphs import (
+    FLOAT_TYPES,
+    ForwardFacts,
+    all_graphs,
+    elem_type_name,
+    names_in_graph,
+    rename_values,
+)
 from ..metadata import GRADIENTS_KEY, write_json
 from ..models import ModelLike
 from ..names import NameAuthority
@@ -132,6 +140,9 @@ def _differentiate(model: onnx.ModelProto, wrt: Sequence[str] | None, loss: str 
                 f"{what} names {target!r}, which is not an output of the model."
                 + suggest(target, output_names, "outputs")
             )
+    names = NameAuthority.for_model(model)
+    if backend == "onnx":
+        _give_dropouts_masks(model, names)
     facts = ForwardFacts.of(model)
     for target in targets:
         if facts.elem_types.get(target) not in FLOAT_TYPES:
@@ -139,13 +150,15 @@ def _differentiate(model: onnx.ModelProto, wrt: Sequence[str] | None, loss: str 
                 f"Cannot differentiate output {target!r} of type {_type_name(facts, target)}: "
                 "it must be a float or double tensor."
             )
-    if wrt is None:  # the trainable weights that reach these targets
-        reaching = differentiable_values(model, targets, facts.types, trainable=True)
-        wrt = [w for w in trainable_initializers(model) if w in reaching]
+    if wrt is None:  # the trainable weights that reach these targets, or an error
+        wrt = default_weights(model, targets, facts.types, splits_as_tensors=False)
     wrt = list(wrt)
     _check_wrt(graph, wrt, facts)
+    partial = [b for b in blocked_weights(model, targets, facts.types, wrt,
+                                          splits_as_tensors=False) if b.partial]
+    if partial:  # a gradient missing part of the weight's effect: a wrong number
+        raise UnsupportedModelError(blocked_message(model, facts.types, partial, targets))
 
-    names = NameAuthority.for_model(model)
     grad_names = {w: names.fresh(f"{w}_grad") for w in wrt}
     if outputs is None:
         seed_inputs = []
@@ -170,6 +183,23 @@ def _differentiate(model: onnx.ModelProto, wrt: Sequence[str] | None, loss: str 
         graph.output.append(helper.make_value_info(grad_names[w], facts.types[w]))
     write_json(model, GRADIENTS_KEY, grad_names)
     return grad_names
+
+
+def _give_dropouts_masks(model: onnx.ModelProto, names: NameAuthority) -> None:
+    """A Dropout that may run in training mode without a mask output gets one, under a
+    fresh name: its gradient is ``dy * mask / (1 - ratio)`` with the mask the forward drew.
+    Exact: the node draws the same way with or without it (torch's dynamo exporter writes a
+    training Dropout without its mask)."""
+    for graph in all_graphs(model.graph):
+        for node in graph.node:
+            if (node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
+                    and len(node.input) > 2 and node.input[2]
+                    and (len(node.output) < 2 or not node.output[1])):
+                mask = names.fresh(f"{node.output[0]}_mask")
+                if len(node.output) < 2:
+                    node.output.append(mask)
+                else:
+                    node.output[1] = mask
 
 
 def _type_name(facts: ForwardFacts, name: str) -> str:

@@ -186,8 +186,9 @@ def _is_false(value) -> bool:
 
 
 @grad_rule("Dropout", since=13, nondiff=(1, 2),
-           notes="training mode: dy * mask / (1 - ratio) from the node's mask output, which "
-                 "must be present; inference mode: identity")
+           notes="training mode: dy * mask / (1 - ratio) from the node's mask output (the "
+                 "gradient pass gives a node without one its mask output); inference mode: "
+                 "identity")
 def dropout(g, node, dy, *_):
     x = node.inputs[0]
     ratio, training = node.input(1), node.input(2)

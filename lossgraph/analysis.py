@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -423,23 +422,10 @@ def _path_within(graph: onnx.GraphProto, source: str, targets: set[str],
                  within: set[str]) -> list:
     """``[source, node, value, ..., target]``: the shortest chain of nodes from ``source``
     to one of ``targets`` through values of ``within`` only (breadth first)."""
-    readers = consumers(graph)
-    parents: dict[str, tuple[str, onnx.NodeProto] | None] = {source: None}
-    queue = deque([source])
-    while queue:
-        value = queue.popleft()
-        if value in targets:
-            path: list = [value]
-            while (parent := parents[value]) is not None:
-                value, node = parent
-                path[:0] = [value, node]
-            return path
-        for node in readers.get(value, []):
-            for out in node.output:
-                if out in within and out not in parents:
-                    parents[out] = (value, node)
-                    queue.append(out)
-    raise InternalError(f"{source!r} influences {sorted(targets)}, but no path leads there")
+    path = shortest_path(graph, source, targets, within)
+    if path is None:
+        raise InternalError(f"{source!r} influences {sorted(targets)}, but no path leads there")
+    return path
 
 
 def blocked_initializers(model: ModelLike) -> list[BlockedWeight]:

@@ -131,10 +131,11 @@ def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
     return readers
 
 
-def shortest_path(graph: onnx.GraphProto, source: str,
-                  targets: Container[str]) -> list[str | onnx.NodeProto] | None:
+def shortest_path(graph: onnx.GraphProto, source: str, targets: Container[str],
+                  within: Container[str] | None = None) -> list[str | onnx.NodeProto] | None:
     """``[source, node, value, node, ..., target]``: the shortest chain of nodes by which
-    ``source`` reaches one of ``targets`` (breadth first), or None when it reaches none."""
+    ``source`` reaches one of ``targets`` (breadth first), through values of ``within``
+    only when it is given; None when it reaches none."""
     readers = consumers(graph)
     parents: dict[str, tuple[str, onnx.NodeProto] | None] = {source: None}
     queue = deque([source])
@@ -148,7 +149,7 @@ def shortest_path(graph: onnx.GraphProto, source: str,
             return path
         for node in readers.get(value, []):
             for out in node.output:
-                if out and out not in parents:
+                if out and out not in parents and (within is None or out in within):
                     parents[out] = (value, node)
                     queue.append(out)
     return None

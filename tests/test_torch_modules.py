@@ -42,6 +42,7 @@ from torch_steps import (  # noqa: E402
     assert_gradients_like_torch,
     assert_steps_like_torch,
     lossgraph_gradients,
+    make_distinct,
     torch_gradients,
 )
 
@@ -193,14 +194,7 @@ def _net(make, mode: str, exporter: str):
     docstring for the dynamo exporter's training mode)."""
     torch.manual_seed(0)
     net = make()
-    with torch.no_grad():
-        for name, buffer in net.named_buffers():
-            if name.endswith("running_mean"):
-                buffer.normal_()
-            elif name.endswith("running_var"):
-                buffer.uniform_(0.5, 1.5)
-        for parameter in net.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
+    make_distinct(net)
     net.train(mode == "train")
     if exporter == "dynamo":
         for layer in net.modules():

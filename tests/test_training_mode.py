@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
+from torch_steps import make_distinct
 
 import lossgraph
 from lossgraph.errors import InvalidProgramError, UnsupportedModelError, UnsupportedOptionError
@@ -61,14 +62,7 @@ def _net(torch, kind: str):
     would merge equal initializers), running statistics included."""
     torch.manual_seed(0)
     net = NETS[kind][0](torch)
-    with torch.no_grad():
-        for name, buffer in net.named_buffers():
-            if name.endswith("running_mean"):
-                buffer.normal_()
-            elif name.endswith("running_var"):
-                buffer.uniform_(0.5, 1.5)
-        for parameter in net.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
+    make_distinct(net)
     net.train()
     return net
 

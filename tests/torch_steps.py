@@ -155,3 +155,19 @@ def assert_gradients_like_torch(model: onnx.ModelProto, net, X, y: np.ndarray,
     ours = lossgraph_gradients(model, names, X, y, loss, **loss_options)
     assert sorted(lossgraph.trainable_initializers(model)) == sorted(names)
     assert_gradients_close(ours, torch_gradients(net, X, y, torch_loss, forward), rtol, atol)
+
+
+def make_distinct(net) -> None:
+    """Make every parameter and running statistic of ``net`` differ from every other, in
+    place (torch's exporters merge equal initializers): running means drawn normal,
+    running variances in [0.5, 1.5], parameters nudged by 0.1 x normal noise."""
+    import torch
+
+    with torch.no_grad():
+        for name, buffer in net.named_buffers():
+            if name.endswith("running_mean"):
+                buffer.normal_()
+            elif name.endswith("running_var"):
+                buffer.uniform_(0.5, 1.5)
+        for parameter in net.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)

@@ -13,10 +13,12 @@ runs (``print(describe_plan(...))``)::
     evaluate            = WeightsToInputs -> InferenceMode -> StabilizeNumerics
                           -> WidenScalarConstants
     predict             = WeightsToInputs -> WidenScalarConstants           (no loss)
-    train_step          = WeightsToInputs -> StabilizeNumerics -> Gradient -> SumRowsByProduct
+    train_step          = WeightsToInputs -> StabilizeNumerics -> Gradient -> (speed)
                           -> StepGraph -> WidenScalarConstants
-    train_epoch         = WeightsToInputs -> StabilizeNumerics -> Gradient -> SumRowsByProduct
+    train_epoch         = WeightsToInputs -> StabilizeNumerics -> Gradient -> (speed)
                           -> PackWeights -> StepGraph -> EpochGraph -> WidenScalarConstants
+    (speed)             = FoldBatchIntoProducts -> SumRowsByProduct -> ConcatScatteredSlabs
+                          -> UnfoldConvWeightGradients
     train_epoch_ordered = ... -> EpochGraph(shuffled=False) -> WidenScalarConstants
 
 A loss model holding a ``SplitToSequence`` gets ``SequencesToTensors``
@@ -38,7 +40,7 @@ pipeline (and ``fuse="separate"``'s gradient graph) runs ``RunningStatistics`` r
 it, so that the graphs output their next values. ``evaluate`` and ``predict`` run every
 BatchNormalization and Dropout in inference mode, with the buffers as inputs.
 
-``SumRowsByProduct`` and ``WidenScalarConstants`` are optimization passes for
+The ``(speed)`` passes and ``WidenScalarConstants`` are optimization passes for
 onnxruntime (:mod:`lossgraph.optimize`): same values, faster kernels. Pipelines that
 begin alike share the work: a prefix runs once. ``fuse="separate"`` builds the
 reference documents' four graphs instead of the training graphs
@@ -64,7 +66,13 @@ from .errors import UnsupportedModelError, UnsupportedOptionError
 from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .optim import Optimizer
-from .optimize import SumRowsByProduct, WidenScalarConstants
+from .optimize import (
+    ConcatScatteredSlabs,
+    FoldBatchIntoProducts,
+    SumRowsByProduct,
+    UnfoldConvWeightGradients,
+    WidenScalarConstants,
+)
 from .passes.contract import Pass, PassResult, Pipeline
 from .passes.fuse import EpochGraph, PackWeights, StepGraph
 from .passes.gradient import Gradient
@@ -130,7 +138,8 @@ def plan(weights: Sequence[str], optimizer: Optimizer, backend: str, fuse: str,
     separate = Pipeline((lift, *update_buffers, *stabilize)) if fuse == "separate" else None
     if fuse != "separate":
         differentiate = (*update_buffers, *stabilize, Gradient(tuple(weights), backend=backend),
-                         SumRowsByProduct())
+                         FoldBatchIntoProducts(), SumRowsByProduct(), ConcatScatteredSlabs(),
+                         UnfoldConvWeightGradients())
         step = StepGraph(optimizer)
         pipelines["train_step"] = Pipeline((lift, *differentiate, step, widen))
         starts["train_step"] = "loss model"

@@ -185,3 +185,38 @@ def test_cluster_quick_run_trains_what_one_process_trains(tmp_path, monkeypatch)
     kinds = {row["all_reduce"] for row in figures["all_reduce"]}
     assert kinds == {"actor", *(["gloo"] if importlib.util.find_spec("torch") else [])}
     assert all(row["median_ms"] > 0 for row in figures["all_reduce"])
+
+
+@pytest.mark.torch
+def test_model_speed_quick_run_trains_every_network_to_torchs_weights(tmp_path, capsys):
+    """The CNN, transformer, ResNet block and LSTM benchmark on tiny networks: every
+    lossgraph mode runs, trains the export to torch's weights after the same steps (every
+    weight compared, and they moved), and the report has a ratio per mode (no timing is
+    checked); the saved exports then run without torch (lossgraph only)."""
+    import torch
+
+    from benchmarks import model_speed as bench
+
+    out, models = tmp_path / "speed.json", tmp_path / "models"
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--threads", "1", "--json", str(out),
+                           "--save-models", str(models)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    figures = json.loads(out.read_text())
+    assert figures["generator"] == bench.BENCHMARK_MARK
+    assert [w["workload"] for w in figures["workloads"]] == list(bench.WORKLOADS)
+    for workload in figures["workloads"]:
+        assert not workload["errors"], workload["errors"]
+        for mode in bench.MODES:
+            name = f"lossgraph fuse={mode}"
+            check = workload["checks"][name]
+            assert check["weights_compared"] == check["weights"] > 0, (workload["workload"], check)
+            assert check["max_abs_difference"] < 1e-5, (workload["workload"], name, check)
+            assert check["torch_moved"] > 100 * check["max_abs_difference"]
+            assert workload["ratio_to_torch"][name] > 0
+    assert "DIFFERS" not in capsys.readouterr().out
+    assert bench.main(["--quick", "--workloads", "cnn,lstm", "--models", str(models)]) == 0
+    printed = capsys.readouterr().out
+    assert "(needs torch)" in printed and "lossgraph fuse=epoch" in printed

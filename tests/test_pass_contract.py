@@ -29,10 +29,13 @@ from models import UNSORTED
 import lossgraph
 from lossgraph.optim import SGD, Adam, Momentum
 from lossgraph.optimize import (
+    ConcatScatteredSlabs,
+    FoldBatchIntoProducts,
     FoldStaticShapes,
     SpecializeBatch,
     SplitRowProducts,
     SumRowsByProduct,
+    UnfoldConvWeightGradients,
     WidenScalarConstants,
 )
 from lossgraph.passes import (
@@ -167,6 +170,17 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
     "SumRowsByProduct": (lambda: lossgraph.gradient(with_loss("skl_mlp_regressor")),
                          SumRowsByProduct()),
     "WidenScalarConstants": (lambda: step_graph_of("skl_mlp_regressor"), WidenScalarConstants()),
+    "UnfoldConvWeightGradients": (lambda: with_gradients("torch_cnn"),
+                                  UnfoldConvWeightGradients()),
+    "FoldBatchIntoProducts": (lambda: lossgraph.gradient(onnx.parser.parse_model(
+        """<ir_version: 8, opset_import: ["" : 18]> g (float[N, 5, 3] x) => (float loss)
+        <float[3, 2] w = {1, 2, 3, 4, 5, 6}> { y = MatMul(x, w)  loss = ReduceSum<keepdims=0>(y)
+        }"""), weights=["w"], loss_name="loss"), FoldBatchIntoProducts()),
+    "ConcatScatteredSlabs": (lambda: lossgraph.gradient(onnx.parser.parse_model(
+        """<ir_version: 8, opset_import: ["" : 18]> g (float[2, 3] x) => (float loss)
+        <int64 i = {0}, int64 j = {1}> { a = Gather(x, i)  b = Gather(x, j)  c = Mul(a, b)
+        loss = ReduceSum<keepdims=0>(c) }"""), weights=["x"], loss_name="loss"),
+                             ConcatScatteredSlabs()),
     "FoldStaticShapes": (lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
         g (float[4, 3] x) => (float[4, 3] y, int64 n) { s = Shape(x) n = Size(x) y = Reshape(x, s) }
         """), FoldStaticShapes()),

@@ -135,7 +135,9 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
                            "train_epoch"]
     assert lines["train_epoch"].startswith("loss model -> WeightsToInputs(weights=('W',)) -> "
                                            "StabilizeNumerics -> Gradient(weights=('W',)) -> "
-                                           "SumRowsByProduct -> PackWeights(")
+                                           "FoldBatchIntoProducts -> SumRowsByProduct -> "
+                                           "ConcatScatteredSlabs -> UnfoldConvWeightGradients "
+                                           "-> PackWeights(")
     assert lines["train_epoch"].endswith("-> EpochGraph -> WidenScalarConstants")
     assert lines["train_epoch_ordered"].endswith(
         "-> EpochGraph(shuffled=False) -> WidenScalarConstants")

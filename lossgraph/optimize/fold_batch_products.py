@@ -1,0 +1,147 @@
+"""A sum over the batch of batched products ``a^T b`` as one product over all rows::
+
+    ReduceSum(MatMul(Transpose(a, perm=[0, .., r-3, r-1, r-2]), b), axes=[0, .., r-3], keepdims=0)
+        ->  Gemm(Reshape(a, [-1, D]), Reshape(b, [-1, F]), transA=1)
+
+for ``a`` of shape ``(L..., S, D)`` and ``b`` of shape ``(L..., S, F)`` with the same
+leading dims ``L`` (no broadcasting between them): both sum ``a[l, s, d] b[l, s, f]`` over
+every ``l`` and ``s``. That is the weight gradient of a 2-D weight multiplied with a
+batched input (a Linear layer on a sequence: ``x[B, S, D] @ W[D, F]``), which the MatMul
+gradient rule writes as a batched product summed over the batch.
+
+What is rewritten, so that the result is provably the same: a ``ReduceSum`` with
+``keepdims=0`` over exactly the leading axes of a float ``MatMul`` read by nothing else,
+whose first operand is such a ``Transpose`` (of the last two axes only) and whose operands
+have rank 3 or more, the same leading dims (static, or the same symbols) and static last
+dims ``D`` and ``F``. In the main graph and in Scan bodies.
+
+Why (onnxruntime 1.19, one thread, CPU time): in a transformer's training step
+(2 layers, d_model 128, sequence 64, batch 32) each such gradient took 3-4 ms, the batched
+product (32 products of 128x64 by 64x512) 2-3 ms and the sum of the 32 results 0.8-1.2 ms:
+a quarter of the step; one product over the 2,048 rows computes it in 1.5-1.8 ms
+(measured alone: 0.79x the batched form for (32, 64, 512)x(32, 64, 128), 0.96x for
+(32, 64, 128)x(32, 64, 512), and the sum comes free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from ..builder import GraphBuilder
+from ..graphs import (
+    FLOAT_TYPES,
+    ForwardFacts,
+    all_graphs,
+    attribute_values,
+    consumers,
+    known_shapes,
+    opset_version,
+)
+from ..names import NameAuthority
+from ..passes.contract import Pass, PassResult
+from .rewriting import constant_ints, drop_unread
+from .scopes import main_and_scan_bodies
+
+__all__ = ["FoldBatchIntoProducts"]
+
+Dims = list  # a value's dims: int where static, str for a symbol, None where unknown
+
+
+@dataclass(frozen=True)
+class FoldBatchIntoProducts(Pass):
+    """Sums over the batch of batched ``a^T b`` as one ``Gemm`` over all rows (module doc)."""
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        if not any(n.op_type == "ReduceSum" for g in all_graphs(model.graph) for n in g.node):
+            return PassResult(model, changed=False)
+        inferred = onnx.shape_inference.infer_shapes(model)
+        facts = ForwardFacts.of(model)  # the main graph's shapes, with data propagation
+        names = NameAuthority.for_model(model)
+        opset = opset_version(model) or onnx.defs.onnx_opset_version()
+        changed = False
+        for graph, shaped in main_and_scan_bodies(model, inferred):
+            types = {v.name: v.type.tensor_type.elem_type
+                     for v in (*shaped.input, *shaped.value_info, *shaped.output)}
+            shapes: dict[str, Dims] = dict(known_shapes(shaped))
+            if graph is model.graph:
+                types.update(facts.elem_types)
+                shapes.update((name, list(shape)) for name, shape in facts.shapes.items())
+            changed |= _rewrite(graph, shapes, types, names, opset)
+        return PassResult(model, changed=changed)
+
+
+
+
+def _same_dims(first: Dims, second: Dims) -> bool:
+    """Whether two lists of dims are surely equal: static and equal, or the same symbols."""
+    return len(first) == len(second) and all(
+        a is not None and a == b for a, b in zip(first, second))
+
+
+def _recognize(graph: onnx.GraphProto, node: onnx.NodeProto,
+               producers: dict[str, onnx.NodeProto], readers: dict[str, list[onnx.NodeProto]],
+               outputs: set[str], shapes: dict[str, Dims], types: dict[str, int]
+               ) -> tuple[str, str, int, int, tuple[onnx.NodeProto, ...]] | None:
+    """``(a, b, D, F, (the Transpose, the MatMul))`` when ``node`` is a sum the pass
+    rewrites (module doc)."""
+    if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
+        return None
+    attributes = attribute_values(node)
+    if attributes.get("keepdims", 1) != 0:
+        return None
+    axes = (constant_ints(graph, node.input[1]) if len(node.input) > 1 and node.input[1]
+            else attributes.get("axes"))
+    product = producers.get(node.input[0])
+    if (axes is None or product is None or product.op_type != "MatMul"
+            or product.domain not in ("", "ai.onnx") or product.output[0] in outputs
+            or len(readers.get(product.output[0], [])) != 1):
+        return None
+    swap = producers.get(product.input[0])
+    if swap is None or swap.op_type != "Transpose" or swap.domain not in ("", "ai.onnx"):
+        return None
+    a, b = swap.input[0], product.input[1]
+    a_dims, b_dims = shapes.get(a), shapes.get(b)
+    if a_dims is None or b_dims is None or len(a_dims) != len(b_dims) or len(a_dims) < 3:
+        return None
+    rank = len(a_dims)
+    perm = list(attribute_values(swap).get("perm", []))
+    if (perm != [*range(rank - 2), rank - 1, rank - 2] or list(axes) != list(range(rank - 2))
+            or not _same_dims(a_dims[:-1], b_dims[:-1])
+            or not all(isinstance(d, int) for d in (a_dims[-1], b_dims[-1]))
+            or types.get(a) not in FLOAT_TYPES or types.get(b) != types.get(a)):
+        return None
+    return a, b, int(a_dims[-1]), int(b_dims[-1]), (swap, product)
+
+
+def _rewrite(graph: onnx.GraphProto, shapes: dict[str, Dims], types: dict[str, int],
+             names: NameAuthority, opset: int) -> bool:
+    """Rewrite ``graph``'s recognized sums in place, dropping the Transposes and MatMuls
+    only they read; True if any."""
+    producers = {output: node for node in graph.node for output in node.output}
+    readers = consumers(graph)
+    outputs = {o.name for o in graph.output}
+    g = GraphBuilder(names, opset, prefix="fold_batch/")
+    rebuilt: list[onnx.NodeProto] = []
+    replaced: set[str] = set()
+    for node in graph.node:
+        match = _recognize(graph, node, producers, readers, outputs, shapes, types)
+        if match is None:
+            rebuilt.append(node)
+            continue
+        a, b, d, f, chain = match
+        emitted = len(g.nodes)
+        rows_a = g.Reshape(a, g.ints([-1, d], "rows"))
+        rows_b = g.Reshape(b, g.ints([-1, f], "rows"))
+        g.rename(g.Gemm(rows_a, rows_b, transA=1, hint="row_products"), node.output[0],
+                 uses=False)
+        rebuilt += g.nodes[emitted:]
+        replaced.update(n.output[0] for n in chain)
+    if not replaced:
+        return False
+    graph.ClearField("node")
+    graph.node.extend(rebuilt)
+    graph.initializer.extend(g.initializers)
+    drop_unread(graph, replaced)  # what computed only for the replaced nodes
+    return True

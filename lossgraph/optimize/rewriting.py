@@ -1,0 +1,54 @@
+"""What the optimization passes' rewrites share: constant integers of a graph, and removing
+what a rewrite left unread (the nodes that computed only for the replaced ones)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..graphs import values_read
+
+__all__ = ["constant_ints", "drop_unread"]
+
+
+def constant_ints(graph: onnx.GraphProto, name: str) -> list[int] | None:
+    """The value of ``name`` as a flat list of ints when an initializer or a ``Constant``
+    node of ``graph`` holds it, else None."""
+    for tensor in graph.initializer:
+        if tensor.name == name:
+            return [int(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name and node.attribute:
+            value = numpy_helper.to_array(node.attribute[0].t)
+            return [int(v) for v in np.asarray(value).reshape(-1)]
+    return None
+
+
+def drop_unread(graph: onnx.GraphProto, replaced: set[str]) -> None:
+    """Remove, in place, the nodes of ``graph`` that produced a value of ``replaced`` (the
+    values a rewrite no longer reads) and that nothing reads any more, then the nodes that
+    fed only those, and so on; initializers that only they read go too. A node with an
+    output that is still read, or a graph output, stays."""
+    outputs = {o.name for o in graph.output}
+    producers = {output: node for node in graph.node for output in node.output}
+    candidates = set(replaced)
+    while candidates:
+        read = values_read(graph) | outputs
+        dropped = {id(node) for name in candidates if (node := producers.get(name)) is not None
+                   and not any(o in read for o in node.output if o)}
+        if not dropped:
+            break
+        removed = [n for n in graph.node if id(n) in dropped]
+        kept = [n for n in graph.node if id(n) not in dropped]
+        candidates = {i for n in removed for i in n.input if i}
+        graph.ClearField("node")
+        graph.node.extend(kept)
+        producers = {output: node for node in graph.node for output in node.output}
+        fed = {v.name for v in graph.input}  # an initializer that is an input stays declared
+        initial = {t.name for t in graph.initializer} - fed
+        unread = (candidates & initial) - values_read(graph) - outputs
+        if unread:
+            kept_tensors = [t for t in graph.initializer if t.name not in unread]
+            del graph.initializer[:]
+            graph.initializer.extend(kept_tensors)

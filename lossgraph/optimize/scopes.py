@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import onnx
 
-from ..graphs import subgraphs
+from ..graphs import ForwardFacts, known_shapes, subgraphs
 
-__all__ = ["main_and_scan_bodies"]
+__all__ = ["main_and_scan_bodies", "typed_scopes"]
 
 
 def main_and_scan_bodies(model: onnx.ModelProto, inferred: onnx.ModelProto
@@ -23,3 +23,25 @@ def main_and_scan_bodies(model: onnx.ModelProto, inferred: onnx.ModelProto
               for node, shaped in zip(model.graph.node, inferred.graph.node)
               if node.op_type == "Scan"]
     return [*bodies, (model.graph, inferred.graph)]
+
+
+def typed_scopes(model: onnx.ModelProto, symbolic: bool = False
+                 ) -> list[tuple[onnx.GraphProto, dict[str, int], dict[str, list]]]:
+    """``(graph, element types, shapes)`` for each graph of :func:`main_and_scan_bodies`,
+    from onnx's shape inference, the main graph's from
+    :class:`~lossgraph.graphs.ForwardFacts` (data propagation too). A dim is its size, or
+    ``None`` when unknown; a symbolic dim is its symbol with ``symbolic``, else ``None``."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    facts = ForwardFacts.of(model)
+    scopes = []
+    for graph, shaped in main_and_scan_bodies(model, inferred):
+        types = {v.name: v.type.tensor_type.elem_type
+                 for v in (*shaped.input, *shaped.value_info, *shaped.output)}
+        shapes: dict[str, list] = dict(known_shapes(shaped))
+        if graph is model.graph:
+            types.update(facts.elem_types)
+            shapes.update((name, [d if symbolic or isinstance(d, int) else None for d in shape])
+                          for name, shape in facts.shapes.items())
+        scopes.append((graph, types, shapes))
+    return scopes
+

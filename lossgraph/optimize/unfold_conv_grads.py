@@ -43,17 +43,15 @@ from onnx import TensorProto
 
 from ..builder import GraphBuilder
 from ..graphs import (
-    ForwardFacts,
     all_graphs,
     attribute_values,
     consumers,
-    known_shapes,
     opset_version,
 )
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
 from .rewriting import constant_ints, drop_unread
-from .scopes import main_and_scan_bodies
+from .scopes import typed_scopes
 
 __all__ = ["MAX_KERNEL_ELEMENTS", "UnfoldConvWeightGradients"]
 
@@ -72,19 +70,10 @@ class UnfoldConvWeightGradients(Pass):
     def call(self, model: onnx.ModelProto) -> PassResult:
         if not any(n.op_type == "Conv" for g in all_graphs(model.graph) for n in g.node):
             return PassResult(model, changed=False)
-        inferred = onnx.shape_inference.infer_shapes(model)
-        facts = ForwardFacts.of(model)  # the main graph's shapes, with data propagation
         names = NameAuthority.for_model(model)
         opset = opset_version(model) or onnx.defs.onnx_opset_version()
         changed = False
-        for graph, shaped in main_and_scan_bodies(model, inferred):
-            types = {v.name: v.type.tensor_type.elem_type
-                     for v in (*shaped.input, *shaped.value_info, *shaped.output)}
-            shapes = known_shapes(shaped)
-            if graph is model.graph:
-                types.update(facts.elem_types)
-                shapes.update((name, [d if isinstance(d, int) else None for d in shape])
-                              for name, shape in facts.shapes.items())
+        for graph, types, shapes in typed_scopes(model, symbolic=False):
             changed |= _rewrite(graph, shapes, types, names, opset)
         return PassResult(model, changed=changed)
 

@@ -219,20 +219,6 @@ def test_dropout_in_training_mode_scales_by_the_forward_mask(rng, run_model, tra
         np.testing.assert_allclose(results["x_grad"], cotangent((6, 5), np.float64))
 
 
-def test_dropout_in_training_mode_without_mask_output_is_refused(rng):
-    from lossgraph.errors import UnsupportedModelError
-
-    model = """
-        <ir_version: 8, opset_import: ["" : 18]>
-        g (double[3, 4] x) => (double[3, 4] y) <double r = {0.5}, bool t = {1}> {
-            y = Dropout(x, r, t)
-        }
-    """
-    with_loss = loss_model(onnx.parser.parse_model(model), {"x": np.ones((3, 4))})
-    with pytest.raises(UnsupportedModelError, match="mask"):
-        gradient(with_loss, weights=["x"], loss_name="gradcheck_loss")
-
-
 # ------------------------------------------------------------- Softmax family
 @pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
 @pytest.mark.parametrize("axis, opset", [(None, 13), (0, 13), (1, 18), (-2, 18), (-1, 13)])

@@ -34,7 +34,7 @@ from ..builder import GraphBuilder
 from ..graphs import ForwardFacts, attribute_values, consumers, opset_version
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
-from .rewriting import drop_unread
+from .rewriting import replace_nodes
 
 __all__ = ["ConcatScatteredSlabs"]
 
@@ -169,23 +169,14 @@ def _rewrite(model: onnx.ModelProto, facts: ForwardFacts, names: NameAuthority,
     readers = consumers(graph)
     outputs = {o.name for o in graph.output}
     g = GraphBuilder(names, opset, prefix="concat_slabs/")
-    rebuilt: list[onnx.NodeProto] = []
-    replaced: set[str] = set()
-    for node in graph.node:
+
+    def emit(node: onnx.NodeProto) -> list[str] | None:
         slabs = _slabs(model, node, facts, producers, initializers, readers, outputs)
         if slabs is None:
-            rebuilt.append(node)
-            continue
-        emitted = len(g.nodes)
+            return None
         stacked = g.Concat(*(g.unsqueeze(u, [0]) for u, _ in slabs), axis=0, hint="slabs")
         g.rename(stacked, node.output[0], uses=False)
-        rebuilt += g.nodes[emitted:]
-        replaced.update(s.output[0] for _, s in slabs)
-        replaced.update(s.input[0] for _, s in slabs)  # the zeros
-    if not replaced:
-        return False
-    graph.ClearField("node")
-    graph.node.extend(rebuilt)
-    graph.initializer.extend(g.initializers)
-    drop_unread(graph, replaced)  # what computed only for the replaced nodes
-    return True
+        # the scatters and the zeros they wrote into
+        return [name for _, s in slabs for name in (s.output[0], s.input[0])]
+
+    return replace_nodes(graph, g, emit)

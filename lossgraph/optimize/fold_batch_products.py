@@ -39,7 +39,7 @@ from ..graphs import (
 )
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
-from .rewriting import constant_ints, drop_unread
+from .rewriting import constant_ints, replace_nodes
 from .scopes import typed_scopes
 
 __all__ = ["FoldBatchIntoProducts"]
@@ -113,25 +113,16 @@ def _rewrite(graph: onnx.GraphProto, shapes: dict[str, Dims], types: dict[str, i
     readers = consumers(graph)
     outputs = {o.name for o in graph.output}
     g = GraphBuilder(names, opset, prefix="fold_batch/")
-    rebuilt: list[onnx.NodeProto] = []
-    replaced: set[str] = set()
-    for node in graph.node:
+
+    def emit(node: onnx.NodeProto) -> list[str] | None:
         match = _recognize(graph, node, producers, readers, outputs, shapes, types)
         if match is None:
-            rebuilt.append(node)
-            continue
+            return None
         a, b, d, f, chain = match
-        emitted = len(g.nodes)
         rows_a = g.Reshape(a, g.ints([-1, d], "rows"))
         rows_b = g.Reshape(b, g.ints([-1, f], "rows"))
         g.rename(g.Gemm(rows_a, rows_b, transA=1, hint="row_products"), node.output[0],
                  uses=False)
-        rebuilt += g.nodes[emitted:]
-        replaced.update(n.output[0] for n in chain)
-    if not replaced:
-        return False
-    graph.ClearField("node")
-    graph.node.extend(rebuilt)
-    graph.initializer.extend(g.initializers)
-    drop_unread(graph, replaced)  # what computed only for the replaced nodes
-    return True
+        return [n.output[0] for n in chain]
+
+    return replace_nodes(graph, g, emit)

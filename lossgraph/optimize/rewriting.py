@@ -1,15 +1,19 @@
-"""What the optimization passes' rewrites share: constant integers of a graph, and removing
-what a rewrite left unread (the nodes that computed only for the replaced ones)."""
+"""What the optimization passes' rewrites share: constant integers of a graph, replacing
+nodes by what a builder emits, and removing what a rewrite left unread (the nodes that
+computed only for the replaced ones)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..builder import GraphBuilder
 from ..graphs import values_read
 
-__all__ = ["constant_ints", "drop_unread"]
+__all__ = ["constant_ints", "drop_unread", "replace_nodes"]
 
 
 def constant_ints(graph: onnx.GraphProto, name: str) -> list[int] | None:
@@ -52,3 +56,30 @@ def drop_unread(graph: onnx.GraphProto, replaced: set[str]) -> None:
             kept_tensors = [t for t in graph.initializer if t.name not in unread]
             del graph.initializer[:]
             graph.initializer.extend(kept_tensors)
+
+
+def replace_nodes(graph: onnx.GraphProto, g: GraphBuilder,
+                  emit: Callable[[onnx.NodeProto], Iterable[str] | None]) -> bool:
+    """Rebuild ``graph``'s node list in place. ``emit(node)`` either returns None (the node
+    stays) or appends to ``g`` the nodes that compute the node's outputs in its stead and
+    returns the values the replaced computation no longer reads; those go with what only
+    they fed (:func:`drop_unread`), and ``g``'s constants join the graph. True if any node
+    was replaced."""
+    rebuilt: list[onnx.NodeProto] = []
+    replaced: set[str] = set()
+    for node in graph.node:
+        emitted = len(g.nodes)
+        unread = emit(node)
+        if unread is None:
+            rebuilt.append(node)
+            continue
+        rebuilt += g.nodes[emitted:]
+        replaced.update(unread)
+    if not replaced:
+        return False
+    graph.ClearField("node")
+    graph.node.extend(rebuilt)
+    graph.initializer.extend(g.initializers)
+    drop_unread(graph, replaced)
+    return True
+

@@ -50,7 +50,7 @@ from ..graphs import (
 )
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
-from .rewriting import constant_ints, drop_unread
+from .rewriting import constant_ints, replace_nodes
 from .scopes import typed_scopes
 
 __all__ = ["MAX_KERNEL_ELEMENTS", "UnfoldConvWeightGradients"]
@@ -191,19 +191,14 @@ def _rewrite(graph: onnx.GraphProto, shapes: dict[str, list[int | None]],
             matches[match.last.output[0]] = match
     if not matches:
         return False
-    rebuilt: list[onnx.NodeProto] = []
     g = GraphBuilder(names, opset, prefix="unfold/")
-    for node in graph.node:
+
+    def emit(node: onnx.NodeProto) -> list[str] | None:
         match = matches.get(node.output[0]) if node.output else None
         if match is None:
-            rebuilt.append(node)
-            continue
-        emitted = len(g.nodes)
+            return None
         g.rename(_unfolded_gradient(g, match), node.output[0], uses=False)
-        rebuilt += g.nodes[emitted:]
-    graph.ClearField("node")
-    graph.node.extend(rebuilt)
-    graph.initializer.extend(g.initializers)
-    # what computed only for the replaced Transpose (a Transpose of x may have other readers)
-    drop_unread(graph, {m.last.input[0] for m in matches.values()})
-    return True
+        # what computed only for the replaced Transpose (a Transpose of x may have others)
+        return [match.last.input[0]]
+
+    return replace_nodes(graph, g, emit)

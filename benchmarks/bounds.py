@@ -1,28 +1,37 @@
-"""The bounds: what onnxruntime can reach at best, never peers.
+"""The bounds and the floor: what onnxruntime can reach at best, and what no
+implementation can beat; never peers.
 
 - ``hand_graph_bound``: the same epoch as one hand-minimized graph of standard ops,
   ``Scan(step, batches)`` with ``step`` = forward, backward and Nesterov update written
   out by hand; the bound for any compiler of standard ONNX on this runtime.
-- ``products_floor``: ``Scan`` over the same batches of only each step's matrix
-  products (``a @ W`` forward, ``a^T @ upstream`` per weight, ``upstream @ W^T`` between
-  layers); no graph onnxruntime runs can train faster.
+- the matrix products alone, over the same batches: each step's products (``a @ W``
+  forward, ``a^T @ upstream`` per weight, ``upstream @ W^T`` between layers) and nothing
+  else, in three libraries: ``onnxruntime_products`` (a ``Scan`` graph, onnxruntime's
+  best forms), ``numpy_products`` and ``torch_products`` (``matmul(out=)`` step by step
+  in Python). Every training step does these products, so the fastest of the three at a
+  batch size is the **floor** of that cell: no implementation on this machine trains
+  faster.
 
-A one-output layer's weight gradient ``column^T @ matrix`` takes the form lossgraph's
-specialization gives it: ``ReduceSum(MatMul(column[p, 1, n/p], matrix[p, n/p, k]), 0)``
-when ``row_product_parts(n) = p``, else ``MatMul(column[1, n], matrix)``.
+A one-output layer's weight gradient ``column^T @ matrix`` takes, in onnxruntime, the form
+lossgraph's specialization gives it: ``ReduceSum(MatMul(column[p, 1, n/p],
+matrix[p, n/p, k]), 0)`` when ``row_product_parts(n) = p``, else ``MatMul(column[1, n],
+matrix)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from benchmarks.peers import TORCH_THREADS
 from benchmarks.problems import (
     LEARNING_RATE,
     MOMENTUM,
+    Epoch,
     Implementation,
     Problem,
     Unavailable,
@@ -141,13 +150,14 @@ def _row_product(column: str, matrix: str, output: str, rows: int,
             node("ReduceSum", [f"{output}_parts", f"{output}_axis"], [output], keepdims=0)]
 
 
-def products_floor(problem: Problem, batch: int) -> Implementation:
-    """Only the matrix products of each step, nothing else: a floor, not a training.
+def onnxruntime_products(problem: Problem, batch: int) -> Implementation:
+    """Only the matrix products of each step, in onnxruntime: a floor, not a training.
 
-    Every step of any implementation does these products (forward, the weight gradients
-    and the backward pass between layers); onnxruntime's take this long on their own,
-    so no graph run by onnxruntime can train faster than this row. The weights stay put
-    (there is no update), so there are no weights to check.
+    One run of :func:`products_graph` per epoch, a ``Scan`` over the batches. Every step
+    of any implementation does these products (forward, the weight gradients and the
+    backward pass between layers); onnxruntime's take this long on their own, so no
+    graph run by onnxruntime can train faster than this row. The weights stay put (there
+    is no update), so there are no weights to check.
     """
     session, feeds = scan_session(products_graph(problem, batch), problem, batch)
     for j, w in enumerate(problem.weights[::2]):
@@ -157,6 +167,56 @@ def products_floor(problem: Problem, batch: int) -> Implementation:
         session.run(None, feeds)
 
     return epoch, not_compared
+
+
+def numpy_products(problem: Problem, batch: int) -> Implementation:
+    """The same products as :func:`onnxruntime_products`, with numpy's BLAS, step by step."""
+    epoch, _ = products_loop(problem, batch, np.matmul, np.asarray)
+    return epoch, not_compared
+
+
+def torch_products(problem: Problem, batch: int) -> Implementation:
+    """The same products with torch's BLAS, step by step, on as many threads as the torch
+    peer (``torch.mm(out=)`` on tensors sharing numpy's memory)."""
+    try:
+        import torch
+    except ImportError as error:
+        raise Unavailable("torch is not installed") from error
+    torch.set_num_threads(TORCH_THREADS)
+    epoch, _ = products_loop(problem, batch, torch.mm, torch.from_numpy)
+    return epoch, not_compared
+
+
+def products_loop(problem: Problem, batch: int, matmul: Callable[..., Any],
+                  wrap: Callable[[np.ndarray], Any]) -> tuple[Epoch, list[Any]]:
+    """An epoch of each step's matrix products in a Python loop over the batches, and the
+    weight gradients' buffers (after an epoch, the last step's gradients).
+
+    ``matmul(a, b, out=c)`` writes into buffers made once; ``wrap`` turns a numpy array
+    into the library's array sharing its memory (the batches are views of ``problem.X``,
+    nothing is copied). Per step, per layer ``a @ W``, then from the last layer down
+    ``a^T @ upstream`` and, but for the first, ``upstream @ W^T``; the last output stands
+    in for the loss gradient.
+    """
+    layers = [wrap(np.ascontiguousarray(w)) for w in problem.weights[::2]]
+    outputs = [wrap(np.empty((batch, w.shape[1]), np.float32)) for w in layers]
+    upstreams = [wrap(np.empty((batch, w.shape[0]), np.float32)) for w in layers]
+    grads = [wrap(np.empty(tuple(w.shape), np.float32)) for w in layers]
+    batches = [wrap(problem.X[start:start + batch])
+               for start in range(0, len(problem.X), batch)]
+
+    def epoch() -> None:
+        for x in batches:
+            inputs = [x]
+            for w, out in zip(layers, outputs):
+                inputs.append(matmul(inputs[-1], w, out=out))
+            upstream = inputs.pop()
+            for j in reversed(range(len(layers))):
+                matmul(inputs[j].T, upstream, out=grads[j])
+                if j > 0:
+                    upstream = matmul(upstream, layers[j].T, out=upstreams[j])
+
+    return epoch, grads
 
 
 def products_graph(problem: Problem, batch: int) -> onnx.ModelProto:

@@ -19,7 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bounds import hand_graph_bound, products_floor
+from benchmarks.bounds import (
+    hand_graph_bound,
+    numpy_products,
+    onnxruntime_products,
+    torch_products,
+)
 from benchmarks.lossgraph_modes import Compiled, compile_modes, lossgraph_trainer
 from benchmarks.peers import TORCH_THREADS, numpy_peer, ort_on_device_peer, sklearn_peer, torch_peer
 from benchmarks.problems import Epoch, Implementation, Problem, Unavailable, Weights
@@ -34,7 +39,7 @@ class Row:
     """One implementation's figures for one model."""
 
     name: str
-    kind: str  # "peer", "lossgraph" or "bound" (compared, never the fastest peer)
+    kind: str  # "peer", "lossgraph", "bound" or "floor" (the last two never the fastest peer)
     note: str = ""
     ms: dict[int, float | None] = field(default_factory=dict)  # batch -> median ms/epoch
     samples: dict[int, list[float]] = field(default_factory=dict)
@@ -57,10 +62,12 @@ def line_up(problem: Problem, compiled: list[Compiled],
             workdir: Path) -> list[tuple[Row, Factory]]:
     """The rows of one problem's table, in order, each with the factory of its implementation.
 
-    numpy comes first: the others' weights are checked against its weights.
+    numpy comes first: the others' weights are checked against its weights. The fastest
+    of the "floor" rows at a batch size is that cell's floor (report.py).
     """
     sk_note = ("SGDRegressor: per-sample updates, no minibatch, no momentum"
                if problem.name == "linear" else "MLPRegressor.partial_fit; loss is MSE/2")
+    products = "not a peer, not a training: only the step's matrix products"
     rows: list[tuple[Row, Factory]] = [
         (Row("numpy", "peer", "hand-written Nesterov SGD"), numpy_peer),
         (Row("scikit-learn", "peer", sk_note), sklearn_peer),
@@ -69,11 +76,13 @@ def line_up(problem: Problem, compiled: list[Compiled],
          partial(ort_on_device_peer, workdir=workdir)),
         (Row("hand-written graph", "bound", "not a peer: the same epoch as one hand-minimized "
              "graph of standard ops in onnxruntime, the bound for lossgraph's graphs"),
-         hand_graph_bound)]
-    if problem.name == "mlp":
-        rows.append((Row("matrix products only", "bound", "not a peer, not a training: only "
-                         "the step's matrix products, in onnxruntime: the floor for any "
-                         "onnxruntime graph"), products_floor))
+         hand_graph_bound),
+        (Row("matrix products (numpy)", "floor", f"{products}, np.matmul(out=) step by step"),
+         numpy_products),
+        (Row("matrix products (torch)", "floor", f"{products}, torch.mm(out=) step by step, "
+             f"{TORCH_THREADS} threads"), torch_products),
+        (Row("matrix products (onnxruntime)", "floor", f"{products}, a Scan over the batches: "
+             "the floor for any onnxruntime graph"), onnxruntime_products)]
     rows += [(Row(f"lossgraph fuse={c.mode}", "lossgraph"), partial(lossgraph_trainer, c))
              for c in compiled]
     return rows

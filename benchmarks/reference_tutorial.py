@@ -52,10 +52,17 @@ from typing import Any
 import numpy as np
 import onnx
 
-from benchmarks.bounds import products_floor
+from benchmarks.bounds import numpy_products, onnxruntime_products
 from benchmarks.harness import SETTLE_S
 from benchmarks.machine import cpu_seconds, machine_facts, report_load
-from benchmarks.problems import N_FEATURES, Problem, Unavailable, Weights, make_data
+from benchmarks.problems import (
+    N_FEATURES,
+    Epoch,
+    Problem,
+    Unavailable,
+    Weights,
+    make_data,
+)
 from lossgraph.errors import UnsafeWriteError
 from lossgraph.fileio import check_file_target, write_file
 
@@ -229,52 +236,34 @@ def lossgraph_candidate(setting: Setting, api: str, optimizer: str) -> Candidate
 
 def floor_candidates(setting: Setting) -> list[Candidate]:
     """Each step's matrix products alone, ``epochs`` times over the batches (no shuffling,
-    no bias, activation, loss or update): in onnxruntime and in numpy."""
+    no bias, activation, loss or update): in onnxruntime and in numpy
+    (``benchmarks/bounds.py``)."""
     config = setting.config
     problem = Problem("mlp", setting.X, setting.y, setting.initial, setting.model,
                       setting.weight_names)
     floors = []
-    name = "floor: matrix products (onnxruntime)"
-    try:
-        epoch, _ = products_floor(problem, config.batch)
-    except Exception as error:  # a floor must not end the run
-        floors.append(Candidate(name, None, "floor", error=_describe(error)))
-    else:
-        def fit() -> None:
-            for _ in range(config.epochs):
-                epoch()
-
-        floors.append(Candidate(name, None, "floor", "benchmarks/bounds.py products_graph: a "
-                                "Scan over the batches, one run per epoch", fit))
-    floors.append(Candidate("floor: matrix products (numpy)", None, "floor",
-                            "np.matmul(out=) per product, a Python loop over the batches",
-                            numpy_products(setting)))
+    for library, products, note in (
+            ("onnxruntime", onnxruntime_products,
+             "benchmarks/bounds.py products_graph: a Scan over the batches, one run per epoch"),
+            ("numpy", numpy_products,
+             "np.matmul(out=) per product, a Python loop over the batches")):
+        name = f"floor: matrix products ({library})"
+        try:
+            epoch, _ = products(problem, config.batch)
+        except Exception as error:  # a floor must not end the run
+            floors.append(Candidate(name, None, "floor", error=_describe(error)))
+        else:
+            floors.append(Candidate(name, None, "floor", note,
+                                    _epochs_of(epoch, config.epochs)))
     return floors
 
 
-def numpy_products(setting: Setting) -> Callable[[], None]:
-    """``epochs`` epochs of each step's matrix products in numpy: per layer ``a @ W``,
-    ``a^T @ upstream`` and (but for the first) ``upstream @ W^T``; the last output stands
-    in for the loss gradient."""
-    config = setting.config
-    layers = [np.ascontiguousarray(w) for w in setting.initial[::2]]
-    batch = config.batch
-    activations = [np.empty((batch, w.shape[1]), np.float32) for w in layers]
-    grads = [np.empty_like(w) for w in layers]
-    upstreams = [np.empty((batch, w.shape[0]), np.float32) for w in layers]
-    batches = [setting.X[start:start + batch] for start in range(0, config.rows, batch)]
+def _epochs_of(epoch: Epoch, epochs: int) -> Callable[[], None]:
+    """A fit of ``epochs`` calls of ``epoch``."""
 
     def fit() -> None:
-        for _ in range(config.epochs):
-            for x in batches:
-                inputs = [x]
-                for w, out in zip(layers, activations):
-                    inputs.append(np.matmul(inputs[-1], w, out=out))
-                upstream = inputs.pop()
-                for j in reversed(range(len(layers))):
-                    np.matmul(inputs[j].T, upstream, out=grads[j])
-                    if j > 0:
-                        upstream = np.matmul(upstream, layers[j].T, out=upstreams[j])
+        for _ in range(epochs):
+            epoch()
 
     return fit
 

@@ -9,13 +9,14 @@ process, on the same data and the same batches:
     peers.py            scikit-learn, torch eager, ORT on-device, numpy by hand
     lossgraph_modes.py  lossgraph.compile_program(...) + lossgraph.Trainer(...).fit, per fuse mode
     bounds.py           never peers: the same epoch as one hand-minimized onnxruntime
-                        graph, and only the matrix products of each step (the floor for
-                        any graph onnxruntime runs)
+                        graph (the bound), and only the matrix products of each step in
+                        numpy, torch and onnxruntime (the floor: the fastest of the three)
 
-Cells read "ms/epoch (ratio to the fastest peer at that batch size)" (report.py). Each
-figure is the median of --repeat epochs after one warm-up epoch; setup (model
-construction, export, compilation, sessions) is excluded and reported separately
-(harness.py). A peer that cannot run in this environment shows "n/a".
+Cells read "ms/epoch (ratio to the fastest peer at that batch size)", and for lossgraph
+and the bound also the ratio to the floor (report.py). Each figure is the median of
+--repeat epochs after one warm-up epoch; setup (model construction, export, compilation,
+sessions) is excluded and reported separately (harness.py). A row that cannot run in this
+environment shows "n/a".
 
 Run from the repository root:
       python -m benchmarks.training_speed [--quick] [--models mlp,linear]

@@ -1,21 +1,25 @@
 """The benchmarks compute what they claim: every implementation the training-speed
 benchmark times (the hand-written bound and lossgraph included) trains the same weights as
-numpy; the reference tutorial's and the compile-cost benchmarks report every row."""
+numpy, its floor rows compute a step's matrix products and its report judges each cell
+against the floor; the reference tutorial's and the compile-cost benchmarks report every
+row."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import numpy as np
 import pytest
 from conftest import HAS_SKL2ONNX
 from onnx import numpy_helper
 
-from benchmarks.bounds import hand_graph_bound, products_graph, scan_session
+from benchmarks.bounds import hand_graph_bound, products_graph, products_loop, scan_session
+from benchmarks.harness import ModelRun, Row, line_up
 from benchmarks.lossgraph_modes import compile_modes, lossgraph_trainer
 from benchmarks.peers import numpy_peer
-from benchmarks.problems import PROBLEMS, make_data
+from benchmarks.problems import PROBLEMS, Problem, Unavailable, make_data
 
 
 @pytest.fixture(scope="module")
@@ -39,26 +43,139 @@ def test_hand_graph_and_lossgraph_train_what_numpy_trains(data, model, batch):
             np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
+def last_step_gradients(problem: Problem, batch: int, library: str) -> list[np.ndarray]:
+    """The weight gradients of the last step of one epoch of the floor row of ``library``."""
+    if library == "onnxruntime":
+        session, feeds = scan_session(products_graph(problem, batch), problem, batch)
+        for j, w in enumerate(problem.weights[::2]):
+            feeds[f"W{j}"], feeds[f"dW{j}"] = w, np.zeros_like(w)
+        return session.run(None, feeds)
+    if library == "numpy":
+        epoch, grads = products_loop(problem, batch, np.matmul, np.asarray)
+    else:  # as benchmarks.bounds.torch_products
+        import torch
+
+        epoch, grads = products_loop(problem, batch, torch.mm, torch.from_numpy)
+    epoch()
+    return [np.asarray(g) for g in grads]
+
+
+@pytest.mark.parametrize("library", ["onnxruntime", "numpy",
+                                     pytest.param("torch", marks=pytest.mark.torch)])
 @pytest.mark.parametrize("model", ["mlp", "linear"])
-@pytest.mark.parametrize("batch", [500, 1000])  # 1000: a one-column gradient is split
-def test_products_floor_computes_every_matrix_product_of_a_step(data, model, batch):
+@pytest.mark.parametrize("batch", [500, 1000])  # 1000: onnxruntime splits a one-column gradient
+def test_products_floor_computes_every_matrix_product_of_a_step(data, model, batch, library,
+                                                                rng):
     X, y = data
-    problem = PROBLEMS[model](X, y)
-    session, feeds = scan_session(products_graph(problem, batch), problem, batch)
+    problem = PROBLEMS[model](X, y)  # random weights: the linear model starts from zeros
+    problem.weights = [rng.standard_normal(w.shape).astype(np.float32) for w in problem.weights]
     layers = problem.weights[::2]
-    for j, w in enumerate(layers):
-        feeds[f"W{j}"], feeds[f"dW{j}"] = w, np.zeros_like(w)
-    outputs = session.run(None, feeds)  # the weight gradients of the last step
-    activations = [X[-batch:]]
+    activations = [X[-batch:].astype(np.float64)]
     for w in layers:  # no biases, no relu: the products alone
         activations.append(activations[-1] @ w)
     upstream, expected = activations.pop(), []
     for j in reversed(range(len(layers))):
         expected.insert(0, activations[j].T @ upstream)
         upstream = upstream @ layers[j].T
-    assert len(outputs) == len(layers)
-    for ours, theirs in zip(outputs, expected):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-3)
+    ours = last_step_gradients(problem, batch, library)
+    assert len(ours) == len(layers)
+    for gradient, theirs in zip(ours, expected):  # float32 sums of up to 1000 products
+        scale = np.abs(theirs).max()
+        assert gradient.shape == theirs.shape and scale > 1
+        np.testing.assert_allclose(gradient, theirs, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_every_model_has_the_three_floor_rows(data, tmp_path, monkeypatch):
+    """numpy, torch and onnxruntime each run a step's matrix products: the floor rows;
+    without torch, its row is n/a (Unavailable), not an error."""
+    for model in ("mlp", "linear"):
+        floors = {row.name: factory for row, factory in line_up(PROBLEMS[model](*data), [],
+                                                                 tmp_path)
+                  if row.kind == "floor"}
+        assert list(floors) == ["matrix products (numpy)", "matrix products (torch)",
+                                "matrix products (onnxruntime)"]
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    with pytest.raises(Unavailable, match="torch is not installed"):
+        floors["matrix products (torch)"](PROBLEMS["linear"](*data), 100)
+
+
+def fabricated_run(model: str, ms: dict[str, dict[int, float | None]]) -> ModelRun:
+    """A ModelRun whose rows (named as the harness names them) took ``ms`` per epoch."""
+    kinds = {"numpy": "peer", "torch eager": "peer", "hand-written graph": "bound",
+             "matrix products (numpy)": "floor", "matrix products (torch)": "floor",
+             "matrix products (onnxruntime)": "floor", "lossgraph fuse=step": "lossgraph",
+             "lossgraph fuse=epoch": "lossgraph"}
+    rows = [Row(name, kinds[name], ms=times) for name, times in ms.items()]
+    problem = Problem(model, np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), [],
+                      None, [])
+    return ModelRun(problem, rows, [])
+
+
+def test_report_judges_each_cell_against_the_floor_and_the_fastest_peer(capsys):
+    """The floor of a cell is its fastest matrix-products row (a row that could not run
+    is left out); the MLP's targets: batch 100 against the fastest peer, 1000 and 10000
+    against the floor; linear regression's against numpy, with the floor's ratio beside
+    (made-up timings: the report's arithmetic, not a measurement)."""
+    from benchmarks.report import FASTEST_PEER, FLOOR, TARGETS, report_model, to_json
+
+    batches = [100, 1000, 10000]
+    ms = {"numpy": {100: 200.0, 1000: 90.0, 10000: 80.0},
+          "torch eager": {100: 1000.0, 1000: 160.0, 10000: 70.0},
+          "hand-written graph": {100: 120.0, 1000: 70.0, 10000: 66.0},
+          "matrix products (numpy)": {100: 80.0, 1000: 40.0, 10000: 50.0},
+          "matrix products (torch)": {100: None, 1000: None, 10000: 30.0},
+          "matrix products (onnxruntime)": {100: 60.0, 1000: 45.0, 10000: 35.0},
+          "lossgraph fuse=step": {100: 150.0, 1000: 70.0, 10000: 44.0},
+          "lossgraph fuse=epoch": {100: 100.0, 1000: 50.0, 10000: 48.0}}
+    mlp = report_model(fabricated_run("mlp", ms), batches, 100_000)
+    assert {b: f.name for b, f in mlp.floor.items()} == {
+        100: "matrix products (onnxruntime)", 1000: "matrix products (numpy)",
+        10000: "matrix products (torch)"}
+    assert {b: f.name for b, f in mlp.fastest.items()} == {
+        100: "numpy", 1000: "numpy", 10000: "torch eager"}
+    verdicts = {v["batch"]: v for v in mlp.targets}
+    assert [(verdicts[b]["against"], verdicts[b]["limit"]) for b in batches] == [
+        (TARGETS["mlp"][b].against, TARGETS["mlp"][b].limit) for b in batches] == [
+        (FASTEST_PEER, 0.55), (FLOOR, 1.5), (FLOOR, 1.5)]
+    expected = {100: ("lossgraph fuse=epoch", 100 / 200, "PASS", 100 / 60),
+                1000: ("lossgraph fuse=epoch", 50 / 40, "PASS", 50 / 40),
+                10000: ("lossgraph fuse=step", 44 / 30, "PASS", 44 / 30)}
+    for b, (best, ratio, verdict, to_floor) in expected.items():
+        assert verdicts[b]["best"] == best and verdicts[b]["verdict"] == verdict
+        assert verdicts[b]["ratio"] == pytest.approx(ratio)
+        assert verdicts[b]["ratio_to_floor"] == pytest.approx(to_floor)
+    assert verdicts[10000]["bounds"] == {"hand-written graph": pytest.approx(66 / 30)}
+    assert verdicts[100]["bounds"] == {"hand-written graph": pytest.approx(120 / 200),
+                                       "floor": pytest.approx(60 / 200)}
+    printed = capsys.readouterr().out
+    assert "44.0 ms (0.63x, 1.47x floor)" in printed  # lossgraph at batch 10000
+    assert "30.0 ms (0.43x)^" in printed and "200.0 ms (1.00x)*" in printed
+    assert "batch 1000: lossgraph fuse=epoch 1.25x the floor [matrix products (numpy)]" \
+        in printed
+
+    ms["lossgraph fuse=epoch"] = {100: 300.0, 1000: 62.0, 10000: None}  # slower, or n/a
+    ms["lossgraph fuse=step"] = {100: 150.0, 1000: 70.0, 10000: None}
+    missed = {v["batch"]: v["verdict"] for v in report_model(
+        fabricated_run("mlp", ms), batches, 100_000).targets}
+    assert missed == {100: "MISS", 1000: "MISS", 10000: "untested (n/a)"}
+    capsys.readouterr()
+
+    linear = report_model(fabricated_run("linear", ms), batches, 100_000)
+    judged = [v for v in linear.targets if v["ratio"] is not None]
+    assert [v["batch"] for v in judged] == [100, 1000]
+    for v in judged:
+        assert v["against"] == v["reference"] == "numpy"
+        assert v["ratio_to_floor"] == pytest.approx(
+            ms[v["best"]][v["batch"]] / ms[linear.floor[v["batch"]].name][v["batch"]])
+    printed = capsys.readouterr().out  # batch 1000: 62 / 90 and 62 / 40
+    assert "62.0 ms (0.69x, 1.55x floor)" in printed
+    assert "batch 1000: lossgraph fuse=epoch 0.69x numpy (target <= 1.0x): PASS | 0.69x the " \
+           "fastest peer | 1.55x the floor" in printed
+    figures = to_json({}, {"mlp": mlp}, 1, 100_000)["models"]["mlp"]
+    assert figures["floor"]["10000"] == {"row": "matrix products (torch)", "ms_per_epoch": 30.0}
+    by_name = {row["name"]: row for row in figures["rows"]}
+    assert by_name["lossgraph fuse=step"]["ratio_to_floor"]["10000"] == pytest.approx(44 / 30)
+    assert by_name["matrix products (torch)"]["ms_per_epoch"]["100"] is None
 
 
 @pytest.mark.skipif(not HAS_SKL2ONNX, reason="needs scikit-learn and skl2onnx")

@@ -29,6 +29,14 @@ threads share the cores), so that a burst of load from another process falls on 
 them. A cell is the median of its rounds, in ms per
 step, with its ratio to torch's.
 
+Two **floor** rows per workload, timed in the same rounds (:mod:`benchmarks.kernel_floor`):
+``onnxruntime heavy kernels only`` runs the convolutions and products of the ``step``
+candidate's own step graph alone (in one session with its options, fed the values a step
+feeds them), ``torch heavy kernels only`` the same kernels as torch ops (``F.conv2d`` and
+``convolution_backward``, the linear layers' and attention's products) on tensors of the
+step's shapes. Neither trains; each is what its runtime needs at least for a step, and the
+line under the table says whether onnxruntime's leaves room for the target.
+
 ``--clock cpu`` times the CPU seconds of this process instead of the wall clock: with
 ``--threads 1`` every candidate computes in this thread, and the figure is its work, far
 less disturbed by other processes on a busy machine than wall time.
@@ -60,14 +68,21 @@ import onnx
 
 import lossgraph
 from benchmarks.harness import SETTLE_S
+from benchmarks.kernel_floor import heavy_kernel_floor, step_graph, torch_heavy_kernels
 from benchmarks.machine import cpu_seconds, machine_facts, report_load
+from lossgraph.errors import UnsupportedModelError
 from lossgraph.optim import SGD
-from lossgraph.runtime.session import quiet_session_options
+from lossgraph.runtime.session import create_session, quiet_session_options
 
 BENCHMARK_MARK = "lossgraph benchmarks/model_speed.py"  # in every file the run writes
 LEARNING_RATE = 0.01
 MODES = ("step", "epoch")
 TORCH = "torch eager"
+STEP = "lossgraph fuse=step"
+#: The floors (module doc): each runtime's heavy kernels of a step, nothing else.
+ONNXRUNTIME_FLOOR = "onnxruntime heavy kernels only"
+TORCH_FLOOR = "torch heavy kernels only"
+FLOORS = (ONNXRUNTIME_FLOOR, TORCH_FLOOR)
 #: Target (issue 17): a lossgraph training step at most this times torch eager's.
 TARGET = 0.8
 #: A check above this (float32 rounding over a few steps is about 1e-6) prints DIFFERS.
@@ -316,6 +331,57 @@ def lossgraph_candidate(problem: Problem, mode: str, threads: int
     return epoch, trainer
 
 
+def onnxruntime_floor(problem: Problem, trainer: lossgraph.Trainer | None
+                      ) -> tuple[Epoch, str]:
+    """``steps`` runs of the heavy kernels alone of the step graph ``trainer`` (the step
+    candidate's) runs, in one session with its options, inputs and outputs bound once (as
+    the trainer binds its own); and what they are."""
+    if trainer is None:
+        raise UnsupportedModelError(f"needs {STEP}")
+    data = {"feature": problem.X[:problem.batch], "label": problem.y[:problem.batch]}
+    floor = heavy_kernel_floor(*step_graph(trainer.program, data, LEARNING_RATE))
+    session = create_session(floor.model, trainer.providers, trainer.session_options)
+    return BoundRuns(session, floor.feeds, len(problem.X) // problem.batch), floor.describe()
+
+
+class BoundRuns:
+    """``steps`` runs of ``session`` on ``feeds``, its inputs and outputs bound once to
+    arrays held here (the OrtValues alias them)."""
+
+    def __init__(self, session: Any, feeds: dict[str, np.ndarray], steps: int) -> None:
+        import onnxruntime
+
+        self.steps, self.session, self.binding = steps, session, session.io_binding()
+        self.inputs = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
+        self.outputs = dict(zip((o.name for o in session.get_outputs()),
+                                session.run(None, self.inputs)))
+        self.values = {name: onnxruntime.OrtValue.ortvalue_from_numpy(array) for name, array
+                       in (*self.inputs.items(), *self.outputs.items())}
+        for name in self.inputs:
+            self.binding.bind_ortvalue_input(name, self.values[name])
+        for name in self.outputs:
+            self.binding.bind_ortvalue_output(name, self.values[name])
+
+    def __call__(self) -> None:
+        for _ in range(self.steps):
+            self.session.run_with_iobinding(self.binding)
+
+
+def torch_floor(problem: Problem) -> tuple[Epoch, str]:
+    """``steps`` times the heavy kernels of torch's step alone, called directly; and what
+    they are."""
+    if problem.net is None:
+        raise UnsupportedModelError("needs torch")
+    kernels = torch_heavy_kernels(problem.net, problem.X[:problem.batch])
+    steps = len(problem.X) // problem.batch
+
+    def epoch() -> None:
+        for _ in range(steps):
+            kernels.step()
+
+    return epoch, kernels.describe()
+
+
 # -- the run -----------------------------------------------------------------------------
 
 
@@ -330,14 +396,22 @@ class Result:
     setup_s: dict[str, float] = field(default_factory=dict)
     checks: dict[str, dict[str, float]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    #: what each floor runs or, when it has no samples, why it is not there
+    floors: dict[str, str] = field(default_factory=dict)
 
     def median(self, name: str) -> float | None:
         samples = self.samples_ms.get(name)
         return statistics.median(samples) if samples else None
 
-    def ratio(self, name: str) -> float | None:
-        ours, theirs = self.median(name), self.median(TORCH)
+    def ratio(self, name: str, to: str = TORCH) -> float | None:
+        ours, theirs = self.median(name), self.median(to)
         return ours / theirs if ours is not None and theirs else None
+
+    def bound(self) -> dict[str, float | None]:
+        """The floors against torch's step and onnxruntime's against lossgraph's."""
+        return {"onnxruntime_floor_to_torch": self.ratio(ONNXRUNTIME_FLOOR),
+                "onnxruntime_floor_to_step": self.ratio(ONNXRUNTIME_FLOOR, STEP),
+                "torch_floor_to_torch": self.ratio(TORCH_FLOOR), "target": TARGET}
 
 
 def _settle(epoch: Epoch) -> None:
@@ -380,6 +454,15 @@ def run_workload(problem: Problem, steps: int, repeat: int, threads: int,
             largest, compared, weights = weights_difference(trainer, expected)
             result.checks[name] = {"max_abs_difference": largest, "weights_compared": compared,
                                    "weights": weights, "torch_moved": moved}
+    floors = {ONNXRUNTIME_FLOOR: lambda: onnxruntime_floor(problem, trainers.get(STEP)),
+              TORCH_FLOOR: lambda: torch_floor(problem)}
+    for name, make in floors.items():
+        try:
+            epochs[name], result.floors[name] = make()
+        except UnsupportedModelError as error:  # not for this network, or this environment
+            result.floors[name] = str(error)
+        except Exception as error:
+            result.errors[name] = f"{type(error).__name__}: {error!s:.300}"
     tick = CLOCKS[clock]
     result.samples_ms = {name: [] for name in epochs}
     for _ in range(repeat):
@@ -392,30 +475,57 @@ def run_workload(problem: Problem, steps: int, repeat: int, threads: int,
 
 
 def report(result: Result) -> list[str]:
-    """The workload's table: ms per step, ratio to torch, the target, the check."""
+    """The workload's table: ms per step, ratio to torch, the target, the check (for a
+    floor: its kernels); then the bound the floors set."""
     sizes = ", ".join(f"{k} {v}" for k, v in result.sizes.items())
+    width = max(len(name) for name in FLOORS)
     lines = [f"\n{result.workload} ({sizes}), {result.steps} steps per timed epoch",
-             f"  {'candidate':<22} {'ms/step':>9} {'vs torch':>9}  {'target':>7}  check"]
-    for name in (TORCH, *(f"lossgraph fuse={m}" for m in MODES)):
+             f"  {'candidate':<{width}} {'ms/step':>9} {'vs torch':>9}  {'target':>7}  check"]
+    for name in (TORCH, *(f"lossgraph fuse={m}" for m in MODES), *FLOORS):
         if name in result.errors:
-            lines.append(f"  {name:<22} {'n/a':>9}  {result.errors[name]}")
+            lines.append(f"  {name:<{width}} {'n/a':>9}  {result.errors[name]}")
             continue
         ms = result.median(name)
         if ms is None:
             if name == TORCH:
-                lines.append(f"  {name:<22} {'n/a':>9}  (needs torch)")
+                lines.append(f"  {name:<{width}} {'n/a':>9}  (needs torch)")
+            elif name in FLOORS:
+                lines.append(f"  {name:<{width}} {'n/a':>9}  ({result.floors[name]})")
             continue
         ratio = result.ratio(name)
-        verdict = "" if ratio is None or name == TORCH else (
+        verdict = "" if ratio is None or name == TORCH or name in FLOORS else (
             "PASS" if ratio <= TARGET else "MISS")
         check = result.checks.get(name)
         check_text = "" if check is None else (
             f"{check['max_abs_difference']:.1e} ({check['weights_compared']}/"
             f"{check['weights']} weights; they moved {check['torch_moved']:.1e})"
             + (" DIFFERS" if not check["max_abs_difference"] <= CHECK_LIMIT else ""))
+        if name in FLOORS:
+            check_text = f"kernels: {result.floors[name]}"
         ratio_text = "" if ratio is None else f"{ratio:.2f}x"
-        lines.append(f"  {name:<22} {ms:9.2f} {ratio_text:>9}  {verdict:>7}  {check_text}")
+        lines.append(f"  {name:<{width}} {ms:9.2f} {ratio_text:>9}  {verdict:>7}  {check_text}")
+    lines.append(f"  {bound_text(result)}")
     return lines
+
+
+def bound_text(result: Result) -> str:
+    """What onnxruntime's floor leaves of the target (the line under a table)."""
+    bound, floor_ms = result.bound(), result.median(ONNXRUNTIME_FLOOR)
+    if floor_ms is None:
+        return "bound: n/a (no onnxruntime floor)"
+    to_torch, to_step = bound["onnxruntime_floor_to_torch"], bound["onnxruntime_floor_to_step"]
+    of_step = "" if to_step is None else f" ({to_step:.2f}x lossgraph's fuse=step)"
+    if to_torch is None:
+        return (f"bound: onnxruntime's heavy kernels alone take {floor_ms:.2f} ms a step"
+                f"{of_step}; torch eager's step needs torch")
+    torch_floor = bound["torch_floor_to_torch"]
+    verdict = ("out of reach on this runtime with these kernels" if to_torch > TARGET else
+               f"within reach, {TARGET - to_torch:.2f}x of torch's step left for the other "
+               "kernels")
+    return (f"bound: onnxruntime's heavy kernels alone take {to_torch:.2f}x torch eager's "
+            f"step{of_step}" + ("" if torch_floor is None else
+                                f"; torch's take {torch_floor:.2f}x")
+            + f"; target {TARGET}x: {verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -478,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
                    "clock": args.clock, "target": TARGET,
                    "workloads": [{**vars(r), "ms_per_step": {n: r.median(n) for n in
                                                              r.samples_ms},
-                                  "ratio_to_torch": {n: r.ratio(n) for n in r.samples_ms}}
+                                  "ratio_to_torch": {n: r.ratio(n) for n in r.samples_ms},
+                                  "bound": r.bound()}
                                  for r in results]}
         Path(args.json).write_text(json.dumps(figures, indent=1))
     return 0

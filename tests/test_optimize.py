@@ -20,7 +20,7 @@ from lossgraph.optimize import (
     SumRowsByProduct,
     WidenScalarConstants,
 )
-from lossgraph.optimize.split_row_products import row_product_parts
+from lossgraph.optimize.split_row_products import gradient_product_parts, row_product_parts
 
 
 def ops(graph: onnx.GraphProto) -> list[str]:
@@ -124,6 +124,47 @@ def test_a_long_one_row_product_is_a_sum_of_batched_parts(run_model, rows, parts
              "m": rng.normal(size=(rows, 3)).astype(np.float32)}
     np.testing.assert_allclose(run_model(result.model, feeds)["y"], feeds["row"] @ feeds["m"],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, parts", [(10000, 4), (5000, 2), (7500, 3), (20000, 4),
+                                         (4999, None), (1000, None), (100, None)])
+def test_gradient_product_parts_keep_2500_rows_each_at_most_4(rows, parts):
+    assert gradient_product_parts(rows) == parts
+
+
+@pytest.mark.parametrize("rows, attributes, parts", [
+    (5000, "transA = 1", 2), (10000, "transA = 1, transB = 0, alpha = 1.0", 4),
+    (5000, "transA = 1, alpha = 2.0", None), (1000, "transA = 1", None)])
+def test_a_long_weight_gradient_product_is_a_sum_of_batched_parts(run_model, rows, attributes,
+                                                                  parts):
+    given = model(f"(float[{rows}, 5] a, float[{rows}, 3] b) => (float[5, 3] y)",
+                  f"y = Gemm <{attributes}> (a, b)")
+    result = SplitRowProducts()(given)
+    assert result.changed == bool(parts)
+    if parts:
+        assert ops(result.model.graph) == ["Reshape", "Transpose", "Reshape", "MatMul",
+                                           "ReduceSum"]
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.normal(size=(rows, 5)).astype(np.float32),
+             "b": rng.normal(size=(rows, 3)).astype(np.float32)}
+    alpha = 2.0 if "alpha = 2.0" in attributes else 1.0
+    np.testing.assert_allclose(run_model(result.model, feeds)["y"],
+                               alpha * feeds["a"].T @ feeds["b"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_of_ones_from_a_constant_shape_is_split_too(run_model):
+    """SumRowsByProduct's ``ones`` comes from ConstantOfShape(Concat(...)): its shape is
+    known only by propagating the constant's value."""
+    given = model("(float[1000, 3] m) => (float[1, 3] y) <int64[1] one = {1}, "
+                  "int64[1] n = {1000}>",
+                  """shape = Concat <axis = 0> (one, n)
+                     ones = ConstantOfShape <value = float[1] {1.0}> (shape)
+                     y = MatMul(ones, m)""")
+    result = SplitRowProducts()(given)
+    assert result.changed and "ReduceSum" in ops(result.model.graph)
+    m = np.random.default_rng(0).normal(size=(1000, 3)).astype(np.float32)
+    np.testing.assert_allclose(run_model(result.model, {"m": m})["y"], m.sum(0, keepdims=True),
+                               rtol=1e-4, atol=1e-4)
 
 
 # -- SumRowsByProduct ------------------------------------------------------------------------
@@ -334,6 +375,43 @@ def test_specialized_step_graph_folds_its_shapes_and_computes_the_same(run_model
     expected = run_model(general, feeds)
     for name, value in run_model(specialized, feeds).items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+MLP = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    mlp (float[N, 6] x) => (float[N, 1] y)
+    <float[6, 4] w1 = {0.3, -0.2, 0.1, 0.5, -0.4, 0.2, 0.1, 0.3, -0.1, 0.2, 0.4, -0.3,
+                       0.2, 0.1, -0.5, 0.3, 0.1, -0.2, 0.3, 0.4, -0.3, 0.2, 0.1, 0.5},
+     float[4] b1 = {0.1, -0.1, 0.05, 0.0}, float[4, 1] w2 = {0.5, -0.3, 0.2, 0.4},
+     float[1] b2 = {0.1}>
+    {
+        z = MatMul(x, w1)
+        a = Add(z, b1)
+        h = Relu(a)
+        p = MatMul(h, w2)
+        y = Add(p, b2)
+    }
+"""
+
+
+def test_a_long_batch_splits_the_weight_gradients_and_computes_the_same(run_model):
+    """At 5000 rows the hidden layer's ``x^T @ dz`` and its bias gradient's row of ones are
+    split across threads (SplitRowProducts); the step's numbers stay the general graph's to
+    float rounding."""
+    program = lossgraph.compile_program(onnx.parser.parse_model(MLP), optimizer=Adam(0.05),
+                                        fuse="step")
+    general = program.graphs["train_step"]
+    specialized = SpecializeBatch(5000)(general).model
+    splits = {n.name.split("/split/")[0] for n in specialized.graph.node if "/split/" in n.name}
+    assert len(splits) == 3  # x^T dz, the bias gradient's ones @ dz, and h^T g (one column)
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(5000, 6)).astype(np.float32)
+    feeds = {"x": X, "label": rng.normal(size=(5000, 1)).astype(np.float32), **program.state,
+             program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
+             program.io("train_step", "step")[0]: np.array(1, np.int64)}
+    expected = run_model(general, feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_a_step_graph_for_current_onnxruntime_alone_specializes_too():

@@ -22,6 +22,7 @@ from torch_steps import make_distinct
 import lossgraph
 from lossgraph.errors import InvalidProgramError, UnsupportedModelError, UnsupportedOptionError
 from lossgraph.export import to_inference_model, to_ort_artifacts
+from lossgraph.graphs import all_graphs
 from lossgraph.manifest import FORMAT, FORMAT_WITH_BUFFERS, check_manifest
 from lossgraph.optim import SGD, Adam
 from lossgraph.passes import RunningStatistics, WeightsToInputs
@@ -287,9 +288,14 @@ def test_buffers_are_inputs_and_outputs_with_their_roles(fuse):
         assert list(norm.output) == ["h"]
         assert _training_mode(norm) == 0
         assert not any(n.op_type == "Dropout" for n in nodes)  # the identity
-    # no training graph runs onnxruntime's training-mode kernel (it writes its inputs)
+    # no training graph runs onnxruntime's training-mode kernel (it writes its inputs): the
+    # node is lossgraph's function, whose body normalizes in inference mode
     for graph in training:
-        for node in program.graphs[graph].graph.node:
+        model = program.graphs[graph]
+        nodes = [n for g in all_graphs(model.graph) for n in g.node]  # a Scan body too
+        assert [n.op_type for n in nodes if n.domain == "lossgraph"] == [
+            "BatchNormalizationTraining"]
+        for node in [*nodes, *(n for f in model.functions for n in f.node)]:
             if node.op_type == "BatchNormalization":
                 assert len(node.output) == 1 and _training_mode(node) == 0
 

@@ -8,8 +8,9 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
   :class:`RemoveLossOutput` undoes it (the inference model inside a loss model)
 - :class:`AlphabetizeInitializers`: weights renamed so their names sort in graph order
 - :class:`WeightsToInputs`: trainable initializers become graph inputs
-- :class:`RunningStatistics`: a training-mode BatchNormalization's batch statistics made
-  explicit and its running statistics (the program's buffers) updated as torch does
+- :class:`RunningStatistics`: a training-mode BatchNormalization as one node of the function
+  ``lossgraph.BatchNormalizationTraining`` (batch statistics, differentiated in closed
+  form), and its running statistics (the program's buffers) updated as torch does
 - :class:`SequencesToTensors`: a ``SplitToSequence`` read at constant positions rewritten
   into a ``Split`` before differentiation (lossgraph differentiates tensors only)
 - :class:`StabilizeNumerics`: overflowing forms (``1 / (1 + Exp(-s))``, ``Log(Softmax)``,

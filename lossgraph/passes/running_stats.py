@@ -20,22 +20,31 @@ These values are the program's **buffers**: state that the training graphs read 
 inputs and write as outputs each step, like an optimizer's states but without gradients
 and untouched by the optimizer. The pass takes a model whose running statistics are
 graph inputs already (:class:`~lossgraph.passes.weights.WeightsToInputs` lifts them with
-the weights), and rewrites each training-mode node into standard ops that any runtime
-runs alike::
+the weights), and rewrites each training-mode node into one node of a function the model
+defines, ``lossgraph.BatchNormalizationTraining``, whose body is standard ops that any
+runtime runs alike::
 
     y[, running_mean', running_var'[, saved_mean, saved_var]] = BatchNormalization<training>(
         x, scale, B, running_mean, running_var)
- -> mean = ReduceMean(x), var = ReduceMean((x - mean)^2)       (biased: the normalization's)
-    y = BatchNormalization<inference>(x, scale, B, mean, var)
+ -> y, mean, var = lossgraph.BatchNormalizationTraining(x, scale, B)
+        body: mean = ReduceMean(x), var = ReduceMean((x - mean)^2)     (biased: the
+              y = BatchNormalization<inference>(x, scale, B, mean, var)  normalization's)
     running_mean_new, running_var_new = the update above        (new graph outputs)
 
 The normalization is the training-mode one to the formula (``y`` uses the batch mean and
-the biased batch variance, as ONNX and torch both do), and its gradient flows through the
-batch statistics to ``x``. onnxruntime's training-mode kernel is not run: it writes its
-running statistics into the buffers of its inputs, in place (the live state the runner
-bound, and after onnxruntime's constant sharing any equal initializer, such as a scale of
-ones), it requires both running-statistics outputs, and it crashed on a node with only
-one of them (1.19 and 1.32).
+the biased batch variance, as ONNX and torch both do); the node also outputs the batch
+statistics, in x's type (the mean with the reduced axes kept, the variance per channel),
+which the update reads. onnxruntime inlines the body: the forward runs exactly those ops.
+The gradient pass differentiates the node by its own rule (``lossgraph.autodiff.rules.nn``):
+training-mode BatchNormalization's closed form, six full-size kernels that read the
+forward's statistics, instead of the chain rule through the body's ops (the inference-mode
+rule, then the statistics' ReduceMean, Sub and Mul). onnxruntime's training-mode kernel is
+not run: it writes its running statistics into the buffers of its inputs, in place (the
+live state the runner bound, and after onnxruntime's constant sharing any equal
+initializer, such as a scale of ones), it requires both running-statistics outputs, and it
+crashed on a node with only one of them (1.19 and 1.32). The function is in the training
+graphs only: the evaluate and predict graphs and the exported inference model run the
+model's BatchNormalization in inference mode.
 
 The node's own statistics outputs go: a graph output among them is removed, a node reading
 one is refused. The new outputs are recorded under :data:`~lossgraph.metadata.BUFFERS_KEY`
@@ -53,8 +62,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
+import onnx.defs
+from onnx import helper, numpy_helper
 
+from ..autodiff.rules.nn import TRAINING_BATCH_NORM, TRAINING_BATCH_NORM_DOMAIN
 from ..builder import GraphBuilder
 from ..errors import UnsupportedModelError
 from ..graphs import ForwardFacts, all_graphs, attribute_value, np_dtype, opset_version
@@ -186,10 +197,11 @@ def _label(node: onnx.NodeProto, index: int) -> str:
 
 @dataclass(frozen=True)
 class RunningStatistics(Pass):
-    """Rewrite each training-mode BatchNormalization into batch statistics and an
-    inference-mode node, and add its running statistics' update as outputs (see the module
-    docstring). The running statistics must be graph inputs; the report is
-    ``{buffer: new output}``, in the order of :func:`buffer_names`."""
+    """Rewrite each training-mode BatchNormalization into a
+    ``lossgraph.BatchNormalizationTraining`` node (normalization by the batch statistics,
+    which it outputs too), and add its running statistics' update as outputs (see the module
+    docstring). The running statistics must be graph inputs; the report is ``{buffer: new
+    output}``, in the order of :func:`buffer_names`."""
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         found = running_statistics(model)
@@ -206,7 +218,8 @@ class RunningStatistics(Pass):
                 "lossgraph.passes.running_stats.buffer_names gives).")
         facts = ForwardFacts.of(model)
         names = NameAuthority.for_model(model)
-        b = GraphBuilder(names, opset_version(model) or 13, prefix="batch_norm/")
+        opset = opset_version(model) or 13
+        b = GraphBuilder(names, opset, prefix="batch_norm/")
         rewritten = {stats.index: stats for stats in found}
         nodes: list[onnx.NodeProto] = []
         dropped: set[str] = set()
@@ -216,18 +229,14 @@ class RunningStatistics(Pass):
             if stats is None:
                 nodes.append(node)
                 continue
-            batch_mean, batch_var, running = _statistics(b, facts, stats)
+            normalization = _batch_statistics_normalization(names, facts, node, stats)
+            nodes.append(normalization)
+            running = _running_update(b, facts, stats, *normalization.output[1:3])
             for buffer, value in zip((stats.mean, stats.var), running):
                 new[buffer] = b.rename(value, names.fresh(f"{buffer}_new"))
             nodes.extend(b.nodes)
             b.nodes = []
             dropped.update(name for name in node.output[1:] if name)
-            node.input[3], node.input[4] = batch_mean, batch_var
-            del node.output[1:]
-            for attribute in node.attribute:
-                if attribute.name == "training_mode":
-                    attribute.i = 0
-            nodes.append(node)
         del graph.node[:]
         graph.node.extend(nodes)
         b.append_to(graph)  # the constants
@@ -239,15 +248,17 @@ class RunningStatistics(Pass):
         info = [v for v in graph.value_info if v.name not in dropped]
         del graph.value_info[:]
         graph.value_info.extend(info)
+        _declare_function(model, opset)
         write_json(model, BUFFERS_KEY, new)
         return PassResult(model, new)
 
 
-def _statistics(b: GraphBuilder, facts: ForwardFacts, stats: BatchNormStatistics
-                ) -> tuple[str, str, tuple[str, str]]:
-    """The batch mean and biased variance (what the node normalizes with) and the running
-    mean and variance after this batch (module docstring), in the type of the running
-    statistics."""
+def _batch_statistics_normalization(names: NameAuthority, facts: ForwardFacts,
+                                    node: onnx.NodeProto, stats: BatchNormStatistics
+                                    ) -> onnx.NodeProto:
+    """The node ``y, mean, var = lossgraph.BatchNormalizationTraining(x, scale, B)`` that
+    replaces the training-mode ``node``: its name, output ``y`` and attributes (but
+    ``training_mode``), the axes of its statistics and the running statistics' type."""
     x = stats.x
     shape = facts.shapes.get(x)
     if shape is None or len(shape) < 2:
@@ -256,25 +267,97 @@ def _statistics(b: GraphBuilder, facts: ForwardFacts, stats: BatchNormStatistics
             f"input {x!r} is unknown (or below 2): lossgraph needs it to compute the batch "
             "statistics over every axis but the channel axis 1. Give the model's inputs "
             "shapes (a fixed rank).")
+    outputs = [node.output[0], names.fresh(f"{x}_batch_mean"), names.fresh(f"{x}_batch_var")]
+    normalization = helper.make_node(
+        TRAINING_BATCH_NORM, list(node.input[:3]), outputs, name=node.name,
+        domain=TRAINING_BATCH_NORM_DOMAIN, doc_string=node.doc_string,
+        axes=[0, *range(2, len(shape))], statistics_type=facts.elem_types[stats.mean])
+    normalization.attribute.extend(a for a in node.attribute if a.name != "training_mode")
+    normalization.metadata_props.extend(node.metadata_props)
+    return normalization
+
+
+def _running_update(b: GraphBuilder, facts: ForwardFacts, stats: BatchNormStatistics,
+                    mean: str, variance: str) -> tuple[str, str]:
+    """The running mean and variance after this batch (module docstring), in their type,
+    from the batch ``mean`` (axes kept) and biased ``variance`` (per channel), in x's type."""
+    x = stats.x
+    shape = facts.shapes[x]
     dtype = np_dtype(facts.elem_types[x])
     kind = facts.elem_types[stats.mean]
-    axes = [0, *range(2, len(shape))]
-    kept = b.reduce("ReduceMean", x, axes, keepdims=1, hint=f"{x}_batch_mean")
-    centered = b.Sub(x, kept, hint=f"{x}_centered")
-    variance = b.reduce("ReduceMean", b.Mul(centered, centered), axes, keepdims=0,
-                        hint=f"{x}_batch_var")
-    mean = b.Reshape(kept, b.ints([-1], "flat"), hint=f"{x}_batch_mean")
-    count = _count(b, x, [shape[a] for a in axes], dtype)
+    count = _count(b, x, [shape[a] for a in (0, *range(2, len(shape)))], dtype)
+    mean = b.Reshape(mean, b.ints([-1], "flat"), hint=f"{x}_batch_mean")
     unbiased = b.Mul(variance, b.Div(count, b.Sub(count, b.const(1.0, dtype, "one"))),
                      hint=f"{x}_unbiased_var")
     if kind != facts.elem_types[x]:
-        mean, variance, unbiased = (b.Cast(v, to=kind) for v in (mean, variance, unbiased))
+        mean, unbiased = (b.Cast(v, to=kind) for v in (mean, unbiased))
     dtype = np_dtype(kind)
     m = b.const(stats.momentum, dtype, "momentum")
     rest = b.const(1.0 - stats.momentum, dtype, "one_minus_momentum")
     running = tuple(b.Add(b.Mul(old, m), b.Mul(batch, rest))
                     for old, batch in ((stats.mean, mean), (stats.var, unbiased)))
-    return mean, variance, (running[0], running[1])
+    return running[0], running[1]
+
+
+def _declare_function(model: onnx.ModelProto, opset: int) -> None:
+    """The function ``lossgraph.BatchNormalizationTraining(x, scale, B) -> (y, mean, var)``
+    (module docstring), once per model; its attributes: ``axes`` (ints), ``statistics_type``
+    (the running statistics' element type) and BatchNormalization's at ``opset`` but
+    ``training_mode``, passed on by reference. The statistics reach the BatchNormalization
+    cast to the running statistics' type (as the running update reads them); where that is
+    x's type, onnxruntime removes the Cast (measured on 1.19 and 1.32)."""
+    if not any(o.domain == TRAINING_BATCH_NORM_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(TRAINING_BATCH_NORM_DOMAIN, 1))
+    if any((f.domain, f.name) == (TRAINING_BATCH_NORM_DOMAIN, TRAINING_BATCH_NORM)
+           for f in model.functions):
+        return
+    schema = onnx.defs.get_schema("BatchNormalization", opset)
+    passed = [(name, attribute.type) for name, attribute in sorted(schema.attributes.items())
+              if name != "training_mode"]
+    axes = _by_reference(helper.make_node("Constant", [], ["axes"]),
+                         ("value_ints", "axes", onnx.AttributeProto.INTS))
+    statistics_type = ("to", "statistics_type", onnx.AttributeProto.INT)
+    body = [
+        *([axes] if opset >= 18 else []),
+        _reduce_mean("x", "mean", opset, keepdims=1),
+        helper.make_node("Sub", ["x", "mean"], ["centered"]),
+        helper.make_node("Mul", ["centered", "centered"], ["squares"]),
+        _reduce_mean("squares", "var", opset, keepdims=0),
+        helper.make_node("Constant", [], ["flat"],
+                         value=numpy_helper.from_array(np.array([-1], np.int64))),
+        helper.make_node("Reshape", ["mean", "flat"], ["mean_per_channel"]),
+        _by_reference(helper.make_node("Cast", ["mean_per_channel"], ["mean_as_statistics"]),
+                      statistics_type),
+        _by_reference(helper.make_node("Cast", ["var"], ["var_as_statistics"]), statistics_type),
+        _by_reference(helper.make_node(
+            "BatchNormalization", ["x", "scale", "B", "mean_as_statistics", "var_as_statistics"],
+            ["y"]), *((name, name, kind) for name, kind in passed)),
+    ]
+    model.functions.append(helper.make_function(
+        TRAINING_BATCH_NORM_DOMAIN, TRAINING_BATCH_NORM, ["x", "scale", "B"],
+        ["y", "mean", "var"], body, [helper.make_opsetid("", opset)],
+        attributes=["axes", "statistics_type", *(name for name, _ in passed)],
+        doc_string="BatchNormalization of x by its batch mean and biased variance over axes "
+                   "(every axis but the channel axis 1), which it outputs too, in x's type (the "
+                   "mean with the axes kept, the variance per channel): a training-mode "
+                   "BatchNormalization as lossgraph's training programs run it "
+                   "(lossgraph.passes.running_stats)"))
+
+
+def _by_reference(node: onnx.NodeProto, *references: tuple[str, str, int]) -> onnx.NodeProto:
+    """``node`` with attributes ``(name, function attribute, type)`` taken from the call."""
+    node.attribute.extend(onnx.AttributeProto(name=name, ref_attr_name=ref, type=kind)
+                          for name, ref, kind in references)
+    return node
+
+
+def _reduce_mean(value: str, output: str, opset: int, keepdims: int) -> onnx.NodeProto:
+    """ReduceMean over the function's ``axes``: from opset 18 an input (the body's Constant
+    ``axes``), before an attribute."""
+    if opset >= 18:
+        return helper.make_node("ReduceMean", [value, "axes"], [output], keepdims=keepdims)
+    return _by_reference(helper.make_node("ReduceMean", [value], [output], keepdims=keepdims),
+                         ("axes", "axes", onnx.AttributeProto.INTS))
 
 
 def _count(b: GraphBuilder, x: str, dims: list, dtype: np.dtype) -> str:

@@ -42,11 +42,17 @@
                              output):
                                         dx = inv (dxh - mean(dxh) - xh mean(dxh xh)),
                                         dxh = dy scale, xh = (x - mu) inv, batch statistics
-                                        mu and s2 (biased); running_mean = m mean + (1 - m) mu
-                                        and running_var = m var + (1 - m) s2 add
+                                        mu and s2 (biased), recomputed from x;
+                                        running_mean = m mean + (1 - m) mu and
+                                        running_var = m var + (1 - m) s2 add
                                         dx += (1 - m) (drm + 2 drv (x - mu)) / n,
                                         dmean = m drm, dvar = m drv
                              dscale = sum(dy xh), dB = sum(dy) over all axes but 1
+    lossgraph.BatchNormalizationTraining(x, scale, B) -> (y, mu, s2)
+                             a training-mode BatchNormalization as training programs run it
+                             (lossgraph.passes.RunningStatistics, a model-local function):
+                             dx, dscale, dB as in training mode, with the forward's mu and
+                             s2; dx += (dmu + 2 ds2 (x - mu)) / n
     InstanceNormalization    as training BatchNormalization, statistics over spatial axes
     LayerNormalization       as above, statistics over axes [axis, rank);
                              dScale = sum(dy xh), dB = sum(dy) summed to their shapes;
@@ -89,6 +95,14 @@ from ...errors import UnsupportedModelError
 from ...graphs import attribute_values
 from ...target import active_target
 from ..registry import grad_rule
+
+__all__ = ["TRAINING_BATCH_NORM", "TRAINING_BATCH_NORM_DOMAIN"]
+
+#: The domain and name of the model-local function that
+#: :class:`~lossgraph.passes.RunningStatistics` writes for a training-mode
+#: BatchNormalization: ``y, mean, var = lossgraph.BatchNormalizationTraining(x, scale, B)``.
+TRAINING_BATCH_NORM_DOMAIN = "lossgraph"
+TRAINING_BATCH_NORM = "BatchNormalizationTraining"
 
 
 # ----------------------------------------------------------------------- helpers
@@ -721,8 +735,63 @@ def _batch_norm_inference(g, node, dy: str, _) -> tuple[str, ...]:
 
 
 def _batch_norm_training(g, node, dy: str, d_running: list[str | None]) -> tuple[str, ...]:
-    """With c = x - mean, inv = 1 / sqrt(var + eps), k = scale inv (per channel) and n the
-    count per channel, the gradients in six full-size kernels and four reductions:
+    """The batch statistics recomputed from x (the node outputs the running ones), then
+    :func:`_batch_statistics_grad`; a gradient of the running statistics outputs reaches x
+    through the batch statistics, times ``1 - m``, and the running inputs times ``m``."""
+    x, scale, _, mean, var = node.inputs[:5]
+    momentum = node.attr("momentum", 0.9)
+    axes = _all_but_channel(g, x)
+    count = _count(g, x, axes)
+    centered = g.Sub(x, g.reduce("ReduceMean", x, axes, keepdims=1))
+    batch_var = g.Div(g.reduce("ReduceSumSquare", centered, axes, keepdims=1), count)
+    inv = _inverse_std(g, batch_var, node, x)
+    dx, dscale, dbias = _batch_statistics_grad(g, x, scale, dy, centered, inv, count, axes)
+    outputs, d_running = [*node.outputs[1:3], "", ""][:2], [*d_running, None, None][:2]
+    drm, drv = (g.or_zeros(d, o) if o else g.zeros_like(stat)
+                for d, o, stat in zip(d_running, outputs, (mean, var)))
+    if any(d is not None for d in d_running):
+        share = g.Div(g.const_like(1 - momentum, x, "one_minus_momentum"), count)
+        dx = g.Add(dx, _through_statistics(g, x, centered, _per_channel(g, drm, x),
+                                           _per_channel(g, drv, x), share))
+    m = g.const_like(momentum, x, "momentum")
+    return dx, dscale, dbias, g.Mul(drm, m), g.Mul(drv, m)
+
+
+@grad_rule(TRAINING_BATCH_NORM, domain=TRAINING_BATCH_NORM_DOMAIN,
+           notes="a training-mode BatchNormalization as training programs run it "
+                 "(lossgraph.passes.RunningStatistics): the batch statistics are its outputs")
+def training_batch_normalization(g, node, dy, dmean=None, dvar=None):
+    """y, mean, var = BatchNormalizationTraining(x, scale, B): :func:`_batch_statistics_grad`
+    with the forward's batch statistics (the mean with its axes kept, the biased variance per
+    channel; not recomputed); gradients of the mean and variance outputs reach x as
+    ``(dmean + 2 dvar (x - mean)) / n``."""
+    x, scale = node.inputs[:2]
+    y, mean, var = node.outputs[:3]
+    axes = _all_but_channel(g, x)
+    count = _count(g, x, axes)
+    # the body's own x - mean: onnxruntime inlines the body and its common-subexpression
+    # elimination merges the two (1.19 and 1.32)
+    centered = g.Sub(x, mean)
+    inv = _per_channel(g, _inverse_std(g, var, node, x), x)
+    dx, dscale, dbias = _batch_statistics_grad(g, x, scale, g.or_zeros(dy, y), centered, inv,
+                                               count, axes)
+    if dmean is not None or dvar is not None:
+        dmean, dvar = g.or_zeros(dmean, mean), _per_channel(g, g.or_zeros(dvar, var), x)
+        dx = g.Add(dx, _through_statistics(g, x, centered, dmean, dvar, g.Reciprocal(count)))
+    return node.grads(dx, dscale, dbias)
+
+
+def _inverse_std(g, var: str, node, x: str) -> str:
+    """``1 / sqrt(var + epsilon)``, the node's epsilon."""
+    return g.Reciprocal(g.Sqrt(g.Add(var, g.const_like(node.attr("epsilon", 1e-5), x, "eps"))))
+
+
+def _batch_statistics_grad(g, x: str, scale: str, dy: str, centered: str, inv: str, count: str,
+                           axes: list[int]) -> tuple[str, str, str]:
+    """dx, dscale and dB of ``y = scale c inv + B``, ``c = x - mean`` and ``inv = 1 /
+    sqrt(var + eps)`` with the batch statistics (biased variance) of x over ``axes``, their
+    dependence on x included. With k = scale inv (per channel) and n the count per channel,
+    in six full-size kernels (c included) and two reductions::
 
         dscale = inv sum(dy c)         dbias = sum(dy)
         dx     = k (dy - sum(dy) / n) - c (k inv^2 sum(dy c) / n)
@@ -730,32 +799,22 @@ def _batch_norm_training(g, node, dy: str, d_running: list[str | None]) -> tuple
     which is ``inv (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`` with ``dxhat = scale dy``
     and ``xhat = c inv`` written out, so that neither xhat nor dxhat is materialized (the
     per-channel factors are (C,) tensors): two-thirds the memory traffic of the textbook
-    form, which dominates a convolutional net's batch norms."""
-    x, scale, _, mean, var = node.inputs[:5]
-    momentum = node.attr("momentum", 0.9)
-    axes = _all_but_channel(g, x)
-    count = _count(g, x, axes)
-    centered = g.Sub(x, g.reduce("ReduceMean", x, axes, keepdims=1))
-    batch_var = g.Div(g.reduce("ReduceSumSquare", centered, axes, keepdims=1), count)
-    inv = g.Reciprocal(g.Sqrt(g.Add(batch_var, g.const_like(node.attr("epsilon", 1e-5), x,
-                                                             "eps"))))
+    form, which dominates a convolutional net's batch norms. ``inv`` broadcasts against x."""
     sum_dy = g.reduce("ReduceSum", dy, axes, keepdims=1)
     sum_dyc = g.reduce("ReduceSum", g.Mul(dy, centered), axes, keepdims=1)
     k = g.Mul(_per_channel(g, scale, x), inv)
     slope = g.Mul(g.Mul(k, g.Mul(inv, inv)), g.Div(sum_dyc, count))
     dx = g.Sub(g.Mul(g.Sub(dy, g.Div(sum_dy, count)), k), g.Mul(centered, slope))
-    outputs, d_running = [*node.outputs[1:3], "", ""][:2], [*d_running, None, None][:2]
-    drm, drv = (g.or_zeros(d, o) if o else g.zeros_like(stat)
-                for d, o, stat in zip(d_running, outputs, (mean, var)))
-    if any(d is not None for d in d_running):
-        two_drv = g.Mul(_per_channel(g, drv, x), g.const_like(2.0, x, "two"))
-        batch = g.Add(_per_channel(g, drm, x), g.Mul(two_drv, centered))
-        share = g.Div(g.const_like(1 - momentum, x, "one_minus_momentum"), count)
-        dx = g.Add(dx, g.Mul(batch, share))
-    m = g.const_like(momentum, x, "momentum")
     to_channels = g.ints([-1], "shape")
-    dscale = g.Reshape(g.Mul(sum_dyc, inv), to_channels)
-    return dx, dscale, g.Reshape(sum_dy, to_channels), g.Mul(drm, m), g.Mul(drv, m)
+    return dx, g.Reshape(g.Mul(sum_dyc, inv), to_channels), g.Reshape(sum_dy, to_channels)
+
+
+def _through_statistics(g, x: str, centered: str, dmean: str, dvar: str, share: str) -> str:
+    """What reaches x through its batch mean and biased variance, given their gradients
+    (per channel, shaped to broadcast against x): ``share (dmean + 2 dvar c)``, ``share`` a
+    scalar (1 / n, or (1 - m) / n through a running statistic)."""
+    two_dvar = g.Mul(dvar, g.const_like(2.0, x, "two"))
+    return g.Mul(g.Add(dmean, g.Mul(two_dvar, centered)), share)
 
 
 @grad_rule("InstanceNormalization")

@@ -71,6 +71,7 @@ from benchmarks.harness import SETTLE_S
 from benchmarks.kernel_floor import heavy_kernel_floor, step_graph, torch_heavy_kernels
 from benchmarks.machine import cpu_seconds, machine_facts, report_load
 from lossgraph.errors import UnsupportedModelError
+from lossgraph.fileio import write_file
 from lossgraph.optim import SGD
 from lossgraph.runtime.session import create_session, quiet_session_options
 
@@ -528,6 +529,48 @@ def bound_text(result: Result) -> str:
             + f"; target {TARGET}x: {verdict}")
 
 
+def is_benchmark_output(path: Path) -> bool:
+    """True for a file this benchmark wrote (its JSON or PNG carries BENCHMARK_MARK)."""
+    return BENCHMARK_MARK.encode() in path.read_bytes()[:4096]
+
+
+def plot(results: list[Result], path: str) -> None:
+    """One panel per workload (needs matplotlib): ms per step of every candidate and floor
+    that ran, as bars, with torch eager's step and the target (0.8x of it) as lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"\n--plot {path}: matplotlib is not installed, no plot written")
+        return
+    figure, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4),
+                                squeeze=False)
+    for axis, result in zip(axes[0], results):
+        names = [n for n in (TORCH, *(f"lossgraph fuse={m}" for m in MODES), *FLOORS)
+                 if result.median(n) is not None]
+        colors = ["tab:gray" if n == TORCH else "tab:blue" if n.startswith("lossgraph")
+                  else "tab:green" for n in names]
+        labels = [n.replace("lossgraph ", "").replace(" heavy kernels only", "\nkernels only")
+                  for n in names]
+        axis.barh(labels, [result.median(n) for n in names], color=colors)
+        torch_ms = result.median(TORCH)
+        if torch_ms is not None:
+            axis.axvline(torch_ms, color="black", linewidth=1)
+            axis.axvline(TARGET * torch_ms, color="tab:red", linestyle="--", linewidth=1,
+                         label=f"target: {TARGET}x torch eager")
+            axis.legend(fontsize=8, loc="lower right")
+        axis.invert_yaxis()
+        axis.set(xlabel="ms per step", title=result.workload)
+        axis.grid(True, axis="x", alpha=0.3)
+    figure.tight_layout()
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=110, metadata={"Software": BENCHMARK_MARK})
+    write_file(path, image.getvalue(), owned=is_benchmark_output)
+    print(f"\nplot written to {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -546,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", metavar="DIR",
                         help="time the models saved in DIR (lossgraph only; no torch needed)")
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="ms per step of each workload's candidates as bars (matplotlib)")
     args = parser.parse_args(argv)
     steps = args.steps or (3 if args.quick else 20)
     repeat = args.repeat or (1 if args.quick else 7)
@@ -556,9 +601,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(WORKLOADS)}")
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu measures this thread's work: use it with --threads 1")
-    if args.json and Path(args.json).exists() and BENCHMARK_MARK not in Path(
-            args.json).read_text(errors="replace"):
-        parser.error(f"{args.json} is in the way: it is not a file this benchmark wrote.")
+    for path in (args.json, args.plot):
+        if path and Path(path).exists() and not is_benchmark_output(Path(path)):
+            parser.error(f"{path} is in the way: it is not a file this benchmark wrote.")
     with contextlib.suppress(ImportError):
         import onnxruntime
 
@@ -591,7 +636,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "ratio_to_torch": {n: r.ratio(n) for n in r.samples_ms},
                                   "bound": r.bound()}
                                  for r in results]}
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+        write_file(args.json, json.dumps(figures, indent=1).encode(), owned=is_benchmark_output)
+    if args.plot:
+        plot(results, args.plot)
     return 0
 
 

@@ -334,6 +334,20 @@ def test_model_speed_quick_run_trains_every_network_to_torchs_weights(tmp_path, 
             assert check["torch_moved"] > 100 * check["max_abs_difference"]
             assert workload["ratio_to_torch"][name] > 0
     assert "DIFFERS" not in capsys.readouterr().out
-    assert bench.main(["--quick", "--workloads", "cnn,lstm", "--models", str(models)]) == 0
+    plot = tmp_path / "speed.png"
+    assert bench.main(["--quick", "--workloads", "cnn,lstm", "--models", str(models),
+                       "--json", str(out), "--plot", str(plot)]) == 0  # replaces its own JSON
     printed = capsys.readouterr().out
     assert "(needs torch)" in printed and "lossgraph fuse=epoch" in printed
+    if importlib.util.find_spec("matplotlib"):
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and bench.is_benchmark_output(plot)
+
+
+def test_model_speed_never_replaces_a_file_it_did_not_write(tmp_path):
+    from benchmarks import model_speed as bench
+
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"mine": true}')
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--workloads", "cnn", "--plot", str(mine)])
+    assert mine.read_text() == '{"mine": true}'

@@ -377,36 +377,19 @@ def test_specialized_step_graph_folds_its_shapes_and_computes_the_same(run_model
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
 
 
-MLP = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    mlp (float[N, 6] x) => (float[N, 1] y)
-    <float[6, 4] w1 = {0.3, -0.2, 0.1, 0.5, -0.4, 0.2, 0.1, 0.3, -0.1, 0.2, 0.4, -0.3,
-                       0.2, 0.1, -0.5, 0.3, 0.1, -0.2, 0.3, 0.4, -0.3, 0.2, 0.1, 0.5},
-     float[4] b1 = {0.1, -0.1, 0.05, 0.0}, float[4, 1] w2 = {0.5, -0.3, 0.2, 0.4},
-     float[1] b2 = {0.1}>
-    {
-        z = MatMul(x, w1)
-        a = Add(z, b1)
-        h = Relu(a)
-        p = MatMul(h, w2)
-        y = Add(p, b2)
-    }
-"""
-
-
 def test_a_long_batch_splits_the_weight_gradients_and_computes_the_same(run_model):
     """At 5000 rows the hidden layer's ``x^T @ dz`` and its bias gradient's row of ones are
     split across threads (SplitRowProducts); the step's numbers stay the general graph's to
     float rounding."""
-    program = lossgraph.compile_program(onnx.parser.parse_model(MLP), optimizer=Adam(0.05),
-                                        fuse="step")
+    program = lossgraph.compile_program(onnx.load(GOLDEN_MODELS / "skl_mlp_regressor.onnx"),
+                                        optimizer=Adam(0.05), fuse="step")
     general = program.graphs["train_step"]
     specialized = SpecializeBatch(5000)(general).model
     splits = {n.name.split("/split/")[0] for n in specialized.graph.node if "/split/" in n.name}
     assert len(splits) == 3  # x^T dz, the bias gradient's ones @ dz, and h^T g (one column)
     rng = np.random.default_rng(7)
-    X = rng.normal(size=(5000, 6)).astype(np.float32)
-    feeds = {"x": X, "label": rng.normal(size=(5000, 1)).astype(np.float32), **program.state,
+    X = rng.normal(size=(5000, 5)).astype(np.float32)
+    feeds = {"X": X, "label": rng.normal(size=(5000, 1)).astype(np.float32), **program.state,
              program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
              program.io("train_step", "step")[0]: np.array(1, np.int64)}
     expected = run_model(general, feeds)

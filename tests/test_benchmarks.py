@@ -324,6 +324,8 @@ def test_model_speed_quick_run_trains_every_network_to_torchs_weights(tmp_path, 
     figures = json.loads(out.read_text())
     assert figures["generator"] == bench.BENCHMARK_MARK
     assert [w["workload"] for w in figures["workloads"]] == list(bench.WORKLOADS)
+    targets = {w["workload"]: w["bound"]["target"] for w in figures["workloads"]}
+    assert targets == {"cnn": 0.8, "transformer": 0.8, "resnet": None, "lstm": None}
     for workload in figures["workloads"]:
         assert not workload["errors"], workload["errors"]
         for mode in bench.MODES:

@@ -39,12 +39,12 @@ import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.machine import machine_facts
+from benchmarks.output import written_by
 from benchmarks.problems import LEARNING_RATE, MOMENTUM, make_data, mlp_problem
 from lossgraph.errors import UnsafeWriteError
 from lossgraph.fileio import check_file_target, write_file
@@ -239,9 +239,8 @@ def report(trainings: list[Training], alone: list[dict[str, Any]]) -> None:
               f"{row['median_ms']:>10.2f}")
 
 
-def is_benchmark_output(path: Path) -> bool:
-    """True for a file this benchmark wrote (its JSON carries BENCHMARK_MARK)."""
-    return BENCHMARK_MARK.encode() in path.read_bytes()[:4096]
+#: True for a file this benchmark wrote (its JSON carries BENCHMARK_MARK)
+is_benchmark_output = written_by(BENCHMARK_MARK)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import math
 import os
@@ -50,6 +49,8 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from benchmarks.output import save_figure, written_by
 
 BENCHMARK_MARK = "lossgraph benchmarks/compile_cost.py"  # in every file the run writes
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,14 +269,12 @@ def report(cells: dict[str, dict[str, dict]], modes: list[str], repeat: int) -> 
     return verdicts
 
 
-def is_benchmark_output(path: Path) -> bool:
-    """True for a file this benchmark wrote (its JSON or PNG carries BENCHMARK_MARK)."""
-    return BENCHMARK_MARK.encode() in path.read_bytes()[:4096]
+#: True for a file this benchmark wrote (its JSON or PNG carries BENCHMARK_MARK)
+is_benchmark_output = written_by(BENCHMARK_MARK)
 
 
 def plot(cells: dict[str, dict[str, dict]], modes: list[str], path: str) -> None:
     """Time and memory against the model's nodes, log-log (needs matplotlib)."""
-    from lossgraph.fileio import write_file
 
     try:
         import matplotlib
@@ -317,9 +316,7 @@ def plot(cells: dict[str, dict[str, dict]], modes: list[str], path: str) -> None
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=7)
     figure.tight_layout()
-    image = io.BytesIO()
-    figure.savefig(image, format="png", dpi=110, metadata={"Software": BENCHMARK_MARK})
-    write_file(path, image.getvalue(), owned=is_benchmark_output)
+    save_figure(figure, path, BENCHMARK_MARK, dpi=110)
     print(f"\nplot written to {path}")
 
 

@@ -70,6 +70,7 @@ import lossgraph
 from benchmarks.harness import SETTLE_S
 from benchmarks.kernel_floor import heavy_kernel_floor, step_graph, torch_heavy_kernels
 from benchmarks.machine import cpu_seconds, machine_facts, report_load
+from benchmarks.output import save_figure, written_by
 from lossgraph.errors import UnsupportedModelError
 from lossgraph.fileio import write_file
 from lossgraph.optim import SGD
@@ -537,9 +538,8 @@ def bound_text(result: Result) -> str:
             + f"; {verdict}")
 
 
-def is_benchmark_output(path: Path) -> bool:
-    """True for a file this benchmark wrote (its JSON or PNG carries BENCHMARK_MARK)."""
-    return BENCHMARK_MARK.encode() in path.read_bytes()[:4096]
+#: True for a file this benchmark wrote (its JSON or PNG carries BENCHMARK_MARK)
+is_benchmark_output = written_by(BENCHMARK_MARK)
 
 
 def plot(results: list[Result], path: str) -> None:
@@ -574,9 +574,7 @@ def plot(results: list[Result], path: str) -> None:
         axis.set(xlabel="ms per step", title=result.workload)
         axis.grid(True, axis="x", alpha=0.3)
     figure.tight_layout()
-    image = io.BytesIO()
-    figure.savefig(image, format="png", dpi=110, metadata={"Software": BENCHMARK_MARK})
-    write_file(path, image.getvalue(), owned=is_benchmark_output)
+    save_figure(figure, path, BENCHMARK_MARK, dpi=110)
     print(f"\nplot written to {path}")
 
 

@@ -46,7 +46,6 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +54,7 @@ import onnx
 from benchmarks.bounds import numpy_products, onnxruntime_products
 from benchmarks.harness import SETTLE_S
 from benchmarks.machine import cpu_seconds, machine_facts, report_load
+from benchmarks.output import written_by
 from benchmarks.problems import (
     N_FEATURES,
     Epoch,
@@ -454,9 +454,8 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def is_benchmark_output(path: Path) -> bool:
-    """True for a file this benchmark wrote (its JSON carries BENCHMARK_MARK)."""
-    return BENCHMARK_MARK.encode() in path.read_bytes()[:4096]
+#: True for a file this benchmark wrote (its JSON carries BENCHMARK_MARK)
+is_benchmark_output = written_by(BENCHMARK_MARK)
 
 
 def run(config: Config) -> dict[str, Any]:

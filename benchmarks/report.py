@@ -9,15 +9,13 @@ rows and lossgraph's modes are compared with the peers and are never the fastest
 
 from __future__ import annotations
 
-import io
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import ModelRun, Row
+from benchmarks.output import save_figure, written_by
 from benchmarks.problems import LEARNING_RATE, MOMENTUM, N_FEATURES
-from lossgraph.fileio import write_file
 
 BENCHMARK_MARK = "lossgraph benchmarks/training_speed.py"  # in every file the run writes
 CHECK_TOLERANCE = 1e-4  # float32 weights after one epoch, against numpy's
@@ -220,9 +218,8 @@ def to_json(facts: dict[str, str], reports: dict[str, ModelReport], repeat: int,
                        for name, r in reports.items()}}
 
 
-def is_benchmark_output(path: Path) -> bool:
-    """True for a file this benchmark wrote (its JSON or PNG carries BENCHMARK_MARK)."""
-    return BENCHMARK_MARK.encode() in path.read_bytes()[:4096]
+#: True for a file this benchmark wrote (its JSON or PNG carries BENCHMARK_MARK)
+is_benchmark_output = written_by(BENCHMARK_MARK)
 
 
 def plot(reports: dict[str, ModelReport], batches: list[int], path: str) -> None:
@@ -252,7 +249,5 @@ def plot(reports: dict[str, ModelReport], batches: list[int], path: str) -> None
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
-    image = io.BytesIO()
-    figure.savefig(image, format="png", dpi=120, metadata={"Software": BENCHMARK_MARK})
-    write_file(path, image.getvalue(), owned=is_benchmark_output)
+    save_figure(figure, path, BENCHMARK_MARK, dpi=120)
     print(f"\nplot written to {path}")

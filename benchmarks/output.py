@@ -1,0 +1,29 @@
+"""The files a benchmark writes: each carries its benchmark's mark, so that a run replaces
+only what that benchmark wrote before (never a file of the user's), atomically."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lossgraph.fileio import write_file
+
+
+def written_by(mark: str) -> Callable[[Path], bool]:
+    """Whether a file was written by the benchmark of ``mark`` (its JSON's ``generator``
+    or its PNG's ``Software`` field carries the mark, near the start)."""
+
+    def owned(path: Path) -> bool:
+        return mark.encode() in path.read_bytes()[:4096]
+
+    return owned
+
+
+def save_figure(figure: Any, path: str, mark: str, dpi: int = 110) -> None:
+    """A matplotlib figure as a PNG carrying ``mark``, written atomically to ``path``
+    unless another program's file is there."""
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=dpi, metadata={"Software": mark})
+    write_file(path, image.getvalue(), owned=written_by(mark))

@@ -32,15 +32,13 @@ import onnx
 from ..builder import GraphBuilder
 from ..graphs import (
     FLOAT_TYPES,
-    all_graphs,
     attribute_values,
     consumers,
-    opset_version,
 )
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
 from .rewriting import constant_ints, replace_nodes
-from .scopes import typed_scopes
+from .scopes import rewrite_typed_scopes
 
 __all__ = ["FoldBatchIntoProducts"]
 
@@ -52,14 +50,7 @@ class FoldBatchIntoProducts(Pass):
     """Sums over the batch of batched ``a^T b`` as one ``Gemm`` over all rows (module doc)."""
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        if not any(n.op_type == "ReduceSum" for g in all_graphs(model.graph) for n in g.node):
-            return PassResult(model, changed=False)
-        names = NameAuthority.for_model(model)
-        opset = opset_version(model) or onnx.defs.onnx_opset_version()
-        changed = False
-        for graph, types, shapes in typed_scopes(model, symbolic=True):
-            changed |= _rewrite(graph, shapes, types, names, opset)
-        return PassResult(model, changed=changed)
+        return rewrite_typed_scopes(model, "ReduceSum", True, _rewrite)
 
 
 

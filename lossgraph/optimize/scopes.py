@@ -7,11 +7,20 @@ are left alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import onnx
 
-from ..graphs import ForwardFacts, known_shapes, subgraphs
+from ..graphs import ForwardFacts, all_graphs, known_shapes, opset_version, subgraphs
+from ..names import NameAuthority
+from ..passes.contract import PassResult
 
-__all__ = ["main_and_scan_bodies", "typed_scopes"]
+__all__ = ["main_and_scan_bodies", "rewrite_typed_scopes", "typed_scopes"]
+
+#: rewrites one graph in place, given its shapes and element types, the model's name
+#: authority and opset; True if it changed anything
+ScopeRewrite = Callable[[onnx.GraphProto, dict[str, list], dict[str, int], NameAuthority, int],
+                        bool]
 
 
 def main_and_scan_bodies(model: onnx.ModelProto, inferred: onnx.ModelProto
@@ -45,3 +54,17 @@ def typed_scopes(model: onnx.ModelProto, symbolic: bool = False
         scopes.append((graph, types, shapes))
     return scopes
 
+
+
+def rewrite_typed_scopes(model: onnx.ModelProto, op_type: str, symbolic: bool,
+                         rewrite: ScopeRewrite) -> PassResult:
+    """A speed pass's body: ``rewrite`` each of :func:`typed_scopes` (``symbolic`` as
+    there), when any graph of ``model`` holds an ``op_type`` node at all (else no work)."""
+    if not any(n.op_type == op_type for g in all_graphs(model.graph) for n in g.node):
+        return PassResult(model, changed=False)
+    names = NameAuthority.for_model(model)
+    opset = opset_version(model) or onnx.defs.onnx_opset_version()
+    changed = False
+    for graph, types, shapes in typed_scopes(model, symbolic=symbolic):
+        changed |= rewrite(graph, shapes, types, names, opset)
+    return PassResult(model, changed=changed)

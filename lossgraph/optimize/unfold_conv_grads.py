@@ -43,15 +43,13 @@ from onnx import TensorProto
 
 from ..builder import GraphBuilder
 from ..graphs import (
-    all_graphs,
     attribute_values,
     consumers,
-    opset_version,
 )
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
 from .rewriting import constant_ints, replace_nodes
-from .scopes import typed_scopes
+from .scopes import rewrite_typed_scopes
 
 __all__ = ["MAX_KERNEL_ELEMENTS", "UnfoldConvWeightGradients"]
 
@@ -68,14 +66,7 @@ class UnfoldConvWeightGradients(Pass):
     and dy (module doc)."""
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        if not any(n.op_type == "Conv" for g in all_graphs(model.graph) for n in g.node):
-            return PassResult(model, changed=False)
-        names = NameAuthority.for_model(model)
-        opset = opset_version(model) or onnx.defs.onnx_opset_version()
-        changed = False
-        for graph, types, shapes in typed_scopes(model, symbolic=False):
-            changed |= _rewrite(graph, shapes, types, names, opset)
-        return PassResult(model, changed=changed)
+        return rewrite_typed_scopes(model, "Conv", False, _rewrite)
 
 
 @dataclass(frozen=True)

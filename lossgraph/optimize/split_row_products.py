@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import onnx
 
 from ..builder import GraphBuilder
-from ..graphs import known_shapes, opset_version
+from ..graphs import attribute_values, known_shapes, opset_version
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
 from .scopes import main_and_scan_bodies
@@ -101,7 +101,7 @@ def _parts(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
     left, right = operands
     if node.op_type == "MatMul":
         return row_product_parts(right[0]) if left[0] == 1 else None
-    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    attributes = attribute_values(node)
     if (attributes.get("transA") != 1 or attributes.get("transB", 0) != 0
             or attributes.get("alpha", 1.0) != 1.0 or left[0] != right[0]):
         return None

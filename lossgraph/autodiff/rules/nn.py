@@ -724,7 +724,7 @@ def batch_normalization(g, node, *dys):
 def _batch_norm_inference(g, node, dy: str, _) -> tuple[str, ...]:
     x, scale, _, mean, var = node.inputs[:5]
     axes = _all_but_channel(g, x)
-    inv = g.Reciprocal(g.Sqrt(g.Add(var, g.const_like(node.attr("epsilon", 1e-5), x, "eps"))))
+    inv = _inverse_std(g, var, node, x)
     scale_inv = g.Mul(scale, inv)
     xhat = g.Mul(g.Sub(x, _per_channel(g, mean, x)), _per_channel(g, inv, x))
     dscale = g.reduce("ReduceSum", g.Mul(dy, xhat), axes, keepdims=0)

@@ -41,7 +41,7 @@ from .errors import (
 from .graphs import FLOAT_TYPES, elem_type_name
 from .manifest import FUSE_MODES
 from .optim import Optimizer, as_optimizer
-from .options import choice, count, flag
+from .options import choice, count, flag, names
 from .passes.gradient import BACKENDS
 from .passes.loss import OUTPUT_OPTIONS, resolve_score
 from .penalties import parse_penalty
@@ -93,32 +93,6 @@ def callbacks(value: Any) -> list[Callable]:
     return listed
 
 
-def names(option: str, value: Any) -> list[str] | None:
-    """A list of distinct tensor names (a single name is a list of one); None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, Mapping) or not isinstance(value, Iterable):
-        raise UnsupportedOptionError(
-            f"{option}={reprlib.repr(value)} must be a list of weight names, e.g. "
-            f"{option}=['coef', 'intercept'].")
-    listed = list(value)
-    for item in listed:
-        if not isinstance(item, str):
-            raise UnsupportedOptionError(
-                f"{option} holds {reprlib.repr(item)} ({type(item).__name__}), not a weight "
-                "name: it takes names (str).")
-    if not listed:
-        raise UnsupportedOptionError(
-            f"{option}=[] names no weight, so nothing would train. Leave {option}=None to "
-            "train every trainable initializer, or name some.")
-    repeated = sorted({n for n in listed if listed.count(n) > 1})
-    if repeated:
-        raise UnsupportedOptionError(f"{option} names {repeated[0]!r} more than once: {listed}.")
-    return listed
-
-
 @dataclass(frozen=True)
 class CompileOptions:
     """``compile``'s options, checked and in the form the pipeline uses."""
@@ -143,7 +117,8 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
         raise UnsupportedOptionError(
             "penalty= needs lossgraph to add the loss; with loss=None the model carries its "
             "own. Add the penalty when building it: add_loss_output(..., penalty=...).")
-    return CompileOptions(names("weights", weights), options, as_optimizer(optimizer),
+    return CompileOptions(names("weights", weights, allow_empty=True), options,
+                          as_optimizer(optimizer),
                           backend, fuse)
 
 
@@ -277,7 +252,8 @@ def no_weights_error(model: onnx.ModelProto) -> UnsupportedModelError:
 
 
 def _shape_text(shape: Sequence[int | str | None]) -> str:
-    dims = [str(d) if isinstance(d, int) else "N" for d in shape]
+    """``(N, K)`` for a declared shape: each dimension's size or own name, ``?`` unnamed."""
+    dims = ["?" if d is None else str(d) for d in shape]
     return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 

@@ -46,7 +46,7 @@ from ..separate import PackedUpdate, packed_update
 from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
 from .forward_backward import SeparateStep
-from .session import checked_providers, create_session, evaluation_error
+from .session import check_loadable, checked_providers, create_session, evaluation_error
 
 __all__ = ["Trainer"]
 
@@ -65,6 +65,8 @@ class Trainer:
             raise UnsupportedOptionError(
                 f"Trainer takes a TrainingProgram (from lossgraph.compile_program or "
                 f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
+        for name, graph in program.graphs.items():  # before any work, not at the first fit
+            check_loadable(graph, f"The program's {name!r} graph")
         self.program = program
         self.providers = checked_providers(providers)
         self.session_options = session_options
@@ -146,11 +148,11 @@ class Trainer:
                 for stale in [k for k in self._runners if k[0] == graph and k[1] is not None]:
                     del self._runners[stale]
                 model = SpecializeBatch(batch)(model).model
-            self._sessions[key] = self._new_session(model)
+            self._sessions[key] = self._new_session(model, graph)
         return self._sessions[key]
 
-    def _new_session(self, model: onnx.ModelProto):
-        return create_session(model, self.providers, self.session_options)
+    def _new_session(self, model: onnx.ModelProto, graph: str = "model"):
+        return create_session(model, self.providers, self.session_options, graph)
 
     def _runner(self, graph: str | PackedUpdate, batch: int | None = None,
                 bound: Mapping[str, np.ndarray] | None = None) -> GraphRunner:

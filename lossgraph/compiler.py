@@ -90,6 +90,7 @@ from .separate import separate_graphs
 from .signature import Signature
 from .target import Target, use_target
 from .validation import (
+    check_learnable,
     check_penalized,
     check_trainable_model,
     compile_options,
@@ -255,6 +256,7 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
     if not weights:
         raise no_weights_error(loss_model)
     check_penalized(penalty, weights)
+    check_learnable(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numbers
 import reprlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,10 +31,13 @@ import onnx
 from onnx import helper
 
 from . import training_build
+from .analysis import stuck_weights
 from .errors import (
     DTypeMismatchError,
     InvalidDataError,
+    NoGradientError,
     ShapeMismatchError,
+    StuckWeightWarning,
     UnsupportedModelError,
     UnsupportedOptionError,
     suggest,
@@ -45,6 +49,7 @@ from .options import choice, count, flag, names
 from .passes.gradient import BACKENDS
 from .passes.loss import OUTPUT_OPTIONS, resolve_score
 from .penalties import parse_penalty
+from .roles import get_roles
 
 __all__ = [
     "CompileOptions", "compile_options", "check_trainable_model", "no_weights_error",
@@ -207,6 +212,33 @@ def check_trainable_model(model: onnx.ModelProto) -> None:
             "parameters in node attributes and computes a piecewise-constant function, so "
             "there is no weight to train by gradient descent. Refit the estimator (e.g. with "
             "scikit-learn) and convert it again.")
+
+
+def check_learnable(model: onnx.ModelProto, weights: Sequence[str]) -> None:
+    """Weights that training can never change (every path to the loss passes an op whose
+    gradient is zero everywhere: :func:`~lossgraph.analysis.stuck_weights`): a
+    NoGradientError when all are, else a StuckWeightWarning naming them."""
+    stuck = stuck_weights(model, weights)
+    if not stuck:
+        return
+    loss = get_roles(model).get("loss", "the outputs")
+    paths = "".join(f"\n  {weight.describe()}" for weight in stuck)
+    zeros = ", ".join(dict.fromkeys(w.node.op_type for w in stuck))
+    way_out = (f"Train through a differentiable stand-in for {zeros} (e.g. the straight-"
+               "through estimator, x + (Round(x) - x) with the difference as a constant, "
+               "before export), or train weights with a differentiable path.")
+    names = ", ".join(repr(w.name) for w in stuck)
+    if len(stuck) == len(weights):
+        raise NoGradientError(
+            f"No weight can learn: {names} reach{'es' * (len(stuck) == 1)} the loss {loss!r} "
+            f"only through ops whose gradient is zero wherever it exists ({zeros}), so "
+            f"gradient descent would never change {'them' if len(stuck) > 1 else 'it'}:"
+            f"{paths}\n{way_out}")
+    warnings.warn(
+        f"{names} reach{'es' * (len(stuck) == 1)} the loss {loss!r} only through ops whose "
+        f"gradient is zero wherever it exists ({zeros}): training will not change "
+        f"{'them' if len(stuck) > 1 else 'it'}:{paths}\n{way_out}", StuckWeightWarning,
+        stacklevel=4)
 
 
 def weights_dtype(weights: Mapping[str, np.ndarray], what: str) -> np.dtype:

@@ -36,6 +36,7 @@ from lossgraph.errors import (
     InvalidModelError,
     LossgraphError,
     MissingGradientError,
+    NoGradientError,
     RuntimeUnavailableError,
     ShapeMismatchError,
     UnknownNameError,
@@ -394,6 +395,10 @@ CASES: list[Case] = [
          UnsupportedOptionError, "target=21 must be a name"),
     Case("backend-unknown", "backend='torch'", lambda c: c.program(backend="torch"),
          UnsupportedOptionError, "backend='torch' is not accepted"),
+    Case("no-weight-can-learn", "every weight reaches the loss through Round",
+         lambda c: c.program(linear(("y = Add(h, intercept)",
+                                     "r = Round(h)\n s = Sign(intercept)\n y = Add(r, s)"))),
+         NoGradientError, "No weight can learn: 'coef', 'intercept' reach the loss"),
     Case("weights-empty", "weights=[]", lambda c: c.program(weights=[]),
          UnsupportedOptionError,
          "weights=[] names no weight. Leave weights=None for every trainable initializer, or "

@@ -599,15 +599,17 @@ def test_every_catalogue_case_is_listed_in_the_errors_page():
 
 
 @pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
-def test_a_diverging_fit_keeps_the_state_before_the_failing_step_or_epoch(mode, tmp_path):
+def test_a_diverging_fit_keeps_the_last_state_whose_loss_was_finite(mode, tmp_path):
+    """The failing step's loss is that of the state the step before made: the state
+    before that step is kept (epoch mode: the epoch's start, whose first loss was finite)."""
     ctx = Context(tmp_path)
     with pytest.raises(ConvergenceError, match="epoch 1, batch 3"):
         diverge(ctx, mode)
     (trainer,) = ctx.trainers
     expected = lossgraph.Trainer(trainer.program)
     expected.fit(X, Y, epochs=1, batch_size=10, shuffle=False, progress=False)
-    if mode != "epoch":  # the three good steps before the failing one; epoch mode: none
-        expected.fit(X[:30], Y[:30], epochs=1, batch_size=10, shuffle=False, warm_start=True,
+    if mode != "epoch":  # two of the three good steps before the failing one; epoch mode: none
+        expected.fit(X[:20], Y[:20], epochs=1, batch_size=10, shuffle=False, warm_start=True,
                      progress=False)
     assert trainer.steps_ == expected.steps_ and trainer.epochs_ == 1
     for name, value in expected.state.items():

@@ -172,9 +172,32 @@ def test_divergence_in_a_fused_epoch_restores_the_epoch_start(data):
     X, y = data
     trainer = lossgraph.Trainer(program("epoch", SGD(1e6)))
     before = trainer.state
-    with pytest.raises(ConvergenceError, match="start of the epoch"):
+    with pytest.raises(ConvergenceError, match="start of the failing epoch"):
         trainer.fit(X * 1e3, y, epochs=1, batch_size=10, shuffle=False, progress=False)
     np.testing.assert_array_equal(trainer.state["coef"], before["coef"])
+
+
+@pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
+def test_divergence_keeps_the_last_state_whose_loss_was_finite(data, mode):
+    """Full-batch steps: the failing step's loss is computed at the state the step before
+    made, so that state diverged already; the one before it is kept, scores a finite
+    loss, is named in the message, and training resumes from it."""
+    X, y = data
+    X = X * 30
+    trainer = lossgraph.Trainer(program(mode, SGD(0.5)))
+    with pytest.raises(ConvergenceError) as error:
+        trainer.fit(X, y, epochs=50, batch_size=len(X), shuffle=False, progress=False)
+    kept = trainer.steps_
+    assert f"before step {kept + 1} (epoch {kept}, batch 0), the last whose loss was finite" \
+        in str(error.value)
+    assert np.isfinite(trainer.score(X, y))
+    again = lossgraph.Trainer(program(mode, SGD(0.5))).fit(
+        X, y, epochs=kept, batch_size=len(X), shuffle=False, progress=False)
+    for name, value in again.state.items():
+        np.testing.assert_array_equal(trainer.state[name], value)
+    trainer.fit(X, y, epochs=2, batch_size=len(X), warm_start=True, progress=False,
+                epoch_learning_rate=lambda epoch: 1e-6)
+    assert trainer.steps_ == kept + 2 and np.isfinite(trainer.train_losses_[-1])
 
 
 def test_nan_in_the_data_is_named_by_row(data):

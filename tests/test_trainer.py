@@ -50,6 +50,20 @@ def test_validation_losses_are_recorded_per_epoch(data):
     assert trainer.validation_losses_[-1] == pytest.approx(trainer.score(X[150:], y[150:]))
 
 
+def test_a_non_finite_validation_loss_warns_and_is_recorded(data):
+    """Validation features far outside the training ones (1e37 times them) overflow the
+    squared error: the loss is recorded as it is, with a ValidationLossWarning."""
+    from lossgraph.errors import LossgraphWarning, ValidationLossWarning
+
+    X, y = data
+    with pytest.warns(ValidationLossWarning, match="validation loss after epoch 0 is inf"):
+        trainer = lossgraph.Trainer(program()).fit(
+            X[:150], y[:150], epochs=2, batch_size=25, progress=False,
+            validation_data=(X[150:] * np.float32(1e37), y[150:]))
+    assert trainer.validation_losses_ == [np.inf, np.inf]
+    assert issubclass(ValidationLossWarning, LossgraphWarning)
+
+
 def test_a_callback_returning_true_stops_training(data):
     X, y = data
     seen = []

@@ -25,6 +25,7 @@ import math
 import numbers
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from ..errors import (
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedOptionError,
+    ValidationLossWarning,
     suggest,
 )
 from ..metadata import LOSS_KEY, read_json
@@ -317,7 +319,7 @@ class Trainer:
                 logs = {"loss": float(np.dot(losses, sizes) / np.sum(sizes))}
                 self.train_losses_.append(logs["loss"])
                 if held_out is not None:
-                    logs["validation_loss"] = self._evaluate(held_out)
+                    logs["validation_loss"] = self._validation_loss(held_out, epoch)
                     self.validation_losses_.append(logs["validation_loss"])
                 if bar is not None:
                     bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items()}, refresh=False)
@@ -539,6 +541,19 @@ class Trainer:
         loss = self.program.manifest["roles"]["loss"]
         return float(self._run(session, "evaluate", [loss],
                                {**data, **self._model_state("evaluate")})[0])
+
+    def _validation_loss(self, data: Mapping[str, np.ndarray], epoch: int) -> float:
+        """The loss on the validation data, with a ValidationLossWarning when it is not
+        finite (the training data's loss was: the model fails on these data only)."""
+        loss = self._evaluate(data)
+        if not math.isfinite(loss):
+            warnings.warn(
+                f"The validation loss after epoch {epoch} is {loss}, though the training loss "
+                "is finite: the model predicts values the loss cannot score on the validation "
+                "data (features far outside the training range, or labels the loss cannot "
+                "take). It is recorded in validation_losses_; training goes on.",
+                ValidationLossWarning, stacklevel=4)
+        return loss
 
     def _model_state(self, graph: str) -> dict[str, np.ndarray]:
         """The live weights and buffers that ``graph`` takes as inputs."""

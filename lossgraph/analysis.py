@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .differentiability import (
+from .autodiff.registry import (
     differentiable_inputs,
     not_differentiable_reason,
     zero_gradient_op,
@@ -97,7 +97,7 @@ def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
     """Float values of the top-level graph that influence ``targets`` differentiably.
 
     Walks the graph backwards from ``targets`` through differentiable inputs only
-    (see :mod:`lossgraph.differentiability`); a subgraph's captured outer values count
+    (see :mod:`lossgraph.autodiff.registry`); a subgraph's captured outer values count
     as inputs of the node that holds it. ``trainable`` also skips the inputs that are
     differentiable but never trained (batch-normalization statistics).
     """
@@ -349,9 +349,9 @@ def trainable_initializers(model: ModelLike) -> list[str]:
     :mod:`lossgraph.roles`), else every float output. Excluded: integer tensors
     (shapes, class lists, indices), initializers reaching the outputs only through
     non-differentiable inputs, inputs that carry gradients but are not weights
-    (batch-normalization statistics, class weights of the losses, one-hot values; see
-    :data:`~lossgraph.differentiability.NON_TRAINABLE_INPUTS`), and rank-0 scalars,
-    which exporters use for constants (pass such a name explicitly to train it).
+    (batch-normalization statistics, class weights of the losses, one-hot values: the
+    ``constant`` inputs of :func:`~lossgraph.autodiff.registry.grad_rule`), and rank-0
+    scalars, which exporters use for constants (pass such a name explicitly to train it).
 
     The model is read as compile_program differentiates it: a ``SplitToSequence`` that
     :class:`~lossgraph.passes.SequencesToTensors` rewrites into a ``Split`` passes

@@ -232,9 +232,7 @@ def _check_wrt(graph: onnx.GraphProto, wrt: Sequence[str], facts: ForwardFacts) 
     candidates = [t.name for t in graph.initializer] + [
         i.name for i in graph.input if i.name not in {t.name for t in graph.initializer}
     ]
-    if len(set(wrt)) != len(wrt):
-        raise UnsupportedOptionError(f"weights lists a name twice: {list(wrt)}.")
-    for w in wrt:
+    for w in wrt:  # distinct already: Gradient's fields are checked name lists
         if w not in candidates:
             raise UnknownNameError(
                 f"weights names {w!r}, which is neither an initializer nor an input of the "

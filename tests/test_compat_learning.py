@@ -235,6 +235,8 @@ def test_mean_reduction_divides_by_the_weights():
     ("square_error", SquareLearningLoss), ("square", SquareLearningLoss),
     ("absolute", AbsoluteLearningLoss), ("elastic", ElasticLearningLoss),
     ("log", NegLogLearningLoss), ("neglog", NegLogLearningLoss),
+    ("absolute_error", AbsoluteLearningLoss), ("elastic_error", ElasticLearningLoss),
+    ("logloss", NegLogLearningLoss),
     ("SquareLearningLoss", SquareLearningLoss), ("AbsoluteLearningLoss", AbsoluteLearningLoss),
     ("ElasticLearningLoss", ElasticLearningLoss), ("NegLogLearningLoss", NegLogLearningLoss)])
 def test_loss_aliases(alias, kind):
@@ -278,7 +280,7 @@ def test_no_penalty_has_no_graph():
     assert NoLearningPenalty().build_onnx_function({"coef": np.zeros(2, np.float32)}) is None
 
 
-@pytest.mark.parametrize("alias,kind", [(None, NoLearningPenalty),
+@pytest.mark.parametrize("alias,kind", [(None, NoLearningPenalty), ("", NoLearningPenalty),
                                         ("NoLearningPenalty", NoLearningPenalty),
                                         ("elastic", ElasticLearningPenalty),
                                         ("l1l2", ElasticLearningPenalty),

@@ -88,8 +88,9 @@ class RuntimeUnavailableError(LossgraphError, ImportError):
     """The requested runtime feature (e.g. the onnxruntime training build) is not installed."""
 
 
-class ConvergenceError(LossgraphError, ArithmeticError):
-    """Training diverged: the loss became NaN or infinite."""
+class ConvergenceError(LossgraphError, ArithmeticError, RuntimeError):
+    """Training diverged: the loss became NaN or infinite. Also a ``RuntimeError``, the
+    reference documents' (onnxcustom's) base for it."""
 
 
 class InvalidDataError(LossgraphError, ValueError):
@@ -124,8 +125,9 @@ class EvaluationError(LossgraphError, RuntimeError):
     """Running a graph failed while training or predicting."""
 
 
-class ProviderError(LossgraphError, ValueError):
-    """The requested device or execution provider cannot run the graphs."""
+class ProviderError(LossgraphError, ValueError, RuntimeError):
+    """The requested device or execution provider cannot run the graphs. Also a
+    ``RuntimeError``, the reference documents' (onnxcustom's) base for it."""
 
 
 class NotFittedError(LossgraphError, AttributeError):

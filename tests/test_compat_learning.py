@@ -302,6 +302,8 @@ def test_bad_penalty_names_and_options_raise():
 def test_exceptions_belong_to_lossgraph_hierarchy():
     for error in (ConvergenceError, EvaluationError, ProviderError):
         assert issubclass(error, LossgraphError)
+        assert issubclass(error, RuntimeError)  # onnxcustom's base: old except clauses hold
+    assert issubclass(ConvergenceError, ArithmeticError) and issubclass(ProviderError, ValueError)
     assert issubclass(ConvergenceWarning, Warning)
     assert ConvergenceError is lossgraph.errors.ConvergenceError
 

@@ -50,6 +50,7 @@ from lossgraph.compat import (
     LearningRateSGD,
     LearningRateSGDNesterov,
     NegLogLearningLoss,
+    NoLearningPenalty,
     NotFittedError,
     OrtGradientForwardBackward,
     ProviderError,
@@ -633,6 +634,50 @@ def test_get_params_set_params_and_clone(kind):
     est.set_params(learning_rate=0.01).fit(X, y)
     assert not np.allclose(est.get_state()["coef"], twin.get_state()["coef"])
     assert is_regressor(est) and not is_classifier(est)
+
+
+def test_learning_objects_are_resolved_on_construction_and_get_params_keeps_the_given_values():
+    """The tutorial's attributes are objects (isinstance(opt.learning_rate,
+    LearningRateSGDNesterov)); get_params gives what the constructor was given, so clone and
+    GridSearchCV rebuild the same estimator."""
+    est = FB(linear_onnx(*START), learning_rate="Nesterov", learning_loss="square_error",
+             max_iter=2)
+    assert isinstance(est.learning_rate, LearningRateSGDNesterov)
+    assert isinstance(est.learning_loss, SquareLearningLoss)
+    assert isinstance(est.learning_penalty, NoLearningPenalty)
+    whole = OrtGradientOptimizer(whole_graph_model(), None, learning_rate="SGD")
+    assert isinstance(whole.learning_rate, LearningRateSGD)
+    params = est.get_params()
+    assert (params["learning_rate"], params["learning_loss"], params["learning_penalty"]) == (
+        "Nesterov", "square_error", None)
+    twin = clone(est)
+    assert twin.get_params()["learning_rate"] == "Nesterov"
+    assert twin.learning_rate == est.learning_rate and twin.learning_loss == est.learning_loss
+    # set_params and assignment resolve as the constructor does
+    est.set_params(learning_loss="elastic_error", learning_penalty="l1l2")
+    assert isinstance(est.learning_loss, ElasticLearningLoss)
+    assert isinstance(est.learning_penalty, ElasticLearningPenalty)
+    assert est.get_params()["learning_loss"] == "elastic_error"
+    est.learning_rate = "SGD"
+    assert isinstance(est.learning_rate, LearningRateSGD)
+    assert est.get_params()["learning_rate"] == "SGD"
+    X, y, _ = small_linear()
+    est.fit(X, y)
+    copy = pickle.loads(pickle.dumps(est))
+    assert copy.get_params()["learning_loss"] == "elastic_error"
+    assert isinstance(copy.learning_loss, ElasticLearningLoss)
+    np.testing.assert_array_equal(copy.predict(X), est.predict(X))
+    # a bad name is named at once
+    with pytest.raises(UnsupportedOptionError, match="Did you mean 'Nesterov'"):
+        FB(linear_onnx(*START), learning_rate="Nesterof")
+    with pytest.raises(UnsupportedOptionError, match="Unknown learning loss"):
+        est.set_params(learning_loss="squared")
+    grid = GridSearchCV(FB(linear_onnx(*START), max_iter=3, random_state=0),
+                        {"learning_loss": ["square_error", "absolute_error"],
+                         "learning_rate": ["SGD", "Nesterov"]}, cv=2).fit(X, y)
+    assert grid.best_params_["learning_loss"] in ("square_error", "absolute_error")
+    assert isinstance(grid.best_estimator_.learning_loss, (SquareLearningLoss,
+                                                           AbsoluteLearningLoss))
 
 
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))

@@ -67,6 +67,11 @@ FB = OrtGradientForwardBackwardOptimizer
 OPSETS = {"": 18, "ai.onnx.ml": 3}
 
 
+def constant(eta0: float) -> LearningRateSGD:
+    """A constant rate (a float alone is onnxcustom's invscaling from eta0)."""
+    return LearningRateSGD(eta0=eta0, learning_rate="constant")
+
+
 # -- data ----------------------------------------------------------------------------------
 
 
@@ -302,7 +307,8 @@ def test_linear_regression_forward_backward_matches_scikit_learn():
 def test_documents_elastic_whole_graph_example_equals_numpy():
     """add_loss_output(onx, weight_name='weight', score_name='elastic', l1_weight=0.1,
     l2_weight=0.9, penalty={'coef': {'l2': 0.01}}) trained with OrtGradientOptimizer(...,
-    learning_rate=1e-3) on weighted rows: numpy's minibatch SGD, batch for batch."""
+    learning_rate=1e-3) on weighted rows: numpy's minibatch SGD, batch for batch, at
+    onnxcustom's rate for a float, 1e-3 / (t + 1) ** 0.25 in epoch t."""
     X, y, onx = linear_problem()
     w = np.random.default_rng(1).uniform(0.5, 2.0, len(y)).astype(np.float32)
     onx_loss = lossgraph.add_loss_output(onx, weight_name="weight", score_name="elastic",
@@ -321,7 +327,8 @@ def test_documents_elastic_whole_graph_example_equals_numpy():
 
     start = initializers(onx)
     reference = numpy_fit({"coef": start["coef"], "intercept": start["intercept"]}, X, y, grad,
-                          epochs=4, batch_size=50, rate=lambda t: 1e-3, random_state=3,
+                          epochs=4, batch_size=50, rate=lambda t: 1e-3 / (t + 1) ** 0.25,
+                          random_state=3,
                           sample_weight=w)
     assert_states_close(est.get_state(), reference, rtol=1e-5)
 
@@ -457,7 +464,8 @@ def test_logistic_regression_with_log_loss_equals_numpy_and_scikit_learn():
     def grad(state, Xb, yb, wb):
         return linear_grads(state, Xb, (sigmoid(linear_predict(state, Xb)) - yb[:, None]) / len(Xb))
 
-    est = FB(onx, learning_loss="log", learning_rate=0.5, max_iter=20, batch_size=rows)
+    est = FB(onx, learning_loss="log", learning_rate=constant(0.5), max_iter=20,
+             batch_size=rows)
     est.fit(X, y)
     start = {"coef": coef.reshape(-1, 1), "intercept": np.array([0.1])}
     reference = numpy_fit(start, X, y, grad, epochs=20, batch_size=rows, rate=lambda t: 0.5)
@@ -469,7 +477,7 @@ def test_logistic_regression_with_log_loss_equals_numpy_and_scikit_learn():
             return super().penalty(["coef"])
 
     C = 1.0
-    est.set_params(max_iter=300, learning_rate=1.0,
+    est.set_params(max_iter=300, learning_rate=constant(1.0),
                    learning_penalty=CoefOnly(l1=0.0, l2=1 / (2 * C * rows)))
     est.fit(X, y)
     logistic = LogisticRegression(C=C, tol=1e-10, max_iter=1000).fit(X, y)
@@ -764,7 +772,8 @@ def test_training_starts_from_the_models_initializers(kind):
     est = ESTIMATORS[kind](max_iter=1, learning_rate=0.0).fit(X, y)
     assert_states_close(est.get_state(), {k: v.astype(np.float32) for k, v in
                                           START_STATE.items()}, rtol=0, atol=0)
-    est.set_params(max_iter=2, learning_rate=0.05, batch_size=30, random_state=4).fit(X, y)
+    est.set_params(max_iter=2, learning_rate=constant(0.05), batch_size=30,
+                   random_state=4).fit(X, y)
     grad = half_square_grad if kind == "forward_backward" else square_grad
     reference = numpy_fit(START_STATE, X, y, grad, epochs=2, batch_size=30,
                           rate=lambda t: 0.05, random_state=4)
@@ -795,8 +804,9 @@ def test_the_penalty_update_is_scaled_by_the_learning_rate(eta):
     """w' = w - eta (loss gradient + l1 sign(w) + 2 l2 w): the penalty's gradient joins the
     loss's before the rate applies (the reference subtracted it unscaled)."""
     X, y, onx = small_linear()
-    est = FB(onx, learning_rate=eta, learning_penalty=ElasticLearningPenalty(l1=0.3, l2=0.2),
-             max_iter=2, batch_size=len(X)).fit(X, y)
+    est = FB(onx, learning_rate=constant(eta),
+             learning_penalty=ElasticLearningPenalty(l1=0.3, l2=0.2), max_iter=2,
+             batch_size=len(X)).fit(X, y)
 
     def grad(state, Xb, yb, wb):
         grads = half_square_grad(state, Xb, yb, wb)
@@ -907,7 +917,8 @@ def test_minibatches_follow_the_trainers_permutations(kind):
     """Several epochs of uneven minibatches (120 rows in batches of 50: 50, 50, 20) equal
     numpy's run over default_rng(random_state).permutation(rows) epoch after epoch."""
     X, y, _ = small_linear()
-    est = ESTIMATORS[kind](max_iter=4, batch_size=50, random_state=11, learning_rate=0.05)
+    est = ESTIMATORS[kind](max_iter=4, batch_size=50, random_state=11,
+                           learning_rate=constant(0.05))
     est.fit(X, y)
     grad = half_square_grad if kind == "forward_backward" else square_grad
     reference = numpy_fit(START_STATE, X, y, grad, epochs=4, batch_size=50,
@@ -916,6 +927,24 @@ def test_minibatches_follow_the_trainers_permutations(kind):
     other = numpy_fit(START_STATE, X, y, grad, epochs=4, batch_size=50,
                       rate=lambda t: 0.05, random_state=12)
     assert not np.allclose(other["coef"], reference["coef"], rtol=1e-4)  # the order matters
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_a_float_learning_rate_is_onnxcustoms_invscaling_and_the_repr_says_so(kind):
+    """onnxcustom's select(0.05) is LearningRateSGD(eta0=0.05): every update of epoch t at
+    0.05 / (t + 1) ** 0.25 (a decision, docs/reference/errors.md)."""
+    X, y, _ = small_linear()
+    est = ESTIMATORS[kind](max_iter=4, batch_size=50, random_state=11, learning_rate=0.05)
+    assert est.learning_rate == LearningRateSGD(eta0=0.05)
+    assert "learning_rate=LearningRateSGD(eta0=0.05" in repr(est)
+    assert "learning_rate='invscaling'" in repr(est)
+    assert est.get_params()["learning_rate"] == 0.05
+    est.fit(X, y)
+    grad = half_square_grad if kind == "forward_backward" else square_grad
+    reference = numpy_fit(START_STATE, X, y, grad, epochs=4, batch_size=50,
+                          rate=lambda t: 0.05 / (t + 1) ** 0.25, random_state=11)
+    assert_states_close(est.get_state(), reference, rtol=1e-5)
+    assert "learning_rate=" not in repr(ESTIMATORS[kind]())  # the default is not shown
 
 
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))
@@ -1130,7 +1159,8 @@ def test_enable_logging_logs_each_epoch_to_the_lossgraph_logger(caplog):
                  random_state=0).fit(X, y)
     lines = [r.getMessage() for r in caplog.records if r.name == "lossgraph"]
     assert len(lines) == 3 and lines[0].startswith("[OrtGradientForwardBackwardOptimizer.fit]")
-    assert f"loss={est.train_losses_[2]:g}" in lines[2] and "learning_rate=0.01" in lines[2]
+    assert f"loss={est.train_losses_[2]:g}" in lines[2]
+    assert f"learning_rate={0.01 / 3 ** 0.25:g}" in lines[2]  # a float is invscaling
     caplog.clear()
     FB(onx, max_iter=2).fit(X, y)
     assert not [r for r in caplog.records if r.name == "lossgraph"]

@@ -156,8 +156,14 @@ def test_learning_rate_aliases(alias, kind):
     assert LearningRateSGD.select(alias) == kind()
 
 
-def test_float_learning_rate_is_constant():
-    assert BaseLearningRate.select(0.2) == LearningRateSGD(eta0=0.2, learning_rate="constant")
+def test_float_learning_rate_is_invscaling_as_in_onnxcustom():
+    """onnxcustom's select(1e-3) is LearningRateSGD(eta0=1e-3): invscaling (a decision,
+    docs/reference/errors.md); learning_rate="constant" keeps the rate."""
+    assert BaseLearningRate.select(0.2) == LearningRateSGD(eta0=0.2)
+    assert BaseLearningRate.select(0.2).learning_rate == "invscaling"
+    assert "learning_rate='invscaling'" in repr(BaseLearningRate.select(1e-3))
+    assert BaseLearningRate.select(1).eta0 == 1.0
+    assert BaseLearningRate.select(np.float32(0.5)) == LearningRateSGD(eta0=0.5)
 
 
 @pytest.mark.parametrize("bad", ["Nesterof", "adam", True, None])

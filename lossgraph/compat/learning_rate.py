@@ -114,12 +114,15 @@ class BaseLearningRate:
 
     @classmethod
     def select(cls, value: Any) -> BaseLearningRate:
-        """An instance for ``value``: an instance (returned as is), a float (a constant
-        rate), a class name or an alias (``"SGD"``, ``"SGDNesterov"``, ``"Nesterov"``)."""
+        """An instance for ``value``: an instance (returned as is), a number ``eta0``
+        (``LearningRateSGD(eta0=eta0)``, whose default schedule is invscaling, as
+        onnxcustom's ``select`` gave), a class name or an alias (``"SGD"``,
+        ``"SGDNesterov"``, ``"Nesterov"``). A constant rate is
+        ``LearningRateSGD(eta0, learning_rate="constant")``."""
         if isinstance(value, BaseLearningRate):
             return value
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            return LearningRateSGD(eta0=float(value), learning_rate="constant")
+            return LearningRateSGD(eta0=float(value))
         names = {name: kind for kind in (LearningRateSGD, LearningRateSGDNesterov)
                  for name in (kind.__name__, *kind.aliases)}
         if isinstance(value, str) and value in names:

@@ -447,7 +447,9 @@ class OrtGradientOptimizer(_TrainingEstimator):
     ``model_onnx`` comes from :func:`~lossgraph.add_loss_output` (its loss output is
     ``loss_output_name``, its sample-weight input ``sample_weight_name`` when it has
     one); ``weights_to_train`` names its initializers to train. ``learning_rate`` is a
-    :class:`~lossgraph.compat.BaseLearningRate`, its name or a float;
+    :class:`~lossgraph.compat.BaseLearningRate`, its name or a float ``eta0``
+    (onnxcustom's ``LearningRateSGD(eta0)``: invscaling), resolved on construction (the
+    attribute is the object, ``get_params`` keeps the value given);
     :class:`~lossgraph.compat.LearningRateSGDNesterov` adds (Nesterov) momentum.
     ``max_iter`` epochs of ``batch_size`` rows; ``validation_every`` (epochs, or a
     fraction of ``max_iter`` below 1) spaces the validation losses; ``saved_gradient``,

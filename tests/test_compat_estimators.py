@@ -47,6 +47,7 @@ from lossgraph.compat import (
     ConvergenceWarning,
     ElasticLearningLoss,
     ElasticLearningPenalty,
+    EvaluationError,
     LearningRateSGD,
     LearningRateSGDNesterov,
     NegLogLearningLoss,
@@ -1011,6 +1012,30 @@ def test_exc_false_turns_divergence_into_a_warning_with_finite_weights(kind, eta
     assert all(np.isfinite(v).all() for v in state.values())
     assert len(est.train_losses_) < 50 and np.isfinite(est.train_losses_).all()
     assert np.isfinite(est.predict(X)).all()
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_a_non_finite_validation_loss_raises_evaluation_error(kind):
+    """onnxcustom raised EvaluationError when the validation loss was NaN or infinite; the
+    fitted attributes then hold what was trained until that epoch."""
+    X, y, _ = small_linear()
+    X_val = np.full((10, 4), 1e30, np.float32)  # finite data whose loss overflows float32
+    y_val = np.zeros(10, np.float32)
+    est = ESTIMATORS[kind](max_iter=3, learning_rate=constant(0.01), random_state=0)
+    with pytest.raises(EvaluationError, match=r"validation loss is inf after epoch 0"):
+        est.fit(X, y, X_val=X_val, y_val=y_val)
+    assert len(est.train_losses_) == 1 and est.validation_losses_ == []
+    assert_states_close(est.get_state(), ESTIMATORS[kind](max_iter=1, learning_rate=constant(
+        0.01), random_state=0).fit(X, y).get_state(), rtol=0, atol=0)
+    est.fit(X, y, X_val=X, y_val=y)  # finite: recorded as before
+    assert len(est.validation_losses_) == 3 and np.isfinite(est.validation_losses_).all()
+    if kind == "whole_graph":
+        return  # exc is the forward/backward optimizer's parameter
+    est.set_params(exc=False)  # onnxcustom's forward/backward optimizer warned then
+    with pytest.warns(ConvergenceWarning, match="validation loss is inf after epoch") as caught:
+        est.fit(X, y, X_val=X_val, y_val=y_val)
+    assert [f"epoch {t}:" in str(w.message) for t, w in enumerate(caught)] == [True] * 3
+    assert len(est.train_losses_) == 3 and est.validation_losses_ == [np.inf] * 3
 
 
 # ==========================================================================================

@@ -41,6 +41,7 @@ from ..compiler import compile_program
 from ..errors import (
     ConvergenceError,
     ConvergenceWarning,
+    EvaluationError,
     InvalidDataError,
     NotFittedError,
     UnknownNameError,
@@ -299,16 +300,30 @@ class _TrainingEstimator(BaseEstimator):
         if getattr(self, "enable_logging", False):
             callbacks.append(self._log_epoch(rate))
         validation: list[float] = []
+        raises = getattr(self, "exc", True)
         if X_val is not None:
             period = self._validation_period()
             trainer._prepare(X_val, y_val, what="validation data ")  # checked before work
 
             def validate(t: Trainer, epoch: int, logs: dict) -> None:
-                if (epoch + 1) % period == 0:
-                    validation.append(t.score(X_val, y_val))
+                if (epoch + 1) % period:
+                    return
+                loss = t.score(X_val, y_val)
+                if not math.isfinite(loss):  # onnxcustom's EvaluationError
+                    message = (
+                        f"The validation loss is {loss} after epoch {epoch}: the loss on "
+                        "(X_val, y_val) is not a finite number (the model overflows on data "
+                        "far from the training data, or its weights grew too large).")
+                    if raises:
+                        self._record(t, X_val, validation)
+                        raise EvaluationError(
+                            f"{message} Training stopped; the estimator keeps the weights of "
+                            "that epoch.")
+                    warnings.warn(f"{message} It is recorded as is.", ConvergenceWarning,
+                                  stacklevel=2)
+                validation.append(loss)
 
             callbacks.append(validate)
-        raises = getattr(self, "exc", True)
         finite: list[dict[str, np.ndarray]] = []
         if not raises:  # a divergence must leave finite weights: remember the last ones
             finite.append(trainer.state if warm_start else

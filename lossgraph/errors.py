@@ -27,6 +27,7 @@ __all__ = [
     "InvalidDataError",
     "InvalidProgramError",
     "UnsafeWriteError",
+    "MissingFolderError",
     "NoGradientError",
     "InvalidRuleError",
     "suggest",
@@ -103,6 +104,11 @@ class InvalidProgramError(InvalidModelError):
 
 class UnsafeWriteError(LossgraphError, FileExistsError):
     """Writing would replace a file or folder that lossgraph did not create."""
+
+
+class MissingFolderError(UnsafeWriteError, FileNotFoundError):
+    """The folder to write into does not exist. A ``FileNotFoundError`` (what onnxcustom's
+    ``save_onnx_graph`` raised), and the :class:`UnsafeWriteError` it was before."""
 
 
 class NoGradientError(LossgraphError, ValueError):

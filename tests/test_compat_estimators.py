@@ -1117,6 +1117,26 @@ def test_save_onnx_graph_writes_files_and_bytes_and_never_over_a_foreign_file(tm
     assert str(prefixed["gradient"]).rsplit("/", 1)[-1].startswith("run1_")
 
 
+def test_save_onnx_graph_into_a_missing_folder_is_a_file_not_found_error(tmp_path):
+    """onnxcustom raised FileNotFoundError; lossgraph's error is also one (and still the
+    UnsafeWriteError a missing folder has always been), before anything is written."""
+    X, y, onx = small_linear()
+    est = FB(onx, max_iter=1).fit(X, y)
+    for missing in (tmp_path / "missing", str(tmp_path / "missing")):
+        with pytest.raises(FileNotFoundError, match="does not exist") as caught:
+            est.save_onnx_graph(missing)
+        assert isinstance(caught.value, LossgraphError)
+        assert isinstance(caught.value, UnsafeWriteError)
+    # TrainingProgram.save_onnx_graph makes its folder, but not a missing parent
+    with pytest.raises(FileNotFoundError, match="does not exist") as caught:
+        est.train_session_.program.save_onnx_graph(tmp_path / "no" / "graphs")
+    assert isinstance(caught.value, LossgraphError)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(UnsupportedOptionError, match="existing folder"):
+        est.save_onnx_graph(tmp_path / "file")  # there, but not a folder
+
+
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))
 def test_get_trained_onnx_predicts_like_the_estimator(kind):
     X, y, onx = small_linear()

@@ -43,6 +43,7 @@ from ..errors import (
     ConvergenceWarning,
     EvaluationError,
     InvalidDataError,
+    MissingFolderError,
     NotFittedError,
     UnknownNameError,
     UnsupportedModelError,
@@ -668,6 +669,11 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
                                        if "penalty" in program.graphs else {})}
         if folder is bytes:
             return _map(graphs, lambda _, graph: serialize(graph))
+        if isinstance(folder, (str, os.PathLike)) and not os.path.lexists(folder):
+            raise MissingFolderError(
+                f"save_onnx_graph: the folder {str(folder)!r} does not exist. Create it first "
+                "(the graphs are written into an existing folder), or pass bytes for the "
+                "serialized graphs.")
         if not isinstance(folder, (str, os.PathLike)) or not Path(folder).is_dir():
             raise UnsupportedOptionError(
                 f"save_onnx_graph(folder={folder!r}): give an existing folder, or bytes for "

@@ -945,7 +945,11 @@ def test_a_float_learning_rate_is_onnxcustoms_invscaling_and_the_repr_says_so(ki
     reference = numpy_fit(START_STATE, X, y, grad, epochs=4, batch_size=50,
                           rate=lambda t: 0.05 / (t + 1) ** 0.25, random_state=11)
     assert_states_close(est.get_state(), reference, rtol=1e-5)
-    assert "learning_rate=" not in repr(ESTIMATORS[kind]())  # the default is not shown
+    # onnxcustom's own tests: the default shows as the object too, and is invscaling
+    default = repr(ESTIMATORS[kind]())
+    assert default.startswith(f"{type(est).__name__}(model_onnx=<ModelProto")
+    assert "learning_rate=LearningRateSGD(eta0=0.01" in default
+    assert "learning_rate='invscaling'" in default and "max_iter" not in default
 
 
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))

@@ -134,8 +134,9 @@ class BaseEstimator:
         return self
 
     def __repr__(self) -> str:
-        """The parameters given other than their defaults, each as its attribute shows it
-        (``learning_rate=0.001`` as the ``LearningRateSGD`` it stands for)."""
+        """The parameters given other than their defaults, and every :class:`Resolved` one
+        as the object it stands for (onnxcustom's repr: ``learning_rate=0.001`` shows as
+        ``LearningRateSGD(eta0=0.001, ..., learning_rate='invscaling')``)."""
         defaults = {p.name: p.default for p in
                     inspect.signature(type(self).__init__).parameters.values()}
         given = self.get_params()
@@ -144,8 +145,9 @@ class BaseEstimator:
             value = getattr(self, name)
             if isinstance(value, onnx.ModelProto):
                 shown.append(f"{name}=<ModelProto {value.graph.name!r}>")
-            elif defaults[name] is inspect.Parameter.empty or not _same(given[name],
-                                                                        defaults[name]):
+            elif (defaults[name] is inspect.Parameter.empty
+                  or isinstance(getattr(type(self), name, None), Resolved)
+                  or not _same(given[name], defaults[name])):
                 shown.append(f"{name}={value!r}")
         return f"{type(self).__name__}({', '.join(shown)})"
 

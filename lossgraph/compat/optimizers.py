@@ -291,6 +291,7 @@ class _TrainingEstimator(BaseEstimator):
              epochs: int, warm_start: bool, classes: Any = None) -> Any:
         """``epochs`` epochs of training from the start (or, ``warm_start``, from the state
         so far), recorded in the fitted attributes."""
+        sample_weight = _row_weights(sample_weight)
         self._check_params()
         self._check_fit(sample_weight)
         trainer = self._trainer(continuing=warm_start)
@@ -434,7 +435,7 @@ class _TrainingEstimator(BaseEstimator):
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The negated loss on ``(X, y)``, so that higher is better (scikit-learn's
         convention)."""
-        return -self._fitted().score(X, y, sample_weight)
+        return -self._fitted().score(X, y, _row_weights(sample_weight))
 
     def predict(self, X: Any) -> np.ndarray:
         """The model's prediction with the trained weights."""
@@ -627,6 +628,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         penalty."""
         trainer = self._fitted()
         graph, session = self._row_loss_session()
+        sample_weight = _row_weights(sample_weight)
         if sample_weight is not None and self._weight_input is None:
             raise UnsupportedOptionError(
                 "sample_weight was given, but the loss has no sample-weight input: pass "
@@ -692,6 +694,15 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         paths = _map(graphs, path)
         _map(paths, lambda _, p: check_file_target(p))
         return _map(graphs, lambda key, graph: str(save_model(graph, _get(paths, key))))
+
+
+def _row_weights(sample_weight: Any) -> Any:
+    """Sample weights in one column, ``(N, 1)`` as onnxcustom's tests pass them (its loss
+    graphs broadcast ``(N,)`` weights wrongly), as the ``(N,)`` row weights they are."""
+    shape = getattr(sample_weight, "shape", None)
+    if shape is not None and len(shape) == 2 and shape[1] == 1:
+        return np.asarray(sample_weight).reshape(-1)
+    return sample_weight
 
 
 def _short(name: str) -> str:

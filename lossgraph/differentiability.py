@@ -14,7 +14,7 @@ whose outputs have no derivative worth having, with the reason.
 from __future__ import annotations
 
 __all__ = ["NON_DIFFERENTIABLE_INPUTS", "NON_TRAINABLE_INPUTS", "NOT_DIFFERENTIABLE",
-           "differentiable_inputs", "not_differentiable_reason"]
+           "differentiable_inputs", "not_differentiable_reason", "zero_gradient_op"]
 
 _ALL = frozenset(range(64))
 
@@ -109,3 +109,12 @@ def not_differentiable_reason(op_type: str, domain: str = "", position: int | No
         if reason is not None:
             return reason
     return NOT_DIFFERENTIABLE.get(("" if domain == "ai.onnx" else domain, op_type))
+
+
+def zero_gradient_op(op_type: str, domain: str = "", opset: int | None = None) -> bool:
+    """True when ``domain::op_type`` (at ``opset``) has a derivative that is zero wherever it
+    exists (declared with :func:`lossgraph.autodiff.registry.zero_gradient`)."""
+    from .autodiff.registry import find_rule
+
+    info = find_rule(op_type, domain, opset) if opset is not None else None
+    return info is not None and info.zero

@@ -123,8 +123,22 @@ class LossgraphDeprecationWarning(DeprecationWarning):
     """A spelling that still works in this release and goes in the next (lossgraph.deprecation)."""
 
 
-class ConvergenceWarning(UserWarning):
+class LossgraphWarning(UserWarning):
+    """Base class of every warning lossgraph gives (but deprecations)."""
+
+
+class ConvergenceWarning(LossgraphWarning):
     """Training stopped before it converged (the iterations ran out)."""
+
+
+class ValidationLossWarning(LossgraphWarning):
+    """The validation loss is NaN or infinite: the model predicts values the loss cannot
+    score on the validation data (training goes on; the value is recorded)."""
+
+
+class StuckWeightWarning(LossgraphWarning):
+    """A weight to train reaches the loss only through ops whose gradient is zero
+    everywhere: training never changes it."""
 
 
 class EvaluationError(LossgraphError, RuntimeError):
@@ -140,4 +154,5 @@ class NotFittedError(LossgraphError, AttributeError):
     """An estimator was asked for what only a fit gives (its trained state, a prediction)."""
 
 
-__all__ += ["ConvergenceWarning", "EvaluationError", "ProviderError", "NotFittedError"]
+__all__ += ["LossgraphWarning", "ConvergenceWarning", "StuckWeightWarning",
+            "ValidationLossWarning", "EvaluationError", "ProviderError", "NotFittedError"]

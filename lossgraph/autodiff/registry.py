@@ -46,6 +46,11 @@ naming the op, the node, the rule and the counts: never a silent zero gradient.
 ``broadcast=True`` asks the walker to sum each input gradient back to the input's
 shape, so elementwise rules never deal with broadcasting.
 
+:func:`zero_gradient` declares ops whose derivative is zero wherever it exists (``Sign``,
+``Round``, ``Hardmax``: piecewise constant, JAX's ``defjvp_zero``): their rule returns
+zeros, so a path through them stays differentiable, and the analyses know that nothing
+trains through them (a weight whose every path to the loss passes one never changes).
+
 Users register rules for their own ops the same way, with ``domain=``; rules
 registered inside ``with scoped_rules():`` are dropped when it ends (tests, trials).
 """
@@ -58,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GradRule", "grad_rule", "find_rule", "nondiff_inputs", "scoped_rules",
-           "supported_ops", "RuleInfo"]
+           "supported_ops", "RuleInfo", "zero_gradient"]
 
 GradRule = Callable[..., Any]
 
@@ -78,6 +83,8 @@ class RuleInfo:
     nondiff: frozenset[int] = frozenset()
     #: (position, why) for the ``nondiff`` inputs whose declaration says why
     nondiff_reasons: tuple[tuple[int, str], ...] = ()
+    #: the derivative is zero wherever it exists (:func:`zero_gradient`)
+    zero: bool = False
 
     def nondiff_reason(self, position: int) -> str | None:
         """Why input ``position`` carries no gradient, where the rule says."""
@@ -103,6 +110,7 @@ def grad_rule(
     broadcast: bool = False,
     notes: str = "",
     nondiff: Iterable[int] | Mapping[int, str] = (),
+    zero: bool = False,
 ) -> Callable[[GradRule], GradRule]:
     """Register the decorated function as the gradient rule of ``domain::op_type``.
 
@@ -111,14 +119,15 @@ def grad_rule(
     "straight-through: zero gradient"); ``nondiff`` lists the input positions that
     never carry a gradient (the rule returns ``None`` there). Registering a rule for
     an op and opset range that already has one replaces it, so users can override
-    built-in rules. ``nondiff`` as a mapping ``{position: reason}`` also says why.
+    built-in rules. ``nondiff`` as a mapping ``{position: reason}`` also says why;
+    ``zero``: the rule's gradients are zero wherever the derivative exists.
     """
     reasons = tuple(sorted(nondiff.items())) if isinstance(nondiff, Mapping) else ()
 
     def register(rule: GradRule) -> GradRule:
         key = ("" if domain == "ai.onnx" else domain, op_type)
         info = RuleInfo(op_type, key[0], since, until, broadcast, notes, rule,
-                        frozenset(nondiff), reasons)
+                        frozenset(nondiff), reasons, zero)
         kept = [r for r in _RULES.get(key, []) if (r.since, r.until) != (since, until)]
         _RULES[key] = sorted([*kept, info], key=lambda r: r.since)
         return rule
@@ -147,6 +156,19 @@ def nondiff_inputs(op_type: str, domain: str, version: int | None = None
         return None
     covering = find_rule(op_type, domain, version) if version is not None else None
     return (covering or infos[-1]).nondiff
+
+
+def _zeros(g, node, dy):
+    return g.zeros_like(node.inputs[0])
+
+
+def zero_gradient(*op_types: str, domain: str = "", notes: str = "zero gradient almost "
+                  "everywhere") -> None:
+    """Register ``op_types`` (single-input ops of ``domain``, piecewise constant) as ops
+    whose derivative is zero wherever it exists: the rule returns zeros, and the rule
+    says ``zero`` for the analyses (a weight trained only through such ops never moves)."""
+    for op_type in op_types:
+        grad_rule(op_type, domain=domain, notes=notes, zero=True)(_zeros)
 
 
 @contextlib.contextmanager

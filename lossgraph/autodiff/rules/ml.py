@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ..registry import grad_rule
+from ..registry import grad_rule, zero_gradient
 
 
 @grad_rule("ArrayFeatureExtractor", domain="ai.onnx.ml", nondiff=(1,),
@@ -38,6 +38,4 @@ def array_feature_extractor(g, node, dy):
     return node.grads(g.Reshape(g.MatMul(rows, one_hot), g.Shape(x), hint="afe_dx"))
 
 
-@grad_rule("Binarizer", domain="ai.onnx.ml", notes="zero gradient almost everywhere")
-def binarizer(g, node, dy):
-    return g.zeros_like(node.inputs[0])
+zero_gradient("Binarizer", domain="ai.onnx.ml")

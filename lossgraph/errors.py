@@ -27,6 +27,7 @@ __all__ = [
     "InvalidDataError",
     "InvalidProgramError",
     "UnsafeWriteError",
+    "MissingFolderError",
     "NoGradientError",
     "InvalidRuleError",
     "suggest",
@@ -88,8 +89,9 @@ class RuntimeUnavailableError(LossgraphError, ImportError):
     """The requested runtime feature (e.g. the onnxruntime training build) is not installed."""
 
 
-class ConvergenceError(LossgraphError, ArithmeticError):
-    """Training diverged: the loss became NaN or infinite."""
+class ConvergenceError(LossgraphError, ArithmeticError, RuntimeError):
+    """Training diverged: the loss became NaN or infinite. Also a ``RuntimeError``, the
+    reference documents' (onnxcustom's) base for it."""
 
 
 class InvalidDataError(LossgraphError, ValueError):
@@ -102,6 +104,11 @@ class InvalidProgramError(InvalidModelError):
 
 class UnsafeWriteError(LossgraphError, FileExistsError):
     """Writing would replace a file or folder that lossgraph did not create."""
+
+
+class MissingFolderError(UnsafeWriteError, FileNotFoundError):
+    """The folder to write into does not exist. A ``FileNotFoundError`` (what onnxcustom's
+    ``save_onnx_graph`` raised), and the :class:`UnsafeWriteError` it was before."""
 
 
 class NoGradientError(LossgraphError, ValueError):
@@ -138,8 +145,9 @@ class EvaluationError(LossgraphError, RuntimeError):
     """Running a graph failed while training or predicting."""
 
 
-class ProviderError(LossgraphError, ValueError):
-    """The requested device or execution provider cannot run the graphs."""
+class ProviderError(LossgraphError, ValueError, RuntimeError):
+    """The requested device or execution provider cannot run the graphs. Also a
+    ``RuntimeError``, the reference documents' (onnxcustom's) base for it."""
 
 
 class NotFittedError(LossgraphError, AttributeError):

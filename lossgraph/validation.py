@@ -292,9 +292,11 @@ def _shape_text(shape: Sequence[int | str | None]) -> str:
 def as_array(value: Any, spec: Mapping[str, Any], what: str) -> np.ndarray:
     """``value`` as a C-contiguous array of the dtype and shape input ``spec`` declares.
 
-    ``spec`` is a manifest entry (``name``, ``dtype``, ``shape``); ``what`` names the data
-    in messages (``X``, ``y``, ``validation_data y``...). The caller's array is never
-    written to: a conversion makes a copy.
+    ``spec`` is a manifest entry (``name``, ``dtype``, ``shape``, ``role``); ``what`` names
+    the data in messages (``X``, ``y``, ``validation_data y``...). The caller's array is
+    never written to: a conversion makes a copy. An ``(N,)`` array is read as one column
+    where the input is ``(N, 1)``, and a label in one column, ``(N, 1)``, where the label is
+    ``(N,)`` (onnxcustom's examples pass ``y.reshape((-1, 1))``); no other shape changes.
     """
     expected = np.dtype(spec["dtype"])
     declared = f"{expected} of shape {_shape_text(spec['shape'])}"
@@ -325,6 +327,9 @@ def as_array(value: Any, spec: Mapping[str, Any], what: str) -> np.ndarray:
     shape = spec["shape"]
     if array.ndim == len(shape) - 1 and shape and shape[-1] == 1:
         array = array.reshape(*array.shape, 1)  # y of shape (N,) for an (N, 1) output
+    elif (spec.get("role") == "label" and len(shape) == 1 and array.ndim == 2
+          and array.shape[1] == 1):
+        array = array.reshape(len(array))  # y in one column, (N, 1), for an (N,) label
     if array.ndim != len(shape) or any(
             isinstance(d, int) and d != n for d, n in zip(shape[1:], array.shape[1:])):
         raise ShapeMismatchError(

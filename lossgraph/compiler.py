@@ -63,6 +63,7 @@ from onnx import helper
 from .analysis import default_weights, trainable_initializers
 from .deprecation import renamed_keywords
 from .errors import UnsupportedModelError, UnsupportedOptionError
+from .graphs import weights_dtype
 from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .optim import Optimizer
@@ -95,7 +96,6 @@ from .validation import (
     check_trainable_model,
     compile_options,
     no_weights_error,
-    weights_dtype,
 )
 
 __all__ = ["compile_program", "plan", "describe_plan"]

@@ -20,6 +20,8 @@ import onnx
 from google.protobuf.message import Message
 from onnx import helper, numpy_helper
 
+from .errors import DTypeMismatchError, UnsupportedModelError, UnsupportedOptionError
+
 __all__ = [
     "FLOAT_TYPES",
     "Shape",
@@ -36,6 +38,7 @@ __all__ = [
     "shortest_path",
     "elem_type_name",
     "np_dtype",
+    "weights_dtype",
     "opset_version",
     "initializer_arrays",
     "rename_values",
@@ -580,6 +583,27 @@ def known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
                      for d in v.type.tensor_type.shape.dim]
             for v in (*graph.input, *graph.value_info, *graph.output)
             if v.type.tensor_type.HasField("shape")}
+
+
+def weights_dtype(weights: Mapping[str, np.ndarray], what: str) -> np.dtype:
+    """The one float dtype (float32 or float64) all ``weights`` share."""
+    if not weights:
+        raise UnsupportedOptionError(f"{what} needs at least one weight; none was given.")
+    dtypes: dict[np.dtype, str] = {}
+    for name, value in weights.items():
+        dtype = np.asarray(value).dtype
+        if helper.np_dtype_to_tensor_dtype(dtype) not in FLOAT_TYPES:
+            raise DTypeMismatchError(
+                f"Weight {name!r} is {dtype}; {what} works on float32 or float64 weights."
+            )
+        dtypes.setdefault(dtype, name)
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{name!r} is {dtype}" for dtype, name in dtypes.items())
+        raise UnsupportedModelError(
+            f"{what} needs weights of one float type, but {listing}. Cast the model's "
+            "weights to one type first."
+        )
+    return next(iter(dtypes))
 
 
 def elem_type_name(elem_type: int) -> str:

@@ -35,7 +35,14 @@ from onnx import TensorProto, helper
 
 from .builder import GraphBuilder, standalone_model
 from .errors import InternalError, UnknownNameError, UnsupportedOptionError, suggest
-from .graphs import ForwardFacts, names_in_graph, outer_references, rename_values, subgraphs
+from .graphs import (
+    ForwardFacts,
+    names_in_graph,
+    outer_references,
+    rename_values,
+    subgraphs,
+    weights_dtype,
+)
 from .metadata import GRADIENTS_KEY, read_json
 from .models import check_emitted
 from .names import NameAuthority
@@ -48,7 +55,6 @@ from .penalties import parse_penalty, penalty_gradient, penalty_terms
 from .roles import get_roles
 from .signature import Signature
 from .target import check_opset_option
-from .validation import weights_dtype
 
 __all__ = ["separate_graphs", "loss_graph", "program_loss_graph", "penalty_graph", "update_graph",
            "PenaltyGraph", "UpdateGraph", "build_penalty", "build_update", "PackedUpdate",

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .. import validation as checks
+from .. import data as checks
 from ..errors import (
     ConvergenceError,
     InvalidDataError,
@@ -46,6 +46,7 @@ from ..errors import (
 )
 from ..metadata import LOSS_KEY, read_json
 from ..optimize import SpecializeBatch
+from ..options import count, flag
 from ..program import TrainingProgram
 from ..separate import PackedUpdate, packed_update
 from ..storage import read_checkpoint, save_checkpoint
@@ -277,10 +278,10 @@ class Trainer:
         that epoch instead of the optimizer's schedule (a per-epoch schedule, as
         scikit-learn's MLP takes). Every argument is checked before the state changes.
         """
-        epochs = checks.count("epochs", epochs, 0)
-        batch_size = checks.count("batch_size", batch_size, 1)
-        shuffle, warm_start = checks.flag("shuffle", shuffle), checks.flag("warm_start", warm_start)
-        progress = None if progress is None else checks.flag("progress", progress)
+        epochs = count("epochs", epochs, 0)
+        batch_size = count("batch_size", batch_size, 1)
+        shuffle, warm_start = flag("shuffle", shuffle), flag("warm_start", warm_start)
+        progress = None if progress is None else flag("progress", progress)
         seed = checks.random_state(random_state)
         callbacks = checks.callbacks(callbacks)
         if epoch_learning_rate is not None and not callable(epoch_learning_rate):

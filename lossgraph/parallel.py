@@ -16,7 +16,7 @@ is added once, after the all-reduce, as the single-process step adds it once. Th
 equals :class:`~lossgraph.runtime.Trainer` on the same global batches to float rounding.
 
 The gradient of the summed loss comes from the program's own loss graph built with
-``reduction="sum"`` (:func:`lossgraph.separate.program_loss_graph`): the gradient graph is
+``reduction="sum"`` (:func:`lossgraph.passes.loss.program_loss_graph`): the gradient graph is
 linear in its seed, so it then returns the sum of the rows' gradients.
 
 - :class:`ParallelProgram`: a ``fuse="separate"`` program and its summed loss graph.
@@ -51,10 +51,10 @@ from .errors import (
 )
 from .models import ModelLike
 from .optimize import WidenScalarConstants
+from .passes.loss import program_loss_graph
 from .program import TrainingProgram
 from .runtime import Trainer
 from .runtime.forward_backward import SeparateStep
-from .separate import program_loss_graph
 from .validation import compile_options
 
 __all__ = ["AllReduce", "EpochResult", "InMemoryGroup", "ParallelProgram", "Replica", "StepResult",

@@ -9,8 +9,10 @@ import pytest
 from conftest import GOLDEN_MODELS
 
 import lossgraph
+from lossgraph.optim import update_graph
 from lossgraph.optimize import SpecializeBatch, WidenScalarConstants
-from lossgraph.separate import chain_graphs, packed_update, split_gradient, update_graph
+from lossgraph.runtime.packed import packed_update
+from lossgraph.surgery import chain_graphs, split_gradient
 
 GOLDEN = ["hand_linear", "hand_mlp_tanh_double", "hand_broadcast_reuse", "skl_mlp_regressor",
           "skl_mlp_classifier", "skl_logistic_multiclass", "torch_cnn"]

@@ -27,7 +27,7 @@ import pytest
 from models import UNSORTED
 
 import lossgraph
-from lossgraph.optim import SGD, Adam, Momentum
+from lossgraph.optim import SGD, Adam, Momentum, update_graph
 from lossgraph.optimize import (
     ConcatScatteredSlabs,
     FoldBatchIntoProducts,
@@ -58,7 +58,7 @@ from lossgraph.passes.running_stats import RunningStatistics
 from lossgraph.passes.sequences import SequencesToTensors
 from lossgraph.passes.stabilize import StabilizeNumerics
 from lossgraph.passes.strip import InferenceMode
-from lossgraph.separate import penalty_graph, update_graph
+from lossgraph.penalties import penalty_graph
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
 HERE = Path(__file__).resolve().parent

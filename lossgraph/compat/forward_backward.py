@@ -13,7 +13,7 @@ each ``backward`` pops one, last in first out, as ``torch.autograd.Function`` do
 Two backends build the graphs behind it, with the same public behaviour:
 
 - ``backend="onnx"`` (default): lossgraph's gradient pass writes the vector-Jacobian
-  graph in standard ONNX ops and :func:`lossgraph.separate.split_gradient` cuts it into
+  graph in standard ONNX ops and :func:`lossgraph.surgery.split_gradient` cuts it into
   ``forward (x, W) -> (y, residuals)`` and ``backward (residuals, y_grad) -> (x_grad,
   W_grad)``, plus ``predict (x, W) -> y``; they run on any onnxruntime.
 - ``backend="ort"``: onnxruntime-training's ``OrtModuleGraphBuilder`` builds one
@@ -65,7 +65,7 @@ from ..passes.strip import InferenceMode
 from ..passes.weights import WeightsToInputs
 from ..runtime.forward_backward import ForwardBackwardRunner
 from ..runtime.session import checked_providers, cpu_device, create_session, ortvalue
-from ..separate import ForwardBackward, split_gradient
+from ..surgery import ForwardBackward, split_gradient
 from ..validation import check_trainable_model, names
 
 __all__ = ["OrtGradientForwardBackward", "OrtGradientForwardBackwardFunction",

@@ -30,7 +30,7 @@ from onnx import helper
 
 from ..errors import UnsupportedOptionError, suggest
 from ..options import non_negative
-from ..separate import loss_graph
+from ..passes.loss import loss_graph
 
 __all__ = ["BaseLearningLoss", "SquareLearningLoss", "AbsoluteLearningLoss",
            "ElasticLearningLoss", "NegLogLearningLoss"]

@@ -39,9 +39,8 @@ import numpy as np
 import onnx
 
 from ..errors import UnsupportedOptionError, suggest
-from ..optim import SGD, Momentum, Optimizer
+from ..optim import SGD, Momentum, Optimizer, update_graph
 from ..options import count, finite, non_negative
-from ..separate import update_graph
 
 __all__ = ["BaseLearningRate", "LearningRateSGD", "LearningRateSGDNesterov"]
 
@@ -106,7 +105,7 @@ class BaseLearningRate:
                             device: str = "cpu") -> onnx.ModelProto:
         """The update graph for ``weights`` (name -> value, giving shapes and dtype):
         ``(learning_rate, step, W, W_grad, states...) -> (W_new, states_new...)``, as
-        :func:`lossgraph.separate.update_graph` builds it for :meth:`to_optimizer`. The
+        :func:`lossgraph.optim.update_graph` builds it for :meth:`to_optimizer`. The
         graph does not depend on ``device``; the session running it picks the device."""
         if not isinstance(device, str):
             raise UnsupportedOptionError(f"device={device!r} must be a string such as 'cpu'.")

@@ -53,11 +53,12 @@ from ..errors import (
 from ..fileio import check_file_target, save_model, serialize
 from ..models import ModelLike, as_model
 from ..options import count, flag
+from ..passes.loss import loss_graph
 from ..program import TrainingProgram, with_weights
 from ..roles import get_roles
 from ..runtime import Trainer
 from ..runtime.session import create_session
-from ..separate import loss_graph, split_gradient
+from ..surgery import split_gradient
 from ..validation import names
 from .forward_backward import device_providers
 from .learning_loss import BaseLearningLoss

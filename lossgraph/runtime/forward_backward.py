@@ -1,4 +1,4 @@
-"""Running a vector-Jacobian graph cut in two (:func:`lossgraph.separate.split_gradient`).
+"""Running a vector-Jacobian graph cut in two (:func:`lossgraph.surgery.split_gradient`).
 
 :class:`ForwardBackwardRunner` runs the forward half once and hands its residuals to
 the backward half as OrtValues, never through numpy: the forward pass is not
@@ -18,8 +18,9 @@ import onnx
 from ..graphs import np_dtype
 from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
-from ..separate import ForwardBackward, PackedUpdate, chain_graphs, split_gradient
+from ..surgery import ForwardBackward, chain_graphs, split_gradient
 from .buffers import GraphRunner, StateBuffers
+from .packed import PackedUpdate
 from .session import cpu_device, evaluation_error, ortvalue
 
 __all__ = ["ForwardBackwardRunner", "SeparateStep"]
@@ -104,7 +105,7 @@ class SeparateStep:
     nothing else. Without ``batch`` (or where a shape stays unknown), onnxruntime
     allocates the values each step and they are bound as they come.
 
-    With ``packed`` (:func:`~lossgraph.separate.packed_update`, the weights and states
+    With ``packed`` (:func:`~lossgraph.runtime.packed.packed_update`, the weights and states
     packed in ``buffers`` as it lays them out), such a step runs the update packed: the
     backward half writes each gradient into its part of one flat vector, and one small
     update graph updates every weight at once, to the same numbers.
@@ -175,7 +176,7 @@ class SeparateStep:
                        ) -> list[tuple[GraphRunner, dict[str, str]]]:
         """The runs of a full batch's forward half, loss and backward half, each with the
         batch inputs it reads (graph input -> batch input): one run of the three graphs
-        chained (:func:`~lossgraph.separate.chain_graphs`), else one run each."""
+        chained (:func:`~lossgraph.surgery.chain_graphs`), else one run each."""
         seed, prediction = loss_io["prediction_grad"], loss_io["prediction"]
         state_in = {w: w for w in (*self._weights, *self._model_buffers)}
         state_out = dict(zip(self._new_buffers, self._model_buffers))

@@ -48,10 +48,10 @@ from ..metadata import LOSS_KEY, read_json
 from ..optimize import SpecializeBatch
 from ..options import count, flag
 from ..program import TrainingProgram
-from ..separate import PackedUpdate, packed_update
 from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
 from .forward_backward import SeparateStep
+from .packed import PackedUpdate, packed_update
 from .session import check_loadable, checked_providers, create_session, evaluation_error
 
 __all__ = ["Trainer"]

@@ -344,13 +344,13 @@ class _OnnxGraphs:
         splits = (SequencesToTensors(),) if holds_splits(lifted) else ()
         vjp = Pipeline((*update, *splits, Gradient(wrt, outputs=owner.differentiable_outputs,
                                           backend="onnx")))(lifted)
-        updated = vjp.report.get("RunningStatistics", {})
+        updated = vjp.report.get(RunningStatistics, {})
         self._updated = list(updated)
         seeds = [f"{o}_grad" for o in owner.differentiable_outputs]
         self.eval_onnx = InferenceMode()(lifted).model
         self.gradient_onnx = vjp.model
         self.split = split_gradient(vjp.model, [*owner.output_names, *updated.values()], seeds)
-        by_gradient = {g: n for n, g in vjp.report["Gradient"].items()}
+        by_gradient = {g: n for n, g in vjp.report.of(Gradient).items()}
         self._gradient_of = [by_gradient.get(g) for g in self.split.gradients]
         self._seeds = dict(zip(owner.differentiable_outputs, seeds))
         self._output_names = owner.output_names

@@ -488,7 +488,7 @@ def gradient_view(model: onnx.ModelProto, names: NameAuthority,
 
 # ------------------------------------------------------------------------- pass
 @dataclass(frozen=True)
-class ExpandFunctions(Pass):
+class ExpandFunctions(Pass[dict[str, int]]):
     """Replace function ops by their bodies in the forward graph (module docstring).
 
     ``op_types``: the ops to expand (any that has a body at the model's opset, rule or

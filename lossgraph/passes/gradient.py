@@ -73,7 +73,7 @@ BACKENDS = ("onnx", "ort")
 
 
 @dataclass(frozen=True)
-class Gradient(Pass):
+class Gradient(Pass[dict[str, str]]):
     """Add ``<w>_grad`` outputs for each ``w`` of ``weights`` (module docstring; the options
     are those of :func:`gradient`). The report is ``{weight: gradient output}``."""
 
@@ -90,9 +90,9 @@ class Gradient(Pass):
                                     self.outputs)
         return PassResult(model, grad_names)
 
-    def __call__(self, model: ModelLike) -> PassResult:
+    def run(self, model: ModelLike, *, checked: bool = False) -> PassResult[dict[str, str]]:
         try:
-            return super().__call__(model)
+            return super().run(model, checked=checked)
         except InternalError as exc:
             if self.backend != "ort":
                 raise

@@ -387,7 +387,7 @@ def _not_a_tensor(graph: onnx.GraphProto, output: onnx.ValueInfoProto) -> Unsupp
 
 
 @dataclass(frozen=True)
-class AddLossOutput(Pass):
+class AddLossOutput(Pass[dict[str, str]]):
     """Add a scalar loss as the model's first output (module docstring; the options are
     those of :func:`add_loss_output`, the score's own in ``options``). The report is
     the roles recorded (:mod:`lossgraph.roles`)."""
@@ -594,7 +594,7 @@ def _penalty_terms(b: GraphBuilder, graph: onnx.GraphProto,
 
 
 @dataclass(frozen=True)
-class RemoveLossOutput(Pass):
+class RemoveLossOutput(Pass[None]):
     """The inference model inside a loss model: :class:`AddLossOutput` undone::
 
         (inputs, label[, weight]) -> (loss, outputs)   becomes   (inputs) -> (outputs)
@@ -697,7 +697,7 @@ def loss_graph(prediction: onnx.ValueInfoProto, loss: str, options: Mapping[str,
         return PassResult(loss_model, {})
     step = Pipeline((Gradient([prediction.name], loss_name=get_roles(loss_model)["loss"],
                               backend=backend), SumRowsByProduct()))(loss_model)
-    return PassResult(step.model, step.report["Gradient"])
+    return PassResult(step.model, step.report.of(Gradient))
 
 
 def _named_dims(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:

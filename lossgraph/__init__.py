@@ -44,7 +44,7 @@ from .passes.lower_ml import lower_ml_ops
 from .passes.rename import alphabetize_initializers
 from .program import TrainingProgram
 from .roles import get_roles
-from .runtime import Trainer
+from .runtime.trainer import Trainer
 
 __version__ = "0.1.0"
 

@@ -11,13 +11,14 @@ naming its replacement::
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .errors import LossgraphDeprecationWarning, UnsupportedOptionError
 
-__all__ = ["renamed_keywords", "warn_renamed"]
+__all__ = ["renamed_keywords", "warn_renamed", "moved_names"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,3 +49,17 @@ def renamed_keywords(**renames: str) -> Callable[[F], F]:
         return call  # type: ignore[return-value]
 
     return decorate
+
+
+def moved_names(module: str, homes: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the names a previous release's module ``module``
+    defined and ``homes`` gives a new module to (``{"update_graph": "lossgraph.optim"}``):
+    each still works, with a warning naming its new home."""
+
+    def getattr_(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warn_renamed(f"{module}.{name}", f"{homes[name]}.{name}")
+        return getattr(importlib.import_module(homes[name]), name)
+
+    return getattr_

@@ -56,7 +56,7 @@ from .options import finite, non_negative
 from .target import check_opset_option
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "optimizer_from_dict", "as_optimizer",
-           "OPTIMIZERS"]
+           "OPTIMIZERS", "update_graph", "build_update", "BuiltUpdate"]
 
 SCHEDULES = ("constant", "invscaling", "optimal")
 
@@ -388,7 +388,7 @@ def as_optimizer(value: Optimizer | str | Mapping[str, Any] | None) -> Optimizer
 
 
 @dataclass(frozen=True)
-class UpdateGraph:
+class BuiltUpdate:
     """An update graph (:func:`update_graph`) and the names of its inputs and outputs."""
 
     model: onnx.ModelProto
@@ -426,7 +426,7 @@ def update_graph(
 
 
 def build_update(optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset: int = 18,
-                 taken: Iterable[str] = ()) -> UpdateGraph:
+                 taken: Iterable[str] = ()) -> BuiltUpdate:
     """:func:`update_graph` with the names it chose, none of them a weight's or in
     ``taken``."""
     if not isinstance(optimizer, Optimizer):
@@ -458,4 +458,4 @@ def build_update(optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset:
             info = helper.make_tensor_value_info(new[old], elem_type, np.shape(value))
             outputs.append((computed, new[old], info))
     model = standalone_model(b, f"{type(optimizer).__name__}_update", inputs, outputs, opset)
-    return UpdateGraph(model, learning_rate, step, gradients, states, new)
+    return BuiltUpdate(model, learning_rate, step, gradients, states, new)

@@ -27,7 +27,8 @@ from .graphs import weights_dtype
 from .names import NameAuthority
 from .options import non_negative
 
-__all__ = ["parse_penalty", "penalty_terms", "penalty_gradient"]
+__all__ = ["parse_penalty", "penalty_terms", "penalty_gradient", "penalty_graph", "build_penalty",
+           "BuiltPenalty"]
 
 _REDUCTIONS = (("l1", "ReduceL1"), ("l2", "ReduceSumSquare"))
 
@@ -90,7 +91,7 @@ def penalty_gradient(b: GraphBuilder, weight: str, coefficients: Mapping[str, fl
 
 
 @dataclass(frozen=True)
-class PenaltyGraph:
+class BuiltPenalty:
     """A penalty graph (:func:`penalty_graph`) and the names of its outputs."""
 
     model: onnx.ModelProto
@@ -116,7 +117,7 @@ def penalty_graph(weights: Mapping[str, np.ndarray], penalty: Any) -> onnx.Model
     return build_penalty(weights, penalty).model
 
 
-def build_penalty(weights: Mapping[str, np.ndarray], penalty: Any) -> PenaltyGraph:
+def build_penalty(weights: Mapping[str, np.ndarray], penalty: Any) -> BuiltPenalty:
     """:func:`penalty_graph` with the names it chose."""
     coefficients = parse_penalty(penalty)
     if not coefficients:
@@ -153,4 +154,4 @@ def build_penalty(weights: Mapping[str, np.ndarray], penalty: Any) -> PenaltyGra
     assert total is not None
     outputs.insert(0, (total, total_name, helper.make_tensor_value_info(total_name, elem_type, [])))
     model = standalone_model(b, "penalty", inputs, outputs, 18)
-    return PenaltyGraph(model, total_name, grad_names)
+    return BuiltPenalty(model, total_name, grad_names)

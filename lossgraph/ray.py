@@ -73,8 +73,8 @@ from .models import ModelLike
 from .options import choice, count, flag
 from .parallel import AllReduce, ParallelProgram, Replica, Shard, array_shards, shard_bounds
 from .program import TrainingProgram
-from .runtime import Trainer
 from .runtime.session import quiet_session_options
+from .runtime.trainer import Trainer
 
 __all__ = ["RayTrainer", "RayResult", "LossgraphConfig", "worker_all_reduce", "gloo_all_reduce",
            "reducer", "actor_all_reduce", "ALL_REDUCES"]

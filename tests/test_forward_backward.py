@@ -95,19 +95,18 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
     y = rng.normal(size=(8, 1)).astype(dtype)
     states, kinds = [], []
     for batch, packs in ((8, True), (8, False), (None, True)):
-        trainer = lossgraph.Trainer(program)
-        trainer._learning_rate[()] = 0.01
-        assert trainer._packed is not None
-        step = SeparateStep(program, trainer._buffers, trainer._new_session, trainer._runner,
-                            batch, trainer._packed if packs else None)
-        kinds.append((step._static, step._static and len(step._runs),
-                      ("packed update", None) in trainer._sessions))
+        engine = lossgraph.runtime.Engine(program)
+        assert engine.packed is not None
+        step = SeparateStep(program, engine.buffers, engine.new_session, engine.runner,
+                            batch, engine.packed if packs else None)
+        kinds.append((step.static, step.static and step.runs,
+                      ("packed update", None) in engine.open_sessions))
         losses = []
         for number in range(1, 4):
-            trainer._step[()] = number
+            engine.set_scalars(number, 0.01)
             losses.append(step.run({feature: X, program.io("loss", "label")[0]: y}))
-            trainer._buffers.advance()
-        states.append((losses, trainer.state))
+            engine.apply(1, f"step {number}")
+        states.append((losses, engine.state))
     # (bound buffers, runs for forward, loss and backward, packed update)
     assert kinds == [(True, runs, True), (True, runs, False), (False, False, False)]
     for losses, state in states[1:]:

@@ -119,16 +119,17 @@ def test_predict_equals_the_exported_inference_model(data, run_model):
     assert not np.allclose(trainer.predict(X), lossgraph.Trainer(program()).predict(X))
 
 
-def test_streaming_batches_equal_array_training(data):
+@pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
+def test_streaming_batches_equal_array_training(data, mode):
     X, y = data
-    from_arrays = lossgraph.Trainer(program()).fit(X, y, epochs=2, batch_size=50,
-                                                   shuffle=False, progress=False)
+    from_arrays = lossgraph.Trainer(program(mode)).fit(X, y, epochs=2, batch_size=50,
+                                                       shuffle=False, progress=False)
 
     def batches():
         for lo in range(0, len(X), 50):
             yield X[lo:lo + 50], y[lo:lo + 50]
 
-    streamed = lossgraph.Trainer(program()).fit(batches, epochs=2, progress=False)
+    streamed = lossgraph.Trainer(program(mode)).fit(batches, epochs=2, progress=False)
     np.testing.assert_allclose(streamed.state["coef"], from_arrays.state["coef"], rtol=1e-6)
     assert streamed.train_losses_ == pytest.approx(from_arrays.train_losses_)
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import __version__
+from ..modes import MODES
 
 EXIT_OK = 0
 
@@ -250,8 +251,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the gradient backend (default: onnx; ort needs the onnxruntime "
                             "training build)")
     build.add_argument("--gradient", dest="backend", action=_Renamed, new="--backend")
-    build.add_argument("--fuse", default=None, choices=["separate", "step", "epoch"],
-                       help="how the training graphs are fused (default: step)")
+    build.add_argument("--fuse", default=None, choices=list(MODES),
+                       help="how the training graphs are fused (default: step): "
+                            + "; ".join(f"{name}, {mode.summary}" for name, mode in MODES.items()))
     build.add_argument("--target", default=None,
                        help="the runtimes the graphs must load in: a target name (default, "
                             "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "

@@ -52,15 +52,14 @@ from ..errors import (
 )
 from ..fileio import check_file_target, save_model, serialize
 from ..models import ModelLike, as_model
-from ..options import count, flag
+from ..options import count, flag, names
 from ..passes.loss import loss_graph
 from ..program import TrainingProgram, with_weights
 from ..roles import get_roles
-from ..runtime import Trainer
+from ..runtime.graph_function import device_providers
 from ..runtime.session import create_session
+from ..runtime.trainer import Trainer
 from ..surgery import split_gradient
-from ..validation import names
-from .forward_backward import device_providers
 from .learning_loss import BaseLearningLoss
 from .learning_penalty import BaseLearningPenalty
 from .learning_rate import BaseLearningRate, LearningRateSGDNesterov
@@ -206,7 +205,7 @@ class _TrainingEstimator(BaseEstimator):
             self._compiled_key = key
             if previous is not None:
                 self.train_session_.set_state(self._restorable(previous.state))
-                self.train_session_._restore_progress(previous._progress())
+                self.train_session_.restore_progress(previous.progress())
             elif hasattr(self, "trained_coef_"):  # parameters changed after fit
                 self.train_session_.set_state(self._restorable(self.trained_coef_))
         return self.train_session_
@@ -277,7 +276,7 @@ class _TrainingEstimator(BaseEstimator):
                 "(float labels): classes applies to a classifier's integer class labels. Leave "
                 "it out.")
         values = np.asarray(classes)
-        known = trainer._classes  # None: the model does not fix it
+        known = trainer.engine.classes  # None: the model does not fix it
         valid = f"0..{known - 1}" if known else "0..C-1"
         if (values.ndim != 1 or not values.size or values.dtype.kind not in "iu"
                 or (known and len(values) != known)
@@ -308,7 +307,7 @@ class _TrainingEstimator(BaseEstimator):
         raises = getattr(self, "exc", True)
         if X_val is not None:
             period = self._validation_period()
-            trainer._prepare(X_val, y_val, what="validation data ")  # checked before work
+            trainer.engine.prepare(X_val, y_val, what="validation data ")  # checked before work
 
             def validate(t: Trainer, epoch: int, logs: dict) -> None:
                 if (epoch + 1) % period:
@@ -634,7 +633,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
             raise UnsupportedOptionError(
                 "sample_weight was given, but the loss has no sample-weight input: pass "
                 "weight_name='weight', or fit with sample weights first.")
-        data = trainer._prepare(X, y, sample_weight)
+        data = trainer.engine.prepare(X, y, sample_weight)
         feeds = {graph.graph.input[0].name: trainer.predict(X)}
         roles = trainer.program.manifest["roles"]
         feeds[graph.graph.input[1].name] = data[roles["label"]]

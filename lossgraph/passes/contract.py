@@ -51,7 +51,8 @@ from ..models import ModelLike, as_model, check_emitted, check_model
 from ..options import names
 from ..target import check_opset
 
-__all__ = ["Pass", "PassResult", "Pipeline", "Reports", "Requirement", "name_fields"]
+__all__ = ["Pass", "PassResult", "Pipeline", "Reports", "Requirement", "describe_options",
+           "name_fields"]
 
 #: What a pass reports.
 R = TypeVar("R")
@@ -115,7 +116,7 @@ class Pass(abc.ABC, Generic[R]):
         """Rewrite ``model``, a private, checked copy the pass may change in place."""
 
     def __str__(self) -> str:
-        return _describe(self)
+        return describe_options(self)
 
 
 class Reports(Mapping[type, Any]):
@@ -189,13 +190,13 @@ def name_fields(options: Pass, *fields: str) -> None:
         object.__setattr__(options, field_name, None if listed is None else tuple(listed))
 
 
-def _describe(value: Any) -> str:
+def describe_options(value: Any) -> str:
     """``Name(option=value, ...)`` for a pass, or an option that is itself a dataclass (an
     optimizer), with the options that differ from their defaults; ``repr`` otherwise."""
     if not dataclasses.is_dataclass(value) or isinstance(value, type):
         return repr(value)
-    shown = [f"{f.name}={_describe(getattr(value, f.name))}" for f in dataclasses.fields(value)
-             if f.repr and getattr(value, f.name) != _default(f)]
+    shown = [f"{f.name}={describe_options(getattr(value, f.name))}"
+             for f in dataclasses.fields(value) if f.repr and getattr(value, f.name) != _default(f)]
     name = type(value).__name__
     return f"{name}({', '.join(shown)})" if shown else name
 

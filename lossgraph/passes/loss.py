@@ -89,7 +89,7 @@ from .contract import Pass, PassResult, Pipeline
 from .gradient import Gradient
 
 __all__ = ["AddLossOutput", "RemoveLossOutput", "add_loss_output", "SCORES", "resolve_score",
-           "OUTPUT_OPTIONS", "REDUCTIONS"]
+           "OUTPUT_OPTIONS", "REDUCTIONS", "loss_graph", "program_loss_graph"]
 
 
 @dataclass(frozen=True)

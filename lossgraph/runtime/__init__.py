@@ -1,6 +1,31 @@
-"""Running training programs in onnxruntime: sessions, bound state buffers, the Trainer."""
+"""Running training programs in onnxruntime: sessions, bound state buffers, the engine and
+the Trainer built on it.
 
-from .session import create_session, training_build_available
-from .trainer import Trainer
+- :class:`~lossgraph.runtime.engine.Engine`: a program's graphs over one live state
+  (sessions, buffers, the rate and step scalars; prepare, step, apply, evaluate);
+- :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style.
 
-__all__ = ["Trainer", "create_session", "training_build_available"]
+The names are loaded on first use: the fusion modes (:mod:`lossgraph.modes`), which the
+engine runs, build on this package's lower modules (buffers, sessions, the separate step).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Public name -> the module of this package that defines it.
+_HOMES = {
+    "Engine": ".engine",
+    "Trainer": ".trainer",
+    "create_session": ".session",
+    "training_build_available": ".session",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lossgraph.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name], __name__), name)

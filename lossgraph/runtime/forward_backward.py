@@ -10,18 +10,20 @@ reference documents' training step.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 
 from ..graphs import np_dtype
 from ..optimize import SpecializeBatch
-from ..program import TrainingProgram
 from ..surgery import ForwardBackward, chain_graphs, split_gradient
 from .buffers import GraphRunner, StateBuffers
 from .packed import PackedUpdate
 from .session import cpu_device, evaluation_error, ortvalue
+
+if TYPE_CHECKING:  # the program module builds on the fusion modes, which build on this one
+    from ..program import TrainingProgram
 
 __all__ = ["ForwardBackwardRunner", "SeparateStep"]
 
@@ -204,6 +206,18 @@ class SeparateStep:
                                gradients, "backward")
         reused = {n: n for n in split.reused if n not in state_in}
         return [(forward, features), (loss_run, labels), (backward, reused)]
+
+    @property
+    def static(self) -> bool:
+        """Whether every value the graphs exchange lives in one preallocated array (a step
+        of the batch size the graphs are specialized to, all shapes static)."""
+        return self._static
+
+    @property
+    def runs(self) -> int:
+        """onnxruntime runs of a step's forward half, loss and backward half (1: chained
+        into one session); 0 where the values are not static (bound as they come)."""
+        return len(self._runs) if self._static else 0
 
     def run(self, batch: Mapping[str, np.ndarray]) -> float:
         """One step on ``batch`` (C-contiguous arrays by input name); the loss."""

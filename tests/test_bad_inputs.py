@@ -648,6 +648,17 @@ CASES: list[Case] = [
     Case("model-ml-output-of-another-rank", "a LinearRegressor's (N, 1) output declared float[N]",
          lambda c: c.program(parse(REGRESSOR_OF_RANK_1)), InvalidModelError,
          "Output 'y' is declared of shape (N), but LinearRegressor node"),
+    Case("model-gemm-bias-not-broadcastable", "a Gemm adding C of shape (4,) to (N, 3)",
+         lambda c: c.program(parse(GEMM_BAD_BIAS)), InvalidModelError,
+         "'c' of shape (4,) does not broadcast to 'y'"),
+    Case("model-conv-channels-not-the-weights", "a Conv of 2 input channels, weight for 1",
+         lambda c: c.program(parse(CONV_CHANNELS)), InvalidModelError,
+         "reads 'x' with 2 channels, but its weight 'w' of shape (1, 1, 3, 3) takes 1"),
+    *[Case(f"fit-rows-mixed-{mode}", f"a Reshape mixing rows (4N rows out), fuse={mode!r}",
+           lambda c, m=mode: c.fit(model=parse(MIXED_ROWS), compile_options={"fuse": m}),
+           UnsupportedModelError, fragment)
+      for mode, fragment in (("step", "For batches of 10 rows, the model's shapes contradict"),
+                             ("separate", "computes its output 'y' of shape (40, 1)"))],
     # -- divergence --------------------------------------------------------------------------
     *[Case(f"diverge-{mode}", f"a loss overflowing at epoch 1, batch 3 (fuse={mode!r})",
            lambda c, m=mode: diverge(c, m), ConvergenceError, "epoch 1, batch 3", trains=True)

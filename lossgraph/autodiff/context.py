@@ -11,7 +11,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..builder import GraphBuilder
-from ..errors import UnsupportedModelError
+from ..errors import InvalidModelError, UnsupportedModelError
 from ..graphs import ForwardFacts, Shape, attribute_value, np_dtype
 from ..names import NameAuthority
 
@@ -162,6 +162,16 @@ class GradContext(GraphBuilder):
                 "rank. Give the model's inputs static ranks."
             )
         lead = len(full) - len(target)
+        clash = next((i for i, d in enumerate(target) if lead < 0 or isinstance(d, int)
+                      and d != 1 and isinstance(full[lead + i], int) and full[lead + i] != d),
+                     None)
+        if clash is not None:  # onnx's checker misses it for some ops (a Gemm's C)
+            raise InvalidModelError(
+                f"{to!r} of shape {tuple(target)} does not broadcast to {source!r} of shape "
+                f"{tuple(full)}"
+                + ("" if lead < 0 else f" (its dim {clash} is {target[clash]}, the result's "
+                   f"{full[lead + clash]})") + ": the model is not valid ONNX, and onnxruntime "
+                "refuses to run it. Fix the node that reads it.")
         kept = [lead + i for i, d in enumerate(target) if d == 1 and full[lead + i] != 1]
         unknown = [lead + i for i, d in enumerate(target) if not isinstance(d, int)
                    and full[lead + i] != 1 and not (isinstance(d, str) and full[lead + i] == d)]

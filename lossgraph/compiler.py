@@ -60,7 +60,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .analysis import default_weights
+from .analysis import default_weights, trainable_initializers
 from .deprecation import renamed_keywords
 from .errors import UnsupportedModelError, UnsupportedOptionError
 from .manifest import build_manifest
@@ -73,6 +73,7 @@ from .optimize import (
     UnfoldConvWeightGradients,
     WidenScalarConstants,
 )
+from .options import names
 from .passes.contract import Pass, PassResult, Pipeline
 from .passes.fuse import EpochGraph, PackWeights, StepGraph
 from .passes.gradient import Gradient
@@ -89,6 +90,7 @@ from .separate import separate_graphs
 from .signature import Signature
 from .target import Target, use_target
 from .validation import (
+    check_learnable,
     check_penalized,
     check_trainable_model,
     compile_options,
@@ -247,11 +249,14 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
                          if k not in _OUTPUT_FIELDS}
         loss_model = AddLossOutput(loss, penalty=penalty, options=score_options,
                                    **output_options)(source).model
+    if checked.weights == []:
+        names("weights", [], candidates=trainable_initializers(loss_model))
     # never around a weight no gradient (or part of one) would reach: that is an error
     weights = checked.weights or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
     check_penalized(penalty, weights)
+    check_learnable(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:
@@ -294,21 +299,22 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
         # RunningStatistics where there are buffers, StabilizeNumerics
         assert the_plan.separate is not None
         forward_pass = runner.run("forward model", the_plan.separate.passes)
-        separate = separate_graphs(forward_pass.model, roles, options["loss"],
-                                   checked.loss_options, options["penalty"], initial, optimizer,
-                                   checked.backend, signature)
+        separate, graph_roles = separate_graphs(
+            forward_pass.model, roles, options["loss"], checked.loss_options,
+            options["penalty"], initial, optimizer, checked.backend, signature)
         graphs.update({name: WidenScalarConstants()(graph).model
                        for name, graph in separate.items()})
         signature.new.update(forward_pass.report.get("RunningStatistics", {}))
     else:
         last = "train_epoch" if fuse == "epoch" else "train_step"
         signature = results[last].report["StepGraph" if fuse == "step" else "EpochGraph"]
+        graph_roles = {}
     state = dict(initial)
     for weight in weights:
         for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
             state[name] = value
     state.update((b, lifted[b]) for b in buffers)
-    manifest = build_manifest(graphs, signature, optimizer, fuse, roles)
+    manifest = build_manifest(graphs, signature, optimizer, fuse, roles, graph_roles)
     return TrainingProgram(graphs, manifest, state, inference)
 
 

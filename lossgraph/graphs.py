@@ -479,7 +479,9 @@ def _static_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
     - Unsqueeze over k computed axes: r + k (repeats are an error by the definition);
     - Concat: the rank of any input whose rank is known (all inputs share it);
     - GatherElements: the rank of its data or its indices (they share it);
-    - If: the rank both branches give an output, where they agree.
+    - If: the rank both branches give an output, where they agree;
+    - Loop: a carried value's rank is its initial value's, where the body's output agrees
+      (or has none); a scan output's is one more than the body's.
     """
     op, inputs, out = node.op_type, list(node.input), node.output[0] if node.output else ""
     data = known.get(inputs[0]) if inputs and inputs[0] else None
@@ -511,6 +513,8 @@ def _static_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
         found = rank if rank is not None else _rank(second())
     elif op == "If":
         return _if_ranks(node)
+    elif op == "Loop":
+        return _loop_ranks(node, known)
     return {out: (elem_type, found)} if out and found is not None else {}
 
 
@@ -530,6 +534,34 @@ def _if_ranks(node: onnx.NodeProto) -> dict[str, tuple[int, int]]:
         if out and _rank(then) is not None and _rank(then) == _rank(other):
             ranks[out] = (then.tensor_type.elem_type, _rank(then))
     return ranks
+
+
+def _loop_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
+                ) -> dict[str, tuple[int, int]]:
+    """(element type, rank) of the outputs of a Loop node: each carried value has its
+    initial value's rank where the body's output does not say otherwise (the body's
+    declared rank when the initial one is unknown); each scan output one more than the
+    body's."""
+    body = next(subgraphs(node), None)
+    if body is None:
+        return {}
+    shaped = {v.name: v.type for v in (*body.value_info, *body.output)
+              if v.type.tensor_type.HasField("shape")}
+    produced = [shaped.get(v.name) for v in body.output[1:]]  # after the condition
+    initial = [known.get(name) if name else None for name in node.input[2:]]
+    ranks = {}
+    for index, out in enumerate(node.output):
+        inner = produced[index] if index < len(produced) else None
+        if index < len(initial):  # a carried value
+            start = initial[index]
+            rank = _rank(start) if _rank(start) is not None else _rank(inner)
+            if rank is None or (_rank(inner) is not None and _rank(inner) != rank):
+                continue
+            source = start if _rank(start) is not None else inner
+            ranks[out] = (source.tensor_type.elem_type, rank)
+        elif _rank(inner) is not None:  # a scan output: the iterations stacked
+            ranks[out] = (inner.tensor_type.elem_type, _rank(inner) + 1)
+    return {out: found for out, found in ranks.items() if out}
 
 
 def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:

@@ -25,7 +25,7 @@ loss and the backward half of a full batch in one run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,34 +51,54 @@ from .target import check_opset_option
 from .validation import weights_dtype
 
 __all__ = ["separate_graphs", "loss_graph", "program_loss_graph", "penalty_graph", "update_graph",
-           "PackedUpdate", "packed_update", "ForwardBackward", "split_gradient", "chain_graphs"]
+           "PenaltyGraph", "UpdateGraph", "build_penalty", "build_update", "PackedUpdate",
+           "packed_update", "ForwardBackward", "split_gradient", "chain_graphs"]
 
 
 def separate_graphs(predict: onnx.ModelProto, roles: Mapping[str, str], loss: str,
                     options: Mapping[str, Any], penalty: Mapping[str, Any] | None,
                     initial: Mapping[str, np.ndarray], optimizer: Optimizer, backend: str,
-                    signature: Signature) -> dict[str, onnx.ModelProto]:
-    """The four graphs for ``predict`` (weights as inputs) and ``loss`` with ``options``.
+                    signature: Signature
+                    ) -> tuple[dict[str, onnx.ModelProto], dict[str, dict[str, str]]]:
+    """The four graphs for ``predict`` (weights as inputs) and ``loss`` with ``options``,
+    and the role of each input and output of each (the manifest's roles, by graph).
 
-    ``signature`` is completed with the update graph's names.
+    ``signature`` is completed with the names the graphs chose. Every name lossgraph
+    invents (a gradient, a state, ``learning_rate``, ``step``, ``penalty``) is a free one:
+    a weight or input of the model named alike keeps its name, and the invented one gets
+    a suffix.
     """
     prediction = roles["prediction"]
     weights = list(initial)
     model_gradient = Pipeline((Gradient(weights, outputs=[prediction], backend=backend),
                                SumRowsByProduct()))(predict).model
     model_gradient = SumRowsByProduct()(model_gradient).model  # OPTIMIZE: sum-rows helper
+    gradients = read_json(model_gradient, GRADIENTS_KEY)
     value = next(o for o in predict.graph.output if o.name == prediction)
     loss_step = program_loss_graph(value, roles["label"], loss, options, backend)
-    graphs = {"gradient": model_gradient, "loss": loss_step.model,
-              "update": update_graph(optimizer, initial)}
+    # the model's own names, so that a name the update invents means one thing program-wide
+    taken = {v.name for v in (*model_gradient.graph.input, *model_gradient.graph.output)
+             if v.name not in gradients.values()}
+    taken.update(roles.values())
+    update = build_update(optimizer, initial, taken=taken)
+    graphs = {"gradient": model_gradient, "loss": loss_step.model, "update": update.model}
+    seed = loss_step.report[prediction]
+    graph_roles = {
+        "gradient": {prediction: "prediction", seed: "prediction_grad",
+                     **{g: "gradient" for g in gradients.values()}},
+        "loss": {prediction: "prediction", seed: "prediction_grad"},
+        "update": update.roles,
+    }
     if penalty:
-        graphs["penalty"] = penalty_graph(initial, penalty)
-    signature.gradients = {w: f"{w}_grad" for w in weights}
-    signature.states = {w: optimizer.state_names(w) for w in weights}
-    signature.new = {n: f"{n}_new" for w in weights for n in [w, *signature.states[w]]}
+        built = build_penalty(initial, penalty)
+        graphs["penalty"], graph_roles["penalty"] = built.model, built.roles
+    signature.gradients = dict(gradients)
+    signature.learning_rate, signature.step = update.learning_rate, update.step
+    signature.states = update.states
+    signature.new = dict(update.new)
     signature.prediction = prediction
-    signature.prediction_grad = loss_step.report[prediction]
-    return graphs
+    signature.prediction_grad = seed
+    return graphs, graph_roles
 
 
 def program_loss_graph(prediction: onnx.ValueInfoProto, label: str, loss: str,
@@ -157,14 +177,35 @@ def _named_dims(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     return named
 
 
+@dataclass(frozen=True)
+class PenaltyGraph:
+    """A penalty graph (:func:`penalty_graph`) and the names of its outputs."""
+
+    model: onnx.ModelProto
+    penalty: str  # the penalty, summed over the weights
+    gradients: dict[str, str]  # weight -> its penalty's gradient
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """The role of each input and output, as the manifest names them."""
+        return {**{w: "weight" for w in self.gradients}, self.penalty: "penalty",
+                **{g: "penalty_gradient" for g in self.gradients.values()}}
+
+
 def penalty_graph(weights: Mapping[str, np.ndarray], penalty: Any) -> onnx.ModelProto:
     """The standalone penalty graph for ``penalty`` (add_loss_output's dict form).
 
     ``weights`` maps every trainable weight's name to its value (giving dtype and
     shape); the penalty's names must be among them. Inputs: the penalized weights in
     the penalty's order; outputs: ``penalty`` (their sum, a scalar of the weights'
-    float type), then ``<W>_penalty_grad`` for each.
+    float type), then ``<W>_penalty_grad`` for each (each with a suffix where a weight
+    has that name).
     """
+    return build_penalty(weights, penalty).model
+
+
+def build_penalty(weights: Mapping[str, np.ndarray], penalty: Any) -> PenaltyGraph:
+    """:func:`penalty_graph` with the names it chose."""
     coefficients = parse_penalty(penalty)
     if not coefficients:
         raise UnsupportedOptionError(
@@ -180,13 +221,11 @@ def penalty_graph(weights: Mapping[str, np.ndarray], penalty: Any) -> onnx.Model
     penalized = {name: np.asarray(weights[name]) for name in coefficients}
     dtype = weights_dtype(penalized, "penalty_graph")
     elem_type = helper.np_dtype_to_tensor_dtype(dtype)
-    names = NameAuthority()
-    inputs = [
-        helper.make_tensor_value_info(names.claim(name, "weight name"), elem_type, value.shape)
-        for name, value in penalized.items()
-    ]
-    total_name = names.claim("penalty", "output name")
-    grad_names = {name: names.claim(f"{name}_penalty_grad", "output name") for name in penalized}
+    names = NameAuthority(weights)
+    inputs = [helper.make_tensor_value_info(name, elem_type, value.shape)
+              for name, value in penalized.items()]
+    total_name = names.fresh("penalty")
+    grad_names = {name: names.fresh(f"{name}_penalty_grad") for name in penalized}
 
     b = GraphBuilder(names, opset=18)
     total: str | None = None
@@ -201,7 +240,31 @@ def penalty_graph(weights: Mapping[str, np.ndarray], penalty: Any) -> onnx.Model
         outputs.append((grad, grad_names[name], info))
     assert total is not None
     outputs.insert(0, (total, total_name, helper.make_tensor_value_info(total_name, elem_type, [])))
-    return standalone_model(b, "penalty", inputs, outputs, 18)
+    model = standalone_model(b, "penalty", inputs, outputs, 18)
+    return PenaltyGraph(model, total_name, grad_names)
+
+
+@dataclass(frozen=True)
+class UpdateGraph:
+    """An update graph (:func:`update_graph`) and the names of its inputs and outputs."""
+
+    model: onnx.ModelProto
+    learning_rate: str
+    step: str
+    gradients: dict[str, str]  # weight -> its gradient input
+    states: dict[str, list[str]]  # weight -> its state inputs
+    new: dict[str, str]  # weight or state -> the output with its next value
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """The role of each input and output, as the manifest names them."""
+        roles = {self.learning_rate: "learning_rate", self.step: "step"}
+        for weight, states in self.states.items():
+            roles.update({weight: "weight", self.gradients[weight]: "gradient",
+                          self.new[weight]: "new_weight"})
+            roles.update((s, "state") for s in states)
+            roles.update((self.new[s], "new_state") for s in states)
+        return roles
 
 
 def update_graph(
@@ -213,8 +276,16 @@ def update_graph(
     for this update), ``step`` (int64 scalar, the 1-based update number; Adam and AdamW
     read it), then per weight ``w``, ``w_grad``, its states
     (:meth:`Optimizer.state_names`); outputs per weight ``w_new`` then ``<state>_new``.
-    A runner feeds the outputs back as the next step's inputs.
+    A name a weight has already gets a suffix (``w_grad_1``). A runner feeds the
+    outputs back as the next step's inputs.
     """
+    return build_update(optimizer, weights, opset).model
+
+
+def build_update(optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset: int = 18,
+                 taken: Iterable[str] = ()) -> UpdateGraph:
+    """:func:`update_graph` with the names it chose, none of them a weight's or in
+    ``taken``."""
     if not isinstance(optimizer, Optimizer):
         raise UnsupportedOptionError(
             f"optimizer must be a lossgraph.optim optimizer (SGD, Momentum, Adam, AdamW), "
@@ -223,33 +294,28 @@ def update_graph(
     check_opset_option(opset)
     dtype = weights_dtype(weights, "update_graph")
     elem_type = helper.np_dtype_to_tensor_dtype(dtype)
-    names = NameAuthority()
-    inputs = [
-        helper.make_tensor_value_info(names.claim("learning_rate", "input name"), elem_type, []),
-        helper.make_tensor_value_info(names.claim("step", "input name"), TensorProto.INT64, []),
-    ]
-    plan: list[tuple[str, str, list[str], list[str], tuple[int, ...]]] = []
+    names = NameAuthority([*weights, *taken])
+    learning_rate, step = names.fresh("learning_rate"), names.fresh("step")
+    inputs = [helper.make_tensor_value_info(learning_rate, elem_type, []),
+              helper.make_tensor_value_info(step, TensorProto.INT64, [])]
+    gradients = {w: names.fresh(f"{w}_grad") for w in weights}
+    states = {w: [names.fresh(s) for s in optimizer.state_names(w)] for w in weights}
     for weight, value in weights.items():
-        shape = np.shape(value)
-        states = optimizer.state_names(weight)
-        for name in (weight, f"{weight}_grad", *states):
-            names.claim(name, "weight, gradient or state name")
-            inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
-        plan.append((weight, f"{weight}_grad", states, [], shape))
-    for weight, _, states, out_names, _ in plan:
-        for name in (weight, *states):
-            out_names.append(names.claim(f"{name}_new", "output name"))
+        for name in (weight, gradients[weight], *states[weight]):
+            inputs.append(helper.make_tensor_value_info(name, elem_type, np.shape(value)))
+    new = {name: names.fresh(f"{name}_new") for w in weights for name in (w, *states[w])}
 
     b = GraphBuilder(names, opset)
     outputs: list[tuple[str, str, onnx.ValueInfoProto]] = []
-    for weight, grad, states, out_names, shape in plan:
+    for weight, value in weights.items():
         new_weight, new_states = optimizer.emit_update(
-            b, weight, grad, states, "learning_rate", "step", dtype
+            b, weight, gradients[weight], states[weight], learning_rate, step, dtype
         )
-        for value, out_name in zip([new_weight, *new_states], out_names):
-            info = helper.make_tensor_value_info(out_name, elem_type, shape)
-            outputs.append((value, out_name, info))
-    return standalone_model(b, f"{type(optimizer).__name__}_update", inputs, outputs, opset)
+        for computed, old in zip([new_weight, *new_states], [weight, *states[weight]]):
+            info = helper.make_tensor_value_info(new[old], elem_type, np.shape(value))
+            outputs.append((computed, new[old], info))
+    model = standalone_model(b, f"{type(optimizer).__name__}_update", inputs, outputs, opset)
+    return UpdateGraph(model, learning_rate, step, gradients, states, new)
 
 
 @dataclass(frozen=True)
@@ -287,15 +353,16 @@ def packed_update(update: onnx.ModelProto, optimizer: Optimizer,
     dtypes = {np.asarray(value).dtype for value in weights.values()}
     if len(dtypes) != 1:
         return None
-    built = WidenScalarConstants()(update_graph(optimizer, weights)).model
-    if built.graph.SerializeToString() != update.graph.SerializeToString():
+    built = build_update(optimizer, weights)
+    if WidenScalarConstants()(built.model).model.graph.SerializeToString() != \
+            update.graph.SerializeToString():
         return None
     size = sum(int(np.asarray(value).size) for value in weights.values())
     flat = "weights"  # update_graph reads only the shape and dtype: no memory for the values
     shaped = np.broadcast_to(np.zeros((), *dtypes), (size,))
     model = WidenScalarConstants()(update_graph(optimizer, {flat: shaped})).model
     names = [flat, *optimizer.state_names(flat)]
-    blocks = [tuple(weights), *(tuple(optimizer.state_names(w)[k] for w in weights)
+    blocks = [tuple(weights), *(tuple(built.states[w][k] for w in weights)
                                 for k in range(len(names) - 1))]
     return PackedUpdate(model, "learning_rate", "step", f"{flat}_grad",
                         dict(zip(names, blocks)), {f"{n}_new": b for n, b in zip(names, blocks)})
@@ -379,6 +446,7 @@ def split_gradient(model: onnx.ModelProto, outputs: Sequence[str],
             [initializers[n] for n in initializers if n in used and n not in in_names])
         half_model = helper.make_model(body, opset_imports=list(model.opset_import),
                                        functions=list(model.functions))
+        half_model.ir_version = model.ir_version  # loads where the gradient graph does
         check_emitted(half_model, f"split_gradient ({name})")
         return half_model
 
@@ -431,5 +499,6 @@ def chain_graphs(first: onnx.ModelProto, second: onnx.ModelProto
         body, opset_imports=[helper.make_opsetid(d, v) for d, v in imports.items()],
         functions=[*first.functions, *(f for f in second.functions
                                        if (f.domain, f.name) not in functions)])
+    chained.ir_version = max(first.ir_version, second.ir_version)
     check_emitted(chained, "chain_graphs")
     return chained, renamed

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numbers
 import reprlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,11 +31,14 @@ import onnx
 from onnx import helper
 
 from . import training_build
+from .analysis import stuck_weights
 from .errors import (
     DTypeMismatchError,
     InvalidDataError,
     InvalidModelError,
+    NoGradientError,
     ShapeMismatchError,
+    StuckWeightWarning,
     UnsupportedModelError,
     UnsupportedOptionError,
     suggest,
@@ -43,10 +47,11 @@ from .graphs import FLOAT_TYPES, elem_type_name
 from .manifest import FUSE_MODES
 from .models import check_declared_outputs
 from .optim import Optimizer, as_optimizer
-from .options import choice, count, flag
+from .options import choice, count, flag, names
 from .passes.gradient import BACKENDS
 from .passes.loss import OUTPUT_OPTIONS, resolve_score
 from .penalties import parse_penalty
+from .roles import get_roles
 
 __all__ = [
     "CompileOptions", "compile_options", "check_trainable_model", "no_weights_error",
@@ -95,32 +100,6 @@ def callbacks(value: Any) -> list[Callable]:
     return listed
 
 
-def names(option: str, value: Any) -> list[str] | None:
-    """A list of distinct tensor names (a single name is a list of one); None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, Mapping) or not isinstance(value, Iterable):
-        raise UnsupportedOptionError(
-            f"{option}={reprlib.repr(value)} must be a list of weight names, e.g. "
-            f"{option}=['coef', 'intercept'].")
-    listed = list(value)
-    for item in listed:
-        if not isinstance(item, str):
-            raise UnsupportedOptionError(
-                f"{option} holds {reprlib.repr(item)} ({type(item).__name__}), not a weight "
-                "name: it takes names (str).")
-    if not listed:
-        raise UnsupportedOptionError(
-            f"{option}=[] names no weight, so nothing would train. Leave {option}=None to "
-            "train every trainable initializer, or name some.")
-    repeated = sorted({n for n in listed if listed.count(n) > 1})
-    if repeated:
-        raise UnsupportedOptionError(f"{option} names {repeated[0]!r} more than once: {listed}.")
-    return listed
-
-
 @dataclass(frozen=True)
 class CompileOptions:
     """``compile``'s options, checked and in the form the pipeline uses."""
@@ -145,7 +124,8 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
         raise UnsupportedOptionError(
             "penalty= needs lossgraph to add the loss; with loss=None the model carries its "
             "own. Add the penalty when building it: add_loss_output(..., penalty=...).")
-    return CompileOptions(names("weights", weights), options, as_optimizer(optimizer),
+    return CompileOptions(names("weights", weights, allow_empty=True), options,
+                          as_optimizer(optimizer),
                           backend, fuse)
 
 
@@ -260,6 +240,33 @@ def check_trainable_model(model: onnx.ModelProto) -> None:
             "scikit-learn) and convert it again.")
 
 
+def check_learnable(model: onnx.ModelProto, weights: Sequence[str]) -> None:
+    """Weights that training can never change (every path to the loss passes an op whose
+    gradient is zero everywhere: :func:`~lossgraph.analysis.stuck_weights`): a
+    NoGradientError when all are, else a StuckWeightWarning naming them."""
+    stuck = stuck_weights(model, weights)
+    if not stuck:
+        return
+    loss = get_roles(model).get("loss", "the outputs")
+    paths = "".join(f"\n  {weight.describe()}" for weight in stuck)
+    zeros = ", ".join(dict.fromkeys(w.node.op_type for w in stuck))
+    way_out = (f"Train through a differentiable stand-in for {zeros} (e.g. the straight-"
+               "through estimator, x + (Round(x) - x) with the difference as a constant, "
+               "before export), or train weights with a differentiable path.")
+    names = ", ".join(repr(w.name) for w in stuck)
+    if len(stuck) == len(weights):
+        raise NoGradientError(
+            f"No weight can learn: {names} reach{'es' * (len(stuck) == 1)} the loss {loss!r} "
+            f"only through ops whose gradient is zero wherever it exists ({zeros}), so "
+            f"gradient descent would never change {'them' if len(stuck) > 1 else 'it'}:"
+            f"{paths}\n{way_out}")
+    warnings.warn(
+        f"{names} reach{'es' * (len(stuck) == 1)} the loss {loss!r} only through ops whose "
+        f"gradient is zero wherever it exists ({zeros}): training will not change "
+        f"{'them' if len(stuck) > 1 else 'it'}:{paths}\n{way_out}", StuckWeightWarning,
+        stacklevel=4)
+
+
 def weights_dtype(weights: Mapping[str, np.ndarray], what: str) -> np.dtype:
     """The one float dtype (float32 or float64) all ``weights`` share."""
     if not weights:
@@ -303,16 +310,19 @@ def no_weights_error(model: onnx.ModelProto) -> UnsupportedModelError:
 
 
 def _shape_text(shape: Sequence[int | str | None]) -> str:
-    dims = [str(d) if isinstance(d, int) else "N" for d in shape]
+    """``(N, K)`` for a declared shape: each dimension's size or own name, ``?`` unnamed."""
+    dims = ["?" if d is None else str(d) for d in shape]
     return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
 def as_array(value: Any, spec: Mapping[str, Any], what: str) -> np.ndarray:
     """``value`` as a C-contiguous array of the dtype and shape input ``spec`` declares.
 
-    ``spec`` is a manifest entry (``name``, ``dtype``, ``shape``); ``what`` names the data
-    in messages (``X``, ``y``, ``validation_data y``...). The caller's array is never
-    written to: a conversion makes a copy.
+    ``spec`` is a manifest entry (``name``, ``dtype``, ``shape``, ``role``); ``what`` names
+    the data in messages (``X``, ``y``, ``validation_data y``...). The caller's array is
+    never written to: a conversion makes a copy. An ``(N,)`` array is read as one column
+    where the input is ``(N, 1)``, and a label in one column, ``(N, 1)``, where the label is
+    ``(N,)`` (onnxcustom's examples pass ``y.reshape((-1, 1))``); no other shape changes.
     """
     expected = np.dtype(spec["dtype"])
     declared = f"{expected} of shape {_shape_text(spec['shape'])}"
@@ -343,6 +353,9 @@ def as_array(value: Any, spec: Mapping[str, Any], what: str) -> np.ndarray:
     shape = spec["shape"]
     if array.ndim == len(shape) - 1 and shape and shape[-1] == 1:
         array = array.reshape(*array.shape, 1)  # y of shape (N,) for an (N, 1) output
+    elif (spec.get("role") == "label" and len(shape) == 1 and array.ndim == 2
+          and array.shape[1] == 1):
+        array = array.reshape(len(array))  # y in one column, (N, 1), for an (N,) label
     if array.ndim != len(shape) or any(
             isinstance(d, int) and d != n for d, n in zip(shape[1:], array.shape[1:])):
         raise ShapeMismatchError(

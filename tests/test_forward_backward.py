@@ -104,7 +104,7 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
         for number in range(1, 4):
             trainer._step[()] = number
             losses.append(step.run({feature: X, program.io("loss", "label")[0]: y}))
-            trainer._buffers.swap()
+            trainer._buffers.advance()
         states.append((losses, trainer.state))
     # (bound buffers, runs for forward, loss and backward, packed update)
     assert kinds == [(True, runs, True), (True, runs, False), (False, False, False)]

@@ -45,11 +45,12 @@ class BaseLearningPenalty:
 
     @classmethod
     def select(cls, value: Any, **options: Any) -> BaseLearningPenalty:
-        """An instance for ``value``: an instance (returned as is), ``None`` (no penalty),
-        a class name or an alias (``"elastic"``, ``"l1l2"``), built with ``options``."""
+        """An instance for ``value``: an instance (returned as is), ``None`` or ``""`` (no
+        penalty, as onnxcustom took them), a class name or an alias (``"elastic"``,
+        ``"l1l2"``), built with ``options``."""
         if isinstance(value, BaseLearningPenalty):
             return value
-        if value is None:
+        if value is None or (isinstance(value, str) and value == ""):
             return NoLearningPenalty()
         kinds = (NoLearningPenalty, ElasticLearningPenalty)
         names = {name: kind for kind in kinds for name in (kind.__name__, *kind.aliases)}

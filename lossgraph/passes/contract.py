@@ -37,9 +37,10 @@ from typing import Any
 import onnx
 
 from ..models import ModelLike, as_model, check_emitted, check_model
+from ..options import names
 from ..target import check_opset
 
-__all__ = ["Pass", "PassResult", "Pipeline"]
+__all__ = ["Pass", "PassResult", "Pipeline", "name_fields"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,15 @@ class Pipeline(Pass):
 
     def __str__(self) -> str:
         return " -> ".join(str(step) for step in self.passes) or "(no passes)"
+
+
+def name_fields(options: Pass, *fields: str) -> None:
+    """Make each of ``fields`` of ``options`` (a frozen dataclass pass) a tuple of names:
+    one name is a tuple of one, never its letters (:func:`lossgraph.options.names`); an
+    empty list stays empty, for the pass to refuse once it knows the valid names."""
+    for field_name in fields:
+        listed = names(field_name, getattr(options, field_name), allow_empty=True)
+        object.__setattr__(options, field_name, None if listed is None else tuple(listed))
 
 
 def _describe(value: Any) -> str:

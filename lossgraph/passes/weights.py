@@ -17,7 +17,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import UnknownNameError, suggest
-from .contract import Pass, PassResult
+from .contract import Pass, PassResult, name_fields
 
 __all__ = ["WeightsToInputs"]
 
@@ -28,6 +28,9 @@ class WeightsToInputs(Pass):
     report is their values by name."""
 
     weights: Sequence[str]
+
+    def __post_init__(self) -> None:
+        name_fields(self, "weights")
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         return PassResult(model, _lift(model, list(self.weights)))

@@ -92,10 +92,10 @@ class SeparateStep:
         update(W, W_grad (+ W_penalty_grad), states) -> W', states'
 
     Weights and states stay in ``buffers``; the update writes the next state into the
-    other buffer set (the caller swaps them after a finite loss). A program's buffers
+    following buffer set (the caller advances to it after a finite loss). A program's buffers
     (the running statistics of a training-mode BatchNormalization) are read by the forward
     half, which also computes their next values (outputs of the ``gradient`` graph, so of
-    its forward half): they go into the other buffer set too, as the fused graphs write
+    its forward half): they go into the following buffer set too, as the fused graphs write
     them.
 
     With ``batch``, the step takes batches of that many rows only and runs graphs
@@ -221,7 +221,7 @@ class SeparateStep:
     def update(self, gradients: Mapping[str, Any]) -> float:
         """Add the penalty's gradients to ``gradients`` (from :meth:`gradients`, or numpy
         arrays shaped like the weights, changed in place) and run the update graph; the
-        penalty (0 without one). The next state waits in the other buffer set."""
+        penalty (0 without one). The next state waits in the following buffer set."""
         if self._static:  # the update graph reads the arrays bound at construction
             if gradients is not self._gradients:
                 for weight, bound in self._gradients.items():
@@ -260,7 +260,7 @@ class SeparateStep:
         weights = {w: live[self._index[w]] for w in (*self._weights, *self._model_buffers)}
         (prediction, *new_buffers), residuals = self._model.forward(
             {**{n: data[n] for n in self._features}, **weights})
-        following = self._buffers.arrays[1 - current]  # where the update writes the next state
+        following = self._buffers.arrays[self._buffers.following(current)]  # the next state
         for buffer, value in zip(self._model_buffers, new_buffers):
             following[self._index[buffer]][...] = value.numpy()
         loss, prediction_grad = self._loss.run(

@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -88,10 +89,41 @@ def _checked(model: onnx.ModelProto, what: str, folder: Path | None) -> onnx.Mod
         raise InvalidModelError(
             f"{what} is not an ONNX model: it has no graph "
             f"({f'only {fields}' if fields else 'no ONNX field at all'}). {_REEXPORT}.")
+    damaged = _not_text(model, "model")
+    if damaged:
+        raise InvalidModelError(
+            f"{what} is damaged: {damaged} is not UTF-8 text, as ONNX's names and strings "
+            f"must be (a bit flipped in a copy or a download?). {_REEXPORT}.")
     for tensor in stored_tensors(model):
         if uses_external_data(tensor):
             _load_external(tensor, what, folder)
     return model
+
+
+def _not_text(message: Any, path: str) -> str | None:
+    """The first string field under ``message`` that is not UTF-8, as a path (protobuf
+    parses it and hands it out as bytes; onnx's checker passes it, and copying it into
+    another message fails), or None. Tensors' data is not read."""
+    if isinstance(message, onnx.TensorProto):
+        named = [("name", message.name), ("doc_string", message.doc_string)]
+        for index, entry in enumerate(message.external_data):
+            named += [(f"external_data[{index}].key", entry.key),
+                      (f"external_data[{index}].value", entry.value)]
+        return next((f"{path}.{key}" for key, value in named if isinstance(value, bytes)), None)
+    for field, value in message.ListFields():
+        # protobuf 7 has is_repeated, older ones label
+        repeated = field.is_repeated if hasattr(field, "is_repeated") \
+            else field.label == field.LABEL_REPEATED
+        items = list(value) if repeated else [value]
+        for index, item in enumerate(items):
+            where = f"{path}.{field.name}" + (f"[{index}]" if repeated else "")
+            if field.type == field.TYPE_STRING and isinstance(item, bytes):
+                return where
+            if field.type == field.TYPE_MESSAGE:
+                found = _not_text(item, where)
+                if found:
+                    return found
+    return None
 
 
 def _load_external(tensor: onnx.TensorProto, what: str, folder: Path | None) -> None:
@@ -211,14 +243,14 @@ def _shape_words(dims: list[int | str | None]) -> str:
 
 
 def _contradicts(computed: list[int | str | None], declared: list[int | str | None],
-                 batch: set[str]) -> bool:
+                 batch: set[str], free: bool) -> bool:
     """Whether a computed shape contradicts the declared one: another rank, another size,
-    a fixed size where the batch axis (the first, or a dim named like the inputs' first)
-    is declared."""
+    a fixed size where a batch axis is declared: a dim named like the inputs' first, or
+    the first when the inputs' batch is ``free``."""
     if len(computed) != len(declared):
         return True
     return any(isinstance(a, int) and (isinstance(b, int) and a != b or b in batch
-                                       or index == 0 and not isinstance(b, int))
+                                       or free and index == 0 and not isinstance(b, int))
                for index, (a, b) in enumerate(zip(computed, declared)))
 
 
@@ -239,7 +271,11 @@ def check_declared_outputs(model: onnx.ModelProto,
                if (producers is None or v.name in producers) and _dims(v.type) is not None}
     if not checked:
         return
-    batch = {dims[0] for v in graph.input if (dims := _dims(v.type)) and isinstance(dims[0], str)}
+    weights = {t.name for t in graph.initializer}
+    leading = [dims[0] for v in graph.input
+               if v.name not in weights and (dims := _dims(v.type))]
+    batch = {d for d in leading if isinstance(d, str)}
+    free = any(not isinstance(d, int) for d in leading)
     probe = onnx.ModelProto()
     probe.CopyFrom(without_weight_data(model)[0])
     kept = [v for v in probe.graph.output if v.name not in checked]
@@ -255,7 +291,7 @@ def check_declared_outputs(model: onnx.ModelProto,
         computed, declared = _dims(value.type), _dims(checked[value.name])
         if computed is None or declared is None:
             continue
-        if not _contradicts(computed, declared, batch):
+        if not _contradicts(computed, declared, batch, free):
             continue
         node = (producers or {}).get(value.name) or next(
             (f"the {n.op_type} node {n.name!r}" if n.name else f"the {n.op_type} node"

@@ -235,8 +235,11 @@ def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
             "external paths out of it.")
     try:
         onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
+    except Exception as exc:  # noqa: BLE001  ValidationError, and UnicodeDecodeError for a
+        # name that is not UTF-8 (protobuf parses it; the checker cannot read it)
+        first = ("a name or text in it is not UTF-8 (damaged bytes)"
+                 if isinstance(exc, UnicodeDecodeError) else
+                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         raise InvalidProgramError(f"{str(path)!r} is not a valid ONNX model: {first}") from None
     return model
 

@@ -379,14 +379,31 @@ MUTATIONS: dict[str, Callable[[onnx.ModelProto, Chooser], str]] = {
 }
 
 
+def flip_bytes(data: bytes, draw: Chooser) -> tuple[bytes, str]:
+    """A few bytes of the serialized model changed: a damaged file that may still parse
+    (a name that is not UTF-8, a length or a tag off by some bits)."""
+    flipped = bytearray(data)
+    where = []
+    for _ in range(draw.integer(1, 3)):
+        at = draw.integer(0, len(flipped) - 1)
+        flipped[at] ^= draw.integer(1, 255)
+        where.append(at)
+    return bytes(flipped), f"bytes {where} of the file flipped"
+
+
 def mutate(name: str, draw: Chooser, count: int) -> tuple[bytes, list[str]]:
-    """Golden model ``name`` with ``count`` mutations: its bytes and what was done."""
+    """Golden model ``name`` with ``count`` mutations (now and then its bytes flipped
+    after them): its bytes and what was done."""
     model = onnx.load_model_from_string(golden_bytes(name))
     done = []
     for _ in range(count):
         kind = draw.choice(sorted(MUTATIONS))
         done.append(f"{kind}: {MUTATIONS[kind](model, draw)}")
-    return model.SerializeToString(), done
+    data = model.SerializeToString()
+    if draw.integer(0, 7) == 0:
+        data, flipped = flip_bytes(data, draw)
+        done.append(flipped)
+    return data, done
 
 
 # -- the property ------------------------------------------------------------------------------
@@ -1270,7 +1287,8 @@ def explore(family: str, examples: int, seed: int, out: Path) -> None:
             except Finding as finding:
                 key = "FINDING"
                 stem = out / f"{family}-{seed}-{index}"
-                stem.with_suffix(".pickle").write_bytes(pickle.dumps(example))
+                stem.with_suffix(".pickle").write_bytes(
+                    pickle.dumps((example.function, example.args, example.words)))
                 stem.with_suffix(".txt").write_text(str(finding))
                 last = str(finding).strip().splitlines()[-1][:300]
                 print(f"[{index}] {example.words[:300]}\n    {last}", flush=True)

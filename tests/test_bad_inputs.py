@@ -181,6 +181,24 @@ CONV_CHANNELS = """
     <float[1, 1, 3, 3] w = {1, 2, 3, 4, 5, 6, 7, 8, 9}>
     { y = Conv(x, w) }
 """
+#: An op of the user's own domain feeding a MaxPool: its output has no type onnx can infer.
+UNTYPED_BY_CUSTOM_OP = """
+    <ir_version: 8, opset_import: ["" : 18, "com.example" : 1]>
+    g (float[N, 1, 4, 4] x) => (float[N, 1, 2, 2] y) <float[1] scale = {2}>
+    { s = Mul(x, scale)
+      h = com.example.Foo(s)
+      y = MaxPool <kernel_shape = [2, 2], strides = [2, 2]> (h) }
+"""
+
+
+def name_not_utf8() -> bytes:
+    """The linear model's bytes with its first node's name made of a byte that is not
+    UTF-8 (one bit flipped in a copy): protobuf parses it, onnx's checker passes it."""
+    model = linear()
+    model.graph.node[0].name = "NODENAME"
+    return model.SerializeToString().replace(b"NODENAME", b"NODE\xe2AME")
+
+
 #: Rows mixed: (N, 1) + (N, 4) is (N, 4), reshaped to (4N, 1), declared (?, 1) or (N, 1).
 MIXED_ROWS = """
     <ir_version: 8, opset_import: ["" : 18]>
@@ -671,6 +689,18 @@ CASES: list[Case] = [
     Case("model-conv-channels-not-the-weights", "a Conv of 2 input channels, weight for 1",
          lambda c: c.program(parse(CONV_CHANNELS)), InvalidModelError,
          "reads 'x' with 2 channels, but its weight 'w' of shape (1, 1, 3, 3) takes 1"),
+    Case("model-name-not-utf8", "model bytes with a node name that is not UTF-8",
+         lambda c: c.program(name_not_utf8()), InvalidModelError,
+         "model.graph.node[0].name is not UTF-8 text"),
+    Case("model-type-unknown-after-custom-op", "an op of the user's domain feeding a MaxPool",
+         lambda c: c.program(parse(UNTYPED_BY_CUSTOM_OP)), UnsupportedModelError,
+         "The element type of 'h' is unknown after shape inference"),
+    Case("optimizer-adam-epsilon-zero", "Adam(epsilon=0): NaN weights, the loss still finite",
+         lambda c: c.program(optimizer=Adam(epsilon=0.0)), UnsupportedOptionError,
+         "Adam: epsilon=0: the update divides 0 by 0"),
+    Case("optimizer-adam-epsilon-zero-in-float32", "Adam(epsilon=1e-50) for float32 weights",
+         lambda c: c.program(optimizer=Adam(epsilon=1e-50)), UnsupportedOptionError,
+         "epsilon=1e-50 is 0 in float32"),
     *[Case(f"fit-rows-mixed-{mode}", f"a Reshape mixing rows (4N rows out), fuse={mode!r}",
            lambda c, m=mode: c.fit(model=parse(MIXED_ROWS), compile_options={"fuse": m}),
            UnsupportedModelError, fragment)

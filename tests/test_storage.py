@@ -317,6 +317,16 @@ def _outside_link(folder: Path) -> None:
     (folder / "predict.onnx").symlink_to(outside)
 
 
+def _name_not_utf8(folder: Path) -> None:
+    """evaluate.onnx with its loss output named by a byte that is not UTF-8 (found by the
+    fuzzer: onnx's checker raised a raw UnicodeDecodeError)."""
+    model = onnx.load(folder / "evaluate.onnx")
+    model.graph.output[0].name = "LOSSNAME"
+    data = model.SerializeToString().replace(b"LOSSNAME", b"\xa7OSSNAME")
+    (folder / "evaluate.onnx").write_bytes(data)
+    _drop_checksums(folder)
+
+
 DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "no manifest": (lambda f: (f / "manifest.json").unlink(), "holds no manifest.json"),
     "manifest not JSON": (lambda f: (f / "manifest.json").write_text("{oops"), "not valid JSON"),
@@ -349,6 +359,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "graph corrupt": (lambda f: ((f / "evaluate.onnx").write_bytes(b"\x08\x96\x01garbage" * 9),
                                  _drop_checksums(f)), "not a valid ONNX model"),
     "graphs swapped": (_swap_graphs, "do not belong together"),
+    "graph name not utf-8": (_name_not_utf8, "a name or text in it is not UTF-8"),
     "path with ..": (lambda f: _rewrite_manifest(
         f, lambda m: m["graphs"]["evaluate"].update(file="../evaluate.onnx")),
         "not a plain file name"),

@@ -112,10 +112,18 @@ class GradContext(GraphBuilder):
         return self._facts.readers.get(name, [])
 
     def elem_type(self, name: str) -> int:
-        return self._facts.elem_types[name]
+        """The element type of a forward value; rules rely on it, so an unknown one (made
+        by an op of a domain onnx does not know) is an error."""
+        elem_type = self._facts.elem_types.get(name)
+        if elem_type is None:
+            raise UnsupportedModelError(
+                f"The element type of {name!r} is unknown after shape inference; the gradient "
+                "needs it. Is it made by an op of a domain onnx does not know? Declare its type "
+                "in the model's value_info.")
+        return elem_type
 
     def dtype(self, name: str) -> np.dtype:
-        return np_dtype(self._facts.elem_types[name])
+        return np_dtype(self.elem_type(name))
 
     def value_info(self, name: str) -> onnx.ValueInfoProto:
         """A value_info declaring a forward value with its known type and shape."""

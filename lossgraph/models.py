@@ -26,7 +26,8 @@ from .errors import InternalError, InvalidModelError
 from .graphs import elem_type_name, stored_tensors, without_weight_data
 from .target import finalize
 
-__all__ = ["ModelLike", "as_model", "check_model", "check_declared_outputs", "check_emitted"]
+__all__ = ["ModelLike", "as_model", "check_model", "check_declared_outputs", "check_emitted",
+           "non_text_field"]
 
 #: What every public function accepts as a model.
 ModelLike = onnx.ModelProto | bytes | str | os.PathLike
@@ -89,7 +90,7 @@ def _checked(model: onnx.ModelProto, what: str, folder: Path | None) -> onnx.Mod
         raise InvalidModelError(
             f"{what} is not an ONNX model: it has no graph "
             f"({f'only {fields}' if fields else 'no ONNX field at all'}). {_REEXPORT}.")
-    damaged = _not_text(model, "model")
+    damaged = non_text_field(model, "model")
     if damaged:
         raise InvalidModelError(
             f"{what} is damaged: {damaged} is not UTF-8 text, as ONNX's names and strings "
@@ -100,7 +101,7 @@ def _checked(model: onnx.ModelProto, what: str, folder: Path | None) -> onnx.Mod
     return model
 
 
-def _not_text(message: Any, path: str) -> str | None:
+def non_text_field(message: Any, path: str) -> str | None:
     """The first string field under ``message`` that is not UTF-8, as a path (protobuf
     parses it and hands it out as bytes; onnx's checker passes it, and copying it into
     another message fails), or None. Tensors' data is not read."""
@@ -120,7 +121,7 @@ def _not_text(message: Any, path: str) -> str | None:
             if field.type == field.TYPE_STRING and isinstance(item, bytes):
                 return where
             if field.type == field.TYPE_MESSAGE:
-                found = _not_text(item, where)
+                found = non_text_field(item, where)
                 if found:
                     return found
     return None

@@ -39,6 +39,7 @@ from .errors import InvalidDataError, InvalidProgramError
 from .fileio import FolderKind, replace_directory, serialize
 from .graphs import stored_tensors
 from .manifest import check_manifest
+from .models import non_text_field
 
 __all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "Program", "ProgramParts", "save_program",
            "read_program", "save_checkpoint", "read_checkpoint", "read_arrays"]
@@ -233,13 +234,15 @@ def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
             f"{str(path)!r} keeps tensor {external[0]!r} in external data; the graphs of a "
             "program folder hold their tensors themselves, and lossgraph does not follow "
             "external paths out of it.")
+    damaged = non_text_field(model, "model")
+    if damaged:
+        raise InvalidProgramError(
+            f"{str(path)!r} is not a valid ONNX model: a name or text in it is not UTF-8 "
+            f"({damaged}; damaged bytes).")
     try:
         onnx.checker.check_model(model)
-    except Exception as exc:  # noqa: BLE001  ValidationError, and UnicodeDecodeError for a
-        # name that is not UTF-8 (protobuf parses it; the checker cannot read it)
-        first = ("a name or text in it is not UTF-8 (damaged bytes)"
-                 if isinstance(exc, UnicodeDecodeError) else
-                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    except Exception as exc:  # noqa: BLE001  ValidationError, and whatever else it raises
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidProgramError(f"{str(path)!r} is not a valid ONNX model: {first}") from None
     return model
 

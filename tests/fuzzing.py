@@ -74,6 +74,25 @@ class RandomChooser:
         return options[self.random.randrange(len(options))]
 
 
+class TapeChooser:
+    """Choices read from a tape of numbers drawn beforehand (so that a mutation can be
+    drawn in one process and made in another, where the model is)."""
+
+    def __init__(self, tape: Sequence[int]) -> None:
+        self.tape, self.at = list(tape) or [0], 0
+
+    def _next(self) -> int:
+        value = self.tape[self.at % len(self.tape)]
+        self.at += 1
+        return value
+
+    def integer(self, lo: int, hi: int) -> int:
+        return lo + self._next() % (hi - lo + 1)
+
+    def choice(self, options: Sequence[Any]) -> Any:
+        return options[self._next() % len(options)]
+
+
 # -- model mutations ----------------------------------------------------------------------------
 
 #: Values a dimension is set to: the small, the odd, the huge and the symbolic.
@@ -701,7 +720,8 @@ def compile_and_fit(name: str, compile_tokens: dict[str, Any], extras: dict[str,
 #: JSON values a manifest or trainer.json entry is replaced with.
 JSON_VALUES: tuple[Any, ...] = (None, 0, -1, 1.5, 1e308, "", "x", "float32", "N", "step",
                                 "../evaluate.onnx", [], {}, True, [1, 2], {"a": 1})
-BYTE_DAMAGE = ("truncate", "flip", "replace", "append", "insert", "delete", "json", "json")
+BYTE_DAMAGE = ("truncate", "flip", "replace", "append", "insert", "delete", "json", "json",
+               "mutate", "mutate")
 CHECKSUMS = ("keep", "drop", "recompute")
 
 
@@ -755,6 +775,17 @@ def _damage(folder: Path, damage: dict[str, Any]) -> str:
         target.write_bytes(data[:where] + damage["bytes"] + data[where:])
     elif op == "delete":
         target.unlink()
+    elif op == "mutate":  # an ONNX file edited as a model (a graph onnxruntime then loads)
+        try:
+            model = onnx.load_model_from_string(data)
+        except Exception:  # noqa: BLE001  not a model: left as it is
+            model = None
+        if model is not None and model.HasField("graph"):
+            tape = TapeChooser(damage["tape"])
+            kind = tape.choice(sorted(MUTATIONS))
+            done = MUTATIONS[kind](model, tape)
+            target.write_bytes(model.SerializeToString())
+            op = f"mutate ({kind}: {done})"
     elif op == "json":
         try:
             value = json.loads(data)
@@ -1212,6 +1243,7 @@ def draw_damage(draw: Chooser) -> dict[str, Any]:
                       for _ in range(draw.integer(1, 4))],
             "bytes": _bytes(draw), "path": [draw.integer(0, 12) for _ in range(draw.integer(1, 6))],
             "action": draw.integer(0, 2), "replacement": draw.choice(JSON_VALUES),
+            "tape": [draw.integer(0, 1 << 16) for _ in range(draw.integer(4, 12))],
             "checksums": draw.choice(CHECKSUMS)}
 
 

@@ -317,13 +317,15 @@ def _outside_link(folder: Path) -> None:
     (folder / "predict.onnx").symlink_to(outside)
 
 
-def _name_not_utf8(folder: Path) -> None:
-    """evaluate.onnx with its loss output named by a byte that is not UTF-8 (found by the
-    fuzzer: onnx's checker raised a raw UnicodeDecodeError)."""
-    model = onnx.load(folder / "evaluate.onnx")
-    model.graph.output[0].name = "LOSSNAME"
-    data = model.SerializeToString().replace(b"LOSSNAME", b"\xa7OSSNAME")
-    (folder / "evaluate.onnx").write_bytes(data)
+def _not_utf8(folder: Path, file: str, field: Callable[[onnx.ModelProto], object]) -> None:
+    """``file`` with the string ``field`` sets made of a byte that is not UTF-8, as a bit
+    flipped in a copy makes it (found by the fuzzer: onnx's checker raised a raw
+    UnicodeDecodeError for a graph's output name, and passed an inference model's
+    producer name, whose export then raised one)."""
+    model = onnx.load(folder / file)
+    field(model)
+    data = model.SerializeToString().replace(b"PLACEHOLDER", b"\xa7LACEHOLDER")
+    (folder / file).write_bytes(data)
     _drop_checksums(folder)
 
 
@@ -359,7 +361,12 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "graph corrupt": (lambda f: ((f / "evaluate.onnx").write_bytes(b"\x08\x96\x01garbage" * 9),
                                  _drop_checksums(f)), "not a valid ONNX model"),
     "graphs swapped": (_swap_graphs, "do not belong together"),
-    "graph name not utf-8": (_name_not_utf8, "a name or text in it is not UTF-8"),
+    "graph name not utf-8": (lambda f: _not_utf8(
+        f, "evaluate.onnx", lambda m: setattr(m.graph.output[0], "name", "PLACEHOLDER")),
+        "model.graph.output[0].name; damaged bytes"),
+    "inference producer not utf-8": (lambda f: _not_utf8(
+        f, "inference.onnx", lambda m: setattr(m, "producer_name", "PLACEHOLDER")),
+        "model.producer_name; damaged bytes"),
     "path with ..": (lambda f: _rewrite_manifest(
         f, lambda m: m["graphs"]["evaluate"].update(file="../evaluate.onnx")),
         "not a plain file name"),

@@ -329,6 +329,25 @@ def _not_utf8(folder: Path, file: str, field: Callable[[onnx.ModelProto], object
     _drop_checksums(folder)
 
 
+def _untyped_input(folder: Path) -> None:
+    """evaluate.onnx's first input of element type 0 (found by the fuzzer: a raw KeyError)."""
+    model = onnx.load(folder / "evaluate.onnx")
+    model.graph.input[0].type.tensor_type.elem_type = 0
+    (folder / "evaluate.onnx").write_bytes(model.SerializeToString())
+    _drop_checksums(folder)
+
+
+def _swap_roles(manifest: dict) -> None:
+    roles = manifest["roles"]
+    roles["loss"], roles["prediction"] = roles["prediction"], roles["loss"]
+
+
+def _prediction_shape(manifest: dict, shape: list) -> None:
+    for entry in manifest["graphs"]["evaluate"]["outputs"]:
+        if entry["name"] == manifest["roles"]["prediction"]:
+            entry["shape"] = shape
+
+
 DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "no manifest": (lambda f: (f / "manifest.json").unlink(), "holds no manifest.json"),
     "manifest not JSON": (lambda f: (f / "manifest.json").write_text("{oops"), "not valid JSON"),
@@ -361,6 +380,12 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "graph corrupt": (lambda f: ((f / "evaluate.onnx").write_bytes(b"\x08\x96\x01garbage" * 9),
                                  _drop_checksums(f)), "not a valid ONNX model"),
     "graphs swapped": (_swap_graphs, "do not belong together"),
+    # found by the fuzzer (tests/test_fuzz.py): raw KeyError, IndexError in the Trainer
+    "graph input of no element type": (_untyped_input, "('x', 'element type 0')"),
+    "roles swapped": (lambda f: _rewrite_manifest(f, _swap_roles),
+                      "the roles name 'y' as the loss, but in the evaluate graph 'y' is its"),
+    "prediction shape edited": (lambda f: _rewrite_manifest(f, lambda m: _prediction_shape(
+        m, [])), "declares its output 'y' of shape ['N', 1], but the manifest describes []"),
     "graph name not utf-8": (lambda f: _not_utf8(
         f, "evaluate.onnx", lambda m: setattr(m.graph.output[0], "name", "PLACEHOLDER")),
         "model.graph.output[0].name; damaged bytes"),

@@ -272,12 +272,12 @@ def _check_graph_io(model: onnx.ModelProto, entry: Mapping[str, Any], path: Path
             raise InvalidProgramError(
                 f"{str(path)!r} has the {key} {actual}, but the manifest describes {described}: "
                 "the graph and the manifest do not belong together.")
-        for io, value in zip(entry[key], values):
-            if list(io["shape"]) != _dims(value):
+        for described_io, value in zip(entry[key], values):
+            if list(described_io["shape"]) != _dims(value):
                 raise InvalidProgramError(
                     f"{str(path)!r} declares its {key[:-1]} {value.name!r} of shape "
-                    f"{_dims(value)}, but the manifest describes {io['shape']}: the graph and "
-                    "the manifest do not belong together.")
+                    f"{_dims(value)}, but the manifest describes {described_io['shape']}: the "
+                    "graph and the manifest do not belong together.")
 
 
 def _read_state(data: bytes, path: Path) -> dict[str, np.ndarray]:

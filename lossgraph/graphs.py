@@ -607,8 +607,12 @@ def weights_dtype(weights: Mapping[str, np.ndarray], what: str) -> np.dtype:
 
 
 def elem_type_name(elem_type: int) -> str:
-    """'float', 'double', 'int64'... for an ONNX element type."""
-    return helper.tensor_dtype_to_string(elem_type).replace("TensorProto.", "").lower()
+    """'float', 'double', 'int64'... for an ONNX element type; 'undefined' for 0 and
+    'element type 99' for a number ONNX does not define (a damaged model's), so that the
+    message about it can be written."""
+    if elem_type in onnx.TensorProto.DataType.values():
+        return onnx.TensorProto.DataType.Name(elem_type).lower()
+    return f"element type {elem_type}"
 
 
 def np_dtype(elem_type: int) -> np.dtype:

@@ -12,18 +12,22 @@ for those files in the current directory.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import onnx
 from google.protobuf.message import DecodeError
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .errors import InternalError, InvalidModelError
-from .graphs import stored_tensors, without_weight_data
+from .graphs import elem_type_name, stored_tensors, without_weight_data
 from .target import finalize
 
-__all__ = ["ModelLike", "as_model", "check_model", "check_emitted"]
+__all__ = ["ModelLike", "as_model", "check_model", "check_declared_outputs", "check_emitted",
+           "non_text_field"]
 
 #: What every public function accepts as a model.
 ModelLike = onnx.ModelProto | bytes | str | os.PathLike
@@ -86,10 +90,41 @@ def _checked(model: onnx.ModelProto, what: str, folder: Path | None) -> onnx.Mod
         raise InvalidModelError(
             f"{what} is not an ONNX model: it has no graph "
             f"({f'only {fields}' if fields else 'no ONNX field at all'}). {_REEXPORT}.")
+    damaged = non_text_field(model, "model")
+    if damaged:
+        raise InvalidModelError(
+            f"{what} is damaged: {damaged} is not UTF-8 text, as ONNX's names and strings "
+            f"must be (a bit flipped in a copy or a download?). {_REEXPORT}.")
     for tensor in stored_tensors(model):
         if uses_external_data(tensor):
             _load_external(tensor, what, folder)
     return model
+
+
+def non_text_field(message: Any, path: str) -> str | None:
+    """The first string field under ``message`` that is not UTF-8, as a path (protobuf
+    parses it and hands it out as bytes; onnx's checker passes it, and copying it into
+    another message fails), or None. Tensors' data is not read."""
+    if isinstance(message, onnx.TensorProto):
+        named = [("name", message.name), ("doc_string", message.doc_string)]
+        for index, entry in enumerate(message.external_data):
+            named += [(f"external_data[{index}].key", entry.key),
+                      (f"external_data[{index}].value", entry.value)]
+        return next((f"{path}.{key}" for key, value in named if isinstance(value, bytes)), None)
+    for field, value in message.ListFields():
+        # protobuf 7 has is_repeated, older ones label
+        repeated = field.is_repeated if hasattr(field, "is_repeated") \
+            else field.label == field.LABEL_REPEATED
+        items = list(value) if repeated else [value]
+        for index, item in enumerate(items):
+            where = f"{path}.{field.name}" + (f"[{index}]" if repeated else "")
+            if field.type == field.TYPE_STRING and isinstance(item, bytes):
+                return where
+            if field.type == field.TYPE_MESSAGE:
+                found = non_text_field(item, where)
+                if found:
+                    return found
+    return None
 
 
 def _load_external(tensor: onnx.TensorProto, what: str, folder: Path | None) -> None:
@@ -126,16 +161,147 @@ def _load_external(tensor: onnx.TensorProto, what: str, folder: Path | None) -> 
 
 
 def check_model(model: onnx.ModelProto, what: str = "The model") -> None:
-    """Run the ONNX checker with strict shape inference; raise InvalidModelError on failure."""
+    """Run the ONNX checker with strict shape inference, and check that every stored tensor
+    holds as many values as its shape says; raise InvalidModelError on failure."""
+    light, aside = without_weight_data(model)
     try:
-        _full_check(model)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        onnx.checker.check_model(light, full_check=True)
+    except Exception as exc:  # noqa: BLE001  the checker raises ValueError too (a Cast to 0)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first_line = first_line.rstrip(".")
         raise InvalidModelError(
             f"{what} is not a valid ONNX model: {first_line}. "
             "Check it with onnx.checker.check_model(model, full_check=True) and fix the "
             "exporter's output before passing it to lossgraph."
         ) from exc
+    # the weights set aside were proven of their exact size (not read again: no copies)
+    _check_tensor_sizes(model, what, {t.name for t in aside})
+
+
+#: The value field each element type stores its values in, and values per element
+#: (onnx.proto: complex numbers take two).
+_VALUE_FIELDS = {
+    onnx.TensorProto.FLOAT: ("float_data", 1), onnx.TensorProto.COMPLEX64: ("float_data", 2),
+    onnx.TensorProto.DOUBLE: ("double_data", 1), onnx.TensorProto.COMPLEX128: ("double_data", 2),
+    onnx.TensorProto.INT64: ("int64_data", 1), onnx.TensorProto.UINT32: ("uint64_data", 1),
+    onnx.TensorProto.UINT64: ("uint64_data", 1), onnx.TensorProto.STRING: ("string_data", 1),
+    **{t: ("int32_data", 1) for t in (
+        onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
+        onnx.TensorProto.UINT16, onnx.TensorProto.UINT8, onnx.TensorProto.BOOL,
+        onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)},
+}
+
+
+def _check_tensor_sizes(model: onnx.ModelProto, what: str, proven: set[str]) -> None:
+    """Every stored tensor (initializers, attribute tensors) of a whole-byte type holds
+    exactly as many values as its dims say, but the main graph's initializers named in
+    ``proven``. onnx's checker finds raw data too short only: longer raw data and value
+    fields of another length pass it, and then numpy cannot shape the tensor (a raw
+    ValueError deep inside a pass) or onnxruntime refuses it."""
+    main = len(model.graph.initializer)  # stored_tensors yields them first
+    for index, tensor in enumerate(stored_tensors(model)):
+        if index < main and tensor.name in proven:
+            continue
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or any(d < 0 for d in tensor.dims):
+            continue  # external data is checked when loaded; negative dims by the checker
+        count = math.prod(tensor.dims)
+        shape = f"{elem_type_name(tensor.data_type)}{list(tensor.dims)}"
+        if tensor.HasField("raw_data"):
+            try:
+                itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            except (KeyError, ValueError, TypeError):
+                continue  # an unknown element type: the checker's to name
+            if tensor.data_type in _VALUE_FIELDS and tensor.data_type != onnx.TensorProto.STRING \
+                    and len(tensor.raw_data) != count * itemsize:
+                raise InvalidModelError(
+                    f"{what} stores the tensor {tensor.name!r} ({shape}, {count * itemsize} "
+                    f"bytes) in {len(tensor.raw_data)} bytes: the file is damaged, or its "
+                    f"exporter wrote a shape that does not fit the data. {_REEXPORT}.")
+            continue
+        field, per_element = _VALUE_FIELDS.get(tensor.data_type, (None, 0))
+        if field is None:
+            continue
+        stored = len(getattr(tensor, field))
+        if stored != count * per_element:
+            raise InvalidModelError(
+                f"{what} stores the tensor {tensor.name!r} ({shape}, {count * per_element} "
+                f"values) with {stored} values in {field}: the file is damaged, or its "
+                f"exporter wrote a shape that does not fit the data. {_REEXPORT}.")
+
+
+def _dims(value_type: onnx.TypeProto) -> list[int | str | None] | None:
+    """A tensor type's dims (an int, a symbol, or None), or None for an unknown rank."""
+    tensor = value_type.tensor_type
+    if not value_type.HasField("tensor_type") or not tensor.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in tensor.shape.dim]
+
+
+def _shape_words(dims: list[int | str | None]) -> str:
+    return "a scalar" if not dims else (
+        "shape (" + ", ".join("?" if d is None else str(d) for d in dims) + ")")
+
+
+def _contradicts(computed: list[int | str | None], declared: list[int | str | None],
+                 batch: set[str], free: bool) -> bool:
+    """Whether a computed shape contradicts the declared one: another rank, another size,
+    a fixed size where a batch axis is declared: a dim named like the inputs' first, or
+    the first when the inputs' batch is ``free``."""
+    if len(computed) != len(declared):
+        return True
+    return any(isinstance(a, int) and (isinstance(b, int) and a != b or b in batch
+                                       or free and index == 0 and not isinstance(b, int))
+               for index, (a, b) in enumerate(zip(computed, declared)))
+
+
+def check_declared_outputs(model: onnx.ModelProto,
+                           producers: Mapping[str, str] | None = None) -> None:
+    """The shapes ``model`` declares for its outputs are the shapes its nodes compute.
+
+    onnx's checker compares declared and inferred dims only where both are numbers, and
+    infers nothing for ``ai.onnx.ml`` operators; lossgraph builds the label from the
+    declared shape, and specializing a graph to a batch size makes every dim named like
+    the batch axis a number. So an output declared of another rank, another size, or
+    with a free batch axis (or the inputs' batch symbol) where the graph computes a fixed
+    size is an :class:`InvalidModelError` naming the output. ``producers`` restricts the check to
+    these outputs, each with the words naming the node that computes it.
+    """
+    graph = model.graph
+    checked = {v.name: v.type for v in graph.output
+               if (producers is None or v.name in producers) and _dims(v.type) is not None}
+    if not checked:
+        return
+    weights = {t.name for t in graph.initializer}
+    leading = [dims[0] for v in graph.input
+               if v.name not in weights and (dims := _dims(v.type))]
+    batch = {d for d in leading if isinstance(d, str)}
+    free = any(not isinstance(d, int) for d in leading)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(without_weight_data(model)[0])
+    kept = [v for v in probe.graph.output if v.name not in checked]
+    del probe.graph.output[:]
+    probe.graph.output.extend(kept)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe).graph.value_info
+    except Exception:  # noqa: BLE001  the model's check names what is wrong
+        return
+    for value in inferred:
+        if value.name not in checked:
+            continue
+        computed, declared = _dims(value.type), _dims(checked[value.name])
+        if computed is None or declared is None:
+            continue
+        if not _contradicts(computed, declared, batch, free):
+            continue
+        node = (producers or {}).get(value.name) or next(
+            (f"the {n.op_type} node {n.name!r}" if n.name else f"the {n.op_type} node"
+             for n in graph.node if value.name in n.output), "the graph")
+        raise InvalidModelError(
+            f"Output {value.name!r} is declared of {_shape_words(declared)}, but "
+            f"{node} computes it of {_shape_words(computed)}"
+            + (f" ({', '.join(map(repr, sorted(batch)))} names the batch axis)" if batch else "")
+            + ". Fix the output's declared shape in the exporter's output.")
 
 
 def check_emitted(model: onnx.ModelProto, what: str) -> None:

@@ -248,6 +248,13 @@ class Momentum(Optimizer):
         return new_weight, [velocity]
 
 
+#: Why Adam needs an epsilon the weights' type does not round to 0.
+_ZERO_EPSILON = (
+    "{name}: epsilon={value}{type}: the update divides 0 by 0 for every weight entry "
+    "whose gradient is 0 (a dead unit's, an unused class's), and the weight becomes NaN. "
+    "Use a positive epsilon the weights' type can hold, e.g. 1e-8 (the default).")
+
+
 @dataclass(frozen=True)
 class Adam(Optimizer):
     """Adam, as ``torch.optim.Adam`` (bias-corrected, ``eps`` added after the square root).
@@ -267,6 +274,8 @@ class Adam(Optimizer):
         _unit_interval(name, "beta1", self.beta1)
         _unit_interval(name, "beta2", self.beta2)
         _non_negative(name, "epsilon", self.epsilon)
+        if self.epsilon == 0:
+            raise UnsupportedOptionError(_ZERO_EPSILON.format(name=name, value=0, type=""))
 
     def _decayed(self, b: GraphBuilder, weight: str, learning_rate: str, dtype: Any) -> str:
         return weight
@@ -297,6 +306,12 @@ class Adam(Optimizer):
         v_new = b.Add(b.Mul(v, const(self.beta2, dtype, "beta2")),
                       b.Mul(b.Mul(grad, grad), const(1.0 - self.beta2, dtype, "one_minus_beta2")),
                       hint=f"{weight}_v_new")
+        np_type = np.dtype(helper.tensor_dtype_to_np_dtype(dtype) if isinstance(dtype, int)
+                           else dtype)
+        if np_type.type(self.epsilon) == 0:
+            raise UnsupportedOptionError(_ZERO_EPSILON.format(
+                name=type(self).__name__, value=self.epsilon,
+                type=f" is 0 in {np_type}, the weights' type"))
         denominator = b.Add(b.Div(b.Sqrt(v_new), sqrt_bc2), const(self.epsilon, dtype, "epsilon"))
         new_weight = b.Sub(w, b.Div(b.Mul(m_new, step_size), denominator), hint=f"{weight}_new")
         return new_weight, [m_new, v_new]

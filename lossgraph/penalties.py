@@ -70,10 +70,21 @@ def penalty_terms(b: GraphBuilder, weight: str, coefficients: Mapping[str, float
     terms = []
     for kind, reduce_op in _REDUCTIONS:
         if coefficients.get(kind, 0.0) > 0:
-            norm = b.reduce(reduce_op, weight, keepdims=0, hint=f"{hint}_{kind}")
+            if reduce_op == "ReduceL1" and b.opset < 18 and _is_double(dtype):
+                # onnxruntime 1.19 has no double ReduceL1 kernel before opset 18 (measured)
+                norm = b.reduce("ReduceSum", b.Abs(weight), keepdims=0, hint=f"{hint}_{kind}")
+            else:
+                norm = b.reduce(reduce_op, weight, keepdims=0, hint=f"{hint}_{kind}")
             coefficient = b.const(coefficients[kind], dtype, f"{hint}_{kind}_coef")
             terms.append(b.Mul(norm, coefficient, hint=f"{hint}_{kind}_penalty"))
     return terms
+
+
+def _is_double(dtype: Any) -> bool:
+    """Whether ``dtype`` (a numpy dtype or an ONNX element type) is float64."""
+    if isinstance(dtype, int):
+        return dtype == onnx.TensorProto.DOUBLE
+    return np.dtype(dtype) == np.float64
 
 
 def penalty_gradient(b: GraphBuilder, weight: str, coefficients: Mapping[str, float],

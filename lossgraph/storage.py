@@ -39,6 +39,7 @@ from .errors import InvalidDataError, InvalidProgramError
 from .fileio import FolderKind, replace_directory, serialize
 from .graphs import stored_tensors
 from .manifest import check_manifest
+from .models import non_text_field
 
 __all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "Program", "ProgramParts", "save_program",
            "read_program", "save_checkpoint", "read_checkpoint", "read_arrays"]
@@ -233,20 +234,36 @@ def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
             f"{str(path)!r} keeps tensor {external[0]!r} in external data; the graphs of a "
             "program folder hold their tensors themselves, and lossgraph does not follow "
             "external paths out of it.")
+    damaged = non_text_field(model, "model")
+    if damaged:
+        raise InvalidProgramError(
+            f"{str(path)!r} is not a valid ONNX model: a name or text in it is not UTF-8 "
+            f"({damaged}; damaged bytes).")
     try:
         onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
+    except Exception as exc:  # noqa: BLE001  ValidationError, and whatever else it raises
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidProgramError(f"{str(path)!r} is not a valid ONNX model: {first}") from None
     return model
 
 
 def _dtype_name(value: onnx.ValueInfoProto) -> str:
-    return onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
+    elem_type = value.type.tensor_type.elem_type
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).name
+    except (KeyError, ValueError):  # a damaged graph's element type: no numpy dtype
+        return f"element type {elem_type}"
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | str | None]:
+    """The dims as the manifest writes them (lossgraph.manifest.build_manifest)."""
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in value.type.tensor_type.shape.dim]
 
 
 def _check_graph_io(model: onnx.ModelProto, entry: Mapping[str, Any], path: Path) -> None:
-    """The graph's inputs and outputs are those the manifest describes, in order and type."""
+    """The graph's inputs and outputs are those the manifest describes, in order, type
+    and shape (the Trainer reads the shapes from the manifest)."""
     for key, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
         described = [(io["name"], io["dtype"]) for io in entry[key]]
         actual = [(v.name, _dtype_name(v) if v.type.HasField("tensor_type") else "?")
@@ -255,6 +272,12 @@ def _check_graph_io(model: onnx.ModelProto, entry: Mapping[str, Any], path: Path
             raise InvalidProgramError(
                 f"{str(path)!r} has the {key} {actual}, but the manifest describes {described}: "
                 "the graph and the manifest do not belong together.")
+        for described_io, value in zip(entry[key], values):
+            if list(described_io["shape"]) != _dims(value):
+                raise InvalidProgramError(
+                    f"{str(path)!r} declares its {key[:-1]} {value.name!r} of shape "
+                    f"{_dims(value)}, but the manifest describes {described_io['shape']}: the "
+                    "graph and the manifest do not belong together.")
 
 
 def _read_state(data: bytes, path: Path) -> dict[str, np.ndarray]:
@@ -299,6 +322,23 @@ def _check_state(state: Mapping[str, np.ndarray], manifest: Mapping[str, Any], p
                 f"graphs take {io['dtype']}{dims}.")
 
 
+def _check_roles(manifest: Mapping[str, Any], at: str) -> None:
+    """The manifest's roles (loss, label, prediction, sample weight) name the evaluate
+    graph's inputs and outputs of those roles (the Trainer reads the roles)."""
+    evaluate = manifest["graphs"]["evaluate"]
+    roles = {io["name"]: io["role"] for io in (*evaluate["inputs"], *evaluate["outputs"])}
+    # the prediction is an output of role "prediction" in fuse="separate", "output" else
+    allowed = {"loss": ("loss",), "label": ("label",), "sample_weight": ("sample_weight",),
+               "prediction": ("prediction", "output")}
+    for role, name in manifest["roles"].items():
+        if role in allowed and roles.get(name) not in allowed[role]:
+            found = f"its {roles[name]}" if name in roles else "none of its inputs and outputs"
+            raise InvalidProgramError(
+                f"{at}: the roles name {name!r} as the {role}, but in the evaluate graph "
+                f"{name!r} is {found}: the program folder is damaged. Save it again "
+                "(TrainingProgram.save or lossgraph compile -o).")
+
+
 def read_program(path: str | os.PathLike) -> ProgramParts:
     """Read and check the program folder at ``path`` (see the module docstring)."""
     folder = _folder(path, "lossgraph program folder",
@@ -309,6 +349,7 @@ def read_program(path: str | os.PathLike) -> ProgramParts:
     if not isinstance(checksums, dict):
         raise InvalidProgramError(f"{at}: 'files' must map file names to checksums.")
     check_manifest(manifest, at)
+    _check_roles(manifest, at)
     graphs = {}
     for name, entry in manifest["graphs"].items():
         where = f"{at} (graph {name!r})"

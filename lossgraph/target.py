@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import onnx
 import onnx.defs
 
-from .errors import UnsupportedModelError, UnsupportedOptionError, suggest
+from .errors import InvalidModelError, UnsupportedModelError, UnsupportedOptionError, suggest
 from .graphs import all_graphs, opset_version
 
 __all__ = ["Target", "DEFAULT_TARGET", "LATEST", "TARGETS", "active_target", "check_loads",
@@ -294,9 +294,31 @@ def _newer_targets_hint(version: int) -> str:
             f"(on the command line: --target {name}; docs/reference/targets.md).")
 
 
+#: The versions of the other domains onnx defines (or onnxruntime adds) that onnxruntime
+#: loads: 1 to this, in 1.19.2 and 1.32.0 alike (measured); onnx 1.23 defines no newer.
+#: onnx's checker takes any version, and onnxruntime then refuses to load the model.
+DOMAIN_VERSIONS = {"ai.onnx.ml": 5, "ai.onnx.preview.training": 1, "com.microsoft": 1}
+
+
 def check_opset(model: onnx.ModelProto, target: Target | None = None) -> int:
-    """The model's ``ai.onnx`` opset, checked to lie in the range the target supports."""
+    """The model's ``ai.onnx`` opset, checked to lie in the range the target supports (and
+    the versions of the domains of :data:`DOMAIN_VERSIONS` to lie in theirs)."""
     target = target or active_target()
+    versions: dict[str, int] = {}
+    for opset in model.opset_import:
+        domain = "" if opset.domain == "ai.onnx" else opset.domain
+        if versions.setdefault(domain, opset.version) != opset.version:
+            raise InvalidModelError(
+                f"The model imports the domain {opset.domain or 'ai.onnx'!r} twice, as "
+                f"opsets {versions[domain]} and {opset.version}: no one can tell which "
+                "version its ops follow. Keep one opset_import entry per domain.")
+        newest = DOMAIN_VERSIONS.get(opset.domain)
+        if newest is not None and not 1 <= opset.version <= newest:
+            raise UnsupportedModelError(
+                f"The model imports version {opset.version} of the domain {opset.domain!r}; "
+                f"onnx defines versions 1 to {newest} of it, and onnxruntime loads no other. "
+                f"Import a version it defines, e.g. onnx.helper.make_opsetid({opset.domain!r}, "
+                f"{newest}).")
     version = opset_version(model)
     if version is None:
         raise UnsupportedModelError(

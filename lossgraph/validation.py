@@ -21,6 +21,7 @@ import onnx
 from . import training_build
 from .analysis import stuck_weights
 from .errors import (
+    InvalidModelError,
     NoGradientError,
     StuckWeightWarning,
     UnsupportedModelError,
@@ -29,6 +30,7 @@ from .errors import (
 )
 from .graphs import FLOAT_TYPES, elem_type_name
 from .manifest import FUSE_MODES
+from .models import check_declared_outputs
 from .optim import Optimizer, as_optimizer
 from .options import choice, names
 from .passes.gradient import BACKENDS
@@ -126,12 +128,24 @@ def check_penalized(penalty: Mapping[str, Any] | None, weights: Sequence[str]) -
 
 def check_trainable_model(model: onnx.ModelProto) -> None:
     """What makes a valid model untrainable, named before any pass runs: an empty graph,
-    a data input without a free batch axis, parameters kept in attributes only."""
+    a data input or an output without a free batch axis, an output declared of another
+    shape than its node computes (:func:`~lossgraph.models.check_declared_outputs`),
+    parameters kept in attributes only."""
     graph = model.graph
     if not graph.node:
         raise UnsupportedModelError(
             f"The model's graph {graph.name!r} has no nodes: its outputs are its inputs or "
             "constants, so there is nothing to train.")
+    for kind, values in (("Input", graph.input), ("Output", graph.output)):
+        for value in values:
+            elem_type = value.type.tensor_type.elem_type
+            if value.type.HasField("tensor_type") and (
+                    elem_type == onnx.TensorProto.UNDEFINED
+                    or elem_type not in onnx.TensorProto.DataType.values()):
+                raise InvalidModelError(
+                    f"{kind} {value.name!r} has no element type (elem_type {elem_type}, "
+                    "which ONNX does not define as a type): the model is damaged, or its "
+                    "exporter wrote it wrong. Declare its type (e.g. float) in the model.")
     initializers = {t.name for t in graph.initializer}
     for value in graph.input:
         if value.name in initializers or not value.type.HasField("tensor_type"):
@@ -152,6 +166,18 @@ def check_trainable_model(model: onnx.ModelProto) -> None:
                 "{0: 'batch'}, <output>: {0: 'batch'}}) (or dynamo=True with dynamic_shapes). "
                 "A graph that does not hard-code the batch size can also be freed with "
                 "onnx.tools.update_model_dims.update_inputs_outputs_dims.")
+    for value in graph.output:
+        dims = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else ()
+        if dims and dims[0].HasField("dim_value"):
+            shape = ", ".join(str(d.dim_value) if d.HasField("dim_value") else
+                              (d.dim_param or "?") for d in dims)
+            raise UnsupportedModelError(
+                f"Output {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
+                f"(shape ({shape})), but the inputs' batch dimension is free: lossgraph trains "
+                "on batches of rows, so each output needs a free batch axis first as well. "
+                "Declare it like the inputs' (e.g. 'N'), or export again with dynamic axes for "
+                "the outputs too.")
+    check_declared_outputs(model)
     floats = [t for t in graph.initializer if t.data_type in FLOAT_TYPES]
     fixed = [n for n in graph.node if n.domain == "ai.onnx.ml" and n.op_type in _ATTRIBUTE_MODELS]
     if fixed and not floats:

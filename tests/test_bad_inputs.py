@@ -124,6 +124,92 @@ CUSTOM_OP = """
 """
 
 
+# -- models the fuzzer found (tests/test_fuzz.py), each reduced to a few lines -------------
+
+
+def with_tensor(name: str, change: Callable[[onnx.TensorProto], object]) -> onnx.ModelProto:
+    """The linear model with its initializer ``name`` changed in place by ``change``."""
+    model = linear()
+    change(next(t for t in model.graph.initializer if t.name == name))
+    return model
+
+
+def with_graph(change: Callable[[onnx.ModelProto], object]) -> onnx.ModelProto:
+    model = linear()
+    change(model)
+    return model
+
+
+def raw_and_longer(tensor: onnx.TensorProto) -> None:
+    """The tensor stored as raw data, 4 bytes longer than its shape needs."""
+    tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+    tensor.raw_data += b"\0\0\0\0"
+
+
+def cast_to(model: onnx.ModelProto, to: int) -> None:
+    """``y = Cast(y_before, to=to)`` at the end of the graph."""
+    model.graph.node[-1].output[0] = "y_before"
+    model.graph.node.append(helper.make_node("Cast", ["y_before"], ["y"], to=to))
+
+
+#: skl2onnx's LinearRegressor, its output declared of rank 1 where it computes (N, 1).
+REGRESSOR_OF_RANK_1 = """
+    <ir_version: 8, opset_import: ["" : 18, "ai.onnx.ml" : 1]>
+    reg (float[N, 4] x) => (float[N] y)
+    { y = ai.onnx.ml.LinearRegressor <coefficients = [0.1, -0.2, 0.3, 0.0],
+                                      intercepts = [0.5]> (x) }
+"""
+#: A Reshape to a constant 8 rows, the output declared with the batch's N rows.
+FIXED_ROWS = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 4] x) => (float[N, 1] y)
+    <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, int64[2] rows = {8, 1}>
+    { h = MatMul(x, coef)
+      y = Reshape(h, rows) }
+"""
+#: Gemm's C of shape (4,) added to a (N, 3) product: onnx's checker does not look.
+GEMM_BAD_BIAS = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 4] x) => (float[N, 3] y)
+    <float[3, 4] w = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, float[4] c = {1, 2, 3, 4}>
+    { y = Gemm <transB = 1> (x, w, c) }
+"""
+#: A Conv reading 2 channels with a weight for 1: onnx's checker does not look.
+CONV_CHANNELS = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 2, 5, 5] x) => (float[N, 1, 3, 3] y)
+    <float[1, 1, 3, 3] w = {1, 2, 3, 4, 5, 6, 7, 8, 9}>
+    { y = Conv(x, w) }
+"""
+#: An op of the user's own domain feeding a MaxPool: its output has no type onnx can infer.
+UNTYPED_BY_CUSTOM_OP = """
+    <ir_version: 8, opset_import: ["" : 18, "com.example" : 1]>
+    g (float[N, 1, 4, 4] x) => (float[N, 1, 2, 2] y) <float[1] scale = {2}>
+    { s = Mul(x, scale)
+      h = com.example.Foo(s)
+      y = MaxPool <kernel_shape = [2, 2], strides = [2, 2]> (h) }
+"""
+
+
+def name_not_utf8() -> bytes:
+    """The linear model's bytes with its first node's name made of a byte that is not
+    UTF-8 (one bit flipped in a copy): protobuf parses it, onnx's checker passes it."""
+    model = linear()
+    model.graph.node[0].name = "NODENAME"
+    return model.SerializeToString().replace(b"NODENAME", b"NODE\xe2AME")
+
+
+#: Rows mixed: (N, 1) + (N, 4) is (N, 4), reshaped to (4N, 1), declared (?, 1) or (N, 1).
+MIXED_ROWS = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[?, 4] x) => (float[?, 1] y)
+    <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, int64[2] column = {-1, 1}>
+    { h = MatMul(x, coef)
+      s = Add(h, x)
+      y = Reshape(s, column) }
+"""
+
+
 def external_model(folder: Path, location: str, data_at: Path | None = None) -> Path:
     """``folder/model.onnx`` whose weight ``coef`` is stored at ``location``; the data file
     is written at ``data_at`` (None: nowhere)."""
@@ -562,6 +648,64 @@ CASES: list[Case] = [
     Case("set-state-nan", "set_state with NaN weights",
          lambda c: c.trainer().set_state({"coef": np.full((4, 1), np.nan, np.float32)}),
          InvalidDataError, "State 'coef' holds NaN"),
+    # -- found by the fuzzer (tests/test_fuzz.py) ---------------------------------------------
+    Case("model-weight-raw-data-too-long", "a weight's raw data 4 bytes longer than its shape",
+         lambda c: c.program(with_tensor("coef", raw_and_longer)), InvalidModelError,
+         "stores the tensor 'coef' (float[4, 1], 16 bytes) in 20 bytes"),
+    Case("model-weight-values-not-its-shape", "a weight of shape (1,) holding 2 values",
+         lambda c: c.program(with_tensor("intercept", lambda t: t.float_data.append(0.7))),
+         InvalidModelError, "'intercept' (float[1], 1 values) with 2 values"),
+    Case("model-ml-opset-unknown", "ai.onnx.ml opset 26 (onnx defines 1 to 5)",
+         lambda c: c.program(with_graph(lambda m: m.opset_import.append(
+             helper.make_opsetid("ai.onnx.ml", 26)))),
+         UnsupportedModelError, "version 26 of the domain 'ai.onnx.ml'"),
+    Case("model-opset-imported-twice", "ai.onnx imported as opsets 18 and 13",
+         lambda c: c.program(with_graph(lambda m: m.opset_import.append(
+             helper.make_opsetid("", 13)))),
+         InvalidModelError, "imports the domain 'ai.onnx' twice, as opsets 18 and 13"),
+    Case("model-cast-to-no-type", "a Cast to element type 2**40",
+         lambda c: c.program(with_graph(lambda m: cast_to(m, 1 << 40))), InvalidModelError,
+         "not a valid ONNX model: Invalid tensor data type"),
+    Case("model-output-without-type", "an output of element type 0 (undefined)",
+         lambda c: c.program(with_graph(lambda m: setattr(
+             m.graph.output[0].type.tensor_type, "elem_type", 0))),
+         InvalidModelError, "Output 'y' has no element type"),
+    Case("model-output-fixed-batch", "an output declared float[2147483648, 1] (onnx hung)",
+         lambda c: c.program(linear(("=> (float[N, 1] y)", "=> (float[2147483648, 1] y)"))),
+         UnsupportedModelError, "Output 'y' has a fixed batch dimension of 2147483648"),
+    Case("model-output-named-like-the-batch", "an output declared float[N, N] that is (N, 1)",
+         lambda c: c.program(linear(("=> (float[N, 1] y)", "=> (float[N, N] y)"))),
+         InvalidModelError, "Output 'y' is declared of shape (N, N), but the Add node computes "
+         "it of shape (N, 1)"),
+    Case("model-output-fixed-rows", "a Reshape to 8 rows, the output declared float[N, 1]",
+         lambda c: c.program(parse(FIXED_ROWS)), InvalidModelError,
+         "the Reshape node computes it of shape (8, 1)"),
+    Case("model-ml-output-of-another-rank", "a LinearRegressor's (N, 1) output declared float[N]",
+         lambda c: c.program(parse(REGRESSOR_OF_RANK_1)), InvalidModelError,
+         "Output 'y' is declared of shape (N), but LinearRegressor node"),
+    Case("model-gemm-bias-not-broadcastable", "a Gemm adding C of shape (4,) to (N, 3)",
+         lambda c: c.program(parse(GEMM_BAD_BIAS)), InvalidModelError,
+         "'c' of shape (4,) does not broadcast to 'y'"),
+    Case("model-conv-channels-not-the-weights", "a Conv of 2 input channels, weight for 1",
+         lambda c: c.program(parse(CONV_CHANNELS)), InvalidModelError,
+         "reads 'x' with 2 channels, but its weight 'w' of shape (1, 1, 3, 3) takes 1"),
+    Case("model-name-not-utf8", "model bytes with a node name that is not UTF-8",
+         lambda c: c.program(name_not_utf8()), InvalidModelError,
+         "model.graph.node[0].name is not UTF-8 text"),
+    Case("model-type-unknown-after-custom-op", "an op of the user's domain feeding a MaxPool",
+         lambda c: c.program(parse(UNTYPED_BY_CUSTOM_OP)), UnsupportedModelError,
+         "The element type of 'h' is unknown after shape inference"),
+    Case("optimizer-adam-epsilon-zero", "Adam(epsilon=0): NaN weights, the loss still finite",
+         lambda c: c.program(optimizer=Adam(epsilon=0.0)), UnsupportedOptionError,
+         "Adam: epsilon=0: the update divides 0 by 0"),
+    Case("optimizer-adam-epsilon-zero-in-float32", "Adam(epsilon=1e-50) for float32 weights",
+         lambda c: c.program(optimizer=Adam(epsilon=1e-50)), UnsupportedOptionError,
+         "epsilon=1e-50 is 0 in float32"),
+    *[Case(f"fit-rows-mixed-{mode}", f"a Reshape mixing rows (4N rows out), fuse={mode!r}",
+           lambda c, m=mode: c.fit(model=parse(MIXED_ROWS), compile_options={"fuse": m}),
+           UnsupportedModelError, fragment)
+      for mode, fragment in (("step", "For batches of 10 rows, the model's shapes contradict"),
+                             ("separate", "computes its output 'y' of shape (40, 1)"))],
     # -- divergence --------------------------------------------------------------------------
     *[Case(f"diverge-{mode}", f"a loss overflowing at epoch 1, batch 3 (fuse={mode!r})",
            lambda c, m=mode: diverge(c, m), ConvergenceError, "epoch 1, batch 3", trains=True)

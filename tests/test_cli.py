@@ -320,6 +320,8 @@ BAD_COMMANDS = {
     "export over the user's file": lambda t: ["export", _program(t), "-o", _user_file(t)],
     "export with an unknown target": lambda t: ["export", _program(t), "-o", f"{t}/o.onnx",
                                                 "--target", "mars"],
+    # found by the fuzzer (tests/test_fuzz.py): onnx.load reads a .json file as JSON text
+    "export to a json file": lambda t: ["export", _program(t), "-o", f"{t}/o.json"],
     "inspect junk": lambda t: ["inspect", _file(t, "j.onnx", JUNK)],
     "inspect a folder": lambda t: ["inspect", _program(t)],
 }

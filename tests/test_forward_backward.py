@@ -213,3 +213,32 @@ def test_the_separate_loss_graph_proves_prediction_and_label_alike():
     program = lossgraph.compile_program(model, fuse="separate")
     ops = {node.op_type for node in program.graphs["loss"].graph.node}
     assert not ops & {"Compress", "Equal", "And"}, ops
+
+
+# -- found by the fuzzer (tests/test_fuzz.py) --------------------------------------------------
+
+#: An output whose column dimension is named N while the batch has no name: fuse="separate"
+#: named the batch of its loss graph N too, and chaining its graphs failed (an InternalError).
+COLUMN_NAMED_N = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[?, 4] x) => (float[?, N] y)
+    <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}>
+    { h = MatMul(x, coef)
+      y = Add(h, intercept) }
+"""
+
+
+def test_an_output_dimension_named_n_trains_alike_in_every_fuse_mode():
+    from linear_data import linear_data
+
+    X, y = linear_data(40, seed=3)
+    states = {}
+    for fuse in ("separate", "step", "epoch"):
+        program = lossgraph.compile_program(onnx.parser.parse_model(COLUMN_NAMED_N), fuse=fuse)
+        trainer = lossgraph.Trainer(program).fit(X, y[:, None], epochs=2, batch_size=10,
+                                                 shuffle=False, progress=False)
+        states[fuse] = trainer.state
+    for fuse in ("separate", "epoch"):
+        for name in ("coef", "intercept"):
+            np.testing.assert_allclose(states[fuse][name], states["step"][name], rtol=1e-5,
+                                       atol=1e-6, err_msg=f"{fuse} {name}")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import GOLDEN_MODELS
 
+import lossgraph
 from lossgraph.builder import GraphBuilder
 from lossgraph.errors import UnknownNameError, UnsupportedModelError, UnsupportedOptionError
 from lossgraph.names import NameAuthority
@@ -128,6 +130,19 @@ def test_the_penalty_formula_leaves_out_zero_terms():
     b = GraphBuilder(NameAuthority(["w"]), 18)
     emit_penalty(b, "w", {"l1": 0.5}, np.float64)
     assert [n.op_type for n in b.nodes] == ["ReduceL1", "Mul", "Sign", "Mul"]
+
+
+def test_an_l1_penalty_on_double_weights_before_opset_18_trains_on_every_onnxruntime():
+    """Found by the fuzzer (tests/test_fuzz.py): onnxruntime 1.19 has no double ReduceL1
+    kernel before opset 18, so the program of a float64 model at opset 17 with an L1
+    penalty could not run there; the norm is ReduceSum(Abs(W)) then."""
+    path = GOLDEN_MODELS / "hand_mlp_tanh_double.onnx"  # float64, opset 17
+    program = lossgraph.compile_program(path, penalty={"W1": {"l1": 0.01}})
+    assert "ReduceL1" not in {n.op_type for g in program.graphs.values() for n in g.graph.node}
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(20, 5)), rng.normal(size=(20, 1))
+    trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=5, progress=False)
+    assert np.isfinite(trainer.train_losses_).all()
 
 
 @pytest.mark.parametrize("opset", [13, 17])

@@ -317,6 +317,37 @@ def _outside_link(folder: Path) -> None:
     (folder / "predict.onnx").symlink_to(outside)
 
 
+def _not_utf8(folder: Path, file: str, field: Callable[[onnx.ModelProto], object]) -> None:
+    """``file`` with the string ``field`` sets made of a byte that is not UTF-8, as a bit
+    flipped in a copy makes it (found by the fuzzer: onnx's checker raised a raw
+    UnicodeDecodeError for a graph's output name, and passed an inference model's
+    producer name, whose export then raised one)."""
+    model = onnx.load(folder / file)
+    field(model)
+    data = model.SerializeToString().replace(b"PLACEHOLDER", b"\xa7LACEHOLDER")
+    (folder / file).write_bytes(data)
+    _drop_checksums(folder)
+
+
+def _untyped_input(folder: Path) -> None:
+    """evaluate.onnx's first input of element type 0 (found by the fuzzer: a raw KeyError)."""
+    model = onnx.load(folder / "evaluate.onnx")
+    model.graph.input[0].type.tensor_type.elem_type = 0
+    (folder / "evaluate.onnx").write_bytes(model.SerializeToString())
+    _drop_checksums(folder)
+
+
+def _swap_roles(manifest: dict) -> None:
+    roles = manifest["roles"]
+    roles["loss"], roles["prediction"] = roles["prediction"], roles["loss"]
+
+
+def _prediction_shape(manifest: dict, shape: list) -> None:
+    for entry in manifest["graphs"]["evaluate"]["outputs"]:
+        if entry["name"] == manifest["roles"]["prediction"]:
+            entry["shape"] = shape
+
+
 DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "no manifest": (lambda f: (f / "manifest.json").unlink(), "holds no manifest.json"),
     "manifest not JSON": (lambda f: (f / "manifest.json").write_text("{oops"), "not valid JSON"),
@@ -349,6 +380,18 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "graph corrupt": (lambda f: ((f / "evaluate.onnx").write_bytes(b"\x08\x96\x01garbage" * 9),
                                  _drop_checksums(f)), "not a valid ONNX model"),
     "graphs swapped": (_swap_graphs, "do not belong together"),
+    # found by the fuzzer (tests/test_fuzz.py): raw KeyError, IndexError in the Trainer
+    "graph input of no element type": (_untyped_input, "('x', 'element type 0')"),
+    "roles swapped": (lambda f: _rewrite_manifest(f, _swap_roles),
+                      "the roles name 'y' as the loss, but in the evaluate graph 'y' is its"),
+    "prediction shape edited": (lambda f: _rewrite_manifest(f, lambda m: _prediction_shape(
+        m, [])), "declares its output 'y' of shape ['N', 1], but the manifest describes []"),
+    "graph name not utf-8": (lambda f: _not_utf8(
+        f, "evaluate.onnx", lambda m: setattr(m.graph.output[0], "name", "PLACEHOLDER")),
+        "model.graph.output[0].name; damaged bytes"),
+    "inference producer not utf-8": (lambda f: _not_utf8(
+        f, "inference.onnx", lambda m: setattr(m, "producer_name", "PLACEHOLDER")),
+        "model.producer_name; damaged bytes"),
     "path with ..": (lambda f: _rewrite_manifest(
         f, lambda m: m["graphs"]["evaluate"].update(file="../evaluate.onnx")),
         "not a plain file name"),

@@ -11,7 +11,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..builder import GraphBuilder
-from ..errors import UnsupportedModelError
+from ..errors import InvalidModelError, UnsupportedModelError
 from ..graphs import ForwardFacts, Shape, attribute_value, np_dtype
 from ..names import NameAuthority
 from ..target import Target
@@ -112,10 +112,18 @@ class GradContext(GraphBuilder):
         return self._facts.readers.get(name, [])
 
     def elem_type(self, name: str) -> int:
-        return self._facts.elem_types[name]
+        """The element type of a forward value; rules rely on it, so an unknown one (made
+        by an op of a domain onnx does not know) is an error."""
+        elem_type = self._facts.elem_types.get(name)
+        if elem_type is None:
+            raise UnsupportedModelError(
+                f"The element type of {name!r} is unknown after shape inference; the gradient "
+                "needs it. Is it made by an op of a domain onnx does not know? Declare its type "
+                "in the model's value_info.")
+        return elem_type
 
     def dtype(self, name: str) -> np.dtype:
-        return np_dtype(self._facts.elem_types[name])
+        return np_dtype(self.elem_type(name))
 
     def value_info(self, name: str) -> onnx.ValueInfoProto:
         """A value_info declaring a forward value with its known type and shape."""
@@ -182,6 +190,16 @@ class GradContext(GraphBuilder):
                 "rank. Give the model's inputs static ranks."
             )
         lead = len(full) - len(target)
+        clash = next((i for i, d in enumerate(target) if lead < 0 or isinstance(d, int)
+                      and d != 1 and isinstance(full[lead + i], int) and full[lead + i] != d),
+                     None)
+        if clash is not None:  # onnx's checker misses it for some ops (a Gemm's C)
+            raise InvalidModelError(
+                f"{to!r} of shape {tuple(target)} does not broadcast to {source!r} of shape "
+                f"{tuple(full)}"
+                + ("" if lead < 0 else f" (its dim {clash} is {target[clash]}, the result's "
+                   f"{full[lead + clash]})") + ": the model is not valid ONNX, and onnxruntime "
+                "refuses to run it. Fix the node that reads it.")
         kept = [lead + i for i, d in enumerate(target) if d == 1 and full[lead + i] != 1]
         unknown = [lead + i for i, d in enumerate(target) if not isinstance(d, int)
                    and full[lead + i] != 1 and not (isinstance(d, str) and full[lead + i] == d)]

@@ -62,6 +62,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         return
     if getattr(args, "output", None) is None:
         return
+    _check_model_suffix(args.output)
     check_file_target(args.output, overwrite=args.force)
     if args.command != "train":
         return
@@ -86,6 +87,23 @@ def _check_outputs(args: argparse.Namespace) -> None:
         _figure_class()
 
 
+#: File name endings onnx.load reads as a text format, not as the binary model lossgraph
+#: writes (onnx.serialization's registry; these are onnx 1.23's).
+_TEXT_SUFFIXES = (".json", ".onnxjson", ".prototxt", ".txtpb", ".pbtxt", ".textproto",
+                  ".onnxtext", ".onnxtxt")
+
+
+def _check_model_suffix(path: str) -> None:
+    """A model file's name that onnx.load reads as what lossgraph writes (binary protobuf):
+    ``onnx.load("model.json")`` parses JSON text, and fails on a binary model."""
+    suffix = Path(path).suffix.lower()
+    if suffix in _TEXT_SUFFIXES:
+        raise UnsupportedOptionError(
+            f"-o {path!r}: lossgraph writes the model in ONNX's binary format, but onnx.load "
+            f"reads a {suffix!r} file as a text format, so the file could not be loaded back "
+            "by its name. Name it .onnx (or .pb).")
+
+
 def _check_artifacts_target(path: str) -> None:
     """The artifacts writer's own check of its folder (to_ort_artifacts checks it again)."""
     try:
@@ -106,7 +124,7 @@ def _figure_class() -> type:
 
 def _external_note(path: str) -> str:
     """`` and <file>`` when the model at ``path`` keeps tensors in an external file."""
-    model = onnx.load(path, load_external_data=False)
+    model = onnx.load_model_from_string(Path(path).read_bytes())  # binary, whatever its name
     files = sorted({entry.value for tensor in model.graph.initializer
                     for entry in tensor.external_data if entry.key == "location"})
     return "".join(f" and {os.path.join(os.path.dirname(path), name)}" for name in files)

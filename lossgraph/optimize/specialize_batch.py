@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from ..errors import UnsupportedOptionError
+from ..errors import InvalidModelError, UnsupportedModelError, UnsupportedOptionError
 from ..graphs import subgraphs
 from ..metadata import SIGNATURE_KEY, read_json
 from ..models import ModelLike
@@ -68,7 +68,18 @@ class SpecializeBatch(Pass[Reports | None]):
             names = _fix_leading_dim(model.graph.input, self.batch)
             fixed = names is not None
             _fix_named_dims(model.graph, (names or set()) - {""}, self.batch)
-        folded = Pipeline((FoldStaticShapes(), SplitRowProducts()))(model)
+        try:
+            folded = Pipeline((FoldStaticShapes(), SplitRowProducts()))(model)
+        except InvalidModelError as exc:
+            # the graph was valid with a symbolic batch: its shapes contradict each other
+            # once the batch is a number, so the model's rows do not follow its inputs'
+            detail = str(exc).partition("valid ONNX model: ")[2].partition(". Check it")[0]
+            raise UnsupportedModelError(
+                f"For batches of {self.batch} rows, the model's shapes contradict each other "
+                f"({detail or exc}): it computes an output whose rows are not one per input "
+                "row (a Reshape or a broadcast that mixes rows), or declares a shape it does "
+                "not compute. lossgraph trains models that map each input row to an output "
+                "row: fix the model's graph or its declared output shapes.") from None
         return PassResult(folded.model, folded.report or None, fixed or folded.changed)
 
 

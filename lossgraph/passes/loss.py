@@ -706,7 +706,14 @@ def _named_dims(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     two alike and the loss's gradient needs no run-time broadcast reduction."""
     named = onnx.ValueInfoProto()
     named.CopyFrom(value)
-    for index, dim in enumerate(named.type.tensor_type.shape.dim):
+    dims = named.type.tensor_type.shape.dim
+    taken = {dim.dim_param for dim in dims if dim.dim_param}
+    for index, dim in enumerate(dims):
         if not dim.HasField("dim_value") and not dim.dim_param:
-            dim.dim_param = "N" if index == 0 else f"d{index}"
+            # a name of the model's own (a column named 'N') never doubles as this one
+            base = "N" if index == 0 else f"d{index}"
+            name = next(n for n in (base, *(f"{base}_{i}" for i in range(1, len(dims) + 2)))
+                        if n not in taken)
+            dim.dim_param = name
+            taken.add(name)
     return named

@@ -78,7 +78,7 @@ from onnx import TensorProto, numpy_helper
 from ..builder import GraphBuilder
 from ..errors import InvalidModelError, UnsupportedModelError
 from ..graphs import ForwardFacts, all_graphs, attribute_values, opset_version, values_read
-from ..models import ModelLike
+from ..models import ModelLike, check_declared_outputs
 from ..names import NameAuthority
 from .contract import Pass, PassResult
 
@@ -460,7 +460,12 @@ class LowerMlOps(Pass[None]):
             _reject_nested(sub_graph)
         if not any(_is_lowered(node) for node in graph.node):
             return PassResult(model, changed=False)
+        produced = {name: node for node in graph.node if _is_lowered(node)
+                    for name in node.output if name}
         _lower(model)
+        # onnx infers no shapes for these ai.onnx.ml ops: a declared shape their outputs
+        # contradict is found now, as the user's error, not by this pass's own check
+        check_declared_outputs(model, {n: _describe(node) for n, node in produced.items()})
         return PassResult(model)
 
 

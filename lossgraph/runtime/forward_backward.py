@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 
+from ..errors import UnsupportedModelError
 from ..graphs import np_dtype
 from ..optimize import SpecializeBatch
 from ..surgery import ForwardBackward, chain_graphs, split_gradient
@@ -139,6 +140,9 @@ class SeparateStep:
                    "prediction_grad": io("loss", "prediction_grad")[0]}
         self._device = cpu_device()
         arrays = _static_values(split, graphs["loss"]) if batch is not None else None
+        if arrays is not None:
+            _check_prediction_rows(graphs["loss"], loss_io["prediction"],
+                                   arrays[prediction].shape, prediction, batch)
         if arrays is None:
             self._static = False
             self._model = ForwardBackwardRunner(split, make_session)
@@ -297,6 +301,23 @@ def _owned(value: Any) -> np.ndarray:
     """``value`` as a numpy array the caller may change: an OrtValue's contents copied, an
     array as it is."""
     return value if isinstance(value, np.ndarray) else value.numpy().copy()
+
+
+def _check_prediction_rows(loss: onnx.ModelProto, read: str, computed: tuple[int, ...],
+                           name: str, batch: int | None) -> None:
+    """The forward half computes the prediction in the shape the loss graph reads (the
+    label's): a model whose output does not keep the batch axis (its rows are not one per
+    input row) is an :class:`~lossgraph.errors.UnsupportedModelError`, not an invalid
+    graph built from it."""
+    tensor = next(v for v in loss.graph.input if v.name == read).type.tensor_type
+    expected = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+    if computed != expected:
+        raise UnsupportedModelError(
+            f"For a batch of {batch} rows, the model computes its output {name!r} of shape "
+            f"{computed}, but the loss compares it with labels of shape {expected}: the "
+            "model does not keep the batch axis (one output row per input row), so it "
+            "cannot be trained by rows. Fix the model's graph (a Reshape or a broadcast "
+            "that mixes rows).")
 
 
 def _static_values(split: ForwardBackward, loss: onnx.ModelProto) -> dict[str, np.ndarray] | None:

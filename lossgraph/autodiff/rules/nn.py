@@ -91,7 +91,7 @@ import re
 import numpy as np
 from onnx import numpy_helper
 
-from ...errors import UnsupportedModelError
+from ...errors import InvalidModelError, UnsupportedModelError
 from ...graphs import attribute_values
 from ..registry import grad_rule
 
@@ -138,6 +138,24 @@ def _channels(g, name: str, what: str) -> int:
             f"The gradient of {what} needs the static channel count of {name!r} (got {shape})."
         )
     return shape[1]
+
+
+def _check_channels(g, node, x: str, w: str, axis: int, group: int) -> None:
+    """``x``'s channels are what weight ``w`` takes (its dim ``axis`` times ``group`` for a
+    Conv, its dim 0 for a ConvTranspose), where both are static: onnx's checker does not
+    compare them, and onnxruntime refuses to run the node otherwise."""
+    x_shape, w_shape = g.shape(x), g.shape(w)
+    if not x_shape or len(x_shape) < 2 or not w_shape or len(w_shape) <= axis:
+        return
+    channels, taken = x_shape[1], w_shape[axis]
+    if isinstance(channels, int) and isinstance(taken, int) \
+            and channels != taken * (group if axis == 1 else 1):
+        per = f" x group {group}" if axis == 1 and group != 1 else ""
+        raise InvalidModelError(
+            f"{node.op_type} node {node.name or node.outputs[0]!r} reads {x!r} with "
+            f"{channels} channels, but its weight {w!r} of shape {tuple(w_shape)} takes "
+            f"{taken}{per}: the model is not valid ONNX, and onnxruntime refuses to run it. "
+            "Fix the input's declared shape or the weight.")
 
 
 def _window(g, node, x: str, kernel: list[int], at_run_time: bool = False
@@ -373,9 +391,10 @@ def _kernel(g, node, w: str) -> list[int]:
 @grad_rule("Conv")
 def conv(g, node, dy):
     x, w = node.inputs[:2]
+    group = node.attr("group", 1)
+    _check_channels(g, node, x, w, 1, group)
     kernel = _kernel(g, node, w)
     strides, pads, dilations = _window(g, node, x, kernel, at_run_time=True)
-    group = node.attr("group", 1)
     if pads is None:
         dx, dw = _conv_grads_with_pads_at_run_time(g, node, dy, kernel, strides, dilations,
                                                    group)
@@ -395,6 +414,7 @@ def conv(g, node, dy):
 def conv_transpose(g, node, dy):
     x, w = node.inputs[:2]
     y = node.outputs[0]
+    _check_channels(g, node, x, w, 0, node.attr("group", 1))
     kernel = _kernel(g, node, w)
     n = len(kernel)
     strides = list(node.attr("strides", [1] * n))

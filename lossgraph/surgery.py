@@ -17,7 +17,14 @@ import onnx
 from onnx import helper
 
 from .errors import InternalError
-from .graphs import ForwardFacts, names_in_graph, outer_references, rename_values, subgraphs
+from .graphs import (
+    ForwardFacts,
+    GraphIndex,
+    names_in_graph,
+    outer_references,
+    rename_values,
+    subgraphs,
+)
 from .metadata import GRADIENTS_KEY, read_json
 from .models import check_emitted
 from .names import NameAuthority
@@ -60,20 +67,21 @@ def split_gradient(model: onnx.ModelProto, outputs: Sequence[str],
     """
     graph = model.graph
     seeds, outputs = tuple(seeds), tuple(outputs)
-    producer = {o: i for i, node in enumerate(graph.node) for o in node.output if o}
+    index = GraphIndex(graph.node)
     reads = [[*dict.fromkeys([*node.input, *(n for sub in subgraphs(node)
                                               for n in sorted(outer_references(sub)))])]
              for node in graph.node]
 
     def needed(targets: Sequence[str], known: set[int]) -> set[int]:
-        """The nodes computing ``targets``, but those in ``known``."""
+        """The positions of the nodes computing ``targets``, but those in ``known``."""
         found: set[int] = set()
-        pending = [producer[t] for t in targets if t in producer]
+        pending = [p for t in targets if (p := index.position(t)) is not None]
         while pending:
-            index = pending.pop()
-            if index not in found and index not in known:
-                found.add(index)
-                pending.extend(producer[n] for n in reads[index] if n in producer)
+            position = pending.pop()
+            if position not in found and position not in known:
+                found.add(position)
+                pending.extend(p for n in reads[position]
+                               if (p := index.position(n)) is not None)
         return found
 
     gradients = tuple(read_json(model, GRADIENTS_KEY).values())

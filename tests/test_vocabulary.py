@@ -127,6 +127,23 @@ def test_compile_takes_trainable_and_weights_alike_without_a_warning(tmp_path, l
     assert lossgraph.TrainingProgram.load(tmp_path / "p").weights == ["W"]
 
 
+def test_describe_plan_prints_every_graph_of_a_separate_program(linear):
+    """Every graph separate mode emits has a declared plan: the model's gradient from the
+    forward model, the loss, update and penalty graphs from their builders' options."""
+    text = lossgraph.describe_plan(linear, fuse="separate", penalty={"W": 0.1},
+                                   optimizer=lossgraph.optim.Momentum(0.05))
+    lines = dict(line.split(" = ", 1) for line in text.splitlines())
+    assert [name.strip() for name in lines] == ["evaluate", "predict", "gradient", "loss",
+                                                "update", "penalty"]
+    assert lines["gradient"].endswith("-> Gradient(weights=('W', 'B'), outputs=('Y',)) -> "
+                                      "SumRowsByProduct -> SumRowsByProduct -> "
+                                      "WidenScalarConstants")
+    assert lines["loss    "] == "LossGraph(loss='squared_error') -> WidenScalarConstants"
+    assert lines["update  "] == ("UpdateGraph(optimizer=Momentum(learning_rate=0.05)) -> "
+                                 "WidenScalarConstants")
+    assert lines["penalty "] == "PenaltyGraph(penalty={'W': 0.1}) -> WidenScalarConstants"
+
+
 def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
     text = lossgraph.describe_plan(linear, fuse="epoch", weights=["W"])
     lines = {name.strip(): passes for name, passes in

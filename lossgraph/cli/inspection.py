@@ -22,7 +22,9 @@ from ..errors import (
 from ..graphs import (
     ForwardFacts,
     all_graphs,
+    canonical_domain,
     elem_type_name,
+    is_default_domain,
     opset_version,
     outer_references,
     shortest_path,
@@ -68,7 +70,7 @@ def _values(values: Iterable[onnx.ValueInfoProto], skip: set[str]) -> list[dict[
 
 
 def _label(node: onnx.NodeProto) -> str:
-    op = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+    op = f"{node.domain}::{node.op_type}" if not is_default_domain(node.domain) else node.op_type
     return f"{op} {node.name!r}" if node.name else op
 
 
@@ -144,7 +146,7 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
     counts: dict[tuple[str, str], int] = {}
     for sub in all_graphs(graph):
         for node in sub.node:
-            key = ("" if node.domain == "ai.onnx" else node.domain, node.op_type)
+            key = (canonical_domain(node.domain), node.op_type)
             counts[key] = counts.get(key, 0) + 1
     blocking = {(m["domain"], m["op_type"]) for m in missing}
     ops = []

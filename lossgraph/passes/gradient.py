@@ -54,6 +54,7 @@ from ..graphs import (
     ForwardFacts,
     all_graphs,
     elem_type_name,
+    is_onnx_op,
     names_in_graph,
     rename_values,
 )
@@ -208,7 +209,7 @@ def _give_dropouts_masks(model: onnx.ModelProto, names: NameAuthority) -> None:
     training Dropout without its mask)."""
     for graph in all_graphs(model.graph):
         for node in graph.node:
-            if (node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
+            if (is_onnx_op(node, "Dropout")
                     and len(node.input) > 2 and node.input[2]
                     and (len(node.output) < 2 or not node.output[1])):
                 mask = names.fresh(f"{node.output[0]}_mask")

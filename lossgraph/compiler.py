@@ -43,7 +43,7 @@ BatchNormalization and Dropout in inference mode, with the buffers as inputs.
 The ``(speed)`` passes and ``WidenScalarConstants`` are optimization passes for
 onnxruntime (:mod:`lossgraph.optimize`): same values, faster kernels. Pipelines that
 begin alike share the work: a prefix runs once. ``fuse="separate"`` builds the
-reference documents' four graphs instead of the training graphs
+onnxcustom's four graphs instead of the training graphs
 (:mod:`lossgraph.separate`), each finished with ``WidenScalarConstants`` too. The
 manifest is written from the graphs and the signature they record
 (:mod:`lossgraph.manifest`).

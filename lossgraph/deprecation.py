@@ -53,13 +53,16 @@ def renamed_keywords(**renames: str) -> Callable[[F], F]:
 
 def moved_names(module: str, homes: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for the names a previous release's module ``module``
-    defined and ``homes`` gives a new module to (``{"update_graph": "lossgraph.optim"}``):
-    each still works, with a warning naming its new home."""
+    defined and ``homes`` gives a new home to: a module (``{"update_graph":
+    "lossgraph.optim"}``), or a module and a new name (``"lossgraph.surgery:GradientHalves"``).
+    Each still works, with a warning naming its new home."""
 
     def getattr_(name: str) -> Any:
         if name not in homes:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        warn_renamed(f"{module}.{name}", f"{homes[name]}.{name}")
-        return getattr(importlib.import_module(homes[name]), name)
+        home, _, new_name = homes[name].partition(":")
+        new_name = new_name or name
+        warn_renamed(f"{module}.{name}", f"{home}.{new_name}")
+        return getattr(importlib.import_module(home), new_name)
 
     return getattr_

@@ -10,7 +10,7 @@ Whatever the fusion mode (:mod:`lossgraph.compiler` builds them), a program hold
 - ``fuse="step"``: ``train_step`` (one minibatch step, update included);
 - ``fuse="epoch"``: ``train_epoch`` (a Scan over all full batches) and ``train_step``
   (for a last, smaller batch);
-- ``fuse="separate"``: the reference documents' four graphs: ``gradient`` (the
+- ``fuse="separate"``: onnxcustom's four graphs: ``gradient`` (the
   model's vector-Jacobian product), ``loss`` (loss and its gradient against the
   prediction), ``penalty`` (the penalty and the total gradient) and ``update``.
 

@@ -163,3 +163,37 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
     assert "StepGraph(optimizer=Momentum(learning_rate=0.05))" in momentum
     program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
     assert list(program.graphs) == list(lines)
+
+
+def test_import_lossgraph_exposes_a_curated_surface():
+    """Every public attribute of ``lossgraph`` that is not a submodule is in __all__ (no
+    leaked typing or helper names), every name of __all__ exists, and each pass a user
+    runs alone is reachable as add_loss_output is."""
+    import inspect
+
+    public = {name for name in dir(lossgraph) if not name.startswith("_")
+              and not inspect.ismodule(getattr(lossgraph, name))}
+    assert public == set(lossgraph.__all__) - {"optim", "__version__"}
+    for helper in ("add_loss_output", "gradient", "lower_ml_ops", "alphabetize_initializers",
+                   "stabilize_numerics", "strip_training", "straight_through_quantization"):
+        assert getattr(lossgraph, helper) is getattr(lossgraph.passes, helper)
+
+
+def test_every_error_and_warning_class_is_in_errors_all():
+    import inspect
+
+    from lossgraph import errors
+
+    classes = {name for name, value in vars(errors).items()
+               if inspect.isclass(value) and issubclass(value, BaseException)
+               and value.__module__ == errors.__name__}
+    assert classes <= set(errors.__all__)
+
+
+def test_the_package_speaks_of_onnxcustom_by_name():
+    package = Path(lossgraph.__file__).parent
+    found = [f"{path.relative_to(package)}:{number}"
+             for path in sorted(package.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if "reference document" in line.lower()]
+    assert found == []

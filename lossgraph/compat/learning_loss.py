@@ -1,4 +1,4 @@
-"""The losses of the reference documents' forward/backward optimizer, as ONNX graphs.
+"""The losses of onnxcustom's forward/backward optimizer, as ONNX graphs.
 
 Each loss builds one graph ``(prediction, label[, weight]) -> (loss, prediction_grad)``
 with lossgraph's passes (an Identity model, :class:`~lossgraph.passes.loss.AddLossOutput`,

@@ -1,4 +1,4 @@
-"""The penalties of the reference documents' forward/backward optimizer.
+"""The penalties of onnxcustom's forward/backward optimizer.
 
 For every weight ``W`` given::
 

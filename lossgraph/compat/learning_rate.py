@@ -1,4 +1,4 @@
-"""The learning rates of the reference documents' forward/backward optimizer.
+"""The learning rates of onnxcustom's forward/backward optimizer.
 
 A learning rate is stepped once per epoch; ``t`` counts the epochs already finished
 (``t = 0`` for the first epoch), and every update of epoch ``t`` uses::
@@ -12,7 +12,7 @@ A learning rate is stepped once per epoch; ``t`` counts the epochs already finis
 ``optimal`` is onnxcustom's: scikit-learn's ``SGDRegressor`` schedule
 ``1 / (alpha (t0 + t))`` with ``t0 = 1 / (alpha e)``, multiplied by the constant that makes
 its first rate ``eta0`` (scikit-learn's own starts at ``alpha^(-1/4)``, 10 for the default
-alpha, and diverges on the reference documents' examples; :class:`lossgraph.optim.SGD`
+alpha, and diverges on onnxcustom's examples; :class:`lossgraph.optim.SGD`
 keeps scikit-learn's). :meth:`BaseLearningRate.loop` yields ``eta_0, eta_1, ...`` as
 onnxcustom's ``loop`` did. The update of :class:`LearningRateSGDNesterov` is
 scikit-learn's ``SGDOptimizer``::

@@ -1,4 +1,4 @@
-"""The reference documents' two optimizers, as scikit-learn estimators on lossgraph.
+"""onnxcustom's two optimizers, as scikit-learn estimators on lossgraph.
 
 - :class:`OrtGradientOptimizer`, the whole-graph API: a model that carries its loss
   (:func:`~lossgraph.add_loss_output`) compiled with ``fuse="epoch"``, one run of
@@ -66,7 +66,7 @@ from .learning_rate import BaseLearningRate, LearningRateSGDNesterov
 
 __all__ = ["BaseEstimator", "OrtGradientOptimizer", "OrtGradientForwardBackwardOptimizer"]
 
-#: The optimizer the reference documents' classes run (both support it alone).
+#: The optimizer onnxcustom's classes run (both support it alone).
 TRAINING_OPTIMIZERS = ("SGDOptimizer",)
 
 
@@ -573,7 +573,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
     @property
     def _weight_input(self) -> str | None:
         """The loss graph's sample-weight input: ``weight_name``, else ``"weight"`` once a
-        fit has had sample weights (the reference documents pass them without a name)."""
+        fit has had sample weights (onnxcustom's tutorial passes them without a name)."""
         if self.weight_name is not None:
             return self.weight_name
         return "weight" if getattr(self, "_weighted", False) else None

@@ -439,14 +439,14 @@ def add_loss_output(
             ``ignore_index``), ``"sum"``, or ``"none"`` (the weighted loss of each row, shape
             ``(N,)``: an evaluation graph, which the gradient pass refuses, and without a
             penalty).
-        score_name: the reference documents' name of ``loss`` (either may be given).
+        score_name: onnxcustom's name of ``loss`` (either may be given).
         **options: options of the loss function (``l1_weight``, ``l2_weight``, ``delta``,
             ``eps``, ``from_logits``, ``ignore_index``).
     """
     if loss is not None and score_name is not None:
         raise UnsupportedOptionError(
             f"add_loss_output got loss={loss!r} and score_name={score_name!r}: score_name is "
-            "the reference documents' name of loss; pass one of them.")
+            "onnxcustom's name of loss; pass one of them.")
     chosen = loss if loss is not None else score_name if score_name is not None else (
         "squared_error")
     return AddLossOutput(chosen, loss_name, label_name, weight_name, penalty, output_index,

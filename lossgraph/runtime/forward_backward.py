@@ -4,7 +4,7 @@
 the backward half as OrtValues, never through numpy: the forward pass is not
 computed twice and nothing is copied between the halves. :class:`SeparateStep`
 chains it with a ``fuse="separate"`` program's loss, penalty and update graphs, the
-reference documents' training step.
+onnxcustom's training step.
 """
 
 from __future__ import annotations

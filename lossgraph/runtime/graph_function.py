@@ -22,7 +22,7 @@ Two backends build the graphs behind it, with the same public behaviour:
   two halves: ``run_forward`` with a fresh ``PartialGraphExecutionState`` per training
   forward, ``run_backward`` with the state popped. Predictions run the builder's forward
   model (``get_forward_model``, what onnxruntime-training 1.19.2 has in place of the
-  reference documents' ``get_inference_optimized_model``). It needs the training build
+  onnxcustom's ``get_inference_optimized_model``). It needs the training build
   (``onnxruntime-training-cpu`` 1.19.2), reached through
   ``onnxruntime.capi._pybind_state`` without torch; elsewhere it raises
   :class:`~lossgraph.errors.RuntimeUnavailableError`. The builder orders the weights as

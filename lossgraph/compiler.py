@@ -41,7 +41,7 @@ it, so that the graphs output their next values. ``evaluate`` and ``predict`` ru
 BatchNormalization and Dropout in inference mode, with the buffers as inputs.
 
 The ``(speed)`` passes and ``WidenScalarConstants`` are optimization passes for
-onnxruntime (:mod:`lossgraph.optimize`): same values, faster kernels. Pipelines that
+onnxruntime (:mod:`lossgraph.speed`): same values, faster kernels. Pipelines that
 begin alike share the work: a prefix runs once. ``fuse="separate"`` builds the
 onnxcustom's four graphs instead of the training graphs
 (:mod:`lossgraph.separate`), each finished with ``WidenScalarConstants`` too. The

@@ -34,15 +34,18 @@ def renamed_keywords(**renames: str) -> Callable[[F], F]:
     is an :class:`~lossgraph.errors.UnsupportedOptionError`."""
 
     def decorate(fn: F) -> F:
+        shown = fn.__qualname__.removesuffix(".__init__")  # a class by its name
+        shown = shown if fn.__name__ == "__init__" else fn.__name__
+
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             for old, new in renames.items():
                 if old in kwargs:
                     if new in kwargs:
                         raise UnsupportedOptionError(
-                            f"{fn.__name__} got both {old}= and {new}=; {old}= is the old "
+                            f"{shown} got both {old}= and {new}=; {old}= is the old "
                             f"spelling of {new}=: pass only {new}=.")
-                    warn_renamed(f"{fn.__name__}({old}=...)", f"{new}=...")
+                    warn_renamed(f"{shown}({old}=...)", f"{new}=...")
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 

@@ -52,10 +52,10 @@ from .errors import (
 from .models import ModelLike
 from .modes import fuse_mode
 from .modes.separate import SeparateSteps
-from .optimize import WidenScalarConstants
 from .passes.loss import program_loss_graph
 from .program import TrainingProgram
 from .runtime.trainer import Trainer
+from .speed import WidenScalarConstants
 from .validation import compile_options
 
 __all__ = ["AllReduce", "EpochResult", "InMemoryGroup", "ParallelProgram", "Replica", "StepResult",

@@ -378,7 +378,7 @@ def _train_worker(config: dict[str, Any]) -> None:
 @dataclass
 class RayResult:
     """A finished run: ``trainer`` is a single-process :class:`~lossgraph.runtime.Trainer`
-    with the trained state and counters (``predict``, ``score``, ``save_checkpoint``, or
+    with the trained state and counters (``predict``, ``evaluate``, ``save_checkpoint``, or
     ``fit(..., warm_start=True)`` to go on in one process); ``history`` the metrics of every
     epoch; ``ray_result`` Ray Train's result (its checkpoint, storage path)."""
 

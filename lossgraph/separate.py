@@ -18,7 +18,7 @@ __getattr__ = moved_names("lossgraph.separate", {
     "update_graph": "lossgraph.optim",
     "split_gradient": "lossgraph.surgery",
     "chain_graphs": "lossgraph.surgery",
-    "ForwardBackward": "lossgraph.surgery",
+    "ForwardBackward": "lossgraph.surgery:GradientHalves",
     "PackedUpdate": "lossgraph.runtime.packed",
     "packed_update": "lossgraph.runtime.packed",
 })

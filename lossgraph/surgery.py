@@ -29,11 +29,11 @@ from .metadata import GRADIENTS_KEY, read_json
 from .models import check_emitted
 from .names import NameAuthority
 
-__all__ = ["ForwardBackward", "split_gradient", "chain_graphs"]
+__all__ = ["GradientHalves", "split_gradient", "chain_graphs"]
 
 
 @dataclass(frozen=True)
-class ForwardBackward:
+class GradientHalves:
     """A vector-Jacobian graph cut in two at its forward outputs (:func:`split_gradient`).
 
     ``forward`` takes the gradient graph's inputs but the seeds and returns ``outputs``,
@@ -53,7 +53,7 @@ class ForwardBackward:
 
 
 def split_gradient(model: onnx.ModelProto, outputs: Sequence[str],
-                   seeds: Sequence[str]) -> ForwardBackward:
+                   seeds: Sequence[str]) -> GradientHalves:
     """Cut a vector-Jacobian graph (:class:`~lossgraph.passes.gradient.Gradient` with
     ``outputs=``) into a forward and a backward half, so that training computes the
     forward pass once::
@@ -119,7 +119,7 @@ def split_gradient(model: onnx.ModelProto, outputs: Sequence[str],
     forward = half("forward", forward_nodes, forward_inputs,
                    [*outputs, *(r for r in residuals if r not in outputs)])
     backward = half("backward", backward_nodes, [*residuals, *reused, *seeds], list(gradients))
-    return ForwardBackward(forward, backward, outputs, residuals, reused, seeds, gradients)
+    return GradientHalves(forward, backward, outputs, residuals, reused, seeds, gradients)
 
 
 def chain_graphs(first: onnx.ModelProto, second: onnx.ModelProto

@@ -640,7 +640,7 @@ CASES: list[Case] = [
     Case("predict-wrong-width", "predict on 3 features",
          lambda c: c.trainer().predict(X[:, :3]), ShapeMismatchError, "X has shape (205, 3)"),
     Case("score-nan", "score on NaN labels",
-         lambda c: c.trainer().score(X, with_value(Y, 0, np.nan)), InvalidDataError,
+         lambda c: c.trainer().evaluate(X, with_value(Y, 0, np.nan)), InvalidDataError,
          "y holds nan at row 0"),
     Case("set-state-unknown-name", "set_state({'cof': ...})",
          lambda c: c.trainer().set_state({"cof": np.zeros((4, 1), np.float32)}),

@@ -10,8 +10,8 @@ from conftest import GOLDEN_MODELS
 
 import lossgraph
 from lossgraph.optim import update_graph
-from lossgraph.optimize import SpecializeBatch, WidenScalarConstants
 from lossgraph.runtime.packed import packed_update
+from lossgraph.speed import SpecializeBatch, WidenScalarConstants
 from lossgraph.surgery import chain_graphs, split_gradient
 
 GOLDEN = ["hand_linear", "hand_mlp_tanh_double", "hand_broadcast_reuse", "skl_mlp_regressor",
@@ -82,7 +82,7 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
     three where the model's opset is not the loss graph's), and (where the Trainer packs
     the state) the update of every weight at once; a last, smaller batch the general
     graphs one by one. All give the same numbers, bit for bit."""
-    from lossgraph.runtime.forward_backward import SeparateStep
+    from lossgraph.runtime.separate_step import SeparateStep
 
     model = onnx.load(GOLDEN_MODELS / f"{name}.onnx")
     weight = next(i.name for i in model.graph.initializer if i.dims)
@@ -97,7 +97,7 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
     for batch, packs in ((8, True), (8, False), (None, True)):
         engine = lossgraph.runtime.Engine(program)
         assert engine.packed is not None
-        step = SeparateStep(program, engine.buffers, engine.new_session, engine.runner,
+        step = SeparateStep(program, engine.ring, engine.new_session, engine.runner,
                             batch, engine.packed if packs else None)
         kinds.append((step.static, step.static and step.runs,
                       ("packed update", None) in engine.open_sessions))

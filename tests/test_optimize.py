@@ -1,4 +1,4 @@
-"""The speed rewrites of lossgraph.optimize: each on a tiny graph, for structure and
+"""The speed rewrites of lossgraph.speed: each on a tiny graph, for structure and
 numbers, and as the compiler and the Trainer apply them."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from models import model
 import lossgraph
 from lossgraph.errors import UnsupportedOptionError
 from lossgraph.optim import Adam, Momentum
-from lossgraph.optimize import (
+from lossgraph.speed import (
     FoldStaticShapes,
     SpecializeBatch,
     SplitRowProducts,
     SumRowsByProduct,
     WidenScalarConstants,
 )
-from lossgraph.optimize.split_row_products import gradient_product_parts, row_product_parts
+from lossgraph.speed.split_row_products import gradient_product_parts, row_product_parts
 
 
 def ops(graph: onnx.GraphProto) -> list[str]:

@@ -29,16 +29,6 @@ from models import UNSORTED
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
 from lossgraph.optim import SGD, Adam, Momentum, update_graph
-from lossgraph.optimize import (
-    ConcatScatteredSlabs,
-    FoldBatchIntoProducts,
-    FoldStaticShapes,
-    SpecializeBatch,
-    SplitRowProducts,
-    SumRowsByProduct,
-    UnfoldConvWeightGradients,
-    WidenScalarConstants,
-)
 from lossgraph.passes import (
     AddLossOutput,
     AlphabetizeInitializers,
@@ -61,6 +51,16 @@ from lossgraph.passes.sequences import SequencesToTensors
 from lossgraph.passes.stabilize import StabilizeNumerics
 from lossgraph.passes.strip import InferenceMode
 from lossgraph.penalties import penalty_graph
+from lossgraph.speed import (
+    ConcatScatteredSlabs,
+    FoldBatchIntoProducts,
+    FoldStaticShapes,
+    SpecializeBatch,
+    SplitRowProducts,
+    SumRowsByProduct,
+    UnfoldConvWeightGradients,
+    WidenScalarConstants,
+)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
 HERE = Path(__file__).resolve().parent

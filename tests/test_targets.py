@@ -26,8 +26,8 @@ from lossgraph.compat import (
 from lossgraph.errors import UnsupportedModelError, UnsupportedOptionError
 from lossgraph.models import check_emitted
 from lossgraph.optim import SGD, Adam, AdamW, Momentum, update_graph
-from lossgraph.optimize import SpecializeBatch
 from lossgraph.penalties import penalty_graph
+from lossgraph.speed import SpecializeBatch
 from lossgraph.surgery import split_gradient
 from lossgraph.target import (
     DEFAULT_TARGET,

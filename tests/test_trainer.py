@@ -47,7 +47,7 @@ def test_validation_losses_are_recorded_per_epoch(data):
                                                validation_data=(X[150:], y[150:]),
                                                progress=False)
     assert len(trainer.validation_losses_) == 3
-    assert trainer.validation_losses_[-1] == pytest.approx(trainer.score(X[150:], y[150:]))
+    assert trainer.validation_losses_[-1] == pytest.approx(trainer.evaluate(X[150:], y[150:]))
 
 
 def test_a_non_finite_validation_loss_warns_and_is_recorded(data):
@@ -205,7 +205,7 @@ def test_divergence_keeps_the_last_state_whose_loss_was_finite(data, mode):
     kept = trainer.steps_
     assert f"before step {kept + 1} (epoch {kept}, batch 0), the last whose loss was finite" \
         in str(error.value)
-    assert np.isfinite(trainer.score(X, y))
+    assert np.isfinite(trainer.evaluate(X, y))
     again = lossgraph.Trainer(program(mode, SGD(0.5))).fit(
         X, y, epochs=kept, batch_size=len(X), shuffle=False, progress=False)
     for name, value in again.state.items():

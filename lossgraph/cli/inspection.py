@@ -243,8 +243,8 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         parts.append(f"the model carries its loss {report['roles']['loss']!r} (compile it with "
                      "--loss none); trainable means: reaching the loss")
     if report["trainable"]:
-        what = ("compile trains them alone only when --trainable names them, see below"
-                if report["blocked"] else "what compile trains unless --trainable says otherwise")
+        what = ("compile trains them alone only when --weights names them, see below"
+                if report["blocked"] else "what compile trains unless --weights says otherwise")
         parts.append(f"trainable candidates ({what}): {' '.join(report['trainable'])}")
     else:
         parts.append("trainable candidates: none (no float initializer reaches an output "
@@ -253,7 +253,7 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         parts.append(
             "\nweights whose effect on the outputs passes values lossgraph does not "
             "differentiate (sequences, optionals): compile chooses no default weights around "
-            "them; name the weights to train with --trainable\n" + _table(
+            "them; name the weights to train with --weights\n" + _table(
                 ("weight", "gradient", "path"),
                 ((b["name"], "partial" if b["partial"] else "none",
                   f"{_short_path(b['path'], len(b['path']) - 2)} ({b['kind']})")
@@ -266,7 +266,7 @@ def format_inspection(report: Mapping[str, Any]) -> str:
     missing = report["missing_gradient_rules"]
     if missing:
         parts.append("\nops without a gradient rule between a trainable weight and an output:\n"
-                     "compile fails on them; train other weights (--trainable), register a rule "
+                     "compile fails on them; train other weights (--weights), register a rule "
                      "(lossgraph.grad_rule) or compile with --backend ort\n" + _table(
                          ("op", "node", "path"),
                          ((_op_text(m["domain"], m["op_type"]), m["node"] or "-",

@@ -312,7 +312,7 @@ class _TrainingEstimator(BaseEstimator):
             def validate(t: Trainer, epoch: int, logs: dict) -> None:
                 if (epoch + 1) % period:
                     return
-                loss = t.score(X_val, y_val)
+                loss = t.evaluate(X_val, y_val)
                 if not math.isfinite(loss):  # onnxcustom's EvaluationError
                     message = (
                         f"The validation loss is {loss} after epoch {epoch}: the loss on "
@@ -390,12 +390,13 @@ class _TrainingEstimator(BaseEstimator):
         epoch (:meth:`LearningRateSGDNesterov.velocity_scale`)."""
 
         def rescale(t: Trainer, epoch: int, logs: dict) -> None:
-            if not isinstance(rate, LearningRateSGDNesterov) or not t.program.states:
+            if not isinstance(rate, LearningRateSGDNesterov) or not t.program.optimizer_states:
                 return
             scale = rate.velocity_scale(epoch + 1)
             if scale != 1.0:
                 state = t.state
-                t.set_state({s: state[s] * state[s].dtype.type(scale) for s in t.program.states})
+                t.set_state({s: state[s] * state[s].dtype.type(scale)
+                             for s in t.program.optimizer_states})
 
         return rescale
 
@@ -435,7 +436,7 @@ class _TrainingEstimator(BaseEstimator):
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The negated loss on ``(X, y)``, so that higher is better (scikit-learn's
         convention)."""
-        return -self._fitted().score(X, y, _row_weights(sample_weight))
+        return -self._fitted().evaluate(X, y, _row_weights(sample_weight))
 
     def predict(self, X: Any) -> np.ndarray:
         """The model's prediction with the trained weights."""
@@ -707,8 +708,8 @@ def _row_weights(sample_weight: Any) -> Any:
 
 def _short(name: str) -> str:
     """The reference's short file names: Learning -> L, OrtGradient -> Grad,
-    ForwardBackward -> FB."""
-    for long, short in (("Learning", "L"), ("OrtGradient", "Grad"), ("ForwardBackward", "FB")):
+    GradientHalves -> FB."""
+    for long, short in (("Learning", "L"), ("OrtGradient", "Grad"), ("GradientHalves", "FB")):
         name = name.replace(long, short)
     return name
 

@@ -66,11 +66,11 @@ from ..metadata import GRADIENTS_KEY, read_json, remove_record, write_json
 from ..models import ModelLike, check_emitted
 from ..names import NameAuthority
 from ..optim import SGD, Adam, AdamW, Optimizer, as_optimizer
-from ..optimize import SumRowsByProduct, WidenScalarConstants
 from ..passes.contract import Pipeline
 from ..passes.gradient import Gradient
 from ..passes.strip import InferenceMode
 from ..program import TrainingProgram
+from ..speed import SumRowsByProduct, WidenScalarConstants
 from ..target import DEFAULT_TARGET, use_target
 from .ort_checkpoint import (
     MOMENT_NAMES,

@@ -31,13 +31,6 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from ..optim import Optimizer
-from ..optimize import (
-    ConcatScatteredSlabs,
-    FoldBatchIntoProducts,
-    SumRowsByProduct,
-    UnfoldConvWeightGradients,
-    WidenScalarConstants,
-)
 from ..options import choice
 from ..passes.contract import Pass, PassResult, Pipeline, Reports, describe_options
 from ..passes.running_stats import RunningStatistics
@@ -45,6 +38,13 @@ from ..passes.sequences import SequencesToTensors
 from ..passes.stabilize import StabilizeNumerics
 from ..passes.weights import WeightsToInputs
 from ..signature import Signature
+from ..speed import (
+    ConcatScatteredSlabs,
+    FoldBatchIntoProducts,
+    SumRowsByProduct,
+    UnfoldConvWeightGradients,
+    WidenScalarConstants,
+)
 
 __all__ = ["FuseMode", "GraphSource", "Planned", "PlanContext", "Compiling", "Assembled",
            "Stepper", "MODES", "fuse_mode"]
@@ -91,7 +91,7 @@ class PlanContext:
 
     @property
     def speed(self) -> tuple[Pass, ...]:
-        """The speed rewrites of a training graph's gradient (:mod:`lossgraph.optimize`)."""
+        """The speed rewrites of a training graph's gradient (:mod:`lossgraph.speed`)."""
         return (FoldBatchIntoProducts(), SumRowsByProduct(), ConcatScatteredSlabs(),
                 UnfoldConvWeightGradients())
 

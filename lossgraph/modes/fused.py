@@ -4,7 +4,7 @@
                           -> [SequencesToTensors] -> StabilizeNumerics -> Gradient -> (speed)
                           -> StepGraph -> WidenScalarConstants
     train_epoch_ordered = loss model -> ... -> Gradient -> (speed) -> PackWeights -> StepGraph
-                          -> EpochGraph(shuffled=False) -> WidenScalarConstants
+                          -> EpochGraph(shuffle=False) -> WidenScalarConstants
     train_epoch         = ... -> EpochGraph -> WidenScalarConstants
 
 (speed: :attr:`~lossgraph.modes.PlanContext.speed`). A step runs ``train_step`` over the
@@ -66,9 +66,9 @@ class EpochMode(FuseMode):
         return {
             "train_step": Planned("loss model", Pipeline((*_differentiated(context), step,
                                                           context.widen))),
-            **{name: Planned("loss model", Pipeline((*packed, EpochGraph(shuffled),
+            **{name: Planned("loss model", Pipeline((*packed, EpochGraph(shuffle),
                                                      context.widen)))
-               for name, shuffled in (("train_epoch_ordered", False), ("train_epoch", True))},
+               for name, shuffle in (("train_epoch_ordered", False), ("train_epoch", True))},
         }
 
     def assemble(self, compiling: Compiling) -> Assembled:

@@ -22,7 +22,7 @@ input named alike keeps its name, and the invented one gets a suffix; each graph
 come from its builder.
 
 A step runs the gradient graph cut in two (its forward half once), the loss, the backward
-half, the penalty and the update (:class:`~lossgraph.runtime.forward_backward.SeparateStep`),
+half, the penalty and the update (:class:`~lossgraph.runtime.separate_step.SeparateStep`),
 with the update of every weight at once where the state lies packed
 (:mod:`lossgraph.runtime.packed`). The gradients are outputs, which data-parallel training
 (:mod:`lossgraph.parallel`) all-reduces between :meth:`SeparateSteps.gradients` and
@@ -39,15 +39,15 @@ import numpy as np
 
 from ..errors import UnsupportedOptionError
 from ..optim import BuiltUpdate, Optimizer, build_update
-from ..optimize import SumRowsByProduct
 from ..passes.contract import PassResult, Pipeline
 from ..passes.gradient import Gradient
 from ..passes.loss import program_loss_graph
 from ..passes.running_stats import RunningStatistics
 from ..penalties import BuiltPenalty, build_penalty
-from ..runtime.forward_backward import SeparateStep
 from ..runtime.packed import PackedUpdate, packed_update
+from ..runtime.separate_step import SeparateStep
 from ..signature import Signature
+from ..speed import SumRowsByProduct
 from . import Assembled, Compiling, FuseMode, GraphSource, PlanContext, Planned
 
 __all__ = ["SeparateMode", "SeparateSteps", "LossGraph", "UpdateGraph", "PenaltyGraph"]
@@ -179,7 +179,7 @@ class SeparateSteps:
             if size is not None:  # one batch size at a time, as for the fused graphs
                 self._steps = {k: v for k, v in self._steps.items() if k is None}
             engine = self.engine
-            self._steps[size] = SeparateStep(self.program, engine.buffers, engine.new_session,
+            self._steps[size] = SeparateStep(self.program, engine.ring, engine.new_session,
                                              engine.runner, size, engine.packed)
         return self._steps[size]
 

@@ -25,7 +25,7 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
   Dropout in training mode), for the inference export; :class:`InferenceMode` the layers'
   part alone, for eval graphs
 
-The onnxruntime optimization passes live in :mod:`lossgraph.optimize`.
+The onnxruntime optimization passes live in :mod:`lossgraph.speed`.
 
 Each pass a user runs alone also has a function form, the model in and the model out
 (:func:`add_loss_output`, :func:`gradient`, ...), importable from ``lossgraph`` itself.

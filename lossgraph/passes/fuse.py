@@ -26,7 +26,7 @@ to the last bit; it runs a handful of kernels instead of a handful per weight.
 Every data input is gathered by ``permutation`` (shuffling) and reshaped to
 ``(batches, batch, ...)``; ``batches`` is the length of ``learning_rates`` (one
 learning rate per batch) and ``batch`` is ``len(permutation) / batches``. Without
-shuffling (``shuffled=False``) there is no ``permutation``: the data inputs are the
+shuffling (``shuffle=False``) there is no ``permutation``: the data inputs are the
 epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each
 batch to the step graph as a view, carries weights, states, buffers and (for an update
 that reads it) the step counter, and stacks the per-batch losses. No Python runs between
@@ -45,6 +45,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
+from ..deprecation import renamed_keywords
 from ..graphs import names_in_graph, np_dtype, opset_version, rename_values, values_read
 from ..metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json
 from ..names import NameAuthority
@@ -211,22 +212,26 @@ def _bind(b: GraphBuilder, value: str, name: str) -> None:
 class EpochGraph(Pass[Signature]):
     """Wrap a step graph (from :class:`StepGraph`) in a Scan over one epoch's batches.
 
-    With ``shuffled=False`` there is no permutation input: the data inputs hold exactly
+    With ``shuffle=False`` there is no permutation input: the data inputs hold exactly
     the epoch's rows in order (a view of the first ``batches * batch`` rows), and no
     copy of them is made. The epoch graph records and reports its signature, with its
     permutation, learning rates and losses names.
     """
 
-    shuffled: bool = True
+    shuffle: bool = True
     requires = (STEP_GRAPH,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        signature = _wrap_in_scan(model, Signature.of(model), self.shuffled)
+        signature = _wrap_in_scan(model, Signature.of(model), self.shuffle)
         signature.record(model)
         return PassResult(model, signature)
 
 
-def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -> Signature:
+#: ``EpochGraph(shuffled=...)``, the previous release's spelling, still works (with a warning).
+EpochGraph.__init__ = renamed_keywords(shuffled="shuffle")(EpochGraph.__init__)  # type: ignore
+
+
+def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) -> Signature:
     outer = signature.unpacked or signature  # the epoch graph's inputs and outputs
     names = NameAuthority([*names_in_graph(step.graph), *outer.weights, *outer.state_names,
                            *outer.buffers, *outer.new.values(), outer.step])
@@ -266,14 +271,14 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -
     graph = step.graph
     outer_types = _outer_types(graph, signature)
     b = GraphBuilder(names, opset_version(step) or 13, prefix="epoch/")
-    permutation = names.fresh("permutation") if shuffled else None
+    permutation = names.fresh("permutation") if shuffle else None
     learning_rates = names.fresh("learning_rates")
     batches = b.Shape(learning_rates, hint="batches")
-    rows_count = b.dims(permutation if shuffled else signature.data[0], 0, 1)
+    rows_count = b.dims(permutation if shuffle else signature.data[0], 0, 1)
     batch = b.Div(rows_count, batches, hint="batch")
     batched = []
     for name in signature.data:
-        rows = b.Gather(name, permutation, axis=0, hint=f"{name}_shuffled") if shuffled else name
+        rows = b.Gather(name, permutation, axis=0, hint=f"{name}_shuffled") if shuffle else name
         rank = len(outer_types[name].tensor_type.shape.dim)
         shape = [batches, batch]
         if rank > 1:
@@ -301,7 +306,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -
     dtype_code = outer_types[outer.weights[0]].tensor_type.elem_type
     outer_carried = [*outer.weights, *outer.state_names, *outer.buffers]
     new_inputs = [helper.make_value_info(n, outer_types[n]) for n in signature.data]
-    if shuffled:
+    if shuffle:
         new_inputs.append(helper.make_tensor_value_info(permutation, TensorProto.INT64, ["rows"]))
     new_inputs.append(helper.make_tensor_value_info(learning_rates, dtype_code, ["batches"]))
     new_inputs += [helper.make_value_info(n, outer_types[n])

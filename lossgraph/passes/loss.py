@@ -81,10 +81,10 @@ from ..graphs import (
 from ..metadata import LOSS_KEY, ROLES_KEY, remove_record, write_json
 from ..models import ModelLike
 from ..names import NameAuthority
-from ..optimize import SumRowsByProduct
 from ..options import flag, non_negative
 from ..penalties import parse_penalty, penalty_terms
 from ..roles import get_roles, set_roles
+from ..speed import SumRowsByProduct
 from .contract import Pass, PassResult, Pipeline
 from .gradient import Gradient
 
@@ -407,9 +407,14 @@ class AddLossOutput(Pass[dict[str, str]]):
         return PassResult(model, roles)
 
 
+class _DefaultLoss(str):
+    """``"squared_error"`` as add_loss_output's default, told apart from a loss given (so
+    that onnxcustom's ``score_name`` may replace it, and a loss given with it is an error)."""
+
+
 def add_loss_output(
     model: ModelLike,
-    loss: str | None = None,
+    loss: str = _DefaultLoss("squared_error"),
     loss_name: str | None = None,
     label_name: str | None = None,
     weight_name: str | None = None,
@@ -426,7 +431,9 @@ def add_loss_output(
         model: the inference model (ModelProto, bytes or path).
         loss: the loss function: ``squared_error`` (``l2``), ``absolute_error`` (``l1``),
             ``elastic``, ``huber``, ``binary_log_loss``, ``logistic`` or
-            ``multiclass_log_loss``; see the module docstring. Default ``squared_error``.
+            ``multiclass_log_loss``; see the module docstring. ``None`` is the previous
+            release's spelling of the default (with a warning): ``compile_program``'s
+            ``loss=None`` means a model that carries its loss.
         loss_name: name of the loss output; ``None`` means ``"loss"`` or, if taken, the
             first free ``"loss_1"``, ``"loss_2"``, ... An explicit name must be free.
         label_name: name of the label input, chosen like ``loss_name`` (``"label"``).
@@ -439,17 +446,21 @@ def add_loss_output(
             ``ignore_index``), ``"sum"``, or ``"none"`` (the weighted loss of each row, shape
             ``(N,)``: an evaluation graph, which the gradient pass refuses, and without a
             penalty).
-        score_name: onnxcustom's name of ``loss`` (either may be given).
+        score_name: onnxcustom's name of ``loss`` (either may be given, not both).
         **options: options of the loss function (``l1_weight``, ``l2_weight``, ``delta``,
             ``eps``, ``from_logits``, ``ignore_index``).
     """
-    if loss is not None and score_name is not None:
-        raise UnsupportedOptionError(
-            f"add_loss_output got loss={loss!r} and score_name={score_name!r}: score_name is "
-            "onnxcustom's name of loss; pass one of them.")
-    chosen = loss if loss is not None else score_name if score_name is not None else (
-        "squared_error")
-    return AddLossOutput(chosen, loss_name, label_name, weight_name, penalty, output_index,
+    if loss is None:
+        warn_renamed("add_loss_output(loss=None)", "loss='squared_error' (None means a model "
+                     "carrying its loss in compile_program)")
+        loss = _DefaultLoss("squared_error")
+    if score_name is not None:
+        if not isinstance(loss, _DefaultLoss):
+            raise UnsupportedOptionError(
+                f"add_loss_output got loss={loss!r} and score_name={score_name!r}: score_name "
+                "is onnxcustom's name of loss; pass one of them.")
+        loss = score_name
+    return AddLossOutput(str(loss), loss_name, label_name, weight_name, penalty, output_index,
                          reduction, options)(model).model
 
 

@@ -7,8 +7,8 @@
     engine.evaluate(data), engine.predict(data)
 
 The engine owns the onnxruntime sessions (one per graph, specialized to a batch size where
-a fit asks), the state (weights, optimizer states, buffers) in a ring of three buffer sets
-bound to the sessions (:mod:`lossgraph.runtime.buffers`), the learning-rate and step
+a fit asks), the state (weights, optimizer states, buffers) in a ring of three sets of arrays
+bound to the sessions (:mod:`lossgraph.runtime.ring`), the learning-rate and step
 scalars the graphs read, and the data checks (:mod:`lossgraph.data`). What a step runs is
 its fusion mode's (:mod:`lossgraph.modes`). The training loop, schedules, counters,
 callbacks and checkpoints are its callers': :class:`~lossgraph.runtime.trainer.Trainer`,
@@ -43,10 +43,10 @@ from ..errors import (
 )
 from ..metadata import LOSS_KEY, read_json
 from ..modes import fuse_mode
-from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
-from .buffers import Block, GraphRunner, StateBuffers
+from ..speed import SpecializeBatch
 from .packed import PackedUpdate
+from .ring import Block, GraphRunner, StateRing
 from .session import check_loadable, checked_providers, create_session, evaluation_error
 
 __all__ = ["Engine"]
@@ -89,7 +89,7 @@ class Engine:
         self._new.update({b["name"]: b["new"] for b in manifest.get("buffers", [])})
         #: the update of every weight at once, where the mode runs one (the state lies packed)
         self.packed: PackedUpdate | None = self.mode.packed_update(program)
-        self.buffers = StateBuffers(program.weights + program.states + program.buffers,
+        self.ring = StateRing(program.weights + program.optimizer_states + program.buffers,
                                     program.state, self.packed.blocks if self.packed else ())
         self._sessions: dict[tuple[str, int | None], Any] = {}
         self._runners: dict[tuple[Any, ...], GraphRunner] = {}
@@ -104,22 +104,22 @@ class Engine:
     # -- state -------------------------------------------------------------------------
     def reset(self) -> None:
         """The program's initial state, live again."""
-        self.buffers.load(self.program.state)
+        self.ring.load(self.program.state)
         self._applied = None
 
     @property
     def state(self) -> dict[str, np.ndarray]:
         """A copy of the live weights, optimizer states and buffers."""
-        return {name: array.copy() for name, array in self.buffers.live().items()}
+        return {name: array.copy() for name, array in self.ring.live().items()}
 
     def live(self) -> dict[str, np.ndarray]:
         """The live state's arrays themselves (views: copy what must outlive a step)."""
-        return self.buffers.live()
+        return self.ring.live()
 
     def set_state(self, state: Mapping[str, np.ndarray]) -> None:
         """Replace weights (and optimizer states or buffers, when given); names, shapes,
         dtypes and finiteness are checked before anything changes."""
-        live = self.buffers.live()
+        live = self.ring.live()
         if not isinstance(state, Mapping):
             raise UnsupportedOptionError(
                 f"set_state takes a dict of arrays by name (as Trainer.state gives), not a "
@@ -167,7 +167,7 @@ class Engine:
 
     def runner(self, graph: str | PackedUpdate, batch: int | None = None,
                bound: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
-        """The runner of ``graph`` (or of the packed update) over the state buffers
+        """The runner of ``graph`` (or of the packed update) over the state ring
         (specialized to ``batch``), with the learning rate, the step and the arrays
         ``bound`` (by input name) bound once."""
         if isinstance(graph, PackedUpdate):
@@ -185,7 +185,7 @@ class Engine:
                 fixed_in[roles["learning_rate"]] = self._rate
             if "loss" in roles:
                 fixed_out[roles["loss"]] = self._loss
-            self._runners[key] = GraphRunner(self.session(graph, batch), self.buffers, inputs,
+            self._runners[key] = GraphRunner(self.session(graph, batch), self.ring, inputs,
                                              outputs, fixed_in, fixed_out, graph)
         return self._runners[key]
 
@@ -196,7 +196,7 @@ class Engine:
         key = ("packed update", None)
         if key not in self._sessions:
             self._sessions[key] = self.new_session(packed.model, "update")
-        return GraphRunner(self._sessions[key], self.buffers, packed.inputs, packed.outputs,
+        return GraphRunner(self._sessions[key], self.ring, packed.inputs, packed.outputs,
                            {packed.learning_rate: self._rate, packed.step: self._step, **bound},
                            {}, "update")
 
@@ -332,7 +332,7 @@ class Engine:
     def apply(self, steps: int, where: str) -> None:
         """Make the pending state live: a run of ``steps`` updates, ``where`` (for
         :meth:`step_back`'s account of it)."""
-        self.buffers.advance()
+        self.ring.advance()
         self._applied = (steps, where)
 
     def step_back(self) -> tuple[int, str] | None:
@@ -340,7 +340,7 @@ class Engine:
         where it was; None when it is not kept (nothing applied since the start, a load,
         or a step back)."""
         applied, self._applied = self._applied, None
-        if applied is None or not self.buffers.step_back():
+        if applied is None or not self.ring.step_back():
             return None
         return applied
 
@@ -357,7 +357,7 @@ class Engine:
         return self._run("predict", [prediction], data)[0]
 
     def _run(self, graph: str, outputs: list[str], data: Mapping[str, np.ndarray]) -> list:
-        live = self.buffers.live()
+        live = self.ring.live()
         inputs = self.program.manifest["graphs"][graph]["inputs"]
         state = {v["name"]: live[v["name"]] for v in inputs if v["role"] in ("weight", "buffer")}
         try:

@@ -65,9 +65,9 @@ from ..passes.running_stats import RunningStatistics, buffer_names
 from ..passes.sequences import SequencesToTensors, holds_splits
 from ..passes.strip import InferenceMode
 from ..passes.weights import WeightsToInputs
-from ..surgery import ForwardBackward, split_gradient
+from ..surgery import GradientHalves, split_gradient
 from ..validation import check_trainable_model
-from .forward_backward import ForwardBackwardRunner
+from .separate_step import HalvesRunner
 from .session import checked_providers, cpu_device, create_session, ortvalue
 
 __all__ = ["GraphFunction", "GraphFunctionCall", "device_providers"]
@@ -218,7 +218,7 @@ class GraphFunction:
         (``backend="onnx"``; ``"ort"`` runs the halves of :attr:`gradient_onnx`)."""
         return self._split("backward").backward
 
-    def _split(self, half: str) -> ForwardBackward:
+    def _split(self, half: str) -> GradientHalves:
         if not isinstance(self._engine, _OnnxGraphs):
             raise UnsupportedOptionError(
                 f"backend='ort' has no separate {half} graph: its TrainingAgent runs the two "
@@ -355,7 +355,7 @@ class _OnnxGraphs:
 
         self._predict = make(self.eval_onnx)
         self._run_options = owner.run_options
-        self._runner = ForwardBackwardRunner(self.split, make)
+        self._runner = HalvesRunner(self.split, make)
         self._statistics = owner.running_statistics
 
     def predict(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -6,7 +6,7 @@ to end (its gradient and each state likewise). The optimizers' updates are eleme
 it gives the per-weight graph's numbers to the last bit, in a handful of kernels instead of
 a handful per weight (at batch 15 on onnxcustom's MLP, 6 kernels in 6 us instead of 36 in
 15 us). The state buffers lay the weights and states out so
-(:class:`~lossgraph.runtime.buffers.StateBuffers`'s packed groups).
+(:class:`~lossgraph.runtime.ring.StateRing`'s packed groups).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from ..optim import Optimizer, build_update, update_graph
-from ..optimize import WidenScalarConstants
+from ..speed import WidenScalarConstants
 
 __all__ = ["PackedUpdate", "packed_update"]
 

@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 
 from .. import data as checks
+from ..deprecation import warn_renamed
 from ..errors import (
     ConvergenceError,
     InvalidDataError,
@@ -317,9 +318,16 @@ class Trainer:
                 ValidationLossWarning, stacklevel=4)
         return loss
 
-    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
-        """The loss on ``(X, y)`` with the current weights."""
+    def evaluate(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """The loss on ``(X, y)`` with the current weights (lower is better; layers in
+        inference mode)."""
         return self.engine.evaluate(self.engine.prepare(X, y, sample_weight))
+
+    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """The previous release's name of :meth:`evaluate`: a loss, lower is better, unlike
+        scikit-learn's ``score`` (with a warning)."""
+        warn_renamed("Trainer.score", "Trainer.evaluate (a loss: lower is better)")
+        return self.evaluate(X, y, sample_weight)
 
     def predict(self, X: Any) -> np.ndarray:
         """The model's prediction (the output the loss is computed on) for ``X``."""

@@ -10,7 +10,7 @@ repeated until nothing changes (a folded ``Shape`` can make more shapes static:
 
 Why: a graph of symbolic batch size recomputes its shapes every step (the mean's count,
 the ones row that sums a bias gradient over the batch). Once the batch size is fixed
-(:class:`~lossgraph.optimize.SpecializeBatch`) they are constants, and onnxruntime's
+(:class:`~lossgraph.speed.SpecializeBatch`) they are constants, and onnxruntime's
 constant folding takes the rest of the shape arithmetic (``Cast``, ``Div``, ``Concat``,
 ``ConstantOfShape``, ``Expand`` of constants) out of every step; each node it removes
 saves a kernel's fixed cost (about 0.7 us).

@@ -8,9 +8,9 @@
 
 A program's ``train_step`` and ``train_epoch`` graphs serve every batch size: a step
 takes a batch of symbolic size and recomputes its shapes every time. For the one batch
-size a fit uses they are constants (:mod:`~lossgraph.optimize.fold_static_shapes`),
+size a fit uses they are constants (:mod:`~lossgraph.speed.fold_static_shapes`),
 and long one-row products can be split for onnxruntime's threads
-(:mod:`~lossgraph.optimize.split_row_products`). The result is for running, not for
+(:mod:`~lossgraph.speed.split_row_products`). The result is for running, not for
 saving: the program keeps its general graphs.
 """
 

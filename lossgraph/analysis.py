@@ -9,7 +9,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .differentiability import differentiable_inputs, not_differentiable_reason
+from .autodiff.registry import (
+    differentiable_inputs,
+    not_differentiable_reason,
+    zero_gradient_op,
+)
 from .errors import InternalError, UnsupportedModelError
 from .graphs import (
     FLOAT_TYPES,
@@ -27,7 +31,7 @@ from .roles import get_roles
 
 __all__ = ["trainable_initializers", "blocked_initializers", "blocked_weights", "default_weights",
            "differentiable_values", "influenced_values", "GradientBlock", "gradient_block",
-           "BlockedWeight", "StaticSplit", "static_splits"]
+           "BlockedWeight", "StaticSplit", "static_splits", "StuckWeight", "stuck_weights"]
 
 #: Kinds of values that hold tensors without being one, as messages name them.
 _CONTAINERS = {"sequence_type": "a sequence", "optional_type": "an optional",
@@ -65,13 +69,17 @@ def _container(value_type: onnx.TypeProto | None) -> str | None:
 
 
 def _reaching(model: onnx.ModelProto, targets: Iterable[str], passes: Callable[[str], bool],
-              trainable: bool) -> set[str]:
+              trainable: bool, through_zero: bool = True) -> set[str]:
     """The values of the top-level graph that ``passes`` admits and that influence
     ``targets`` through admitted values, each entering its node through a differentiable
-    input (a subgraph's captured outer values count as inputs of the node that holds it)."""
+    input (a subgraph's captured outer values count as inputs of the node that holds it);
+    without ``through_zero``, never through an op whose gradient is zero everywhere."""
     needed = {t for t in targets if passes(t)}
     for node in reversed(model.graph.node):
         if not any(o in needed for o in node.output):
+            continue
+        if not through_zero and zero_gradient_op(node.op_type, node.domain,
+                                                 opset_version(model, node.domain)):
             continue
         for position in differentiable_inputs(node.op_type, node.domain, len(node.input),
                                               trainable, opset_version(model, node.domain)):
@@ -89,7 +97,7 @@ def differentiable_values(model: onnx.ModelProto, targets: Iterable[str],
     """Float values of the top-level graph that influence ``targets`` differentiably.
 
     Walks the graph backwards from ``targets`` through differentiable inputs only
-    (see :mod:`lossgraph.differentiability`); a subgraph's captured outer values count
+    (see :mod:`lossgraph.autodiff.registry`); a subgraph's captured outer values count
     as inputs of the node that holds it. ``trainable`` also skips the inputs that are
     differentiable but never trained (batch-normalization statistics).
     """
@@ -341,9 +349,9 @@ def trainable_initializers(model: ModelLike) -> list[str]:
     :mod:`lossgraph.roles`), else every float output. Excluded: integer tensors
     (shapes, class lists, indices), initializers reaching the outputs only through
     non-differentiable inputs, inputs that carry gradients but are not weights
-    (batch-normalization statistics, class weights of the losses, one-hot values; see
-    :data:`~lossgraph.differentiability.NON_TRAINABLE_INPUTS`), and rank-0 scalars,
-    which exporters use for constants (pass such a name explicitly to train it).
+    (batch-normalization statistics, class weights of the losses, one-hot values: the
+    ``constant`` inputs of :func:`~lossgraph.autodiff.registry.grad_rule`), and rank-0
+    scalars, which exporters use for constants (pass such a name explicitly to train it).
 
     The model is read as compile_program differentiates it: a ``SplitToSequence`` that
     :class:`~lossgraph.passes.SequencesToTensors` rewrites into a ``Split`` passes
@@ -464,6 +472,53 @@ def default_weights(model: ModelLike, targets: Sequence[str] | None = None,
     if blocked:
         raise UnsupportedModelError(blocked_message(model, types, blocked, targets, trainable))
     return trainable
+
+
+@dataclass(frozen=True)
+class StuckWeight:
+    """A weight whose every differentiable path to the targets passes an op whose gradient
+    is zero everywhere (``Round``, ``Sign``, ``Hardmax``, ...): gradient descent never
+    changes it. ``path`` is the shortest such path, ``[weight, node, value, ..., target]``;
+    ``node`` the first zero-gradient op on it."""
+
+    name: str
+    path: tuple
+    node: onnx.NodeProto
+
+    def describe(self) -> str:
+        """``'w' -> [MatMul] -> 'h' -> [Round] -> 'r' -> ... -> 'loss'``, for messages:
+        the path up to the zero-gradient op's output, then its end."""
+        shown = self.path[:self.path.index(self.node) + 2]
+        steps = [_label(p) if isinstance(p, onnx.NodeProto) else repr(p) for p in shown]
+        if len(shown) < len(self.path):
+            steps += ["...", repr(self.path[-1])]
+        return " -> ".join(steps)
+
+
+def stuck_weights(model: onnx.ModelProto, weights: Sequence[str],
+                  targets: Sequence[str] | None = None,
+                  types: Mapping[str, onnx.TypeProto] | None = None) -> list[StuckWeight]:
+    """The ``weights`` that reach ``targets`` (default: the loss, else every output)
+    differentiably, but only through ops whose gradient is zero everywhere
+    (:class:`StuckWeight`), in their order; a weight that also has another path is not."""
+    if not any(zero_gradient_op(n.op_type, n.domain, opset_version(model, n.domain))
+               for n in model.graph.node):
+        return []  # the common case, without inferring shapes
+    targets = list(targets) if targets is not None else _loss_or_outputs(model)
+    types = ForwardFacts.of(model).types if types is None else types
+    passes = _may_be_float(types)
+    reached = _reaching(model, targets, passes, trainable=False)
+    live = _reaching(model, targets, passes, trainable=False, through_zero=False)
+    stuck = []
+    for name in weights:
+        if name not in reached or name in live:
+            continue
+        path = shortest_path(model.graph, name, set(targets), reached)
+        zero = [p for p in path or () if isinstance(p, onnx.NodeProto) and zero_gradient_op(
+            p.op_type, p.domain, opset_version(model, p.domain))]
+        if path is not None and zero:
+            stuck.append(StuckWeight(name, tuple(path), zero[0]))
+    return stuck
 
 
 def blocked_message(model: onnx.ModelProto, types: Mapping[str, onnx.TypeProto],

@@ -52,7 +52,7 @@ manifest is written from the graphs and the signature they record
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +60,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .analysis import default_weights
+from .analysis import default_weights, trainable_initializers
 from .deprecation import renamed_keywords
 from .errors import UnsupportedModelError, UnsupportedOptionError
+from .graphs import weights_dtype
 from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .optim import Optimizer
@@ -73,7 +74,8 @@ from .optimize import (
     UnfoldConvWeightGradients,
     WidenScalarConstants,
 )
-from .passes.contract import Pass, PassResult, Pipeline
+from .options import names
+from .passes.contract import Pass, PassResult, Pipeline, Reports
 from .passes.fuse import EpochGraph, PackWeights, StepGraph
 from .passes.gradient import Gradient
 from .passes.loss import AddLossOutput
@@ -89,11 +91,11 @@ from .separate import separate_graphs
 from .signature import Signature
 from .target import Target, use_target
 from .validation import (
+    check_learnable,
     check_penalized,
     check_trainable_model,
     compile_options,
     no_weights_error,
-    weights_dtype,
 )
 
 __all__ = ["compile_program", "plan", "describe_plan"]
@@ -247,11 +249,14 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
                          if k not in _OUTPUT_FIELDS}
         loss_model = AddLossOutput(loss, penalty=penalty, options=score_options,
                                    **output_options)(source).model
+    if checked.weights == []:
+        names("weights", [], candidates=trainable_initializers(loss_model))
     # never around a weight no gradient (or part of one) would reach: that is an error
     weights = checked.weights or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
     check_penalized(penalty, weights)
+    check_learnable(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:
@@ -283,7 +288,7 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
                             "forward model": forward})
     results = {name: runner.run(the_plan.starts[name], pipeline.passes)
                for name, pipeline in the_plan.pipelines.items()}
-    lifted = results["evaluate"].report["WeightsToInputs"]  # weights and buffers
+    lifted = results["evaluate"].report.of(WeightsToInputs)  # weights and buffers
     initial = {w: lifted[w] for w in weights}
     graphs = {name: result.model for name, result in results.items()}
     roles = get_roles(loss_model)
@@ -294,41 +299,57 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
         # RunningStatistics where there are buffers, StabilizeNumerics
         assert the_plan.separate is not None
         forward_pass = runner.run("forward model", the_plan.separate.passes)
-        separate = separate_graphs(forward_pass.model, roles, options["loss"],
-                                   checked.loss_options, options["penalty"], initial, optimizer,
-                                   checked.backend, signature)
+        separate, graph_roles = separate_graphs(
+            forward_pass.model, roles, options["loss"], checked.loss_options,
+            options["penalty"], initial, optimizer, checked.backend, signature)
         graphs.update({name: WidenScalarConstants()(graph).model
                        for name, graph in separate.items()})
-        signature.new.update(forward_pass.report.get("RunningStatistics", {}))
+        signature.new.update(forward_pass.report.get(RunningStatistics, {}))
     else:
         last = "train_epoch" if fuse == "epoch" else "train_step"
-        signature = results[last].report["StepGraph" if fuse == "step" else "EpochGraph"]
+        signature = results[last].report.of(StepGraph if fuse == "step" else EpochGraph)
+        graph_roles = {}
     state = dict(initial)
     for weight in weights:
         for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
             state[name] = value
     state.update((b, lifted[b]) for b in buffers)
-    manifest = build_manifest(graphs, signature, optimizer, fuse, roles)
+    manifest = build_manifest(graphs, signature, optimizer, fuse, roles, graph_roles)
     return TrainingProgram(graphs, manifest, state, inference)
 
 
 class _PrefixRunner:
-    """Runs pipelines from named start models; a prefix several pipelines share runs once."""
+    """Runs pipelines from named start models; a prefix several pipelines share runs once.
+
+    A prefix is known by its start model's name and its passes' values (frozen
+    dataclasses: equal options, equal passes), so two pipelines built separately share
+    what they have in common. Every start model is a pass's output, checked already: each
+    pass checks only the model it emits.
+    """
 
     def __init__(self, starts: Mapping[str, onnx.ModelProto]) -> None:
         self.starts = starts
-        self.done: dict[tuple[int, ...], PassResult] = {}
+        self.done: dict[tuple[Hashable, ...], PassResult[Reports]] = {}
 
-    def run(self, start: str, passes: Sequence[Pass]) -> PassResult:
-        """The model after ``passes`` and their reports by pass name."""
-        result = PassResult(self.starts[start], {})
-        key: tuple[int, ...] = (id(self.starts[start]),)
+    def run(self, start: str, passes: Sequence[Pass]) -> PassResult[Reports]:
+        """The model after ``passes`` and their reports."""
+        result = PassResult(self.starts[start], Reports())
+        key: tuple[Hashable, ...] = (start,)
         for step in passes:
-            key = (*key, id(step))
+            key = (*key, _identity(step))
             if key not in self.done:
-                done = step(result.model)
-                reports = {**result.report, **({step.name: done.report}
-                                               if done.report is not None else {})}
+                done = step.run(result.model, checked=True)
+                reports = (result.report.with_report(type(step), done.report)
+                           if done.report is not None else result.report)
                 self.done[key] = PassResult(done.model, reports)
             result = self.done[key]
         return result
+
+
+def _identity(step: Pass) -> Hashable:
+    """What tells two passes apart: their value, where it is hashable, else the object."""
+    try:
+        hash(step)
+    except TypeError:
+        return (type(step), id(step))
+    return step

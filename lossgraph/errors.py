@@ -27,6 +27,7 @@ __all__ = [
     "InvalidDataError",
     "InvalidProgramError",
     "UnsafeWriteError",
+    "MissingFolderError",
     "NoGradientError",
     "InvalidRuleError",
     "suggest",
@@ -88,8 +89,9 @@ class RuntimeUnavailableError(LossgraphError, ImportError):
     """The requested runtime feature (e.g. the onnxruntime training build) is not installed."""
 
 
-class ConvergenceError(LossgraphError, ArithmeticError):
-    """Training diverged: the loss became NaN or infinite."""
+class ConvergenceError(LossgraphError, ArithmeticError, RuntimeError):
+    """Training diverged: the loss became NaN or infinite. Also a ``RuntimeError``, the
+    reference documents' (onnxcustom's) base for it."""
 
 
 class InvalidDataError(LossgraphError, ValueError):
@@ -104,6 +106,11 @@ class UnsafeWriteError(LossgraphError, FileExistsError):
     """Writing would replace a file or folder that lossgraph did not create."""
 
 
+class MissingFolderError(UnsafeWriteError, FileNotFoundError):
+    """The folder to write into does not exist. A ``FileNotFoundError`` (what onnxcustom's
+    ``save_onnx_graph`` raised), and the :class:`UnsafeWriteError` it was before."""
+
+
 class NoGradientError(LossgraphError, ValueError):
     """A weight asked for reaches the loss only through non-differentiable values."""
 
@@ -116,20 +123,36 @@ class LossgraphDeprecationWarning(DeprecationWarning):
     """A spelling that still works in this release and goes in the next (lossgraph.deprecation)."""
 
 
-class ConvergenceWarning(UserWarning):
+class LossgraphWarning(UserWarning):
+    """Base class of every warning lossgraph gives (but deprecations)."""
+
+
+class ConvergenceWarning(LossgraphWarning):
     """Training stopped before it converged (the iterations ran out)."""
+
+
+class ValidationLossWarning(LossgraphWarning):
+    """The validation loss is NaN or infinite: the model predicts values the loss cannot
+    score on the validation data (training goes on; the value is recorded)."""
+
+
+class StuckWeightWarning(LossgraphWarning):
+    """A weight to train reaches the loss only through ops whose gradient is zero
+    everywhere: training never changes it."""
 
 
 class EvaluationError(LossgraphError, RuntimeError):
     """Running a graph failed while training or predicting."""
 
 
-class ProviderError(LossgraphError, ValueError):
-    """The requested device or execution provider cannot run the graphs."""
+class ProviderError(LossgraphError, ValueError, RuntimeError):
+    """The requested device or execution provider cannot run the graphs. Also a
+    ``RuntimeError``, the reference documents' (onnxcustom's) base for it."""
 
 
 class NotFittedError(LossgraphError, AttributeError):
     """An estimator was asked for what only a fit gives (its trained state, a prediction)."""
 
 
-__all__ += ["ConvergenceWarning", "EvaluationError", "ProviderError", "NotFittedError"]
+__all__ += ["LossgraphWarning", "ConvergenceWarning", "StuckWeightWarning",
+            "ValidationLossWarning", "EvaluationError", "ProviderError", "NotFittedError"]

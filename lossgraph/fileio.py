@@ -36,7 +36,7 @@ from pathlib import Path
 
 import onnx
 
-from .errors import UnsafeWriteError
+from .errors import MissingFolderError, UnsafeWriteError
 from .metadata import WRITTEN_BY_KEY
 
 __all__ = ["WRITTEN_BY_KEY", "FolderKind", "serialize", "written_by_lossgraph", "write_file",
@@ -73,7 +73,8 @@ def written_by_lossgraph(path: Path) -> bool:
 def _parent_folder(target: Path, what: str) -> Path:
     parent = target.parent
     if not parent.is_dir():
-        raise UnsafeWriteError(
+        error = UnsafeWriteError if os.path.lexists(parent) else MissingFolderError
+        raise error(
             f"Cannot write {what} {str(target)!r}: the folder {str(parent)!r} does not exist. "
             "Create it first (lossgraph creates only the file or folder it is asked for).")
     return parent

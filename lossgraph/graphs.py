@@ -20,6 +20,8 @@ import onnx
 from google.protobuf.message import Message
 from onnx import helper, numpy_helper
 
+from .errors import DTypeMismatchError, UnsupportedModelError, UnsupportedOptionError
+
 __all__ = [
     "FLOAT_TYPES",
     "Shape",
@@ -36,6 +38,7 @@ __all__ = [
     "shortest_path",
     "elem_type_name",
     "np_dtype",
+    "weights_dtype",
     "opset_version",
     "initializer_arrays",
     "rename_values",
@@ -479,7 +482,9 @@ def _static_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
     - Unsqueeze over k computed axes: r + k (repeats are an error by the definition);
     - Concat: the rank of any input whose rank is known (all inputs share it);
     - GatherElements: the rank of its data or its indices (they share it);
-    - If: the rank both branches give an output, where they agree.
+    - If: the rank both branches give an output, where they agree;
+    - Loop: a carried value's rank is its initial value's, where the body's output agrees
+      (or has none); a scan output's is one more than the body's.
     """
     op, inputs, out = node.op_type, list(node.input), node.output[0] if node.output else ""
     data = known.get(inputs[0]) if inputs and inputs[0] else None
@@ -511,6 +516,8 @@ def _static_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
         found = rank if rank is not None else _rank(second())
     elif op == "If":
         return _if_ranks(node)
+    elif op == "Loop":
+        return _loop_ranks(node, known)
     return {out: (elem_type, found)} if out and found is not None else {}
 
 
@@ -532,6 +539,34 @@ def _if_ranks(node: onnx.NodeProto) -> dict[str, tuple[int, int]]:
     return ranks
 
 
+def _loop_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
+                ) -> dict[str, tuple[int, int]]:
+    """(element type, rank) of the outputs of a Loop node: each carried value has its
+    initial value's rank where the body's output does not say otherwise (the body's
+    declared rank when the initial one is unknown); each scan output one more than the
+    body's."""
+    body = next(subgraphs(node), None)
+    if body is None:
+        return {}
+    shaped = {v.name: v.type for v in (*body.value_info, *body.output)
+              if v.type.tensor_type.HasField("shape")}
+    produced = [shaped.get(v.name) for v in body.output[1:]]  # after the condition
+    initial = [known.get(name) if name else None for name in node.input[2:]]
+    ranks = {}
+    for index, out in enumerate(node.output):
+        inner = produced[index] if index < len(produced) else None
+        if index < len(initial):  # a carried value
+            start = initial[index]
+            rank = _rank(start) if _rank(start) is not None else _rank(inner)
+            if rank is None or (_rank(inner) is not None and _rank(inner) != rank):
+                continue
+            source = start if _rank(start) is not None else inner
+            ranks[out] = (source.tensor_type.elem_type, rank)
+        elif _rank(inner) is not None:  # a scan output: the iterations stacked
+            ranks[out] = (inner.tensor_type.elem_type, _rank(inner) + 1)
+    return {out: found for out, found in ranks.items() if out}
+
+
 def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
     for attribute in node.attribute:
         if attribute.name == "value":
@@ -548,6 +583,27 @@ def known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
                      for d in v.type.tensor_type.shape.dim]
             for v in (*graph.input, *graph.value_info, *graph.output)
             if v.type.tensor_type.HasField("shape")}
+
+
+def weights_dtype(weights: Mapping[str, np.ndarray], what: str) -> np.dtype:
+    """The one float dtype (float32 or float64) all ``weights`` share."""
+    if not weights:
+        raise UnsupportedOptionError(f"{what} needs at least one weight; none was given.")
+    dtypes: dict[np.dtype, str] = {}
+    for name, value in weights.items():
+        dtype = np.asarray(value).dtype
+        if helper.np_dtype_to_tensor_dtype(dtype) not in FLOAT_TYPES:
+            raise DTypeMismatchError(
+                f"Weight {name!r} is {dtype}; {what} works on float32 or float64 weights."
+            )
+        dtypes.setdefault(dtype, name)
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{name!r} is {dtype}" for dtype, name in dtypes.items())
+        raise UnsupportedModelError(
+            f"{what} needs weights of one float type, but {listing}. Cast the model's "
+            "weights to one type first."
+        )
+    return next(iter(dtypes))
 
 
 def elem_type_name(elem_type: int) -> str:

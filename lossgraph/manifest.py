@@ -138,8 +138,14 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
 
 
 def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
-                   optimizer: Optimizer, fuse: str, roles: Mapping[str, str]) -> dict[str, Any]:
-    """The program's description: graphs with the role of every input and output."""
+                   optimizer: Optimizer, fuse: str, roles: Mapping[str, str],
+                   graph_roles: Mapping[str, Mapping[str, str]] | None = None
+                   ) -> dict[str, Any]:
+    """The program's description: graphs with the role of every input and output.
+
+    Roles come from ``signature``; ``graph_roles`` gives, by graph, the roles of the names
+    a graph's builder chose (the separate graphs'), which take precedence in that graph.
+    """
     role_of = {name: "feature" for name in signature.features}
     role_of.update({signature.label: "label", signature.loss: "loss",
                     signature.learning_rate: "learning_rate", signature.step: "step"})
@@ -152,21 +158,20 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
     role_of.update({b: "buffer" for b in signature.buffers})
     role_of.update({signature.new[b]: "new_buffer" for b in signature.buffers})
     role_of.update({g: "gradient" for g in signature.gradients.values()})
-    role_of.update({f"{w}_penalty_grad": "penalty_gradient" for w in signature.weights})
-    role_of["penalty"] = "penalty"
     for key, role in (("permutation", "permutation"), ("learning_rates", "learning_rates"),
                       ("losses", "losses"), ("prediction", "prediction"),
                       ("prediction_grad", "prediction_grad")):
         if getattr(signature, key):
             role_of[getattr(signature, key)] = role
 
-    def describe(values) -> list[dict[str, Any]]:
+    def describe(values, own: Mapping[str, str]) -> list[dict[str, Any]]:
         described = []
         for value in values:
             tensor = value.type.tensor_type
             dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                     for d in tensor.shape.dim]
-            described.append({"name": value.name, "role": role_of.get(value.name, "output"),
+            role = own.get(value.name) or role_of.get(value.name, "output")
+            described.append({"name": value.name, "role": role,
                               "dtype": helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
                               "shape": dims})
         return described
@@ -183,7 +188,9 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
     }
     if signature.buffers:
         manifest["buffers"] = [{"name": b, "new": signature.new[b]} for b in signature.buffers]
-    manifest["graphs"] = {name: {"file": f"{name}.onnx", "inputs": describe(g.graph.input),
-                                 "outputs": describe(g.graph.output)}
+    graph_roles = graph_roles or {}
+    manifest["graphs"] = {name: {"file": f"{name}.onnx",
+                                 "inputs": describe(g.graph.input, graph_roles.get(name, {})),
+                                 "outputs": describe(g.graph.output, graph_roles.get(name, {}))}
                           for name, g in graphs.items()}
     return manifest

@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 import numbers
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import UnsupportedOptionError, suggest
 
-__all__ = ["count", "flag", "choice", "finite", "non_negative"]
+__all__ = ["count", "flag", "choice", "finite", "non_negative", "names"]
 
 
 def _is_bool(value: Any) -> bool:
@@ -71,3 +71,37 @@ def non_negative(what: str, value: Any, where: str = "") -> float:
         raise UnsupportedOptionError(
             f"{what}={reprlib.repr(value)}{where} must be a finite number >= 0.")
     return float(value)
+
+
+def names(option: str, value: Any, *, allow_empty: bool = False,
+          candidates: Sequence[str] | None = None) -> list[str] | None:
+    """A list of distinct tensor names (a single name is a list of one); None stays None.
+
+    An empty list is an error listing ``candidates`` (the names that would be valid),
+    unless ``allow_empty``: then the caller, once it knows the candidates, calls again.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping) or not isinstance(value, Iterable):
+        raise UnsupportedOptionError(
+            f"{option}={reprlib.repr(value)} must be a list of weight names, e.g. "
+            f"{option}=['coef', 'intercept'].")
+    listed = list(value)
+    for item in listed:
+        if not isinstance(item, str):
+            raise UnsupportedOptionError(
+                f"{option} holds {reprlib.repr(item)} ({type(item).__name__}), not a weight "
+                "name: it takes names (str).")
+    if not listed and not allow_empty:
+        valid = "" if candidates is None else (
+            f" The trainable weights: {', '.join(map(repr, candidates))}." if candidates
+            else " The model has no trainable weight.")
+        raise UnsupportedOptionError(
+            f"{option}=[] names no weight. Leave {option}=None for every trainable "
+            f"initializer, or name some.{valid}")
+    repeated = sorted({n for n in listed if listed.count(n) > 1})
+    if repeated:
+        raise UnsupportedOptionError(f"{option} names {repeated[0]!r} more than once: {listed}.")
+    return listed

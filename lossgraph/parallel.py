@@ -16,7 +16,7 @@ is added once, after the all-reduce, as the single-process step adds it once. Th
 equals :class:`~lossgraph.runtime.Trainer` on the same global batches to float rounding.
 
 The gradient of the summed loss comes from the program's own loss graph built with
-``reduction="sum"`` (:func:`lossgraph.separate.program_loss_graph`): the gradient graph is
+``reduction="sum"`` (:func:`lossgraph.passes.loss.program_loss_graph`): the gradient graph is
 linear in its seed, so it then returns the sum of the rows' gradients.
 
 - :class:`ParallelProgram`: a ``fuse="separate"`` program and its summed loss graph.
@@ -51,10 +51,10 @@ from .errors import (
 )
 from .models import ModelLike
 from .optimize import WidenScalarConstants
+from .passes.loss import program_loss_graph
 from .program import TrainingProgram
 from .runtime import Trainer
 from .runtime.forward_backward import SeparateStep
-from .separate import program_loss_graph
 from .validation import compile_options
 
 __all__ = ["AllReduce", "EpochResult", "InMemoryGroup", "ParallelProgram", "Replica", "StepResult",
@@ -283,6 +283,7 @@ class Replica:
         self._sample_weight = base.manifest["roles"].get("sample_weight")
         self._steps: dict[int | None, SeparateStep] = {}
         self._full: int | None = None
+        self._batches = 0  # global steps of the current epoch
 
     # -- one step ----------------------------------------------------------------------
     def prepare(self, X: Any, y: Any, sample_weight: Any = None) -> dict[str, np.ndarray]:
@@ -351,10 +352,10 @@ class Replica:
         if not math.isfinite(loss):
             raise ConvergenceError(
                 f"The loss became {loss} at global step {step_number}: training diverged. Try "
-                "a smaller learning rate, scale the features, or a smaller penalty. The "
-                "weights are those before the failing step.")
-        self.trainer._buffers.swap()
-        self.trainer.steps_ = step_number
+                "a smaller learning rate, scale the features, or a smaller penalty. "
+                + self.trainer._step_back(loss))
+        self.trainer._advance(1, self.trainer.epochs_, self._batches)
+        self._batches += 1
         return StepResult(loss, int(rows))
 
     def step(self, shard: Shard) -> StepResult | None:
@@ -378,6 +379,7 @@ class Replica:
             raise InvalidDataError("The epoch had no rows on any replica.")
         loss = float(np.dot(losses, rows) / np.sum(rows))
         self.trainer.epochs_ += 1
+        self._batches = 0
         self.trainer.train_losses_.append(loss)
         return EpochResult(loss, int(np.sum(rows)), len(rows))
 

@@ -38,8 +38,10 @@ from onnx import helper, numpy_helper
 
 from .errors import ShapeMismatchError, UnknownNameError, suggest
 from .fileio import check_file_target, ensure_folder, save_model, serialize
+from .inference import export_model
 from .optim import Optimizer, optimizer_from_dict
 from .storage import read_program, save_program
+from .target import target_for
 
 __all__ = ["TrainingProgram", "with_weights"]
 
@@ -113,13 +115,20 @@ class TrainingProgram:
         return {name: save_model(graph, paths[name]) for name, graph in self.graphs.items()}
 
     # -- export -------------------------------------------------------------------------
-    def to_inference_model(self, state: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
-        """The inference model with ``state``'s weights and buffers (default: the initial
-        ones) written back."""
+    def to_inference_model(self, state: Mapping[str, np.ndarray] | None = None
+                           ) -> onnx.ModelProto:
+        """The inference model with the program's weights and buffers, overridden by
+        ``state``'s (a weight it lacks keeps the program's value; its optimizer states
+        are ignored), written back: :func:`lossgraph.export.to_inference_model`."""
+        return export_model(self.inference_model, self.model_state(), self.states, state,
+                            target_for(self.inference_model)).to_model()
+
+    def model_state(self, state: Mapping[str, np.ndarray] | None = None
+                    ) -> dict[str, np.ndarray]:
+        """The weights and buffers of ``state`` (default: the program's), by name: what
+        the inference model holds."""
         state = self.state if state is None else state
-        return with_weights(self.inference_model,
-                            {w: np.asarray(state[w]).astype(self.state[w].dtype)
-                             for w in (*self.weights, *self.buffers)})
+        return {name: state[name] for name in (*self.weights, *self.buffers)}
 
 
 def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:

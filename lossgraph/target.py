@@ -24,9 +24,9 @@ import onnx.defs
 from .errors import UnsupportedModelError, UnsupportedOptionError, suggest
 from .graphs import all_graphs, opset_version
 
-__all__ = ["Target", "DEFAULT_TARGET", "LATEST", "TARGETS", "active_target", "check_ops",
-           "check_opset", "check_opset_option", "finalize", "loading_target", "resolve_target",
-           "use_target"]
+__all__ = ["Target", "DEFAULT_TARGET", "LATEST", "TARGETS", "active_target", "check_loads",
+           "check_ops", "check_opset", "check_opset_option", "finalize", "loading_target",
+           "release_target", "resolve_target", "target_for", "use_target"]
 
 #: The oldest ai.onnx opset lossgraph reads (its gradient rules are proven from 13).
 MIN_OPSET = 13
@@ -212,10 +212,62 @@ def active_target() -> Target:
 
 def loading_target(model: onnx.ModelProto) -> Target:
     """The first of :data:`TARGETS` (the most widely loadable) that loads ``model``'s
-    ai.onnx opset, else :data:`DEFAULT_TARGET` (whose check then names the problem)."""
+    ai.onnx opset, else :data:`DEFAULT_TARGET` (whose check then names the problem); where
+    a target loading the opset has the model's own IR version, no newer than the first's,
+    that one: a graph derived from a compiled program's (cut, or specialized to a batch)
+    so keeps the program's IR version."""
     version = opset_version(model)
-    return next((target for target in TARGETS.values()
-                 if version is not None and target.supports(version)), DEFAULT_TARGET)
+    loading = [target for target in TARGETS.values()
+               if version is not None and target.supports(version)]
+    if not loading:
+        return DEFAULT_TARGET
+    return next((target for target in loading if target.ir_version == model.ir_version
+                 <= loading[0].ir_version), loading[0])
+
+
+def target_for(model: onnx.ModelProto) -> Target:
+    """The target set by :func:`use_target`, else the :func:`loading_target` of ``model``
+    (a graph of a compiled program, handled after compile: the program was checked for
+    its own target then)."""
+    return _ACTIVE.get() or loading_target(model)
+
+
+def release_target(version: str, training: bool = False) -> Target | None:
+    """The target of an installed onnxruntime ``version`` (``"1.19.2"``): what it loads,
+    measured; the training build's for ``training``; None for a release newer than the
+    measured ones (what it loads is not known here)."""
+    if training:
+        return DEFAULT_TARGET
+    release = ".".join(version.split(".")[:2])
+    return _PLAIN.get(f"onnxruntime-{release}")
+
+
+def check_loads(model: onnx.ModelProto, runtime: Target, what: str, installed: str) -> None:
+    """An UnsupportedModelError, before any work, when the ``runtime`` (the target of the
+    onnxruntime ``installed``, e.g. ``"onnxruntime-training 1.19.2"``) cannot load
+    ``model`` (``what`` names it): its IR version or ai.onnx opset is newer."""
+    version = opset_version(model)
+    too_new = []
+    if model.ir_version > runtime.ir_version:
+        too_new.append(f"IR version {model.ir_version} (it loads up to {runtime.ir_version})")
+    if version is not None and version > runtime.max_opset:
+        too_new.append(f"ai.onnx opset {version} (it loads up to {runtime.max_opset})")
+    if not too_new:
+        return
+    loaders = [name for name, target in _PLAIN.items()
+               if target.ir_version >= model.ir_version
+               and (version is None or target.supports(version))]
+    where = (f"{loaders[0].replace('-', ' ')} or later loads it (pip install "
+             f"'onnxruntime>={loaders[0].split('-')[1]}' in an environment without the training "
+             "build: pip install 'lossgraph[runtime]')" if loaders else
+             "no measured onnxruntime release loads it")
+    convert = (f" (from a model at ai.onnx opset {runtime.max_opset} or older)"
+               if version is not None and version > runtime.max_opset else "")
+    raise UnsupportedModelError(
+        f"{what} is {' and '.join(too_new)}, newer than the installed {installed} "
+        f"loads: {where}. Or compile for a target this onnxruntime loads: "
+        f"compile_program(..., target={runtime.name!r}){convert}; see "
+        "docs/reference/targets.md.")
 
 
 @contextlib.contextmanager
@@ -358,7 +410,7 @@ def finalize(model: onnx.ModelProto, target: Target | None = None) -> None:
     when it was compiled. Domains no node uses any more (e.g. ``ai.onnx.ml`` after
     :func:`lower_ml_ops`) are dropped, so the model loads where that domain is unknown.
     """
-    target = target or _ACTIVE.get() or loading_target(model)
+    target = target or target_for(model)
     bodies = [*all_graphs(model.graph), *model.functions]
     used = {node.domain or "" for body in bodies for node in body.node} | {""}
     versions: dict[str, int] = {}

@@ -3,12 +3,15 @@ provoke them (test_bad_inputs, test_storage, test_cli).
 
 Each file lists its cases with an id; its tests prove the error, and these helpers
 write the page's tables from real runs and check that no case is missing from it.
+``python tests/catalogue.py`` rewrites the page's three tables (and their count) from
+fresh runs of the three files.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
@@ -51,3 +54,39 @@ def print_table(rows: Callable[[Path], Iterable[Row]]) -> None:
     """Print the table of ``rows(folder)``, run in a temporary folder."""
     with tempfile.TemporaryDirectory() as tmp:
         sys.stdout.write(table(rows(Path(tmp))))
+
+
+#: The test files whose catalogues the page lists, in the page's order.
+SOURCES = ("test_bad_inputs.py", "test_storage.py", "test_cli.py")
+_HEADER = re.compile(r"^\| id \| input \| error \| message \|$", re.M)
+_COUNT = re.compile(r"\d+ bad inputs, each a test, in three tables: the Python API \(\d+\), "
+                    r"saving and\nloading \(\d+\), and the command line \(\d+\)\.")
+
+
+def write_page() -> list[int]:
+    """Rewrite the page's tables from a run of each source file; the rows per table."""
+    page = ERRORS_PAGE.read_text()
+    starts = [match.start() for match in _HEADER.finditer(page)]
+    assert len(starts) == len(SOURCES), f"{ERRORS_PAGE} should hold {len(SOURCES)} tables"
+    here = Path(__file__).resolve().parent
+    paths = os.pathsep.join(str(here.parent / p) for p in (".", "tests", "golden_models"))
+    environment = {**os.environ, "PYTHONPATH": paths}
+    pieces, last, counts = [], 0, []
+    for start, source in zip(starts, SOURCES):
+        end = page.find("\n\n", start)
+        end = len(page) if end == -1 else end + 1
+        rows = subprocess.run([sys.executable, str(here / source)], capture_output=True,
+                              text=True, check=True, env=environment).stdout
+        counts.append(rows.count("\n") - 2)
+        pieces += [page[last:start], rows]
+        last = end
+    page = "".join([*pieces, page[last:]])
+    page = _COUNT.sub(f"{sum(counts)} bad inputs, each a test, in three tables: the Python API "
+                      f"({counts[0]}), saving and\nloading ({counts[1]}), and the command "
+                      f"line ({counts[2]}).", page)
+    ERRORS_PAGE.write_text(page)
+    return counts
+
+
+if __name__ == "__main__":
+    print(write_page())

@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from lossgraph import gradient
-from lossgraph.errors import MissingGradientError, RuntimeUnavailableError
+from lossgraph.errors import EvaluationError, MissingGradientError, RuntimeUnavailableError
 from lossgraph.graphs import all_graphs
 from lossgraph.runtime.session import create_session, quiet_session_options
 
@@ -200,11 +200,14 @@ def _builder_unsupported(exc: Exception) -> bool:
     """Whether ``exc``, raised while differentiating with ``backend="ort"`` or loading its
     graph, means that GradientGraphBuilder does not support the op: it refuses it or
     emits a graph the ONNX checker rejects (MissingGradientError), or one onnxruntime
-    cannot load (no kernel for its gradient op, or its own shape inference fails)."""
+    cannot load (no kernel for its gradient op, or its own shape inference fails: lossgraph's
+    sessions report that as an EvaluationError saying it could not load the graph)."""
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
     if isinstance(exc, MissingGradientError):
         return True
+    if isinstance(exc, EvaluationError):
+        return "could not load" in str(exc)
     return isinstance(exc, (ort_errors.NotImplemented, ort_errors.Fail))
 
 

@@ -36,6 +36,7 @@ from lossgraph.errors import (
     InvalidModelError,
     LossgraphError,
     MissingGradientError,
+    NoGradientError,
     RuntimeUnavailableError,
     ShapeMismatchError,
     UnknownNameError,
@@ -394,8 +395,20 @@ CASES: list[Case] = [
          UnsupportedOptionError, "target=21 must be a name"),
     Case("backend-unknown", "backend='torch'", lambda c: c.program(backend="torch"),
          UnsupportedOptionError, "backend='torch' is not accepted"),
+    Case("no-weight-can-learn", "every weight reaches the loss through Round",
+         lambda c: c.program(linear(("y = Add(h, intercept)",
+                                     "r = Round(h)\n s = Sign(intercept)\n y = Add(r, s)"))),
+         NoGradientError, "No weight can learn: 'coef', 'intercept' reach the loss"),
     Case("weights-empty", "weights=[]", lambda c: c.program(weights=[]),
-         UnsupportedOptionError, "weights=[] names no weight"),
+         UnsupportedOptionError,
+         "weights=[] names no weight. Leave weights=None for every trainable initializer, or "
+         "name some. The trainable weights: 'coef', 'intercept'."),
+    Case("gradient-weights-empty", "lossgraph.gradient(weights=[])",
+         lambda c: lossgraph.gradient(lossgraph.add_loss_output(linear()), weights=[]),
+         UnsupportedOptionError, "The trainable weights: 'coef', 'intercept'."),
+    Case("gradient-outputs-empty", "lossgraph.gradient(outputs=[])",
+         lambda c: lossgraph.gradient(linear(), outputs=[]),
+         UnsupportedOptionError, "outputs=[] names no output"),
     Case("weights-duplicate", "weights=['coef', 'coef']",
          lambda c: c.program(weights=["coef", "coef"]), UnsupportedOptionError,
          "names 'coef' more than once"),
@@ -449,6 +462,10 @@ CASES: list[Case] = [
     Case("y-wrong-shape", "y of shape (N, 2) for an (N, 1) output",
          lambda c: c.fit(y=np.ones((len(X), 2), np.float32)), ShapeMismatchError,
          "y has shape (205, 2)"),
+    Case("y-wrong-rank-named-dims", "y of rank 3 for an output declared float[batch, K]",
+         lambda c: c.fit(y=np.ones((len(X), 1, 1), np.float32),
+                         model=linear(("float[N, 1] y", "float[batch, K] y"))),
+         ShapeMismatchError, "input 'label' of the model is float32 of shape (batch, K)"),
     Case("rows-differ", "205 rows of X, 204 labels", lambda c: c.fit(y=Y[:-1]),
          ShapeMismatchError, "different numbers of rows: {'x': 205, 'label': 204}"),
     Case("data-empty", "X and y without rows", lambda c: c.fit(X[:0], Y[:0]),
@@ -582,15 +599,17 @@ def test_every_catalogue_case_is_listed_in_the_errors_page():
 
 
 @pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
-def test_a_diverging_fit_keeps_the_state_before_the_failing_step_or_epoch(mode, tmp_path):
+def test_a_diverging_fit_keeps_the_last_state_whose_loss_was_finite(mode, tmp_path):
+    """The failing step's loss is that of the state the step before made: the state
+    before that step is kept (epoch mode: the epoch's start, whose first loss was finite)."""
     ctx = Context(tmp_path)
     with pytest.raises(ConvergenceError, match="epoch 1, batch 3"):
         diverge(ctx, mode)
     (trainer,) = ctx.trainers
     expected = lossgraph.Trainer(trainer.program)
     expected.fit(X, Y, epochs=1, batch_size=10, shuffle=False, progress=False)
-    if mode != "epoch":  # the three good steps before the failing one; epoch mode: none
-        expected.fit(X[:30], Y[:30], epochs=1, batch_size=10, shuffle=False, warm_start=True,
+    if mode != "epoch":  # two of the three good steps before the failing one; epoch mode: none
+        expected.fit(X[:20], Y[:20], epochs=1, batch_size=10, shuffle=False, warm_start=True,
                      progress=False)
     assert trainer.steps_ == expected.steps_ and trainer.epochs_ == 1
     for name, value in expected.state.items():

@@ -47,9 +47,11 @@ from lossgraph.compat import (
     ConvergenceWarning,
     ElasticLearningLoss,
     ElasticLearningPenalty,
+    EvaluationError,
     LearningRateSGD,
     LearningRateSGDNesterov,
     NegLogLearningLoss,
+    NoLearningPenalty,
     NotFittedError,
     OrtGradientForwardBackward,
     ProviderError,
@@ -57,6 +59,7 @@ from lossgraph.compat import (
 )
 from lossgraph.errors import (
     LossgraphError,
+    ShapeMismatchError,
     UnknownNameError,
     UnsafeWriteError,
     UnsupportedOptionError,
@@ -64,6 +67,11 @@ from lossgraph.errors import (
 
 FB = OrtGradientForwardBackwardOptimizer
 OPSETS = {"": 18, "ai.onnx.ml": 3}
+
+
+def constant(eta0: float) -> LearningRateSGD:
+    """A constant rate (a float alone is onnxcustom's invscaling from eta0)."""
+    return LearningRateSGD(eta0=eta0, learning_rate="constant")
 
 
 # -- data ----------------------------------------------------------------------------------
@@ -301,7 +309,8 @@ def test_linear_regression_forward_backward_matches_scikit_learn():
 def test_documents_elastic_whole_graph_example_equals_numpy():
     """add_loss_output(onx, weight_name='weight', score_name='elastic', l1_weight=0.1,
     l2_weight=0.9, penalty={'coef': {'l2': 0.01}}) trained with OrtGradientOptimizer(...,
-    learning_rate=1e-3) on weighted rows: numpy's minibatch SGD, batch for batch."""
+    learning_rate=1e-3) on weighted rows: numpy's minibatch SGD, batch for batch, at
+    onnxcustom's rate for a float, 1e-3 / (t + 1) ** 0.25 in epoch t."""
     X, y, onx = linear_problem()
     w = np.random.default_rng(1).uniform(0.5, 2.0, len(y)).astype(np.float32)
     onx_loss = lossgraph.add_loss_output(onx, weight_name="weight", score_name="elastic",
@@ -320,7 +329,8 @@ def test_documents_elastic_whole_graph_example_equals_numpy():
 
     start = initializers(onx)
     reference = numpy_fit({"coef": start["coef"], "intercept": start["intercept"]}, X, y, grad,
-                          epochs=4, batch_size=50, rate=lambda t: 1e-3, random_state=3,
+                          epochs=4, batch_size=50, rate=lambda t: 1e-3 / (t + 1) ** 0.25,
+                          random_state=3,
                           sample_weight=w)
     assert_states_close(est.get_state(), reference, rtol=1e-5)
 
@@ -456,7 +466,8 @@ def test_logistic_regression_with_log_loss_equals_numpy_and_scikit_learn():
     def grad(state, Xb, yb, wb):
         return linear_grads(state, Xb, (sigmoid(linear_predict(state, Xb)) - yb[:, None]) / len(Xb))
 
-    est = FB(onx, learning_loss="log", learning_rate=0.5, max_iter=20, batch_size=rows)
+    est = FB(onx, learning_loss="log", learning_rate=constant(0.5), max_iter=20,
+             batch_size=rows)
     est.fit(X, y)
     start = {"coef": coef.reshape(-1, 1), "intercept": np.array([0.1])}
     reference = numpy_fit(start, X, y, grad, epochs=20, batch_size=rows, rate=lambda t: 0.5)
@@ -468,7 +479,7 @@ def test_logistic_regression_with_log_loss_equals_numpy_and_scikit_learn():
             return super().penalty(["coef"])
 
     C = 1.0
-    est.set_params(max_iter=300, learning_rate=1.0,
+    est.set_params(max_iter=300, learning_rate=constant(1.0),
                    learning_penalty=CoefOnly(l1=0.0, l2=1 / (2 * C * rows)))
     est.fit(X, y)
     logistic = LogisticRegression(C=C, tol=1e-10, max_iter=1000).fit(X, y)
@@ -635,6 +646,50 @@ def test_get_params_set_params_and_clone(kind):
     assert is_regressor(est) and not is_classifier(est)
 
 
+def test_learning_objects_are_resolved_on_construction_and_get_params_keeps_the_given_values():
+    """The tutorial's attributes are objects (isinstance(opt.learning_rate,
+    LearningRateSGDNesterov)); get_params gives what the constructor was given, so clone and
+    GridSearchCV rebuild the same estimator."""
+    est = FB(linear_onnx(*START), learning_rate="Nesterov", learning_loss="square_error",
+             max_iter=2)
+    assert isinstance(est.learning_rate, LearningRateSGDNesterov)
+    assert isinstance(est.learning_loss, SquareLearningLoss)
+    assert isinstance(est.learning_penalty, NoLearningPenalty)
+    whole = OrtGradientOptimizer(whole_graph_model(), None, learning_rate="SGD")
+    assert isinstance(whole.learning_rate, LearningRateSGD)
+    params = est.get_params()
+    assert (params["learning_rate"], params["learning_loss"], params["learning_penalty"]) == (
+        "Nesterov", "square_error", None)
+    twin = clone(est)
+    assert twin.get_params()["learning_rate"] == "Nesterov"
+    assert twin.learning_rate == est.learning_rate and twin.learning_loss == est.learning_loss
+    # set_params and assignment resolve as the constructor does
+    est.set_params(learning_loss="elastic_error", learning_penalty="l1l2")
+    assert isinstance(est.learning_loss, ElasticLearningLoss)
+    assert isinstance(est.learning_penalty, ElasticLearningPenalty)
+    assert est.get_params()["learning_loss"] == "elastic_error"
+    est.learning_rate = "SGD"
+    assert isinstance(est.learning_rate, LearningRateSGD)
+    assert est.get_params()["learning_rate"] == "SGD"
+    X, y, _ = small_linear()
+    est.fit(X, y)
+    copy = pickle.loads(pickle.dumps(est))
+    assert copy.get_params()["learning_loss"] == "elastic_error"
+    assert isinstance(copy.learning_loss, ElasticLearningLoss)
+    np.testing.assert_array_equal(copy.predict(X), est.predict(X))
+    # a bad name is named at once
+    with pytest.raises(UnsupportedOptionError, match="Did you mean 'Nesterov'"):
+        FB(linear_onnx(*START), learning_rate="Nesterof")
+    with pytest.raises(UnsupportedOptionError, match="Unknown learning loss"):
+        est.set_params(learning_loss="squared")
+    grid = GridSearchCV(FB(linear_onnx(*START), max_iter=3, random_state=0),
+                        {"learning_loss": ["square_error", "absolute_error"],
+                         "learning_rate": ["SGD", "Nesterov"]}, cv=2).fit(X, y)
+    assert grid.best_params_["learning_loss"] in ("square_error", "absolute_error")
+    assert isinstance(grid.best_estimator_.learning_loss, (SquareLearningLoss,
+                                                           AbsoluteLearningLoss))
+
+
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))
 def test_pickling_keeps_the_trained_state_and_a_warm_start_continues(kind):
     """Unpickled, an estimator predicts as before; a warm-started fit then continues as the
@@ -719,7 +774,8 @@ def test_training_starts_from_the_models_initializers(kind):
     est = ESTIMATORS[kind](max_iter=1, learning_rate=0.0).fit(X, y)
     assert_states_close(est.get_state(), {k: v.astype(np.float32) for k, v in
                                           START_STATE.items()}, rtol=0, atol=0)
-    est.set_params(max_iter=2, learning_rate=0.05, batch_size=30, random_state=4).fit(X, y)
+    est.set_params(max_iter=2, learning_rate=constant(0.05), batch_size=30,
+                   random_state=4).fit(X, y)
     grad = half_square_grad if kind == "forward_backward" else square_grad
     reference = numpy_fit(START_STATE, X, y, grad, epochs=2, batch_size=30,
                           rate=lambda t: 0.05, random_state=4)
@@ -750,8 +806,9 @@ def test_the_penalty_update_is_scaled_by_the_learning_rate(eta):
     """w' = w - eta (loss gradient + l1 sign(w) + 2 l2 w): the penalty's gradient joins the
     loss's before the rate applies (the reference subtracted it unscaled)."""
     X, y, onx = small_linear()
-    est = FB(onx, learning_rate=eta, learning_penalty=ElasticLearningPenalty(l1=0.3, l2=0.2),
-             max_iter=2, batch_size=len(X)).fit(X, y)
+    est = FB(onx, learning_rate=constant(eta),
+             learning_penalty=ElasticLearningPenalty(l1=0.3, l2=0.2), max_iter=2,
+             batch_size=len(X)).fit(X, y)
 
     def grad(state, Xb, yb, wb):
         grads = half_square_grad(state, Xb, yb, wb)
@@ -862,7 +919,8 @@ def test_minibatches_follow_the_trainers_permutations(kind):
     """Several epochs of uneven minibatches (120 rows in batches of 50: 50, 50, 20) equal
     numpy's run over default_rng(random_state).permutation(rows) epoch after epoch."""
     X, y, _ = small_linear()
-    est = ESTIMATORS[kind](max_iter=4, batch_size=50, random_state=11, learning_rate=0.05)
+    est = ESTIMATORS[kind](max_iter=4, batch_size=50, random_state=11,
+                           learning_rate=constant(0.05))
     est.fit(X, y)
     grad = half_square_grad if kind == "forward_backward" else square_grad
     reference = numpy_fit(START_STATE, X, y, grad, epochs=4, batch_size=50,
@@ -871,6 +929,28 @@ def test_minibatches_follow_the_trainers_permutations(kind):
     other = numpy_fit(START_STATE, X, y, grad, epochs=4, batch_size=50,
                       rate=lambda t: 0.05, random_state=12)
     assert not np.allclose(other["coef"], reference["coef"], rtol=1e-4)  # the order matters
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_a_float_learning_rate_is_onnxcustoms_invscaling_and_the_repr_says_so(kind):
+    """onnxcustom's select(0.05) is LearningRateSGD(eta0=0.05): every update of epoch t at
+    0.05 / (t + 1) ** 0.25 (a decision, docs/reference/errors.md)."""
+    X, y, _ = small_linear()
+    est = ESTIMATORS[kind](max_iter=4, batch_size=50, random_state=11, learning_rate=0.05)
+    assert est.learning_rate == LearningRateSGD(eta0=0.05)
+    assert "learning_rate=LearningRateSGD(eta0=0.05" in repr(est)
+    assert "learning_rate='invscaling'" in repr(est)
+    assert est.get_params()["learning_rate"] == 0.05
+    est.fit(X, y)
+    grad = half_square_grad if kind == "forward_backward" else square_grad
+    reference = numpy_fit(START_STATE, X, y, grad, epochs=4, batch_size=50,
+                          rate=lambda t: 0.05 / (t + 1) ** 0.25, random_state=11)
+    assert_states_close(est.get_state(), reference, rtol=1e-5)
+    # onnxcustom's own tests: the default shows as the object too, and is invscaling
+    default = repr(ESTIMATORS[kind]())
+    assert default.startswith(f"{type(est).__name__}(model_onnx=<ModelProto")
+    assert "learning_rate=LearningRateSGD(eta0=0.01" in default
+    assert "learning_rate='invscaling'" in default and "max_iter" not in default
 
 
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))
@@ -901,6 +981,26 @@ def test_sample_weights_of_shape_n_weigh_rows_without_broadcasting(kind):
         np.testing.assert_allclose(losses, w * per_row(d), rtol=1e-5, atol=1e-7)
     with pytest.raises(LossgraphError):
         est.fit(X, y, np.ones((len(X), len(X)), np.float32))  # an (N, N) weight is refused
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_sample_weights_in_one_column_as_onnxcustoms_tests_pass_them(kind):
+    """onnxcustom's tests call fit(X, y.reshape((-1, 1)), w.reshape((-1, 1))): one column of
+    weights is the (N,) row weights (lossgraph's Trainer keeps refusing it, catalogued)."""
+    X, y, _ = small_linear()
+    w = np.random.default_rng(6).uniform(0.5, 2.0, len(y)).astype(np.float32)
+    kw = {"weight_name": "weight"} if kind == "forward_backward" else {}
+    flat = ESTIMATORS[kind](max_iter=2, random_state=0, **kw).fit(X, y, w)
+    column = ESTIMATORS[kind](max_iter=2, random_state=0, **kw).fit(
+        X, y.reshape(-1, 1), w.reshape(-1, 1))
+    assert column.train_losses_ == flat.train_losses_
+    assert column.score(X, y, w.reshape(-1, 1)) == flat.score(X, y, w)
+    column.partial_fit(X, y, w.reshape(-1, 1))
+    if kind == "forward_backward":
+        np.testing.assert_array_equal(column.losses(X, y, w.reshape(-1, 1)),
+                                      column.losses(X, y, w))
+    with pytest.raises(ShapeMismatchError, match="sample_weight has shape"):
+        column.fit(X, y, np.ones((len(y), 2), np.float32))
 
 
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))
@@ -937,6 +1037,30 @@ def test_exc_false_turns_divergence_into_a_warning_with_finite_weights(kind, eta
     assert all(np.isfinite(v).all() for v in state.values())
     assert len(est.train_losses_) < 50 and np.isfinite(est.train_losses_).all()
     assert np.isfinite(est.predict(X)).all()
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_a_non_finite_validation_loss_raises_evaluation_error(kind):
+    """onnxcustom raised EvaluationError when the validation loss was NaN or infinite; the
+    fitted attributes then hold what was trained until that epoch."""
+    X, y, _ = small_linear()
+    X_val = np.full((10, 4), 1e30, np.float32)  # finite data whose loss overflows float32
+    y_val = np.zeros(10, np.float32)
+    est = ESTIMATORS[kind](max_iter=3, learning_rate=constant(0.01), random_state=0)
+    with pytest.raises(EvaluationError, match=r"validation loss is inf after epoch 0"):
+        est.fit(X, y, X_val=X_val, y_val=y_val)
+    assert len(est.train_losses_) == 1 and est.validation_losses_ == []
+    assert_states_close(est.get_state(), ESTIMATORS[kind](max_iter=1, learning_rate=constant(
+        0.01), random_state=0).fit(X, y).get_state(), rtol=0, atol=0)
+    est.fit(X, y, X_val=X, y_val=y)  # finite: recorded as before
+    assert len(est.validation_losses_) == 3 and np.isfinite(est.validation_losses_).all()
+    if kind == "whole_graph":
+        return  # exc is the forward/backward optimizer's parameter
+    est.set_params(exc=False)  # onnxcustom's forward/backward optimizer warned then
+    with pytest.warns(ConvergenceWarning, match="validation loss is inf after epoch") as caught:
+        est.fit(X, y, X_val=X_val, y_val=y_val)
+    assert [f"epoch {t}:" in str(w.message) for t, w in enumerate(caught)] == [True] * 3
+    assert len(est.train_losses_) == 3 and est.validation_losses_ == [np.inf] * 3
 
 
 # ==========================================================================================
@@ -1018,6 +1142,26 @@ def test_save_onnx_graph_writes_files_and_bytes_and_never_over_a_foreign_file(tm
     assert str(prefixed["gradient"]).rsplit("/", 1)[-1].startswith("run1_")
 
 
+def test_save_onnx_graph_into_a_missing_folder_is_a_file_not_found_error(tmp_path):
+    """onnxcustom raised FileNotFoundError; lossgraph's error is also one (and still the
+    UnsafeWriteError a missing folder has always been), before anything is written."""
+    X, y, onx = small_linear()
+    est = FB(onx, max_iter=1).fit(X, y)
+    for missing in (tmp_path / "missing", str(tmp_path / "missing")):
+        with pytest.raises(FileNotFoundError, match="does not exist") as caught:
+            est.save_onnx_graph(missing)
+        assert isinstance(caught.value, LossgraphError)
+        assert isinstance(caught.value, UnsafeWriteError)
+    # TrainingProgram.save_onnx_graph makes its folder, but not a missing parent
+    with pytest.raises(FileNotFoundError, match="does not exist") as caught:
+        est.train_session_.program.save_onnx_graph(tmp_path / "no" / "graphs")
+    assert isinstance(caught.value, LossgraphError)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(UnsupportedOptionError, match="existing folder"):
+        est.save_onnx_graph(tmp_path / "file")  # there, but not a folder
+
+
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))
 def test_get_trained_onnx_predicts_like_the_estimator(kind):
     X, y, onx = small_linear()
@@ -1085,7 +1229,8 @@ def test_enable_logging_logs_each_epoch_to_the_lossgraph_logger(caplog):
                  random_state=0).fit(X, y)
     lines = [r.getMessage() for r in caplog.records if r.name == "lossgraph"]
     assert len(lines) == 3 and lines[0].startswith("[OrtGradientForwardBackwardOptimizer.fit]")
-    assert f"loss={est.train_losses_[2]:g}" in lines[2] and "learning_rate=0.01" in lines[2]
+    assert f"loss={est.train_losses_[2]:g}" in lines[2]
+    assert f"learning_rate={0.01 / 3 ** 0.25:g}" in lines[2]  # a float is invscaling
     caplog.clear()
     FB(onx, max_iter=2).fit(X, y)
     assert not [r for r in caplog.records if r.name == "lossgraph"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from sklearn.linear_model import SGDRegressor
 from sklearn.neural_network._stochastic_optimizers import SGDOptimizer
 
 import lossgraph
@@ -27,8 +26,7 @@ from lossgraph.compat import (
     SquareLearningLoss,
 )
 from lossgraph.errors import LossgraphError, UnsupportedOptionError
-from lossgraph.optim import SGD, Momentum
-from lossgraph.separate import update_graph
+from lossgraph.optim import SGD, Momentum, update_graph
 
 
 def run(model, feeds):
@@ -49,19 +47,64 @@ def test_invscaling_matches_sklearn_sgd_optimizer_per_epoch():
     assert rate.value(0) == 0.1
 
 
-def test_optimal_matches_sklearn_sgdregressor_rates():
-    # One sample, no penalty, no intercept: the k-th update of SGDRegressor is
-    # w' = w - eta_k (w x - y) x, so eta_k comes back from the weights.
-    x, y, alpha = 0.3, 1.0, 0.01
-    model = SGDRegressor(learning_rate="optimal", alpha=alpha, penalty=None,
-                         fit_intercept=False, shuffle=False)
-    rate = LearningRateSGD(alpha=alpha, learning_rate="optimal")
-    w = 0.0
-    for epoch in range(5):
-        model.partial_fit([[x]], [y])
-        new = float(model.coef_[0])
-        assert (w - new) / ((w * x - y) * x) == pytest.approx(rate.value(epoch), rel=1e-9)
-        w = new
+def onnxcustom_rates(eta0, alpha, power_t, schedule, n):
+    """onnxcustom's LearningRateSGD.loop(n), transcribed: init_learning_rate, then
+    update_learning_rate(i + 1) after each value."""
+    values, eta = [], eta0
+    if schedule == "optimal":
+        typw = np.sqrt(1.0 / np.sqrt(alpha))
+        optimal_init = 1.0 / (typw / max(1.0, (1 + typw) * 2) * alpha)
+        optimal_fact = eta0 / (1.0 / (alpha * optimal_init))
+    for i in range(n):
+        values.append(eta)
+        t = i + 1
+        if schedule == "optimal":
+            eta = optimal_fact / (alpha * (optimal_init + t))
+        elif schedule == "invscaling":
+            eta = eta0 / np.power(t + 1, power_t)
+    return values
+
+
+@pytest.mark.parametrize("alpha", [1e-4, 0.01, 0.5, 3.0])
+@pytest.mark.parametrize("eta0", [0.01, 0.3])
+def test_optimal_is_onnxcustoms_schedule_starting_at_eta0(eta0, alpha):
+    """onnxcustom rescaled scikit-learn's optimal schedule to start at eta0 (scikit-learn's
+    starts at alpha**-0.25, 10 by default, and diverges on the documents' examples)."""
+    rate = LearningRateSGD(eta0=eta0, alpha=alpha, learning_rate="optimal")
+    expected = onnxcustom_rates(eta0, alpha, 0.25, "optimal", 50)
+    assert rate.value(0) == eta0
+    np.testing.assert_allclose([rate.value(t) for t in range(50)], expected, rtol=1e-12)
+    nesterov = LearningRateSGDNesterov(eta0=eta0, alpha=alpha, learning_rate="optimal")
+    np.testing.assert_allclose([nesterov.value(t) for t in range(50)], expected, rtol=1e-12)
+    # lossgraph.optim.SGD keeps scikit-learn's (tests/test_optim.py)
+    assert SGD(learning_rate_schedule="optimal", alpha=alpha).schedule(1) == pytest.approx(
+        alpha ** -0.25)
+
+
+@pytest.mark.parametrize("schedule", ["invscaling", "optimal", "constant"])
+def test_loop_yields_onnxcustoms_rates(schedule):
+    """onnxcustom's own test_learning_rate.py, and its loop's values exactly."""
+    rate = LearningRateSGD(learning_rate=schedule)
+    values = list(rate.loop())
+    assert len(values) == 1000 and values[0] == 0.01
+    if schedule == "constant":
+        assert values == [0.01] * 1000
+    else:
+        assert all(b < a for a, b in zip(values, values[1:]))
+        assert values[-1] > (0.009 if schedule == "optimal" else 0.001)
+    np.testing.assert_allclose(values, onnxcustom_rates(0.01, 1e-4, 0.25, schedule, 1000),
+                               rtol=1e-12)
+    assert values == [rate.value(t) for t in range(1000)]
+
+
+def test_loop_of_every_learning_rate():
+    nesterov = LearningRateSGDNesterov(eta0=0.1, power_t=0.5)
+    assert list(nesterov.loop(4)) == [0.1, 0.1 / 2 ** 0.5, 0.1 / 3 ** 0.5, 0.05]
+    assert list(BaseLearningRate.select("SGD").loop(0)) == []
+    loop = LearningRateSGD().loop(2)
+    assert iter(loop) is loop  # a generator, as onnxcustom's
+    with pytest.raises(UnsupportedOptionError, match="n=-1"):
+        list(LearningRateSGD().loop(-1))
 
 
 def test_constant_rate_and_optimizers():
@@ -112,8 +155,14 @@ def test_learning_rate_aliases(alias, kind):
     assert LearningRateSGD.select(alias) == kind()
 
 
-def test_float_learning_rate_is_constant():
-    assert BaseLearningRate.select(0.2) == LearningRateSGD(eta0=0.2, learning_rate="constant")
+def test_float_learning_rate_is_invscaling_as_in_onnxcustom():
+    """onnxcustom's select(1e-3) is LearningRateSGD(eta0=1e-3): invscaling (a decision,
+    docs/reference/errors.md); learning_rate="constant" keeps the rate."""
+    assert BaseLearningRate.select(0.2) == LearningRateSGD(eta0=0.2)
+    assert BaseLearningRate.select(0.2).learning_rate == "invscaling"
+    assert "learning_rate='invscaling'" in repr(BaseLearningRate.select(1e-3))
+    assert BaseLearningRate.select(1).eta0 == 1.0
+    assert BaseLearningRate.select(np.float32(0.5)) == LearningRateSGD(eta0=0.5)
 
 
 @pytest.mark.parametrize("bad", ["Nesterof", "adam", True, None])
@@ -191,6 +240,8 @@ def test_mean_reduction_divides_by_the_weights():
     ("square_error", SquareLearningLoss), ("square", SquareLearningLoss),
     ("absolute", AbsoluteLearningLoss), ("elastic", ElasticLearningLoss),
     ("log", NegLogLearningLoss), ("neglog", NegLogLearningLoss),
+    ("absolute_error", AbsoluteLearningLoss), ("elastic_error", ElasticLearningLoss),
+    ("logloss", NegLogLearningLoss),
     ("SquareLearningLoss", SquareLearningLoss), ("AbsoluteLearningLoss", AbsoluteLearningLoss),
     ("ElasticLearningLoss", ElasticLearningLoss), ("NegLogLearningLoss", NegLogLearningLoss)])
 def test_loss_aliases(alias, kind):
@@ -234,7 +285,7 @@ def test_no_penalty_has_no_graph():
     assert NoLearningPenalty().build_onnx_function({"coef": np.zeros(2, np.float32)}) is None
 
 
-@pytest.mark.parametrize("alias,kind", [(None, NoLearningPenalty),
+@pytest.mark.parametrize("alias,kind", [(None, NoLearningPenalty), ("", NoLearningPenalty),
                                         ("NoLearningPenalty", NoLearningPenalty),
                                         ("elastic", ElasticLearningPenalty),
                                         ("l1l2", ElasticLearningPenalty),
@@ -256,6 +307,8 @@ def test_bad_penalty_names_and_options_raise():
 def test_exceptions_belong_to_lossgraph_hierarchy():
     for error in (ConvergenceError, EvaluationError, ProviderError):
         assert issubclass(error, LossgraphError)
+        assert issubclass(error, RuntimeError)  # onnxcustom's base: old except clauses hold
+    assert issubclass(ConvergenceError, ArithmeticError) and issubclass(ProviderError, ValueError)
     assert issubclass(ConvergenceWarning, Warning)
     assert ConvergenceError is lossgraph.errors.ConvergenceError
 

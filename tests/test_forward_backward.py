@@ -9,8 +9,10 @@ import pytest
 from conftest import GOLDEN_MODELS
 
 import lossgraph
+from lossgraph.optim import update_graph
 from lossgraph.optimize import SpecializeBatch, WidenScalarConstants
-from lossgraph.separate import chain_graphs, packed_update, split_gradient, update_graph
+from lossgraph.runtime.packed import packed_update
+from lossgraph.surgery import chain_graphs, split_gradient
 
 GOLDEN = ["hand_linear", "hand_mlp_tanh_double", "hand_broadcast_reuse", "skl_mlp_regressor",
           "skl_mlp_classifier", "skl_logistic_multiclass", "torch_cnn"]
@@ -104,7 +106,7 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
         for number in range(1, 4):
             trainer._step[()] = number
             losses.append(step.run({feature: X, program.io("loss", "label")[0]: y}))
-            trainer._buffers.swap()
+            trainer._buffers.advance()
         states.append((losses, trainer.state))
     # (bound buffers, runs for forward, loss and backward, packed update)
     assert kinds == [(True, runs, True), (True, runs, False), (False, False, False)]

@@ -385,7 +385,7 @@ def test_an_input_declared_nondiff_carries_no_gradient_for_the_walker_and_the_an
 @pytest.mark.parametrize(("kwargs", "error", "pattern"), [
     ({"weights": ["ww"]}, UnknownNameError, "Did you mean 'w'"),
     ({"weights": ["axes"]}, DTypeMismatchError, "int64"),
-    ({"weights": ["w", "w"]}, UnsupportedOptionError, "twice"),
+    ({"weights": ["w", "w"]}, UnsupportedOptionError, "names .w. more than once"),
     ({"loss_name": "los"}, UnknownNameError, "Did you mean 'loss'"),
     ({"loss_name": "y"}, ShapeMismatchError, "scalar"),
     ({"outputs": ["z"]}, UnknownNameError, "not an output"),
@@ -541,7 +541,7 @@ def test_a_gather_on_axis_1_before_a_gemm_differentiates_right(rows, run_model):
 
 
 def test_a_weight_behind_an_op_declared_not_differentiable_is_told_why():
-    """The NoGradientError names the declared reason (lossgraph.differentiability), not the
+    """The NoGradientError names the declared reason (autodiff.registry.not_differentiable), not the
     generic one for shape, index or condition inputs."""
     model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
         g (float[N] x) => (float[N] y) <float[1] w = {0.5}>

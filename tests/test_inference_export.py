@@ -137,6 +137,23 @@ def test_every_source_kind_gives_the_same_model(name, tmp_path):
     assert trainer.to_inference_model().SerializeToString() == expected
 
 
+def test_a_programs_own_export_is_the_export_and_fills_what_a_state_lacks():
+    """TrainingProgram.to_inference_model is lossgraph.export.to_inference_model: a state
+    without some weight keeps the program's value for it; NaN weights are refused."""
+    trainer, _ = trained("hand_linear")
+    program, state = trainer.program, trainer.state
+    partial = {program.weights[0]: state[program.weights[0]]}
+    assert program.to_inference_model(partial).SerializeToString() == \
+        to_inference_model(program, partial).SerializeToString()
+    values = {t.name: numpy_helper.to_array(t)
+              for t in program.to_inference_model(partial).graph.initializer}
+    np.testing.assert_array_equal(values[program.weights[0]], state[program.weights[0]])
+    np.testing.assert_array_equal(values[program.weights[1]], program.state[program.weights[1]])
+    with pytest.raises(InvalidDataError, match="NaN or infinite"):
+        program.to_inference_model({program.weights[0]: np.full_like(partial[
+            program.weights[0]], np.nan)})
+
+
 def state_of_weights(trainer: lossgraph.Trainer) -> dict[str, np.ndarray]:
     state = trainer.state
     return {w: state[w] for w in trainer.program.weights}
@@ -461,7 +478,7 @@ def test_external_data_is_chosen_when_the_model_would_exceed_the_size_limit(tmp_
 
 def test_a_model_over_the_protobuf_limit_is_refused_in_memory(monkeypatch, tmp_path):
     trainer, _ = trained_wide()
-    monkeypatch.setattr(inference, "PROTOBUF_LIMIT", 1000)
+    monkeypatch.setattr(lossgraph.inference, "PROTOBUF_LIMIT", 1000)
     with pytest.raises(UnsupportedModelError, match="save_inference_model"):
         to_inference_model(trainer)
     with pytest.raises(UnsupportedOptionError, match="external_data=False"):

@@ -86,7 +86,7 @@ PINNED = {
     ("test_ai_onnx_ml_array_feature_extractor", "x"): PASS,
     ("test_ai_onnx_ml_binarizer", "X"): PASS,
     ("test_optional_get_element_tensor", "optional_input"): PASS,
-    # declared not differentiable, with the reason (lossgraph/differentiability.py)
+    # declared not differentiable, with the reason (lossgraph/autodiff/registry.py)
     ("test_unique_sorted_without_axis", "X"): NOT_DIFFERENTIABLE,
     ("test_ai_onnx_ml_tree_ensemble_single_tree", "X"): NOT_DIFFERENTIABLE,
     ("test_momentum", "X"): NOT_DIFFERENTIABLE,

@@ -13,13 +13,20 @@ from onnx import helper
 from lossgraph.builder import GraphBuilder
 from lossgraph.errors import (
     DTypeMismatchError,
-    NameCollisionError,
     UnsupportedModelError,
     UnsupportedOptionError,
 )
 from lossgraph.names import NameAuthority
-from lossgraph.optim import SGD, Adam, AdamW, Momentum, Optimizer, optimizer_from_dict
-from lossgraph.separate import update_graph
+from lossgraph.optim import (
+    SGD,
+    Adam,
+    AdamW,
+    Momentum,
+    Optimizer,
+    build_update,
+    optimizer_from_dict,
+    update_graph,
+)
 
 STEPS = 5
 SHAPES = {"coef": (4, 3), "bias": (3,), "scale": ()}
@@ -321,11 +328,24 @@ def test_integer_weights_are_rejected():
         update_graph(SGD(), {"a": np.zeros(2, np.int64)})
 
 
-def test_name_collisions_are_reported():
-    with pytest.raises(NameCollisionError, match="a_grad"):
-        update_graph(SGD(), {"a": np.zeros(2), "a_grad": np.zeros(2)})
-    with pytest.raises(NameCollisionError, match="learning_rate"):
-        update_graph(SGD(), {"learning_rate": np.zeros(2)})
+def test_names_the_update_invents_avoid_the_weights_names(run_model):
+    """A weight named like a gradient, a state, the learning rate or the step keeps its
+    name; the invented one gets a suffix, and the update is the same."""
+    weights = {"a": np.array([1.0, 2.0]), "a_grad": np.array([3.0, 4.0]),
+               "a_velocity": np.array([5.0, 6.0]), "learning_rate": np.array([7.0, 8.0])}
+    built = build_update(Momentum(0.5, momentum=0.9), weights)
+    assert [i.name for i in built.model.graph.input] == [
+        "learning_rate_1", "step", "a", "a_grad_1", "a_velocity_1", "a_grad", "a_grad_grad",
+        "a_grad_velocity", "a_velocity", "a_velocity_grad", "a_velocity_velocity",
+        "learning_rate", "learning_rate_grad", "learning_rate_velocity"]
+    assert built.gradients["a"] == "a_grad_1" and built.states["a"] == ["a_velocity_1"]
+    grads = {w: np.full(2, 0.5) for w in weights}
+    feeds = {"learning_rate_1": np.array(0.5), "step": np.array(1, np.int64)}
+    for w, value in weights.items():
+        feeds.update({w: value, built.gradients[w]: grads[w], built.states[w][0]: np.zeros(2)})
+    out = run_model(built.model, feeds)
+    for w, value in weights.items():  # Momentum's first step: w - lr * g
+        np.testing.assert_allclose(out[built.new[w]], value - 0.25)
 
 
 def test_bad_update_graph_arguments():

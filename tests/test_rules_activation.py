@@ -374,7 +374,7 @@ def test_cross_entropy_matches_torch_autograd_with_weights_and_ignore_index(rng,
 
 
 def test_loss_class_weights_are_differentiable_but_never_trained():
-    from lossgraph.differentiability import differentiable_inputs
+    from lossgraph.autodiff.registry import differentiable_inputs
 
     for op in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"):
         assert differentiable_inputs(op, "", 3) == [0, 2]

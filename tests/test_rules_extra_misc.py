@@ -1,7 +1,7 @@
 """Gradients of DFT, RotaryEmbedding, AffineGrid, TensorScatter, the optional ops and
 the ai.onnx.ml ops ArrayFeatureExtractor and Binarizer (lossgraph/autodiff/rules/
 signal.py, geometry.py, cache.py, optional.py, ml.py), and the ops declared without a
-derivative (lossgraph/differentiability.py).
+derivative (declared in lossgraph/autodiff/registry.py's not_differentiable).
 
 Ops of opsets 22 and later load only in onnxruntime 1.20 and later: checked against
 finite differences there (skipped with the training build); the torch comparisons run
@@ -20,7 +20,7 @@ from models import dims, model, signature
 from onnx.reference import ReferenceEvaluator
 
 import lossgraph
-from lossgraph.differentiability import NOT_DIFFERENTIABLE, not_differentiable_reason
+from lossgraph.autodiff.registry import not_differentiable_ops, not_differentiable_reason
 from lossgraph.errors import NoGradientError, UnsupportedModelError
 from lossgraph.runtime.session import create_session
 from lossgraph.target import use_target
@@ -412,7 +412,7 @@ def test_ops_without_a_derivative_worth_having_are_named_not_differentiable(op, 
 
 
 def test_every_op_declared_not_differentiable_exists_and_has_no_rule():
-    for (domain, op), reason in NOT_DIFFERENTIABLE.items():
+    for (domain, op), reason in not_differentiable_ops().items():
         assert onnx.defs.has(op, domain), (domain, op)
         assert lossgraph.autodiff.registry.find_rule(op, domain, 100) is None, (domain, op)
         assert reason and len(reason) < 200

@@ -364,3 +364,56 @@ def test_an_exported_embedding_bag_trains_like_torch_step_for_step(fuse):
     table = net.bag.weight.detach().numpy()
     assert np.abs(table - initial).max() > 1e-3  # the embedding table moved ...
     np.testing.assert_allclose(trained["bag.weight"], table, rtol=1e-4, atol=1e-6)  # ... as torch's
+
+
+# acc = 0; twice: acc = acc + x @ coef; y = acc + intercept. onnx's shape inference gives
+# the Loop's output no shape: its rank comes from the carried value's (lossgraph.graphs).
+LOOPED_LINEAR = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    looped (float[N, 4] x) => (float[N, 1] y)
+    <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}, int64 trips = {2},
+     bool keep = {1}>
+    {
+        zero = Constant <value = float[1] {0}> ()
+        first = Constant <value = int64[1] {0}> ()
+        one = Constant <value = int64[1] {1}> ()
+        x_shape = Shape(x)
+        rows = Slice(x_shape, first, one)
+        acc_shape = Concat <axis = 0> (rows, one)
+        acc0 = Expand(zero, acc_shape)
+        acc = Loop(trips, keep, acc0) <body = body (int64 i, bool c, float[N, 1] a)
+                                                    => (bool c_out, float[N, 1] a_out) {
+            c_out = Identity(c)
+            p = MatMul(x, coef)
+            a_out = Add(a, p)
+        }>
+        y = Add(acc, intercept)
+    }
+"""
+
+
+@pytest.mark.parametrize("fuse", ["separate", "step", "epoch"])
+def test_a_weight_read_in_a_loop_body_trains_as_the_unrolled_model(fuse):
+    """The Loop's output rank is found from its carried value (onnx gives it none), so the
+    model compiles, and training it equals training ``2 x @ coef + intercept``."""
+    from linear_data import linear_data
+
+    unrolled = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        unrolled (float[N, 4] x) => (float[N, 1] y)
+        <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}>
+        {
+            p = MatMul(x, coef)
+            twice = Add(p, p)
+            y = Add(twice, intercept)
+        }""")
+    X, y = linear_data(64, seed=1)
+    weights = []
+    for model in (onnx.parser.parse_model(LOOPED_LINEAR), unrolled):
+        program = lossgraph.compile_program(model, weights=["coef", "intercept"], fuse=fuse,
+                                            optimizer=lossgraph.optim.SGD(0.01))
+        trainer = lossgraph.Trainer(program).fit(X, y, epochs=3, batch_size=16,
+                                                 random_state=0, progress=False)
+        weights.append(trainer.state)
+    for name in ("coef", "intercept"):
+        np.testing.assert_allclose(weights[0][name], weights[1][name], rtol=1e-5, atol=1e-6)

@@ -25,9 +25,10 @@ from lossgraph.compat import (
 )
 from lossgraph.errors import UnsupportedModelError, UnsupportedOptionError
 from lossgraph.models import check_emitted
-from lossgraph.optim import SGD, Adam, AdamW, Momentum
+from lossgraph.optim import SGD, Adam, AdamW, Momentum, update_graph
 from lossgraph.optimize import SpecializeBatch
-from lossgraph.separate import penalty_graph, split_gradient, update_graph
+from lossgraph.penalties import penalty_graph
+from lossgraph.surgery import split_gradient
 from lossgraph.target import (
     DEFAULT_TARGET,
     LATEST,
@@ -476,3 +477,40 @@ def test_the_op_check_is_cached_per_op_type(monkeypatch):
                               [helper.make_tensor_value_info("v200", TensorProto.FLOAT, [2])])
     check_ops(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]))
     assert calls == [("Relu", 19, "")]
+
+
+@pytest.mark.parametrize("fuse", FUSES)
+def test_every_graph_derived_from_a_program_keeps_its_ir_version(fuse):
+    """A program for target 'onnxruntime' (IR 10, opset 23 here): the graphs the Trainer
+    specializes or cuts stay IR 10, not the IR 11 of the first release loading opset 23."""
+    newer = onnx.parser.parse_model(LINEAR.replace('"" : 18', '"" : 23'))
+    program = lossgraph.compile_program(newer, fuse=fuse, target="onnxruntime")
+    assert {name: g.ir_version for name, g in program_graphs(program)} == {
+        name: 10 for name, _ in program_graphs(program)}
+
+
+def test_a_model_newer_than_a_runtime_loads_is_named_with_the_releases_that_load_it():
+    from lossgraph.target import check_loads
+
+    newer = onnx.parser.parse_model(LINEAR.replace('"" : 18', '"" : 23'))
+    newer.ir_version = 11
+    with pytest.raises(UnsupportedModelError) as error:
+        check_loads(newer, DEFAULT_TARGET, "The program's 'predict' graph",
+                    "onnxruntime-training 1.19.2")
+    assert str(error.value).startswith(
+        "The program's 'predict' graph is IR version 11 (it loads up to 10) and ai.onnx opset "
+        "23 (it loads up to 21), newer than the installed onnxruntime-training 1.19.2 loads: "
+        "onnxruntime 1.23 or later loads it (pip install 'onnxruntime>=1.23'")
+    check_loads(onnx.parser.parse_model(LINEAR), DEFAULT_TARGET, "model", "runtime")
+
+
+@pytest.mark.training
+def test_a_program_the_installed_onnxruntime_cannot_load_is_refused_by_the_trainer():
+    """Before any work: not onnxruntime's raw IR or opset error at the first fit or
+    predict."""
+    newer = onnx.parser.parse_model(LINEAR.replace('"" : 18', '"" : 23'))
+    program = lossgraph.compile_program(newer, target="onnxruntime")
+    with pytest.raises(UnsupportedModelError, match=(
+            r"'evaluate' graph is ai.onnx opset 23 \(it loads up to 21\), newer than the "
+            r"installed onnxruntime-training 1.19.2 loads")):
+        lossgraph.Trainer(program)

@@ -50,6 +50,20 @@ def test_validation_losses_are_recorded_per_epoch(data):
     assert trainer.validation_losses_[-1] == pytest.approx(trainer.score(X[150:], y[150:]))
 
 
+def test_a_non_finite_validation_loss_warns_and_is_recorded(data):
+    """Validation features far outside the training ones (1e37 times them) overflow the
+    squared error: the loss is recorded as it is, with a ValidationLossWarning."""
+    from lossgraph.errors import LossgraphWarning, ValidationLossWarning
+
+    X, y = data
+    with pytest.warns(ValidationLossWarning, match="validation loss after epoch 0 is inf"):
+        trainer = lossgraph.Trainer(program()).fit(
+            X[:150], y[:150], epochs=2, batch_size=25, progress=False,
+            validation_data=(X[150:] * np.float32(1e37), y[150:]))
+    assert trainer.validation_losses_ == [np.inf, np.inf]
+    assert issubclass(ValidationLossWarning, LossgraphWarning)
+
+
 def test_a_callback_returning_true_stops_training(data):
     X, y = data
     seen = []
@@ -172,9 +186,32 @@ def test_divergence_in_a_fused_epoch_restores_the_epoch_start(data):
     X, y = data
     trainer = lossgraph.Trainer(program("epoch", SGD(1e6)))
     before = trainer.state
-    with pytest.raises(ConvergenceError, match="start of the epoch"):
+    with pytest.raises(ConvergenceError, match="start of the failing epoch"):
         trainer.fit(X * 1e3, y, epochs=1, batch_size=10, shuffle=False, progress=False)
     np.testing.assert_array_equal(trainer.state["coef"], before["coef"])
+
+
+@pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
+def test_divergence_keeps_the_last_state_whose_loss_was_finite(data, mode):
+    """Full-batch steps: the failing step's loss is computed at the state the step before
+    made, so that state diverged already; the one before it is kept, scores a finite
+    loss, is named in the message, and training resumes from it."""
+    X, y = data
+    X = X * 30
+    trainer = lossgraph.Trainer(program(mode, SGD(0.5)))
+    with pytest.raises(ConvergenceError) as error:
+        trainer.fit(X, y, epochs=50, batch_size=len(X), shuffle=False, progress=False)
+    kept = trainer.steps_
+    assert f"before step {kept + 1} (epoch {kept}, batch 0), the last whose loss was finite" \
+        in str(error.value)
+    assert np.isfinite(trainer.score(X, y))
+    again = lossgraph.Trainer(program(mode, SGD(0.5))).fit(
+        X, y, epochs=kept, batch_size=len(X), shuffle=False, progress=False)
+    for name, value in again.state.items():
+        np.testing.assert_array_equal(trainer.state[name], value)
+    trainer.fit(X, y, epochs=2, batch_size=len(X), warm_start=True, progress=False,
+                epoch_learning_rate=lambda epoch: 1e-6)
+    assert trainer.steps_ == kept + 2 and np.isfinite(trainer.train_losses_[-1])
 
 
 def test_nan_in_the_data_is_named_by_row(data):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ from ..builder import GraphBuilder
 from ..errors import UnsupportedModelError
 from ..graphs import ForwardFacts, Shape, attribute_value, np_dtype
 from ..names import NameAuthority
+from ..target import Target
 
 __all__ = ["Node", "GradContext", "Shape"]
 
@@ -64,13 +65,32 @@ class Node:
         return self.inputs[position] if present else None
 
 
+#: The walker's ``differentiate``, as a context hands it to rules of ops with subgraphs.
+Walker = Callable[..., "GradContext"]
+
+
 class GradContext(GraphBuilder):
     """A GraphBuilder for gradient nodes that can also answer questions about forward values
-    (from the model's :class:`~lossgraph.graphs.ForwardFacts`)."""
+    (from the model's :class:`~lossgraph.graphs.ForwardFacts`), knows the runtimes the
+    gradient is emitted for (``target``), and differentiates a subgraph as the walker
+    does the graph (:meth:`differentiate`)."""
 
-    def __init__(self, names: NameAuthority, opset: int, facts: ForwardFacts) -> None:
+    def __init__(self, names: NameAuthority, opset: int, facts: ForwardFacts, target: Target,
+                 walker: Walker) -> None:
         super().__init__(names, opset, prefix="grad/")
         self._facts = facts
+        self.target = target
+        self._walker = walker
+
+    def differentiate(self, model: onnx.ModelProto, seeds: Mapping[str, str],
+                      wrt: Sequence[str], grad_names: Mapping[str, str],
+                      facts: ForwardFacts | None = None, *,
+                      zeros_for_unreached: bool = False) -> GradContext:
+        """The gradient nodes of a subgraph made a model (an ``If`` branch, a loop body),
+        by the walker (:func:`lossgraph.autodiff.walker.differentiate`), with this
+        context's names and target."""
+        return self._walker(model, seeds, wrt, grad_names, self.names, facts,
+                            zeros_for_unreached=zeros_for_unreached, target=self.target)
 
     # -- forward facts ---------------------------------------------------------------
     def shape(self, name: str) -> Shape | None:

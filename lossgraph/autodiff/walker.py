@@ -36,12 +36,12 @@ from collections.abc import Mapping, Sequence
 import onnx
 
 from ..analysis import differentiable_values, gradient_block, influenced_values
-from ..differentiability import differentiable_inputs
 from ..errors import InvalidRuleError, MissingGradientError, NoGradientError
 from ..graphs import ForwardFacts, opset_version, outer_references, shortest_path, subgraphs
 from ..names import NameAuthority
+from ..target import Target, active_target
 from .context import GradContext, Node
-from .registry import RuleInfo, find_rule
+from .registry import RuleInfo, differentiable_inputs, find_rule
 
 __all__ = ["differentiate"]
 
@@ -55,6 +55,7 @@ def differentiate(
     facts: ForwardFacts | None = None,
     *,
     zeros_for_unreached: bool = False,
+    target: Target | None = None,
 ) -> GradContext:
     """Emit the gradients of ``seeds`` into a new GradContext.
 
@@ -66,11 +67,13 @@ def differentiate(
 
     A ``wrt`` value no gradient can reach is a :class:`NoGradientError`; with
     ``zeros_for_unreached`` (the branches of ``If``, where a branch may not use a
-    captured value) it gets zeros instead.
+    captured value) it gets zeros instead. The rules emit for ``target`` (default: the
+    active target, :func:`lossgraph.target.use_target`).
     """
     facts = facts or ForwardFacts.of(model)
     graph = model.graph
-    g = GradContext(names, opset_version(model) or 1, facts)
+    g = GradContext(names, opset_version(model) or 1, facts, target or active_target(),
+                    differentiate)
     relevant = influenced_values(model, wrt, facts.types) & differentiable_values(
         model, list(seeds), facts.types)
     unreached = [w for w in wrt if w not in relevant and w not in seeds]

@@ -15,8 +15,7 @@ from ..analysis import (
     influenced_values,
     trainable_initializers,
 )
-from ..autodiff.registry import find_rule
-from ..differentiability import differentiable_inputs
+from ..autodiff.registry import differentiable_inputs, find_rule
 from ..errors import (
     LossgraphError,
 )

@@ -13,7 +13,7 @@ each ``backward`` pops one, last in first out, as ``torch.autograd.Function`` do
 Two backends build the graphs behind it, with the same public behaviour:
 
 - ``backend="onnx"`` (default): lossgraph's gradient pass writes the vector-Jacobian
-  graph in standard ONNX ops and :func:`lossgraph.separate.split_gradient` cuts it into
+  graph in standard ONNX ops and :func:`lossgraph.surgery.split_gradient` cuts it into
   ``forward (x, W) -> (y, residuals)`` and ``backward (residuals, y_grad) -> (x_grad,
   W_grad)``, plus ``predict (x, W) -> y``; they run on any onnxruntime.
 - ``backend="ort"``: onnxruntime-training's ``OrtModuleGraphBuilder`` builds one
@@ -65,7 +65,7 @@ from ..passes.strip import InferenceMode
 from ..passes.weights import WeightsToInputs
 from ..runtime.forward_backward import ForwardBackwardRunner
 from ..runtime.session import checked_providers, cpu_device, create_session, ortvalue
-from ..separate import ForwardBackward, split_gradient
+from ..surgery import ForwardBackward, split_gradient
 from ..validation import check_trainable_model, names
 
 __all__ = ["OrtGradientForwardBackward", "OrtGradientForwardBackwardFunction",
@@ -344,13 +344,13 @@ class _OnnxGraphs:
         splits = (SequencesToTensors(),) if holds_splits(lifted) else ()
         vjp = Pipeline((*update, *splits, Gradient(wrt, outputs=owner.differentiable_outputs,
                                           backend="onnx")))(lifted)
-        updated = vjp.report.get("RunningStatistics", {})
+        updated = vjp.report.get(RunningStatistics, {})
         self._updated = list(updated)
         seeds = [f"{o}_grad" for o in owner.differentiable_outputs]
         self.eval_onnx = InferenceMode()(lifted).model
         self.gradient_onnx = vjp.model
         self.split = split_gradient(vjp.model, [*owner.output_names, *updated.values()], seeds)
-        by_gradient = {g: n for n, g in vjp.report["Gradient"].items()}
+        by_gradient = {g: n for n, g in vjp.report.of(Gradient).items()}
         self._gradient_of = [by_gradient.get(g) for g in self.split.gradients]
         self._seeds = dict(zip(owner.differentiable_outputs, seeds))
         self._output_names = owner.output_names

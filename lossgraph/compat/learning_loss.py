@@ -30,7 +30,7 @@ from onnx import helper
 
 from ..errors import UnsupportedOptionError, suggest
 from ..options import non_negative
-from ..separate import loss_graph
+from ..passes.loss import loss_graph
 
 __all__ = ["BaseLearningLoss", "SquareLearningLoss", "AbsoluteLearningLoss",
            "ElasticLearningLoss", "NegLogLearningLoss"]
@@ -69,8 +69,9 @@ class BaseLearningLoss:
     @classmethod
     def select(cls, value: Any, **options: Any) -> BaseLearningLoss:
         """An instance for ``value``: an instance (returned as is), a class name or an alias
-        (``"square_error"``, ``"square"``, ``"absolute"``, ``"elastic"``, ``"log"``,
-        ``"neglog"``), built with ``options``."""
+        (``"square_error"``, ``"square"``, ``"absolute_error"``, ``"absolute"``,
+        ``"elastic_error"``, ``"elastic"``, ``"log"``, ``"neglog"``, ``"logloss"``: onnxcustom's),
+        built with ``options``."""
         if isinstance(value, BaseLearningLoss):
             return value
         kinds = (SquareLearningLoss, AbsoluteLearningLoss, ElasticLearningLoss,
@@ -96,7 +97,7 @@ class AbsoluteLearningLoss(BaseLearningLoss):
     """``|p - y|`` per row: lossgraph's ``absolute_error``."""
 
     loss: ClassVar[str] = "absolute_error"
-    aliases: ClassVar[tuple[str, ...]] = ("absolute",)
+    aliases: ClassVar[tuple[str, ...]] = ("absolute_error", "absolute")
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class ElasticLearningLoss(BaseLearningLoss):
     l2_weight: float = 0.5
 
     loss: ClassVar[str] = "elastic"
-    aliases: ClassVar[tuple[str, ...]] = ("elastic",)
+    aliases: ClassVar[tuple[str, ...]] = ("elastic_error", "elastic")
 
     def __post_init__(self) -> None:
         non_negative("ElasticLearningLoss: l1_weight", self.l1_weight)
@@ -129,7 +130,7 @@ class NegLogLearningLoss(BaseLearningLoss):
     probability_function: str = "sigmoid"
 
     loss: ClassVar[str] = "logistic"
-    aliases: ClassVar[tuple[str, ...]] = ("log", "neglog")
+    aliases: ClassVar[tuple[str, ...]] = ("log", "neglog", "logloss")
 
     def __post_init__(self) -> None:
         if not 0 <= non_negative("NegLogLearningLoss: eps", self.eps) < 0.5:

@@ -7,7 +7,7 @@ For every weight ``W`` given::
 
 as lossgraph's penalty dict (:meth:`BaseLearningPenalty.penalty`, what ``compile_program``
 and ``add_loss_output`` take) and as the standalone graph of
-:func:`lossgraph.separate.penalty_graph`.
+:func:`lossgraph.penalties.penalty_graph`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import onnx
 
 from ..errors import UnsupportedOptionError, suggest
 from ..options import non_negative
-from ..separate import penalty_graph
+from ..penalties import penalty_graph
 
 __all__ = ["BaseLearningPenalty", "NoLearningPenalty", "ElasticLearningPenalty"]
 
@@ -45,11 +45,12 @@ class BaseLearningPenalty:
 
     @classmethod
     def select(cls, value: Any, **options: Any) -> BaseLearningPenalty:
-        """An instance for ``value``: an instance (returned as is), ``None`` (no penalty),
-        a class name or an alias (``"elastic"``, ``"l1l2"``), built with ``options``."""
+        """An instance for ``value``: an instance (returned as is), ``None`` or ``""`` (no
+        penalty, as onnxcustom took them), a class name or an alias (``"elastic"``,
+        ``"l1l2"``), built with ``options``."""
         if isinstance(value, BaseLearningPenalty):
             return value
-        if value is None:
+        if value is None or (isinstance(value, str) and value == ""):
             return NoLearningPenalty()
         kinds = (NoLearningPenalty, ElasticLearningPenalty)
         names = {name: kind for kind in kinds for name in (kind.__name__, *kind.aliases)}

@@ -7,11 +7,15 @@ A learning rate is stepped once per epoch; ``t`` counts the epochs already finis
     invscaling  eta_t = eta0 / (t + 1)^power_t     (SGDOptimizer.iteration_ends's formula, with
                                                    t the epoch: scikit-learn's MLP passes the
                                                    number of samples seen instead)
-    optimal     eta_t = 1 / (alpha (t0 + t)),  t0 = 1 / (alpha typw),  typw = alpha^(-1/4)
+    optimal     eta_t = eta0 / (1 + alpha e t),  e = typw / (2 (1 + typw)),  typw = alpha^(-1/4)
 
-``optimal`` is scikit-learn's ``SGDRegressor`` schedule (``_sgd_fast``, whose own counter
-is ``t + 1``, stepped per sample there and per epoch here). The update of
-:class:`LearningRateSGDNesterov` is scikit-learn's ``SGDOptimizer``::
+``optimal`` is onnxcustom's: scikit-learn's ``SGDRegressor`` schedule
+``1 / (alpha (t0 + t))`` with ``t0 = 1 / (alpha e)``, multiplied by the constant that makes
+its first rate ``eta0`` (scikit-learn's own starts at ``alpha^(-1/4)``, 10 for the default
+alpha, and diverges on the reference documents' examples; :class:`lossgraph.optim.SGD`
+keeps scikit-learn's). :meth:`BaseLearningRate.loop` yields ``eta_0, eta_1, ...`` as
+onnxcustom's ``loop`` did. The update of :class:`LearningRateSGDNesterov` is
+scikit-learn's ``SGDOptimizer``::
 
     u' = m u - eta_t g;   w' = w + u'                 nesterov=False
                           w' = w + m u' - eta_t g     nesterov=True
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,9 +39,8 @@ import numpy as np
 import onnx
 
 from ..errors import UnsupportedOptionError, suggest
-from ..optim import SGD, Momentum, Optimizer
-from ..options import finite, non_negative
-from ..separate import update_graph
+from ..optim import SGD, Momentum, Optimizer, update_graph
+from ..options import count, finite, non_negative
 
 __all__ = ["BaseLearningRate", "LearningRateSGD", "LearningRateSGDNesterov"]
 
@@ -72,9 +75,10 @@ class BaseLearningRate:
 
     @property
     def optimal_init(self) -> float:
-        """scikit-learn's ``t0`` of the optimal schedule: ``1 / (alpha typw)``."""
+        """onnxcustom's ``t0`` of the optimal schedule: ``1 / (alpha e)``, with
+        ``e = typw / max(1, 2 (1 + typw))`` and ``typw = alpha^(-1/4)``."""
         typw = math.sqrt(1.0 / math.sqrt(self.alpha))
-        return 1.0 / (typw * self.alpha)
+        return 1.0 / (typw / max(1.0, (1 + typw) * 2) * self.alpha)
 
     def value(self, epoch: int) -> float:
         """The learning rate of every update in epoch ``epoch`` (0 for the first)."""
@@ -82,9 +86,15 @@ class BaseLearningRate:
             raise UnsupportedOptionError(f"epoch={epoch!r} must be an integer >= 0.")
         if self.learning_rate == "invscaling":
             return float(self.eta0) / float(epoch + 1) ** self.power_t
-        if self.learning_rate == "optimal":
-            return 1.0 / (self.alpha * (self.optimal_init + epoch))
+        if self.learning_rate == "optimal":  # eta0 t0 / (t0 + t), exactly eta0 at t = 0
+            return float(self.eta0) / (1.0 + epoch / self.optimal_init)
         return float(self.eta0)
+
+    def loop(self, n: int = 1000) -> Iterator[float]:
+        """The rates of the first ``n`` epochs, ``value(0)`` to ``value(n - 1)``, as
+        onnxcustom's ``loop`` yielded them."""
+        n = count("n", n, 0)
+        return (self.value(t) for t in range(n))
 
     def to_optimizer(self) -> Optimizer:
         """The lossgraph optimizer whose update graph does this rate's per-step update;
@@ -95,7 +105,7 @@ class BaseLearningRate:
                             device: str = "cpu") -> onnx.ModelProto:
         """The update graph for ``weights`` (name -> value, giving shapes and dtype):
         ``(learning_rate, step, W, W_grad, states...) -> (W_new, states_new...)``, as
-        :func:`lossgraph.separate.update_graph` builds it for :meth:`to_optimizer`. The
+        :func:`lossgraph.optim.update_graph` builds it for :meth:`to_optimizer`. The
         graph does not depend on ``device``; the session running it picks the device."""
         if not isinstance(device, str):
             raise UnsupportedOptionError(f"device={device!r} must be a string such as 'cpu'.")
@@ -103,12 +113,15 @@ class BaseLearningRate:
 
     @classmethod
     def select(cls, value: Any) -> BaseLearningRate:
-        """An instance for ``value``: an instance (returned as is), a float (a constant
-        rate), a class name or an alias (``"SGD"``, ``"SGDNesterov"``, ``"Nesterov"``)."""
+        """An instance for ``value``: an instance (returned as is), a number ``eta0``
+        (``LearningRateSGD(eta0=eta0)``, whose default schedule is invscaling, as
+        onnxcustom's ``select`` gave), a class name or an alias (``"SGD"``,
+        ``"SGDNesterov"``, ``"Nesterov"``). A constant rate is
+        ``LearningRateSGD(eta0, learning_rate="constant")``."""
         if isinstance(value, BaseLearningRate):
             return value
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            return LearningRateSGD(eta0=float(value), learning_rate="constant")
+            return LearningRateSGD(eta0=float(value))
         names = {name: kind for kind in (LearningRateSGD, LearningRateSGDNesterov)
                  for name in (kind.__name__, *kind.aliases)}
         if isinstance(value, str) and value in names:

@@ -29,7 +29,7 @@ import numbers
 import os
 import reprlib
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,9 @@ from ..compiler import compile_program
 from ..errors import (
     ConvergenceError,
     ConvergenceWarning,
+    EvaluationError,
     InvalidDataError,
+    MissingFolderError,
     NotFittedError,
     UnknownNameError,
     UnsupportedModelError,
@@ -51,11 +53,12 @@ from ..errors import (
 from ..fileio import check_file_target, save_model, serialize
 from ..models import ModelLike, as_model
 from ..options import count, flag
+from ..passes.loss import loss_graph
 from ..program import TrainingProgram, with_weights
 from ..roles import get_roles
 from ..runtime import Trainer
 from ..runtime.session import create_session
-from ..separate import loss_graph, split_gradient
+from ..surgery import split_gradient
 from ..validation import names
 from .forward_backward import device_providers
 from .learning_loss import BaseLearningLoss
@@ -68,10 +71,39 @@ __all__ = ["BaseEstimator", "OrtGradientOptimizer", "OrtGradientForwardBackwardO
 TRAINING_OPTIMIZERS = ("SGDOptimizer",)
 
 
+class Resolved:
+    """A constructor parameter whose attribute is the object ``select`` makes of the value
+    given (onnxcustom's attributes: ``opt.learning_rate`` is a learning-rate object for
+    ``learning_rate="Nesterov"``), while ``get_params`` returns the value as given
+    (scikit-learn's ``clone`` rebuilds the estimator from it and checks it is kept). Set by
+    the constructor, ``set_params`` and plain assignment alike."""
+
+    def __init__(self, select: Callable[[Any], Any]) -> None:
+        self._select = select
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self._name]
+        except KeyError:
+            raise AttributeError(self._name) from None
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        resolved = self._select(value)  # a bad value raises before anything changes
+        obj.__dict__.setdefault("_given", {})[self._name] = value
+        obj.__dict__[self._name] = resolved
+
+
 class BaseEstimator:
     """scikit-learn's estimator conventions without importing scikit-learn:
     ``get_params``/``set_params`` from the constructor's signature, a readable repr,
-    pickling that keeps the trained state and rebuilds the onnxruntime sessions."""
+    pickling that keeps the trained state and rebuilds the onnxruntime sessions.
+    :class:`Resolved` parameters are objects as attributes and given values in
+    ``get_params``."""
 
     @classmethod
     def _get_param_names(cls) -> list[str]:
@@ -85,8 +117,11 @@ class BaseEstimator:
             setattr(self, name, values[name])
 
     def get_params(self, deep: bool = True) -> dict[str, Any]:
-        """The constructor's arguments, by name."""
-        return {name: getattr(self, name) for name in self._get_param_names()}
+        """The constructor's arguments, by name, as given (a learning rate's name, not the
+        object the attribute holds)."""
+        given = self.__dict__.get("_given", {})
+        return {name: given[name] if name in given else getattr(self, name)
+                for name in self._get_param_names()}
 
     def set_params(self, **params: Any) -> BaseEstimator:
         """Change constructor arguments; the next ``fit`` compiles again."""
@@ -100,14 +135,20 @@ class BaseEstimator:
         return self
 
     def __repr__(self) -> str:
+        """The parameters given other than their defaults, and every :class:`Resolved` one
+        as the object it stands for (onnxcustom's repr: ``learning_rate=0.001`` shows as
+        ``LearningRateSGD(eta0=0.001, ..., learning_rate='invscaling')``)."""
         defaults = {p.name: p.default for p in
                     inspect.signature(type(self).__init__).parameters.values()}
+        given = self.get_params()
         shown = []
         for name in self._get_param_names():
             value = getattr(self, name)
             if isinstance(value, onnx.ModelProto):
                 shown.append(f"{name}=<ModelProto {value.graph.name!r}>")
-            elif defaults[name] is inspect.Parameter.empty or not _same(value, defaults[name]):
+            elif (defaults[name] is inspect.Parameter.empty
+                  or isinstance(getattr(type(self), name, None), Resolved)
+                  or not _same(given[name], defaults[name])):
                 shown.append(f"{name}={value!r}")
         return f"{type(self).__name__}({', '.join(shown)})"
 
@@ -147,7 +188,8 @@ class _TrainingEstimator(BaseEstimator):
 
     def _compile_key(self) -> tuple:
         """What the compiled program depends on (a changed parameter recompiles)."""
-        return tuple((name, id(getattr(self, name)), repr(getattr(self, name)))
+        given = self.__dict__.get("_given", {})
+        return tuple((name, id(given.get(name, getattr(self, name))), repr(getattr(self, name)))
                      for name in self._COMPILE_PARAMS)
 
     def _trainer(self, continuing: bool = False) -> Trainer:
@@ -159,7 +201,7 @@ class _TrainingEstimator(BaseEstimator):
         if getattr(self, "_compiled_key", None) != key:
             providers = device_providers(self.device)
             previous = getattr(self, "train_session_", None) if continuing else None
-            self._rate = BaseLearningRate.select(self.learning_rate)
+            self._rate = self.learning_rate
             self.train_session_ = Trainer(self._program(), providers=providers)
             self._compiled_key = key
             if previous is not None:
@@ -250,6 +292,7 @@ class _TrainingEstimator(BaseEstimator):
              epochs: int, warm_start: bool, classes: Any = None) -> Any:
         """``epochs`` epochs of training from the start (or, ``warm_start``, from the state
         so far), recorded in the fitted attributes."""
+        sample_weight = _row_weights(sample_weight)
         self._check_params()
         self._check_fit(sample_weight)
         trainer = self._trainer(continuing=warm_start)
@@ -262,16 +305,30 @@ class _TrainingEstimator(BaseEstimator):
         if getattr(self, "enable_logging", False):
             callbacks.append(self._log_epoch(rate))
         validation: list[float] = []
+        raises = getattr(self, "exc", True)
         if X_val is not None:
             period = self._validation_period()
             trainer._prepare(X_val, y_val, what="validation data ")  # checked before work
 
             def validate(t: Trainer, epoch: int, logs: dict) -> None:
-                if (epoch + 1) % period == 0:
-                    validation.append(t.score(X_val, y_val))
+                if (epoch + 1) % period:
+                    return
+                loss = t.score(X_val, y_val)
+                if not math.isfinite(loss):  # onnxcustom's EvaluationError
+                    message = (
+                        f"The validation loss is {loss} after epoch {epoch}: the loss on "
+                        "(X_val, y_val) is not a finite number (the model overflows on data "
+                        "far from the training data, or its weights grew too large).")
+                    if raises:
+                        self._record(t, X_val, validation)
+                        raise EvaluationError(
+                            f"{message} Training stopped; the estimator keeps the weights of "
+                            "that epoch.")
+                    warnings.warn(f"{message} It is recorded as is.", ConvergenceWarning,
+                                  stacklevel=2)
+                validation.append(loss)
 
             callbacks.append(validate)
-        raises = getattr(self, "exc", True)
         finite: list[dict[str, np.ndarray]] = []
         if not raises:  # a divergence must leave finite weights: remember the last ones
             finite.append(trainer.state if warm_start else
@@ -379,7 +436,7 @@ class _TrainingEstimator(BaseEstimator):
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The negated loss on ``(X, y)``, so that higher is better (scikit-learn's
         convention)."""
-        return -self._fitted().score(X, y, sample_weight)
+        return -self._fitted().score(X, y, _row_weights(sample_weight))
 
     def predict(self, X: Any) -> np.ndarray:
         """The model's prediction with the trained weights."""
@@ -387,7 +444,7 @@ class _TrainingEstimator(BaseEstimator):
 
     # -- pickling -------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        kept = {name: getattr(self, name) for name in self._get_param_names()}
+        kept = self.get_params()  # as given: unpickling resolves them again
         kept.update({name: getattr(self, name) for name in self._FITTED if hasattr(self, name)})
         trainer = getattr(self, "train_session_", None)
         if trainer is not None and getattr(self, "_compiled_key", None) == self._compile_key():
@@ -395,9 +452,12 @@ class _TrainingEstimator(BaseEstimator):
         return kept
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        params = self._get_param_names()
+        for name in params:
+            setattr(self, name, state[name])
+        self.__dict__.update({k: v for k, v in state.items() if k not in params})
         if "train_session_" in state:  # compiled for these very parameters
-            self._rate = BaseLearningRate.select(self.learning_rate)
+            self._rate = self.learning_rate
             self._compiled_key = self._compile_key()
 
 
@@ -407,7 +467,9 @@ class OrtGradientOptimizer(_TrainingEstimator):
     ``model_onnx`` comes from :func:`~lossgraph.add_loss_output` (its loss output is
     ``loss_output_name``, its sample-weight input ``sample_weight_name`` when it has
     one); ``weights_to_train`` names its initializers to train. ``learning_rate`` is a
-    :class:`~lossgraph.compat.BaseLearningRate`, its name or a float;
+    :class:`~lossgraph.compat.BaseLearningRate`, its name or a float ``eta0``
+    (onnxcustom's ``LearningRateSGD(eta0)``: invscaling), resolved on construction (the
+    attribute is the object, ``get_params`` keeps the value given);
     :class:`~lossgraph.compat.LearningRateSGDNesterov` adds (Nesterov) momentum.
     ``max_iter`` epochs of ``batch_size`` rows; ``validation_every`` (epochs, or a
     fraction of ``max_iter`` below 1) spaces the validation losses; ``saved_gradient``,
@@ -417,6 +479,8 @@ class OrtGradientOptimizer(_TrainingEstimator):
 
     _COMPILE_PARAMS = ("model_onnx", "weights_to_train", "loss_output_name", "learning_rate",
                        "sample_weight_name", "saved_gradient", "device")
+
+    learning_rate = Resolved(BaseLearningRate.select)
 
     def __init__(self, model_onnx: ModelLike, weights_to_train: Sequence[str] | None,
                  loss_output_name: str = "loss", max_iter: int = 100,
@@ -448,9 +512,7 @@ class OrtGradientOptimizer(_TrainingEstimator):
 
     def _program(self) -> TrainingProgram:
         program = compile_program(self._loss_model(), weights=self.weights_to_train, loss=None,
-                                  optimizer=BaseLearningRate.select(
-                                      self.learning_rate).to_optimizer(),
-                                  fuse="epoch")
+                                  optimizer=self.learning_rate.to_optimizer(), fuse="epoch")
         if self.saved_gradient is not None:
             save_model(program.graphs["train_step"], check_file_target(self.saved_gradient))
         return program
@@ -495,6 +557,10 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
                        "_weight_input", "learning_penalty", "loss_output_name", "device")
     _FITTED = (*_TrainingEstimator._FITTED, "_weighted")
 
+    learning_rate = Resolved(BaseLearningRate.select)
+    learning_loss = Resolved(BaseLearningLoss.select)
+    learning_penalty = Resolved(BaseLearningPenalty.select)
+
     def __init__(self, model_onnx: ModelLike, weights_to_train: Sequence[str] | None = None,
                  loss_output_name: str = "loss", max_iter: int = 100,
                  training_optimizer_name: str = "SGDOptimizer", batch_size: int = 10,
@@ -506,14 +572,6 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         self._keep_params(locals())
 
     @property
-    def _loss(self) -> BaseLearningLoss:
-        return BaseLearningLoss.select(self.learning_loss)
-
-    @property
-    def _penalty(self) -> BaseLearningPenalty:
-        return BaseLearningPenalty.select(self.learning_penalty)
-
-    @property
     def _weight_input(self) -> str | None:
         """The loss graph's sample-weight input: ``weight_name``, else ``"weight"`` once a
         fit has had sample weights (the reference documents pass them without a name)."""
@@ -522,7 +580,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         return "weight" if getattr(self, "_weighted", False) else None
 
     def _program(self) -> TrainingProgram:
-        loss, penalty = self._loss, self._penalty
+        loss, penalty = self.learning_loss, self.learning_penalty
         model = as_model(self.model_onnx)
         if get_roles(model).get("loss"):
             raise UnsupportedModelError(
@@ -535,11 +593,10 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         weights = names("weights_to_train", self.weights_to_train) or default_weights(model)
         return compile_program(model, weights=weights, loss=loss.loss,
                                loss_options=loss_options, penalty=penalty.penalty(weights),
-                               optimizer=BaseLearningRate.select(self.learning_rate).to_optimizer(),
-                               fuse="separate")
+                               optimizer=self.learning_rate.to_optimizer(), fuse="separate")
 
     def _is_classifier(self) -> bool:
-        return self._loss.loss == "logistic"
+        return self.learning_loss.loss == "logistic"
 
     def fit(self, X: Any, y: Any, sample_weight: Any = None, X_val: Any = None,
             y_val: Any = None) -> OrtGradientForwardBackwardOptimizer:
@@ -561,7 +618,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
             prediction = trainer.program.manifest["roles"]["prediction"]
             value = next(o for o in trainer.program.graphs["predict"].graph.output
                          if o.name == prediction)
-            graph = loss_graph(value, self._loss.loss, self._loss.loss_options(),
+            graph = loss_graph(value, self.learning_loss.loss, self.learning_loss.loss_options(),
                                weight_name=self._weight_input, reduction="none").model
             self._row_loss = (graph, create_session(graph, device_providers(self.device)))
             self._row_loss_key = key
@@ -572,6 +629,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         penalty."""
         trainer = self._fitted()
         graph, session = self._row_loss_session()
+        sample_weight = _row_weights(sample_weight)
         if sample_weight is not None and self._weight_input is None:
             raise UnsupportedOptionError(
                 "sample_weight was given, but the loss has no sample-weight input: pass "
@@ -616,12 +674,17 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
                                        if "penalty" in program.graphs else {})}
         if folder is bytes:
             return _map(graphs, lambda _, graph: serialize(graph))
+        if isinstance(folder, (str, os.PathLike)) and not os.path.lexists(folder):
+            raise MissingFolderError(
+                f"save_onnx_graph: the folder {str(folder)!r} does not exist. Create it first "
+                "(the graphs are written into an existing folder), or pass bytes for the "
+                "serialized graphs.")
         if not isinstance(folder, (str, os.PathLike)) or not Path(folder).is_dir():
             raise UnsupportedOptionError(
                 f"save_onnx_graph(folder={folder!r}): give an existing folder, or bytes for "
                 "the serialized graphs.")
-        owners = {"learning_loss": self._loss, "learning_rate": BaseLearningRate.select(
-            self.learning_rate), "learning_penalty": self._penalty}
+        owners = {"learning_loss": self.learning_loss, "learning_rate": self.learning_rate,
+                  "learning_penalty": self.learning_penalty}
 
         def path(key: tuple[str, ...], graph: onnx.ModelProto) -> Path:
             owner = type(owners[key[0]] if len(key) > 1 else self).__name__
@@ -632,6 +695,15 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         paths = _map(graphs, path)
         _map(paths, lambda _, p: check_file_target(p))
         return _map(graphs, lambda key, graph: str(save_model(graph, _get(paths, key))))
+
+
+def _row_weights(sample_weight: Any) -> Any:
+    """Sample weights in one column, ``(N, 1)`` as onnxcustom's tests pass them (its loss
+    graphs broadcast ``(N,)`` weights wrongly), as the ``(N,)`` row weights they are."""
+    shape = getattr(sample_weight, "shape", None)
+    if shape is not None and len(shape) == 2 and shape[1] == 1:
+        return np.asarray(sample_weight).reshape(-1)
+    return sample_weight
 
 
 def _short(name: str) -> str:

@@ -43,7 +43,7 @@ _INDEX_DEPTH = 4
 
 
 @dataclass(frozen=True)
-class ConcatScatteredSlabs(Pass):
+class ConcatScatteredSlabs(Pass[None]):
     """Sums of one-slab scatters into zeros that fill a tensor, as a ``Concat`` of the
     slabs (module doc)."""
 

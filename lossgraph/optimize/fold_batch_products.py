@@ -46,7 +46,7 @@ Dims = list  # a value's dims: int where static, str for a symbol, None where un
 
 
 @dataclass(frozen=True)
-class FoldBatchIntoProducts(Pass):
+class FoldBatchIntoProducts(Pass[None]):
     """Sums over the batch of batched ``a^T b`` as one ``Gemm`` over all rows (module doc)."""
 
     def call(self, model: onnx.ModelProto) -> PassResult:

@@ -72,7 +72,7 @@ def _most_parts(rows: int, most: int, least_rows: int) -> int | None:
 
 
 @dataclass(frozen=True)
-class SplitRowProducts(Pass):
+class SplitRowProducts(Pass[None]):
     """Long one-row ``MatMul`` and ``Gemm(transA=1)`` of static shapes as sums of batched
     parts (module doc)."""
 

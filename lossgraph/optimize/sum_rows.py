@@ -54,7 +54,7 @@ __all__ = ["SumRowsByProduct"]
 
 
 @dataclass(frozen=True)
-class SumRowsByProduct(Pass):
+class SumRowsByProduct(Pass[None]):
     """Sums over the leading axes, reshaped to a constant shape, as ``ones @ rows`` (a
     whole ``ReduceSum`` for one column); see the module doc."""
 

@@ -61,7 +61,7 @@ _SWAP_PREFIX = [1, 0]
 
 
 @dataclass(frozen=True)
-class UnfoldConvWeightGradients(Pass):
+class UnfoldConvWeightGradients(Pass[None]):
     """Convolution weight gradients ``Conv(x^T, dy^T)^T`` as a product of the unfolded x
     and dy (module doc)."""
 

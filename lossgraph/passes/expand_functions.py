@@ -27,7 +27,7 @@ elimination merges the recomputation with the inlined forward.
 Nested function ops (a body op that is itself a function without a rule) are expanded
 in turn, and so are nodes inside subgraphs. A node stays as it is, and the walker names
 it if the gradient needs it, when its op has a gradient rule, is declared
-non-differentiable (:mod:`lossgraph.differentiability`), has no body at the model's
+non-differentiable (:mod:`lossgraph.autodiff.registry`), has no body at the model's
 opset, or its body cannot be built (a context-dependent body that needs input types
 shape inference did not find).
 
@@ -47,8 +47,7 @@ import onnx.defs
 from onnx import helper
 
 from ..analysis import differentiable_values, influenced_values
-from ..autodiff.registry import find_rule
-from ..differentiability import differentiable_inputs
+from ..autodiff.registry import differentiable_inputs, find_rule
 from ..graphs import FLOAT_TYPES, ForwardFacts, all_graphs, outer_references, subgraphs
 from ..names import NameAuthority
 from .contract import Pass, PassResult
@@ -489,7 +488,7 @@ def gradient_view(model: onnx.ModelProto, names: NameAuthority,
 
 # ------------------------------------------------------------------------- pass
 @dataclass(frozen=True)
-class ExpandFunctions(Pass):
+class ExpandFunctions(Pass[dict[str, int]]):
     """Replace function ops by their bodies in the forward graph (module docstring).
 
     ``op_types``: the ops to expand (any that has a body at the model's opset, rule or

@@ -46,10 +46,12 @@ from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
 from ..graphs import names_in_graph, np_dtype, opset_version, rename_values, values_read
+from ..metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json
 from ..names import NameAuthority
 from ..optim import Optimizer
+from ..roles import get_roles
 from ..signature import Signature
-from .contract import Pass, PassResult
+from .contract import Pass, PassResult, Requirement
 
 __all__ = ["PackWeights", "StepGraph", "EpochGraph"]
 
@@ -73,8 +75,36 @@ def name_update(model: onnx.ModelProto, signature: Signature,
     return named, names
 
 
+def _gradients_problem(model: onnx.ModelProto) -> str | None:
+    """What keeps ``model`` from being a gradient model: a loss (add_loss_output) and the
+    gradients of its weights as outputs (lossgraph.gradient), recorded in its metadata."""
+    if read_json(model, SIGNATURE_KEY):
+        return None  # a step graph's signature names its gradients
+    if "loss" not in get_roles(model):
+        return "the model records no loss (build it with lossgraph.add_loss_output)"
+    if not read_json(model, GRADIENTS_KEY):
+        return ("the model records no gradients (lossgraph.gradient, with its weights as "
+                "inputs)")
+    return None
+
+
+def _step_graph_problem(model: onnx.ModelProto) -> str | None:
+    """What keeps ``model`` from being a step graph (StepGraph's output)."""
+    recorded = read_json(model, SIGNATURE_KEY)
+    if not recorded or recorded.get("learning_rates") is not None:
+        return ("the model records no step graph signature: it must be StepGraph's output "
+                "(an epoch graph cannot be wrapped again)")
+    return None
+
+
+#: A loss model with its weights' gradients, as :class:`~lossgraph.passes.Gradient` emits.
+GRADIENT_MODEL = Requirement("a loss model with its weights' gradients", _gradients_problem)
+#: A training step graph, as :class:`StepGraph` emits.
+STEP_GRAPH = Requirement("a training step graph", _step_graph_problem)
+
+
 @dataclass(frozen=True)
-class PackWeights(Pass):
+class PackWeights(Pass[Signature]):
     """One flat weight input and one flat gradient instead of one per weight (module doc).
 
     The input is a gradient model whose weights are graph inputs of static shapes and
@@ -83,6 +113,7 @@ class PackWeights(Pass):
     """
 
     optimizer: Optimizer
+    requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         unpacked, names = name_update(model, Signature.of_gradient_model(model), self.optimizer)
@@ -122,7 +153,7 @@ def _pack(model: onnx.ModelProto, unpacked: Signature, names: NameAuthority) -> 
 
 
 @dataclass(frozen=True)
-class StepGraph(Pass):
+class StepGraph(Pass[Signature]):
     """Append ``optimizer``'s update of every weight to a gradient model (module doc).
 
     The input holds the loss and each weight's gradient (the weights are graph inputs),
@@ -132,6 +163,7 @@ class StepGraph(Pass):
     """
 
     optimizer: Optimizer
+    requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         signature, names = name_update(model, Signature.of(model), self.optimizer)
@@ -176,7 +208,7 @@ def _bind(b: GraphBuilder, value: str, name: str) -> None:
 
 
 @dataclass(frozen=True)
-class EpochGraph(Pass):
+class EpochGraph(Pass[Signature]):
     """Wrap a step graph (from :class:`StepGraph`) in a Scan over one epoch's batches.
 
     With ``shuffled=False`` there is no permutation input: the data inputs hold exactly
@@ -186,6 +218,7 @@ class EpochGraph(Pass):
     """
 
     shuffled: bool = True
+    requires = (STEP_GRAPH,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         signature = _wrap_in_scan(model, Signature.of(model), self.shuffled)

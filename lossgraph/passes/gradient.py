@@ -30,7 +30,12 @@ import onnx
 from onnx import helper
 
 from .. import training_build
-from ..analysis import blocked_message, blocked_weights, default_weights
+from ..analysis import (
+    blocked_message,
+    blocked_weights,
+    default_weights,
+    trainable_initializers,
+)
 from ..autodiff.walker import differentiate
 from ..builder import GraphBuilder
 from ..deprecation import renamed_keywords
@@ -55,8 +60,9 @@ from ..graphs import (
 from ..metadata import GRADIENTS_KEY, write_json
 from ..models import ModelLike
 from ..names import NameAuthority
+from ..options import names as names_option
 from ..roles import get_roles
-from .contract import Pass, PassResult
+from .contract import Pass, PassResult, name_fields
 from .expand_functions import gradient_view
 from .quantization import quantized_weight_hint
 
@@ -67,7 +73,7 @@ BACKENDS = ("onnx", "ort")
 
 
 @dataclass(frozen=True)
-class Gradient(Pass):
+class Gradient(Pass[dict[str, str]]):
     """Add ``<w>_grad`` outputs for each ``w`` of ``weights`` (module docstring; the options
     are those of :func:`gradient`). The report is ``{weight: gradient output}``."""
 
@@ -76,14 +82,17 @@ class Gradient(Pass):
     backend: str = "onnx"
     outputs: Sequence[str] | None = None
 
+    def __post_init__(self) -> None:
+        name_fields(self, "weights", "outputs")
+
     def call(self, model: onnx.ModelProto) -> PassResult:
         grad_names = _differentiate(model, self.weights, self.loss_name, self.backend,
                                     self.outputs)
         return PassResult(model, grad_names)
 
-    def __call__(self, model: ModelLike) -> PassResult:
+    def run(self, model: ModelLike, *, checked: bool = False) -> PassResult[dict[str, str]]:
         try:
-            return super().__call__(model)
+            return super().run(model, checked=checked)
         except InternalError as exc:
             if self.backend != "ort":
                 raise
@@ -131,6 +140,11 @@ def _differentiate(model: onnx.ModelProto, wrt: Sequence[str] | None, loss: str 
             "Pass either loss_name= (scalar-loss mode) or outputs= (vector-Jacobian mode), not "
             "both."
         )
+    if outputs is not None and not outputs:
+        raise UnsupportedOptionError(
+            "outputs=[] names no output to take the vector-Jacobian product of: name some "
+            f"({', '.join(map(repr, output_names))}), or leave outputs=None to differentiate "
+            "the loss.")
     default_loss = get_roles(model).get("loss", "loss")
     targets = list(outputs) if outputs is not None else [loss or default_loss]
     for target in targets:
@@ -150,6 +164,8 @@ def _differentiate(model: onnx.ModelProto, wrt: Sequence[str] | None, loss: str 
                 f"Cannot differentiate output {target!r} of type {_type_name(facts, target)}: "
                 "it must be a float or double tensor."
             )
+    if wrt is not None and not wrt:
+        names_option("weights", [], candidates=trainable_initializers(model))
     if wrt is None:  # the trainable weights that reach these targets, or an error
         wrt = default_weights(model, targets, facts.types, splits_as_tensors=False)
     wrt = list(wrt)
@@ -216,9 +232,7 @@ def _check_wrt(graph: onnx.GraphProto, wrt: Sequence[str], facts: ForwardFacts) 
     candidates = [t.name for t in graph.initializer] + [
         i.name for i in graph.input if i.name not in {t.name for t in graph.initializer}
     ]
-    if len(set(wrt)) != len(wrt):
-        raise UnsupportedOptionError(f"weights lists a name twice: {list(wrt)}.")
-    for w in wrt:
+    for w in wrt:  # distinct already: Gradient's fields are checked name lists
         if w not in candidates:
             raise UnknownNameError(
                 f"weights names {w!r}, which is neither an initializer nor an input of the "

@@ -78,7 +78,7 @@ class FakeQuantization:
 
 
 @dataclass(frozen=True)
-class StraightThroughQuantization(Pass):
+class StraightThroughQuantization(Pass[tuple[FakeQuantization, ...]]):
     """Fake-quantization pairs (QuantizeLinear -> DequantizeLinear of a float tensor)
     rewritten into ``lossgraph.FakeQuantizeLinear`` nodes, differentiated with the
     straight-through estimator (module doc); with ``dequantize_weights``, integer weights

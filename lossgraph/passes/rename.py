@@ -21,14 +21,15 @@ from ..errors import UnknownNameError, suggest
 from ..graphs import rename_values
 from ..models import ModelLike
 from ..names import NameAuthority
+from ..options import names as names_option
 from ..roles import get_roles, set_roles
-from .contract import Pass, PassResult
+from .contract import Pass, PassResult, name_fields
 
 __all__ = ["AlphabetizeInitializers", "alphabetize_initializers"]
 
 
 @dataclass(frozen=True)
-class AlphabetizeInitializers(Pass):
+class AlphabetizeInitializers(Pass[dict[str, str]]):
     """Rename ``weights`` (default: the trainable initializers) so they sort in graph order.
 
     The report is the mapping ``old name -> new name``: the identity when the names
@@ -36,6 +37,9 @@ class AlphabetizeInitializers(Pass):
     """
 
     weights: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        name_fields(self, "weights")
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         mapping = _alphabetize(model, self.weights)
@@ -56,6 +60,8 @@ def _alphabetize(model: onnx.ModelProto, names: Sequence[str] | None) -> dict[st
     initializers = [t.name for t in model.graph.initializer]
     if names is None:
         names = trainable_initializers(model)
+    elif not names:
+        names_option("weights", [], candidates=trainable_initializers(model))
     for name in names:
         if name not in initializers:
             raise UnknownNameError(

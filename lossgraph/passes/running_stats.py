@@ -196,7 +196,7 @@ def _label(node: onnx.NodeProto, index: int) -> str:
 
 
 @dataclass(frozen=True)
-class RunningStatistics(Pass):
+class RunningStatistics(Pass[dict[str, str]]):
     """Rewrite each training-mode BatchNormalization into a
     ``lossgraph.BatchNormalizationTraining`` node (normalization by the batch statistics,
     which it outputs too), and add its running statistics' update as outputs (see the module

@@ -58,7 +58,7 @@ def holds_splits(model: onnx.ModelProto) -> bool:
 
 
 @dataclass(frozen=True)
-class SequencesToTensors(Pass):
+class SequencesToTensors(Pass[tuple[str, ...]]):
     """``SplitToSequence`` read at constant positions rewritten into ``Split`` (module
     doc); the report is the tuple of the sequences rewritten, in graph order."""
 

@@ -119,7 +119,7 @@ class StableRewrite:
 
 
 @dataclass(frozen=True)
-class StabilizeNumerics(Pass):
+class StabilizeNumerics(Pass[tuple[StableRewrite, ...]]):
     """Overflowing forms (``1 / (1 + Exp(-s))``, ``Log(Softmax)``, ``Log(1 + Exp)``,
     ``Log(Sigmoid)``, ...) rewritten into stable ones (module doc); the report is the
     tuple of :class:`StableRewrite` done, in graph order.

@@ -57,7 +57,7 @@ _TRAINING_GRAPH_KEYS = (GRADIENTS_KEY, SIGNATURE_KEY)
 
 
 @dataclass(frozen=True)
-class StripTraining(Pass):
+class StripTraining(Pass[dict[str, Any]]):
     """Remove the loss, its inputs and the roles record; put BatchNormalization and Dropout
     in inference mode (see the module docstring).
 
@@ -73,7 +73,7 @@ class StripTraining(Pass):
 
 
 @dataclass(frozen=True)
-class InferenceMode(Pass):
+class InferenceMode(Pass[dict[str, Any]]):
     """Put BatchNormalization and Dropout in inference mode and nothing else: the loss, its
     inputs and the roles stay (an eval graph, with the loss, runs this; see the module
     docstring for the rewrites). The report has :class:`StripTraining`'s keys but

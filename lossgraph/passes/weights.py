@@ -17,17 +17,20 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import UnknownNameError, suggest
-from .contract import Pass, PassResult
+from .contract import Pass, PassResult, name_fields
 
 __all__ = ["WeightsToInputs"]
 
 
 @dataclass(frozen=True)
-class WeightsToInputs(Pass):
+class WeightsToInputs(Pass[dict[str, np.ndarray]]):
     """Turn the initializers ``weights`` into graph inputs (appended in that order); the
     report is their values by name."""
 
     weights: Sequence[str]
+
+    def __post_init__(self) -> None:
+        name_fields(self, "weights")
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         return PassResult(model, _lift(model, list(self.weights)))

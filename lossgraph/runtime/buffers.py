@@ -1,11 +1,15 @@
-"""Weights and optimizer states in device buffers, swapped between steps, never copied.
+"""Weights and optimizer states in device buffers, rotated between steps, never copied.
 
 A training graph reads the state (weights, optimizer states) as inputs and writes
-the next state as outputs. :class:`StateBuffers` keeps two sets of buffers; a
-:class:`GraphRunner` holds one ``SessionIOBinding`` per direction (inputs from set A
-and outputs into set B, or the reverse), so a step only rebinds its data batch.
-After a successful step the sets swap roles; after a failed one they do not, and
-the state is still the one before the step.
+the next state as outputs. :class:`StateBuffers` keeps a ring of three sets of buffers;
+a :class:`GraphRunner` holds one ``SessionIOBinding`` per set (inputs from that set,
+outputs into the next one), so a step only rebinds its data batch. After a successful
+step the next set becomes the live one (:meth:`StateBuffers.advance`); after a failed
+one it does not, and the state is still the one before the step. The third set keeps
+the state before the last successful step: a loss is computed at a step's input
+state, so when a step's loss is not finite, its input state is the one that diverged,
+and the one before it (:meth:`StateBuffers.step_back`) is the last whose loss was
+finite.
 
 Groups of state tensors of one dtype can be *packed*: laid end to end in one flat array
 per set, each tensor a view of its part. A graph then reads or writes the whole group
@@ -32,11 +36,15 @@ Block = tuple[str, ...]
 
 
 class StateBuffers:
-    """Two buffer sets for the named state tensors; ``current`` holds the live state.
+    """A ring of buffer sets for the named state tensors; ``current`` holds the live state,
+    a step writes the next one into set :meth:`following`.
 
     Each group in ``packed`` (names of one dtype) lies end to end in one flat array per
     set (``blocks[group][set]``, also bindable as an OrtValue), its tensors views of it.
     """
+
+    #: The live state, the next one a step writes, and the one before the last step.
+    SETS = 3
 
     def __init__(self, names: Sequence[str], initial: Mapping[str, np.ndarray],
                  packed: Sequence[Sequence[str]] = ()) -> None:
@@ -44,13 +52,12 @@ class StateBuffers:
         self.device = cpu_device()
         self._index = {name: i for i, name in enumerate(self.names)}
         self.blocks: dict[Block, list[np.ndarray]] = {}
-        self.arrays = [self._allocate(initial, packed) for _ in (0, 1)]
-        for name, array in zip(self.names, self.arrays[0]):
-            array[...] = initial[name]
+        self.arrays = [self._allocate(initial, packed) for _ in range(self.SETS)]
         self.values = [[ortvalue(a, self.device) for a in arrays] for arrays in self.arrays]
         self._block_values = {block: [ortvalue(flat, self.device) for flat in flats]
                               for block, flats in self.blocks.items()}
         self.current = 0
+        self.load(initial)
 
     def _allocate(self, initial: Mapping[str, np.ndarray],
                   packed: Sequence[Sequence[str]]) -> list[np.ndarray]:
@@ -73,18 +80,34 @@ class StateBuffers:
             return self._block_values[state][parity]
         return self.values[parity][self._index[state]]
 
+    def following(self, parity: int) -> int:
+        """The set a step reading set ``parity`` writes the next state into."""
+        return (parity + 1) % self.SETS
+
     def live(self) -> dict[str, np.ndarray]:
         """The live state, by name (the buffers themselves: copy what must outlive a step)."""
         return dict(zip(self.names, self.arrays[self.current]))
 
-    def swap(self) -> None:
-        """Make the last step's outputs the live state."""
-        self.current ^= 1
+    def advance(self) -> None:
+        """Make the last step's outputs the live state; the state it read is kept, for
+        :meth:`step_back`."""
+        self.current = self.following(self.current)
+        self._kept = True
+
+    def step_back(self) -> bool:
+        """Make the state before the last :meth:`advance` live again, where it is kept
+        (once: the set before it has been written since); False when it is not."""
+        if not self._kept:
+            return False
+        self.current = (self.current - 1) % self.SETS
+        self._kept = False
+        return True
 
     def load(self, state: Mapping[str, np.ndarray]) -> None:
-        """Copy ``state`` into the live buffers."""
+        """Copy ``state`` into the live buffers (no earlier state is kept then)."""
         for name, array in zip(self.names, self.arrays[self.current]):
             array[...] = state[name]
+        self._kept = False
 
 
 class GraphRunner:
@@ -113,14 +136,15 @@ class GraphRunner:
         outputs = {n: ortvalue(a, buffers.device) for n, a in fixed_outputs.items()}
         self._keep += [*fixed.values(), *outputs.values()]
         self._outputs: dict[str, tuple[np.ndarray, object]] = {}
-        self._data: list[tuple] = [(), ()]  # per binding: the arrays it aliases
+        self._data: list[tuple] = [()] * buffers.SETS  # per binding: the arrays it aliases
         self._bindings = []
-        for parity in (0, 1):
+        for parity in range(buffers.SETS):
             binding = C.SessionIOBinding(self._session)
             for name, state in state_inputs.items():
                 binding.bind_ortvalue_input(name, buffers.value(parity, state))
             for name, state in state_outputs.items():
-                binding.bind_ortvalue_output(name, buffers.value(1 - parity, state))
+                binding.bind_ortvalue_output(name, buffers.value(buffers.following(parity),
+                                                                 state))
             for name, value in fixed.items():
                 binding.bind_ortvalue_input(name, value)
             for name, value in outputs.items():

@@ -1,4 +1,4 @@
-"""Running a vector-Jacobian graph cut in two (:func:`lossgraph.separate.split_gradient`).
+"""Running a vector-Jacobian graph cut in two (:func:`lossgraph.surgery.split_gradient`).
 
 :class:`ForwardBackwardRunner` runs the forward half once and hands its residuals to
 the backward half as OrtValues, never through numpy: the forward pass is not
@@ -18,8 +18,9 @@ import onnx
 from ..graphs import np_dtype
 from ..optimize import SpecializeBatch
 from ..program import TrainingProgram
-from ..separate import ForwardBackward, PackedUpdate, chain_graphs, split_gradient
+from ..surgery import ForwardBackward, chain_graphs, split_gradient
 from .buffers import GraphRunner, StateBuffers
+from .packed import PackedUpdate
 from .session import cpu_device, evaluation_error, ortvalue
 
 __all__ = ["ForwardBackwardRunner", "SeparateStep"]
@@ -91,10 +92,10 @@ class SeparateStep:
         update(W, W_grad (+ W_penalty_grad), states) -> W', states'
 
     Weights and states stay in ``buffers``; the update writes the next state into the
-    other buffer set (the caller swaps them after a finite loss). A program's buffers
+    following buffer set (the caller advances to it after a finite loss). A program's buffers
     (the running statistics of a training-mode BatchNormalization) are read by the forward
     half, which also computes their next values (outputs of the ``gradient`` graph, so of
-    its forward half): they go into the other buffer set too, as the fused graphs write
+    its forward half): they go into the following buffer set too, as the fused graphs write
     them.
 
     With ``batch``, the step takes batches of that many rows only and runs graphs
@@ -104,7 +105,7 @@ class SeparateStep:
     nothing else. Without ``batch`` (or where a shape stays unknown), onnxruntime
     allocates the values each step and they are bound as they come.
 
-    With ``packed`` (:func:`~lossgraph.separate.packed_update`, the weights and states
+    With ``packed`` (:func:`~lossgraph.runtime.packed.packed_update`, the weights and states
     packed in ``buffers`` as it lays them out), such a step runs the update packed: the
     backward half writes each gradient into its part of one flat vector, and one small
     update graph updates every weight at once, to the same numbers.
@@ -175,7 +176,7 @@ class SeparateStep:
                        ) -> list[tuple[GraphRunner, dict[str, str]]]:
         """The runs of a full batch's forward half, loss and backward half, each with the
         batch inputs it reads (graph input -> batch input): one run of the three graphs
-        chained (:func:`~lossgraph.separate.chain_graphs`), else one run each."""
+        chained (:func:`~lossgraph.surgery.chain_graphs`), else one run each."""
         seed, prediction = loss_io["prediction_grad"], loss_io["prediction"]
         state_in = {w: w for w in (*self._weights, *self._model_buffers)}
         state_out = dict(zip(self._new_buffers, self._model_buffers))
@@ -217,7 +218,7 @@ class SeparateStep:
     def update(self, gradients: Mapping[str, Any]) -> float:
         """Add the penalty's gradients to ``gradients`` (from :meth:`gradients`, or numpy
         arrays shaped like the weights, changed in place) and run the update graph; the
-        penalty (0 without one). The next state waits in the other buffer set."""
+        penalty (0 without one). The next state waits in the following buffer set."""
         if self._static:  # the update graph reads the arrays bound at construction
             if gradients is not self._gradients:
                 for weight, bound in self._gradients.items():
@@ -256,7 +257,7 @@ class SeparateStep:
         weights = {w: live[self._index[w]] for w in (*self._weights, *self._model_buffers)}
         (prediction, *new_buffers), residuals = self._model.forward(
             {**{n: data[n] for n in self._features}, **weights})
-        following = self._buffers.arrays[1 - current]  # where the update writes the next state
+        following = self._buffers.arrays[self._buffers.following(current)]  # the next state
         for buffer, value in zip(self._model_buffers, new_buffers):
             following[self._index[buffer]][...] = value.numpy()
         loss, prediction_grad = self._loss.run(

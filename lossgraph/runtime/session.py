@@ -20,9 +20,11 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
+from ..target import check_loads, release_target
 from ..training_build import available as training_build_available
 
-__all__ = ["checked_providers", "create_session", "cpu_device", "ortvalue",
+__all__ = ["check_loadable", "checked_providers", "create_session", "cpu_device",
+           "installed_runtime", "ortvalue",
            "quiet_session_options", "training_build_available", "evaluation_error"]
 
 
@@ -69,13 +71,38 @@ def quiet_session_options(**settings: Any):
     return options
 
 
-def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = None,
-                   session_options: Any = None):
-    """An InferenceSession for ``model`` (CPU by default), quiet unless told otherwise."""
+def installed_runtime() -> str:
+    """The installed onnxruntime, as messages name it: ``"onnxruntime-training 1.19.2"``."""
     onnxruntime = _onnxruntime()
+    kind = "onnxruntime-training" if training_build_available() else "onnxruntime"
+    return f"{kind} {onnxruntime.__version__}"
+
+
+def check_loadable(model: onnx.ModelProto, what: str) -> None:
+    """An UnsupportedModelError, before any work, when the installed onnxruntime cannot
+    load ``model`` (named ``what``): its IR version or opset is newer than it reads.
+    Releases newer than those measured (:mod:`lossgraph.target`) are not checked."""
+    runtime = release_target(_onnxruntime().__version__, training_build_available())
+    if runtime is not None:
+        check_loads(model, runtime, what, installed_runtime())
+
+
+def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = None,
+                   session_options: Any = None, graph: str = "model"):
+    """An InferenceSession for ``model`` (CPU by default), quiet unless told otherwise;
+    a model the installed onnxruntime cannot load (named ``graph`` in messages) is a
+    lossgraph error, never onnxruntime's."""
+    onnxruntime = _onnxruntime()
+    check_loadable(model, f"The {graph!r} graph")
     options = quiet_session_options() if session_options is None else session_options
-    return onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                        providers=list(providers or ["CPUExecutionProvider"]))
+    try:
+        return onnxruntime.InferenceSession(
+            model.SerializeToString(), options,
+            providers=list(providers or ["CPUExecutionProvider"]))
+    except Exception as exc:  # onnxruntime's errors derive from Exception only
+        detail = " ".join(str(exc).split()).rsplit(" : ", 1)[-1].rstrip(".")
+        raise EvaluationError(
+            f"{installed_runtime()} could not load the {graph!r} graph: {detail}.") from None
 
 
 def cpu_device():

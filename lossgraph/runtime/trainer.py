@@ -8,11 +8,14 @@ Every option and every array is checked before any work (:mod:`lossgraph.validat
 types, shapes, NaN and infinity by row, sample weights, class labels). Batches are
 views of the data (a shuffled epoch gathers its rows once); weights, optimizer states
 and the program's buffers (running statistics of a training-mode BatchNormalization)
-stay in buffers bound to the sessions and swapped between steps
+stay in buffers bound to the sessions and rotated between steps
 (:mod:`lossgraph.runtime.buffers`). A NaN or infinite loss stops training with the
-state as it was before the failing step (for ``fuse="epoch"``: before the epoch) and
-a :class:`~lossgraph.errors.ConvergenceError` naming the epoch and batch, or an
-:class:`~lossgraph.errors.InvalidDataError` when the batch itself is at fault.
+last state whose loss was finite (the state before the previous step: the failing
+step's loss is that of the state the previous step made; for ``fuse="epoch"`` after
+an epoch's first batch, the epoch's start) and a
+:class:`~lossgraph.errors.ConvergenceError` naming the epoch and batch and the state
+kept, or an :class:`~lossgraph.errors.InvalidDataError` when the batch itself is at
+fault.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import math
 import numbers
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +33,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .. import validation as checks
+from .. import data as checks
 from ..errors import (
     ConvergenceError,
     InvalidDataError,
@@ -37,16 +41,18 @@ from ..errors import (
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedOptionError,
+    ValidationLossWarning,
     suggest,
 )
 from ..metadata import LOSS_KEY, read_json
 from ..optimize import SpecializeBatch
+from ..options import count, flag
 from ..program import TrainingProgram
-from ..separate import PackedUpdate, packed_update
 from ..storage import read_checkpoint, save_checkpoint
 from .buffers import GraphRunner, StateBuffers
 from .forward_backward import SeparateStep
-from .session import checked_providers, create_session, evaluation_error
+from .packed import PackedUpdate, packed_update
+from .session import check_loadable, checked_providers, create_session, evaluation_error
 
 __all__ = ["Trainer"]
 
@@ -65,6 +71,8 @@ class Trainer:
             raise UnsupportedOptionError(
                 f"Trainer takes a TrainingProgram (from lossgraph.compile_program or "
                 f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
+        for name, graph in program.graphs.items():  # before any work, not at the first fit
+            check_loadable(graph, f"The program's {name!r} graph")
         self.program = program
         self.providers = checked_providers(providers)
         self.session_options = session_options
@@ -105,6 +113,8 @@ class Trainer:
         self.validation_losses_: list[float] = []
         self._rng: np.random.Generator | None = None
         self._epoch_rate: Callable[[int], float] | None = None
+        #: the last successful run's steps, epoch and first batch (what step_back undoes)
+        self._last_run: tuple[int, int, int] | None = None
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -146,11 +156,11 @@ class Trainer:
                 for stale in [k for k in self._runners if k[0] == graph and k[1] is not None]:
                     del self._runners[stale]
                 model = SpecializeBatch(batch)(model).model
-            self._sessions[key] = self._new_session(model)
+            self._sessions[key] = self._new_session(model, graph)
         return self._sessions[key]
 
-    def _new_session(self, model: onnx.ModelProto):
-        return create_session(model, self.providers, self.session_options)
+    def _new_session(self, model: onnx.ModelProto, graph: str = "model"):
+        return create_session(model, self.providers, self.session_options, graph)
 
     def _runner(self, graph: str | PackedUpdate, batch: int | None = None,
                 bound: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
@@ -268,10 +278,10 @@ class Trainer:
         that epoch instead of the optimizer's schedule (a per-epoch schedule, as
         scikit-learn's MLP takes). Every argument is checked before the state changes.
         """
-        epochs = checks.count("epochs", epochs, 0)
-        batch_size = checks.count("batch_size", batch_size, 1)
-        shuffle, warm_start = checks.flag("shuffle", shuffle), checks.flag("warm_start", warm_start)
-        progress = None if progress is None else checks.flag("progress", progress)
+        epochs = count("epochs", epochs, 0)
+        batch_size = count("batch_size", batch_size, 1)
+        shuffle, warm_start = flag("shuffle", shuffle), flag("warm_start", warm_start)
+        progress = None if progress is None else flag("progress", progress)
         seed = checks.random_state(random_state)
         callbacks = checks.callbacks(callbacks)
         if epoch_learning_rate is not None and not callable(epoch_learning_rate):
@@ -310,7 +320,7 @@ class Trainer:
                 logs = {"loss": float(np.dot(losses, sizes) / np.sum(sizes))}
                 self.train_losses_.append(logs["loss"])
                 if held_out is not None:
-                    logs["validation_loss"] = self._evaluate(held_out)
+                    logs["validation_loss"] = self._validation_loss(held_out, epoch)
                     self.validation_losses_.append(logs["validation_loss"])
                 if bar is not None:
                     bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items()}, refresh=False)
@@ -375,8 +385,7 @@ class Trainer:
             if not math.isfinite(loss):
                 rows_used = np.arange(lo, hi) if order is None else order[lo:hi]
                 self._diverged(epoch, first + index, loss, batch, rows_used)
-            self._buffers.swap()
-            self.steps_ += 1
+            self._advance(1, epoch, first + index)
             losses[index], sizes[index] = loss, hi - lo
         return losses, sizes
 
@@ -441,9 +450,8 @@ class Trainer:
                          else order[index * batch_size:(index + 1) * batch_size])
             batch = {name: array[rows_used] for name, array in data.items()}
             self._diverged(epoch, index, float(losses[index]), batch, rows_used,
-                           restored="the start of the epoch")
-        self._buffers.swap()
-        self.steps_ += full
+                           first_of_run=index == 0)
+        self._advance(full, epoch, 0)
         return losses.astype(np.float64)
 
     def _stream_epoch(self, batches: Any, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -465,9 +473,35 @@ class Trainer:
             raise InvalidDataError("The iterable of batches was empty.")
         return np.concatenate(losses), np.concatenate(sizes)
 
+    def _advance(self, steps: int, epoch: int, batch: int) -> None:
+        """A successful run of ``steps`` steps from ``epoch``'s ``batch``: its new state
+        becomes the live one, and the state it read is kept for :meth:`_step_back`."""
+        self._buffers.advance()
+        self._last_run = (steps, epoch, batch)
+        self.steps_ += steps
+
+    def _step_back(self, loss: float, first_of_run: bool = True) -> str:
+        """After a run whose loss was not finite, keep the last state whose loss was: the
+        one before the last successful run where the failing run's first loss is the bad
+        one (it was computed at the run's input state), else the run's input. Says which."""
+        if first_of_run and self._last_run is not None and self._buffers.step_back():
+            steps, epoch, batch = self._last_run
+            self._last_run = None
+            self.steps_ -= steps
+            return (f"The weights are those before step {self.steps_ + 1} (epoch {epoch}, "
+                    f"batch {batch}), the last whose loss was finite; steps_ is "
+                    f"{self.steps_} again.")
+        if first_of_run:
+            return (f"The weights are those this training started from; their loss is "
+                    f"{loss} already.")
+        return (f"The weights are those at the start of the failing epoch (before step "
+                f"{self.steps_ + 1}), whose first batch's loss was finite.")
+
     def _diverged(self, epoch: int, batch: int, loss: float, data: Mapping[str, np.ndarray],
-                  rows: np.ndarray, restored: str = "the failing step") -> None:
-        """Raise the error that explains a non-finite loss: the batch's data, or divergence."""
+                  rows: np.ndarray, first_of_run: bool = True) -> None:
+        """Raise the error that explains a non-finite loss: the batch's data, or divergence
+        (then the last state whose loss was finite is kept, :meth:`_step_back`)."""
+        restored = "the failing step" if first_of_run else "the start of the epoch"
         where = f"epoch {epoch}, batch {batch}"
         for name, array in data.items():
             if array.dtype.kind != "f" or (self._allows_missing and name not in (
@@ -493,13 +527,14 @@ class Trainer:
                     "ignore_index) or in a row of weight zero, so its mean loss is 0/0. Shuffle "
                     "the rows (shuffle=True), use larger batches, or drop such rows. The "
                     f"weights are those before {restored}.")
-        kept = "" if all(np.isfinite(v).all() for v in self._buffers.live().values()) else (
-            " They hold non-finite values already (an earlier update overflowed): reset() or "
-            "set_state() before training again.")
+        rate = self._rate(self.steps_ + 1)
+        kept = self._step_back(loss, first_of_run)
+        if not all(np.isfinite(v).all() for v in self._buffers.live().values()):
+            kept += (" They hold non-finite values already (an earlier update overflowed): "
+                     "reset() or set_state() before training again.")
         raise ConvergenceError(
             f"The loss became {loss} at {where}: training diverged. Try a smaller learning "
-            f"rate (now {self._rate(self.steps_ + 1):g}), scale the features, or "
-            f"a smaller penalty. The weights are those before {restored}.{kept}")
+            f"rate (now {rate:g}), scale the features, or a smaller penalty. {kept}")
 
     # -- evaluation and export ---------------------------------------------------------
     def _evaluate(self, data: Mapping[str, np.ndarray]) -> float:
@@ -507,6 +542,19 @@ class Trainer:
         loss = self.program.manifest["roles"]["loss"]
         return float(self._run(session, "evaluate", [loss],
                                {**data, **self._model_state("evaluate")})[0])
+
+    def _validation_loss(self, data: Mapping[str, np.ndarray], epoch: int) -> float:
+        """The loss on the validation data, with a ValidationLossWarning when it is not
+        finite (the training data's loss was: the model fails on these data only)."""
+        loss = self._evaluate(data)
+        if not math.isfinite(loss):
+            warnings.warn(
+                f"The validation loss after epoch {epoch} is {loss}, though the training loss "
+                "is finite: the model predicts values the loss cannot score on the validation "
+                "data (features far outside the training range, or labels the loss cannot "
+                "take). It is recorded in validation_losses_; training goes on.",
+                ValidationLossWarning, stacklevel=4)
+        return loss
 
     def _model_state(self, graph: str) -> dict[str, np.ndarray]:
         """The live weights and buffers that ``graph`` takes as inputs."""

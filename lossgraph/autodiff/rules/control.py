@@ -71,8 +71,6 @@ def if_(g, node, *dys):
 def _branch_gradient(g, branch: onnx.GraphProto, dys: Sequence[str | None],
                      wanted: Sequence[str]) -> onnx.GraphProto:
     """A graph with no inputs whose outputs are the gradients of ``wanted`` through ``branch``."""
-    from ..walker import differentiate  # the walker imports the rule registry
-
     body = onnx.GraphProto()
     body.CopyFrom(branch)
     outer = outer_references(branch)
@@ -92,8 +90,8 @@ def _branch_gradient(g, branch: onnx.GraphProto, dys: Sequence[str | None],
     )
     seeds = {out.name: dy for out, dy in zip(body.output, dys) if dy is not None}
     grad_names = {name: g.names.fresh(f"{name}_grad") for name in wanted}
-    gradients = differentiate(model, seeds, list(wanted), grad_names, g.names,
-                              zeros_for_unreached=True)
+    gradients = g.differentiate(model, seeds, list(wanted), grad_names,
+                                zeros_for_unreached=True)
     return helper.make_graph(
         [*body.node, *gradients.nodes],
         g.names.fresh("gradient_branch"),
@@ -260,8 +258,6 @@ def _reverse(g: GradContext, node: Node, body: onnx.GraphProto,
     Returns the gradients of the initial states (``plan.carried`` order), the stacked
     gradients of ``plan.emitted``, and the gradients of the wanted captured values.
     """
-    from ..walker import differentiate  # the walker imports the rule registry
-
     captured = [n for n in node.wanted if n in outer_references(body)]
     model = _body_model(g, body, outer, captured)
     facts = ForwardFacts.of(model)
@@ -276,7 +272,7 @@ def _reverse(g: GradContext, node: Node, body: onnx.GraphProto,
     wanted = list(dict.fromkeys([name_in[i] for i, _, _ in plan.carried]
                                 + [name_in[i] for i, _, _ in plan.emitted] + captured))
     grads = {name: g.names.fresh(f"{name}_grad") for name in wanted}
-    vjp = differentiate(model, seeds, wanted, grads, g.names, facts, zeros_for_unreached=True)
+    vjp = g.differentiate(model, seeds, wanted, grads, facts, zeros_for_unreached=True)
 
     def typed(name: str, like: str, ranked: bool = False) -> onnx.ValueInfoProto:
         """``name`` typed like the body's value ``like`` (unknown dims left open); a

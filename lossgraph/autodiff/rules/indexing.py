@@ -48,6 +48,8 @@
                               size is not whole: an error (onnxruntime and the specification
                               disagree on the forward)
 
+``NonZero`` returns positions (no gradient); ``Unique`` is declared not differentiable.
+
 Why not ScatterND(reduction=add) for repeated indices: onnxruntime's CPU kernel (1.19
 to 1.32) hands the index rows to its threads with no synchronisation, so two threads
 adding into one row race and lose updates. An embedding's gradient (BERT's token ids,
@@ -65,8 +67,13 @@ from onnx import helper, numpy_helper
 
 from ...builder import GraphBuilder
 from ...errors import UnsupportedModelError
-from ..registry import grad_rule
+from ..registry import grad_rule, no_gradient, not_differentiable
 from .shape import shape_of, static_shape
+
+no_gradient("NonZero")
+not_differentiable("Unique", "its outputs change shape when a repeated value moves (the values "
+                   "split); a derivative exists only without repeats, where Unique merely sorts "
+                   "(use TopK or Gather there)")
 
 
 def _normalize(g, indices: str, dims: str) -> str:
@@ -405,7 +412,7 @@ def topk(g, node, dvalues, dindices=None):
 
 
 # ---------------------------------------------------------------------------- OneHot
-@grad_rule("OneHot", nondiff=(0, 1),
+@grad_rule("OneHot", nondiff=(0, 1), constant=(2,),
            notes="the values (off, on) get gradients, but are not trained")
 def one_hot(g, node, dy):
     indices, depth, values = node.inputs

@@ -55,7 +55,7 @@ import math
 import numpy as np
 from onnx import TensorProto
 
-from ..registry import grad_rule
+from ..registry import grad_rule, zero_gradient
 
 _FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
                           TensorProto.BFLOAT16})
@@ -177,12 +177,7 @@ def erf(g, node, dy):
     return g.Mul(g.Mul(dy, g.const_like(2 / math.sqrt(math.pi), x, "two_over_sqrt_pi")), bell)
 
 
-def _zero_gradient(g, node, dy):
-    return g.zeros_like(node.inputs[0])
-
-
-for _op in ("Sign", "Floor", "Ceil", "Round", "Hardmax"):
-    grad_rule(_op, notes="zero gradient almost everywhere")(_zero_gradient)
+zero_gradient("Sign", "Floor", "Ceil", "Round", "Hardmax")
 
 
 @grad_rule("Cast", notes="gradient cast back to the input's type; none for non-float inputs")

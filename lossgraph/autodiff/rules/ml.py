@@ -7,9 +7,9 @@
                                   derivative at the threshold)
 
 TreeEnsemble (and the older TreeEnsembleRegressor/Classifier) are piecewise constant in
-X too, but are declared non-differentiable instead (:mod:`lossgraph.differentiability`):
-their parameters, the leaf values, are attributes that no gradient can train, and a
-zero gradient would let the weights before a tree train on nothing, silently.
+X too, but are declared not differentiable instead (:func:`not_differentiable`): their
+parameters, the leaf values, are attributes that no gradient can train, and a zero
+gradient would let the weights before a tree train on nothing, silently.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ..registry import grad_rule
+from ..registry import grad_rule, not_differentiable, zero_gradient
+
+not_differentiable("TreeEnsemble", "piecewise constant in X, and its leaf values are attributes, "
+                                   "not tensors a gradient could train", domain="ai.onnx.ml")
+for _legacy in ("TreeEnsembleRegressor", "TreeEnsembleClassifier"):
+    not_differentiable(_legacy, "piecewise constant in X, and its leaf values are attributes",
+                       domain="ai.onnx.ml")
 
 
 @grad_rule("ArrayFeatureExtractor", domain="ai.onnx.ml", nondiff=(1,),
@@ -38,6 +44,4 @@ def array_feature_extractor(g, node, dy):
     return node.grads(g.Reshape(g.MatMul(rows, one_hot), g.Shape(x), hint="afe_dx"))
 
 
-@grad_rule("Binarizer", domain="ai.onnx.ml", notes="zero gradient almost everywhere")
-def binarizer(g, node, dy):
-    return g.zeros_like(node.inputs[0])
+zero_gradient("Binarizer", domain="ai.onnx.ml")

@@ -93,7 +93,6 @@ from onnx import numpy_helper
 
 from ...errors import UnsupportedModelError
 from ...graphs import attribute_values
-from ...target import active_target
 from ..registry import grad_rule
 
 __all__ = ["TRAINING_BATCH_NORM", "TRAINING_BATCH_NORM_DOMAIN"]
@@ -538,8 +537,8 @@ def _write_at(g, values: str, positions: str, shape: str, kernel: list[int], lik
 _SPECIFIED_CEIL_AVERAGE_SINCE = 32
 
 
-def _target_averages_ceil_windows_as_specified() -> bool:
-    match = re.fullmatch(r"onnxruntime-1\.(\d+)", active_target().name)
+def _target_averages_ceil_windows_as_specified(g) -> bool:
+    match = re.fullmatch(r"onnxruntime-1\.(\d+)", g.target.name)
     return match is not None and int(match[1]) >= _SPECIFIED_CEIL_AVERAGE_SINCE
 
 
@@ -589,10 +588,10 @@ def average_pool(g, node, dy):
                 "window (it averages no element of the input: NaN with count_include_pad=0), "
                 "onnxruntime 1.32, torch and opset 22 drop it: the output shapes differ. Use "
                 "pads that end within a stride of the last window, or ceil_mode=0.")
-        if past_end and include_pad and not _target_averages_ceil_windows_as_specified():
+        if past_end and include_pad and not _target_averages_ceil_windows_as_specified(g):
             raise UnsupportedModelError(
                 f"No gradient for AveragePool node {name!r} (ceil_mode=1, count_include_pad=1, "
-                f"input {list(sizes)}, output {list(out_sizes)}) for {active_target()}: its "
+                f"input {list(sizes)}, output {list(out_sizes)}) for {g.target}: its "
                 "last windows run past the end pad, which onnxruntime 1.19 divides by the "
                 "whole kernel, and the specification, torch and onnxruntime 1.32 by the taps "
                 "inside the input and its pads: no one gradient is right on every runtime of "
@@ -704,10 +703,10 @@ def _count(g, x: str, axes: list[int]) -> str:
     return g.Cast(g.reduce("ReduceProd", sizes, keepdims=0), to=g.elem_type(x), hint="count")
 
 
-@grad_rule("BatchNormalization", notes="inference and training mode (training_mode=1, or "
-                                       "before opset 14 more than one output: batch "
-                                       "statistics, and the running statistics outputs); mean "
-                                       "and var get gradients but are not trained")
+@grad_rule("BatchNormalization", constant=(3, 4),
+           notes="inference and training mode (training_mode=1, or before opset 14 more than "
+                 "one output: batch statistics, and the running statistics outputs); mean and "
+                 "var get gradients but are not trained")
 def batch_normalization(g, node, *dys):
     # before opset 14, training mode is the form with the statistics outputs
     # (y, running_mean, running_var, saved_mean, saved_var), as torch's export writes it

@@ -36,6 +36,8 @@ rule is the estimator torch's FakeQuantize uses::
         dz: none (an integer)
 
 The scales get their exact gradient.
+
+``QuantizeLinear`` alone is declared not differentiable (its output is rounded).
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ import onnx
 
 from ...errors import UnsupportedModelError
 from ...graphs import attribute_values, elem_type_name
-from ..registry import grad_rule
+from ..registry import grad_rule, not_differentiable
+
+not_differentiable("QuantizeLinear", "its output is rounded; to train through a QuantizeLinear "
+                   "-> DequantizeLinear pair, use the straight-through estimator: "
+                   "lossgraph.passes.straight_through_quantization(model)")
 
 __all__ = ["FAKE_QUANTIZE_DOMAIN", "FAKE_QUANTIZE", "INTEGER_RANGES"]
 
@@ -77,7 +83,7 @@ def dequantize_linear(g, node, dy):
     return node.grads(None, _sum_per_scale(g, node, g.Mul(dy, difference), x, scale))
 
 
-@grad_rule(FAKE_QUANTIZE, domain=FAKE_QUANTIZE_DOMAIN, nondiff=(2,),
+@grad_rule(FAKE_QUANTIZE, domain=FAKE_QUANTIZE_DOMAIN, nondiff=(2,), constant=(1,),
            notes="straight-through estimator: dw = dy inside the representable range, the "
                  "scale's gradient as torch's learnable fake quantization (LSQ)")
 def fake_quantize_linear(g, node, dy):

@@ -28,6 +28,8 @@ axes, elementwise: ReduceSum/Mean/Max/Min/Prod/LogSumExp pass ``dy`` through, Re
 give ``dy Sign(x)``, ReduceSumSquare ``2 dy x`` and ReduceLogSum ``dy / x`` (the ONNX
 reference semantics; onnxruntime 1.19 instead reduces over all axes there for L1, L2
 and LogSum, and returns ``x`` for SumSquare).
+
+``ArgMax`` and ``ArgMin`` return positions: no gradient reaches their input.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import functools
 
 import numpy as np
 
-from ..registry import grad_rule
+from ..registry import grad_rule, no_gradient
+
+no_gradient("ArgMax", "ArgMin")
 
 
 def reduced_axes(g, node) -> list[int] | None:

@@ -59,6 +59,9 @@ sampling, as torchvision's roi_align treats them (a weight that reaches the loss
 through them is a :class:`~lossgraph.errors.NoGradientError` that says so). The sample
 grids are built in the graph for any rois when sampling_ratio > 0, and sized at build
 time from constant rois when it is 0 (adaptive: one more sample per unit of region size).
+
+``RandomNormalLike`` and ``RandomUniformLike`` take only their input's shape (no
+gradient); ``Bernoulli`` is declared not differentiable.
 """
 
 from __future__ import annotations
@@ -67,7 +70,11 @@ import numpy as np
 import onnx
 
 from ...errors import UnsupportedModelError
-from ..registry import grad_rule
+from ..registry import grad_rule, no_gradient, not_differentiable
+
+no_gradient("RandomNormalLike", "RandomUniformLike")
+not_differentiable("Bernoulli", "a random draw of 0 or 1, piecewise constant in the "
+                                "probabilities")
 
 _MODES = {"linear": "linear", "bilinear": "linear", "cubic": "cubic", "bicubic": "cubic",
           "nearest": "nearest"}

@@ -20,6 +20,9 @@
                            axis: its adjoint pads what was cropped and crops what was padded,
                            dx = Pad(dy, (b, d - b)) along the axes, d = dim - s and
                            b = floor(d / 2) (crop) or -floor(-d / 2) (pad, the odd pixel right)
+
+Shapes, sizes and the ops that make tensors from them (``ConstantOfShape``, ``Range``,
+``EyeLike``) pass no gradient to their inputs; nor does ``Upsample``'s scales input.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import numpy as np
 import onnx
 
 from ...errors import UnsupportedModelError
-from ..registry import grad_rule
+from ..registry import grad_rule, no_gradient
+
+no_gradient("Shape", "Size", "ConstantOfShape", "Range", "EyeLike")
+no_gradient("Upsample", inputs=(1,))
 
 
 def static_shape(g, name: str) -> list[int] | None:

@@ -16,6 +16,8 @@ extends a half spectrum by conjugate symmetry, whose adjoint weighs frequency ``
 ``c_k = 2`` except ``c_0 = 1`` and, for even ``n``, ``c_{n/2} = 1`` (the imaginary parts
 the forward ignores get zero). A real input (last dim 1) takes the real part of its
 gradient. The DFT length and the signal's length along ``axis`` must be static.
+
+``MelWeightMatrix`` is declared not differentiable.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import UnsupportedModelError
-from ..registry import grad_rule
+from ..registry import grad_rule, not_differentiable
+
+not_differentiable("MelWeightMatrix", "piecewise constant in the edge frequencies: the "
+                                      "triangles' corners are rounded to whole DFT bins")
 
 
 def _static_length(g, node, x: str, axis: int) -> int:

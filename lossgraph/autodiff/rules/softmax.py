@@ -118,7 +118,7 @@ def _nll_grads(g, node, dy: str, scores: str, log_prob: Callable[[], str]
     return d_input, g.reduce("ReduceSum", per_class, [0, *range(2, rank)], keepdims=0)
 
 
-@grad_rule("NegativeLogLikelihoodLoss", since=13, nondiff=(1,),
+@grad_rule("NegativeLogLikelihoodLoss", since=13, nondiff=(1,), constant=(2,),
            notes="class weights get gradients but are not trained")
 def negative_log_likelihood_loss(g, node, dy):
     p = node.inputs[0]
@@ -126,7 +126,7 @@ def negative_log_likelihood_loss(g, node, dy):
     return node.grads(d_input, None, d_weights)
 
 
-@grad_rule("SoftmaxCrossEntropyLoss", since=13, nondiff=(1,),
+@grad_rule("SoftmaxCrossEntropyLoss", since=13, nondiff=(1,), constant=(2,),
            notes="class weights get gradients but are not trained")
 def softmax_cross_entropy_loss(g, node, dy, dlog_prob=None):
     scores = node.inputs[0]

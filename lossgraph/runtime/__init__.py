@@ -1,4 +1,4 @@
-"""Running training programs in onnxruntime: sessions, bound state buffers, the engine and
+"""Running training programs in onnxruntime: sessions, the state ring, the engine and
 the Trainer built on it.
 
 - :class:`~lossgraph.runtime.engine.Engine`: a program's graphs over one live state
@@ -6,7 +6,7 @@ the Trainer built on it.
 - :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style.
 
 The names are loaded on first use: the fusion modes (:mod:`lossgraph.modes`), which the
-engine runs, build on this package's lower modules (buffers, sessions, the separate step).
+engine runs, build on this package's lower modules (the ring, sessions, the separate step).
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ engine runs, build on this package's lower modules (the ring, sessions, the sepa
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_names
 
 #: Public name -> the module of this package that defines it.
 _HOMES = {
@@ -23,9 +22,4 @@ _HOMES = {
 }
 
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'lossgraph.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name], __name__), name)
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -67,14 +67,17 @@ from .graphs import weights_dtype
 from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
+from .opsets import OpsetMove
 from .options import names
 from .passes.contract import Pipeline
-from .passes.loss import AddLossOutput
+from .passes.loss import AddLossOutput, LossChoice, choose_loss
 from .passes.lower_ml import LowerMlOps
+from .passes.opset import ConvertOpset
 from .passes.plan import Plan, Planned, PlanRunner
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
+from .passes.zipmap import ZipMapToTensor, zipped_outputs
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
 from .target import Target, use_target
@@ -86,7 +89,7 @@ from .validation import (
     no_weights_error,
 )
 
-__all__ = ["compile_program", "plan", "describe_plan"]
+__all__ = ["compile_program", "plan", "describe_plan", "trained_weights", "CompileNotes"]
 
 
 def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
@@ -96,7 +99,8 @@ def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
     graphs = {
         "evaluate": Planned("loss model", Pipeline((context.lift, InferenceMode(),
                                                     *context.stabilize, context.widen))),
-        "predict": Planned("inference model", Pipeline((context.lift, context.widen))),
+        "predict": Planned("inference model", Pipeline((*context.tensor_outputs, context.lift,
+                                                        context.widen))),
     }
     return Plan({**graphs, **mode.plan(context)})
 
@@ -104,18 +108,21 @@ def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
 def describe_plan(model: ModelLike, **options: Any) -> str:
     """What :func:`compile_program` would run on ``model`` with ``options`` (its keyword
     arguments but ``target``), as text: the loss model is built, nothing else runs."""
-    unknown = sorted(set(options) - set(_DEFAULTS))
-    if unknown:
-        raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
-    front = _front(model, {**_DEFAULTS, **options})
-    return str(plan(front.context, front.mode))
+    return _front(model, _options(options)).describe()
+
+
+def trained_weights(model: ModelLike, **options: Any) -> list[str]:
+    """The weights :func:`compile_program` trains on ``model`` with ``options`` (its
+    keyword arguments but ``target``): ``weights``, or by default those of the loss model
+    it builds."""
+    return list(_front(model, _options(options)).context.weights)
 
 
 @renamed_keywords(trainable="weights", gradient="backend")
 def compile_program(
     model: ModelLike,
     weights: Sequence[str] | str | None = None,
-    loss: str | None = "squared_error",
+    loss: str | None = "auto",
     loss_options: Mapping[str, Any] | None = None,
     penalty: Mapping[str, Any] | None = None,
     optimizer: Any = None,
@@ -135,8 +142,12 @@ def compile_program(
             :func:`~lossgraph.trainable_initializers`, or an ``UnsupportedModelError`` when
             a weight influences the loss through a sequence lossgraph does not
             differentiate (:func:`lossgraph.analysis.default_weights`).
-        loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows, or
-            ``None`` when the model carries its loss already.
+        loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows; by
+            default ``"auto"``, the loss that fits what the trained output holds (a log loss
+            for a classifier's probabilities, ``squared_error`` for values, see
+            :mod:`lossgraph.predictions`); or ``None`` when the model carries its loss
+            already. A loss that does not fit the output is an error naming the one that
+            does.
         loss_options: further arguments of ``add_loss_output`` (``weight_name``,
             ``output_index``, ``reduction``, options of the loss such as ``delta``).
         penalty: ``{weight: {"l1": a, "l2": b}}`` or ``{weight: b}``, added to the loss
@@ -164,15 +175,61 @@ _DEFAULTS: dict[str, Any] = {name: p.default for name, p in
                              if name not in ("model", "target")}
 
 
+def _options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """compile_program's options: ``options`` (checked names) over the defaults."""
+    unknown = sorted(set(options) - set(_DEFAULTS))
+    if unknown:
+        raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
+    return {**_DEFAULTS, **options}
+
+
+@dataclass(frozen=True)
+class CompileNotes:
+    """What compile decided about the model it was given: how its ``ai.onnx`` opset was
+    moved to the target's (:class:`~lossgraph.opsets.OpsetMove`), which ZipMap outputs it
+    trains through the tensors they zip (``{output: tensor}``), and the output and loss it
+    trains (:class:`~lossgraph.passes.loss.LossChoice`; None for a model carrying its
+    loss)."""
+
+    opset: OpsetMove
+    zipmaps: Mapping[str, str]
+    loss: LossChoice | None
+
+    def lines(self) -> list[str]:
+        """The notes as sentences, one per decision worth telling."""
+        said = []
+        if self.opset.direction != "kept" or self.opset.imported:
+            said.append(str(self.opset))
+        said.extend(f"output {output!r} is a ZipMap of {tensor!r}: trained and predicted as "
+                    "that tensor, the ZipMap kept in the exported model"
+                    for output, tensor in self.zipmaps.items())
+        if self.loss is not None:
+            said.append(f"trains output {self.loss}")
+        return said
+
+
 @dataclass(frozen=True)
 class _Front:
     """What compile starts from: the models its graphs are planned from, by name (the loss
-    model, the model without a loss in training mode and in inference mode), the mode and
-    the context it plans with."""
+    model, the model without a loss in training mode and in inference mode), the passes
+    that made each from the model given, the mode and the context it plans with, and what
+    it decided (:class:`CompileNotes`)."""
 
     starts: dict[str, onnx.ModelProto]
+    made_by: dict[str, Pipeline]
     mode: FuseMode
     context: PlanContext
+    notes: CompileNotes
+
+    def describe(self) -> str:
+        """The plan as text, after the pipelines of the start models it uses."""
+        planned = plan(self.context, self.mode)
+        used = [name for name in self.made_by
+                if any(p.start == name for p in planned.values())]
+        width = max(len(name) for name in (*used, *planned))
+        starts = [f"{name:<{width}} = model -> {self.made_by[name]}" for name in used]
+        graphs = [f"{name:<{width}} = {planned[name]}" for name in planned]
+        return "\n".join([*starts, *graphs])
 
 
 def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
@@ -183,9 +240,16 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
                               options["fuse"])
     given = as_model(model)
     check_trainable_model(given)
-    source = LowerMlOps()(given).model
+    lowering = Pipeline((ConvertOpset(), LowerMlOps()))
+    lowered = lowering(given)
+    source = lowered.model
+    zipmaps = zipped_outputs(source)
+    # the outputs a loss reads: a ZipMap's tensor, not its list of maps
+    tensors = Pipeline((ZipMapToTensor(),) if zipmaps else ())
+    trainable = tensors.run(source, checked=True).model if zipmaps else source
     loss, penalty = options["loss"], options["penalty"]
     carried = get_roles(source).get("loss")
+    choice = None
     if loss is None:
         if not carried:
             raise UnsupportedModelError(
@@ -193,7 +257,7 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
                 "pass a loss name (e.g. loss='squared_error'), or build the loss with "
                 "lossgraph.add_loss_output.")
         check_loss_roles(source)
-        loss_model = source
+        loss_model, adding = source, Pipeline()
     elif carried:
         raise UnsupportedModelError(
             f"The model carries a loss already ({carried!r}, recorded by add_loss_output): "
@@ -203,8 +267,11 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
                           if k in _OUTPUT_FIELDS}
         score_options = {k: v for k, v in checked.loss_options.items()
                          if k not in _OUTPUT_FIELDS}
-        loss_model = AddLossOutput(loss, penalty=penalty, options=score_options,
-                                   **output_options)(source).model
+        choice = choose_loss(trainable, loss, output_options.get("output_index"), score_options)
+        adding = Pipeline((AddLossOutput(choice.loss, penalty=penalty,
+                                         options=dict(choice.options),
+                                         **{**output_options, "output_index": choice.output}),))
+        loss_model = adding.run(trainable, checked=True).model
     if checked.weights == []:
         names("weights", [], candidates=trainable_initializers(loss_model))
     # never around a weight no gradient (or part of one) would reach: that is an error
@@ -225,15 +292,22 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
         weights_dtype({w: np.empty(0, helper.tensor_dtype_to_np_dtype(types[w]))
                        for w in weights}, "compile_program")
     mode = fuse_mode(checked.fuse)
+    loss_options = {**checked.loss_options, **(choice.options if choice else {})}
     context = PlanContext(tuple(weights), checked.optimizer, checked.backend, tuple(buffers),
-                          holds_splits(loss_model), get_roles(loss_model), loss,
-                          checked.loss_options, penalty)
+                          holds_splits(loss_model), get_roles(loss_model),
+                          choice.loss if choice else None, loss_options, penalty,
+                          zipmaps=bool(zipmaps))
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
-    stripped = StripTraining()(source)
+    stripping = Pipeline((StripTraining(),))
+    stripped = stripping.run(source, checked=True)
     inference = stripped.model if stripped.changed else source  # unchanged: one prefix run
+    made_by = {"loss model": lowering.then(*tensors.passes, *adding.passes),
+               "inference model": lowering.then(*stripping.passes),
+               "forward model": lowering.then(*tensors.passes)}
+    notes = CompileNotes(lowered.report.of(ConvertOpset), zipmaps, choice)
     return _Front({"loss model": loss_model, "inference model": inference,
-                   "forward model": source}, mode, context)
+                   "forward model": trainable}, made_by, mode, context, notes)
 
 
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
@@ -258,4 +332,5 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     graphs = {name: result.model for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles)
-    return TrainingProgram(graphs, manifest, state, front.starts["inference model"])
+    return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
+                           notes=front.notes)

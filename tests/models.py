@@ -76,3 +76,30 @@ UNSORTED = """
         >
     }
 """
+
+
+#: Models whose ops changed after opset 21, by what each shows, as ``(opset, signature,
+#: body)`` for :func:`model`; each trains its weight ``w`` behind the changed op (which no
+#: gradient passes). ``pool``: AveragePool with ceil_mode=1, whose meaning opset 22 changed;
+#: ``swish``: Swish, an op of opset 24; ``fp4``: a Cast through float4e2m1, a type of opset
+#: 23; ``crd``: SpaceToDepth's mode, an attribute of opset 28, not at its default.
+CHANGED_OPS: dict[str, tuple[int, str, str]] = {
+    "pool": (22, "(float[N, 1, 5, 5] x) => (float[N, 1] y) <float[9, 1] w = {1, 2, 3, 4, 5, 6, "
+                 "7, 8, 9}>",
+             "p = AveragePool <kernel_shape = [2, 2], strides = [2, 2], ceil_mode = 1> (x) "
+             "f = Flatten(p)  y = MatMul(f, w)"),
+    "swish": (24, "(float[N, 4] x) => (float[N, 1] y) <float[4, 1] w = {1, 2, 3, 4}>",
+              "s = Swish(x)  y = MatMul(s, w)"),
+    "fp4": (23, "(float[N, 4] x) => (float[N, 1] y) <float[4, 1] w = {1, 2, 3, 4}>",
+            "c = Cast <to = 23> (x)  d = Cast <to = 1> (c)  y = MatMul(d, w)"),
+    "crd": (28, "(float[N, 4, 2, 2] x) => (float[N, 1] y) <float[16, 1] w = {1, 2, 3, 4, 5, 6, "
+                "7, 8, 9, 10, 11, 12, 13, 14, 15, 16}>",
+            "s = SpaceToDepth <blocksize = 2, mode = \"CRD\"> (x)  f = Flatten(s)  "
+            "y = MatMul(f, w)"),
+}
+
+
+def changed_op_model(kind: str, opset: int | None = None) -> onnx.ModelProto:
+    """The model of :data:`CHANGED_OPS` ``kind``, at its opset or at ``opset``."""
+    version, signature_text, body = CHANGED_OPS[kind]
+    return model(signature_text, body, opset=opset or version)

@@ -3,7 +3,11 @@
 Every pass is a :class:`~lossgraph.passes.contract.Pass` (pure, checked, deterministic;
 it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 
+- :class:`ConvertOpset`: the model at an ``ai.onnx`` opset the target loads, where its ops
+  keep their meaning (every pass does so with the model it is given)
 - :class:`LowerMlOps`: ``ai.onnx.ml`` linear models into standard ops
+- :class:`ZipMapToTensor`: a classifier's ZipMap output replaced by the probability tensor
+  it zips, which the loss reads
 - :class:`AddLossOutput`: a scalar loss (and penalty) as the first output;
   :class:`RemoveLossOutput` undoes it (the inference model inside a loss model)
 - :class:`AlphabetizeInitializers`: weights renamed so their names sort in graph order
@@ -37,6 +41,7 @@ from .fuse import EpochGraph, PackWeights, StepGraph
 from .gradient import Gradient, gradient
 from .loss import AddLossOutput, RemoveLossOutput, add_loss_output
 from .lower_ml import LowerMlOps, lower_ml_ops
+from .opset import ConvertOpset, convert_opset
 from .quantization import StraightThroughQuantization, straight_through_quantization
 from .rename import AlphabetizeInitializers, alphabetize_initializers
 from .running_stats import RunningStatistics
@@ -44,11 +49,13 @@ from .sequences import SequencesToTensors
 from .stabilize import StabilizeNumerics, stabilize_numerics
 from .strip import InferenceMode, StripTraining, strip_training
 from .weights import WeightsToInputs
+from .zipmap import ZipMapToTensor
 
-__all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "ExpandFunctions",
-           "Gradient", "InferenceMode", "LowerMlOps", "PackWeights", "Pass", "PassResult",
-           "Pipeline", "RemoveLossOutput", "Reports", "Requirement", "RunningStatistics",
-           "SequencesToTensors", "StabilizeNumerics", "StepGraph", "StraightThroughQuantization",
-           "StripTraining", "WeightsToInputs", "add_loss_output", "alphabetize_initializers",
-           "gradient", "lower_ml_ops", "stabilize_numerics", "straight_through_quantization",
+__all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConvertOpset", "EpochGraph",
+           "ExpandFunctions", "Gradient", "InferenceMode", "LowerMlOps", "PackWeights", "Pass",
+           "PassResult", "Pipeline", "RemoveLossOutput", "Reports", "Requirement",
+           "RunningStatistics", "SequencesToTensors", "StabilizeNumerics", "StepGraph",
+           "StraightThroughQuantization", "StripTraining", "WeightsToInputs", "ZipMapToTensor",
+           "add_loss_output", "alphabetize_initializers", "convert_opset", "gradient",
+           "lower_ml_ops", "stabilize_numerics", "straight_through_quantization",
            "strip_training"]

@@ -93,7 +93,7 @@ import onnx.defs
 import onnx.version_converter
 
 from .errors import InvalidModelError, UnsupportedModelError
-from .graphs import all_graphs, attribute_value, canonical_domain, without_weight_data
+from .graphs import all_graphs, all_value_types, attribute_value, canonical_domain, subgraphs
 from .target import Target, active_target, newer_targets_hint
 
 __all__ = ["Change", "CHANGES", "NEW_OPS", "OpsetMove", "changes_between", "to_opset",
@@ -401,23 +401,6 @@ def _type_string(value: onnx.TypeProto) -> str | None:
     return None
 
 
-def _all_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """The type of every value of every graph of ``model`` that shape inference finds."""
-    light, _ = without_weight_data(model)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light)
-    except Exception:  # noqa: BLE001  the model was checked; types are then the declared ones
-        inferred = light
-    types: dict[str, onnx.TypeProto] = {}
-    for graph in all_graphs(inferred.graph):
-        for value in (*graph.value_info, *graph.input, *graph.output):
-            types.setdefault(value.name, value.type)
-        for tensor in graph.initializer:
-            types.setdefault(tensor.name, onnx.helper.make_tensor_type_proto(
-                tensor.data_type, list(tensor.dims)))
-    return types
-
-
 def _label(node: onnx.NodeProto) -> str:
     """The node in words, to begin a sentence with."""
     return (f"node {node.name!r} (ai.onnx {node.op_type})" if node.name else
@@ -440,7 +423,7 @@ def _check_nodes(model: onnx.ModelProto, source: int, version: int, advice: str,
         if own and max(own) > version:
             bodies.append((function, max(own)))
             bodies.extend((g, max(own)) for node in function.node
-                          for g in _node_graphs(node))
+                          for sub in subgraphs(node) for g in all_graphs(sub))
     types: dict[str, onnx.TypeProto] | None = None
     for body, body_version in bodies:
         for node in body.node:
@@ -450,7 +433,7 @@ def _check_nodes(model: onnx.ModelProto, source: int, version: int, advice: str,
             if now is None or (then is not None and then.since_version == now.since_version):
                 continue  # an op onnx does not know is the checker's; unchanged ops are fine
             if types is None:
-                types = _all_types(model)
+                types = all_value_types(model)
             reason, of_types = _refusal(node, now, then, version, types, rewrite, move)
             if reason and conflict:
                 raise InvalidModelError(
@@ -467,13 +450,6 @@ def _check_nodes(model: onnx.ModelProto, source: int, version: int, advice: str,
             for entry in function.opset_import:
                 if canonical_domain(entry.domain) == "" and entry.version > version:
                     entry.version = version
-
-
-def _node_graphs(node: onnx.NodeProto):
-    for attribute in node.attribute:
-        for graph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH
-                      else attribute.graphs):
-            yield from all_graphs(graph)
 
 
 def _refusal(node: onnx.NodeProto, now: onnx.defs.OpSchema, then: onnx.defs.OpSchema | None,

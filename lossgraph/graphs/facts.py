@@ -17,7 +17,7 @@ from .queries import all_graphs, attribute_value, initializer_arrays, subgraphs
 from .types import Shape, is_default_domain, is_onnx_op, np_dtype
 from .weights import without_weight_data
 
-__all__ = ["ForwardFacts"]
+__all__ = ["ForwardFacts", "all_value_types"]
 
 
 @dataclass(frozen=True)
@@ -357,3 +357,22 @@ def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
         if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
             return np.array(helper.get_attribute_value(attribute))
     return None
+
+
+def all_value_types(model: onnx.ModelProto, data_prop: bool = False
+                    ) -> dict[str, onnx.TypeProto]:
+    """The type of every value of every graph of ``model`` (subgraphs included) that shape
+    inference finds; the declared ones where inference fails (an invalid body)."""
+    light, _ = without_weight_data(model)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, data_prop=data_prop)
+    except Exception:  # noqa: BLE001  onnx raises several kinds; the types stay as declared
+        inferred = light
+    types: dict[str, onnx.TypeProto] = {}
+    for graph in all_graphs(inferred.graph):
+        for value in (*graph.input, *graph.output, *graph.value_info):
+            types.setdefault(value.name, value.type)
+        for tensor in graph.initializer:
+            types.setdefault(tensor.name, helper.make_tensor_type_proto(
+                tensor.data_type, list(tensor.dims)))
+    return types

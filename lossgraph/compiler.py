@@ -2,9 +2,17 @@
 
 The loss model comes first::
 
-    loss model      = LowerMlOps -> AddLossOutput(loss, penalty, ...)   (or the model's own loss)
-    inference model = LowerMlOps -> StripTraining     (no loss; BatchNormalization and Dropout
-                                                       in inference mode)
+    loss model      = ConvertOpset -> LowerMlOps -> ZipMapToTensor -> AddLossOutput(loss, ...)
+                      (or the model's own loss; ZipMapToTensor where the model has a ZipMap)
+    inference model = ConvertOpset -> LowerMlOps -> StripTraining     (no loss; BatchNorm-
+                      alization and Dropout in inference mode; a ZipMap kept)
+
+``ConvertOpset`` moves the model to an opset the target loads (:mod:`lossgraph.opsets`);
+``loss="auto"``, the default, is the loss that fits what the trained output holds
+(:mod:`lossgraph.predictions`: a log loss for a classifier's probabilities, ``squared_error``
+for values), the output a ZipMap's tensor where the model has one (``predict`` then gives
+that tensor too). What compile decided is kept in ``TrainingProgram.notes``
+(:class:`CompileNotes`) and printed by ``describe_plan`` with the pipelines above.
 
 then every graph of the program is a pipeline of passes from the loss model (``predict``:
 from the lowered inference model), declared by :func:`plan` and printable before it
@@ -12,7 +20,7 @@ runs (``print(describe_plan(...))``)::
 
     evaluate            = WeightsToInputs -> InferenceMode -> StabilizeNumerics
                           -> WidenScalarConstants
-    predict             = WeightsToInputs -> WidenScalarConstants           (no loss)
+    predict             = (ZipMapToTensor) -> WeightsToInputs -> WidenScalarConstants
     train_step          = WeightsToInputs -> StabilizeNumerics -> Gradient -> (speed)
                           -> StepGraph -> WidenScalarConstants
     train_epoch         = WeightsToInputs -> StabilizeNumerics -> Gradient -> (speed)

@@ -365,3 +365,30 @@ def test_to_opset_moves_a_model_in_place_between_two_opsets():
     assert (move.source, move.result) == (25, 22)
     assert [o.version for o in at_25.opset_import] == [22]
     assert "Conv" not in move.crossed  # Conv-22 is the same at 22 and 25
+
+
+@needs_skl2onnx
+def test_lossgraph_train_names_a_program_this_onnxruntime_cannot_load(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The issue's command line, as a user types it: no internal error. The training build
+    refuses the program by name (exit status 2); onnxruntime 1.32 trains it."""
+    from lossgraph.cli import main
+
+    X, y, linear = _linear_regression()
+    onnx.save(linear, tmp_path / "model.onnx")
+    np.savez(tmp_path / "data.npz", X=X, y=y)
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", "model.onnx", "-o", "program", "--target", "onnxruntime-1.21"]) == 0
+    status = main(["train", "program", "--data", "data.npz", "-o", "trained.onnx",
+                   "--no-progress"])
+    error = capsys.readouterr().err
+    assert "internal error" not in error
+    if HAS_TRAINING:
+        assert status == 2
+        assert "is ai.onnx opset 22 (it loads up to 21), newer than the installed " \
+               "onnxruntime-training 1.19.2 loads" in error
+        assert main(["compile", "model.onnx", "-o", "default"]) == 0  # its advice
+        assert main(["train", "default", "--data", "data.npz", "-o", "trained.onnx",
+                     "--no-progress"]) == 0
+    else:
+        assert status == 0, error

@@ -221,23 +221,25 @@ def _csv(path, X: np.ndarray, y: np.ndarray) -> None:
                comments="", fmt="%.9g")
 
 
-@pytest.mark.parametrize("kind", ["logistic", "mlp"])
+@pytest.mark.parametrize("kind", ["logistic", "sgd", "mlp"])
 def test_a_default_classifier_export_goes_through_the_command_line(kind, tmp_path, monkeypatch,
                                                                    capsys):
     """inspect names the ZipMap and the output and loss compile picks; compile says so;
     train and export need no option."""
     model, X, y = fitted(kind, 3)
-    onnx.save(exported(model, X, zipmap=True), tmp_path / "model.onnx")
+    onx = exported(model, X, zipmap=True)
+    onnx.save(onx, tmp_path / "model.onnx")
     _csv(tmp_path / "train.csv", X[:TRAIN], y[:TRAIN])
     monkeypatch.chdir(tmp_path)
 
     assert main(["inspect", "model.onnx"]) == 0
     table = capsys.readouterr().out
-    zipped = "probabilities" if kind == "logistic" else "out_activations_result"
+    zipped = next(node.input[0] for node in onx.graph.node if node.op_type == "ZipMap")
+    holds = "scores" if kind == "sgd" else "probabilities"
     assert f"output 'output_probability' is a ZipMap of {zipped!r}" in table
     assert "the exported model keeps the ZipMap" in table
     assert (f"training output (compile's default, --loss auto): {zipped!r}, class "
-            "probabilities") in table
+            f"{holds}") in table
     assert "with loss multiclass_log_loss" in table
     assert "trainable candidates: none" not in table
     assert main(["inspect", "model.onnx", "--json"]) == 0
@@ -249,7 +251,7 @@ def test_a_default_classifier_export_goes_through_the_command_line(kind, tmp_pat
     assert main(["compile", "model.onnx", "-o", "program"]) == 0
     said = capsys.readouterr().out
     assert f"program: output 'output_probability' is a ZipMap of {zipped!r}" in said
-    assert f"program: trains output {zipped!r}, class probabilities" in said
+    assert f"program: trains output {zipped!r}, class {holds}" in said
     if kind == "logistic":  # skl2onnx writes it at opset 9
         assert "program: ai.onnx opset 9 raised to 13 by onnx's version converter" in said
 

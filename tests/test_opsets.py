@@ -392,3 +392,20 @@ def test_lossgraph_train_names_a_program_this_onnxruntime_cannot_load(tmp_path, 
                      "--no-progress"]) == 0
     else:
         assert status == 0, error
+
+
+@needs_skl2onnx
+@pytest.mark.parametrize("opset", [13, 21])
+def test_skl2onnx_at_the_opset_an_error_names_needs_no_conversion(opset):
+    """The errors' "skl2onnx: to_onnx(..., target_opset=N)": skl2onnx writes exactly N
+    (listed twice without the ZipMap), which compiles as it is."""
+    from skl2onnx import to_onnx
+    from sklearn.linear_model import LogisticRegression
+
+    X, _, _ = _linear_regression()
+    labels = (X[:, 0] > 0).astype(np.int64)
+    classifier = LogisticRegression().fit(X, labels)
+    for options in ({}, {"options": {"zipmap": False}}):
+        exported = to_onnx(classifier, X[:1], target_opset=opset, **options)
+        move = lossgraph.compile_program(exported).notes.opset
+        assert (move.source, move.direction) == (opset, "kept")

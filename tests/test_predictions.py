@@ -180,3 +180,15 @@ def test_add_loss_output_on_a_zipmap_names_the_fixes_which_work():
     assert "lossgraph.passes.ZipMapToTensor()" in message
     lossgraph.compile_program(zipped)
     lossgraph.add_loss_output(ZipMapToTensor()(zipped).model, "multiclass_log_loss")
+
+
+def test_a_zipped_tensor_of_a_type_shape_inference_cannot_tell_is_what_zipmap_takes():
+    """onnx's specification: ZipMap reads a float tensor, one column per class label."""
+    custom = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18, "ai.onnx.ml" : 3, "com.example" : 1]>
+        clf (float[N, 4] x) => (seq(map(int64, float)) output_probability)
+        { p = com.example.Probabilities(x)
+          output_probability = ai.onnx.ml.ZipMap <classlabels_int64s = [0, 1, 2]> (p) }""")
+    tensor = ZipMapToTensor()(custom).model.graph.output[0]
+    assert tensor.name == "p" and tensor.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_value for d in tensor.type.tensor_type.shape.dim] == [0, 3]

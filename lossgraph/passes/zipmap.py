@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from ..errors import UnsupportedModelError
-from ..graphs import ForwardFacts, GraphIndex
+from ..graphs import ForwardFacts, GraphIndex, attribute_value
 from .contract import Pass, PassResult
 
 __all__ = ["ZipMapToTensor", "zipped_outputs"]
@@ -38,6 +37,22 @@ def zipped_outputs(model: onnx.ModelProto) -> dict[str, str]:
     return zipped
 
 
+def zipped_node(model: onnx.ModelProto, output: str) -> onnx.NodeProto:
+    """The ZipMap node making ``output``."""
+    return next(node for node in model.graph.node if output in node.output)
+
+
+def _zipped_type(inferred: onnx.TypeProto | None, node: onnx.NodeProto) -> onnx.TypeProto:
+    """The zipped tensor's type: shape inference's, else what ZipMap takes (onnx's
+    specification: a float tensor, one column per class label)."""
+    if inferred is not None and inferred.tensor_type.elem_type:
+        return inferred
+    labels = attribute_value(node, "classlabels_int64s") or attribute_value(
+        node, "classlabels_strings") or []
+    return onnx.helper.make_tensor_type_proto(onnx.TensorProto.FLOAT,
+                                              [None, len(labels) or None])
+
+
 @dataclass(frozen=True)
 class ZipMapToTensor(Pass[dict[str, str]]):
     """Each output a ZipMap makes replaced by the tensor it zips (module docstring)."""
@@ -54,15 +69,10 @@ class ZipMapToTensor(Pass[dict[str, str]]):
             if tensor is None:
                 outputs.append(output)
                 continue
-            if not types.get(tensor, onnx.TypeProto()).tensor_type.elem_type:
-                raise UnsupportedModelError(
-                    f"Output {output.name!r} is a ZipMap of {tensor!r}, whose type shape "
-                    "inference cannot tell, so lossgraph cannot train on it. Export the "
-                    "classifier without the ZipMap: skl2onnx.to_onnx(model, X, "
-                    "options={'zipmap': False}).")
             if any(o.name == tensor for o in graph.output):
                 continue  # the tensor is an output already
-            outputs.append(onnx.helper.make_value_info(tensor, types[tensor]))
+            outputs.append(onnx.helper.make_value_info(tensor, _zipped_type(
+                types.get(tensor), zipped_node(model, output.name))))
         del graph.output[:]
         graph.output.extend(outputs)
         read = {name for node in graph.node for name in node.input} | {o.name for o in outputs}

@@ -340,9 +340,16 @@ def test_progress_bar_runs(data, capsys):
 OPSET_23 = LINEAR.replace('"" : 18', '"" : 23')
 
 
-def test_default_target_rejects_newer_opsets_and_names_the_way_out():
-    with pytest.raises(lossgraph.LossgraphError, match="target='onnxruntime'"):
-        lossgraph.compile_program(onnx.parser.parse_model(OPSET_23))
+def test_default_target_lowers_a_newer_opset_whose_ops_mean_the_same(data):
+    """MatMul and Add are the same at opsets 21 and 23: compile lowers the model to the
+    default target's opset 21 (ConvertOpset; what it refuses is in tests/test_opsets.py)."""
+    prog = lossgraph.compile_program(onnx.parser.parse_model(OPSET_23), optimizer=SGD(0.05))
+    assert str(prog.notes.opset).startswith("ai.onnx opset 23 lowered to 21")
+    assert all([(o.domain, o.version) for o in g.opset_import] == [("", 21)]
+               for g in prog.graphs.values())
+    X, y = data
+    trainer = lossgraph.Trainer(prog).fit(X, y, epochs=3, progress=False)
+    assert trainer.train_losses_[-1] < trainer.train_losses_[0]
 
 
 def test_onnxruntime_target_emits_newer_opsets(data):

@@ -17,10 +17,10 @@ import numpy as np
 import onnx
 import onnx.inliner
 import pytest
-from gradcheck import finite_differences, loss_model
-from models import model_of_graph
 from onnx import helper, numpy_helper
-from torch_steps import assert_gradients_close, make_distinct, torch_gradients
+from support.gradcheck import finite_differences, loss_model
+from support.models import model_of_graph
+from support.torch_steps import assert_gradients_close, make_distinct, torch_gradients
 
 import lossgraph
 from lossgraph.autodiff.rules.nn import TRAINING_BATCH_NORM, TRAINING_BATCH_NORM_DOMAIN

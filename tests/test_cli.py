@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from catalogue import Row, assert_listed, message_of, print_table, slug
+from support.catalogue import Row, assert_listed, message_of, print_table, slug
+from support.environment import ROOT
 
 from lossgraph import TrainingProgram, cli, compile_program, get_roles
 from lossgraph.cli import main
@@ -464,7 +465,7 @@ def test_from_a_scikit_learn_model_to_a_trained_model_in_the_shell(tmp_path):
     assert (tmp_path / "deployed.onnx").read_bytes() == (tmp_path / "trained.onnx").read_bytes()
 
 
-CLI_PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "cli.md"
+CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
 
 
 def _walkthrough() -> list[list[str]]:

@@ -15,8 +15,8 @@ import pickle
 import numpy as np
 import onnx
 import pytest
-from conftest import GOLDEN_MODELS, HAS_TRAINING
 from onnx import helper, numpy_helper
+from support.environment import GOLDEN_MODELS, HAS_TRAINING
 
 from lossgraph.compat.forward_backward import OrtGradientForwardBackward
 from lossgraph.errors import (

@@ -82,7 +82,7 @@ def test_the_training_graphs_dropout_gets_the_mask_output_the_model_given_keeps_
 @pytest.mark.torch
 def test_torchs_dynamo_export_of_a_training_dropout_gets_torchs_gradient_with_its_mask():
     torch = pytest.importorskip("torch")
-    from torch_steps import assert_gradients_close, lossgraph_gradients, torch_gradients
+    from support.torch_steps import assert_gradients_close, lossgraph_gradients, torch_gradients
 
     nn = torch.nn
     torch.manual_seed(0)

@@ -22,10 +22,10 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent, loss_model, to_float64
-from models import model
+from support.gradcheck import check_gradients, cotangent, loss_model, to_float64
+from support.models import model
+from support.torch_steps import assert_sgd_steps_like_torch
 from test_rules_reduction import NO_DOUBLE, REDUCE_OPS, sample, tolerances
-from torch_steps import assert_sgd_steps_like_torch
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError

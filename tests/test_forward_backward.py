@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import GOLDEN_MODELS
+from support.environment import GOLDEN_MODELS
 
 import lossgraph
 from lossgraph.optim import update_graph
@@ -229,7 +229,7 @@ COLUMN_NAMED_N = """
 
 
 def test_an_output_dimension_named_n_trains_alike_in_every_fuse_mode():
-    from linear_data import linear_data
+    from support.linear import linear_data
 
     X, y = linear_data(40, seed=3)
     states = {}

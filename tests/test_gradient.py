@@ -398,7 +398,7 @@ def test_bad_arguments_raise_clear_errors(linear, kwargs, error, pattern):
 
 
 def test_ort_backend_without_the_training_build_is_a_clear_error(linear):
-    from conftest import HAS_TRAINING
+    from support.environment import HAS_TRAINING
 
     if HAS_TRAINING:
         pytest.skip("the training build is installed here")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from gradcheck import check_gradients
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.gradcheck import check_gradients
 
 UNARY = ["Tanh", "Sigmoid", "Sin", "Neg", "Softmax", "Transpose2", "Square", "Softplus"]
 BINARY = ["Add", "Sub", "Mul", "DivSafe", "MatMul"]

@@ -16,6 +16,7 @@ import onnx
 import pytest
 import recipes
 from onnx import helper, numpy_helper
+from support.environment import GOLDEN_MODELS
 
 import lossgraph
 from lossgraph.errors import (
@@ -33,7 +34,7 @@ from lossgraph.optim import SGD, Momentum
 from lossgraph.passes import StripTraining
 from lossgraph.target import DEFAULT_TARGET, resolve_target, use_target
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
+GOLDEN = GOLDEN_MODELS
 #: golden model -> compile_program options
 GOLDEN_LOSSES: dict[str, dict[str, Any]] = {
     "skl_mlp_regressor": {},

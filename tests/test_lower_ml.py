@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import warnings
 
-import models
 import numpy as np
 import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
+from support import models
 
 from lossgraph.analysis import trainable_initializers
 from lossgraph.errors import InvalidModelError, UnsupportedModelError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from linear_data import linear_data
+from support.linear import linear_data
 
 import lossgraph
 from lossgraph.optim import Adam, Momentum

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import GOLDEN_MODELS
-from linear_data import LINEAR, linear_data
-from models import model
+from support.environment import GOLDEN_MODELS
+from support.linear import LINEAR, linear_data
+from support.models import model
 
 import lossgraph
 from lossgraph.errors import UnsupportedOptionError

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import GOLDEN_MODELS
 from onnx import TensorProto, helper
+from support.environment import GOLDEN_MODELS, ROOT
 
 import lossgraph
 from lossgraph.errors import (
@@ -41,7 +41,6 @@ from lossgraph.export.ort_checkpoint import (
 from lossgraph.optim import SGD, Adam, AdamW, Momentum
 from lossgraph.passes import InferenceMode
 
-ROOT = Path(__file__).resolve().parents[1]
 MLP = GOLDEN_MODELS / "skl_mlp_regressor.onnx"  # 5 -> 16 (relu) -> 1, four weights
 LINEAR = GOLDEN_MODELS / "hand_linear.onnx"  # 6 -> 1, weights W, B
 LOWERED = GOLDEN_MODELS / "skl_linear_regression.onnx"  # ai.onnx.ml LinearRegressor

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from models import UNSORTED
+from support.environment import GOLDEN_MODELS
+from support.models import UNSORTED
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
@@ -62,7 +63,7 @@ from lossgraph.speed import (
     WidenScalarConstants,
 )
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
+GOLDEN = GOLDEN_MODELS
 HERE = Path(__file__).resolve().parent
 
 
@@ -310,7 +311,7 @@ def test_every_pass_class_of_lossgraph_is_checked_here():
 
 
 def _available(name: str) -> bool:
-    from conftest import has
+    from support.environment import has
 
     return name not in MARKS or has("training")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import GOLDEN_MODELS
+from support.environment import GOLDEN_MODELS
 
 import lossgraph
 from lossgraph.builder import GraphBuilder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from models import UNSORTED
+from support.models import UNSORTED
 
 from lossgraph import add_loss_output, alphabetize_initializers, get_roles
 from lossgraph.errors import UnknownNameError

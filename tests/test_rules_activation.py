@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent, loss_model
+from support.gradcheck import check_gradients, cotangent, loss_model
 
 from lossgraph import gradient
 

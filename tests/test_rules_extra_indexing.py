@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent, loss_model
-from models import model
+from support.gradcheck import check_gradients, cotangent, loss_model
+from support.models import model
 
 from lossgraph import gradient
 

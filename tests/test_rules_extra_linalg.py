@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent
-from models import model, signature
+from support.gradcheck import check_gradients, cotangent
+from support.models import model, signature
 
 from lossgraph import gradient
 from lossgraph.errors import UnsupportedModelError

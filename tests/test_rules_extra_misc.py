@@ -15,9 +15,9 @@ import contextlib
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent, finite_differences, loss_model
-from models import dims, model, signature
 from onnx.reference import ReferenceEvaluator
+from support.gradcheck import check_gradients, cotangent, finite_differences, loss_model
+from support.models import dims, model, signature
 
 import lossgraph
 from lossgraph.autodiff.registry import not_differentiable_ops, not_differentiable_reason

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import attributes_text, check_gradients, check_op, cotangent
-from models import model
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
+from support.gradcheck import attributes_text, check_gradients, check_op, cotangent
+from support.models import model
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError

@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 import onnx.inliner
 import pytest
-from gradcheck import check_gradients, cotangent, forward, loss_model
-from models import model, model_of_graph
 from onnx import helper, numpy_helper
+from support.gradcheck import check_gradients, cotangent, forward, loss_model
+from support.models import model, model_of_graph
 
 from lossgraph import Trainer, compile_program, gradient, trainable_initializers
 from lossgraph.errors import DTypeMismatchError, NoGradientError
@@ -278,12 +278,12 @@ def test_a_qat_model_trains_like_torch_with_fake_quantize_modules():
     the compiled program equal torch's, the scales fixed as torch keeps them. The exported
     model keeps the fake quantizations; inlined, they are the pairs again."""
     import torch
+    from support.torch_steps import assert_sgd_steps_like_torch
     from torch.ao.quantization import (
         FakeQuantize,
         MovingAverageMinMaxObserver,
         MovingAveragePerChannelMinMaxObserver,
     )
-    from torch_steps import assert_sgd_steps_like_torch
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:

@@ -12,10 +12,10 @@ import itertools
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent
-from models import dims, model
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
+from support.gradcheck import check_gradients, cotangent
+from support.models import dims, model
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError

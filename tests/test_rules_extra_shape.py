@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent
-from models import dims, model
 from onnx.reference import ReferenceEvaluator
+from support.gradcheck import check_gradients, cotangent
+from support.models import dims, model
 
 
 def rand(rng, *shape):

@@ -13,10 +13,10 @@ import contextlib
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent, finite_differences, forward, loss_model
-from models import dims, model, signature
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
+from support.gradcheck import check_gradients, cotangent, finite_differences, forward, loss_model
+from support.models import dims, model, signature
 
 import lossgraph
 from lossgraph.names import NameAuthority

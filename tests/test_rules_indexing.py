@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent
-from models import dims, model
+from support.gradcheck import check_gradients, cotangent
+from support.models import dims, model
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent
+from support.gradcheck import check_gradients, cotangent
 
 DTYPES = {"float": np.float32, "double": np.float64}
 

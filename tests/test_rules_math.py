@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_gradients, cotangent, loss_model
-from models import dims, model, signature
+from support.gradcheck import check_gradients, cotangent, loss_model
+from support.models import dims, model, signature
 
 from lossgraph import gradient
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import has
-from gradcheck import attributes_text, check_gradients, check_op, cotangent
-from models import TEXT_TYPE, model, signature
+from support.environment import has
+from support.gradcheck import attributes_text, check_gradients, check_op, cotangent
+from support.models import TEXT_TYPE, model, signature
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
@@ -590,7 +590,7 @@ def test_lp_normalization(rng, shape, axis, p):
 def test_golden_cnn_weight_gradients_match_torch():
     import recipes
     import torch
-    from conftest import GOLDEN_MODELS
+    from support.environment import GOLDEN_MODELS
 
     model = onnx.load(str(GOLDEN_MODELS / "torch_cnn.onnx"))
     with_loss = lossgraph.add_loss_output(model, "multiclass_log_loss", from_logits=True)

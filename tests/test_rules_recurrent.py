@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent
-from models import model_of_graph
 from onnx import helper
-from torch_steps import assert_sgd_steps_like_torch
+from support.gradcheck import check_gradients, cotangent
+from support.models import model_of_graph
+from support.torch_steps import assert_sgd_steps_like_torch
 
 import lossgraph
 from lossgraph.errors import MissingGradientError, UnsupportedModelError

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import _session, check_gradients, cotangent, loss_model
+from support.gradcheck import _session, check_gradients, cotangent, loss_model
 
 from lossgraph import gradient
 

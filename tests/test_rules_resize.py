@@ -14,8 +14,8 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from gradcheck import attributes_text, check_gradients, cotangent, loss_model
-from models import dims, model
+from support.gradcheck import attributes_text, check_gradients, cotangent, loss_model
+from support.models import dims, model
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
@@ -278,7 +278,7 @@ def test_upsampling_with_free_batch_and_image_sizes_trains_like_torch(upsampling
     image axes at 4 x 6, trains on 5 x 3 images like torch.optim.SGD, step for step, on
     batches of 8, 5 and 3 rows."""
     torch = pytest.importorskip("torch")
-    from torch_steps import assert_sgd_steps_like_torch
+    from support.torch_steps import assert_sgd_steps_like_torch
 
     from lossgraph.optim import SGD
 

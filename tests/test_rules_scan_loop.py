@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import pytest
-from gradcheck import check_gradients
-from torch_steps import assert_sgd_steps_like_torch
+from support.gradcheck import check_gradients
+from support.torch_steps import assert_sgd_steps_like_torch
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
@@ -396,7 +396,7 @@ LOOPED_LINEAR = """
 def test_a_weight_read_in_a_loop_body_trains_as_the_unrolled_model(fuse):
     """The Loop's output rank is found from its carried value (onnx gives it none), so the
     model compiles, and training it equals training ``2 x @ coef + intercept``."""
-    from linear_data import linear_data
+    from support.linear import linear_data
 
     unrolled = onnx.parser.parse_model("""
         <ir_version: 8, opset_import: ["" : 18]>

@@ -14,8 +14,8 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent, finite_differences, loss_model
-from models import model
+from support.gradcheck import check_gradients, cotangent, finite_differences, loss_model
+from support.models import model
 
 import lossgraph
 from lossgraph.compat import OrtGradientForwardBackward
@@ -195,7 +195,7 @@ def test_the_forward_backward_function_of_the_reference_documents_differentiates
 @pytest.mark.torch
 def test_torch_split_exported_by_dynamo_without_its_optimizer_trains_like_torch():
     torch = pytest.importorskip("torch")
-    from torch_steps import assert_steps_like_torch
+    from support.torch_steps import assert_steps_like_torch
 
     class Split(torch.nn.Module):
         def __init__(self) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from gradcheck import attributes_text, check_op, cotangent, loss_model
-from models import TEXT_TYPE, model
+from support.gradcheck import attributes_text, check_op, cotangent, loss_model
+from support.models import TEXT_TYPE, model
 
 import lossgraph
 from lossgraph.runtime.session import create_session

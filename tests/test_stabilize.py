@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 import pytest
 import recipes
-from conftest import HAS_SKL2ONNX
-from gradcheck import check_gradients, loss_model
+from support.environment import HAS_SKL2ONNX
+from support.gradcheck import check_gradients, loss_model
 
 import lossgraph
 from lossgraph import add_loss_output, gradient, lower_ml_ops
@@ -214,7 +214,7 @@ def _gradient_of(model: onnx.ModelProto, x: np.ndarray, run_model) -> np.ndarray
 def _reference_gradient(name: str, x: np.ndarray) -> np.ndarray:
     """d sum(y R) / dx in float64, by central differences of the float64 reference (the
     cotangent R is gradcheck's, one row broadcast over the rows)."""
-    from gradcheck import cotangent
+    from support.gradcheck import cotangent
 
     f = FORMS[name][1]
     shape = f(x[:1]).shape

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from catalogue import Row, assert_listed, message_of, print_table, slug
+from support.catalogue import Row, assert_listed, message_of, print_table, slug
 
 import lossgraph
 from lossgraph import fileio, storage

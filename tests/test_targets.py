@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import onnx
 import pytest
-from conftest import GOLDEN_MODELS, HAS_TRAINING
 from onnx import TensorProto, helper
+from support.environment import GOLDEN_MODELS, HAS_TRAINING
 
 import lossgraph
 from lossgraph.compat import (

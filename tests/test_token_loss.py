@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent
+from support.gradcheck import check_gradients, cotangent
 
 import lossgraph
 from lossgraph import add_loss_output, get_roles

@@ -13,8 +13,8 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import GOLDEN_MODELS
-from models import model
+from support.environment import GOLDEN_MODELS
+from support.models import model
 
 from lossgraph.errors import InvalidDataError, ShapeMismatchError, UnknownNameError
 

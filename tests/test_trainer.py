@@ -7,7 +7,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from linear_data import LINEAR, linear_data
+from support.linear import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.errors import (
@@ -346,7 +346,7 @@ def test_default_target_rejects_newer_opsets_and_names_the_way_out():
 
 
 def test_onnxruntime_target_emits_newer_opsets(data):
-    from conftest import HAS_TRAINING
+    from support.environment import HAS_TRAINING
 
     prog = lossgraph.compile_program(onnx.parser.parse_model(OPSET_23), target="onnxruntime",
                              optimizer=SGD(0.05))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import GOLDEN_MODELS
-from linear_data import LINEAR, linear_data
+from support.environment import GOLDEN_MODELS
+from support.linear import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.optim import SGD, Adam, AdamW, Momentum

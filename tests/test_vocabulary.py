@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from support.environment import GOLDEN_MODELS
 
 import lossgraph
 import lossgraph.passes
@@ -19,7 +20,7 @@ from lossgraph.cli import main
 from lossgraph.cli.parser import build_parser
 from lossgraph.errors import LossgraphDeprecationWarning, UnsupportedOptionError
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
+GOLDEN = GOLDEN_MODELS
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """The ONNX project's backend node tests as a gradient test suite nobody here wrote.
 
-    .venv/bin/python tests/node_audit.py                 # every node test: totals, wrong, crash
-    .venv/bin/python tests/node_audit.py -k resize       # tests whose name matches a regex
-    .venv/bin/python tests/node_audit.py --list unsupported   # every (test, input) and why
+    .venv/bin/python tests/support/node_audit.py         # every node test: totals, wrong, crash
+    .venv/bin/python tests/support/node_audit.py -k resize   # tests whose name matches a regex
+    .venv/bin/python tests/support/node_audit.py --list unsupported  # every (test, input), why
 
 The installed onnx generates its node tests (``onnx.backend.test.case.node``): each is
 a one-node model (or a function body expanded into nodes) with inputs and outputs.

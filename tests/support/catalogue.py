@@ -3,8 +3,8 @@ provoke them (test_bad_inputs, test_storage, test_cli).
 
 Each file lists its cases with an id; its tests prove the error, and these helpers
 write the page's tables from real runs and check that no case is missing from it.
-``python tests/catalogue.py`` rewrites the page's three tables (and their count) from
-fresh runs of the three files.
+``PYTHONPATH=. python tests/support/catalogue.py`` rewrites the page's three tables (and
+their count) from fresh runs of the three files.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-ERRORS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "errors.md"
+ROOT = Path(__file__).resolve().parents[2]
+ERRORS_PAGE = ROOT / "docs" / "reference" / "errors.md"
 
 #: ``(id, input described, error class name or outcome, message)``
 Row = tuple[str, str, str, str]
@@ -57,7 +58,7 @@ def print_table(rows: Callable[[Path], Iterable[Row]]) -> None:
 
 
 #: The test files whose catalogues the page lists, in the page's order.
-SOURCES = ("test_bad_inputs.py", "test_storage.py", "test_cli.py")
+SOURCES = ("tests/test_bad_inputs.py", "tests/test_storage.py", "tests/test_cli.py")
 _HEADER = re.compile(r"^\| id \| input \| error \| message \|$", re.M)
 _COUNT = re.compile(r"\d+ bad inputs, each a test, in three tables: the Python API \(\d+\), "
                     r"saving and\nloading \(\d+\), and the command line \(\d+\)\.")
@@ -68,14 +69,13 @@ def write_page() -> list[int]:
     page = ERRORS_PAGE.read_text()
     starts = [match.start() for match in _HEADER.finditer(page)]
     assert len(starts) == len(SOURCES), f"{ERRORS_PAGE} should hold {len(SOURCES)} tables"
-    here = Path(__file__).resolve().parent
-    paths = os.pathsep.join(str(here.parent / p) for p in (".", "tests", "golden_models"))
+    paths = os.pathsep.join(str(ROOT / p) for p in (".", "tests", "golden_models"))
     environment = {**os.environ, "PYTHONPATH": paths}
     pieces, last, counts = [], 0, []
     for start, source in zip(starts, SOURCES):
         end = page.find("\n\n", start)
         end = len(page) if end == -1 else end + 1
-        rows = subprocess.run([sys.executable, str(here / source)], capture_output=True,
+        rows = subprocess.run([sys.executable, str(ROOT / source)], capture_output=True,
                               text=True, check=True, env=environment).stdout
         counts.append(rows.count("\n") - 2)
         pieces += [page[last:start], rows]

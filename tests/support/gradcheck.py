@@ -251,7 +251,7 @@ def check_op(op: str, feeds: Mapping[str, np.ndarray], attrs: Mapping[str, objec
              opset: int = 18, **options):
     """:func:`check_gradients` of the one-node model ``y = op<attrs>(feeds...)``, whose
     output has the first input's dtype and rank."""
-    from models import model, signature
+    from .models import model, signature
 
     first = next(iter(feeds.values()))
     kind = "double" if first.dtype == np.float64 else "float"

@@ -85,7 +85,7 @@ def test_random_op_chains_match_finite_differences(lines, seed):
     inputs = {"x": rng.normal(size=(3, 4)), "w": rng.normal(size=(4,)),
               "m": rng.normal(size=(4, 4)) / 2}
     # Only the inputs y depends on have a gradient: asking for another one is an error
-    # (NoGradientError, tested in test_gradient.py), not zeros.
+    # (NoGradientError, tested in tests/passes/test_gradient.py), not zeros.
     used = [name for name in ("x", "w", "m") if name in _read_by(lines, "y")]
     # Basic optimizations: onnxruntime would fuse x * Sigmoid(x) into com.microsoft's
     # QuickGelu, which has no double kernel (a runtime limit, not lossgraph's graph).

@@ -58,7 +58,7 @@ def print_table(rows: Callable[[Path], Iterable[Row]]) -> None:
 
 
 #: The test files whose catalogues the page lists, in the page's order.
-SOURCES = ("tests/test_bad_inputs.py", "tests/test_storage.py", "tests/test_cli.py")
+SOURCES = ("tests/test_bad_inputs.py", "tests/test_storage.py", "tests/cli/test_main.py")
 _HEADER = re.compile(r"^\| id \| input \| error \| message \|$", re.M)
 _COUNT = re.compile(r"\d+ bad inputs, each a test, in three tables: the Python API \(\d+\), "
                     r"saving and\nloading \(\d+\), and the command line \(\d+\)\.")

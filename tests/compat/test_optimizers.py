@@ -16,6 +16,10 @@ against scikit-learn and numpy.
   names as strings, validation with max_iter < 10, batches without replacement, sample
   weights of shape (N,), the progress bar, exc=False.
 - Files and errors: saved_gradient, save_onnx_graph, get_trained_onnx, lossgraph errors.
+- partial_fit: each call is one epoch over the data it is given, continuing the weights, the
+  momentum, the learning-rate schedule and the shuffling. Calls over the same data equal
+  fit's epochs; calls over parts equal a numpy run over the same parts; pickling between
+  calls changes nothing; ``classes`` is checked against the model's labels.
 
 scikit-learn computes in float32 here (float32 data) and lossgraph in float32: weights are
 compared with rtol 1e-4, never bytes. Numpy references compute in float64.
@@ -31,16 +35,27 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 from sklearn.base import clone, is_classifier, is_regressor
-from sklearn.datasets import make_classification, make_regression
+from sklearn.datasets import make_regression
 from sklearn.exceptions import ConvergenceWarning as SklearnConvergenceWarning
 from sklearn.linear_model import LinearRegression, LogisticRegression, SGDRegressor
 from sklearn.model_selection import GridSearchCV
 from sklearn.neural_network import MLPClassifier, MLPRegressor
+from support.estimators import (
+    ESTIMATORS,
+    FB,
+    START,
+    assert_states_close,
+    classification,
+    linear_onnx,
+    regression,
+    small_linear,
+    whole_graph_model,
+)
 
 import lossgraph
-from lossgraph import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+from lossgraph import OrtGradientOptimizer
 from lossgraph.compat import (
     AbsoluteLearningLoss,
     ConvergenceError,
@@ -58,6 +73,7 @@ from lossgraph.compat import (
     SquareLearningLoss,
 )
 from lossgraph.errors import (
+    InvalidDataError,
     LossgraphError,
     ShapeMismatchError,
     UnknownNameError,
@@ -65,7 +81,6 @@ from lossgraph.errors import (
     UnsupportedOptionError,
 )
 
-FB = OrtGradientForwardBackwardOptimizer
 OPSETS = {"": 18, "ai.onnx.ml": 3}
 
 
@@ -74,41 +89,12 @@ def constant(eta0: float) -> LearningRateSGD:
     return LearningRateSGD(eta0=eta0, learning_rate="constant")
 
 
-# -- data ----------------------------------------------------------------------------------
-
-
-def regression(rows: int = 200, features: int = 10, seed: int = 0):
-    """make_regression as the documents use it, float32, the target scaled to unit spread."""
-    X, y = make_regression(rows, n_features=features, bias=2.0, noise=5.0, random_state=seed)
-    return X.astype(np.float32), (y / np.std(y)).astype(np.float32)
-
-
-def classification(rows: int = 200, seed: int = 0):
-    X, y = make_classification(rows, n_features=10, n_informative=4, n_redundant=0, flip_y=0.1,
-                               random_state=seed)
-    return X.astype(np.float32), y.astype(np.int64)
-
-
 # -- models --------------------------------------------------------------------------------
 
 
 def to_onnx(model, X, **options) -> onnx.ModelProto:
     skl2onnx = pytest.importorskip("skl2onnx")
     return skl2onnx.to_onnx(model, X[:1], target_opset=OPSETS, **options)
-
-
-def linear_onnx(coef, intercept=None) -> onnx.ModelProto:
-    """``score = X @ coef (+ intercept)``: a raw score of shape (N, 1)."""
-    coef = np.asarray(coef, np.float32).reshape(-1, 1)
-    nodes = [helper.make_node("MatMul", ["X", "coef"], ["score" if intercept is None else "h"])]
-    inits = [numpy_helper.from_array(coef, "coef")]
-    if intercept is not None:
-        nodes.append(helper.make_node("Add", ["h", "intercept"], ["score"]))
-        inits.append(numpy_helper.from_array(np.float32([intercept]), "intercept"))
-    graph = helper.make_graph(
-        nodes, "linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", len(coef)])],
-        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["N", 1])], inits)
-    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 18)])
 
 
 def mlp_state(mlp) -> dict[str, np.ndarray]:
@@ -171,14 +157,6 @@ def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 def run_onnx(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
-
-
-def assert_states_close(ours, theirs, rtol=1e-4, atol=1e-6):
-    assert sorted(ours) == sorted(theirs)
-    for name in theirs:
-        scale = float(np.abs(theirs[name]).max()) or 1.0
-        np.testing.assert_allclose(ours[name], theirs[name], rtol=rtol, atol=atol * scale,
-                                   err_msg=name)
 
 
 # -- numpy references ----------------------------------------------------------------------
@@ -599,24 +577,6 @@ def test_forward_backward_gradients_equal_torch_autograd():
 # ==========================================================================================
 # scikit-learn's conventions
 # ==========================================================================================
-
-START = np.array([0.1, -0.2, 0.3, 0.0]), 0.5  # a linear model's weights: not zeros, not random
-
-
-def small_linear():
-    X, y = regression(rows=120, features=4, seed=1)
-    return X, y, linear_onnx(*START)
-
-
-def whole_graph_model():
-    """The linear model carrying its loss, mean (p - y)^2, with a sample-weight input."""
-    return lossgraph.add_loss_output(linear_onnx(*START), weight_name="weight")
-
-
-ESTIMATORS = {
-    "forward_backward": lambda **kw: FB(linear_onnx(*START), **kw),
-    "whole_graph": lambda **kw: OrtGradientOptimizer(whole_graph_model(), None, **kw),
-}
 
 
 @pytest.mark.parametrize("kind", sorted(ESTIMATORS))
@@ -1234,3 +1194,151 @@ def test_enable_logging_logs_each_epoch_to_the_lossgraph_logger(caplog):
     caplog.clear()
     FB(onx, max_iter=2).fit(X, y)
     assert not [r for r in caplog.records if r.name == "lossgraph"]
+
+
+# ==========================================================================================
+# partial_fit (incremental learning, as scikit-learn's MLP does it): each call is one epoch
+# over the data it is given, continuing the weights, the momentum, the learning-rate schedule
+# and the shuffling
+# ==========================================================================================
+
+#: Momentum and a decaying rate: both must carry over from one call to the next.
+RATE = LearningRateSGDNesterov(eta0=0.02, power_t=0.5, nesterov=True)
+
+
+GRADIENTS = {"forward_backward": half_square_grad, "whole_graph": square_grad}
+
+
+def weighted_parts(sizes=(50, 40, 30)):
+    """The small linear problem with uneven row weights, cut into parts of ``sizes`` rows."""
+    X, y, _ = small_linear()
+    w = np.random.default_rng(3).uniform(0.2, 2.0, len(y)).astype(np.float32)
+    cuts = np.cumsum(sizes)[:-1]
+    return list(zip(*(np.split(a, cuts) for a in (X, y, w))))
+
+
+def numpy_partial_fits(parts, grad, batch_size, rate, random_state):
+    """The numpy run partial_fit must equal: one generator for the whole run, each part a
+    permutation of its rows then batches of ``batch_size``, every update of part t at
+    ``rate.value(t)``, scikit-learn's momentum carried from part to part."""
+    rng = np.random.default_rng(random_state)
+    state = {k: np.asarray(v, np.float64) for k, v in START_STATE.items()}
+    optimizer = MomentumReference(getattr(rate, "momentum", 0.0), getattr(rate, "nesterov", False))
+    for t, (X, y, w) in enumerate(parts):
+        order = rng.permutation(len(X))
+        for lo in range(0, len(X), batch_size):
+            rows = order[lo:lo + batch_size]
+            state = optimizer.step(state, grad(state, X[rows], y[rows], w[rows]), rate.value(t))
+    return state
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_partial_fit_calls_on_the_same_data_equal_fits_epochs(kind):
+    """The t-th call leaves the weights and losses of fit(max_iter=t): same batches, same
+    rate, same momentum, epoch after epoch (120 rows, batches of 16: a last one of 8)."""
+    X, y, w = (np.concatenate(a) for a in zip(*weighted_parts()))
+    settings = dict(batch_size=16, random_state=0, learning_rate=RATE)
+    incremental = ESTIMATORS[kind](**settings)
+    for epochs in (1, 2, 3):
+        assert incremental.partial_fit(X, y, w) is incremental
+        whole = ESTIMATORS[kind](max_iter=epochs, **settings).fit(X, y, w)
+        assert_states_close(incremental.get_state(), whole.get_state(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(incremental.train_losses_, whole.train_losses_, rtol=1e-6)
+    assert incremental.validation_losses_ is None
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_partial_fit_over_parts_equals_numpy_over_the_same_parts(kind):
+    """Parts of 50, 40 and 30 weighted rows, one call each: numpy's minibatch updates, the
+    third part at the third epoch's rate with the momentum of the first two."""
+    parts = weighted_parts()
+    est = ESTIMATORS[kind](batch_size=16, random_state=7, learning_rate=RATE)
+    for X, y, w in parts:
+        est.partial_fit(X, y, w)
+    reference = numpy_partial_fits(parts, GRADIENTS[kind], 16, RATE, random_state=7)
+    assert_states_close(est.get_state(), reference, rtol=1e-5)
+    assert len(est.train_losses_) == len(parts)
+    # the control: the same parts with a rate that does not decay between calls differ
+    flat = numpy_partial_fits(parts, GRADIENTS[kind], 16, LearningRateSGDNesterov(
+        eta0=0.02, learning_rate="constant"), random_state=7)
+    assert not np.allclose(flat["coef"], reference["coef"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_pickling_between_partial_fit_calls_continues_identically(kind):
+    """An estimator pickled before its first call and between calls (sessions dropped and
+    made again) trains as the one never pickled: weights, momentum, schedule, shuffling
+    and losses."""
+    parts = weighted_parts()
+    kept = ESTIMATORS[kind](batch_size=16, random_state=0, learning_rate=RATE)
+    moved = pickle.loads(pickle.dumps(kept))
+    for X, y, w in parts:
+        kept.partial_fit(X, y, w)
+        moved = pickle.loads(pickle.dumps(moved.partial_fit(X, y, w)))
+        assert "train_session_" in moved.__dict__  # the progress travels with it
+        assert_states_close(moved.get_state(), kept.get_state(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(moved.train_losses_, kept.train_losses_, rtol=1e-6)
+    np.testing.assert_allclose(moved.predict(parts[0][0]), kept.predict(parts[0][0]),
+                               rtol=1e-6)
+
+
+def test_sample_weights_from_a_later_call_continue_the_training():
+    """The forward/backward optimizer without weight_name gets a sample-weight input once
+    weights come: that recompiles, and the momentum, schedule and shuffling carry over
+    (the first part weighs every row 1)."""
+    parts = weighted_parts()
+    est = FB(linear_onnx(*START), batch_size=16, random_state=1, learning_rate=RATE)
+    est.partial_fit(*parts[0][:2])
+    for X, y, w in parts[1:]:
+        est.partial_fit(X, y, w)
+    ones = [(parts[0][0], parts[0][1], np.ones_like(parts[0][2])), *parts[1:]]
+    reference = numpy_partial_fits(ones, half_square_grad, 16, RATE, random_state=1)
+    assert_states_close(est.get_state(), reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_partial_fit_continues_a_fit_and_a_fit_restarts(kind):
+    """A fit then partial_fit calls: the calls continue the fit (its epoch count sets the
+    rate); a later fit without warm_start starts from the model's weights again."""
+    X, y, w = (np.concatenate(a) for a in zip(*weighted_parts()))
+    settings = dict(batch_size=16, random_state=0, learning_rate=RATE)
+    est = ESTIMATORS[kind](max_iter=2, **settings).fit(X, y, w)
+    est.partial_fit(X, y, w)
+    whole = ESTIMATORS[kind](max_iter=3, **settings).fit(X, y, w)
+    assert_states_close(est.get_state(), whole.get_state(), rtol=1e-6, atol=1e-7)
+    est.fit(X, y, w)
+    assert_states_close(est.get_state(), ESTIMATORS[kind](max_iter=2, **settings).fit(
+        X, y, w).get_state(), rtol=1e-6, atol=1e-7)
+
+
+def test_classes_must_be_the_models_class_indices():
+    """A logistic model's labels are 0 and 1: classes, when given, holds each once; other
+    classes are a lossgraph error before any training; a regressor takes none."""
+    X, y = classification()
+    est = FB(linear_onnx(np.full(10, 0.01), 0.0), learning_loss="log", batch_size=20,
+             learning_rate=LearningRateSGD(eta0=0.1), random_state=0)
+    est.partial_fit(X, y, classes=[0, 1])
+    est.partial_fit(X, y, classes=np.array([1, 0]))  # any order
+    est.partial_fit(X, y)  # classes may be left out: the model fixes them
+    trained = est.get_state()
+    for classes, match in (([0, 1, 2], r"each of 0\.\.1 once"), ([1, 2], "0..1"),
+                           (["no", "yes"], "LabelEncoder"), ([0], "0..1"),
+                           ([[0, 1]], "0..1"), ([0.0, 1.0], "0..1"), ([], "0..1")):
+        with pytest.raises(InvalidDataError, match=match):
+            est.partial_fit(X, y, classes=classes)
+    assert_states_close(est.get_state(), trained, rtol=0, atol=0)  # nothing trained
+    assert len(est.train_losses_) == 3
+    X, y, _ = small_linear()
+    with pytest.raises(UnsupportedOptionError, match="regressor"):
+        FB(linear_onnx(*START)).partial_fit(X, y, classes=[0, 1])
+    assert issubclass(InvalidDataError, LossgraphError)
+    assert issubclass(UnsupportedOptionError, LossgraphError)
+
+
+@pytest.mark.parametrize("kind", sorted(ESTIMATORS))
+def test_partial_fit_checks_its_arguments_as_fit_does(kind):
+    X, y, _ = small_linear()
+    with pytest.raises(LossgraphError, match="numbers of rows"):
+        ESTIMATORS[kind]().partial_fit(X, y[:-1])
+    with pytest.raises(UnsupportedOptionError, match="batch_size"):
+        ESTIMATORS[kind](batch_size=0).partial_fit(X, y)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from support.environment import GOLDEN_MODELS
+from support.environment import GOLDEN_MODELS, ROOT
 from support.models import UNSORTED
 
 import lossgraph
@@ -64,7 +64,8 @@ from lossgraph.speed import (
 )
 
 GOLDEN = GOLDEN_MODELS
-HERE = Path(__file__).resolve().parent
+#: What a fresh interpreter puts on sys.path to import this file: its folder and tests/.
+HERE = [str(Path(__file__).resolve().parent), str(ROOT / "tests")]
 
 
 def golden(name: str) -> onnx.ModelProto:
@@ -321,8 +322,8 @@ def _available(name: str) -> bool:
 def test_every_pass_gives_the_same_bytes_in_another_process_and_hash_seed(hash_seed):
     names = [name for name in PASSES if _available(name)]
     here = digests(names)
-    script = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); "
-              f"import test_pass_contract as t; print(json.dumps(t.digests({names!r})))")
+    script = (f"import sys, json; sys.path[:0] = {HERE!r}; "
+              f"import test_contract as t; print(json.dumps(t.digests({names!r})))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env={**os.environ, "PYTHONHASHSEED": hash_seed}, check=True)
     there = json.loads(result.stdout.strip().splitlines()[-1])
@@ -332,8 +333,8 @@ def test_every_pass_gives_the_same_bytes_in_another_process_and_hash_seed(hash_s
 
 RESUME = textwrap.dedent("""
     import sys, numpy as np, lossgraph
-    sys.path.insert(0, {here!r})
-    from test_pass_contract import resume_data
+    sys.path[:0] = {here!r}
+    from test_contract import resume_data
     X, y = resume_data()
     trainer = lossgraph.Trainer.load_checkpoint({checkpoint!r})
     trainer.fit(X, y, epochs=2, batch_size=7, warm_start=True, progress=False)
@@ -358,7 +359,7 @@ def test_a_checkpoint_resumed_in_a_new_process_continues_bit_for_bit(tmp_path, f
     first = lossgraph.Trainer(program).fit(X, y, epochs=1, batch_size=7, random_state=5,
                                            progress=False)
     first.save_checkpoint(tmp_path / "ckpt")
-    script = RESUME.format(here=str(HERE), checkpoint=str(tmp_path / "ckpt"),
+    script = RESUME.format(here=HERE, checkpoint=str(tmp_path / "ckpt"),
                            out=str(tmp_path / "resumed.npz"))
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
                    env={**os.environ, "PYTHONHASHSEED": "99"})

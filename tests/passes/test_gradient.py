@@ -500,7 +500,7 @@ def test_every_golden_model_differentiates_and_runs(run_model, name):
     golden model yields finite gradients. skl2onnx writes SGDClassifier's one-vs-rest
     probabilities as 1 / (1 + Exp(-s)); skl_sgd_classifier's class-1 scores reach -99,
     where Exp overflows float32 and the chain rule meets 0 * inf: StabilizeNumerics
-    rewrites the form (tests/test_stabilize.py)."""
+    rewrites the form (tests/passes/test_stabilize.py)."""
     model = add_loss_output(lower_ml_ops(recipes.GOLDEN_DIR / f"{name}.onnx"),
                             SCORE_FOR.get(name, "squared_error"))
     result = gradient(stabilize_numerics(model))

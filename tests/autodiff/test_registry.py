@@ -3,15 +3,21 @@
 
 from __future__ import annotations
 
+import onnx
 import pytest
+from support.models import model
 
+import lossgraph
 from lossgraph.autodiff import grad_rule, scoped_rules, supported_ops
 from lossgraph.autodiff.registry import (
     differentiable_inputs,
     find_rule,
     no_gradient_ops,
     nondiff_inputs,
+    not_differentiable_ops,
+    not_differentiable_reason,
 )
+from lossgraph.errors import NoGradientError
 
 
 def _identity(g, node, dy):
@@ -69,3 +75,40 @@ def test_declarations_made_in_a_scope_are_undone_with_it():
 
 def test_ops_of_other_domains_without_a_rule_differentiate_every_input():
     assert differentiable_inputs("Gather", "my.ops", 2) == [0, 1]
+
+
+# ------------------------------------------------------------- not differentiable
+NOT_DIFFERENTIABLE_MODELS = [
+    ("Unique", "(double[6] x) => (double[N] y)", "y = Unique(x)", 18, {}),
+    ("Bernoulli", "(double[6] x) => (double[6] y)", "y = Bernoulli(x)", 18, {}),
+    ("MelWeightMatrix", "(float lo) => (float[5, 4] y) <int64 m = {4}, int64 n = {8}, "
+     "int64 r = {8000}, float hi = {3000}>", "y = MelWeightMatrix(m, n, r, lo, hi)", 18, {}),
+    ("TreeEnsemble", "(double[2, 3] x) => (double[2, 1] y)",
+     "y = ai.onnx.ml.TreeEnsemble <aggregate_function = 1, leaf_targetids = [0, 0], "
+     "leaf_weights = double[2] {1.0, 2.0}, nodes_falseleafs = [1], nodes_falsenodeids = [1], "
+     "nodes_featureids = [0], nodes_modes = uint8[1] {0}, nodes_splits = double[1] {0.5}, "
+     "nodes_trueleafs = [1], nodes_truenodeids = [0], n_targets = 1, "
+     "post_transform = 0, tree_roots = [0]> (x)", 18, {"ai.onnx.ml": 5}),
+    ("Momentum", "(float r, int64 t, double[3] w, double[3] g, double[3] v) => "
+     "(double[3] w2, double[3] v2)",
+     'w2, v2 = ai.onnx.preview.training.Momentum <alpha = 0.9, beta = 1.0, mode = "standard",'
+     " norm_coefficient = 0.0> (r, t, w, g, v)", 18, {"ai.onnx.preview.training": 1}),
+]
+
+
+@pytest.mark.parametrize("op, sig, body, opset, domains", NOT_DIFFERENTIABLE_MODELS)
+def test_ops_without_a_derivative_worth_having_are_named_not_differentiable(op, sig, body,
+                                                                            opset, domains):
+    net = model(sig, body, opset=opset, domains=domains)
+    x = net.graph.input[0].name if op != "Momentum" else "w"
+    with pytest.raises(NoGradientError, match=op):
+        lossgraph.gradient(net, weights=[x], outputs=[net.graph.output[0].name])
+    domain = next(iter(domains), "")
+    assert not_differentiable_reason(op, domain)
+
+
+def test_every_op_declared_not_differentiable_exists_and_has_no_rule():
+    for (domain, op), reason in not_differentiable_ops().items():
+        assert onnx.defs.has(op, domain), (domain, op)
+        assert lossgraph.autodiff.registry.find_rule(op, domain, 100) is None, (domain, op)
+        assert reason and len(reason) < 200

@@ -8,37 +8,22 @@ functions and DynamicQuantizeLinear run in both environments.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import onnx
 import pytest
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
+from support.environment import newer_runtime
 from support.gradcheck import check_gradients, cotangent, finite_differences, forward, loss_model
 from support.models import dims, model, signature
 
 import lossgraph
 from lossgraph.names import NameAuthority
-from lossgraph.passes.expand_functions import (
-    ExpandFunctions,
-    function_body,
-    gradient_view,
-)
+from lossgraph.passes.expand_functions import ExpandFunctions, function_body, gradient_view
 from lossgraph.runtime.session import create_session
 from lossgraph.target import use_target
 
 F64 = np.float64
-
-
-def _newer_runtime() -> contextlib.AbstractContextManager:
-    """The onnxruntime target (opsets up to 25), or a skip where the runtime is the
-    training build, which loads opsets up to 21 only."""
-    import onnxruntime
-
-    if tuple(int(p) for p in onnxruntime.__version__.split(".")[:2]) < (1, 20):
-        pytest.skip("onnxruntime-training 1.19 loads opsets up to 21; this op is opset 23+")
-    return use_target("onnxruntime")
 
 
 def _op_model(op: str, feeds: dict, attrs: str = "", opset: int = 23,
@@ -95,7 +80,7 @@ def test_the_forward_keeps_the_op_and_its_exact_values(rng):
     gradient reads the body's values, recomputed under fresh names."""
     x = rng.normal(size=(3, 4))
     net = _op_model("Swish", {"x": x}, "<alpha: float = 1.5>", opset=24)
-    with _newer_runtime():
+    with newer_runtime():
         grads, y, graph = _vjp(net, {"x": x}, ["x"])
     np.testing.assert_array_equal(y, forward(net, {"x": x}))
     swish = [n for n in graph.graph.node if n.op_type == "Swish"]
@@ -110,7 +95,7 @@ def test_only_the_body_values_the_gradient_reads_are_recomputed(rng):
     not the body's last product (the forward's own output)."""
     x = rng.normal(size=(2, 3))
     net = _op_model("Swish", {"x": x}, opset=24)
-    with _newer_runtime():
+    with newer_runtime():
         graph = lossgraph.gradient(net, weights=["x"], outputs=["y"])
     recomputed = [n for n in graph.graph.node if n.name.startswith("Swish_y/")]
     assert "Sigmoid" in [n.op_type for n in recomputed]
@@ -187,7 +172,7 @@ def test_a_function_op_inside_an_if_branch_is_differentiated_through_its_body(rn
             y = If(c) <then_branch = g1 () => (double[3] t) { t = Swish(x) },
                        else_branch = g2 () => (double[3] e) { e = Neg(x) }>
         }""")
-    with _newer_runtime():
+    with newer_runtime():
         graph = lossgraph.gradient(net, weights=["x"], outputs=["y"])
     seed = graph.graph.input[2].name
     r = cotangent(x.shape, x.dtype)
@@ -260,7 +245,7 @@ def test_attention_gradients_match_finite_differences(rng, attrs, torch_kwargs):
     text = "<" + ", ".join(f"{key} = {value}" for key, value in attrs.items()) + ">" \
         if attrs else ""
     net = _op_model("Attention", {"Q": q, "K": k, "V": v}, text)
-    with _newer_runtime():
+    with newer_runtime():
         check_gradients(net, {"Q": q, "K": k, "V": v})
 
 
@@ -309,7 +294,7 @@ def test_rms_normalization_gradients_match_finite_differences(rng, axis, shape):
     scale = rng.normal(size=shape[axis % len(shape):])
     net = _op_model("RMSNormalization", {"x": x, "scale": scale},
                     f"<axis = {axis}, stash_type = 11>")
-    with _newer_runtime():
+    with newer_runtime():
         check_gradients(net, {"x": x, "scale": scale})
 
 
@@ -350,7 +335,7 @@ def test_flex_attention_without_a_kernel_is_differentiated_and_expandable(rng):
     q, k, v = (rng.normal(size=(1, 2, 3, 4)) for _ in range(3))
     feeds = {"Q": q, "K": k, "V": v}
     net = _op_model("FlexAttention", feeds, opset=25, domain="ai.onnx.preview")
-    with _newer_runtime():
+    with newer_runtime():
         graph = lossgraph.gradient(net, weights=["Q"], outputs=["y"])
         assert "FlexAttention" in [n.op_type for n in graph.graph.node]
         expanded = ExpandFunctions()(net)

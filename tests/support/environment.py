@@ -11,6 +11,7 @@ lacks; for other optional packages use the flags ``HAS_ONNXRUNTIME``, ``HAS_TRAI
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -18,7 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from lossgraph import training_build
+from lossgraph.target import use_target
 
 #: The repository's root folder, and its golden models.
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,3 +68,13 @@ def __getattr__(name: str) -> bool:
     if name.startswith("HAS_") and capability in _PROBES:
         return has(capability)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def newer_runtime() -> contextlib.AbstractContextManager:
+    """The onnxruntime target (the opsets of onnxruntime 1.20 and later), or a skip where
+    the runtime is the training build, which loads opsets up to 21 only."""
+    import onnxruntime
+
+    if tuple(int(p) for p in onnxruntime.__version__.split(".")[:2]) < (1, 20):
+        pytest.skip("onnxruntime-training 1.19 loads opsets up to 21; this op is opset 22+")
+    return use_target("onnxruntime")

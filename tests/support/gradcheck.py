@@ -27,11 +27,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 from lossgraph import gradient
 from lossgraph.errors import EvaluationError, MissingGradientError, RuntimeUnavailableError
 from lossgraph.graphs import all_graphs
 from lossgraph.runtime.session import create_session, quiet_session_options
+from lossgraph.target import use_target
 
 COTANGENT_SEED = 1234
 
@@ -59,6 +61,19 @@ def _as_model(model: onnx.ModelProto | str) -> onnx.ModelProto:
 def cotangent(shape: Sequence[int], dtype) -> np.ndarray:
     """The fixed random cotangent ``R`` used for an output of this shape."""
     return np.random.default_rng(COTANGENT_SEED).normal(size=tuple(shape)).astype(dtype)
+
+
+def away_from_zero(rng: np.random.Generator, shape: Sequence[int], dtype=np.float64
+                   ) -> np.ndarray:
+    """Values with ``|x|`` in [0.2, 2], either sign: away from the kinks and poles at 0."""
+    x = rng.uniform(0.2, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    return x.astype(dtype)
+
+
+def reduce_to(grad: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """``grad`` summed back to ``shape``, the shape an input was broadcast from."""
+    grad = grad.sum(axis=tuple(range(grad.ndim - len(shape))))
+    return grad.sum(axis=tuple(i for i, d in enumerate(shape) if d == 1), keepdims=True)
 
 
 def forward(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray],
@@ -108,6 +123,39 @@ def finite_differences(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray],
         minus = run()
         x[index] = original
         grad[index] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def vjp(model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray], wrt: Sequence[str]
+        ) -> dict[str, np.ndarray]:
+    """lossgraph's gradient of ``L = sum(y * R)`` (the fixed cotangent), run in onnxruntime,
+    by input name."""
+    graph = gradient(loss_model(model, inputs), weights=list(wrt), loss_name="gradcheck_loss")
+    values = create_session(graph).run([f"{w}_grad" for w in wrt], _fresh(inputs))
+    return dict(zip(wrt, values))
+
+
+def reference_vjp(net: onnx.ModelProto, feeds: dict, wrt: list[str], output: str = "y"
+                   ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """lossgraph's vector-Jacobian product for the fixed cotangent, and the forward
+    output, both run by the ONNX reference implementation (for ops onnxruntime lacks)."""
+    with use_target("onnxruntime"):
+        graph = gradient(net, weights=wrt, outputs=[output])
+    y = np.asarray(ReferenceEvaluator(net).run([output], feeds)[0])
+    seed = graph.graph.input[len(net.graph.input)].name
+    values = ReferenceEvaluator(graph).run([f"{w}_grad" for w in wrt],
+                                           {**feeds, seed: cotangent(y.shape, y.dtype)})
+    return dict(zip(wrt, values)), y
+
+
+def numeric_vjp(forward, x: np.ndarray, r: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central differences of sum(forward(x) r)."""
+    grad = np.zeros(x.shape)
+    for index in np.ndindex(x.shape):
+        plus, minus = x.copy(), x.copy()
+        plus[index] += eps
+        minus[index] -= eps
+        grad[index] = np.sum((forward(plus) - forward(minus)) * r) / (2 * eps)
     return grad
 
 

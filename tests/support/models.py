@@ -5,7 +5,8 @@
 is the model of the graph ``g (double[3, 4] x, double[4] w) => (double[3, 4] y) { y = Mul(x, w) }``
 importing ai.onnx at opset 18 (and any ``domains={"ai.onnx.ml": 3}``), at the lowest IR
 version that opset allows. :func:`model_of_graph` wraps a ``GraphProto`` built otherwise
-(``onnx.helper``) the same way; :func:`signature` writes a signature from example arrays.
+(``onnx.helper``) the same way; :func:`parse_model` reads a whole model's text, scalars
+included; :func:`signature` writes a signature from example arrays.
 :data:`UNSORTED` is a model whose weights' alphabetical order differs from their graph
 order, read in ``If`` branches.
 """
@@ -45,6 +46,16 @@ def model(signature: str, body: str, *, opset: int = 18,
     """
     return model_of_graph(onnx.parser.parse_graph(f"g {signature} {{ {body} }}"),
                           opset=opset, domains=domains)
+
+
+def parse_model(text: str) -> onnx.ModelProto:
+    """A whole model in ONNX text syntax, its ``double[]`` values given the scalar shape the
+    parser leaves out."""
+    parsed = onnx.parser.parse_model(text)
+    for value in (*parsed.graph.input, *parsed.graph.output):
+        if not value.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.shape.SetInParent()
+    return parsed
 
 
 def dims(shape: Iterable[int | str]) -> str:

@@ -1,13 +1,13 @@
-"""Gradients of shape and layout ops (lossgraph/autodiff/rules/shape.py)."""
+"""Gradients of shape and layout ops (lossgraph/autodiff/rules/shape.py); CenterCropPad's pads
+what was cropped and crops what was padded."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.gradcheck import check_gradients, cotangent, loss_model
+from onnx.reference import ReferenceEvaluator
+from support.gradcheck import check_gradients, cotangent
 from support.models import dims, model
-
-from lossgraph import gradient
 
 
 def rand(rng, *shape):
@@ -166,33 +166,40 @@ def test_space_to_depth_gradient(rng):
     check_gradients(net, {"x": x}, ort="auto")
 
 
-@pytest.mark.parametrize("batch_axis, time_axis", [(1, 0), (0, 1)])
-def test_reverse_sequence_gradient_is_the_same_reversal(rng, batch_axis, time_axis):
-    x = rand(rng, 4, 4, 2)
-    lengths = np.array([4, 1, 2, 3])
-    net = model("(double[4, 4, 2] x, int64[4] l) => (double[4, 4, 2] y)",
-                f"y = ReverseSequence <batch_axis = {batch_axis}, time_axis = {time_axis}> "
-                "(x, l)", opset=13)
-    r = cotangent((4, 4, 2), np.float64)
-    expected = np.array(r)
-    for b, n in enumerate(lengths):
-        index = [slice(None)] * 3
-        index[batch_axis], index[time_axis] = b, slice(0, n)
-        expected[tuple(index)] = np.flip(r[tuple(index)], axis=0)
-    check_gradients(net, {"x": x, "l": lengths}, wrt=["x"], reference={"x": expected})
+CASES = [  # x shape, target sizes, axes
+    ((5, 6), [3, 6], None),           # crop, even difference
+    ((5, 6), [2, 6], None),           # crop, odd difference: the window starts left
+    ((3, 4), [6, 4], None),           # pad, odd difference: the extra zero is right
+    ((3, 4), [7, 2], None),           # pad one axis, crop the other
+    ((2, 5, 4, 3), [2, 7], [1, 2]),   # axes
+    ((4, 5, 3), [3, 4], [-3, -2]),    # negative axes (an HWC image)
+]
 
 
-def test_reverse_sequence_gradient_copies_rows_of_length_zero(rng, run_model):
-    """A row of length 0 is copied unchanged, so its gradient is dy. Checked against the
-    numpy adjoint, not finite differences: onnxruntime 1.19's own ReverseSequence leaves
-    such rows unwritten (the gradient does not use it)."""
-    x, lengths = rand(rng, 3, 4), np.array([0, 2, 3])
-    net = model("(double[3, 4] x, int64[3] l) => (double[3, 4] y)",
-                "y = ReverseSequence <batch_axis = 0, time_axis = 1> (x, l)", opset=13)
-    r = cotangent((3, 4), np.float64)
-    graph = gradient(loss_model(net, {"x": x, "l": lengths}), weights=["x"],
-                     loss_name="gradcheck_loss")
-    expected = np.array(r)
-    for b, n in enumerate(lengths):
-        expected[b, :n] = r[b, :n][::-1]
-    np.testing.assert_allclose(run_model(graph, {"x": x, "l": lengths})["x_grad"], expected)
+@pytest.mark.parametrize("shape, sizes, axes", CASES)
+def test_center_crop_pad_gradient_is_its_adjoint(rng, shape, sizes, axes):
+    x = rand(rng, *shape)
+    attrs = "" if axes is None else f"<axes = [{dims(axes)}]>"
+    evaluator_model = model(
+        f"(double[{dims(shape)}] x, int64[{len(sizes)}] s) => (double y)",
+        f"y = CenterCropPad {attrs} (x, s)")
+    s = np.array(sizes, dtype=np.int64)
+    y = ReferenceEvaluator(evaluator_model).run(None, {"x": x, "s": s})[0]
+    net = model(f"(double[{dims(shape)}] x, int64[{len(sizes)}] s) => "
+                f"(double[{dims(y.shape)}] y)", f"y = CenterCropPad {attrs} (x, s)")
+    # the adjoint of a linear map: <dy, A e_k> for every unit vector e_k of x
+    r = cotangent(y.shape, np.float64)
+    evaluator = ReferenceEvaluator(evaluator_model)
+    expected = np.zeros(x.shape)
+    for k in np.ndindex(x.shape):
+        unit = np.zeros(x.shape)
+        unit[k] = 1
+        expected[k] = np.sum(r * evaluator.run(None, {"x": unit, "s": s})[0])
+    check_gradients(net, {"x": x, "s": s}, wrt=["x"], reference={"x": expected})
+
+
+def test_center_crop_pad_gradient_with_dims_known_at_run_time_only(rng):
+    x = rand(rng, 3, 6)
+    net = model("(double[N, M] x, int64[2] s) => (double[P, Q] y)",
+                "y = CenterCropPad (x, s)")
+    check_gradients(net, {"x": x, "s": np.array([6, 3])}, wrt=["x"])

@@ -267,3 +267,9 @@ def test_the_package_speaks_of_onnxcustom_by_name():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if "reference document" in line.lower()]
     assert found == []
+
+
+def test_top_level_reexports():
+    for name in ("LearningRateSGD", "LearningRateSGDNesterov", "SquareLearningLoss",
+                 "ElasticLearningLoss", "ElasticLearningPenalty", "NoLearningPenalty"):
+        assert getattr(lossgraph, name) is getattr(lossgraph.compat, name)

@@ -1,40 +1,16 @@
-"""lossgraph.compat's learning rates, losses and penalties against numpy and scikit-learn."""
+"""lossgraph.compat's learning rates (lossgraph/compat/learning_rate.py) against onnxcustom's
+schedules, scikit-learn's SGDOptimizer and lossgraph.optim."""
 
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from sklearn.neural_network._stochastic_optimizers import SGDOptimizer
+from support.estimators import run_onnx
 
-import lossgraph
-from lossgraph.compat import (
-    AbsoluteLearningLoss,
-    BaseLearningLoss,
-    BaseLearningPenalty,
-    BaseLearningRate,
-    ConvergenceError,
-    ConvergenceWarning,
-    ElasticLearningLoss,
-    ElasticLearningPenalty,
-    EvaluationError,
-    LearningRateSGD,
-    LearningRateSGDNesterov,
-    NegLogLearningLoss,
-    NoLearningPenalty,
-    ProviderError,
-    SquareLearningLoss,
-)
-from lossgraph.errors import LossgraphError, UnsupportedOptionError
+from lossgraph.compat import BaseLearningRate, LearningRateSGD, LearningRateSGDNesterov
+from lossgraph.errors import UnsupportedOptionError
 from lossgraph.optim import SGD, Momentum, update_graph
-
-
-def run(model, feeds):
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
-
-
-# -- learning rates --------------------------------------------------------------------
 
 
 def test_invscaling_matches_sklearn_sgd_optimizer_per_epoch():
@@ -136,7 +112,7 @@ def test_momentum_update_graph_matches_sklearn_sgd_optimizer(nesterov, dtype):
         for _ in range(2):
             g = rng.normal(size=(3,))
             reference.update_params(params, [g])
-            w, velocity = run(graph, {"learning_rate": np.array(rate.value(epoch), dtype),
+            w, velocity = run_onnx(graph, {"learning_rate": np.array(rate.value(epoch), dtype),
                                       "step": np.array(step), "w": w,
                                       "w_grad": g.astype(dtype), "w_velocity": velocity})
             step += 1
@@ -182,138 +158,3 @@ def test_bad_learning_rate_options(options):
         LearningRateSGDNesterov(momentum=1.5)
     with pytest.raises(UnsupportedOptionError):
         LearningRateSGD().value(-1)
-
-
-# -- losses ----------------------------------------------------------------------------
-
-def _expected(loss, p, y, w):
-    d = p - y
-    if isinstance(loss, SquareLearningLoss):
-        value, grad = 0.5 * d ** 2, d
-    elif isinstance(loss, AbsoluteLearningLoss):
-        value, grad = np.abs(d), np.sign(d)
-    elif isinstance(loss, ElasticLearningLoss):
-        value = loss.l1_weight * np.abs(d) + loss.l2_weight * d ** 2
-        grad = loss.l1_weight * np.sign(d) + 2 * loss.l2_weight * d
-    else:
-        s, label = p, y
-        value = np.logaddexp(0, s) - label * s
-        grad = 1 / (1 + np.exp(-s)) - label
-    return (value[:, 0] * w).sum(), grad * w[:, None]
-
-
-LOSSES = [SquareLearningLoss(), AbsoluteLearningLoss(), ElasticLearningLoss(0.1, 0.9),
-          NegLogLearningLoss()]
-
-
-@pytest.mark.parametrize("loss", LOSSES, ids=lambda loss: type(loss).__name__)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_loss_graph_value_and_gradient_match_numpy(loss, dtype, weighted):
-    rng = np.random.default_rng(1)
-    p = rng.normal(size=(7, 1)).astype(dtype)
-    classes = isinstance(loss, NegLogLearningLoss)
-    y = rng.integers(0, 2, size=7) if classes else rng.normal(size=(7, 1)).astype(dtype)
-    w = rng.uniform(0.5, 2, size=7).astype(dtype) if weighted else np.ones(7, dtype)
-    graph = loss.build_onnx_function(weight_name="weight" if weighted else None, dtype=dtype)
-    feeds = {"prediction": p, "label": y, **({"weight": w} if weighted else {})}
-    value, grad = run(graph, feeds)
-    expected_value, expected_grad = _expected(loss, p.astype(np.float64),
-                                              y[:, None] if classes else y, w.astype(np.float64))
-    tolerance = 1e-5 if dtype == np.float32 else 1e-12
-    assert value.dtype == dtype and grad.dtype == dtype
-    np.testing.assert_allclose(value, expected_value, rtol=tolerance)
-    np.testing.assert_allclose(grad, expected_grad, rtol=tolerance, atol=tolerance)
-
-
-def test_mean_reduction_divides_by_the_weights():
-    graph = SquareLearningLoss().build_onnx_function(weight_name="weight", reduction="mean")
-    p = np.array([[1.0], [3.0]], np.float32)
-    y = np.zeros((2, 1), np.float32)
-    w = np.array([1.0, 3.0], np.float32)
-    value, grad = run(graph, {"prediction": p, "label": y, "weight": w})
-    assert value == pytest.approx((0.5 * 1 + 3 * 0.5 * 9) / 4)
-    np.testing.assert_allclose(grad[:, 0], [1 / 4, 9 / 4])
-
-
-@pytest.mark.parametrize("alias,kind", [
-    ("square_error", SquareLearningLoss), ("square", SquareLearningLoss),
-    ("absolute", AbsoluteLearningLoss), ("elastic", ElasticLearningLoss),
-    ("log", NegLogLearningLoss), ("neglog", NegLogLearningLoss),
-    ("absolute_error", AbsoluteLearningLoss), ("elastic_error", ElasticLearningLoss),
-    ("logloss", NegLogLearningLoss),
-    ("SquareLearningLoss", SquareLearningLoss), ("AbsoluteLearningLoss", AbsoluteLearningLoss),
-    ("ElasticLearningLoss", ElasticLearningLoss), ("NegLogLearningLoss", NegLogLearningLoss)])
-def test_loss_aliases(alias, kind):
-    assert type(BaseLearningLoss.select(alias)) is kind
-    assert BaseLearningLoss.select(kind()) == kind()
-
-
-def test_bad_loss_names_and_options_raise():
-    with pytest.raises(UnsupportedOptionError, match="Did you mean 'square'"):
-        BaseLearningLoss.select("squar")
-    with pytest.raises(UnsupportedOptionError):
-        BaseLearningLoss.select(None)
-    with pytest.raises(UnsupportedOptionError):
-        ElasticLearningLoss(l1_weight=-1)
-    with pytest.raises(UnsupportedOptionError, match="sigmoid"):
-        NegLogLearningLoss(probability_function="softmax")
-    with pytest.raises(UnsupportedOptionError):
-        SquareLearningLoss().build_onnx_function(device=0)
-
-
-# -- penalties -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_elastic_penalty_graph_matches_numpy(dtype):
-    penalty = ElasticLearningPenalty(l1=0.1, l2=0.3)
-    weights = {"coef": np.array([[-1.0], [0.5]], dtype), "intercept": np.array([2.0], dtype)}
-    assert penalty.penalty(weights) == {"coef": {"l1": 0.1, "l2": 0.3},
-                                        "intercept": {"l1": 0.1, "l2": 0.3}}
-    value, coef_grad, intercept_grad = run(penalty.build_onnx_function(weights), weights)
-    expected = sum(0.1 * np.abs(w).sum() + 0.3 * (w.astype(np.float64) ** 2).sum()
-                   for w in weights.values())
-    assert value == pytest.approx(expected, rel=1e-6)
-    np.testing.assert_allclose(coef_grad, 0.1 * np.sign(weights["coef"]) + 0.6 * weights["coef"],
-                               rtol=1e-6)
-    np.testing.assert_allclose(intercept_grad, [0.1 + 1.2], rtol=1e-6)
-
-
-def test_no_penalty_has_no_graph():
-    assert NoLearningPenalty().penalty(["coef"]) == {}
-    assert NoLearningPenalty().build_onnx_function({"coef": np.zeros(2, np.float32)}) is None
-
-
-@pytest.mark.parametrize("alias,kind", [(None, NoLearningPenalty), ("", NoLearningPenalty),
-                                        ("NoLearningPenalty", NoLearningPenalty),
-                                        ("elastic", ElasticLearningPenalty),
-                                        ("l1l2", ElasticLearningPenalty),
-                                        ("ElasticLearningPenalty", ElasticLearningPenalty)])
-def test_penalty_aliases(alias, kind):
-    assert type(BaseLearningPenalty.select(alias)) is kind
-
-
-def test_bad_penalty_names_and_options_raise():
-    with pytest.raises(UnsupportedOptionError, match="Did you mean 'l1l2'"):
-        BaseLearningPenalty.select("l1l3")
-    with pytest.raises(UnsupportedOptionError):
-        ElasticLearningPenalty(l1=-0.1)
-
-
-# -- exceptions and the top level -------------------------------------------------------
-
-
-def test_exceptions_belong_to_lossgraph_hierarchy():
-    for error in (ConvergenceError, EvaluationError, ProviderError):
-        assert issubclass(error, LossgraphError)
-        assert issubclass(error, RuntimeError)  # onnxcustom's base: old except clauses hold
-    assert issubclass(ConvergenceError, ArithmeticError) and issubclass(ProviderError, ValueError)
-    assert issubclass(ConvergenceWarning, Warning)
-    assert ConvergenceError is lossgraph.errors.ConvergenceError
-
-
-def test_top_level_reexports():
-    for name in ("LearningRateSGD", "LearningRateSGDNesterov", "SquareLearningLoss",
-                 "ElasticLearningLoss", "ElasticLearningPenalty", "NoLearningPenalty"):
-        assert getattr(lossgraph, name) is getattr(lossgraph.compat, name)

@@ -50,6 +50,7 @@ from support.estimators import (
     classification,
     linear_onnx,
     regression,
+    run_onnx,
     small_linear,
     whole_graph_model,
 )
@@ -152,11 +153,6 @@ def raw_score_onnx(classifier, X) -> onnx.ModelProto:
 
 def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-
-
-def run_onnx(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
 
 
 # -- numpy references ----------------------------------------------------------------------

@@ -12,7 +12,6 @@ from lossgraph.speed import FoldBatchIntoProducts
 
 F32 = np.float32
 
-# ------------------------------------------ sequence weight gradients, attention splits
 SEQUENCE_LINEAR = """<ir_version: 8, opset_import: ["" : 17]>
 g ({x_type} x, float[{d}, 3] w, float[3] b) => (float loss) {{
     h = MatMul(x, w)  y = Add(h, b)  s = Sin(y)  loss = ReduceSum<keepdims=0>(s)

@@ -9,7 +9,6 @@ from support.rewrites import ops
 
 from lossgraph.speed import FoldStaticShapes
 
-# -- FoldStaticShapes ---------------------------------------------------------------------
 
 def test_shapes_of_static_values_fold_to_constants_until_nothing_changes(run_model):
     given = model("(float[4, 3] x) => (float[4, 3] y, int64 n, int64[1] last)",

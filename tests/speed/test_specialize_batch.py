@@ -16,7 +16,6 @@ from lossgraph.errors import UnsupportedOptionError
 from lossgraph.optim import Adam, Momentum
 from lossgraph.speed import SpecializeBatch
 
-# -- SpecializeBatch ---------------------------------------------------------------------------
 
 def _epoch_feeds(program, graph, X, y, batch, batches, sample_weight=None):
     rows = batch * batches

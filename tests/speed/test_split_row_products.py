@@ -12,7 +12,6 @@ from support.rewrites import ops
 from lossgraph.speed import SplitRowProducts
 from lossgraph.speed.split_row_products import gradient_product_parts, row_product_parts
 
-# -- SplitRowProducts ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows, parts", [(1000, 4), (2000, 8), (1009, None), (500, None),
                                          (100, None)])

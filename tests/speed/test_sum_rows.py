@@ -14,7 +14,6 @@ import lossgraph
 from lossgraph.optim import Momentum
 from lossgraph.speed import SumRowsByProduct
 
-# -- SumRowsByProduct ------------------------------------------------------------------------
 
 def sum_model(x_type: str, axes: str, target: str, out_type: str, *, keepdims: int = 0,
               opset: int = 18) -> onnx.ModelProto:

@@ -16,9 +16,6 @@ from lossgraph.speed import UnfoldConvWeightGradients
 
 F32 = np.float32
 
-# ----------------------------------------------------- convolution weight gradients
-
-
 def _conv_gradient_model(x_shape, w_shape, attrs, free_batch: bool) -> onnx.ModelProto:
     """The gradient graph of ``sum(sin(Conv(x, W)))`` with respect to W and x."""
     dims = ["N" if free_batch else str(x_shape[0]), *map(str, x_shape[1:])]

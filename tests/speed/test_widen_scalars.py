@@ -13,8 +13,6 @@ import lossgraph
 from lossgraph.optim import Momentum
 from lossgraph.speed import WidenScalarConstants
 
-# -- WidenScalarConstants ---------------------------------------------------------------
-
 SCALARS = """
     <ir_version: 8, opset_import: ["" : 18]>
     scalars (float[N, 1] column, float[N] row) => (float[N, 1] a, float[N] b, float[N, 1] c)

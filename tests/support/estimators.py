@@ -1,12 +1,13 @@
 """The estimators of lossgraph.compat as their tests build them: data shaped as in
 scikit-learn's examples, the small linear model (:mod:`support.linear`) under scikit-learn's
 names (input ``X``, output ``score``), one estimator of each kind, and a closeness check of
-trained states."""
+trained states; a model run by onnxruntime."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from sklearn.datasets import make_classification, make_regression
 
 import lossgraph
@@ -60,6 +61,12 @@ ESTIMATORS = {
     "forward_backward": lambda **kw: FB(linear_onnx(*START), **kw),
     "whole_graph": lambda **kw: OrtGradientOptimizer(whole_graph_model(), None, **kw),
 }
+
+
+def run_onnx(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
+    """Every output of ``model`` run by onnxruntime on the CPU."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
 
 
 def assert_states_close(ours, theirs, rtol=1e-4, atol=1e-6):

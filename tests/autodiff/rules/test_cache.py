@@ -14,7 +14,6 @@ from support.models import dims, model, signature
 
 F64 = np.float64
 
-# ------------------------------------------------------------------- TensorScatter
 SCATTER_CASES = [
     ((2, 6, 3), (2, 2, 3), "linear", -2, [1, 4]),
     ((2, 5, 3), (2, 3, 3), "circular", -2, [3, 0]),

@@ -34,7 +34,6 @@ def _check_with_foreign_forward(net: onnx.ModelProto, feeds: dict, reference: di
     return got
 
 
-# ----------------------------------------------------------------------- ai.onnx.ml
 @pytest.mark.parametrize("shape, indices", [((3, 5), [4, 0, 4]), ((2, 2, 4), [1]),
                                             ((5,), [3, 3, 0])])
 def test_array_feature_extractor_gradient_gathers_back(rng, shape, indices):

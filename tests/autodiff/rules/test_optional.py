@@ -9,7 +9,6 @@ from support.models import model
 F64 = np.float64
 
 
-# ------------------------------------------------------------------- optional ops
 def test_optional_get_element_of_a_tensor_is_the_identity(rng):
     x = rng.normal(size=(4,))
     net = model("(double[4] x) => (double[4] y)", "e = OptionalGetElement(x) y = Sin(e)",

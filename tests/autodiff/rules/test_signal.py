@@ -16,7 +16,6 @@ from lossgraph.runtime.session import create_session
 F64 = np.float64
 
 
-# --------------------------------------------------------------------------- DFT
 def _dft_model(x: np.ndarray, out_shape: tuple, attrs: str = "", length: int | None = None,
                axis: int | None = None, opset: int = 20) -> onnx.ModelProto:
     constants, args = [], ["x"]

@@ -12,6 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 from support.environment import GOLDEN_MODELS, HAS_TRAINING
+from support.linear import LINEAR, linear_data, linear_program
 
 import lossgraph
 from lossgraph.compat import (
@@ -40,15 +41,6 @@ from lossgraph.target import (
     use_target,
 )
 
-LINEAR = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    linear (float[N, 4] x) => (float[N, 1] y)
-    <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}>
-    {
-        h = MatMul(x, coef)
-        y = Add(h, intercept)
-    }
-"""
 GOLDEN = ["hand_linear", "skl_mlp_regressor", "skl_logistic_multiclass", "torch_cnn"]
 CLASSIFIERS = {"skl_logistic_multiclass", "torch_cnn"}
 FUSES = ["separate", "step", "epoch"]
@@ -514,3 +506,37 @@ def test_a_program_the_installed_onnxruntime_cannot_load_is_refused_by_the_train
             r"'evaluate' graph is ai.onnx opset 23 \(it loads up to 21\), newer than the "
             r"installed onnxruntime-training 1.19.2 loads")):
         lossgraph.Trainer(program)
+
+
+# -- the target compile_program emits for --------------------------------------------------------
+
+OPSET_23 = LINEAR.replace('"" : 18', '"" : 23')
+
+
+@pytest.fixture(scope="module")
+def data():
+    return linear_data(205, seed=11)
+
+
+def test_default_target_rejects_newer_opsets_and_names_the_way_out():
+    with pytest.raises(lossgraph.LossgraphError, match="target='onnxruntime'"):
+        lossgraph.compile_program(onnx.parser.parse_model(OPSET_23))
+
+
+def test_onnxruntime_target_emits_newer_opsets(data):
+    from support.environment import HAS_TRAINING
+
+    prog = lossgraph.compile_program(onnx.parser.parse_model(OPSET_23), target="onnxruntime",
+                             optimizer=SGD(0.05))
+    assert all(g.opset_import[0].version == 23 and g.ir_version == 10
+               for g in prog.graphs.values())
+    if HAS_TRAINING:
+        pytest.skip("onnxruntime-training 1.19 loads opsets up to 21 only")
+    X, y = data
+    trainer = lossgraph.Trainer(prog).fit(X, y, epochs=3, progress=False)
+    assert trainer.train_losses_[-1] < trainer.train_losses_[0]
+
+
+def test_unknown_target_is_an_error():
+    with pytest.raises(UnsupportedOptionError, match="Unknown target 'onnxruntime-2'"):
+        linear_program(target="onnxruntime-2")

@@ -1,14 +1,15 @@
-"""The lossgraph command line."""
+"""The lossgraph command as a whole (lossgraph/cli/__init__.py): each command from the shell, every
+bad command line an exit status 2 with one line and nothing written (the catalogue of
+docs/reference/errors.md: ``PYTHONPATH=.:tests python tests/cli/test_main.py`` prints its
+table), a scikit-learn model trained end to end and the documented walkthrough, export,
+exit statuses and help."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import io
 import json
 import math
-import os
 import re
 import shlex
 import subprocess
@@ -21,27 +22,24 @@ import numpy as np
 import onnx
 import pytest
 from support.catalogue import Row, assert_listed, message_of, print_table, slug
+from support.cli import (
+    export_has,
+    installed,
+    needs_skl2onnx,
+    npz_data,
+    ok,
+    program_folder,
+    shell,
+    two_output_data,
+    write_csv,
+    write_file,
+)
 from support.environment import ROOT
+from support.models import NET
 
-from lossgraph import TrainingProgram, cli, compile_program, get_roles
+from lossgraph import cli, get_roles
 from lossgraph.cli import main
-from lossgraph.optim import SGD, Adam, AdamW, Momentum
 from lossgraph.runtime import Trainer
-
-MODEL = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    net (float[N, 3] x) => (float[N, 2] y)
-    <float[3, 2] z_weight = {1, 2, 3, 4, 5, 6}, float[2] a_bias = {0.5, -0.5}>
-    { h = MatMul(x, z_weight)
-      y = Add(h, a_bias) }
-"""
-
-
-@pytest.fixture
-def model_file(tmp_path):
-    path = tmp_path / "model.onnx"
-    onnx.save(onnx.parser.parse_model(MODEL), path)
-    return path
 
 
 def test_add_loss_then_gradient_from_the_shell(model_file, tmp_path, run_model, rng):
@@ -60,15 +58,6 @@ def test_trainable_and_alphabetize_print_names(model_file, tmp_path, capsys):
     assert capsys.readouterr().out.split() == ["z_weight", "a_bias"]
     assert main(["alphabetize", str(model_file), "-o", str(tmp_path / "r.onnx")]) == 0
     assert '"z_weight": "I0_z_weight"' in capsys.readouterr().out
-
-
-def test_inspect_of_a_model_with_its_loss_looks_towards_the_loss(model_file, tmp_path, capsys):
-    with_loss = tmp_path / "loss.onnx"
-    assert main(["add-loss", str(model_file), "-o", str(with_loss)]) == 0
-    assert main(["inspect", str(with_loss)]) == 0
-    out = capsys.readouterr().out
-    assert "the model carries its loss 'loss' (compile it with --loss none)" in out
-    assert "  label  float  [N, 2]" in out
 
 
 def test_ops_lists_the_supported_ops(capsys):
@@ -101,44 +90,15 @@ def test_compile_then_train_from_the_shell(model_file, tmp_path, run_model, rng)
     assert (tmp_path / "ckpt" / "trainer.json").exists()
 
 
-def test_training_data_without_labels_is_a_clear_error(model_file, tmp_path, capsys):
-    program_dir = tmp_path / "program"
-    assert main(["compile", str(model_file), "-o", str(program_dir)]) == 0
-    np.savez(tmp_path / "data.npz", X=np.ones((3, 3), np.float32))
-    assert main(["train", str(program_dir), "--data", str(tmp_path / "data.npz"),
-                 "-o", str(tmp_path / "out.onnx")]) == 2
-    assert "needs arrays named X and y" in capsys.readouterr().err
-
-
 # -- every bad input: exit status 2, one line on stderr, no traceback, nothing written -------
 
 
-def _program(tmp_path) -> str:
-    model = tmp_path / "net.onnx"
-    onnx.save(onnx.parser.parse_model(MODEL), model)
-    folder = tmp_path / "program"
-    assert main(["compile", str(model), "-o", str(folder)]) == 0
-    return str(folder)
-
-
-def _file(tmp_path, name: str, data: bytes) -> str:
-    (tmp_path / name).write_bytes(data)
-    return str(tmp_path / name)
-
-
 def _model(tmp_path) -> str:
-    return _file(tmp_path, "m.onnx", onnx.parser.parse_model(MODEL).SerializeToString())
-
-
-def _data(tmp_path) -> str:
-    rng = np.random.default_rng(0)
-    np.savez(tmp_path / "data.npz", X=rng.normal(size=(10, 3)).astype(np.float32),
-             y=rng.normal(size=(10, 2)).astype(np.float32))
-    return str(tmp_path / "data.npz")
+    return write_file(tmp_path, "m.onnx", onnx.parser.parse_model(NET).SerializeToString())
 
 
 def _broken_manifest(tmp_path) -> str:
-    folder = _program(tmp_path)
+    folder = program_folder(tmp_path)
     (tmp_path / "program" / "manifest.json").write_text('{"format": ')
     return folder
 
@@ -150,7 +110,7 @@ def _user_folder(tmp_path) -> str:
 
 
 def _user_file(tmp_path) -> str:
-    return _file(tmp_path, "mine.onnx", b"the user's own file")
+    return write_file(tmp_path, "mine.onnx", b"the user's own file")
 
 
 def _npy(tmp_path) -> str:
@@ -159,19 +119,19 @@ def _npy(tmp_path) -> str:
 
 
 def _csv(tmp_path) -> str:
-    return _file(tmp_path, "d.csv", b"a,b,c,y,z\n1,2,3,4,5\n2,3,4,5,6\n")
+    return write_file(tmp_path, "d.csv", b"a,b,c,y,z\n1,2,3,4,5\n2,3,4,5,6\n")
 
 
 def _other_program(tmp_path) -> str:
     model = tmp_path / "other.onnx"
-    onnx.save(onnx.parser.parse_model(MODEL), model)
+    onnx.save(onnx.parser.parse_model(NET), model)
     assert main(["compile", str(model), "-o", str(tmp_path / "other"), "--optimizer",
                  "adam"]) == 0
     return str(tmp_path / "other")
 
 
 def _checkpoint(tmp_path) -> str:
-    assert main(["train", _program(tmp_path), "--data", _data(tmp_path), "-o",
+    assert main(["train", program_folder(tmp_path), "--data", npz_data(tmp_path), "-o",
                  str(tmp_path / "first.onnx"), "--checkpoint", str(tmp_path / "ckpt")]) == 0
     return str(tmp_path / "ckpt")
 
@@ -179,29 +139,31 @@ def _checkpoint(tmp_path) -> str:
 JUNK = b"this is not an ONNX model\n"
 BAD_COMMANDS = {
     # junk files for every command that reads a model
-    "add-loss junk": lambda t: ["add-loss", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
-    "gradient junk": lambda t: ["gradient", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
-    "compile junk": lambda t: ["compile", _file(t, "j.onnx", JUNK), "-o", f"{t}/prog"],
-    "lower-ml junk": lambda t: ["lower-ml", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
-    "alphabetize junk": lambda t: ["alphabetize", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
-    "trainable junk": lambda t: ["trainable", _file(t, "j.onnx", JUNK)],
-    "trainable empty file": lambda t: ["trainable", _file(t, "e.onnx", b"")],
+    "add-loss junk": lambda t: ["add-loss", write_file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "gradient junk": lambda t: ["gradient", write_file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "compile junk": lambda t: ["compile", write_file(t, "j.onnx", JUNK), "-o", f"{t}/prog"],
+    "lower-ml junk": lambda t: ["lower-ml", write_file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "alphabetize junk": lambda t: ["alphabetize", write_file(t, "j.onnx", JUNK), "-o",
+                                   f"{t}/o.onnx"],
+    "trainable junk": lambda t: ["trainable", write_file(t, "j.onnx", JUNK)],
+    "trainable empty file": lambda t: ["trainable", write_file(t, "e.onnx", b"")],
     "trainable missing file": lambda t: ["trainable", f"{t}/missing.onnx"],
-    "train junk program": lambda t: ["train", _file(t, "j.onnx", JUNK), "--data", _data(t),
+    "train junk program": lambda t: ["train", write_file(t, "j.onnx", JUNK), "--data", npz_data(t),
                                      "-o", f"{t}/o.onnx"],
-    "train a model file": lambda t: ["train", _model(t), "--data", _data(t), "-o", f"{t}/o.onnx"],
-    "train corrupt manifest": lambda t: ["train", _broken_manifest(t), "--data", _data(t),
+    "train a model file": lambda t: ["train", _model(t), "--data", npz_data(t), "-o",
+                                     f"{t}/o.onnx"],
+    "train corrupt manifest": lambda t: ["train", _broken_manifest(t), "--data", npz_data(t),
                                          "-o", f"{t}/o.onnx"],
     # missing option values and arguments
     "no command": lambda t: [],
     "unknown command": lambda t: ["fly"],
     "missing -o value": lambda t: ["lower-ml", f"{t}/m.onnx", "-o"],
     "missing -o": lambda t: ["compile", f"{t}/m.onnx"],
-    "no --data option": lambda t: ["train", _program(t), "-o", f"{t}/o.onnx"],
+    "no --data option": lambda t: ["train", program_folder(t), "-o", f"{t}/o.onnx"],
     # bad values
-    "epochs not a number": lambda t: ["train", _program(t), "--data", _data(t), "--epochs",
+    "epochs not a number": lambda t: ["train", program_folder(t), "--data", npz_data(t), "--epochs",
                                       "ten", "-o", f"{t}/o.onnx"],
-    "batch size zero": lambda t: ["train", _program(t), "--data", _data(t), "--batch-size",
+    "batch size zero": lambda t: ["train", program_folder(t), "--data", npz_data(t), "--batch-size",
                                   "0", "-o", f"{t}/o.onnx"],
     "unknown fuse": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--fuse", "turbo"],
     "unknown optimizer": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--optimizer",
@@ -229,8 +191,8 @@ BAD_COMMANDS = {
                                          "ort-artifacts", "--fuse", "epoch"],
     "nesterov for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                              "ort-artifacts", "--optimizer", "nesterov"],
-    "artifacts over a program": lambda t: ["compile", _model(t), "-o", _program(t), "--format",
-                                           "ort-artifacts"],
+    "artifacts over a program": lambda t: ["compile", _model(t), "-o", program_folder(t),
+                                           "--format", "ort-artifacts"],
     "score option without =": lambda t: ["add-loss", f"{t}/m.onnx", "-o", f"{t}/o.onnx",
                                          "--loss-option", "delta"],
     "unknown target": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--target", "mars"],
@@ -244,87 +206,87 @@ BAD_COMMANDS = {
     "program in a missing folder": lambda t: ["compile", _model(t), "-o", f"{t}/missing/prog"],
     "output over the user's file": lambda t: ["lower-ml", _model(t), "-o", _user_file(t)],
     "program over the user's folder": lambda t: ["compile", _model(t), "-o", _user_folder(t)],
-    "checkpoint over the user's folder": lambda t: ["train", _program(t), "--data", _data(t),
-                                                    "-o", f"{t}/o.onnx", "--checkpoint",
-                                                    _user_folder(t)],
+    "checkpoint over the user's folder": lambda t: ["train", program_folder(t), "--data",
+                                                    npz_data(t), "-o", f"{t}/o.onnx",
+                                                    "--checkpoint", _user_folder(t)],
     # data files
-    "corrupt npz": lambda t: ["train", _program(t), "--data", _file(t, "d.npz", b"PK\x03\x04junk"),
-                              "-o", f"{t}/o.onnx"],
-    "text file as npz": lambda t: ["train", _program(t), "--data", _file(t, "d.npz", b"1,2\n"),
-                                   "-o", f"{t}/o.onnx"],
-    "data file that does not exist": lambda t: ["train", _program(t), "--data",
+    "corrupt npz": lambda t: ["train", program_folder(t), "--data",
+                              write_file(t, "d.npz", b"PK\x03\x04junk"), "-o", f"{t}/o.onnx"],
+    "text file as npz": lambda t: ["train", program_folder(t), "--data",
+                                   write_file(t, "d.npz", b"1,2\n"), "-o", f"{t}/o.onnx"],
+    "data file that does not exist": lambda t: ["train", program_folder(t), "--data",
                                                 f"{t}/none.npz", "-o", f"{t}/o.onnx"],
-    "one npy file": lambda t: ["train", _program(t), "--data", _npy(t), "-o", f"{t}/o.onnx"],
-    "npz without the named array": lambda t: ["train", _program(t), "--data", _data(t),
+    "one npy file": lambda t: ["train", program_folder(t), "--data", _npy(t), "-o", f"{t}/o.onnx"],
+    "npz without the named array": lambda t: ["train", program_folder(t), "--data", npz_data(t),
                                               "--label", "target", "-o", f"{t}/o.onnx"],
-    "csv without a label column": lambda t: ["train", _program(t), "--data",
-                                             _file(t, "d.csv", b"a,b,c\n1,2,3\n"),
+    "csv without a label column": lambda t: ["train", program_folder(t), "--data",
+                                             write_file(t, "d.csv", b"a,b,c\n1,2,3\n"),
                                              "-o", f"{t}/o.onnx"],
-    "csv unknown column": lambda t: ["train", _program(t), "--data", _csv(t), "--features",
+    "csv unknown column": lambda t: ["train", program_folder(t), "--data", _csv(t), "--features",
                                      "a", "b", "q", "-o", f"{t}/o.onnx"],
-    "csv with text in a cell": lambda t: ["train", _program(t), "--data",
-                                          _file(t, "d.csv", b"a,b,c,y\n1,2,3,4\n1,2,x,4\n"),
+    "csv with text in a cell": lambda t: ["train", program_folder(t), "--data",
+                                          write_file(t, "d.csv", b"a,b,c,y\n1,2,3,4\n1,2,x,4\n"),
                                           "--label", "y", "-o", f"{t}/o.onnx"],
-    "csv with a short line": lambda t: ["train", _program(t), "--data",
-                                        _file(t, "d.csv", b"a,b,c,y\n1,2,3,4\n1,2\n"),
+    "csv with a short line": lambda t: ["train", program_folder(t), "--data",
+                                        write_file(t, "d.csv", b"a,b,c,y\n1,2,3,4\n1,2\n"),
                                         "-o", f"{t}/o.onnx"],
-    "csv header only": lambda t: ["train", _program(t), "--data",
-                                  _file(t, "d.csv", b"a,b,c,y\n"), "-o", f"{t}/o.onnx"],
-    "empty csv": lambda t: ["train", _program(t), "--data", _file(t, "d.csv", b""),
+    "csv header only": lambda t: ["train", program_folder(t), "--data",
+                                  write_file(t, "d.csv", b"a,b,c,y\n"), "-o", f"{t}/o.onnx"],
+    "empty csv": lambda t: ["train", program_folder(t), "--data", write_file(t, "d.csv", b""),
                             "-o", f"{t}/o.onnx"],
-    "binary file as csv": lambda t: ["train", _program(t), "--data",
-                                     _file(t, "d.csv", b"\xff\xfe\x00\x01"), "-o",
+    "binary file as csv": lambda t: ["train", program_folder(t), "--data",
+                                     write_file(t, "d.csv", b"\xff\xfe\x00\x01"), "-o",
                                      f"{t}/o.onnx"],
-    "csv with too few features": lambda t: ["train", _program(t), "--data", _csv(t),
+    "csv with too few features": lambda t: ["train", program_folder(t), "--data", _csv(t),
                                             "--features", "a", "b", "-o", f"{t}/o.onnx"],
-    "csv label of one column for two": lambda t: ["train", _program(t), "--data", _csv(t),
+    "csv label of one column for two": lambda t: ["train", program_folder(t), "--data", _csv(t),
                                                   "--features", "a", "b", "c", "--label", "y",
                                                   "-o", f"{t}/o.onnx"],
-    "csv with a duplicate column": lambda t: ["train", _program(t), "--data",
-                                              _file(t, "d.csv", b"a,a,c,y\n1,2,3,4\n"),
+    "csv with a duplicate column": lambda t: ["train", program_folder(t), "--data",
+                                              write_file(t, "d.csv", b"a,a,c,y\n1,2,3,4\n"),
                                               "-o", f"{t}/o.onnx"],
-    "sample weights for a program without": lambda t: ["train", _program(t), "--data",
+    "sample weights for a program without": lambda t: ["train", program_folder(t), "--data",
                                                        _csv(t), "--label", "y", "z",
                                                        "--sample-weight", "a", "-o",
                                                        f"{t}/o.onnx"],
-    "a column both feature and label": lambda t: ["train", _program(t), "--data", _csv(t),
+    "a column both feature and label": lambda t: ["train", program_folder(t), "--data", _csv(t),
                                                   "--features", "a", "b", "y", "--label", "y",
                                                   "z", "-o", f"{t}/o.onnx"],
-    "a feature column twice": lambda t: ["train", _program(t), "--data", _csv(t), "--features",
-                                         "a", "a", "b", "--label", "y", "z", "-o",
+    "a feature column twice": lambda t: ["train", program_folder(t), "--data", _csv(t),
+                                         "--features", "a", "a", "b", "--label", "y", "z", "-o",
                                          f"{t}/o.onnx"],
-    "junk parquet": lambda t: ["train", _program(t), "--data", _file(t, "d.parquet", JUNK),
-                               "-o", f"{t}/o.onnx"],
-    "validation split of 1": lambda t: ["train", _program(t), "--data", _data(t),
+    "junk parquet": lambda t: ["train", program_folder(t), "--data",
+                               write_file(t, "d.parquet", JUNK), "-o", f"{t}/o.onnx"],
+    "validation split of 1": lambda t: ["train", program_folder(t), "--data", npz_data(t),
                                         "--validation-split", "1", "-o", f"{t}/o.onnx"],
-    "validation split of no row": lambda t: ["train", _program(t), "--data", _data(t),
+    "validation split of no row": lambda t: ["train", program_folder(t), "--data", npz_data(t),
                                              "--validation-split", "0.01", "-o", f"{t}/o.onnx"],
-    "neither program nor resume": lambda t: ["train", "--data", _data(t), "-o", f"{t}/o.onnx"],
+    "neither program nor resume": lambda t: ["train", "--data", npz_data(t), "-o", f"{t}/o.onnx"],
     "resume a missing checkpoint": lambda t: ["train", "--resume", f"{t}/ckpt", "--data",
-                                              _data(t), "-o", f"{t}/o.onnx"],
-    "resume a program folder": lambda t: ["train", "--resume", _program(t), "--data",
-                                          _data(t), "-o", f"{t}/o.onnx"],
+                                              npz_data(t), "-o", f"{t}/o.onnx"],
+    "resume a program folder": lambda t: ["train", "--resume", program_folder(t), "--data",
+                                          npz_data(t), "-o", f"{t}/o.onnx"],
     "resume with another program": lambda t: ["train", _other_program(t), "--resume",
-                                              _checkpoint(t), "--data", _data(t),
+                                              _checkpoint(t), "--data", npz_data(t),
                                               "-o", f"{t}/o.onnx"],
-    "history over the user's file": lambda t: ["train", _program(t), "--data", _data(t),
+    "history over the user's file": lambda t: ["train", program_folder(t), "--data", npz_data(t),
                                                "-o", f"{t}/o.onnx", "--history",
-                                               _file(t, "h.json", b"{}")],
-    "plot over the user's file": lambda t: ["train", _program(t), "--data", _data(t),
+                                               write_file(t, "h.json", b"{}")],
+    "plot over the user's file": lambda t: ["train", program_folder(t), "--data", npz_data(t),
                                             "-o", f"{t}/o.onnx", "--plot",
-                                            _file(t, "curve.png", b"\x89PNG\r\n\x1a\n")],
-    "two outputs at one path": lambda t: ["train", _program(t), "--data", _data(t),
+                                            write_file(t, "curve.png", b"\x89PNG\r\n\x1a\n")],
+    "two outputs at one path": lambda t: ["train", program_folder(t), "--data", npz_data(t),
                                           "-o", f"{t}/o.onnx", "--history", f"{t}/o.onnx"],
     "export a missing folder": lambda t: ["export", f"{t}/ckpt", "-o", f"{t}/o.onnx"],
-    "export junk": lambda t: ["export", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "export junk": lambda t: ["export", write_file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
     "export corrupt manifest": lambda t: ["export", _broken_manifest(t), "-o", f"{t}/o.onnx"],
-    "export over the user's file": lambda t: ["export", _program(t), "-o", _user_file(t)],
-    "export with an unknown target": lambda t: ["export", _program(t), "-o", f"{t}/o.onnx",
+    "export over the user's file": lambda t: ["export", program_folder(t), "-o", _user_file(t)],
+    "export with an unknown target": lambda t: ["export", program_folder(t), "-o", f"{t}/o.onnx",
                                                 "--target", "mars"],
     # found by the fuzzer (tests/test_fuzz.py): onnx.load reads a .json file as JSON text
-    "export to a json file": lambda t: ["export", _program(t), "-o", f"{t}/o.json"],
-    "inspect junk": lambda t: ["inspect", _file(t, "j.onnx", JUNK)],
-    "inspect a folder": lambda t: ["inspect", _program(t)],
+    "export to a json file": lambda t: ["export", program_folder(t), "-o", f"{t}/o.json"],
+    "inspect junk": lambda t: ["inspect", write_file(t, "j.onnx", JUNK)],
+    "inspect a folder": lambda t: ["inspect", program_folder(t)],
 }
 
 
@@ -341,15 +303,6 @@ def test_every_bad_command_exits_2_with_one_line_and_writes_nothing(tmp_path, ca
     assert after == before
 
 
-def test_force_replaces_a_file_lossgraph_did_not_write(model_file, tmp_path):
-    output = tmp_path / "lowered.onnx"
-    output.write_bytes(b"old")
-    assert main(["lower-ml", str(model_file), "-o", str(output)]) == 2
-    assert main(["lower-ml", str(model_file), "-o", str(output), "--force"]) == 0
-    assert onnx.load(output).graph.node
-    assert main(["lower-ml", str(model_file), "-o", str(output)]) == 0  # now lossgraph's
-
-
 def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "lossgraph", "trainable", str(tmp_path)],
                             capture_output=True, text=True)
@@ -358,42 +311,6 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
 
 
 # -- from a scikit-learn model to a trained model, as a user would --------------------------
-
-
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def _export_has(name: str) -> bool:
-    """Whether lossgraph.export provides ``name`` in this checkout."""
-    try:
-        getattr(importlib.import_module("lossgraph.export"), name)
-    except (ImportError, AttributeError):
-        return False
-    return True
-
-
-needs_skl2onnx = pytest.mark.skipif(not (_has("skl2onnx") and _has("sklearn")),
-                                    reason="needs scikit-learn and skl2onnx (pip install "
-                                           "'lossgraph[dev]')")
-
-
-def shell(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``lossgraph ARGS`` run in ``cwd``, as a user types it."""
-    env = {k: v for k, v in os.environ.items() if k != "LOSSGRAPH_DEBUG"}
-    return subprocess.run([sys.executable, "-m", "lossgraph", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-def ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def _write_csv(path: Path, columns: dict[str, np.ndarray]) -> None:
-    """Columns as a .csv file with a header row; float32 values survive the round trip."""
-    table = np.stack([np.asarray(c, np.float64) for c in columns.values()], axis=1)
-    np.savetxt(path, table, delimiter=",", header=",".join(columns), comments="", fmt="%.9g")
 
 
 def _linear_regression(path: Path, X: np.ndarray) -> None:
@@ -413,7 +330,7 @@ def test_from_a_scikit_learn_model_to_a_trained_model_in_the_shell(tmp_path):
     X = rng.normal(size=(240, 3)).astype(np.float32)
     y = (X @ np.array([1.5, -2.0, 0.5]) + 0.3).astype(np.float32)
     _linear_regression(tmp_path / "model.onnx", X)
-    _write_csv(tmp_path / "train.csv", {"a": X[:, 0], "b": X[:, 1], "c": X[:, 2], "y": y})
+    write_csv(tmp_path / "train.csv", {"a": X[:, 0], "b": X[:, 1], "c": X[:, 2], "y": y})
 
     table = ok(shell("inspect", "model.onnx", cwd=tmp_path))
     assert "ai.onnx.ml::LinearRegressor" in table and "lowered into standard ops" in table
@@ -424,7 +341,7 @@ def test_from_a_scikit_learn_model_to_a_trained_model_in_the_shell(tmp_path):
 
     ok(shell("compile", "model.onnx", "-o", "program", "--optimizer", "momentum",
              "--learning-rate", "0.05", "--fuse", "epoch", cwd=tmp_path))
-    plot = ["--plot", "loss.png"] if _has("matplotlib") else []
+    plot = ["--plot", "loss.png"] if installed("matplotlib") else []
     out = ok(shell("train", "program", "--data", "train.csv", "--epochs", "15", "--batch-size",
                    "16", "--validation-split", "0.25", "--random-state", "0", "-o",
                    "trained.onnx", "--checkpoint", "ckpt", "--history", "history.json",
@@ -455,7 +372,7 @@ def test_from_a_scikit_learn_model_to_a_trained_model_in_the_shell(tmp_path):
     np.testing.assert_allclose(predicted, trainer.predict(X), rtol=1e-5, atol=1e-6)
     assert np.mean((predicted[180:, 0] - y[180:]) ** 2) < 1e-4
 
-    if not _export_has("save_inference_model"):
+    if not export_has("save_inference_model"):
         pytest.skip("lossgraph.export.save_inference_model is not in this checkout yet: the "
                     "export step is untested")
     ok(shell("export", "ckpt", "-o", "deployed.onnx", cwd=tmp_path))
@@ -481,12 +398,12 @@ def test_the_walkthrough_in_the_docs_runs(tmp_path, monkeypatch, capsys):
     X = rng.normal(size=(500, 3)).astype(np.float32)
     y = (X @ np.array([1.5, -2.0, 0.5]) + 0.3 + 0.1 * rng.normal(size=500)).astype(np.float32)
     _linear_regression(tmp_path / "model.onnx", X)
-    _write_csv(tmp_path / "train.csv", {"a": X[:, 0], "b": X[:, 1], "c": X[:, 2], "y": y})
+    write_csv(tmp_path / "train.csv", {"a": X[:, 0], "b": X[:, 1], "c": X[:, 2], "y": y})
     monkeypatch.chdir(tmp_path)
     commands = _walkthrough()
     assert [argv[0] for argv in commands] == ["inspect", "compile", "train", "train", "export"]
     for argv in commands:
-        if not _has("matplotlib") and "--plot" in argv:
+        if not installed("matplotlib") and "--plot" in argv:
             at = argv.index("--plot")
             argv = argv[:at] + argv[at + 2:]
         assert main(argv) == 0, (argv, capsys.readouterr().err)
@@ -495,343 +412,11 @@ def test_the_walkthrough_in_the_docs_runs(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "history.json").read_text())["epochs"] == 30
 
 
-# -- inspect ----------------------------------------------------------------------------------
-
-
-@needs_skl2onnx
-def test_inspect_shows_inputs_initializers_trainable_candidates_and_op_counts(tmp_path, capsys):
-    from skl2onnx import to_onnx
-    from sklearn.neural_network import MLPRegressor
-
-    X = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
-    with warnings.catch_warnings():  # scikit-learn's ConvergenceWarning: 5 iterations
-        warnings.simplefilter("ignore")
-        mlp = MLPRegressor(hidden_layer_sizes=(5,), max_iter=5, random_state=0).fit(X, X[:, 0])
-    (tmp_path / "mlp.onnx").write_bytes(to_onnx(mlp, X[:1], target_opset=18)
-                                        .SerializeToString())
-    assert main(["inspect", str(tmp_path / "mlp.onnx"), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["ir_version"] >= 7 and report["opsets"]["ai.onnx"] == 18
-    assert report["inputs"] == [{"name": "X", "dtype": "float", "shape": [None, 3]}]
-    assert report["outputs"][0]["shape"] == [None, 1]
-    assert report["trainable"] == ["coefficient", "intercepts", "coefficient1", "intercepts1"]
-    shapes = {t["name"]: (t["shape"], t["trainable"]) for t in report["initializers"]}
-    assert shapes["coefficient"] == ([3, 5], True) and shapes["shape_tensor"] == ([2], False)
-    counts = {op["op_type"]: (op["count"], op["gradient_rule"]) for op in report["ops"]}
-    assert counts["MatMul"] == (2, "yes") and counts["Relu"] == (1, "yes")
-    assert report["missing_gradient_rules"] == []
-
-    assert main(["inspect", str(tmp_path / "mlp.onnx")]) == 0
-    table = capsys.readouterr().out
-    assert "  X     float  [?, 3]" in table
-    assert "  coefficient   float  [3, 5]  15      yes" in table
-    assert "  shape_tensor  int64  [2]     2       -" in table
-    assert "ops (7 nodes)" in table and "  MatMul   2      yes" in table
-    assert "every op between the trainable weights and the outputs has a gradient rule" in table
-
-
-# an op of the user's own domain (no gradient rule, ever) between w and y
-NO_RULE_MODEL = """
-    <ir_version: 8, opset_import: ["" : 18, "my.ops" : 1]>
-    net (float[N, 3] x) => (float[N, 2] y, int64[N] best)
-    <float[3, 2] w = {1, 2, 3, 4, 5, 6}, float[2] b = {0.5, -0.5}, float[N, 2] m>
-    { h = MatMul(x, w)
-      m = my.ops.Mystery(h)
-      y = Add(m, b)
-      best = ArgMax <axis = 1, keepdims = 0> (y) }
-"""
-
-
-def test_inspect_names_the_ops_without_a_gradient_rule_with_their_path(tmp_path, capsys):
-    model = tmp_path / "norule.onnx"
-    onnx.save(onnx.parser.parse_model(NO_RULE_MODEL), model)
-    assert main(["inspect", str(model), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["missing_gradient_rules"] == [{
-        "op_type": "Mystery", "domain": "my.ops", "node": "", "opset": 1,
-        "path": ["w", "MatMul", "h", "my.ops::Mystery", "m", "Add", "y"], "at": 3}]
-    rules = {op["op_type"]: op["gradient_rule"] for op in report["ops"]}
-    assert rules == {"MatMul": "yes", "Mystery": "missing", "Add": "yes",
-                     "ArgMax": "no"}  # ArgMax has no rule, and needs none: no gradient passes
-
-    assert main(["inspect", str(model)]) == 0
-    table = capsys.readouterr().out
-    assert "my.ops::Mystery  1      MISSING (see below)" in table
-    assert "ArgMax           1      no (no gradient needs to pass it)" in table
-    assert "  my.ops::Mystery  -     w -> MatMul -> h -> my.ops::Mystery -> m -> Add -> y" in table
-
-    # and compile fails on that op, as inspect said (b alone trains)
-    assert main(["compile", str(model), "-o", str(tmp_path / "p")]) == 2
-    assert "No gradient rule for op 'Mystery'" in capsys.readouterr().err
-    assert main(["compile", str(model), "-o", str(tmp_path / "p"), "--weights", "b",
-                 "--loss-option", "output_index=y"]) == 0
-
-
-# -- compile's flag forms ---------------------------------------------------------------------
-
-PENALTY_BOTH = {"l1": 0.01, "l2": 0.1}
-FLAG_FORMS = {
-    "sgd": (["--optimizer", "sgd", "--learning-rate", "0.1"], {"optimizer": SGD(0.1)}),
-    "momentum": (["--optimizer", "momentum", "--learning-rate", "0.05"],
-                 {"optimizer": Momentum(0.05, momentum=0.9)}),
-    "nesterov": (["--optimizer", "Nesterov", "--momentum", "0.5"],
-                 {"optimizer": Momentum(momentum=0.5, nesterov=True)}),
-    "adam": (["--optimizer", "adam", "--learning-rate", "0.01"], {"optimizer": Adam(0.01)}),
-    "adamw": (["--optimizer", "adamw"], {"optimizer": AdamW()}),
-    "JSON with --learning-rate": (["--optimizer", '{"type": "AdamW", "weight_decay": 0.1}',
-                                   "--learning-rate", "0.5"],
-                                  {"optimizer": AdamW(0.5, weight_decay=0.1)}),
-    "penalties on every weight": (["--penalty-l1", "0.01", "--penalty-l2", "0.1"],
-                                  {"penalty": {"z_weight": PENALTY_BOTH,
-                                               "a_bias": PENALTY_BOTH}}),
-    "penalty on the trained weight": (["--weights", "z_weight", "--penalty-l2", "0.1"],
-                                      {"weights": ["z_weight"],
-                                       "penalty": {"z_weight": {"l1": 0.0, "l2": 0.1}}}),
-    "sample weight": (["--weight-name", "w", "--loss", "huber", "--loss-option", "delta=0.5"],
-                      {"loss": "huber", "loss_options": {"weight_name": "w", "delta": 0.5}}),
-    "fuse, backend, target": (["--fuse", "epoch", "--backend", "onnx", "--target",
-                               "onnxruntime"],
-                              {"fuse": "epoch", "backend": "onnx", "target": "onnxruntime"}),
-}
-
-
-@pytest.mark.parametrize(("flags", "options"), FLAG_FORMS.values(), ids=FLAG_FORMS.keys())
-def test_compile_flag_forms_build_what_the_python_api_builds(model_file, tmp_path, flags,
-                                                             options):
-    assert main(["compile", str(model_file), "-o", str(tmp_path / "p"), *flags]) == 0
-    compile_program(onnx.load(model_file), **options).save(tmp_path / "expected")
-    files = sorted(p.name for p in (tmp_path / "expected").iterdir())
-    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == files
-    for name in files:  # the same program, byte for byte
-        assert (tmp_path / "p" / name).read_bytes() == (tmp_path / "expected" / name).read_bytes()
-
-
-@pytest.mark.skipif(not _export_has("to_ort_artifacts"),
-                    reason="lossgraph.export.to_ort_artifacts is not in this checkout yet")
-def test_compile_writes_onnxruntime_training_artifacts(model_file, tmp_path):
-    from lossgraph.export import to_ort_artifacts
-
-    assert main(["compile", str(model_file), "-o", str(tmp_path / "artifacts"), "--format",
-                 "ort-artifacts", "--optimizer", "adamw", "--learning-rate", "0.01",
-                 "--penalty-l2", "0.001"]) == 0
-    expected = to_ort_artifacts(model_file, tmp_path / "expected", optimizer=AdamW(0.01),
-                                penalty={"z_weight": {"l1": 0.0, "l2": 0.001},
-                                         "a_bias": {"l1": 0.0, "l2": 0.001}})
-    for path in expected:
-        assert (tmp_path / "artifacts" / path.name).read_bytes() == path.read_bytes()
-
-
-# -- train: data files, columns, validation, resuming, outputs --------------------------------
-
-
-def _two_output_data(rows: int = 60) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(1)
-    X = rng.normal(size=(rows, 3)).astype(np.float32)
-    y = np.stack([X @ [1.0, 2.0, -1.0], X @ [0.5, 0.0, 1.0]], axis=1).astype(np.float32)
-    return X, y
-
-
-def _save_data(kind: str, folder: Path, X: np.ndarray, y: np.ndarray) -> tuple[Path, list[str]]:
-    """The data in the format ``kind``, and the options that name its columns."""
-    columns = {"f1": X[:, 0], "f2": X[:, 1], "f3": X[:, 2], "t1": y[:, 0], "t2": y[:, 1]}
-    if kind == "npz":
-        np.savez(folder / "d.npz", X=X, y=y)
-        return folder / "d.npz", []
-    if kind == "npy folder":
-        (folder / "arrays").mkdir()
-        np.save(folder / "arrays" / "X.npy", X)
-        np.save(folder / "arrays" / "y.npy", y)
-        return folder / "arrays", []
-    if kind == "csv":
-        _write_csv(folder / "d.csv", columns)
-        return folder / "d.csv", ["--label", "t1", "t2"]
-    pyarrow = pytest.importorskip("pyarrow", reason="needs pyarrow (pip install pyarrow)")
-    parquet = importlib.import_module("pyarrow.parquet")
-    parquet.write_table(pyarrow.table(columns), folder / "d.parquet")
-    return folder / "d.parquet", ["--label", "t1", "t2"]
-
-
-def _initializers(path: Path) -> dict[str, np.ndarray]:
-    return {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
-
-
-@pytest.mark.parametrize("kind", ["npy folder", "csv", "parquet"])
-def test_train_reads_npz_npy_csv_and_parquet_alike(model_file, tmp_path, kind):
-    X, y = _two_output_data()
-    program = str(tmp_path / "program")
-    assert main(["compile", str(model_file), "-o", program, "--optimizer", "adam"]) == 0
-    reference, _ = _save_data("npz", tmp_path, X, y)
-    assert main(["train", program, "--data", str(reference), "--epochs", "3",
-                 "--random-state", "0", "-o", str(tmp_path / "npz.onnx")]) == 0
-    data, options = _save_data(kind, tmp_path, X, y)
-    assert main(["train", program, "--data", str(data), *options, "--epochs", "3",
-                 "--random-state", "0", "-o", str(tmp_path / "other.onnx")]) == 0
-    expected = _initializers(tmp_path / "npz.onnx")
-    for name, value in _initializers(tmp_path / "other.onnx").items():
-        np.testing.assert_array_equal(value, expected[name], err_msg=name)
-
-
-def test_csv_columns_choose_features_label_and_sample_weight(model_file, tmp_path):
-    X, y = _two_output_data()
-    weight = np.linspace(0.5, 2.0, len(X)).astype(np.float32)
-    _write_csv(tmp_path / "d.csv", {"id": np.arange(len(X)), "t1": y[:, 0], "f1": X[:, 0],
-                                    "f2": X[:, 1], "f3": X[:, 2], "t2": y[:, 1], "w": weight})
-    program = tmp_path / "program"
-    assert main(["compile", str(model_file), "-o", str(program), "--weight-name",
-                 "sample_weight"]) == 0
-    assert main(["train", str(program), "--data", str(tmp_path / "d.csv"), "--features", "f1",
-                 "f2", "f3", "--label", "t1", "t2", "--sample-weight", "w", "--epochs", "2",
-                 "--no-shuffle", "-o", str(tmp_path / "out.onnx")]) == 0
-    trainer = Trainer(TrainingProgram.load(program))
-    trainer.fit(X, y, sample_weight=weight, epochs=2, shuffle=False)
-    expected = _initializers_of(trainer.to_inference_model())
-    for name, value in _initializers(tmp_path / "out.onnx").items():
-        np.testing.assert_allclose(value, expected[name], rtol=1e-6, err_msg=name)
-
-
-def _initializers_of(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    return {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-
-
-def test_a_sample_weight_column_is_used_when_the_program_takes_one(model_file, tmp_path,
-                                                                   capsys):
-    X, y = _two_output_data()
-    weight = np.linspace(0.5, 2.0, len(X)).astype(np.float32)
-    _write_csv(tmp_path / "d.csv", {"f1": X[:, 0], "f2": X[:, 1], "f3": X[:, 2],
-                                    "sample_weight": weight, "y1": y[:, 0], "y2": y[:, 1]})
-    train = ["--data", str(tmp_path / "d.csv"), "--label", "y1", "y2", "--no-shuffle"]
-    weighted, plain = tmp_path / "weighted", tmp_path / "plain"
-    assert main(["compile", str(model_file), "-o", str(weighted), "--weight-name", "w"]) == 0
-    assert main(["compile", str(model_file), "-o", str(plain)]) == 0
-    assert main(["train", str(weighted), *train, "-o", str(tmp_path / "w.onnx")]) == 0
-    assert "warning" not in capsys.readouterr().err
-    assert main(["train", str(plain), *train, "-o", str(tmp_path / "p.onnx")]) == 0
-    assert "holds sample weights ('sample_weight'), but the program has no sample-weight " \
-           "input" in capsys.readouterr().err
-    for program, output, weights in ((weighted, "w.onnx", weight), (plain, "p.onnx", None)):
-        trainer = Trainer(TrainingProgram.load(program))
-        trainer.fit(X, y, sample_weight=weights, shuffle=False)
-        expected = _initializers_of(trainer.to_inference_model())
-        for name, value in _initializers(tmp_path / output).items():
-            np.testing.assert_allclose(value, expected[name], rtol=1e-6, err_msg=name)
-
-
-def test_npz_arrays_named_by_options(model_file, tmp_path):
-    X, y = _two_output_data()
-    np.savez(tmp_path / "d.npz", inputs=X, targets=y)
-    program = tmp_path / "program"
-    assert main(["compile", str(model_file), "-o", str(program)]) == 0
-    assert main(["train", str(program), "--data", str(tmp_path / "d.npz"), "--features",
-                 "inputs", "--label", "targets", "-o", str(tmp_path / "out.onnx")]) == 0
-
-
-def test_validation_split_holds_out_the_last_rows(model_file, tmp_path):
-    X, y = _two_output_data(rows=40)
-    np.savez(tmp_path / "d.npz", X=X, y=y)
-    program = tmp_path / "program"
-    assert main(["compile", str(model_file), "-o", str(program)]) == 0
-    assert main(["train", str(program), "--data", str(tmp_path / "d.npz"), "--epochs", "2",
-                 "--validation-split", "0.25", "--random-state", "3", "-o",
-                 str(tmp_path / "out.onnx"), "--checkpoint", str(tmp_path / "ckpt")]) == 0
-    resumed = Trainer.load_checkpoint(tmp_path / "ckpt")
-    assert resumed.validation_losses_[-1] == pytest.approx(resumed.evaluate(X[30:], y[30:]),
-                                                           rel=1e-5)
-    trainer = Trainer(TrainingProgram.load(program))
-    trainer.fit(X[:30], y[:30], epochs=2, random_state=3, validation_data=(X[30:], y[30:]))
-    assert trainer.train_losses_ == resumed.train_losses_
-
-
-def test_resuming_a_checkpoint_continues_like_one_longer_run(model_file, tmp_path):
-    X, y = _two_output_data()
-    np.savez(tmp_path / "d.npz", X=X, y=y)
-    program, data = str(tmp_path / "program"), str(tmp_path / "d.npz")
-    assert main(["compile", str(model_file), "-o", program, "--optimizer", "nesterov",
-                 "--fuse", "epoch"]) == 0
-    assert main(["train", program, "--data", data, "--epochs", "5", "--batch-size", "16",
-                 "--random-state", "7", "-o", str(tmp_path / "once.onnx")]) == 0
-    assert main(["train", program, "--data", data, "--epochs", "2", "--batch-size", "16",
-                 "--random-state", "7", "-o", str(tmp_path / "part.onnx"), "--checkpoint",
-                 str(tmp_path / "ckpt")]) == 0
-    # the program may be named again, or left out
-    assert main(["train", program, "--resume", str(tmp_path / "ckpt"), "--data", data,
-                 "--epochs", "3", "--batch-size", "16", "-o", str(tmp_path / "twice.onnx")]) == 0
-    once, twice = _initializers(tmp_path / "once.onnx"), _initializers(tmp_path / "twice.onnx")
-    for name, value in once.items():
-        np.testing.assert_array_equal(twice[name], value, err_msg=name)
-
-
-def test_outputs_are_rewritten_but_never_over_foreign_files(model_file, tmp_path, capsys):
-    X, y = _two_output_data(rows=20)
-    np.savez(tmp_path / "d.npz", X=X, y=y)
-    program = str(tmp_path / "program")
-    assert main(["compile", str(model_file), "-o", program]) == 0
-    plot = ["--plot", str(tmp_path / "curve.png")] if _has("matplotlib") else []
-    outputs = ["-o", str(tmp_path / "out.onnx"), "--history", str(tmp_path / "history.json"),
-               *plot]
-    train = ["train", program, "--data", str(tmp_path / "d.npz")]
-    assert main([*train, *outputs]) == 0
-    assert main([*train, "--epochs", "2", *outputs]) == 0  # over its own outputs
-    assert json.loads((tmp_path / "history.json").read_text())["epochs"] == 2
-    (tmp_path / "history.json").write_text('{"mine": true}')
-    capsys.readouterr()
-    assert main([*train, *outputs]) == 2
-    assert "history.json' exists and was not written by lossgraph" in capsys.readouterr().err
-    assert (tmp_path / "history.json").read_text() == '{"mine": true}'
-    assert main([*train, *outputs, "--force"]) == 0
-    assert json.loads((tmp_path / "history.json").read_text())["epochs"] == 1
-
-
-@pytest.mark.skipif(not _has("matplotlib"), reason="needs matplotlib (pip install matplotlib)")
-def test_the_loss_curve_is_a_png_lossgraph_recognises(model_file, tmp_path):
-    from lossgraph.cli.outputs import _is_plot
-    from lossgraph.cli.train import loss_curve_png
-
-    data = loss_curve_png([1.0, 0.5, 0.25], [1.1, 0.6, 0.3])
-    assert data.startswith(b"\x89PNG\r\n\x1a\n")
-    (tmp_path / "curve.png").write_bytes(data)
-    assert _is_plot(tmp_path / "curve.png")
-    (tmp_path / "other.png").write_bytes(data.replace(b"Software\x00lossgraph",
-                                                      b"Software\x00somebody"))
-    assert not _is_plot(tmp_path / "other.png")
-
-
-def test_plot_without_matplotlib_is_a_one_line_error_before_training(model_file, tmp_path,
-                                                                     capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
-    argv = ["train", _program(tmp_path), "--data", _data(tmp_path), "-o",
-            str(tmp_path / "o.onnx"), "--plot", str(tmp_path / "curve.png")]
-    capsys.readouterr()
-    assert main(argv) == 2
-    captured = capsys.readouterr()
-    assert captured.err.count("\n") == 1 and "pip install matplotlib" in captured.err
-    assert captured.out == "" and not (tmp_path / "o.onnx").exists()
-
-
-def test_parquet_without_pyarrow_is_a_one_line_error(model_file, tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    argv = ["train", _program(tmp_path), "--data", _file(tmp_path, "d.parquet", b"PAR1"),
-            "-o", str(tmp_path / "o.onnx")]
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install pyarrow" in err
-
-
-@pytest.mark.parametrize("flag", ["--progress", "--no-progress"])
-def test_the_progress_bar_on_request(model_file, tmp_path, capsys, flag):
-    argv = ["train", _program(tmp_path), "--data", _data(tmp_path), "--epochs", "3", flag,
-            "-o", str(tmp_path / "o.onnx")]
-    capsys.readouterr()
-    assert main(argv) == 0
-    err = capsys.readouterr().err
-    assert ("3/3" in err) == (flag == "--progress"), err
-
-
-@pytest.mark.skipif(not _export_has("save_inference_model"),
+@pytest.mark.skipif(not export_has("save_inference_model"),
                     reason="lossgraph.export.save_inference_model is not in this checkout yet")
 def test_export_writes_the_inference_model_of_a_program_or_checkpoint(model_file, tmp_path,
                                                                       run_model):
-    X, y = _two_output_data()
+    X, y = two_output_data()
     np.savez(tmp_path / "d.npz", X=X, y=y)
     program = tmp_path / "program"
     assert main(["compile", str(model_file), "-o", str(program)]) == 0
@@ -910,14 +495,6 @@ def test_a_closed_stdout_ends_quietly(model_file, capsys, monkeypatch):
     monkeypatch.setattr(cli, "format_inspection", closed)
     assert main(["inspect", str(model_file)]) == 141
     assert capsys.readouterr().err == ""
-
-
-@pytest.mark.parametrize("command", ["inspect", "compile", "train", "export", "add-loss",
-                                     "gradient", "lower-ml", "alphabetize", "trainable", "ops"])
-def test_every_command_has_help_with_an_example(command, capsys):
-    assert main([command, "--help"]) == 0
-    out = capsys.readouterr().out
-    assert "example" in out and f"\n  lossgraph {command} " in out
 
 
 def test_the_installed_command_shows_the_walkthrough_and_exit_statuses(tmp_path):

@@ -20,6 +20,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 from support.environment import GOLDEN_MODELS, ROOT
+from support.linear import linear_model
 
 import lossgraph
 from lossgraph.errors import (
@@ -363,21 +364,11 @@ def test_options_are_checked(tmp_path):
 
 
 def test_models_the_training_build_cannot_run_are_named_errors(tmp_path):
-    newer = onnx.parser.parse_model("""
-        <ir_version: 10, opset_import: ["" : 23]>
-        linear (float[N, 3] x) => (float[N, 1] y)
-        <float[3, 1] coef = {0.5, -0.25, 1}, float[1] intercept = {0.1}>
-        { h = MatMul(x, coef)
-          y = Add(h, intercept) }""")
+    newer = linear_model((0.5, -0.25, 1), 0.1, opset=23, ir_version=10)
     program = lossgraph.compile_program(newer, target="onnxruntime")
     with pytest.raises(UnsupportedModelError, match="onnxruntime-training 1.19.*opsets 13 to 21"):
         to_ort_artifacts(program, tmp_path / "a")
-    clash = onnx.parser.parse_model("""
-        <ir_version: 8, opset_import: ["" : 18]>
-        linear (float[N, 3] x) => (float[N, 1] y)
-        <float[3, 1] coef = {0.5, -0.25, 1}, float[1] intercept = {0.1}>
-        { lazy_reset_grad = MatMul(x, coef)
-          y = Add(lazy_reset_grad, intercept) }""")
+    clash = linear_model((0.5, -0.25, 1), 0.1, hidden="lazy_reset_grad")
     with pytest.raises(NameCollisionError, match="'lazy_reset_grad'.*reserves"):
         to_ort_artifacts(clash, tmp_path / "a")
     assert not (tmp_path / "a").exists()

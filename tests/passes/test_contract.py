@@ -290,18 +290,6 @@ def test_a_pipeline_checks_each_intermediate_model_once(monkeypatch):
         result.report.of(StepGraph)
 
 
-def test_compile_runs_a_prefix_shared_by_equal_passes_once(monkeypatch):
-    """Pipelines built apart share the passes they have in common (equal options): the
-    epoch program lifts the weights of the loss model once for its four training and
-    evaluation graphs, and the inference model's once."""
-    calls = []
-    real = WeightsToInputs.call
-    monkeypatch.setattr(WeightsToInputs, "call", lambda self, model: calls.append(1)
-                        or real(self, model))
-    lossgraph.compile_program(golden("hand_linear"), fuse="epoch")
-    assert len(calls) == 2
-
-
 def test_every_pass_class_of_lossgraph_is_checked_here():
     def subclasses(cls: type) -> set[type]:
         return {c for s in cls.__subclasses__() for c in {s, *subclasses(s)}}

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import pytest
-from support.linear import LINEAR, linear_data
+from support.linear import LINEAR, linear_data, linear_program
 
 import lossgraph
 from lossgraph.errors import (
     ConvergenceError,
     DTypeMismatchError,
     InvalidDataError,
-    InvalidModelError,
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedOptionError,
 )
-from lossgraph.optim import SGD, Adam, Momentum
+from lossgraph.optim import SGD, Adam
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +24,10 @@ def data():
     return linear_data(205, seed=11)
 
 
-def program(mode="step", optimizer=None, **kwargs):
-    return lossgraph.compile_program(onnx.parser.parse_model(LINEAR), fuse=mode,
-                             optimizer=optimizer or Momentum(0.01, nesterov=True), **kwargs)
-
-
 @pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
 def test_training_reduces_the_loss_and_fit_returns_self(data, mode):
     X, y = data
-    trainer = lossgraph.Trainer(program(mode))
+    trainer = lossgraph.Trainer(linear_program(mode))
     assert trainer.fit(X, y, epochs=5, batch_size=20, random_state=0, progress=False) is trainer
     assert len(trainer.train_losses_) == 5
     assert trainer.train_losses_[-1] < 0.05 < trainer.train_losses_[0]
@@ -43,7 +35,7 @@ def test_training_reduces_the_loss_and_fit_returns_self(data, mode):
 
 def test_validation_losses_are_recorded_per_epoch(data):
     X, y = data
-    trainer = lossgraph.Trainer(program()).fit(X[:150], y[:150], epochs=3, batch_size=25,
+    trainer = lossgraph.Trainer(linear_program()).fit(X[:150], y[:150], epochs=3, batch_size=25,
                                                validation_data=(X[150:], y[150:]),
                                                progress=False)
     assert len(trainer.validation_losses_) == 3
@@ -57,7 +49,7 @@ def test_a_non_finite_validation_loss_warns_and_is_recorded(data):
 
     X, y = data
     with pytest.warns(ValidationLossWarning, match="validation loss after epoch 0 is inf"):
-        trainer = lossgraph.Trainer(program()).fit(
+        trainer = lossgraph.Trainer(linear_program()).fit(
             X[:150], y[:150], epochs=2, batch_size=25, progress=False,
             validation_data=(X[150:] * np.float32(1e37), y[150:]))
     assert trainer.validation_losses_ == [np.inf, np.inf]
@@ -67,7 +59,7 @@ def test_a_non_finite_validation_loss_warns_and_is_recorded(data):
 def test_a_callback_returning_true_stops_training(data):
     X, y = data
     seen = []
-    trainer = lossgraph.Trainer(program()).fit(
+    trainer = lossgraph.Trainer(linear_program()).fit(
         X, y, epochs=10, progress=False,
         callbacks=[lambda t, epoch, logs: seen.append(epoch) or epoch == 2])
     assert seen == [0, 1, 2] and trainer.epochs_ == 3
@@ -75,9 +67,9 @@ def test_a_callback_returning_true_stops_training(data):
 
 def test_warm_start_continues_where_the_last_fit_stopped(data):
     X, y = data
-    once = lossgraph.Trainer(program()).fit(X, y, epochs=2, batch_size=30, shuffle=True,
+    once = lossgraph.Trainer(linear_program()).fit(X, y, epochs=2, batch_size=30, shuffle=True,
                                             random_state=4, progress=False)
-    twice = lossgraph.Trainer(program())
+    twice = lossgraph.Trainer(linear_program())
     twice.fit(X, y, epochs=1, batch_size=30, shuffle=True, random_state=4, progress=False)
     twice.fit(X, y, epochs=1, batch_size=30, shuffle=True, warm_start=True, progress=False)
     assert twice.train_losses_ == once.train_losses_
@@ -86,7 +78,7 @@ def test_warm_start_continues_where_the_last_fit_stopped(data):
 
 def test_a_cold_fit_restarts_from_the_programs_state(data):
     X, y = data
-    trainer = lossgraph.Trainer(program())
+    trainer = lossgraph.Trainer(linear_program())
     first = trainer.fit(X, y, epochs=1, random_state=1, progress=False).state
     second = trainer.fit(X, y, epochs=1, random_state=1, progress=False).state
     np.testing.assert_array_equal(first["coef"], second["coef"])
@@ -95,9 +87,9 @@ def test_a_cold_fit_restarts_from_the_programs_state(data):
 @pytest.mark.parametrize("mode", ["step", "epoch"])
 def test_checkpoint_resume_equals_an_uninterrupted_fit(data, tmp_path, mode):
     X, y = data
-    straight = lossgraph.Trainer(program(mode, Adam(0.01))).fit(
+    straight = lossgraph.Trainer(linear_program(mode, Adam(0.01))).fit(
         X, y, epochs=4, batch_size=32, random_state=5, progress=False)
-    first = lossgraph.Trainer(program(mode, Adam(0.01))).fit(
+    first = lossgraph.Trainer(linear_program(mode, Adam(0.01))).fit(
         X, y, epochs=2, batch_size=32, random_state=5, progress=False)
     first.save_checkpoint(tmp_path / "ckpt")
     resumed = lossgraph.Trainer.load_checkpoint(tmp_path / "ckpt")
@@ -109,27 +101,27 @@ def test_checkpoint_resume_equals_an_uninterrupted_fit(data, tmp_path, mode):
 
 def test_predict_equals_the_exported_inference_model(data, run_model):
     X, y = data
-    trainer = lossgraph.Trainer(program()).fit(X, y, epochs=2, progress=False)
+    trainer = lossgraph.Trainer(linear_program()).fit(X, y, epochs=2, progress=False)
     exported = trainer.to_inference_model()
     assert not {i.name for i in exported.graph.input} & {"coef", "intercept"}
     # Equal to float rounding: onnxruntime prepacks the exported (constant) weights for
     # another GEMM kernel than the one it runs on weights given as inputs.
     np.testing.assert_allclose(run_model(exported, {"x": X})["y"], trainer.predict(X),
                                rtol=1e-6, atol=1e-6)
-    assert not np.allclose(trainer.predict(X), lossgraph.Trainer(program()).predict(X))
+    assert not np.allclose(trainer.predict(X), lossgraph.Trainer(linear_program()).predict(X))
 
 
 @pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
 def test_streaming_batches_equal_array_training(data, mode):
     X, y = data
-    from_arrays = lossgraph.Trainer(program(mode)).fit(X, y, epochs=2, batch_size=50,
+    from_arrays = lossgraph.Trainer(linear_program(mode)).fit(X, y, epochs=2, batch_size=50,
                                                        shuffle=False, progress=False)
 
     def batches():
         for lo in range(0, len(X), 50):
             yield X[lo:lo + 50], y[lo:lo + 50]
 
-    streamed = lossgraph.Trainer(program(mode)).fit(batches, epochs=2, progress=False)
+    streamed = lossgraph.Trainer(linear_program(mode)).fit(batches, epochs=2, progress=False)
     np.testing.assert_allclose(streamed.state["coef"], from_arrays.state["coef"], rtol=1e-6)
     assert streamed.train_losses_ == pytest.approx(from_arrays.train_losses_)
 
@@ -138,7 +130,7 @@ def test_a_one_shot_generator_cannot_feed_two_epochs(data):
     X, y = data
     generator = ((X[i:i + 50], y[i:i + 50]) for i in range(0, len(X), 50))
     with pytest.raises(InvalidDataError, match="function that returns a new iterator"):
-        lossgraph.Trainer(program()).fit(generator, epochs=2, progress=False)
+        lossgraph.Trainer(linear_program()).fit(generator, epochs=2, progress=False)
 
 
 def test_a_fresh_generator_feeds_a_warm_start_fit(data):
@@ -147,14 +139,14 @@ def test_a_fresh_generator_feeds_a_warm_start_fit(data):
     def batches():
         return ((X[i:i + 50], y[i:i + 50]) for i in range(0, len(X), 50))
 
-    trainer = lossgraph.Trainer(program()).fit(batches(), epochs=1, progress=False)
+    trainer = lossgraph.Trainer(linear_program()).fit(batches(), epochs=1, progress=False)
     trainer.fit(batches(), epochs=1, warm_start=True, progress=False)
     assert trainer.epochs_ == 2 and len(trainer.train_losses_) == 2
 
 
 def test_separate_mode_takes_a_chosen_label_name(data):
     X, y = data
-    prog = program("separate", loss_options={"label_name": "target"})
+    prog = linear_program("separate", loss_options={"label_name": "target"})
     assert prog.manifest["roles"]["label"] == "target"
     trainer = lossgraph.Trainer(prog).fit(X, y, epochs=2, progress=False)
     assert trainer.train_losses_[-1] < trainer.train_losses_[0]
@@ -167,7 +159,7 @@ def test_sample_weights_weigh_rows(data):
     w = np.where(np.arange(len(X)) % 2 == 0, 1.0, 0.0).astype(np.float32)
     a = lossgraph.Trainer(weighted).fit(X, y, sample_weight=w, epochs=1, batch_size=len(X),
                                         shuffle=False, progress=False)
-    b = lossgraph.Trainer(program(optimizer=SGD(0.05))).fit(X[::2], y[::2], epochs=1,
+    b = lossgraph.Trainer(linear_program(optimizer=SGD(0.05))).fit(X[::2], y[::2], epochs=1,
                                                            batch_size=len(X), progress=False)
     np.testing.assert_allclose(a.state["coef"], b.state["coef"], rtol=1e-5)
 
@@ -177,7 +169,7 @@ def test_sample_weights_weigh_rows(data):
 
 def test_divergence_raises_and_keeps_the_last_good_weights(data):
     X, y = data
-    trainer = lossgraph.Trainer(program(optimizer=SGD(1e6)))
+    trainer = lossgraph.Trainer(linear_program(optimizer=SGD(1e6)))
     with pytest.raises(ConvergenceError, match="epoch 0, batch \\d+.*smaller learning rate"):
         trainer.fit(X * 1e3, y, epochs=1, batch_size=10, shuffle=False, progress=False)
     assert all(np.isfinite(v).all() for v in trainer.state.values())
@@ -185,7 +177,7 @@ def test_divergence_raises_and_keeps_the_last_good_weights(data):
 
 def test_divergence_in_a_fused_epoch_restores_the_epoch_start(data):
     X, y = data
-    trainer = lossgraph.Trainer(program("epoch", SGD(1e6)))
+    trainer = lossgraph.Trainer(linear_program("epoch", SGD(1e6)))
     before = trainer.state
     with pytest.raises(ConvergenceError, match="start of the failing epoch"):
         trainer.fit(X * 1e3, y, epochs=1, batch_size=10, shuffle=False, progress=False)
@@ -199,14 +191,14 @@ def test_divergence_keeps_the_last_state_whose_loss_was_finite(data, mode):
     loss, is named in the message, and training resumes from it."""
     X, y = data
     X = X * 30
-    trainer = lossgraph.Trainer(program(mode, SGD(0.5)))
+    trainer = lossgraph.Trainer(linear_program(mode, SGD(0.5)))
     with pytest.raises(ConvergenceError) as error:
         trainer.fit(X, y, epochs=50, batch_size=len(X), shuffle=False, progress=False)
     kept = trainer.steps_
     assert f"before step {kept + 1} (epoch {kept}, batch 0), the last whose loss was finite" \
         in str(error.value)
     assert np.isfinite(trainer.evaluate(X, y))
-    again = lossgraph.Trainer(program(mode, SGD(0.5))).fit(
+    again = lossgraph.Trainer(linear_program(mode, SGD(0.5))).fit(
         X, y, epochs=kept, batch_size=len(X), shuffle=False, progress=False)
     for name, value in again.state.items():
         np.testing.assert_array_equal(trainer.state[name], value)
@@ -220,7 +212,7 @@ def test_nan_in_the_data_is_named_by_row(data):
     X = X.copy()
     X[37, 2] = np.nan
     with pytest.raises(InvalidDataError, match="row 37"):
-        lossgraph.Trainer(program()).fit(X, y, batch_size=10, shuffle=False, progress=False)
+        lossgraph.Trainer(linear_program()).fit(X, y, batch_size=10, shuffle=False, progress=False)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "pattern"), [
@@ -242,7 +234,7 @@ def test_bad_data_is_rejected_before_any_work(data, kwargs, error, pattern):
         call["sample_weight"] = np.ones(len(X), np.float32)
     if kwargs.get("X") == "empty":
         call["y"] = y[:0]
-    trainer = lossgraph.Trainer(program())
+    trainer = lossgraph.Trainer(linear_program())
     before = trainer.state
     with pytest.raises(error, match=pattern):
         trainer.fit(progress=False, **call)
@@ -251,7 +243,7 @@ def test_bad_data_is_rejected_before_any_work(data, kwargs, error, pattern):
 
 
 def test_set_state_checks_names_and_shapes():
-    trainer = lossgraph.Trainer(program())
+    trainer = lossgraph.Trainer(linear_program())
     with pytest.raises(UnknownNameError, match="Did you mean 'coef'"):
         trainer.set_state({"cof": np.zeros((4, 1), np.float32)})
     with pytest.raises(ShapeMismatchError, match="float32\\[4, 1\\]"):
@@ -260,132 +252,18 @@ def test_set_state_checks_names_and_shapes():
     np.testing.assert_array_equal(trainer.state["coef"], np.ones((4, 1)))
 
 
-# -- the program ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
-def test_program_save_load_round_trip_trains_the_same(data, tmp_path, mode):
-    X, y = data
-    original = program(mode, penalty={"coef": 0.01})
-    original.save(tmp_path / "prog")
-    loaded = lossgraph.TrainingProgram.load(tmp_path / "prog")
-    assert loaded.manifest == original.manifest
-    a = lossgraph.Trainer(original).fit(X, y, epochs=2, random_state=0, progress=False)
-    b = lossgraph.Trainer(loaded).fit(X, y, epochs=2, random_state=0, progress=False)
-    np.testing.assert_array_equal(a.state["coef"], b.state["coef"])
-
-
-def test_saving_over_a_program_replaces_it_whole(tmp_path):
-    program("epoch").save(tmp_path / "prog")
-    program("step").save(tmp_path / "prog")
-    manifest = json.loads((tmp_path / "prog" / "manifest.json").read_text())
-    assert manifest["fuse"] == "step"
-    assert not (tmp_path / "prog" / "train_epoch.onnx").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["prog"]
-
-
-def test_loading_a_folder_without_a_program_is_a_clear_error(tmp_path):
-    with pytest.raises(InvalidModelError, match="manifest.json"):
-        lossgraph.TrainingProgram.load(tmp_path)
-
-
-@pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
-def test_every_graph_is_exported_valid_and_described_by_the_manifest(tmp_path, mode, ort_session):
-    prog = program(mode, penalty={"coef": 0.1})
-    as_bytes = prog.save_onnx_graph()
-    paths = prog.save_onnx_graph(tmp_path)
-    assert sorted(as_bytes) == sorted(paths) == sorted(prog.manifest["graphs"])
-    for name, serialized in as_bytes.items():
-        model = onnx.load_model_from_string(serialized)
-        onnx.checker.check_model(model, full_check=True)
-        assert {d.domain for d in model.graph.node} <= {""}
-        session = ort_session(model)
-        described = prog.manifest["graphs"][name]
-        assert [i.name for i in session.get_inputs()] == [i["name"] for i in described["inputs"]]
-        assert [o.name for o in session.get_outputs()] == [o["name"]
-                                                           for o in described["outputs"]]
-        assert paths[name].read_bytes() == serialized
-
-
-def test_manifest_gives_every_training_input_a_role():
-    manifest = program("epoch").manifest
-    roles = {i["name"]: i["role"] for i in manifest["graphs"]["train_epoch"]["inputs"]}
-    assert roles == {"x": "feature", "label": "label", "permutation": "permutation",
-                     "learning_rates": "learning_rates", "step": "step", "coef": "weight",
-                     "intercept": "weight", "coef_velocity": "state",
-                     "intercept_velocity": "state"}
-    assert manifest["optimizer"] == {"type": "Momentum", "learning_rate": 0.01, "momentum": 0.9,
-                                     "nesterov": True}
-
-
-def test_compile_rejects_unknown_fusion_modes_and_weightless_models():
-    with pytest.raises(UnsupportedOptionError, match="fuse='scan'"):
-        program("scan")
-    weightless = onnx.parser.parse_model("""
-        <ir_version: 8, opset_import: ["" : 18]>
-        g (float[N, 2] x) => (float[N, 2] y) { y = Relu(x) }
-    """)
-    with pytest.raises(lossgraph.LossgraphError, match="no trainable weights"):
-        lossgraph.compile_program(weightless)
-
-
 def test_progress_bar_runs(data, capsys):
     X, y = data
-    lossgraph.Trainer(program()).fit(X, y, epochs=2, progress=True)
+    lossgraph.Trainer(linear_program()).fit(X, y, epochs=2, progress=True)
     assert "lossgraph" in capsys.readouterr().err
-
-
-# -- targets and backends -----------------------------------------------------------------------
-
-OPSET_23 = LINEAR.replace('"" : 18', '"" : 23')
-
-
-def test_default_target_rejects_newer_opsets_and_names_the_way_out():
-    with pytest.raises(lossgraph.LossgraphError, match="target='onnxruntime'"):
-        lossgraph.compile_program(onnx.parser.parse_model(OPSET_23))
-
-
-def test_onnxruntime_target_emits_newer_opsets(data):
-    from support.environment import HAS_TRAINING
-
-    prog = lossgraph.compile_program(onnx.parser.parse_model(OPSET_23), target="onnxruntime",
-                             optimizer=SGD(0.05))
-    assert all(g.opset_import[0].version == 23 and g.ir_version == 10
-               for g in prog.graphs.values())
-    if HAS_TRAINING:
-        pytest.skip("onnxruntime-training 1.19 loads opsets up to 21 only")
-    X, y = data
-    trainer = lossgraph.Trainer(prog).fit(X, y, epochs=3, progress=False)
-    assert trainer.train_losses_[-1] < trainer.train_losses_[0]
-
-
-def test_unknown_target_is_an_error():
-    with pytest.raises(UnsupportedOptionError, match="Unknown target 'onnxruntime-2'"):
-        program(target="onnxruntime-2")
 
 
 @pytest.mark.training
 @pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
 def test_ort_gradient_backend_trains_like_the_onnx_backend(data, mode):
     X, y = data
-    ours = lossgraph.Trainer(program(mode, Adam(0.01))).fit(X, y, epochs=2, random_state=0,
+    ours = lossgraph.Trainer(linear_program(mode, Adam(0.01))).fit(X, y, epochs=2, random_state=0,
                                                             progress=False)
-    theirs = lossgraph.Trainer(program(mode, Adam(0.01), backend="ort")).fit(
+    theirs = lossgraph.Trainer(linear_program(mode, Adam(0.01), backend="ort")).fit(
         X, y, epochs=2, random_state=0, progress=False)
     np.testing.assert_allclose(theirs.state["coef"], ours.state["coef"], rtol=1e-5, atol=1e-6)
-
-
-def test_compile_rejects_weights_of_mixed_float_types():
-    mixed = onnx.parser.parse_model("""
-        <ir_version: 8, opset_import: ["" : 18]>
-        g (float[N, 2] x) => (float[N, 2] y)
-        <float[2] a = {1, 2}, double[2] c = {3, 4}>
-        {
-            d = Cast <to = 1> (c)
-            t = Mul(x, a)
-            y = Add(t, d)
-        }
-    """)
-    with pytest.raises(lossgraph.errors.UnsupportedModelError,
-                       match="one float type, but 'a' is float32, 'c' is float64"):
-        lossgraph.compile_program(mixed)

@@ -8,7 +8,8 @@ version that opset allows. :func:`model_of_graph` wraps a ``GraphProto`` built o
 (``onnx.helper``) the same way; :func:`parse_model` reads a whole model's text, scalars
 included; :func:`signature` writes a signature from example arrays.
 :data:`UNSORTED` is a model whose weights' alphabetical order differs from their graph
-order, read in ``If`` branches.
+order, read in ``If`` branches; :data:`NET` a dense layer whose weights' order differs too;
+:data:`ROUNDED` a model whose weights reach its output only through ops of zero gradient.
 """
 
 from __future__ import annotations
@@ -85,5 +86,34 @@ UNSORTED = """
             then_branch = g1 () => (float[N, 2] t) { t = Add(h, a_bias) },
             else_branch = g2 () => (float[N, 2] e) { e = Sub(h, a_bias) }
         >
+    }
+"""
+
+
+#: A dense layer of two outputs whose weights' alphabetical order (a_bias, z_weight) differs
+#: from their graph order, the command-line tests' model (tests/cli/conftest.py's model_file).
+NET = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    net (float[N, 3] x) => (float[N, 2] y)
+    <float[3, 2] z_weight = {1, 2, 3, 4, 5, 6}, float[2] a_bias = {0.5, -0.5}>
+    { h = MatMul(x, z_weight)
+      y = Add(h, a_bias) }
+"""
+
+
+#: Weights w and v reach y only through Round and Sign, whose gradient is zero wherever it
+#: exists: training can never change them (b learns).
+ROUNDED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 2] x) => (float[N, 1] y)
+    <float[2, 1] w = {1, 2}, float[2, 1] v = {3, 4}, float[1] b = {0.5}>
+    {
+        h = MatMul(x, w)
+        r = Round(h)
+        k = MatMul(x, v)
+        s = Sign(k)
+        t = Add(r, s)
+        u = Add(t, h)
+        y = Add(t, b)
     }
 """

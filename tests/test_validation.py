@@ -61,7 +61,8 @@ def test_compile_options_come_back_in_the_form_the_pipeline_uses():
     ("squared_error", [1], None, "must be a dict of add_loss_output options"),
     (None, {"reduction": "sum"}, None, "has no effect with loss=None"),
     (None, None, {"W": 0.1}, "penalty= needs lossgraph to add the loss"),
-])
+], ids=["reduction none", "unknown key", "loss in the options", "not a dict",
+        "options without a loss", "penalty without a loss"])
 def test_loss_options_and_penalty_are_checked_against_the_loss(loss, loss_options, penalty,
                                                                pattern):
     with pytest.raises(UnsupportedOptionError, match=pattern):
@@ -81,7 +82,7 @@ def test_a_penalty_on_a_weight_not_trained_is_refused_with_the_weights_trained()
      "Input 'x' has a fixed batch dimension of 3"),
     ("(float[N, 2] x) => (float[3, 2] y)", "y = Mul(x, w)",
      "Output 'y' has a fixed batch dimension of 3"),
-])
+], ids=["no nodes", "a scalar input", "a fixed input batch", "a fixed output batch"])
 def test_what_makes_a_valid_model_untrainable_is_named(signature, body, pattern):
     model = onnx.parser.parse_model(f"""<ir_version: 8, opset_import: ["" : 18]>
         g {signature} <float[2] w = {{1, 2}}> {{ {body} }}""")

@@ -1,5 +1,5 @@
 """The catalogue of bad inputs in docs/reference/errors.md, shared by the test files that
-provoke them (test_bad_inputs, test_storage, test_cli).
+provoke them (test_bad_inputs, test_storage, cli/test_main).
 
 Each file lists its cases with an id; its tests prove the error, and these helpers
 write the page's tables from real runs and check that no case is missing from it.

@@ -31,6 +31,7 @@ import lossgraph
 from lossgraph import gradient
 from lossgraph.errors import UnsupportedModelError
 
+# ------------------------------------------------------------------------------ If
 TWO_BRANCHES = """
     <ir_version: 8, opset_import: ["" : 18]>
     g (double[3, 4] x, double[4] w, double[4] v, bool c) => (double[3, 4] y) {
@@ -121,6 +122,7 @@ def test_weights_captured_by_branches_are_trained_by_default(run_model, rng):
     np.testing.assert_array_equal(skipped, np.zeros(2, np.float32))
 
 
+# ---------------------------------------------------------------------------- Scan
 HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
 
 

@@ -18,6 +18,8 @@ from support.models import model, signature
 from lossgraph import gradient
 from lossgraph.errors import UnsupportedModelError
 
+F32 = np.float32
+
 DTYPES = {"float": np.float32, "double": np.float64}
 
 
@@ -205,9 +207,7 @@ def test_einsum_diagonal_with_symbolic_size_is_a_clear_error():
         gradient(model, weights=["a"], loss_name="loss")
 
 
-F32 = np.float32
-
-
+# -- Det ---------------------------------------------------------
 def _det_model(x: np.ndarray, opset: int = 18):
     out = ", ".join(str(d) for d in x.shape[:-2])
     return model(signature({"x": x}, f"float[{out}] y" if out else "float y"), "y = Det(x)",

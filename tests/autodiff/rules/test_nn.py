@@ -620,6 +620,7 @@ def test_golden_cnn_weight_gradients_match_torch():
                                    rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+# ------------------------------------------------------ against the reference evaluator
 def vjp_against_the_reference(net, x: np.ndarray, forward=None, eps: float = 1e-6,
                               rtol: float = 1e-6, atol: float = 1e-8) -> np.ndarray:
     """lossgraph's gradient of sum(y R) with respect to ``x`` (the model's one input),
@@ -892,8 +893,12 @@ def test_col2im_gradient_matches_torch_unfold(rng, image, block, attrs, channels
                     reference={"x": tx.grad.numpy()})
 
 
+# -------------------------------------------------------------------- MaxPool, tiled
+# The gradient of windows that tile their input, in the form chosen for onnxruntime's speed
+# (docs/benchmarks.md): the same numbers as the plain form; ties, zeros, denormals and
+# infinities included.
 def _one_op_model(op: str, x: np.ndarray, attrs, free_batch: bool = False, opset: int = 17
-           ) -> onnx.ModelProto:
+                  ) -> onnx.ModelProto:
     """``y = op<attrs>(x)``, the batch axis of x free when ``free_batch``."""
     dims = ["N" if free_batch and a == 0 else str(d) for a, d in enumerate(x.shape)]
     outputs = ", ".join(f"y{a}" for a in range(x.ndim))
@@ -909,12 +914,6 @@ def _x_gradient(net: onnx.ModelProto, x: np.ndarray) -> tuple[np.ndarray, onnx.M
                                loss_name="gradcheck_loss")
     (dx,) = create_session(graph).run(["x_grad"], {"x": x})
     return dx, graph
-
-
-# -------------------------------------------------------------------- MaxPool, tiled
-# The gradient of windows that tile their input, in the form chosen for onnxruntime's speed
-# (docs/benchmarks.md): the same numbers as the plain form; ties, zeros, denormals and
-# infinities included.
 
 
 def _tiled_max_pool_grad(x: np.ndarray, kernel: list[int], dy: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Gradient rules of the reductions and CumSum, checked by tests/gradcheck.py.
+"""Gradient rules of the reductions and CumSum, checked by tests/support/gradcheck.py.
 
 Each model reduces one input; gradients are compared with finite differences and,
 where onnxruntime-training's builder differentiates the op, with its gradient.

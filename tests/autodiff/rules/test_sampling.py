@@ -1,5 +1,6 @@
-"""Gradient of GridSample (lossgraph/autodiff/rules/sampling.py), with respect to the
-input and the grid: every mode, padding mode and align_corners.
+"""Gradients of the sampling ops (lossgraph/autodiff/rules/sampling.py): GridSample with
+respect to the input and the grid (every mode, padding mode and align_corners), RoiAlign and
+DeformConv.
 
 onnxruntime's GridSample has a double kernel from opset 20 (checked in float64 with
 tight tolerances) and cubic mode in 2-D only (3-D cubic is checked against the ONNX

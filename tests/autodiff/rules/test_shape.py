@@ -166,6 +166,8 @@ def test_space_to_depth_gradient(rng):
     check_gradients(net, {"x": x}, ort="auto")
 
 
+# ------------------------------------------------------------------ CenterCropPad
+# pad what was cropped, crop what was padded
 CASES = [  # x shape, target sizes, axes
     ((5, 6), [3, 6], None),           # crop, even difference
     ((5, 6), [2, 6], None),           # crop, odd difference: the window starts left

@@ -26,16 +26,16 @@ from support.cli import (
     export_has,
     installed,
     needs_skl2onnx,
-    npz_data,
     ok,
-    program_folder,
     shell,
     two_output_data,
     write_csv,
-    write_file,
 )
+from support.cli import npz_data as _data
+from support.cli import program_folder as _program
+from support.cli import write_file as _file
 from support.environment import ROOT
-from support.models import NET
+from support.models import NET as MODEL
 
 from lossgraph import cli, get_roles
 from lossgraph.cli import main
@@ -94,11 +94,11 @@ def test_compile_then_train_from_the_shell(model_file, tmp_path, run_model, rng)
 
 
 def _model(tmp_path) -> str:
-    return write_file(tmp_path, "m.onnx", onnx.parser.parse_model(NET).SerializeToString())
+    return _file(tmp_path, "m.onnx", onnx.parser.parse_model(MODEL).SerializeToString())
 
 
 def _broken_manifest(tmp_path) -> str:
-    folder = program_folder(tmp_path)
+    folder = _program(tmp_path)
     (tmp_path / "program" / "manifest.json").write_text('{"format": ')
     return folder
 
@@ -110,7 +110,7 @@ def _user_folder(tmp_path) -> str:
 
 
 def _user_file(tmp_path) -> str:
-    return write_file(tmp_path, "mine.onnx", b"the user's own file")
+    return _file(tmp_path, "mine.onnx", b"the user's own file")
 
 
 def _npy(tmp_path) -> str:
@@ -119,19 +119,19 @@ def _npy(tmp_path) -> str:
 
 
 def _csv(tmp_path) -> str:
-    return write_file(tmp_path, "d.csv", b"a,b,c,y,z\n1,2,3,4,5\n2,3,4,5,6\n")
+    return _file(tmp_path, "d.csv", b"a,b,c,y,z\n1,2,3,4,5\n2,3,4,5,6\n")
 
 
 def _other_program(tmp_path) -> str:
     model = tmp_path / "other.onnx"
-    onnx.save(onnx.parser.parse_model(NET), model)
+    onnx.save(onnx.parser.parse_model(MODEL), model)
     assert main(["compile", str(model), "-o", str(tmp_path / "other"), "--optimizer",
                  "adam"]) == 0
     return str(tmp_path / "other")
 
 
 def _checkpoint(tmp_path) -> str:
-    assert main(["train", program_folder(tmp_path), "--data", npz_data(tmp_path), "-o",
+    assert main(["train", _program(tmp_path), "--data", _data(tmp_path), "-o",
                  str(tmp_path / "first.onnx"), "--checkpoint", str(tmp_path / "ckpt")]) == 0
     return str(tmp_path / "ckpt")
 
@@ -139,31 +139,29 @@ def _checkpoint(tmp_path) -> str:
 JUNK = b"this is not an ONNX model\n"
 BAD_COMMANDS = {
     # junk files for every command that reads a model
-    "add-loss junk": lambda t: ["add-loss", write_file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
-    "gradient junk": lambda t: ["gradient", write_file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
-    "compile junk": lambda t: ["compile", write_file(t, "j.onnx", JUNK), "-o", f"{t}/prog"],
-    "lower-ml junk": lambda t: ["lower-ml", write_file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
-    "alphabetize junk": lambda t: ["alphabetize", write_file(t, "j.onnx", JUNK), "-o",
-                                   f"{t}/o.onnx"],
-    "trainable junk": lambda t: ["trainable", write_file(t, "j.onnx", JUNK)],
-    "trainable empty file": lambda t: ["trainable", write_file(t, "e.onnx", b"")],
+    "add-loss junk": lambda t: ["add-loss", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "gradient junk": lambda t: ["gradient", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "compile junk": lambda t: ["compile", _file(t, "j.onnx", JUNK), "-o", f"{t}/prog"],
+    "lower-ml junk": lambda t: ["lower-ml", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "alphabetize junk": lambda t: ["alphabetize", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "trainable junk": lambda t: ["trainable", _file(t, "j.onnx", JUNK)],
+    "trainable empty file": lambda t: ["trainable", _file(t, "e.onnx", b"")],
     "trainable missing file": lambda t: ["trainable", f"{t}/missing.onnx"],
-    "train junk program": lambda t: ["train", write_file(t, "j.onnx", JUNK), "--data", npz_data(t),
+    "train junk program": lambda t: ["train", _file(t, "j.onnx", JUNK), "--data", _data(t),
                                      "-o", f"{t}/o.onnx"],
-    "train a model file": lambda t: ["train", _model(t), "--data", npz_data(t), "-o",
-                                     f"{t}/o.onnx"],
-    "train corrupt manifest": lambda t: ["train", _broken_manifest(t), "--data", npz_data(t),
+    "train a model file": lambda t: ["train", _model(t), "--data", _data(t), "-o", f"{t}/o.onnx"],
+    "train corrupt manifest": lambda t: ["train", _broken_manifest(t), "--data", _data(t),
                                          "-o", f"{t}/o.onnx"],
     # missing option values and arguments
     "no command": lambda t: [],
     "unknown command": lambda t: ["fly"],
     "missing -o value": lambda t: ["lower-ml", f"{t}/m.onnx", "-o"],
     "missing -o": lambda t: ["compile", f"{t}/m.onnx"],
-    "no --data option": lambda t: ["train", program_folder(t), "-o", f"{t}/o.onnx"],
+    "no --data option": lambda t: ["train", _program(t), "-o", f"{t}/o.onnx"],
     # bad values
-    "epochs not a number": lambda t: ["train", program_folder(t), "--data", npz_data(t), "--epochs",
+    "epochs not a number": lambda t: ["train", _program(t), "--data", _data(t), "--epochs",
                                       "ten", "-o", f"{t}/o.onnx"],
-    "batch size zero": lambda t: ["train", program_folder(t), "--data", npz_data(t), "--batch-size",
+    "batch size zero": lambda t: ["train", _program(t), "--data", _data(t), "--batch-size",
                                   "0", "-o", f"{t}/o.onnx"],
     "unknown fuse": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--fuse", "turbo"],
     "unknown optimizer": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--optimizer",
@@ -191,8 +189,8 @@ BAD_COMMANDS = {
                                          "ort-artifacts", "--fuse", "epoch"],
     "nesterov for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                              "ort-artifacts", "--optimizer", "nesterov"],
-    "artifacts over a program": lambda t: ["compile", _model(t), "-o", program_folder(t),
-                                           "--format", "ort-artifacts"],
+    "artifacts over a program": lambda t: ["compile", _model(t), "-o", _program(t), "--format",
+                                           "ort-artifacts"],
     "score option without =": lambda t: ["add-loss", f"{t}/m.onnx", "-o", f"{t}/o.onnx",
                                          "--loss-option", "delta"],
     "unknown target": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--target", "mars"],
@@ -206,87 +204,87 @@ BAD_COMMANDS = {
     "program in a missing folder": lambda t: ["compile", _model(t), "-o", f"{t}/missing/prog"],
     "output over the user's file": lambda t: ["lower-ml", _model(t), "-o", _user_file(t)],
     "program over the user's folder": lambda t: ["compile", _model(t), "-o", _user_folder(t)],
-    "checkpoint over the user's folder": lambda t: ["train", program_folder(t), "--data",
-                                                    npz_data(t), "-o", f"{t}/o.onnx",
-                                                    "--checkpoint", _user_folder(t)],
+    "checkpoint over the user's folder": lambda t: ["train", _program(t), "--data", _data(t),
+                                                    "-o", f"{t}/o.onnx", "--checkpoint",
+                                                    _user_folder(t)],
     # data files
-    "corrupt npz": lambda t: ["train", program_folder(t), "--data",
-                              write_file(t, "d.npz", b"PK\x03\x04junk"), "-o", f"{t}/o.onnx"],
-    "text file as npz": lambda t: ["train", program_folder(t), "--data",
-                                   write_file(t, "d.npz", b"1,2\n"), "-o", f"{t}/o.onnx"],
-    "data file that does not exist": lambda t: ["train", program_folder(t), "--data",
+    "corrupt npz": lambda t: ["train", _program(t), "--data", _file(t, "d.npz", b"PK\x03\x04junk"),
+                              "-o", f"{t}/o.onnx"],
+    "text file as npz": lambda t: ["train", _program(t), "--data", _file(t, "d.npz", b"1,2\n"),
+                                   "-o", f"{t}/o.onnx"],
+    "data file that does not exist": lambda t: ["train", _program(t), "--data",
                                                 f"{t}/none.npz", "-o", f"{t}/o.onnx"],
-    "one npy file": lambda t: ["train", program_folder(t), "--data", _npy(t), "-o", f"{t}/o.onnx"],
-    "npz without the named array": lambda t: ["train", program_folder(t), "--data", npz_data(t),
+    "one npy file": lambda t: ["train", _program(t), "--data", _npy(t), "-o", f"{t}/o.onnx"],
+    "npz without the named array": lambda t: ["train", _program(t), "--data", _data(t),
                                               "--label", "target", "-o", f"{t}/o.onnx"],
-    "csv without a label column": lambda t: ["train", program_folder(t), "--data",
-                                             write_file(t, "d.csv", b"a,b,c\n1,2,3\n"),
+    "csv without a label column": lambda t: ["train", _program(t), "--data",
+                                             _file(t, "d.csv", b"a,b,c\n1,2,3\n"),
                                              "-o", f"{t}/o.onnx"],
-    "csv unknown column": lambda t: ["train", program_folder(t), "--data", _csv(t), "--features",
+    "csv unknown column": lambda t: ["train", _program(t), "--data", _csv(t), "--features",
                                      "a", "b", "q", "-o", f"{t}/o.onnx"],
-    "csv with text in a cell": lambda t: ["train", program_folder(t), "--data",
-                                          write_file(t, "d.csv", b"a,b,c,y\n1,2,3,4\n1,2,x,4\n"),
+    "csv with text in a cell": lambda t: ["train", _program(t), "--data",
+                                          _file(t, "d.csv", b"a,b,c,y\n1,2,3,4\n1,2,x,4\n"),
                                           "--label", "y", "-o", f"{t}/o.onnx"],
-    "csv with a short line": lambda t: ["train", program_folder(t), "--data",
-                                        write_file(t, "d.csv", b"a,b,c,y\n1,2,3,4\n1,2\n"),
+    "csv with a short line": lambda t: ["train", _program(t), "--data",
+                                        _file(t, "d.csv", b"a,b,c,y\n1,2,3,4\n1,2\n"),
                                         "-o", f"{t}/o.onnx"],
-    "csv header only": lambda t: ["train", program_folder(t), "--data",
-                                  write_file(t, "d.csv", b"a,b,c,y\n"), "-o", f"{t}/o.onnx"],
-    "empty csv": lambda t: ["train", program_folder(t), "--data", write_file(t, "d.csv", b""),
+    "csv header only": lambda t: ["train", _program(t), "--data",
+                                  _file(t, "d.csv", b"a,b,c,y\n"), "-o", f"{t}/o.onnx"],
+    "empty csv": lambda t: ["train", _program(t), "--data", _file(t, "d.csv", b""),
                             "-o", f"{t}/o.onnx"],
-    "binary file as csv": lambda t: ["train", program_folder(t), "--data",
-                                     write_file(t, "d.csv", b"\xff\xfe\x00\x01"), "-o",
+    "binary file as csv": lambda t: ["train", _program(t), "--data",
+                                     _file(t, "d.csv", b"\xff\xfe\x00\x01"), "-o",
                                      f"{t}/o.onnx"],
-    "csv with too few features": lambda t: ["train", program_folder(t), "--data", _csv(t),
+    "csv with too few features": lambda t: ["train", _program(t), "--data", _csv(t),
                                             "--features", "a", "b", "-o", f"{t}/o.onnx"],
-    "csv label of one column for two": lambda t: ["train", program_folder(t), "--data", _csv(t),
+    "csv label of one column for two": lambda t: ["train", _program(t), "--data", _csv(t),
                                                   "--features", "a", "b", "c", "--label", "y",
                                                   "-o", f"{t}/o.onnx"],
-    "csv with a duplicate column": lambda t: ["train", program_folder(t), "--data",
-                                              write_file(t, "d.csv", b"a,a,c,y\n1,2,3,4\n"),
+    "csv with a duplicate column": lambda t: ["train", _program(t), "--data",
+                                              _file(t, "d.csv", b"a,a,c,y\n1,2,3,4\n"),
                                               "-o", f"{t}/o.onnx"],
-    "sample weights for a program without": lambda t: ["train", program_folder(t), "--data",
+    "sample weights for a program without": lambda t: ["train", _program(t), "--data",
                                                        _csv(t), "--label", "y", "z",
                                                        "--sample-weight", "a", "-o",
                                                        f"{t}/o.onnx"],
-    "a column both feature and label": lambda t: ["train", program_folder(t), "--data", _csv(t),
+    "a column both feature and label": lambda t: ["train", _program(t), "--data", _csv(t),
                                                   "--features", "a", "b", "y", "--label", "y",
                                                   "z", "-o", f"{t}/o.onnx"],
-    "a feature column twice": lambda t: ["train", program_folder(t), "--data", _csv(t),
-                                         "--features", "a", "a", "b", "--label", "y", "z", "-o",
+    "a feature column twice": lambda t: ["train", _program(t), "--data", _csv(t), "--features",
+                                         "a", "a", "b", "--label", "y", "z", "-o",
                                          f"{t}/o.onnx"],
-    "junk parquet": lambda t: ["train", program_folder(t), "--data",
-                               write_file(t, "d.parquet", JUNK), "-o", f"{t}/o.onnx"],
-    "validation split of 1": lambda t: ["train", program_folder(t), "--data", npz_data(t),
+    "junk parquet": lambda t: ["train", _program(t), "--data", _file(t, "d.parquet", JUNK),
+                               "-o", f"{t}/o.onnx"],
+    "validation split of 1": lambda t: ["train", _program(t), "--data", _data(t),
                                         "--validation-split", "1", "-o", f"{t}/o.onnx"],
-    "validation split of no row": lambda t: ["train", program_folder(t), "--data", npz_data(t),
+    "validation split of no row": lambda t: ["train", _program(t), "--data", _data(t),
                                              "--validation-split", "0.01", "-o", f"{t}/o.onnx"],
-    "neither program nor resume": lambda t: ["train", "--data", npz_data(t), "-o", f"{t}/o.onnx"],
+    "neither program nor resume": lambda t: ["train", "--data", _data(t), "-o", f"{t}/o.onnx"],
     "resume a missing checkpoint": lambda t: ["train", "--resume", f"{t}/ckpt", "--data",
-                                              npz_data(t), "-o", f"{t}/o.onnx"],
-    "resume a program folder": lambda t: ["train", "--resume", program_folder(t), "--data",
-                                          npz_data(t), "-o", f"{t}/o.onnx"],
+                                              _data(t), "-o", f"{t}/o.onnx"],
+    "resume a program folder": lambda t: ["train", "--resume", _program(t), "--data",
+                                          _data(t), "-o", f"{t}/o.onnx"],
     "resume with another program": lambda t: ["train", _other_program(t), "--resume",
-                                              _checkpoint(t), "--data", npz_data(t),
+                                              _checkpoint(t), "--data", _data(t),
                                               "-o", f"{t}/o.onnx"],
-    "history over the user's file": lambda t: ["train", program_folder(t), "--data", npz_data(t),
+    "history over the user's file": lambda t: ["train", _program(t), "--data", _data(t),
                                                "-o", f"{t}/o.onnx", "--history",
-                                               write_file(t, "h.json", b"{}")],
-    "plot over the user's file": lambda t: ["train", program_folder(t), "--data", npz_data(t),
+                                               _file(t, "h.json", b"{}")],
+    "plot over the user's file": lambda t: ["train", _program(t), "--data", _data(t),
                                             "-o", f"{t}/o.onnx", "--plot",
-                                            write_file(t, "curve.png", b"\x89PNG\r\n\x1a\n")],
-    "two outputs at one path": lambda t: ["train", program_folder(t), "--data", npz_data(t),
+                                            _file(t, "curve.png", b"\x89PNG\r\n\x1a\n")],
+    "two outputs at one path": lambda t: ["train", _program(t), "--data", _data(t),
                                           "-o", f"{t}/o.onnx", "--history", f"{t}/o.onnx"],
     "export a missing folder": lambda t: ["export", f"{t}/ckpt", "-o", f"{t}/o.onnx"],
-    "export junk": lambda t: ["export", write_file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
+    "export junk": lambda t: ["export", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
     "export corrupt manifest": lambda t: ["export", _broken_manifest(t), "-o", f"{t}/o.onnx"],
-    "export over the user's file": lambda t: ["export", program_folder(t), "-o", _user_file(t)],
-    "export with an unknown target": lambda t: ["export", program_folder(t), "-o", f"{t}/o.onnx",
+    "export over the user's file": lambda t: ["export", _program(t), "-o", _user_file(t)],
+    "export with an unknown target": lambda t: ["export", _program(t), "-o", f"{t}/o.onnx",
                                                 "--target", "mars"],
     # found by the fuzzer (tests/test_fuzz.py): onnx.load reads a .json file as JSON text
-    "export to a json file": lambda t: ["export", program_folder(t), "-o", f"{t}/o.json"],
-    "inspect junk": lambda t: ["inspect", write_file(t, "j.onnx", JUNK)],
-    "inspect a folder": lambda t: ["inspect", program_folder(t)],
+    "export to a json file": lambda t: ["export", _program(t), "-o", f"{t}/o.json"],
+    "inspect junk": lambda t: ["inspect", _file(t, "j.onnx", JUNK)],
+    "inspect a folder": lambda t: ["inspect", _program(t)],
 }
 
 

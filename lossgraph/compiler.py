@@ -19,7 +19,7 @@ runs (``print(describe_plan(...))``)::
                           -> PackWeights -> StepGraph -> EpochGraph -> WidenScalarConstants
     (speed)             = FoldBatchIntoProducts -> SumRowsByProduct -> ConcatScatteredSlabs
                           -> UnfoldConvWeightGradients
-    train_epoch_ordered = ... -> EpochGraph(shuffled=False) -> WidenScalarConstants
+    train_epoch_ordered = ... -> EpochGraph(shuffle=False) -> WidenScalarConstants
 
 A loss model holding a ``SplitToSequence`` gets ``SequencesToTensors``
 (:mod:`lossgraph.passes.sequences`) right before ``StabilizeNumerics`` in the same graphs:
@@ -42,17 +42,17 @@ BatchNormalization and Dropout in inference mode, with the buffers as inputs.
 
 The ``(speed)`` passes and ``WidenScalarConstants`` are optimization passes for
 onnxruntime (:mod:`lossgraph.speed`): same values, faster kernels. Pipelines that
-begin alike share the work: a prefix runs once. ``fuse="separate"`` builds the
-onnxcustom's four graphs instead of the training graphs
-(:mod:`lossgraph.separate`), each finished with ``WidenScalarConstants`` too. The
-manifest is written from the graphs and the signature they record
-(:mod:`lossgraph.manifest`).
+begin alike share the work: a prefix runs once (:class:`~lossgraph.passes.plan.PlanRunner`).
+Each fusion mode (:mod:`lossgraph.modes`) declares its training graphs; ``fuse="separate"``
+builds onnxcustom's four graphs (gradient, loss, penalty, update) instead of the fused
+ones, each finished with ``WidenScalarConstants`` too. The manifest is written from the
+graphs and the signature they record (:mod:`lossgraph.manifest`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,11 +66,12 @@ from .errors import UnsupportedModelError, UnsupportedOptionError
 from .graphs import weights_dtype
 from .manifest import build_manifest
 from .models import ModelLike, as_model
-from .modes import Compiling, FuseMode, PlanContext, Planned, fuse_mode
+from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .options import names
-from .passes.contract import Pass, PassResult, Pipeline, Reports
+from .passes.contract import Pipeline
 from .passes.loss import AddLossOutput
 from .passes.lower_ml import LowerMlOps
+from .passes.plan import Plan, Planned, PlanRunner
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
@@ -86,18 +87,6 @@ from .validation import (
 )
 
 __all__ = ["compile_program", "plan", "describe_plan"]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Every graph of a program, in build order: where it starts (a model compile has, or a
-    :class:`~lossgraph.modes.GraphSource`) and the pipeline run from there."""
-
-    graphs: dict[str, Planned]
-
-    def __str__(self) -> str:
-        width = max(len(name) for name in self.graphs)
-        return "\n".join(f"{name:<{width}} = {planned}" for name, planned in self.graphs.items())
 
 
 def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
@@ -253,9 +242,9 @@ _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "red
 def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     front = _front(model, options)
     context, mode = front.context, front.mode
-    runner = _PrefixRunner(front.starts)
+    runner = PlanRunner(front.starts)
     compiling = Compiling(context.roles, context.weights, context.buffers)
-    for name, planned in plan(context, mode).graphs.items():
+    for name, planned in plan(context, mode).items():
         compiling.built[name] = runner.build(planned, compiling)
     assembled = mode.assemble(compiling)
     signature, optimizer = assembled.signature, context.optimizer
@@ -270,50 +259,3 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles)
     return TrainingProgram(graphs, manifest, state, front.starts["inference model"])
-
-
-class _PrefixRunner:
-    """Runs pipelines from named start models; a prefix several pipelines share runs once.
-
-    A prefix is known by its start model's name and its passes' values (frozen
-    dataclasses: equal options, equal passes), so two pipelines built separately share
-    what they have in common. Every start model is a pass's output, checked already: each
-    pass checks only the model it emits.
-    """
-
-    def __init__(self, starts: Mapping[str, onnx.ModelProto]) -> None:
-        self.starts = starts
-        self.done: dict[tuple[Hashable, ...], PassResult[Reports]] = {}
-
-    def build(self, planned: Planned, compiling: Compiling) -> PassResult[Reports]:
-        """A planned graph: its pipeline run from its start model, or from what its source
-        builds (whose report joins the pipeline's)."""
-        if isinstance(planned.start, str):
-            return self.run(planned.start, planned.pipeline.passes)
-        source = planned.start.build(compiling)
-        result = planned.pipeline.run(source.model, checked=True)
-        return PassResult(result.model, result.report.with_report(type(planned.start),
-                                                                  source.report))
-
-    def run(self, start: str, passes: Sequence[Pass]) -> PassResult[Reports]:
-        """The model after ``passes`` and their reports."""
-        result = PassResult(self.starts[start], Reports())
-        key: tuple[Hashable, ...] = (start,)
-        for step in passes:
-            key = (*key, _identity(step))
-            if key not in self.done:
-                done = step.run(result.model, checked=True)
-                reports = (result.report.with_report(type(step), done.report)
-                           if done.report is not None else result.report)
-                self.done[key] = PassResult(done.model, reports)
-            result = self.done[key]
-        return result
-
-
-def _identity(step: Pass) -> Hashable:
-    """What tells two passes apart: their value, where it is hashable, else the object."""
-    try:
-        hash(step)
-    except TypeError:
-        return (type(step), id(step))
-    return step

@@ -156,11 +156,10 @@ def check_trainable_model(model: onnx.ModelProto) -> None:
                 f"Input {value.name!r} is a scalar: lossgraph feeds data in batches of rows, "
                 "so every data input needs a batch axis first.")
         if dims and dims[0].HasField("dim_value"):
-            shape = ", ".join(str(d.dim_value) if d.HasField("dim_value") else
-                              (d.dim_param or "?") for d in dims)
             raise UnsupportedModelError(
                 f"Input {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
-                f"(shape ({shape})), as torch.onnx.export writes without dynamic axes: it "
+                f"(shape ({_dims_text(dims)})), as torch.onnx.export writes without dynamic "
+                "axes: it "
                 "could train and predict only that many rows at a time. Export again with a "
                 f"free batch axis: torch.onnx.export(..., dynamic_axes={{{value.name!r}: "
                 "{0: 'batch'}, <output>: {0: 'batch'}}) (or dynamo=True with dynamic_shapes). "
@@ -169,11 +168,10 @@ def check_trainable_model(model: onnx.ModelProto) -> None:
     for value in graph.output:
         dims = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else ()
         if dims and dims[0].HasField("dim_value"):
-            shape = ", ".join(str(d.dim_value) if d.HasField("dim_value") else
-                              (d.dim_param or "?") for d in dims)
             raise UnsupportedModelError(
                 f"Output {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
-                f"(shape ({shape})), but the inputs' batch dimension is free: lossgraph trains "
+                f"(shape ({_dims_text(dims)})), but the inputs' batch dimension is free: "
+                "lossgraph trains "
                 "on batches of rows, so each output needs a free batch axis first as well. "
                 "Declare it like the inputs' (e.g. 'N'), or export again with dynamic axes for "
                 "the outputs too.")
@@ -232,3 +230,9 @@ def no_weights_error(model: onnx.ModelProto) -> UnsupportedModelError:
     return UnsupportedModelError(
         "The model has no trainable weights (float initializers of rank >= 1 that influence the "
         f"loss); its initializers: {listed}. Pass weights=[...] to name the ones to train.")
+
+
+def _dims_text(dims: Sequence[onnx.TensorShapeProto.Dimension]) -> str:
+    """``8, N, ?``: each dimension's size, else its name, else ``?``."""
+    return ", ".join(str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
+                     for d in dims)

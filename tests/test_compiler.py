@@ -1,5 +1,5 @@
 """The compiler (lossgraph/compiler.py): describe_plan prints every graph a program will hold and
-the pipeline that builds it, and compile_program runs a prefix that pipelines share once."""
+the pipeline that builds it, as compile_program builds them."""
 
 from __future__ import annotations
 
@@ -8,16 +8,11 @@ import pytest
 from support.environment import GOLDEN_MODELS
 
 import lossgraph
-from lossgraph.passes import WeightsToInputs
-
-
-def golden(name: str) -> onnx.ModelProto:
-    return onnx.load(GOLDEN_MODELS / f"{name}.onnx")
 
 
 @pytest.fixture
 def linear() -> onnx.ModelProto:
-    return golden("hand_linear")
+    return onnx.load(GOLDEN_MODELS / "hand_linear.onnx")
 
 
 def test_describe_plan_prints_every_graph_of_a_separate_program(linear):
@@ -56,15 +51,3 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
     assert "StepGraph(optimizer=Momentum(learning_rate=0.05))" in momentum
     program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
     assert list(program.graphs) == list(lines)
-
-
-def test_compile_runs_a_prefix_shared_by_equal_passes_once(monkeypatch):
-    """Pipelines built apart share the passes they have in common (equal options): the
-    epoch program lifts the weights of the loss model once for its four training and
-    evaluation graphs, and the inference model's once."""
-    calls = []
-    real = WeightsToInputs.call
-    monkeypatch.setattr(WeightsToInputs, "call", lambda self, model: calls.append(1)
-                        or real(self, model))
-    lossgraph.compile_program(golden("hand_linear"), fuse="epoch")
-    assert len(calls) == 2

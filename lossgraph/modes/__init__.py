@@ -10,9 +10,10 @@
 A :class:`FuseMode` owns everything that differs between modes:
 
 - ``graphs``: the training graphs its programs hold, beside ``evaluate`` and ``predict``;
-- :meth:`FuseMode.plan`: how each of them is built, a :class:`Planned` start and pipeline
-  (``describe_plan`` prints them; a graph built from nothing starts at a
-  :class:`GraphSource`, which prints its options);
+- :meth:`FuseMode.plan`: how each of them is built, a
+  :class:`~lossgraph.passes.plan.Planned` start and pipeline (``describe_plan`` prints
+  them; a graph built from nothing starts at a
+  :class:`~lossgraph.passes.plan.GraphSource`, which prints its options);
 - :meth:`FuseMode.assemble`: the program's signature and each graph's roles, from the
   graphs built, for the manifest;
 - :meth:`FuseMode.stepper`: its runtime step, on an :class:`~lossgraph.runtime.engine.Engine`.
@@ -32,7 +33,8 @@ import numpy as np
 
 from ..optim import Optimizer
 from ..options import choice
-from ..passes.contract import Pass, PassResult, Pipeline, Reports, describe_options
+from ..passes.contract import Pass, PassResult, Reports
+from ..passes.plan import Planned
 from ..passes.running_stats import RunningStatistics
 from ..passes.sequences import SequencesToTensors
 from ..passes.stabilize import StabilizeNumerics
@@ -46,8 +48,8 @@ from ..speed import (
     WidenScalarConstants,
 )
 
-__all__ = ["FuseMode", "GraphSource", "Planned", "PlanContext", "Compiling", "Assembled",
-           "Stepper", "MODES", "fuse_mode"]
+__all__ = ["FuseMode", "PlanContext", "Compiling", "Assembled", "Stepper", "MODES",
+           "fuse_mode"]
 
 
 @dataclass(frozen=True)
@@ -94,31 +96,6 @@ class PlanContext:
         """The speed rewrites of a training graph's gradient (:mod:`lossgraph.speed`)."""
         return (FoldBatchIntoProducts(), SumRowsByProduct(), ConcatScatteredSlabs(),
                 UnfoldConvWeightGradients())
-
-
-class GraphSource(abc.ABC):
-    """Where a graph built from nothing (no model to start from) comes from: a builder and
-    its options, which a plan prints. :meth:`build` reads what it needs of the compile so
-    far (:class:`Compiling`); its report is the names it chose."""
-
-    @abc.abstractmethod
-    def build(self, compiling: Compiling) -> PassResult:
-        """The graph, and what it reports."""
-
-    def __str__(self) -> str:
-        return describe_options(self)
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One graph of a plan: its start (a model compile has, by name, or a source) and the
-    pipeline run from it."""
-
-    start: str | GraphSource
-    pipeline: Pipeline
-
-    def __str__(self) -> str:
-        return f"{self.start} -> {self.pipeline}"
 
 
 @dataclass

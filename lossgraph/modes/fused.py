@@ -23,7 +23,8 @@ import numpy as np
 from ..passes.contract import Pipeline
 from ..passes.fuse import EpochGraph, PackWeights, StepGraph
 from ..passes.gradient import Gradient
-from . import Assembled, Compiling, FuseMode, PlanContext, Planned
+from ..passes.plan import Planned
+from . import Assembled, Compiling, FuseMode, PlanContext
 
 __all__ = ["StepMode", "EpochMode", "FusedSteps", "FusedEpochs"]
 

@@ -42,13 +42,14 @@ from ..optim import BuiltUpdate, Optimizer, build_update
 from ..passes.contract import PassResult, Pipeline
 from ..passes.gradient import Gradient
 from ..passes.loss import program_loss_graph
+from ..passes.plan import GraphSource, Planned
 from ..passes.running_stats import RunningStatistics
 from ..penalties import BuiltPenalty, build_penalty
 from ..runtime.packed import PackedUpdate, packed_update
 from ..runtime.separate_step import SeparateStep
 from ..signature import Signature
 from ..speed import SumRowsByProduct
-from . import Assembled, Compiling, FuseMode, GraphSource, PlanContext, Planned
+from . import Assembled, Compiling, FuseMode, PlanContext
 
 __all__ = ["SeparateMode", "SeparateSteps", "LossGraph", "UpdateGraph", "PenaltyGraph"]
 

@@ -10,7 +10,8 @@ A pass is an object built with its options and called on a model
 
 :class:`Pass` keeps the contract for every subclass, which only writes :meth:`Pass.call`:
 
-- **tolerant in what it takes**: a ``ModelProto``, serialized bytes or a file path;
+- **tolerant in what it takes**: a ``ModelProto``, serialized bytes, a file path or an
+  ``onnx_graphsurgeon.Graph``;
 - **pure**: the pass works on a private copy, the caller's model is never mutated;
 - **honest about bad input**: a model that fails ``onnx.checker`` (full check) is
   rejected with :class:`~lossgraph.errors.InvalidModelError` before any work, and so is

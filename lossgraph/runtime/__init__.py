@@ -1,4 +1,4 @@
-"""Running training programs in onnxruntime: sessions, bound state buffers, the engine and
+"""Running training programs in onnxruntime: sessions, the state ring, the engine and
 the Trainer built on it.
 
 - :class:`~lossgraph.runtime.engine.Engine`: a program's graphs over one live state
@@ -6,13 +6,12 @@ the Trainer built on it.
 - :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style.
 
 The names are loaded on first use: the fusion modes (:mod:`lossgraph.modes`), which the
-engine runs, build on this package's lower modules (buffers, sessions, the separate step).
+engine runs, build on this package's lower modules (the ring, sessions, the separate step).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_names
 
 #: Public name -> the module of this package that defines it.
 _HOMES = {
@@ -23,9 +22,4 @@ _HOMES = {
 }
 
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'lossgraph.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name], __name__), name)
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -61,6 +61,7 @@ from ..options import names
 from ..passes.contract import Pipeline
 from ..passes.gradient import BACKENDS, Gradient
 from ..passes.lower_ml import LowerMlOps
+from ..passes.plan import Plan, Planned, PlanRunner
 from ..passes.running_stats import RunningStatistics, buffer_names
 from ..passes.sequences import SequencesToTensors, holds_splits
 from ..passes.strip import InferenceMode
@@ -196,6 +197,20 @@ class GraphFunction:
             _OrtGraphs(self, lifted) if self.backend == "ort" else _OnnxGraphs(self, lifted))
 
     @property
+    def plan(self) -> Plan:
+        """How lossgraph builds this function's graphs (``print`` shows every pass with its
+        options): ``predict`` (:attr:`eval_onnx`) and ``gradient``
+        (:attr:`gradient_onnx`, which :func:`~lossgraph.surgery.split_gradient` cuts into
+        :attr:`forward_onnx` and :attr:`backward_onnx`), each from the model with its
+        weights as inputs and the chosen outputs. ``backend="ort"`` has none: onnxruntime's
+        builder makes its graphs."""
+        if not isinstance(self._engine, _OnnxGraphs):
+            raise UnsupportedOptionError(
+                "backend='ort' has no lossgraph plan: onnxruntime-training's "
+                "OrtModuleGraphBuilder builds its graphs.")
+        return self._engine.plan
+
+    @property
     def eval_onnx(self) -> onnx.ModelProto:
         """The graph ``forward(..., training=False)`` runs: inputs and weights -> outputs."""
         return self._engine.eval_onnx
@@ -324,25 +339,41 @@ def _builder_config(fields: Mapping[str, Any]) -> Any:
     return config
 
 
+#: The start of backend 'onnx''s plan: the model with its weights (and running statistics)
+#: as inputs, and only the outputs chosen, in their order.
+LIFTED = "lifted model"
+
+
+def _onnx_plan(owner: GraphFunction, lifted: onnx.ModelProto) -> Plan:
+    """``predict`` (:attr:`GraphFunction.eval_onnx`) and ``gradient`` (the vector-Jacobian
+    graph whose halves are ``forward_onnx`` and ``backward_onnx``), from the lifted model."""
+    floats = {v.name for v in lifted.graph.input
+              if v.type.tensor_type.elem_type in FLOAT_TYPES}
+    wrt = (*[n for n in owner.input_names if n in floats], *owner.weights_to_train)
+    # training runs the layers in training mode and outputs the running statistics'
+    # update after the outputs; predictions run them in inference mode
+    update = (RunningStatistics(),) if owner.running_statistics else ()
+    # a split written as a sequence becomes a Split: gradients pass tensors only
+    splits = (SequencesToTensors(),) if holds_splits(lifted) else ()
+    return Plan({
+        "predict": Planned(LIFTED, Pipeline((InferenceMode(),))),
+        "gradient": Planned(LIFTED, Pipeline((*update, *splits, Gradient(
+            wrt, outputs=tuple(owner.differentiable_outputs), backend="onnx")))),
+    })
+
+
 class _OnnxGraphs:
     """``backend="onnx"``: the split vector-Jacobian graphs in standard ONNX ops, and
     their sessions."""
 
     def __init__(self, owner: GraphFunction, lifted: onnx.ModelProto) -> None:
-        floats = {v.name for v in lifted.graph.input
-                  if v.type.tensor_type.elem_type in FLOAT_TYPES}
-        wrt = (*[n for n in owner.input_names if n in floats], *owner.weights_to_train)
-        # training runs the layers in training mode and outputs the running statistics'
-        # update after the outputs; predictions run them in inference mode
-        update = (RunningStatistics(),) if owner.running_statistics else ()
-        # a split written as a sequence becomes a Split: gradients pass tensors only
-        splits = (SequencesToTensors(),) if holds_splits(lifted) else ()
-        vjp = Pipeline((*update, *splits, Gradient(wrt, outputs=owner.differentiable_outputs,
-                                          backend="onnx")))(lifted)
+        self.plan = _onnx_plan(owner, lifted)
+        built = PlanRunner({LIFTED: lifted}).build_all(self.plan)
+        vjp = built["gradient"]
         updated = vjp.report.get(RunningStatistics, {})
         self._updated = list(updated)
         seeds = [f"{o}_grad" for o in owner.differentiable_outputs]
-        self.eval_onnx = InferenceMode()(lifted).model
+        self.eval_onnx = built["predict"].model
         self.gradient_onnx = vjp.model
         self.split = split_gradient(vjp.model, [*owner.output_names, *updated.values()], seeds)
         by_gradient = {g: n for n, g in vjp.report.of(Gradient).items()}

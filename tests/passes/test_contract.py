@@ -29,6 +29,7 @@ from support.models import UNSORTED
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
+from lossgraph.export.artifacts import AccumulateGradients
 from lossgraph.optim import SGD, Adam, Momentum, update_graph
 from lossgraph.passes import (
     AddLossOutput,
@@ -121,6 +122,8 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
             h, rm, rv = BatchNormalization <training_mode: int = 1> (x, s, b, m, v)
             y, mask = Dropout(h, r, t) }"""), weight_name="w"), StripTraining()),
     "InferenceMode": (lambda: PASSES["StripTraining"][0](), InferenceMode()),
+    "AccumulateGradients": (lambda: with_gradients("hand_mlp_tanh_double"),
+                            AccumulateGradients()),
     "RunningStatistics": (lambda: WeightsToInputs(["m", "v"])(PASSES["StripTraining"][0]()).model,
                           RunningStatistics()),
     "LowerMlOps LinearRegressor": (lambda: golden("skl_linear_regression"), LowerMlOps()),
@@ -260,6 +263,7 @@ def test_every_pass_is_pure_valid_and_deterministic(name):
 @pytest.mark.parametrize(("step", "given", "missing"), [
     (StepGraph(SGD()), lambda: golden("hand_linear"), "records no loss"),
     (PackWeights(SGD()), lambda: with_loss("hand_linear"), "records no gradients"),
+    (AccumulateGradients(), lambda: with_loss("hand_linear"), "records no gradients"),
     (EpochGraph(), lambda: with_gradients("hand_linear"), "no step graph signature"),
     (EpochGraph(), lambda: compiled("epoch")(golden("hand_linear")).graphs["train_epoch"],
      "an epoch graph cannot be wrapped again"),

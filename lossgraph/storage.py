@@ -37,7 +37,7 @@ from onnx.external_data_helper import uses_external_data
 
 from .errors import InvalidDataError, InvalidProgramError
 from .fileio import FolderKind, replace_directory, serialize
-from .graphs import stored_tensors
+from .graphs import all_graphs, stored_tensors
 from .manifest import check_manifest
 from .models import non_text_field
 
@@ -220,6 +220,13 @@ def _verified_bytes(folder: Path, name: str, checksums: Mapping[str, str], where
     return data
 
 
+#: The ai.onnx.ml operators compile_program lowers into standard ops (lossgraph.passes.
+#: lower_ml): never in a program's graphs. onnxruntime 1.19 dies of a segmentation fault
+#: on a LinearClassifier without intercepts (measured), so a folder holding one is refused
+#: before any session is made.
+_LOWERED = ("LinearClassifier", "LinearRegressor", "Normalizer")
+
+
 def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
     if not data:
         raise InvalidProgramError(f"{str(path)!r} is empty; it should hold an ONNX model.")
@@ -239,6 +246,14 @@ def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
         raise InvalidProgramError(
             f"{str(path)!r} is not a valid ONNX model: a name or text in it is not UTF-8 "
             f"({damaged}; damaged bytes).")
+    lowered = next((node for graph in all_graphs(model.graph) for node in graph.node
+                    if node.domain == "ai.onnx.ml" and node.op_type in _LOWERED), None)
+    if lowered is not None:
+        raise InvalidProgramError(
+            f"{str(path)!r} holds an ai.onnx.ml {lowered.op_type} node, which lossgraph "
+            "never writes into a program (compile_program rewrites them into standard ops): "
+            "the file was not written by lossgraph, and onnxruntime 1.19 crashes on some of "
+            "them. Save the program again.")
     try:
         onnx.checker.check_model(model)
     except Exception as exc:  # noqa: BLE001  ValidationError, and whatever else it raises

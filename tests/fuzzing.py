@@ -101,11 +101,12 @@ DIMS: tuple[int | str, ...] = (-1, 0, 1, 2, 3, 7, 1 << 31, 1 << 40, "N", "M", ""
 DTYPES = tuple(range(0, 26))
 INTS = (-(1 << 40), -3, -1, 0, 1, 2, 3, 5, 1 << 31, 1 << 40)
 FLOATS = (math.nan, math.inf, -math.inf, -1.0, 0.0, 1e-30, 0.5, 2.0, 1e30)
+ML_OP_TYPES = ("LinearRegressor", "LinearClassifier", "Normalizer", "ZipMap", "Scaler",
+               "ArrayFeatureExtractor", "Binarizer", "Imputer")
 OP_TYPES = ("Add", "Sub", "Mul", "Div", "MatMul", "Gemm", "Relu", "Sigmoid", "Tanh", "Softmax",
             "Exp", "Log", "Reshape", "Cast", "Identity", "ArgMax", "ReduceSum", "Conv",
             "MaxPool", "BatchNormalization", "Flatten", "Concat", "Transpose", "Gather",
-            "LinearRegressor", "LinearClassifier", "Normalizer", "ZipMap", "Loop", "If",
-            "NoSuchOp")
+            "Loop", "If", "NoSuchOp", *ML_OP_TYPES)
 DOMAINS = ("", "ai.onnx.ml", "com.microsoft", "ai.onnx.preview.training", "com.example")
 
 
@@ -383,7 +384,11 @@ def swap_op(model: onnx.ModelProto, draw: Chooser) -> str:
         node.domain = draw.choice(DOMAINS)
         return f"node {index} ({node.op_type}) domain = {node.domain!r}"
     before, node.op_type = node.op_type, draw.choice(OP_TYPES)
-    return f"node {index} ({before}) op_type = {node.op_type!r}"
+    if node.op_type in ML_OP_TYPES:  # an ai.onnx.ml op, with its domain imported
+        node.domain = "ai.onnx.ml"
+        if not any(o.domain == "ai.onnx.ml" for o in model.opset_import):
+            model.opset_import.add(domain="ai.onnx.ml", version=1)
+    return f"node {index} ({before}) op_type = {node.op_type!r} (domain {node.domain!r})"
 
 
 MUTATIONS: dict[str, Callable[[onnx.ModelProto, Chooser], str]] = {

@@ -337,6 +337,19 @@ def _untyped_input(folder: Path) -> None:
     _drop_checksums(folder)
 
 
+def _linear_classifier(folder: Path) -> None:
+    """predict.onnx replaced by an ai.onnx.ml LinearClassifier without intercepts, inputs and
+    outputs as the manifest says: onnxruntime 1.19 dies of a segmentation fault on it."""
+    model = onnx.load(folder / "predict.onnx")
+    del model.graph.node[:]
+    model.graph.node.append(onnx.helper.make_node(
+        "LinearClassifier", ["x"], ["label", "y"], domain="ai.onnx.ml",
+        coefficients=[1.0, 2.0, 3.0], classlabels_ints=[0, 1]))
+    model.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", 1))
+    (folder / "predict.onnx").write_bytes(model.SerializeToString())
+    _drop_checksums(folder)
+
+
 def _swap_roles(manifest: dict) -> None:
     roles = manifest["roles"]
     roles["loss"], roles["prediction"] = roles["prediction"], roles["loss"]
@@ -386,6 +399,8 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
                       "the roles name 'y' as the loss, but in the evaluate graph 'y' is its"),
     "prediction shape edited": (lambda f: _rewrite_manifest(f, lambda m: _prediction_shape(
         m, [])), "declares its output 'y' of shape ['N', 1], but the manifest describes []"),
+    "graph holding a linear classifier": (_linear_classifier,
+                                          "holds an ai.onnx.ml LinearClassifier node"),
     "graph name not utf-8": (lambda f: _not_utf8(
         f, "evaluate.onnx", lambda m: setattr(m.graph.output[0], "name", "PLACEHOLDER")),
         "model.graph.output[0].name; damaged bytes"),

@@ -1,14 +1,19 @@
-"""What tests/test_fuzz.py fuzzes lossgraph with: model mutations, the property each fuzzed
-call must keep, and a sandbox process that survives a native crash or a hang.
+"""What tests/test_fuzz.py fuzzes lossgraph with: the examples of each family (models,
+options, storage, cli), the property each fuzzed call must keep, and a sandbox process
+that survives a native crash or a hang.
 
 The property: every call ends in a lossgraph error (a :class:`~lossgraph.errors.LossgraphError`
 other than :class:`~lossgraph.errors.InternalError`, which says "a bug in lossgraph") or in a
 correct result; never a raw exception, a hang, or a native crash of onnxruntime.
 
-Mutations draw their choices through a :class:`Chooser`, so that hypothesis drives them in
-the tests (and shrinks a failure to a small one) and plain ``random`` drives them in a quick
-exploration (``python tests/fuzzing.py``). Each mutation edits a copy of a golden model and
-returns one line saying what it did: a failure prints the lines, a reproduction in words.
+Examples draw their choices through a :class:`Chooser`, so that hypothesis drives them in
+the tests (and shrinks a failure to a small one) and plain ``random`` drives them in a
+quick exploration outside pytest, each example in the sandbox, failures saved::
+
+    python tests/fuzzing.py FAMILY EXAMPLES SEED [FOLDER]    # e.g. storage 500 7
+
+Each mutation edits a copy of a golden model and returns one line saying what it did: a
+failure prints the lines, a reproduction in words.
 """
 
 from __future__ import annotations

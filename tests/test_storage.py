@@ -350,6 +350,13 @@ def _linear_classifier(folder: Path) -> None:
     _drop_checksums(folder)
 
 
+def _swap_entries(manifest: dict) -> None:
+    """train_step's and predict's manifest entries swapped, each with its file: each graph
+    agrees with its entry, but the Trainer ran predict as the step (a raw KeyError)."""
+    graphs = manifest["graphs"]
+    graphs["train_step"], graphs["predict"] = graphs["predict"], graphs["train_step"]
+
+
 def _swap_roles(manifest: dict) -> None:
     roles = manifest["roles"]
     roles["loss"], roles["prediction"] = roles["prediction"], roles["loss"]
@@ -395,6 +402,9 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "graphs swapped": (_swap_graphs, "do not belong together"),
     # found by the fuzzer (tests/test_fuzz.py): raw KeyError, IndexError in the Trainer
     "graph input of no element type": (_untyped_input, "('x', 'element type 0')"),
+    "graphs' entries swapped": (lambda f: _rewrite_manifest(f, _swap_entries),
+                                "the graph 'train_step' ('predict.onnx') has no input or "
+                                "output of the role 'label'"),
     "roles swapped": (lambda f: _rewrite_manifest(f, _swap_roles),
                       "the roles name 'y' as the loss, but in the evaluate graph 'y' is its"),
     "prediction shape edited": (lambda f: _rewrite_manifest(f, lambda m: _prediction_shape(

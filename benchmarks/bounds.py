@@ -38,8 +38,8 @@ from benchmarks.problems import (
     Weights,
     not_compared,
 )
-from lossgraph.optimize import row_product_parts
 from lossgraph.runtime.session import create_session
+from lossgraph.speed import row_product_parts
 
 
 def hand_graph_bound(problem: Problem, batch: int) -> Implementation:

@@ -202,7 +202,7 @@ def _renamed(name: str) -> str:
 def run_lossgraph(path: Path, batch: int, steps: Steps) -> onnx.ModelProto:
     from lossgraph.autodiff.walker import _drop_dead_code
     from lossgraph.graphs import names_in_graph, rename_values
-    from lossgraph.optimize import SpecializeBatch
+    from lossgraph.speed import SpecializeBatch
 
     with steps("load"):
         model = onnx.load(path)

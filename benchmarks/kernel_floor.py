@@ -3,7 +3,7 @@
 - :func:`heavy_kernel_floor`: a compiled step graph (ONNX) cut down to its heavy nodes
   (:data:`HEAVY_OPS`: the convolutions and products, in the forms lossgraph's passes
   chose: the unfolding grouped ``Conv`` and the batched ``MatMul`` of
-  :mod:`lossgraph.optimize.unfold_conv_grads` included) in the main graph, each fed the
+  :mod:`lossgraph.speed.unfold_conv_grads` included) in the main graph, each fed the
   values it reads in a real step of that graph. Any graph onnxruntime runs for that step
   in those forms runs at least these kernels, so no such graph trains faster.
 - :func:`torch_heavy_kernels`: the same kernels in torch, called directly on tensors of
@@ -28,9 +28,9 @@ from onnx import helper, numpy_helper
 
 from lossgraph.errors import UnsupportedModelError
 from lossgraph.graphs import subgraphs
-from lossgraph.optimize import SpecializeBatch
 from lossgraph.program import TrainingProgram
 from lossgraph.runtime.session import create_session
+from lossgraph.speed import SpecializeBatch
 
 __all__ = ["HEAVY_OPS", "KernelFloor", "TorchKernels", "heavy_kernel_floor", "step_graph",
            "torch_heavy_kernels"]
@@ -164,7 +164,7 @@ def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
 def step_graph(program: TrainingProgram, data: Mapping[str, np.ndarray],
                learning_rate: float) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """``program``'s ``train_step`` as the Trainer runs it for a batch of ``data``'s rows
-    (:class:`~lossgraph.optimize.SpecializeBatch`), and feeds for one step: ``data`` by
+    (:class:`~lossgraph.speed.SpecializeBatch`), and feeds for one step: ``data`` by
     role (``feature``, ``label``, ...), the program's initial state, ``learning_rate``
     and step 0."""
     entry = program.manifest["graphs"]["train_step"]

@@ -2,19 +2,22 @@
 
 The public surface (docs/concepts.md gives its vocabulary):
 
-- passes: :func:`add_loss_output`, :func:`alphabetize_initializers`, :func:`lower_ml_ops`
-  (their pass classes, and the pipeline machinery, in :mod:`lossgraph.passes`)
-- gradients: :func:`gradient`, :func:`grad_rule` (register a rule), :func:`supported_ops`
-- training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer`,
-  optimizers in :mod:`lossgraph.optim`; :func:`describe_plan` shows what compiling runs
-- analyses: :func:`trainable_initializers`
+- passes, each a model in and a model out: :func:`add_loss_output`, :func:`gradient`,
+  :func:`lower_ml_ops`, :func:`alphabetize_initializers`, :func:`stabilize_numerics`,
+  :func:`strip_training`, :func:`straight_through_quantization` (their pass classes, and
+  the pipeline machinery, in :mod:`lossgraph.passes`)
+- gradients: :func:`grad_rule` (register a rule), :func:`supported_ops`
+- training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer` (on the
+  engine :class:`Engine`), optimizers in :mod:`lossgraph.optim`, fusion modes in
+  :mod:`lossgraph.modes`; :func:`describe_plan` shows what compiling runs
+- analyses: :func:`trainable_initializers`, :func:`get_roles`
 - errors: :class:`LossgraphError` and its subclasses in :mod:`lossgraph.errors`
-- the reference documents' classes (:mod:`lossgraph.compat`): :class:`OrtGradientOptimizer`,
+- onnxcustom's classes (:mod:`lossgraph.compat`): :class:`OrtGradientOptimizer`,
   :class:`OrtGradientForwardBackwardOptimizer`, :class:`OrtGradientForwardBackward`, the
   learning rates, losses and penalties
+- deployment: :mod:`lossgraph.export`; data-parallel training: :mod:`lossgraph.parallel`
+  (and :mod:`lossgraph.ray`); a graph as a torch layer: :mod:`lossgraph.torch`
 """
-
-from typing import Any
 
 from . import optim
 from .analysis import trainable_initializers
@@ -36,19 +39,26 @@ from .compat import (
     SquareLearningLoss,
 )
 from .compiler import compile_program, describe_plan
-from .deprecation import warn_renamed
+from .deprecation import moved_names as _moved_names
 from .errors import LossgraphError
-from .passes.gradient import gradient
-from .passes.loss import add_loss_output
-from .passes.lower_ml import lower_ml_ops
-from .passes.rename import alphabetize_initializers
+from .passes import (
+    add_loss_output,
+    alphabetize_initializers,
+    gradient,
+    lower_ml_ops,
+    stabilize_numerics,
+    straight_through_quantization,
+    strip_training,
+)
 from .program import TrainingProgram
 from .roles import get_roles
-from .runtime import Trainer
+from .runtime.engine import Engine
+from .runtime.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Engine",
     "LossgraphError",
     "Trainer",
     "TrainingProgram",
@@ -59,9 +69,12 @@ __all__ = [
     "get_roles",
     "grad_rule",
     "gradient",
-    "supported_ops",
     "lower_ml_ops",
     "optim",
+    "stabilize_numerics",
+    "straight_through_quantization",
+    "strip_training",
+    "supported_ops",
     "trainable_initializers",
     "__version__",
     "AbsoluteLearningLoss",
@@ -80,10 +93,5 @@ __all__ = [
     "SquareLearningLoss",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """``lossgraph.compile``, the previous release's name of :func:`compile_program`."""
-    if name == "compile":
-        warn_renamed("lossgraph.compile", "lossgraph.compile_program")
-        return compile_program
-    raise AttributeError(f"module 'lossgraph' has no attribute {name!r}")
+#: ``lossgraph.compile``, the previous release's name of :func:`compile_program`.
+__getattr__ = _moved_names("lossgraph", {"compile": "lossgraph:compile_program"})

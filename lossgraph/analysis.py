@@ -18,9 +18,11 @@ from .errors import InternalError, UnsupportedModelError
 from .graphs import (
     FLOAT_TYPES,
     ForwardFacts,
+    GraphIndex,
     attribute_value,
-    consumers,
     elem_type_name,
+    is_default_domain,
+    is_onnx_op,
     opset_version,
     outer_references,
     shortest_path,
@@ -218,10 +220,10 @@ def static_splits(graph: onnx.GraphProto,
     by sequence name; ``types`` gives the static dims (a scalar ``split``, or none, needs
     the split axis's length)."""
     nodes = [n for n in graph.node
-             if n.op_type == "SplitToSequence" and n.domain in ("", "ai.onnx")]
+             if is_onnx_op(n, "SplitToSequence")]
     if not nodes:
         return {}
-    readers = consumers(graph)
+    index = GraphIndex(graph.node)
     outputs = {o.name for o in graph.output}
     constant = _constants(graph)
     found = {}
@@ -231,10 +233,10 @@ def static_splits(graph: onnx.GraphProto,
         if sequence in outputs or shape is None:
             continue
         sizes, squeezed = shape
-        pieces = _pieces(sequence, len(sizes), readers.get(sequence, []), constant)
+        pieces = _pieces(sequence, len(sizes), index.readers(sequence), constant)
         if pieces is not None:
             found[sequence] = StaticSplit(node, sizes, squeezed,
-                                          tuple(readers.get(sequence, [])), pieces)
+                                          tuple(index.readers(sequence)), pieces)
     return found
 
 
@@ -277,7 +279,7 @@ def _pieces(sequence: str, count: int, readers: Sequence[onnx.NodeProto],
     pieces; else None."""
     pieces = {}
     for reader in readers:
-        if (reader.domain not in ("", "ai.onnx") or not reader.input
+        if (not is_default_domain(reader.domain) or not reader.input
                 or reader.input[0] != sequence):
             return None
         if reader.op_type == "SequenceAt":
@@ -299,7 +301,7 @@ def _constants(graph: onnx.GraphProto) -> Callable[[str], np.ndarray | None]:
     fed = {v.name for v in graph.input}
     tensors = {t.name: t for t in graph.initializer if t.name not in fed}
     nodes = {n.output[0]: n for n in graph.node
-             if n.op_type == "Constant" and n.domain in ("", "ai.onnx")}
+             if is_onnx_op(n, "Constant")}
 
     def value(name: str) -> np.ndarray | None:
         if name in tensors:

@@ -19,7 +19,7 @@ runs (``print(describe_plan(...))``)::
                           -> PackWeights -> StepGraph -> EpochGraph -> WidenScalarConstants
     (speed)             = FoldBatchIntoProducts -> SumRowsByProduct -> ConcatScatteredSlabs
                           -> UnfoldConvWeightGradients
-    train_epoch_ordered = ... -> EpochGraph(shuffled=False) -> WidenScalarConstants
+    train_epoch_ordered = ... -> EpochGraph(shuffle=False) -> WidenScalarConstants
 
 A loss model holding a ``SplitToSequence`` gets ``SequencesToTensors``
 (:mod:`lossgraph.passes.sequences`) right before ``StabilizeNumerics`` in the same graphs:
@@ -41,12 +41,12 @@ it, so that the graphs output their next values. ``evaluate`` and ``predict`` ru
 BatchNormalization and Dropout in inference mode, with the buffers as inputs.
 
 The ``(speed)`` passes and ``WidenScalarConstants`` are optimization passes for
-onnxruntime (:mod:`lossgraph.optimize`): same values, faster kernels. Pipelines that
-begin alike share the work: a prefix runs once. ``fuse="separate"`` builds the
-reference documents' four graphs instead of the training graphs
-(:mod:`lossgraph.separate`), each finished with ``WidenScalarConstants`` too. The
-manifest is written from the graphs and the signature they record
-(:mod:`lossgraph.manifest`).
+onnxruntime (:mod:`lossgraph.speed`): same values, faster kernels. Pipelines that
+begin alike share the work: a prefix runs once (:class:`~lossgraph.passes.plan.PlanRunner`).
+Each fusion mode (:mod:`lossgraph.modes`) declares its training graphs; ``fuse="separate"``
+builds onnxcustom's four graphs (gradient, loss, penalty, update) instead of the fused
+ones, each finished with ``WidenScalarConstants`` too. The manifest is written from the
+graphs and the signature they record (:mod:`lossgraph.manifest`).
 """
 
 from __future__ import annotations
@@ -63,31 +63,20 @@ from onnx import helper
 from .analysis import default_weights, trainable_initializers
 from .deprecation import renamed_keywords
 from .errors import UnsupportedModelError, UnsupportedOptionError
+from .graphs import weights_dtype
 from .manifest import build_manifest
 from .models import ModelLike, as_model
-from .optim import Optimizer
-from .optimize import (
-    ConcatScatteredSlabs,
-    FoldBatchIntoProducts,
-    SumRowsByProduct,
-    UnfoldConvWeightGradients,
-    WidenScalarConstants,
-)
+from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .options import names
-from .passes.contract import Pass, PassResult, Pipeline
-from .passes.fuse import EpochGraph, PackWeights, StepGraph
-from .passes.gradient import Gradient
+from .passes.contract import Pipeline
 from .passes.loss import AddLossOutput
 from .passes.lower_ml import LowerMlOps
-from .passes.running_stats import RunningStatistics, buffer_names
-from .passes.sequences import SequencesToTensors, holds_splits
-from .passes.stabilize import StabilizeNumerics
+from .passes.plan import Plan, Planned, PlanRunner
+from .passes.running_stats import buffer_names
+from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
-from .passes.weights import WeightsToInputs
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
-from .separate import separate_graphs
-from .signature import Signature
 from .target import Target, use_target
 from .validation import (
     check_learnable,
@@ -95,63 +84,21 @@ from .validation import (
     check_trainable_model,
     compile_options,
     no_weights_error,
-    weights_dtype,
 )
 
 __all__ = ["compile_program", "plan", "describe_plan"]
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Every graph of a program as a pipeline, from the model named by its ``start``."""
-
-    pipelines: dict[str, Pipeline]
-    starts: dict[str, str]  # graph -> "loss model" or "inference model"
-    #: fuse="separate": the passes on the forward model before lossgraph.separate builds
-    #: the gradient graph from it (and the loss, penalty and update graphs beside it)
-    separate: Pipeline | None = None
-
-    def __str__(self) -> str:
-        lines = [(name, f"{self.starts[name]} -> {pipeline}")
-                 for name, pipeline in self.pipelines.items()]
-        if self.separate is not None:
-            lines.append(("gradient", f"forward model -> {self.separate} -> separate_graphs "
-                                      "-> WidenScalarConstants"))
-        width = max(len(name) for name, _ in lines)
-        return "\n".join(f"{name:<{width}} = {text}" for name, text in lines)
-
-
-def plan(weights: Sequence[str], optimizer: Optimizer, backend: str, fuse: str,
-         buffers: Sequence[str] = (), splits: bool = False) -> Plan:
-    """The pipelines of a program's graphs (see the module docstring); ``buffers``: the
-    running statistics the training graphs update (:func:`buffer_names`); ``splits``: the
-    loss model holds a ``SplitToSequence`` (:func:`holds_splits`)."""
-    lift, widen = WeightsToInputs((*weights, *buffers)), WidenScalarConstants()
-    # the buffers' update, where there are buffers (then the loss model's layers are in
-    # training mode, and the evaluate graph's are not)
-    update_buffers = (RunningStatistics(),) if buffers else ()
-    # stable forms of what the loss computes, before it is differentiated (never in predict)
-    # and before it, the splits written as sequences as tensors (gradients pass tensors only)
-    stabilize: tuple[Pass, ...] = (*((SequencesToTensors(),) if splits else ()),
-                                   StabilizeNumerics(backend))
-    pipelines = {"evaluate": Pipeline((lift, InferenceMode(), *stabilize, widen)),
-                 "predict": Pipeline((lift, widen))}
-    starts = {"evaluate": "loss model", "predict": "inference model"}
-    separate = Pipeline((lift, *update_buffers, *stabilize)) if fuse == "separate" else None
-    if fuse != "separate":
-        differentiate = (*update_buffers, *stabilize, Gradient(tuple(weights), backend=backend),
-                         FoldBatchIntoProducts(), SumRowsByProduct(), ConcatScatteredSlabs(),
-                         UnfoldConvWeightGradients())
-        step = StepGraph(optimizer)
-        pipelines["train_step"] = Pipeline((lift, *differentiate, step, widen))
-        starts["train_step"] = "loss model"
-    if fuse == "epoch":
-        pack = PackWeights(optimizer)
-        for name, shuffled in (("train_epoch_ordered", False), ("train_epoch", True)):
-            pipelines[name] = Pipeline((lift, *differentiate, pack, step, EpochGraph(shuffled),
-                                        widen))
-            starts[name] = "loss model"
-    return Plan(pipelines, starts, separate)
+def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
+    """The plan of a program's graphs (see the module docstring): ``evaluate`` and
+    ``predict``, then the training graphs of the fusion mode ``fuse``."""
+    mode = fuse if isinstance(fuse, FuseMode) else fuse_mode(fuse)
+    graphs = {
+        "evaluate": Planned("loss model", Pipeline((context.lift, InferenceMode(),
+                                                    *context.stabilize, context.widen))),
+        "predict": Planned("inference model", Pipeline((context.lift, context.widen))),
+    }
+    return Plan({**graphs, **mode.plan(context)})
 
 
 def describe_plan(model: ModelLike, **options: Any) -> str:
@@ -160,10 +107,8 @@ def describe_plan(model: ModelLike, **options: Any) -> str:
     unknown = sorted(set(options) - set(_DEFAULTS))
     if unknown:
         raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
-    loss_model, _, _, weights, buffers, checked = _front(model, {**_DEFAULTS, **options})
-    return str(plan(weights, checked.optimizer, checked.backend, checked.fuse, buffers,
-                    holds_splits(loss_model)))
-
+    front = _front(model, {**_DEFAULTS, **options})
+    return str(plan(front.context, front.mode))
 
 
 @renamed_keywords(trainable="weights", gradient="backend")
@@ -219,9 +164,20 @@ _DEFAULTS: dict[str, Any] = {name: p.default for name, p in
                              if name not in ("model", "target")}
 
 
-def _front(model: ModelLike, options: Mapping[str, Any]):
-    """The loss model, the models without a loss in training and in inference mode, the
-    weights, the buffers (running statistics training updates) and the checked options."""
+@dataclass(frozen=True)
+class _Front:
+    """What compile starts from: the models its graphs are planned from, by name (the loss
+    model, the model without a loss in training mode and in inference mode), the mode and
+    the context it plans with."""
+
+    starts: dict[str, onnx.ModelProto]
+    mode: FuseMode
+    context: PlanContext
+
+
+def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
+    """The start models, the weights, the buffers (running statistics training updates)
+    and the checked options, each checked before any graph is built."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
                               options["fuse"])
@@ -268,73 +224,38 @@ def _front(model: ModelLike, options: Mapping[str, Any]):
     if all(w in types for w in weights):  # one float type, or a clear error before any work
         weights_dtype({w: np.empty(0, helper.tensor_dtype_to_np_dtype(types[w]))
                        for w in weights}, "compile_program")
-    if checked.fuse == "separate" and loss is None:
-        raise UnsupportedOptionError(
-            "fuse='separate' builds its own loss graph: pass a loss name as loss=.")
+    mode = fuse_mode(checked.fuse)
+    context = PlanContext(tuple(weights), checked.optimizer, checked.backend, tuple(buffers),
+                          holds_splits(loss_model), get_roles(loss_model), loss,
+                          checked.loss_options, penalty)
+    mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripped = StripTraining()(source)
     inference = stripped.model if stripped.changed else source  # unchanged: one prefix run
-    return loss_model, source, inference, weights, buffers, checked
+    return _Front({"loss model": loss_model, "inference model": inference,
+                   "forward model": source}, mode, context)
 
 
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
 
 
 def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
-    loss_model, forward, inference, weights, buffers, checked = _front(model, options)
-    optimizer, fuse = checked.optimizer, checked.fuse
-    the_plan = plan(weights, optimizer, checked.backend, fuse, buffers, holds_splits(loss_model))
-    runner = _PrefixRunner({"loss model": loss_model, "inference model": inference,
-                            "forward model": forward})
-    results = {name: runner.run(the_plan.starts[name], pipeline.passes)
-               for name, pipeline in the_plan.pipelines.items()}
-    lifted = results["evaluate"].report["WeightsToInputs"]  # weights and buffers
-    initial = {w: lifted[w] for w in weights}
-    graphs = {name: result.model for name, result in results.items()}
-    roles = get_roles(loss_model)
-    if fuse == "separate":
-        signature = Signature.of_loss_model(graphs["evaluate"], list(weights), list(buffers))
-        # the model's forward pass as training runs it (a layer's training mode kept, the
-        # buffers' next values as outputs, stable forms): weights and buffers to inputs,
-        # RunningStatistics where there are buffers, StabilizeNumerics
-        assert the_plan.separate is not None
-        forward_pass = runner.run("forward model", the_plan.separate.passes)
-        separate, graph_roles = separate_graphs(
-            forward_pass.model, roles, options["loss"], checked.loss_options,
-            options["penalty"], initial, optimizer, checked.backend, signature)
-        graphs.update({name: WidenScalarConstants()(graph).model
-                       for name, graph in separate.items()})
-        signature.new.update(forward_pass.report.get("RunningStatistics", {}))
-    else:
-        last = "train_epoch" if fuse == "epoch" else "train_step"
-        signature = results[last].report["StepGraph" if fuse == "step" else "EpochGraph"]
-        graph_roles = {}
-    state = dict(initial)
-    for weight in weights:
-        for name, value in zip(signature.states[weight], optimizer.initial_state(initial[weight])):
+    front = _front(model, options)
+    context, mode = front.context, front.mode
+    runner = PlanRunner(front.starts)
+    compiling = Compiling(context.roles, context.weights, context.buffers)
+    for name, planned in plan(context, mode).items():
+        compiling.built[name] = runner.build(planned, compiling)
+    assembled = mode.assemble(compiling)
+    signature, optimizer = assembled.signature, context.optimizer
+    lifted = compiling.lifted  # weights and buffers
+    state = {w: lifted[w] for w in context.weights}
+    for weight in context.weights:
+        for name, value in zip(signature.states[weight],
+                               optimizer.initial_state(lifted[weight])):
             state[name] = value
-    state.update((b, lifted[b]) for b in buffers)
-    manifest = build_manifest(graphs, signature, optimizer, fuse, roles, graph_roles)
-    return TrainingProgram(graphs, manifest, state, inference)
-
-
-class _PrefixRunner:
-    """Runs pipelines from named start models; a prefix several pipelines share runs once."""
-
-    def __init__(self, starts: Mapping[str, onnx.ModelProto]) -> None:
-        self.starts = starts
-        self.done: dict[tuple[int, ...], PassResult] = {}
-
-    def run(self, start: str, passes: Sequence[Pass]) -> PassResult:
-        """The model after ``passes`` and their reports by pass name."""
-        result = PassResult(self.starts[start], {})
-        key: tuple[int, ...] = (id(self.starts[start]),)
-        for step in passes:
-            key = (*key, id(step))
-            if key not in self.done:
-                done = step(result.model)
-                reports = {**result.report, **({step.name: done.report}
-                                               if done.report is not None else {})}
-                self.done[key] = PassResult(done.model, reports)
-            result = self.done[key]
-        return result
+    state.update((b, lifted[b]) for b in context.buffers)
+    graphs = {name: result.model for name, result in compiling.built.items()}
+    manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
+                              assembled.graph_roles)
+    return TrainingProgram(graphs, manifest, state, front.starts["inference model"])

@@ -11,13 +11,14 @@ naming its replacement::
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .errors import LossgraphDeprecationWarning, UnsupportedOptionError
 
-__all__ = ["renamed_keywords", "warn_renamed"]
+__all__ = ["renamed_keywords", "warn_renamed", "moved_names"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,18 +34,38 @@ def renamed_keywords(**renames: str) -> Callable[[F], F]:
     is an :class:`~lossgraph.errors.UnsupportedOptionError`."""
 
     def decorate(fn: F) -> F:
+        shown = fn.__qualname__.removesuffix(".__init__")  # a class by its name
+        shown = shown if fn.__name__ == "__init__" else fn.__name__
+
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             for old, new in renames.items():
                 if old in kwargs:
                     if new in kwargs:
                         raise UnsupportedOptionError(
-                            f"{fn.__name__} got both {old}= and {new}=; {old}= is the old "
+                            f"{shown} got both {old}= and {new}=; {old}= is the old "
                             f"spelling of {new}=: pass only {new}=.")
-                    warn_renamed(f"{fn.__name__}({old}=...)", f"{new}=...")
+                    warn_renamed(f"{shown}({old}=...)", f"{new}=...")
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 
         return call  # type: ignore[return-value]
 
     return decorate
+
+
+def moved_names(module: str, homes: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the names a previous release's module ``module``
+    defined and ``homes`` gives a new home to: a module (``{"update_graph":
+    "lossgraph.optim"}``), or a module and a new name (``"lossgraph.surgery:GradientHalves"``).
+    Each still works, with a warning naming its new home."""
+
+    def getattr_(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        home, _, new_name = homes[name].partition(":")
+        new_name = new_name or name
+        warn_renamed(f"{module}.{name}", f"{home}.{new_name}")
+        return getattr(importlib.import_module(home), new_name)
+
+    return getattr_

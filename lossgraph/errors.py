@@ -11,28 +11,6 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = [
-    "LossgraphError",
-    "InvalidModelError",
-    "UnsupportedModelError",
-    "UnknownNameError",
-    "UnsupportedOptionError",
-    "DTypeMismatchError",
-    "ShapeMismatchError",
-    "NameCollisionError",
-    "InternalError",
-    "MissingGradientError",
-    "RuntimeUnavailableError",
-    "ConvergenceError",
-    "InvalidDataError",
-    "InvalidProgramError",
-    "UnsafeWriteError",
-    "MissingFolderError",
-    "NoGradientError",
-    "InvalidRuleError",
-    "suggest",
-]
-
 
 class LossgraphError(Exception):
     """Base class of every error lossgraph raises on purpose."""
@@ -91,7 +69,7 @@ class RuntimeUnavailableError(LossgraphError, ImportError):
 
 class ConvergenceError(LossgraphError, ArithmeticError, RuntimeError):
     """Training diverged: the loss became NaN or infinite. Also a ``RuntimeError``, the
-    reference documents' (onnxcustom's) base for it."""
+    onnxcustom's base for it."""
 
 
 class InvalidDataError(LossgraphError, ValueError):
@@ -147,12 +125,19 @@ class EvaluationError(LossgraphError, RuntimeError):
 
 class ProviderError(LossgraphError, ValueError, RuntimeError):
     """The requested device or execution provider cannot run the graphs. Also a
-    ``RuntimeError``, the reference documents' (onnxcustom's) base for it."""
+    ``RuntimeError``, onnxcustom's base for it."""
 
 
 class NotFittedError(LossgraphError, AttributeError):
     """An estimator was asked for what only a fit gives (its trained state, a prediction)."""
 
 
-__all__ += ["LossgraphWarning", "ConvergenceWarning", "StuckWeightWarning",
-            "ValidationLossWarning", "EvaluationError", "ProviderError", "NotFittedError"]
+__all__ = [
+    "LossgraphError", "InvalidModelError", "UnsupportedModelError", "UnknownNameError",
+    "UnsupportedOptionError", "DTypeMismatchError", "ShapeMismatchError", "NameCollisionError",
+    "InternalError", "MissingGradientError", "RuntimeUnavailableError", "ConvergenceError",
+    "InvalidDataError", "InvalidProgramError", "UnsafeWriteError", "MissingFolderError",
+    "NoGradientError", "InvalidRuleError", "EvaluationError", "ProviderError", "NotFittedError",
+    "LossgraphWarning", "LossgraphDeprecationWarning", "ConvergenceWarning",
+    "ValidationLossWarning", "StuckWeightWarning", "suggest",
+]

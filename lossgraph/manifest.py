@@ -32,6 +32,7 @@ import onnx
 from onnx import helper
 
 from .errors import InvalidProgramError
+from .modes import MODES
 from .optim import Optimizer
 from .roles import renamed_roles
 from .signature import Signature
@@ -44,14 +45,14 @@ FORMAT = "lossgraph-program/1"
 FORMAT_WITH_BUFFERS = "lossgraph-program/2"
 #: Every format this lossgraph reads.
 FORMATS = (FORMAT, FORMAT_WITH_BUFFERS)
-FUSE_MODES = ("separate", "step", "epoch")
+#: The fusion modes' names (:data:`lossgraph.modes.MODES`).
+FUSE_MODES = tuple(MODES)
 
-#: The graphs a program of each fusion mode must hold ("penalty" is optional).
-REQUIRED_GRAPHS = {
-    "separate": ("evaluate", "predict", "gradient", "loss", "update"),
-    "step": ("evaluate", "predict", "train_step"),
-    "epoch": ("evaluate", "predict", "train_step", "train_epoch", "train_epoch_ordered"),
-}
+#: The graphs a program of each fusion mode must hold: evaluate, predict and the mode's
+#: training graphs but its optional ones.
+REQUIRED_GRAPHS = {name: ("evaluate", "predict",
+                          *(g for g in mode.graphs if g not in mode.optional))
+                   for name, mode in MODES.items()}
 
 
 def _fail(where: str, problem: str) -> InvalidProgramError:

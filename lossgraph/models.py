@@ -1,13 +1,18 @@
 """Loading and checking the models users bring.
 
-:func:`as_model` takes a ModelProto, serialized bytes or a file path and returns a
-private copy, or an :class:`~lossgraph.errors.InvalidModelError` naming the file and
-what is wrong with it: missing, a folder, empty, not ONNX or cut short, external data
-missing or not loaded. External data is read only from inside the model file's
-folder: a location that is absolute, leads out of the folder (``..``) or through a
-link out of it is refused before anything is read. An in-memory model (ModelProto or
-bytes) whose tensors still point to external files is refused too: onnx would look
+:func:`as_model` takes a ModelProto, serialized bytes, a file path or an
+``onnx_graphsurgeon.Graph`` and returns a private copy, or an
+:class:`~lossgraph.errors.InvalidModelError` naming the file and what is wrong with it:
+missing, a folder, empty, not ONNX or cut short, external data missing or not loaded.
+External data is read only from inside the model file's folder: a location that is
+absolute, leads out of the folder (``..``) or through a link out of it is refused before
+anything is read. An in-memory model (ModelProto or bytes) whose tensors still point to
+external files is refused too: onnx would look
 for those files in the current directory.
+
+An onnx-graphsurgeon graph is exported with ``gs.export_onnx``, keeping the order of
+initializers that export writes; onnx-graphsurgeon is imported only when such a graph is
+given, so it stays optional.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -26,17 +31,23 @@ from .errors import InternalError, InvalidModelError
 from .graphs import elem_type_name, stored_tensors, without_weight_data
 from .target import finalize
 
+if TYPE_CHECKING:
+    import onnx_graphsurgeon
+
 __all__ = ["ModelLike", "as_model", "check_model", "check_declared_outputs", "check_emitted",
            "non_text_field"]
 
 #: What every public function accepts as a model.
-ModelLike = onnx.ModelProto | bytes | str | os.PathLike
+ModelLike = Union[onnx.ModelProto, bytes, str, os.PathLike, "onnx_graphsurgeon.Graph"]
 
 _REEXPORT = "Export or download the model again"
 
 
 def as_model(model: ModelLike) -> onnx.ModelProto:
-    """Accept a ModelProto, serialized bytes or a path; never return the caller's object."""
+    """Accept a ModelProto, serialized bytes, a path or an onnx-graphsurgeon graph; never
+    return the caller's object."""
+    if _is_graphsurgeon_graph(model):
+        return _checked(_export_graphsurgeon(model), "The onnx-graphsurgeon graph", folder=None)
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
@@ -49,8 +60,47 @@ def as_model(model: ModelLike) -> onnx.ModelProto:
         what = f"The model file {str(path)!r}"
         return _checked(_parse(_read(path), what), what, folder=path.parent)
     raise InvalidModelError(
-        f"Expected an onnx.ModelProto, serialized bytes or a file path, got "
-        f"{type(model).__name__}.")
+        f"Expected an onnx.ModelProto, serialized bytes, a file path or an "
+        f"onnx_graphsurgeon.Graph, got {type(model).__name__}.")
+
+
+def _is_graphsurgeon_graph(model: object) -> bool:
+    """Whether ``model`` is an ``onnx_graphsurgeon.Graph``, told without importing it."""
+    return any(cls.__name__ == "Graph" and cls.__module__.startswith("onnx_graphsurgeon.")
+               for cls in type(model).__mro__)
+
+
+def _export_graphsurgeon(graph: onnx_graphsurgeon.Graph) -> onnx.ModelProto:
+    """``gs.export_onnx(graph)``, its nodes in dependency order; the graph is not changed."""
+    import onnx_graphsurgeon as gs
+
+    untyped = [f"{kind} {t.name!r}" for kind, tensors in (("input", graph.inputs),
+                                                          ("output", graph.outputs))
+               for t in tensors if t.dtype is None]
+    if untyped:
+        raise InvalidModelError(
+            f"The onnx-graphsurgeon graph's {', '.join(untyped)} has no dtype, and every input "
+            "and output of a model needs one. Import the model with its shapes inferred, "
+            "gs.import_onnx(onnx.shape_inference.infer_shapes(model)), before cutting it, or "
+            "set the tensor's dtype (and shape) yourself.")
+    try:
+        model = gs.export_onnx(graph)
+        if not _in_dependency_order(model.graph):  # nodes added after the ones they read
+            model = gs.export_onnx(graph.copy().toposort())
+    except Exception as exc:  # gs raises its own exceptions, and plain ones
+        raise InvalidModelError(
+            f"onnx-graphsurgeon could not export the graph: {exc}") from None
+    return model
+
+
+def _in_dependency_order(graph: onnx.GraphProto) -> bool:
+    """Whether every node of ``graph`` comes after the nodes whose outputs it reads."""
+    later = {name for node in graph.node for name in node.output if name}
+    for node in graph.node:
+        if any(name in later for name in node.input):
+            return False
+        later.difference_update(node.output)
+    return True
 
 
 def _read(path: Path) -> bytes:

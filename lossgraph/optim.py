@@ -40,19 +40,23 @@ import dataclasses
 import math
 import numbers
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-from onnx import helper
+import onnx
+from onnx import TensorProto, helper
 
-from .builder import GraphBuilder
+from .builder import GraphBuilder, standalone_model
 from .errors import UnsupportedOptionError, suggest
+from .graphs import weights_dtype
+from .names import NameAuthority
 from .options import finite, non_negative
+from .target import check_opset_option
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "optimizer_from_dict", "as_optimizer",
-           "OPTIMIZERS"]
+           "OPTIMIZERS", "update_graph", "build_update", "BuiltUpdate"]
 
 SCHEDULES = ("constant", "invscaling", "optimal")
 
@@ -393,3 +397,80 @@ def as_optimizer(value: Optimizer | str | Mapping[str, Any] | None) -> Optimizer
         "optimizer (SGD(0.01), Momentum(0.01, nesterov=True), Adam(), AdamW()), its name "
         "('adam') or its dict form ({'type': 'Adam', 'learning_rate': 0.001}). torch.optim "
         "optimizers are not accepted.")
+
+
+# -- the standalone update graph ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuiltUpdate:
+    """An update graph (:func:`update_graph`) and the names of its inputs and outputs."""
+
+    model: onnx.ModelProto
+    learning_rate: str
+    step: str
+    gradients: dict[str, str]  # weight -> its gradient input
+    states: dict[str, list[str]]  # weight -> its state inputs
+    new: dict[str, str]  # weight or state -> the output with its next value
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """The role of each input and output, as the manifest names them."""
+        roles = {self.learning_rate: "learning_rate", self.step: "step"}
+        for weight, states in self.states.items():
+            roles.update({weight: "weight", self.gradients[weight]: "gradient",
+                          self.new[weight]: "new_weight"})
+            roles.update((s, "state") for s in states)
+            roles.update((self.new[s], "new_state") for s in states)
+        return roles
+
+
+def update_graph(
+    optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset: int = 18
+) -> onnx.ModelProto:
+    """The standalone update graph of ``optimizer`` for ``weights`` (name -> initial value).
+
+    Inputs: ``learning_rate`` (a scalar of the weights' float type: the schedule's value
+    for this update), ``step`` (int64 scalar, the 1-based update number; Adam and AdamW
+    read it), then per weight ``w``, ``w_grad``, its states
+    (:meth:`Optimizer.state_names`); outputs per weight ``w_new`` then ``<state>_new``.
+    A name a weight has already gets a suffix (``w_grad_1``). A runner feeds the
+    outputs back as the next step's inputs.
+    """
+    return build_update(optimizer, weights, opset).model
+
+
+def build_update(optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset: int = 18,
+                 taken: Iterable[str] = ()) -> BuiltUpdate:
+    """:func:`update_graph` with the names it chose, none of them a weight's or in
+    ``taken``."""
+    if not isinstance(optimizer, Optimizer):
+        raise UnsupportedOptionError(
+            f"optimizer must be a lossgraph.optim optimizer (SGD, Momentum, Adam, AdamW), "
+            f"not {optimizer!r}."
+        )
+    check_opset_option(opset)
+    dtype = weights_dtype(weights, "update_graph")
+    elem_type = helper.np_dtype_to_tensor_dtype(dtype)
+    names = NameAuthority([*weights, *taken])
+    learning_rate, step = names.fresh("learning_rate"), names.fresh("step")
+    inputs = [helper.make_tensor_value_info(learning_rate, elem_type, []),
+              helper.make_tensor_value_info(step, TensorProto.INT64, [])]
+    gradients = {w: names.fresh(f"{w}_grad") for w in weights}
+    states = {w: [names.fresh(s) for s in optimizer.state_names(w)] for w in weights}
+    for weight, value in weights.items():
+        for name in (weight, gradients[weight], *states[weight]):
+            inputs.append(helper.make_tensor_value_info(name, elem_type, np.shape(value)))
+    new = {name: names.fresh(f"{name}_new") for w in weights for name in (w, *states[w])}
+
+    b = GraphBuilder(names, opset)
+    outputs: list[tuple[str, str, onnx.ValueInfoProto]] = []
+    for weight, value in weights.items():
+        new_weight, new_states = optimizer.emit_update(
+            b, weight, gradients[weight], states[weight], learning_rate, step, dtype
+        )
+        for computed, old in zip([new_weight, *new_states], [weight, *states[weight]]):
+            info = helper.make_tensor_value_info(new[old], elem_type, np.shape(value))
+            outputs.append((computed, new[old], info))
+    model = standalone_model(b, f"{type(optimizer).__name__}_update", inputs, outputs, opset)
+    return BuiltUpdate(model, learning_rate, step, gradients, states, new)

@@ -16,7 +16,7 @@ is added once, after the all-reduce, as the single-process step adds it once. Th
 equals :class:`~lossgraph.runtime.Trainer` on the same global batches to float rounding.
 
 The gradient of the summed loss comes from the program's own loss graph built with
-``reduction="sum"`` (:func:`lossgraph.separate.program_loss_graph`): the gradient graph is
+``reduction="sum"`` (:func:`lossgraph.passes.loss.program_loss_graph`): the gradient graph is
 linear in its seed, so it then returns the sum of the rows' gradients.
 
 - :class:`ParallelProgram`: a ``fuse="separate"`` program and its summed loss graph.
@@ -50,11 +50,12 @@ from .errors import (
     UnsupportedOptionError,
 )
 from .models import ModelLike
-from .optimize import WidenScalarConstants
+from .modes import fuse_mode
+from .modes.separate import SeparateSteps
+from .passes.loss import program_loss_graph
 from .program import TrainingProgram
-from .runtime import Trainer
-from .runtime.forward_backward import SeparateStep
-from .separate import program_loss_graph
+from .runtime.trainer import Trainer
+from .speed import WidenScalarConstants
 from .validation import compile_options
 
 __all__ = ["AllReduce", "EpochResult", "InMemoryGroup", "ParallelProgram", "Replica", "StepResult",
@@ -143,13 +144,13 @@ class ParallelProgram:
                 **options: Any) -> ParallelProgram:
         """:func:`~lossgraph.compile_program` with ``fuse="separate"`` (``options``: its other
         keyword arguments: weights, penalty, optimizer, target), made data-parallel."""
-        if options.get("fuse", "separate") != "separate":
+        mode = fuse_mode(options.pop("fuse", "separate"))
+        if not mode.exposes_gradients:
             raise UnsupportedOptionError(
-                f"fuse={options['fuse']!r}: data-parallel training runs the separate graphs "
+                f"fuse={mode.name!r}: data-parallel training runs the separate graphs "
                 "(gradients as outputs); leave fuse out.")
-        options.pop("fuse", None)
         program = compile_program(model, loss=loss, loss_options=loss_options, backend=backend,
-                                  fuse="separate", **options)
+                                  fuse=mode.name, **options)
         return cls.of(program, loss=loss, loss_options=loss_options, backend=backend)
 
     @classmethod
@@ -163,7 +164,7 @@ class ParallelProgram:
             raise UnsupportedOptionError(
                 f"ParallelProgram.of takes a TrainingProgram, not a {type(program).__name__}; "
                 "for a model use ParallelProgram.compile(model, ...).")
-        if program.fuse != "separate":
+        if not fuse_mode(program.fuse).exposes_gradients:
             raise UnsupportedOptionError(
                 f"The program was compiled with fuse={program.fuse!r}; data-parallel training "
                 "needs the gradients as outputs: compile with fuse='separate'.")
@@ -281,7 +282,8 @@ class Replica:
         self._dtype = base.state[self._weights[0]].dtype
         self._label = base.manifest["roles"]["label"]
         self._sample_weight = base.manifest["roles"].get("sample_weight")
-        self._steps: dict[int | None, SeparateStep] = {}
+        #: the separate steps over the summed loss graph, on the trainer's state
+        self._steps = SeparateSteps(self.trainer.engine, self._summed)
         self._full: int | None = None
         self._batches = 0  # global steps of the current epoch
 
@@ -290,7 +292,7 @@ class Replica:
         """``(X, y[, sample_weight])`` as checked input arrays by name (``Trainer.fit``'s
         checks): check the whole data once, then step on shards of these
         (:func:`array_shards`) without checking each again."""
-        return self.trainer._prepare(X, y, sample_weight)
+        return self.trainer.engine.prepare(X, y, sample_weight)
 
     def contribution(self, shard: Shard) -> np.ndarray:
         """This replica's part of a step: its gradients summed over ``shard``'s rows, then
@@ -307,7 +309,9 @@ class Replica:
             # refuses such a batch; a shard of a global batch may well be one)
             payload[-1] = rows
             return payload
-        loss, gradients = self._separate(rows).gradients(data)
+        if self._full is None:
+            self._full = rows  # graphs specialized to the first shard size seen
+        loss, gradients = self._steps.gradients(data, self._full)
         for weight, where in self._slices.items():
             value = gradients[weight]
             payload[where] = (value if isinstance(value, np.ndarray) else value.numpy()).ravel()
@@ -345,16 +349,16 @@ class Replica:
                 "weight zero.")
         gradients = {w: (total[where] / self._dtype.type(divisor)).reshape(self._shapes[w])
                      for w, where in self._slices.items()}
-        self.trainer._learning_rate[()] = self.trainer._rate(step_number)
-        self.trainer._step[()] = step_number
-        updater = next(iter(self._steps.values())) if self._steps else self._separate(None)
-        loss = loss_sum / divisor + updater.update(gradients)
+        engine = self.trainer.engine
+        engine.set_scalars(step_number, self.trainer.learning_rate(step_number))
+        loss = loss_sum / divisor + self._steps.update(gradients)
         if not math.isfinite(loss):
             raise ConvergenceError(
                 f"The loss became {loss} at global step {step_number}: training diverged. Try "
                 "a smaller learning rate, scale the features, or a smaller penalty. "
-                + self.trainer._step_back(loss))
-        self.trainer._advance(1, self.trainer.epochs_, self._batches)
+                + self.trainer.step_back(loss))
+        engine.apply(1, f"epoch {self.trainer.epochs_}, batch {self._batches}")
+        self.trainer.steps_ = step_number
         self._batches += 1
         return StepResult(loss, int(rows))
 
@@ -382,18 +386,6 @@ class Replica:
         self._batches = 0
         self.trainer.train_losses_.append(loss)
         return EpochResult(loss, int(np.sum(rows)), len(rows))
-
-    def _separate(self, rows: int | None) -> SeparateStep:
-        """The step over the summed loss graph: specialized to the first shard size seen
-        (static shapes, as the Trainer does for its batch size), general for the others."""
-        if self._full is None and rows is not None:
-            self._full = rows
-        size = rows if rows == self._full else None
-        if size not in self._steps:
-            self._steps[size] = SeparateStep(self._summed, self.trainer._buffers,
-                                             self.trainer._new_session, self.trainer._runner,
-                                             size)
-        return self._steps[size]
 
     def check_identical(self, rank: int, size: int) -> int:
         """The replicas' common :func:`state_digest`, compared through the all-reduce (every

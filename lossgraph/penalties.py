@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
+from onnx import helper
 
-from .builder import GraphBuilder
-from .errors import UnsupportedOptionError
+from .builder import GraphBuilder, standalone_model
+from .errors import UnknownNameError, UnsupportedOptionError, suggest
+from .graphs import weights_dtype
+from .names import NameAuthority
 from .options import non_negative
 
-__all__ = ["parse_penalty", "penalty_terms", "penalty_gradient"]
+__all__ = ["parse_penalty", "penalty_terms", "penalty_gradient", "penalty_graph", "build_penalty",
+           "BuiltPenalty"]
 
 _REDUCTIONS = (("l1", "ReduceL1"), ("l2", "ReduceSumSquare"))
 
@@ -94,3 +99,70 @@ def penalty_gradient(b: GraphBuilder, weight: str, coefficients: Mapping[str, fl
     if not grads:
         return b.Mul(weight, b.const(0.0, dtype, "zero"))
     return grads[0] if len(grads) == 1 else b.Add(*grads)
+
+
+@dataclass(frozen=True)
+class BuiltPenalty:
+    """A penalty graph (:func:`penalty_graph`) and the names of its outputs."""
+
+    model: onnx.ModelProto
+    penalty: str  # the penalty, summed over the weights
+    gradients: dict[str, str]  # weight -> its penalty's gradient
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """The role of each input and output, as the manifest names them."""
+        return {**{w: "weight" for w in self.gradients}, self.penalty: "penalty",
+                **{g: "penalty_gradient" for g in self.gradients.values()}}
+
+
+def penalty_graph(weights: Mapping[str, np.ndarray], penalty: Any) -> onnx.ModelProto:
+    """The standalone penalty graph for ``penalty`` (add_loss_output's dict form).
+
+    ``weights`` maps every trainable weight's name to its value (giving dtype and
+    shape); the penalty's names must be among them. Inputs: the penalized weights in
+    the penalty's order; outputs: ``penalty`` (their sum, a scalar of the weights'
+    float type), then ``<W>_penalty_grad`` for each (each with a suffix where a weight
+    has that name).
+    """
+    return build_penalty(weights, penalty).model
+
+
+def build_penalty(weights: Mapping[str, np.ndarray], penalty: Any) -> BuiltPenalty:
+    """:func:`penalty_graph` with the names it chose."""
+    coefficients = parse_penalty(penalty)
+    if not coefficients:
+        raise UnsupportedOptionError(
+            "penalty_graph needs at least one penalized weight, e.g. "
+            "{'coef': {'l1': 0.01, 'l2': 0.1}}; the penalty given is empty."
+        )
+    for name in coefficients:
+        if name not in weights:
+            raise UnknownNameError(
+                f"The penalty names {name!r}, which is not a weight."
+                + suggest(name, list(weights), "weights")
+            )
+    penalized = {name: np.asarray(weights[name]) for name in coefficients}
+    dtype = weights_dtype(penalized, "penalty_graph")
+    elem_type = helper.np_dtype_to_tensor_dtype(dtype)
+    names = NameAuthority(weights)
+    inputs = [helper.make_tensor_value_info(name, elem_type, value.shape)
+              for name, value in penalized.items()]
+    total_name = names.fresh("penalty")
+    grad_names = {name: names.fresh(f"{name}_penalty_grad") for name in penalized}
+
+    b = GraphBuilder(names, opset=18)
+    total: str | None = None
+    outputs: list[tuple[str, str, onnx.ValueInfoProto]] = []
+    for name, value in penalized.items():
+        terms = penalty_terms(b, name, coefficients[name], dtype, hint=name)
+        term = (b.Add(*terms) if len(terms) > 1 else terms[0]) if terms else b.const(
+            0.0, dtype, "zero")
+        total = term if total is None else b.Add(total, term)
+        grad = penalty_gradient(b, name, coefficients[name], dtype)
+        info = helper.make_tensor_value_info(grad_names[name], elem_type, value.shape)
+        outputs.append((grad, grad_names[name], info))
+    assert total is not None
+    outputs.insert(0, (total, total_name, helper.make_tensor_value_info(total_name, elem_type, [])))
+    model = standalone_model(b, "penalty", inputs, outputs, 18)
+    return BuiltPenalty(model, total_name, grad_names)

@@ -10,7 +10,7 @@ Whatever the fusion mode (:mod:`lossgraph.compiler` builds them), a program hold
 - ``fuse="step"``: ``train_step`` (one minibatch step, update included);
 - ``fuse="epoch"``: ``train_epoch`` (a Scan over all full batches) and ``train_step``
   (for a last, smaller batch);
-- ``fuse="separate"``: the reference documents' four graphs: ``gradient`` (the
+- ``fuse="separate"``: onnxcustom's four graphs: ``gradient`` (the
   model's vector-Jacobian product), ``loss`` (loss and its gradient against the
   prediction), ``penalty`` (the penalty and the total gradient) and ``update``.
 
@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .deprecation import warn_renamed
 from .errors import ShapeMismatchError, UnknownNameError, suggest
 from .fileio import check_file_target, ensure_folder, save_model, serialize
 from .inference import export_model
@@ -65,8 +66,16 @@ class TrainingProgram:
         return [w["name"] for w in self.manifest["weights"]]
 
     @property
-    def states(self) -> list[str]:
+    def optimizer_states(self) -> list[str]:
+        """The optimizer's state tensors (a velocity, Adam's moments), weight by weight;
+        ``state`` holds every live tensor: these, the weights and the buffers."""
         return [s["name"] for w in self.manifest["weights"] for s in w["states"]]
+
+    @property
+    def states(self) -> list[str]:
+        """The previous release's name of :attr:`optimizer_states` (with a warning)."""
+        warn_renamed("TrainingProgram.states", "TrainingProgram.optimizer_states")
+        return self.optimizer_states
 
     @property
     def buffers(self) -> list[str]:
@@ -120,8 +129,8 @@ class TrainingProgram:
         """The inference model with the program's weights and buffers, overridden by
         ``state``'s (a weight it lacks keeps the program's value; its optimizer states
         are ignored), written back: :func:`lossgraph.export.to_inference_model`."""
-        return export_model(self.inference_model, self.model_state(), self.states, state,
-                            target_for(self.inference_model)).to_model()
+        return export_model(self.inference_model, self.model_state(), self.optimizer_states,
+                            state, target_for(self.inference_model)).to_model()
 
     def model_state(self, state: Mapping[str, np.ndarray] | None = None
                     ) -> dict[str, np.ndarray]:

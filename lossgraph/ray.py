@@ -68,12 +68,13 @@ except ImportError as _exc:
         f"lossgraph.ray needs Ray Train, which does not import here ({_exc}): "
         "pip install 'lossgraph[ray]'") from _exc
 
-from . import validation as checks
+from .data import random_state as checked_random_state
 from .models import ModelLike
+from .options import choice, count, flag
 from .parallel import AllReduce, ParallelProgram, Replica, Shard, array_shards, shard_bounds
 from .program import TrainingProgram
-from .runtime import Trainer
 from .runtime.session import quiet_session_options
+from .runtime.trainer import Trainer
 
 __all__ = ["RayTrainer", "RayResult", "LossgraphConfig", "worker_all_reduce", "gloo_all_reduce",
            "reducer", "actor_all_reduce", "ALL_REDUCES"]
@@ -241,7 +242,7 @@ class LossgraphConfig(BackendConfig):
 
 
 def _resolve_all_reduce(all_reduce: str) -> str:
-    checks.choice("all_reduce", all_reduce, ALL_REDUCES)
+    choice("all_reduce", all_reduce, ALL_REDUCES)
     if all_reduce == "auto":
         return "gloo" if importlib.util.find_spec("torch") is not None else "actor"
     if all_reduce == "gloo" and importlib.util.find_spec("torch") is None:
@@ -377,7 +378,7 @@ def _train_worker(config: dict[str, Any]) -> None:
 @dataclass
 class RayResult:
     """A finished run: ``trainer`` is a single-process :class:`~lossgraph.runtime.Trainer`
-    with the trained state and counters (``predict``, ``score``, ``save_checkpoint``, or
+    with the trained state and counters (``predict``, ``evaluate``, ``save_checkpoint``, or
     ``fit(..., warm_start=True)`` to go on in one process); ``history`` the metrics of every
     epoch; ``ray_result`` Ray Train's result (its checkpoint, storage path)."""
 
@@ -452,17 +453,17 @@ class RayTrainer:
         if isinstance(features, (list, tuple)):
             features = tuple(features)
         self.columns = _Columns(features, label, sample_weight, batch_function)
-        self.num_workers = checks.count("num_workers", num_workers, 1)  # 0: one process,
+        self.num_workers = count("num_workers", num_workers, 1)  # 0: one process,
         # which is lossgraph.Trainer's job (Ray's local mode would not keep the checkpoints)
         self.resources_per_worker = dict(resources_per_worker or {"CPU": 1})
         cpus = self.resources_per_worker.get("CPU", 1)
-        self.threads_per_worker = checks.count(
+        self.threads_per_worker = count(
             "threads_per_worker", threads_per_worker if threads_per_worker is not None
             else max(1, math.floor(cpus)), 1)
         self.all_reduce = _resolve_all_reduce(all_reduce)
         self.storage_path, self.name = storage_path, name
         self.max_failures = int(max_failures)
-        self.checkpoint_every = checks.count("checkpoint_every", checkpoint_every, 1)
+        self.checkpoint_every = count("checkpoint_every", checkpoint_every, 1)
 
     def fit(self, data: Any, epochs: int = 1, batch_size: int = 32, shuffle: bool = False,
             random_state: int | None = None) -> RayResult:
@@ -472,8 +473,8 @@ class RayTrainer:
         ``random_shuffle()`` or ``randomize_block_order()``), or ``(X, y[, sample_weight])``
         arrays, cut as ``Trainer.fit(shuffle=..., random_state=...)`` cuts them.
         """
-        epochs = checks.count("epochs", epochs, 1)
-        batch_size = checks.count("batch_size", batch_size, 1)
+        epochs = count("epochs", epochs, 1)
+        batch_size = count("batch_size", batch_size, 1)
         if batch_size < self.num_workers:
             raise UnsupportedOptionError(
                 f"batch_size={batch_size} is smaller than num_workers={self.num_workers}: the "
@@ -483,8 +484,8 @@ class RayTrainer:
             raise UnsupportedOptionError(
                 f"batch_size={batch_size}: the all-reduce counts rows in float32, exact up to "
                 f"2**24 = {2 ** 24}; use smaller global batches.")
-        shuffle = checks.flag("shuffle", shuffle)
-        seed = checks.random_state(random_state)
+        shuffle = flag("shuffle", shuffle)
+        seed = checked_random_state(random_state)
         datasets: dict[str, Any] = {}
         if isinstance(data, ray.data.Dataset):
             if shuffle:

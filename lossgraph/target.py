@@ -22,7 +22,7 @@ import onnx
 import onnx.defs
 
 from .errors import InvalidModelError, UnsupportedModelError, UnsupportedOptionError, suggest
-from .graphs import all_graphs, opset_version
+from .graphs import all_graphs, canonical_domain, opset_version
 
 __all__ = ["Target", "DEFAULT_TARGET", "LATEST", "TARGETS", "active_target", "check_loads",
            "check_ops", "check_opset", "check_opset_option", "finalize", "loading_target",
@@ -306,7 +306,7 @@ def check_opset(model: onnx.ModelProto, target: Target | None = None) -> int:
     target = target or active_target()
     versions: dict[str, int] = {}
     for opset in model.opset_import:
-        domain = "" if opset.domain == "ai.onnx" else opset.domain
+        domain = canonical_domain(opset.domain)
         if versions.setdefault(domain, opset.version) != opset.version:
             raise InvalidModelError(
                 f"The model imports the domain {opset.domain or 'ai.onnx'!r} twice, as "
@@ -388,7 +388,7 @@ def check_ops(model: onnx.ModelProto, target: Target | None = None) -> None:
     seen: set[tuple[str, str, int | None]] = set()
     for body, version in bodies:
         for node in body.node:
-            domain = "" if node.domain == "ai.onnx" else node.domain
+            domain = canonical_domain(node.domain)
             key = (domain, node.op_type, version)
             if key in seen or (node.domain, node.op_type) in local:
                 continue
@@ -437,7 +437,7 @@ def finalize(model: onnx.ModelProto, target: Target | None = None) -> None:
     used = {node.domain or "" for body in bodies for node in body.node} | {""}
     versions: dict[str, int] = {}
     for opset in model.opset_import:
-        domain = "" if opset.domain == "ai.onnx" else opset.domain
+        domain = canonical_domain(opset.domain)
         if domain in used:
             versions[domain] = max(versions.get(domain, 0), opset.version)
     del model.opset_import[:]

@@ -12,7 +12,7 @@ initializer is one of its ``nn.Parameter`` objects, so ``torch.optim``, ``state_
     trained = layer.to_onnx()                     # the inference model, weights written back
 
 :class:`OnnxFunction` is the ``torch.autograd.Function`` under it, over
-:class:`~lossgraph.compat.forward_backward.OrtGradientForwardBackward`'s forward and
+:class:`~lossgraph.runtime.graph_function.GraphFunction`'s forward and
 backward graphs (standard ONNX ops, any onnxruntime). Tensors cross to onnxruntime as
 numpy arrays on the CPU; outputs come back on the device of the first input.
 
@@ -42,13 +42,10 @@ except (ImportError, OSError) as _exc:  # OSError: a torch whose binaries do not
         f"lossgraph.torch needs torch, which does not import here ({_exc}): "
         "pip install torch==2.13.0") from _exc
 
-from .compat.forward_backward import (
-    OrtGradientForwardBackward,
-    OrtGradientForwardBackwardFunction,
-)
 from .graphs import np_dtype
 from .models import ModelLike
 from .program import with_weights
+from .runtime.graph_function import GraphFunction, GraphFunctionCall
 
 __all__ = ["OnnxFunction", "OnnxModule"]
 
@@ -58,7 +55,7 @@ class _Signature:
     """What the graphs take, read once per forward/backward object: each input's torch
     dtype and declared shape (``None`` for a free axis); which outputs are differentiable."""
 
-    def __init__(self, owner: OrtGradientForwardBackward) -> None:
+    def __init__(self, owner: GraphFunction) -> None:
         graph = owner.eval_onnx.graph
         declared = {v.name: v for v in graph.input}
         self.names = list(owner.grad_input_names)
@@ -77,27 +74,28 @@ def _shape(value: onnx.ValueInfoProto) -> tuple[int | None, ...] | None:
     return tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
 
 
-_SIGNATURES: weakref.WeakKeyDictionary[OrtGradientForwardBackward, _Signature] = (
+_SIGNATURES: weakref.WeakKeyDictionary[GraphFunction, _Signature] = (
     weakref.WeakKeyDictionary())
 
 
-def _signature(owner: OrtGradientForwardBackward) -> _Signature:
+def _signature(owner: GraphFunction) -> _Signature:
     signature = _SIGNATURES.get(owner)
     if signature is None:
         signature = _SIGNATURES[owner] = _Signature(owner)
     return signature
 
 
-def _owner(function: Any) -> OrtGradientForwardBackward:
+def _owner(function: Any) -> GraphFunction:
     """The forward/backward object behind ``function`` (itself, or a function object's
     owner: every call runs a fresh function object, see :class:`OnnxFunction`)."""
-    if isinstance(function, OrtGradientForwardBackwardFunction):
+    if isinstance(function, GraphFunctionCall):
         return function.owner
-    if isinstance(function, OrtGradientForwardBackward):
+    if isinstance(function, GraphFunction):
         return function
     raise InvalidDataError(
-        f"OnnxFunction.apply takes an OrtGradientForwardBackward (or one of its function "
-        f"objects) first, then the tensors; got {type(function).__name__}.")
+        f"OnnxFunction.apply takes a GraphFunction (lossgraph.runtime.graph_function; "
+        f"onnxcustom's OrtGradientForwardBackward is one) or one of its function objects "
+        f"first, then the tensors; got {type(function).__name__}.")
 
 
 def _to_numpy(signature: _Signature, tensors: Sequence[Any]) -> list[np.ndarray]:
@@ -150,7 +148,7 @@ def _outputs_of(arrays: Sequence[np.ndarray], tensors: Sequence[torch.Tensor]
 # ------------------------------------------------------------------ the function
 class OnnxFunction(torch.autograd.Function):
     """``OnnxFunction.apply(forward_backward, *tensors)``: the outputs of the ONNX graphs
-    of ``forward_backward`` (an :class:`OrtGradientForwardBackward`) as a tuple of
+    of ``forward_backward`` (a :class:`GraphFunction`) as a tuple of
     tensors, differentiable by torch autograd.
 
     ``tensors`` are the model inputs then the weights (``grad_input_names`` order), of
@@ -203,7 +201,7 @@ class OnnxModule(torch.nn.Module):
     :func:`~lossgraph.trainable_initializers`); the others stay constants of the graph.
     ``input_names`` / ``output_names``: the inputs :meth:`forward` takes, in order, and
     the outputs it returns (default all). Further keyword arguments go to
-    :class:`OrtGradientForwardBackward` (``backend``, ``providers``, ``sess_options``).
+    :class:`GraphFunction` (``backend``, ``providers``, ``sess_options``).
 
     A parameter is named after its initializer with every character other than a
     letter, digit or ``_`` replaced by ``_`` (torch forbids ``.``), and a suffix where
@@ -214,7 +212,7 @@ class OnnxModule(torch.nn.Module):
                  input_names: Sequence[str] | None = None,
                  output_names: Sequence[str] | None = None, **options: Any) -> None:
         super().__init__()
-        self.forward_backward = OrtGradientForwardBackward(
+        self.forward_backward = GraphFunction(
             model, weights_to_train, input_names, output_names, **options)
         self.parameter_names: dict[str, str] = {}
         taken: set[str] = set()

@@ -491,7 +491,7 @@ def compile_and_train(name: str, model: bytes, fuse: str) -> str:
         y = label_data(program, 10, golden_classes(name))
         trainer = lossgraph.Trainer(program)
         trainer.fit(X, y, epochs=1, batch_size=4, progress=False)
-        trainer.score(X, y)
+        trainer.evaluate(X, y)
         return _finite_result(trainer, X)
     except Exception as error:
         if accepted(error):
@@ -939,9 +939,9 @@ OUTPUT_FOLDERS = ("@out", "@out", "@program", "@checkpoint", "@folder", "@model"
                   "@damaged-program")
 CLI_OPTIONS: dict[str, tuple[str, ...]] = {
     "--force": (), "--json": (), "--format": ("program", "ort-artifacts", "zip"),
-    "--trainable": ("@weight", "nope", "@weight @weight"), "--weights": ("@weight", "x"),
+    "--weights": ("@weight", "nope", "@weight @weight", "x"),
     "--loss": ("squared_error", "huber", "multiclass_log_loss", "nope", "none"),
-    "--loss-option": ("delta=0.5", "delta", "delta=x", "=1", "eps=-1"),
+    "--loss-option": ("delta=0.5", "delta", "delta=x", "=1", "eps=-1", "eps=nan"),
     "--weight-name": ("w", "X", ""), "--optimizer": (
         "sgd", "adam", "nesterov", "momentum", "turbo", '{"type": "Adam"}', "{",
         '{"type": "SGD", "learning_rate": -1}', "[]", '{"type": 3}'),
@@ -962,14 +962,14 @@ CLI_OPTIONS: dict[str, tuple[str, ...]] = {
     "--progress": (), "--no-progress": (), "--external-data": (),
     "--loss-name": ("loss", "variable", ""), "--label-name": ("label", "X"),
     "--output-index": ("0", "1", "-1", "9", "x"), "--reduction": ("mean", "sum", "none"),
-    "--option": ("delta=0.5", "delta", "eps=nan"), "--outputs": ("@output", "nope"),
+    "--outputs": ("@output", "nope"),
     "--help": (), "--version": (),
 }
 #: Per command: its positional argument's paths, its output's, and its options.
 CLI_COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "inspect": (MODEL_PATHS, (), ("--json",)),
     "compile": (MODEL_PATHS, OUTPUT_FOLDERS, (
-        "--force", "--format", "--trainable", "--loss", "--loss-option", "--weight-name",
+        "--force", "--format", "--weights", "--loss", "--loss-option", "--weight-name",
         "--optimizer", "--learning-rate", "--momentum", "--penalty-l1", "--penalty-l2",
         "--penalty", "--backend", "--fuse", "--target")),
     "train": (PROGRAM_PATHS, OUTPUT_FILES, (
@@ -979,7 +979,7 @@ CLI_COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
     "export": (PROGRAM_PATHS, OUTPUT_FILES, ("--force", "--external-data", "--target")),
     "add-loss": (MODEL_PATHS, OUTPUT_FILES, (
         "--force", "--loss", "--loss-name", "--label-name", "--weight-name", "--output-index",
-        "--reduction", "--penalty", "--option")),
+        "--reduction", "--penalty", "--loss-option")),
     "gradient": (MODEL_PATHS, OUTPUT_FILES, (
         "--force", "--weights", "--loss-name", "--outputs", "--backend")),
     "lower-ml": (MODEL_PATHS, OUTPUT_FILES, ("--force",)),

@@ -46,6 +46,7 @@ from lossgraph.errors import (
 from lossgraph.optim import SGD, Adam, Momentum
 
 X, Y = linear_data(205, seed=11)
+GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
 
 
 # -- models the cases start from -------------------------------------------------------------
@@ -132,6 +133,16 @@ def with_tensor(name: str, change: Callable[[onnx.TensorProto], object]) -> onnx
     model = linear()
     change(next(t for t in model.graph.initializer if t.name == name))
     return model
+
+
+def untyped_graphsurgeon_cut() -> object:
+    """scikit-learn's MLP regressor cut after its first layer, imported without inferred
+    shapes: the new input has no dtype."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(onnx.load(GOLDEN / "skl_mlp_regressor.onnx"))
+    graph.inputs = [graph.tensors()["add_result"]]
+    return graph.cleanup()
 
 
 def with_graph(change: Callable[[onnx.ModelProto], object]) -> onnx.ModelProto:
@@ -345,6 +356,9 @@ CASES: list[Case] = [
          lambda c: lossgraph.compile_program(c.tmp), InvalidModelError, "is a folder"),
     Case("model-not-a-model", "a number given as the model", lambda c: lossgraph.compile_program(3),
          InvalidModelError, "got int"),
+    Case("graphsurgeon-untyped-input", "an onnx-graphsurgeon graph cut at a tensor of unknown "
+         "dtype", lambda c: lossgraph.compile_program(untyped_graphsurgeon_cut()),
+         InvalidModelError, "input 'add_result' has no dtype"),
     Case("external-data-missing", "a weight in an external file that is not there",
          lambda c: lossgraph.compile_program(external_model(c.tmp / "m", "coef.bin")),
          InvalidModelError, "'coef.bin', which does not exist"),
@@ -653,7 +667,7 @@ CASES: list[Case] = [
     Case("predict-wrong-width", "predict on 3 features",
          lambda c: c.trainer().predict(X[:, :3]), ShapeMismatchError, "X has shape (205, 3)"),
     Case("score-nan", "score on NaN labels",
-         lambda c: c.trainer().score(X, with_value(Y, 0, np.nan)), InvalidDataError,
+         lambda c: c.trainer().evaluate(X, with_value(Y, 0, np.nan)), InvalidDataError,
          "y holds nan at row 0"),
     Case("set-state-unknown-name", "set_state({'cof': ...})",
          lambda c: c.trainer().set_state({"cof": np.zeros((4, 1), np.float32)}),

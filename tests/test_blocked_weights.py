@@ -129,7 +129,7 @@ def test_the_command_line_names_it_and_inspect_shows_it(tmp_path, capsys):
     assert main(["compile", str(path), "-o", str(tmp_path / "program")]) == 2
     assert "'W', 'scale', 'shift' influence 'loss'" in capsys.readouterr().err
     assert not (tmp_path / "program").exists()
-    assert main(["compile", str(path), "-o", str(tmp_path / "program"), "--trainable", "V",
+    assert main(["compile", str(path), "-o", str(tmp_path / "program"), "--weights", "V",
                  "B"]) == 0
     capsys.readouterr()
     assert main(["inspect", str(path), "--json"]) == 0

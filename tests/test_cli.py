@@ -46,7 +46,7 @@ def model_file(tmp_path):
 def test_add_loss_then_gradient_from_the_shell(model_file, tmp_path, run_model, rng):
     loss_file, grad_file = tmp_path / "loss.onnx", tmp_path / "grad.onnx"
     assert main(["add-loss", str(model_file), "-o", str(loss_file), "--loss", "huber",
-                 "--option", "delta=0.5", "--penalty", '{"z_weight": 0.1}']) == 0
+                 "--loss-option", "delta=0.5", "--penalty", '{"z_weight": 0.1}']) == 0
     assert get_roles(onnx.load(loss_file))["loss"] == "loss"
     assert main(["gradient", str(loss_file), "-o", str(grad_file), "--weights", "a_bias"]) == 0
     feeds = {"x": rng.normal(size=(4, 3)).astype(np.float32),
@@ -230,7 +230,7 @@ BAD_COMMANDS = {
                                      '{"z_weight": 0.1}', "--penalty-l2", "0.1"],
     "negative penalty": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--penalty-l1", "-1"],
     "unknown trainable weight": lambda t: ["compile", _model(t), "-o", f"{t}/p",
-                                           "--trainable", "z_weigth"],
+                                           "--weights", "z_weigth"],
     "unknown format": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--format", "zip"],
     "fuse for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                          "ort-artifacts", "--fuse", "epoch"],
@@ -239,7 +239,7 @@ BAD_COMMANDS = {
     "artifacts over a program": lambda t: ["compile", _model(t), "-o", _program(t), "--format",
                                            "ort-artifacts"],
     "score option without =": lambda t: ["add-loss", f"{t}/m.onnx", "-o", f"{t}/o.onnx",
-                                         "--option", "delta"],
+                                         "--loss-option", "delta"],
     "unknown target": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--target", "mars"],
     # penalties in the wrong form
     "penalty not JSON": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--penalty",
@@ -573,7 +573,7 @@ def test_inspect_names_the_ops_without_a_gradient_rule_with_their_path(tmp_path,
     # and compile fails on that op, as inspect said (b alone trains)
     assert main(["compile", str(model), "-o", str(tmp_path / "p")]) == 2
     assert "No gradient rule for op 'Mystery'" in capsys.readouterr().err
-    assert main(["compile", str(model), "-o", str(tmp_path / "p"), "--trainable", "b",
+    assert main(["compile", str(model), "-o", str(tmp_path / "p"), "--weights", "b",
                  "--loss-option", "output_index=y"]) == 0
 
 
@@ -594,7 +594,7 @@ FLAG_FORMS = {
     "penalties on every weight": (["--penalty-l1", "0.01", "--penalty-l2", "0.1"],
                                   {"penalty": {"z_weight": PENALTY_BOTH,
                                                "a_bias": PENALTY_BOTH}}),
-    "penalty on the trained weight": (["--trainable", "z_weight", "--penalty-l2", "0.1"],
+    "penalty on the trained weight": (["--weights", "z_weight", "--penalty-l2", "0.1"],
                                       {"weights": ["z_weight"],
                                        "penalty": {"z_weight": {"l1": 0.0, "l2": 0.1}}}),
     "sample weight": (["--weight-name", "w", "--loss", "huber", "--loss-option", "delta=0.5"],
@@ -744,7 +744,7 @@ def test_validation_split_holds_out_the_last_rows(model_file, tmp_path):
                  "--validation-split", "0.25", "--random-state", "3", "-o",
                  str(tmp_path / "out.onnx"), "--checkpoint", str(tmp_path / "ckpt")]) == 0
     resumed = Trainer.load_checkpoint(tmp_path / "ckpt")
-    assert resumed.validation_losses_[-1] == pytest.approx(resumed.score(X[30:], y[30:]),
+    assert resumed.validation_losses_[-1] == pytest.approx(resumed.evaluate(X[30:], y[30:]),
                                                            rel=1e-5)
     trainer = Trainer(TrainingProgram.load(program))
     trainer.fit(X[:30], y[:30], epochs=2, random_state=3, validation_data=(X[30:], y[30:]))

@@ -26,6 +26,7 @@ from lossgraph.errors import (
     UnknownNameError,
     UnsupportedOptionError,
 )
+from lossgraph.passes.plan import PlanRunner
 from lossgraph.passes.weights import WeightsToInputs
 from lossgraph.runtime.session import create_session
 
@@ -478,3 +479,21 @@ def test_pickle_round_trip_keeps_the_builder_configuration() -> None:
     assert list(config.initializer_names_to_train) == weights
     assert list(config.input_names_require_grad) == []
     assert list(restored._engine.graph_info.initializer_names_to_train) == weights
+
+
+def test_the_plan_declares_the_graphs_backend_onnx_builds() -> None:
+    fb = built("hand_mlp_tanh_double", "onnx")
+    assert str(fb.plan).splitlines() == [
+        "predict  = lifted model -> InferenceMode",
+        "gradient = lifted model -> Gradient(weights=('X', 'W1', 'B1', 'W2', 'B2'), "
+        "outputs=('Y',))"]
+    built_graphs = PlanRunner({"lifted model": WeightsToInputs(fb.weights_to_train)(
+        fb.onnx_model).model}).build_all(fb.plan)
+    assert built_graphs["predict"].model.graph == fb.eval_onnx.graph
+    assert built_graphs["gradient"].model.graph == fb.gradient_onnx.graph
+
+
+@pytest.mark.training
+def test_backend_ort_has_no_plan_of_lossgraphs() -> None:
+    with pytest.raises(UnsupportedOptionError, match="OrtModuleGraphBuilder builds its graphs"):
+        print(built("hand_mlp_tanh_double", "ort").plan)

@@ -26,8 +26,7 @@ from lossgraph.compat import (
     SquareLearningLoss,
 )
 from lossgraph.errors import LossgraphError, UnsupportedOptionError
-from lossgraph.optim import SGD, Momentum
-from lossgraph.separate import update_graph
+from lossgraph.optim import SGD, Momentum, update_graph
 
 
 def run(model, feeds):

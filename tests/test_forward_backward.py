@@ -9,8 +9,10 @@ import pytest
 from conftest import GOLDEN_MODELS
 
 import lossgraph
-from lossgraph.optimize import SpecializeBatch, WidenScalarConstants
-from lossgraph.separate import chain_graphs, packed_update, split_gradient, update_graph
+from lossgraph.optim import update_graph
+from lossgraph.runtime.packed import packed_update
+from lossgraph.speed import SpecializeBatch, WidenScalarConstants
+from lossgraph.surgery import chain_graphs, split_gradient
 
 GOLDEN = ["hand_linear", "hand_mlp_tanh_double", "hand_broadcast_reuse", "skl_mlp_regressor",
           "skl_mlp_classifier", "skl_logistic_multiclass", "torch_cnn"]
@@ -80,7 +82,7 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
     three where the model's opset is not the loss graph's), and (where the Trainer packs
     the state) the update of every weight at once; a last, smaller batch the general
     graphs one by one. All give the same numbers, bit for bit."""
-    from lossgraph.runtime.forward_backward import SeparateStep
+    from lossgraph.runtime.separate_step import SeparateStep
 
     model = onnx.load(GOLDEN_MODELS / f"{name}.onnx")
     weight = next(i.name for i in model.graph.initializer if i.dims)
@@ -93,19 +95,18 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
     y = rng.normal(size=(8, 1)).astype(dtype)
     states, kinds = [], []
     for batch, packs in ((8, True), (8, False), (None, True)):
-        trainer = lossgraph.Trainer(program)
-        trainer._learning_rate[()] = 0.01
-        assert trainer._packed is not None
-        step = SeparateStep(program, trainer._buffers, trainer._new_session, trainer._runner,
-                            batch, trainer._packed if packs else None)
-        kinds.append((step._static, step._static and len(step._runs),
-                      ("packed update", None) in trainer._sessions))
+        engine = lossgraph.runtime.Engine(program)
+        assert engine.packed is not None
+        step = SeparateStep(program, engine.ring, engine.new_session, engine.runner,
+                            batch, engine.packed if packs else None)
+        kinds.append((step.static, step.static and step.runs,
+                      ("packed update", None) in engine.open_sessions))
         losses = []
         for number in range(1, 4):
-            trainer._step[()] = number
+            engine.set_scalars(number, 0.01)
             losses.append(step.run({feature: X, program.io("loss", "label")[0]: y}))
-            trainer._buffers.advance()
-        states.append((losses, trainer.state))
+            engine.apply(1, f"step {number}")
+        states.append((losses, engine.state))
     # (bound buffers, runs for forward, loss and backward, packed update)
     assert kinds == [(True, runs, True), (True, runs, False), (False, False, False)]
     for losses, state in states[1:]:

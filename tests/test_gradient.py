@@ -28,9 +28,9 @@ from lossgraph.errors import (
     UnknownNameError,
     UnsupportedOptionError,
 )
-from lossgraph.optimize import SumRowsByProduct
 from lossgraph.passes.gradient import GRADIENTS_KEY
 from lossgraph.passes.stabilize import stabilize_numerics
+from lossgraph.speed import SumRowsByProduct
 
 LINEAR = """
     <ir_version: 8, opset_import: ["" : 18]>

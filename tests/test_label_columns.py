@@ -61,7 +61,7 @@ def test_trainer_takes_class_labels_of_shape_n_1_for_a_label_of_shape_n(data):
                                   progress=False)
     assert column.train_losses_ == flat.train_losses_
     assert column.validation_losses_ == flat.validation_losses_
-    assert column.score(X, y.reshape(-1, 1)) == flat.score(X, y)
+    assert column.evaluate(X, y.reshape(-1, 1)) == flat.evaluate(X, y)
     # streamed batches, each in one column
     batches = [(X[i:i + 20], y[i:i + 20].reshape(-1, 1)) for i in range(0, 60, 20)]
     streamed = Trainer(program).fit(batches, epochs=1, progress=False)
@@ -79,11 +79,11 @@ def test_trainer_takes_float_labels_in_one_column_for_a_flat_prediction(data):
     column = Trainer(program).fit(X, y.reshape(-1, 1), epochs=2, batch_size=16,
                                   random_state=0, progress=False)
     assert column.train_losses_ == flat.train_losses_
-    assert column.score(X, y.reshape(-1, 1)) == flat.score(X, y)
+    assert column.evaluate(X, y.reshape(-1, 1)) == flat.evaluate(X, y)
     # the other way, an (N,) array for an (N, 1) label, as before
     program = lossgraph.compile_program(score_model())
     assert label_spec(program) == ["N", 1]
-    assert Trainer(program).score(X, y) == Trainer(program).score(X, y.reshape(-1, 1))
+    assert Trainer(program).evaluate(X, y) == Trainer(program).evaluate(X, y.reshape(-1, 1))
 
 
 @pytest.mark.parametrize("shape", [(60, 2), (60, 1, 1)])

@@ -17,8 +17,16 @@ from lossgraph.errors import (
     UnsupportedOptionError,
 )
 from lossgraph.names import NameAuthority
-from lossgraph.optim import SGD, Adam, AdamW, Momentum, Optimizer, optimizer_from_dict
-from lossgraph.separate import build_update, update_graph
+from lossgraph.optim import (
+    SGD,
+    Adam,
+    AdamW,
+    Momentum,
+    Optimizer,
+    build_update,
+    optimizer_from_dict,
+    update_graph,
+)
 
 STEPS = 5
 SHAPES = {"coef": (4, 3), "bias": (3,), "scale": ()}

@@ -1,4 +1,4 @@
-"""The speed rewrites of lossgraph.optimize: each on a tiny graph, for structure and
+"""The speed rewrites of lossgraph.speed: each on a tiny graph, for structure and
 numbers, and as the compiler and the Trainer apply them."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from models import model
 import lossgraph
 from lossgraph.errors import UnsupportedOptionError
 from lossgraph.optim import Adam, Momentum
-from lossgraph.optimize import (
+from lossgraph.speed import (
     FoldStaticShapes,
     SpecializeBatch,
     SplitRowProducts,
     SumRowsByProduct,
     WidenScalarConstants,
 )
-from lossgraph.optimize.split_row_products import gradient_product_parts, row_product_parts
+from lossgraph.speed.split_row_products import gradient_product_parts, row_product_parts
 
 
 def ops(graph: onnx.GraphProto) -> list[str]:
@@ -411,10 +411,11 @@ def test_only_full_batches_of_an_array_fit_run_a_specialized_step_graph():
                                 fuse="step")
     trainer = lossgraph.Trainer(program)
     trainer.fit(X, y, epochs=1, batch_size=32, shuffle=False, progress=False)
-    assert sorted(trainer._sessions, key=str) == [("train_step", 32), ("train_step", None)]
+    specialized = [("train_step", 32), ("train_step", None)]
+    assert sorted(trainer.engine.open_sessions, key=str) == specialized
     streamed = [(X[a:b], y[a:b]) for a, b in [(0, 7), (7, 30), (30, 100)]]
     trainer.fit(streamed, epochs=2, progress=False, warm_start=True)  # no session per size
-    assert sorted(trainer._sessions, key=str) == [("train_step", 32), ("train_step", None)]
+    assert sorted(trainer.engine.open_sessions, key=str) == specialized
 
 
 @pytest.mark.parametrize("batch, parts", [(1000, 4), (2000, 8), (1009, None), (500, None)])

@@ -31,6 +31,7 @@ from lossgraph.errors import (
     UnsupportedOptionError,
 )
 from lossgraph.export import read_ort_checkpoint, to_ort_artifacts
+from lossgraph.export.artifacts import artifacts_plan
 from lossgraph.export.ort_checkpoint import (
     OptimizerGroup,
     OrtCheckpoint,
@@ -40,6 +41,8 @@ from lossgraph.export.ort_checkpoint import (
 )
 from lossgraph.optim import SGD, Adam, AdamW, Momentum
 from lossgraph.passes import InferenceMode
+from lossgraph.passes.plan import PlanRunner
+from lossgraph.target import DEFAULT_TARGET, use_target
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = GOLDEN_MODELS / "skl_mlp_regressor.onnx"  # 5 -> 16 (relu) -> 1, four weights
@@ -71,6 +74,26 @@ def mlp_adamw(tmp_path_factory) -> tuple[lossgraph.TrainingProgram, object]:
     folder = tmp_path_factory.mktemp("artifacts") / "mlp"
     paths = to_ort_artifacts(MLP, folder, optimizer=optimizer, properties={"epochs": 0})
     return lossgraph.compile_program(MLP, optimizer=optimizer), paths
+
+
+def test_the_plan_declares_every_file_and_builds_what_is_written(mlp_adamw):
+    program, paths = mlp_adamw
+    plan = artifacts_plan(program)
+    assert str(plan).splitlines() == [
+        "training_model.onnx  = evaluate -> Gradient(weights=('coefficient', 'intercepts', "
+        "'coefficient1', 'intercepts1')) -> SumRowsByProduct -> WidenScalarConstants -> "
+        "AccumulateGradients",
+        "eval_model.onnx      = evaluate -> InferenceMode",
+        "optimizer_model.onnx = OrtOptimizerGraph(op_type='AdamWOptimizer', attributes=("
+        "('alpha', 0.9), ('beta', 0.999), ('epsilon', 1e-08), ('weight_decay', 0.1), "
+        "('correct_bias', 1), ('adam_mode', 0)), opset=18)"]
+    with use_target(DEFAULT_TARGET):
+        built = PlanRunner({"evaluate": program.graphs["evaluate"]}).build_all(plan)
+    written = onnx.load(paths.eval_model)
+    assert written.graph.SerializeToString() == built["eval_model.onnx"].model.graph \
+        .SerializeToString()
+    with pytest.raises(UnsupportedOptionError, match="Momentum"):
+        artifacts_plan(program, Momentum(0.01))
 
 
 # -- the layout onnxruntime reads -----------------------------------------------------------
@@ -428,7 +451,7 @@ def test_onnxruntime_trains_to_the_weights_lossgraphs_trainer_reaches(
                                    atol=1e-5, err_msg=w)
         assert not np.array_equal(trainer.state[w], program.state[w]), w  # it trained
     module.eval()
-    assert float(module(X, y)[0]) == pytest.approx(trainer.score(X, y), rel=1e-5)
+    assert float(module(X, y)[0]) == pytest.approx(trainer.evaluate(X, y), rel=1e-5)
     output = program.manifest["roles"]["prediction"]
     module.export_model_for_inferencing(str(tmp_path / "inference.onnx"), [output])
     exported = run_model(tmp_path / "inference.onnx", {"X": X})[output]

@@ -27,17 +27,9 @@ import pytest
 from models import UNSORTED
 
 import lossgraph
-from lossgraph.optim import SGD, Adam, Momentum
-from lossgraph.optimize import (
-    ConcatScatteredSlabs,
-    FoldBatchIntoProducts,
-    FoldStaticShapes,
-    SpecializeBatch,
-    SplitRowProducts,
-    SumRowsByProduct,
-    UnfoldConvWeightGradients,
-    WidenScalarConstants,
-)
+from lossgraph.errors import UnsupportedModelError
+from lossgraph.export.artifacts import AccumulateGradients
+from lossgraph.optim import SGD, Adam, Momentum, update_graph
 from lossgraph.passes import (
     AddLossOutput,
     AlphabetizeInitializers,
@@ -47,6 +39,7 @@ from lossgraph.passes import (
     PackWeights,
     Pass,
     PassResult,
+    Pipeline,
     RemoveLossOutput,
     StepGraph,
     StripTraining,
@@ -58,7 +51,17 @@ from lossgraph.passes.running_stats import RunningStatistics
 from lossgraph.passes.sequences import SequencesToTensors
 from lossgraph.passes.stabilize import StabilizeNumerics
 from lossgraph.passes.strip import InferenceMode
-from lossgraph.separate import penalty_graph, update_graph
+from lossgraph.penalties import penalty_graph
+from lossgraph.speed import (
+    ConcatScatteredSlabs,
+    FoldBatchIntoProducts,
+    FoldStaticShapes,
+    SpecializeBatch,
+    SplitRowProducts,
+    SumRowsByProduct,
+    UnfoldConvWeightGradients,
+    WidenScalarConstants,
+)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
 HERE = Path(__file__).resolve().parent
@@ -117,6 +120,8 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
             h, rm, rv = BatchNormalization <training_mode: int = 1> (x, s, b, m, v)
             y, mask = Dropout(h, r, t) }"""), weight_name="w"), StripTraining()),
     "InferenceMode": (lambda: PASSES["StripTraining"][0](), InferenceMode()),
+    "AccumulateGradients": (lambda: with_gradients("hand_mlp_tanh_double"),
+                            AccumulateGradients()),
     "RunningStatistics": (lambda: WeightsToInputs(["m", "v"])(PASSES["StripTraining"][0]()).model,
                           RunningStatistics()),
     "LowerMlOps LinearRegressor": (lambda: golden("skl_linear_regression"), LowerMlOps()),
@@ -251,6 +256,52 @@ def test_every_pass_is_pure_valid_and_deterministic(name):
     assert emitted
     for emitted_model in emitted:
         onnx.checker.check_model(emitted_model, full_check=True)
+
+
+@pytest.mark.parametrize(("step", "given", "missing"), [
+    (StepGraph(SGD()), lambda: golden("hand_linear"), "records no loss"),
+    (PackWeights(SGD()), lambda: with_loss("hand_linear"), "records no gradients"),
+    (AccumulateGradients(), lambda: with_loss("hand_linear"), "records no gradients"),
+    (EpochGraph(), lambda: with_gradients("hand_linear"), "no step graph signature"),
+    (EpochGraph(), lambda: compiled("epoch")(golden("hand_linear")).graphs["train_epoch"],
+     "an epoch graph cannot be wrapped again"),
+])
+def test_a_pass_names_the_precondition_its_input_misses(step, given, missing):
+    with pytest.raises(UnsupportedModelError,
+                       match=f"{step.name} needs {step.requires[0].description}: .*{missing}"):
+        step(given())
+
+
+def test_a_pipeline_checks_each_intermediate_model_once(monkeypatch):
+    """The model given is checked once; each pass proves only the model it emits."""
+    from lossgraph.passes import contract
+
+    checked, emitted = [], []
+    monkeypatch.setattr(contract, "check_model", lambda model, what: checked.append(what))
+    real_emitted = contract.check_emitted
+    monkeypatch.setattr(contract, "check_emitted",
+                        lambda model, what: emitted.append(what) or real_emitted(model, what))
+    weights = ["W", "B"]
+    result = Pipeline((AddLossOutput("squared_error"), WeightsToInputs(weights),
+                       Gradient(weights)))(golden("hand_linear"))
+    assert checked == ["The model given to AddLossOutput"]
+    assert emitted == ["AddLossOutput", "WeightsToInputs", "Gradient"]
+    assert list(result.report.of(WeightsToInputs)) == weights
+    assert result.report.of(Gradient) == {"W": "W_grad", "B": "B_grad"}
+    with pytest.raises(lossgraph.errors.InternalError, match="No StepGraph report"):
+        result.report.of(StepGraph)
+
+
+def test_compile_runs_a_prefix_shared_by_equal_passes_once(monkeypatch):
+    """Pipelines built apart share the passes they have in common (equal options): the
+    epoch program lifts the weights of the loss model once for its four training and
+    evaluation graphs, and the inference model's once."""
+    calls = []
+    real = WeightsToInputs.call
+    monkeypatch.setattr(WeightsToInputs, "call", lambda self, model: calls.append(1)
+                        or real(self, model))
+    lossgraph.compile_program(golden("hand_linear"), fuse="epoch")
+    assert len(calls) == 2
 
 
 def test_every_pass_class_of_lossgraph_is_checked_here():

@@ -12,8 +12,7 @@ import lossgraph
 from lossgraph.builder import GraphBuilder
 from lossgraph.errors import UnknownNameError, UnsupportedModelError, UnsupportedOptionError
 from lossgraph.names import NameAuthority
-from lossgraph.penalties import penalty_gradient, penalty_terms
-from lossgraph.separate import penalty_graph
+from lossgraph.penalties import penalty_gradient, penalty_graph, penalty_terms
 
 PENALTIES = [
     {"coef": {"l1": 0.1}},

@@ -7,7 +7,9 @@ import pytest
 from gradcheck import check_gradients, cotangent
 from models import dims, model
 
+import lossgraph
 from lossgraph.errors import UnsupportedModelError
+from lossgraph.graphs import attribute_values
 
 
 def ints(name: str, values) -> str:
@@ -140,6 +142,55 @@ def test_gather_gradient_matches_onnxruntime(rng):
     net = model("(double[5, 3] x, int64[2, 2] i) => (double[2, 2, 3] y)", "y = Gather(x, i)",
                 opset=16)
     check_gradients(net, {"x": x, "i": i}, wrt=["x"], ort=True)
+
+
+def _scatters(net) -> list[tuple[str, str]]:
+    """(op type, reduction) of every scatter in the gradient of ``net`` with respect to x."""
+    graph = lossgraph.gradient(net, weights=["x"], outputs=["y"])
+    return [(n.op_type, attribute_values(n).get("reduction", "none"))
+            for n in graph.graph.node if n.op_type.startswith("Scatter")]
+
+
+@pytest.mark.parametrize("signature, indices, scatter", [
+    ("(double[5, 3] x, int64[K] i) => (double[K, 3] y)", None, "ScatterElements"),
+    ("(double[5, 3] x, int64[2, 2] i) => (double[2, 2, 3] y)", None, "ScatterElements"),
+    ("(double[5, 3] x) => (double[3, 3] y)", [4, 0, -1], "ScatterElements"),  # 4 twice
+    ("(double[5, 3] x) => (double[3, 3] y)", [4, 0, 1], "ScatterND"),
+    ("(double[5, 3] x, int64[1] i) => (double[1, 3] y)", None, "ScatterND"),
+])
+def test_gather_gradient_adds_repeatable_indices_in_order(rng, signature, indices, scatter):
+    """onnxruntime's ScatterND(add) races when two threads add into one row (module doc of
+    the rules): indices that can repeat are added by a ScatterElements, in order; constant
+    distinct ones and a single index keep the ScatterND, which then has nothing to race."""
+    body = "y = Gather(x, i)" if indices is None else ints("i", indices) + "y = Gather(x, i)"
+    net = model(signature, body, opset=16)
+    assert _scatters(net) == [(scatter, "add")]
+    feeds = {"x": rand(rng, 5, 3)}
+    if indices is None:
+        rows = net.graph.input[1].type.tensor_type.shape.dim
+        feeds["i"] = np.zeros([d.dim_value or 4 for d in rows], np.int64)
+    check_gradients(net, feeds, wrt=["x"])
+
+
+@pytest.mark.parametrize("signature, indices, scatter", [
+    ("(double[3, 4, 2] x, int64[3, 2] i) => (double[3, 2] y)", None, "ScatterElements"),
+    # (0, 1) twice
+    ("(double[3, 4, 2] x) => (double[2, 2] y)", [[0, 1], [-3, 1]], "ScatterElements"),
+    ("(double[3, 4, 2] x) => (double[2, 2] y)", [[0, 1], [2, 3]], "ScatterND"),
+    ("(double[3, 4, 2] x, int64[2] i) => (double[2] y)", None, "ScatterND"),
+])
+def test_gather_nd_gradient_adds_repeatable_indices_in_order(rng, signature, indices, scatter):
+    body = "y = GatherND(x, i)"
+    if indices is not None:
+        flat = np.array(indices).reshape(-1).tolist()
+        body = (f"i = Constant <value = int64[2, 2] {{{dims(flat)}}}> () " + body)
+    net = model(signature, body, opset=16)
+    assert _scatters(net) == [(scatter, "add")]
+    feeds = {"x": rand(rng, 3, 4, 2)}
+    if indices is None:
+        feeds["i"] = np.zeros([d.dim_value for d in net.graph.input[1].type.tensor_type.shape
+                               .dim], np.int64)
+    check_gradients(net, feeds, wrt=["x"])
 
 
 @pytest.mark.parametrize("opset", [13, 16])

@@ -1,6 +1,6 @@
 """The forms chosen for onnxruntime's speed on convolutional networks compute what the plain
 forms compute: the MaxPool gradient of windows that tile their input (nn.py's rule), the
-convolution weight gradient by unfolding (lossgraph/optimize/unfold_conv_grads.py) and the
+convolution weight gradient by unfolding (lossgraph/speed/unfold_conv_grads.py) and the
 ReLU mask (activation.py's rule); ties, zeros, denormals and infinities included."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from gradcheck import attributes_text, check_op, cotangent, loss_model
 from models import TEXT_TYPE, model
 
 import lossgraph
-from lossgraph.optimize import (
+from lossgraph.runtime.session import create_session
+from lossgraph.speed import (
     ConcatScatteredSlabs,
     FoldBatchIntoProducts,
     UnfoldConvWeightGradients,
 )
-from lossgraph.runtime.session import create_session
 
 F32 = np.float32
 

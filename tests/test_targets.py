@@ -25,9 +25,10 @@ from lossgraph.compat import (
 )
 from lossgraph.errors import UnsupportedModelError, UnsupportedOptionError
 from lossgraph.models import check_emitted
-from lossgraph.optim import SGD, Adam, AdamW, Momentum
-from lossgraph.optimize import SpecializeBatch
-from lossgraph.separate import penalty_graph, split_gradient, update_graph
+from lossgraph.optim import SGD, Adam, AdamW, Momentum, update_graph
+from lossgraph.penalties import penalty_graph
+from lossgraph.speed import SpecializeBatch
+from lossgraph.surgery import split_gradient
 from lossgraph.target import (
     DEFAULT_TARGET,
     LATEST,

@@ -339,17 +339,17 @@ def test_to_onnx_after_training_predicts_like_the_module(ort_session):
 def test_no_grad_and_inference_mode_run_the_prediction_graph_and_keep_nothing(monkeypatch):
     import torch
 
-    from lossgraph.compat.forward_backward import OrtGradientForwardBackwardFunction
+    from lossgraph.runtime.graph_function import GraphFunctionCall
     from lossgraph.torch import OnnxModule
 
     calls: list[bool] = []
-    original = OrtGradientForwardBackwardFunction.forward
+    original = GraphFunctionCall.forward
 
     def spy(self, inputs, training=False):
         calls.append(training)
         return original(self, inputs, training=training)
 
-    monkeypatch.setattr(OrtGradientForwardBackwardFunction, "forward", spy)
+    monkeypatch.setattr(GraphFunctionCall, "forward", spy)
     head = _head()
     layer = OnnxModule(_head_text(head))
     h = torch.from_numpy(_data(rows=5, features=8)[0])

@@ -47,7 +47,7 @@ def test_validation_losses_are_recorded_per_epoch(data):
                                                validation_data=(X[150:], y[150:]),
                                                progress=False)
     assert len(trainer.validation_losses_) == 3
-    assert trainer.validation_losses_[-1] == pytest.approx(trainer.score(X[150:], y[150:]))
+    assert trainer.validation_losses_[-1] == pytest.approx(trainer.evaluate(X[150:], y[150:]))
 
 
 def test_a_non_finite_validation_loss_warns_and_is_recorded(data):
@@ -119,16 +119,17 @@ def test_predict_equals_the_exported_inference_model(data, run_model):
     assert not np.allclose(trainer.predict(X), lossgraph.Trainer(program()).predict(X))
 
 
-def test_streaming_batches_equal_array_training(data):
+@pytest.mark.parametrize("mode", ["separate", "step", "epoch"])
+def test_streaming_batches_equal_array_training(data, mode):
     X, y = data
-    from_arrays = lossgraph.Trainer(program()).fit(X, y, epochs=2, batch_size=50,
-                                                   shuffle=False, progress=False)
+    from_arrays = lossgraph.Trainer(program(mode)).fit(X, y, epochs=2, batch_size=50,
+                                                       shuffle=False, progress=False)
 
     def batches():
         for lo in range(0, len(X), 50):
             yield X[lo:lo + 50], y[lo:lo + 50]
 
-    streamed = lossgraph.Trainer(program()).fit(batches, epochs=2, progress=False)
+    streamed = lossgraph.Trainer(program(mode)).fit(batches, epochs=2, progress=False)
     np.testing.assert_allclose(streamed.state["coef"], from_arrays.state["coef"], rtol=1e-6)
     assert streamed.train_losses_ == pytest.approx(from_arrays.train_losses_)
 
@@ -204,7 +205,7 @@ def test_divergence_keeps_the_last_state_whose_loss_was_finite(data, mode):
     kept = trainer.steps_
     assert f"before step {kept + 1} (epoch {kept}, batch 0), the last whose loss was finite" \
         in str(error.value)
-    assert np.isfinite(trainer.score(X, y))
+    assert np.isfinite(trainer.evaluate(X, y))
     again = lossgraph.Trainer(program(mode, SGD(0.5))).fit(
         X, y, epochs=kept, batch_size=len(X), shuffle=False, progress=False)
     for name, value in again.state.items():

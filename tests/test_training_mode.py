@@ -167,7 +167,7 @@ def test_training_equals_torch_weights_and_running_statistics(kind, optimizer, f
     np.testing.assert_allclose(_run(trainer.to_inference_model(), X), expected, rtol=1e-4,
                                atol=1e-5)
     # the evaluate graph gives the eval-mode loss
-    assert trainer.score(X, y) == pytest.approx(eval_loss, rel=1e-5)
+    assert trainer.evaluate(X, y) == pytest.approx(eval_loss, rel=1e-5)
 
 
 @TORCH
@@ -308,7 +308,7 @@ def test_evaluate_and_the_export_are_deterministic_and_training_is_not():
     losses = [trainer.fit(X, y, epochs=1, batch_size=32, shuffle=False,
                           progress=False).train_losses_[-1] for _ in range(3)]
     assert len(set(losses)) > 1  # the dropout mask is drawn again at every step
-    assert trainer.score(X, y) == trainer.score(X, y)
+    assert trainer.evaluate(X, y) == trainer.evaluate(X, y)
     np.testing.assert_array_equal(trainer.predict(X), trainer.predict(X))
     # with a learning rate 0 only the running statistics move: the eval model sees them
     state = trainer.state
@@ -318,7 +318,7 @@ def test_evaluate_and_the_export_are_deterministic_and_training_is_not():
     np.testing.assert_allclose(_run(to_inference_model(trainer), X), expected, rtol=1e-5,
                                atol=1e-6)
     np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-5, atol=1e-6)
-    assert trainer.score(X, y) == pytest.approx(float(np.mean((expected - y) ** 2)), rel=1e-5)
+    assert trainer.evaluate(X, y) == pytest.approx(float(np.mean((expected - y) ** 2)), rel=1e-5)
 
 
 def test_the_running_statistics_update_is_torchs_unbiased_one():

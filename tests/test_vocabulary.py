@@ -3,13 +3,20 @@ with a LossgraphDeprecationWarning (the suite turns that warning into an error e
 
 from __future__ import annotations
 
+import argparse
+import inspect
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
 import lossgraph
+import lossgraph.passes
+import lossgraph.speed
+import lossgraph.surgery
 from lossgraph.cli import main
+from lossgraph.cli.parser import build_parser
 from lossgraph.errors import LossgraphDeprecationWarning, UnsupportedOptionError
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
@@ -88,6 +95,8 @@ def test_alphabetize_initializers_takes_weights(linear):
 @pytest.mark.parametrize("command, old, new", [
     (["add-loss"], ["--score", "huber"], ["--loss", "huber"]),
     (["add-loss"], ["--weight", "w"], ["--weight-name", "w"]),
+    (["add-loss"], ["--loss", "huber", "--option", "delta=2"],
+     ["--loss", "huber", "--loss-option", "delta=2"]),
     (["gradient"], ["--wrt", "W"], ["--weights", "W"]),
     (["gradient"], ["--loss", "loss"], ["--loss-name", "loss"]),
 ])
@@ -101,30 +110,107 @@ def test_old_command_line_options_work_with_a_warning(tmp_path, linear, capsys, 
         assert main([*command, str(source), "-o", str(tmp_path / name), *options]) == 0
         outputs.append((tmp_path / name).read_bytes())
     assert outputs[0] == outputs[1]
+    renamed = next(o for o in old if o.startswith("--") and o not in new)
+    replacement = next(o for o in new if o.startswith("--") and o not in old)
     err = capsys.readouterr().err
-    assert f"warning: {old[0]} is deprecated" in err and f"use {new[0]}" in err
+    assert f"warning: {renamed} is deprecated" in err and f"use {replacement}" in err
 
 
-def test_old_compile_options_on_the_command_line(tmp_path, linear, capsys):
+@pytest.mark.parametrize("old, new", [(["--trainable", "W"], ["--weights", "W"]),
+                                      (["--gradient", "onnx"], ["--backend", "onnx"])])
+def test_old_compile_options_give_the_same_program_with_a_warning(tmp_path, linear, capsys,
+                                                                   old, new):
     source = tmp_path / "model.onnx"
     onnx.save(linear, source)
-    assert main(["compile", str(source), "-o", str(tmp_path / "p"), "--trainable", "W",
-                 "--gradient", "onnx"]) == 0
-    err = capsys.readouterr().err
-    assert "--gradient is deprecated" in err
-    assert lossgraph.TrainingProgram.load(tmp_path / "p").weights == ["W"]
+    programs = []
+    for options, name in ((new, "new"), (old, "old")):
+        assert main(["compile", str(source), "-o", str(tmp_path / name), *options]) == 0
+        programs.append(lossgraph.TrainingProgram.load(tmp_path / name))
+    assert same_graphs(*programs)
+    assert f"warning: {old[0]} is deprecated" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option", ["--trainable", "--weights"])
-def test_compile_takes_trainable_and_weights_alike_without_a_warning(tmp_path, linear, capsys,
-                                                                     option):
-    # --trainable is compile's documented flag (lossgraph inspect's word); --weights, the
-    # vocabulary's word and gradient's flag, stays a plain alias of it
-    source = tmp_path / "model.onnx"
-    onnx.save(linear, source)
-    assert main(["compile", str(source), "-o", str(tmp_path / "p"), option, "W"]) == 0
-    assert "warning" not in capsys.readouterr().err
-    assert lossgraph.TrainingProgram.load(tmp_path / "p").weights == ["W"]
+# Every option of the commands that mirror a Python function, and the parameter it feeds:
+# one word per idea on both sides. None: an option of the command line alone.
+FLAG_PARAMETERS = {
+    "add-loss": (lossgraph.add_loss_output, {
+        "--loss": "loss", "--loss-name": "loss_name", "--label-name": "label_name",
+        "--weight-name": "weight_name", "--output-index": "output_index",
+        "--reduction": "reduction", "--penalty": "penalty", "--loss-option": "options",
+        "--output": None, "--force": None}),
+    "gradient": (lossgraph.gradient, {
+        "--weights": "weights", "--loss-name": "loss_name", "--outputs": "outputs",
+        "--backend": "backend", "--output": None, "--force": None}),
+    "compile": (lossgraph.compile_program, {
+        "--weights": "weights", "--loss": "loss", "--loss-option": "loss_options",
+        "--weight-name": "loss_options", "--penalty": "penalty", "--penalty-l1": "penalty",
+        "--penalty-l2": "penalty", "--optimizer": "optimizer", "--learning-rate": "optimizer",
+        "--momentum": "optimizer", "--backend": "backend", "--fuse": "fuse",
+        "--target": "target", "--output": None, "--format": None}),
+}
+
+
+def command_flags(name: str) -> set[str]:
+    """The documented (not deprecated) long options of a lossgraph command."""
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    return {flag for action in commands.choices[name]._actions
+            if action.help != argparse.SUPPRESS for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"}
+
+
+@pytest.mark.parametrize("command", sorted(FLAG_PARAMETERS))
+def test_command_line_options_are_named_as_the_python_parameters(command):
+    function, table = FLAG_PARAMETERS[command]
+    assert command_flags(command) == set(table)
+    parameters = set(inspect.signature(function).parameters)
+    assert {p for p in table.values() if p} <= parameters
+    for flag, parameter in table.items():  # where the option feeds one parameter, same word
+        if parameter and list(table.values()).count(parameter) == 1 and parameter != "options":
+            assert flag == "--" + parameter.replace("_", "-"), (flag, parameter)
+
+
+def test_deprecated_modules_still_import_with_a_warning():
+    with pytest.warns(LossgraphDeprecationWarning, match="lossgraph.speed"):
+        from lossgraph.optimize import SpecializeBatch
+    assert SpecializeBatch is lossgraph.speed.SpecializeBatch
+    with pytest.warns(LossgraphDeprecationWarning, match="lossgraph.surgery.GradientHalves"):
+        from lossgraph.separate import ForwardBackward
+    assert ForwardBackward is lossgraph.surgery.GradientHalves
+
+
+def test_deprecated_attributes_and_keywords_still_work_with_a_warning(linear):
+    program = lossgraph.compile_program(linear, fuse="epoch")
+    with pytest.warns(LossgraphDeprecationWarning, match="optimizer_states"):
+        assert program.states == program.optimizer_states
+    with pytest.warns(LossgraphDeprecationWarning, match="shuffle="):
+        lossgraph.passes.EpochGraph(shuffled=False)
+    with pytest.warns(LossgraphDeprecationWarning, match="loss=None"):
+        built = lossgraph.add_loss_output(linear, loss=None)
+    assert built.SerializeToString() == lossgraph.add_loss_output(linear).SerializeToString()
+    trainer = lossgraph.Trainer(lossgraph.compile_program(linear))
+    x = np.linspace(0, 1, 48, dtype=np.float32).reshape(8, 6)
+    y = np.ones((8, 1), np.float32)
+    trainer.fit(x, y, epochs=1, batch_size=4)
+    with pytest.warns(LossgraphDeprecationWarning, match="evaluate"):
+        assert trainer.score(x, y) == trainer.evaluate(x, y)
+
+
+def test_describe_plan_prints_every_graph_of_a_separate_program(linear):
+    """Every graph separate mode emits has a declared plan: the model's gradient from the
+    forward model, the loss, update and penalty graphs from their builders' options."""
+    text = lossgraph.describe_plan(linear, fuse="separate", penalty={"W": 0.1},
+                                   optimizer=lossgraph.optim.Momentum(0.05))
+    lines = dict(line.split(" = ", 1) for line in text.splitlines())
+    assert [name.strip() for name in lines] == ["evaluate", "predict", "gradient", "loss",
+                                                "update", "penalty"]
+    assert lines["gradient"].endswith("-> Gradient(weights=('W', 'B'), outputs=('Y',)) -> "
+                                      "SumRowsByProduct -> SumRowsByProduct -> "
+                                      "WidenScalarConstants")
+    assert lines["loss    "] == "LossGraph(loss='squared_error') -> WidenScalarConstants"
+    assert lines["update  "] == ("UpdateGraph(optimizer=Momentum(learning_rate=0.05)) -> "
+                                 "WidenScalarConstants")
+    assert lines["penalty "] == "PenaltyGraph(penalty={'W': 0.1}) -> WidenScalarConstants"
 
 
 def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
@@ -140,9 +226,43 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
                                            "-> PackWeights(")
     assert lines["train_epoch"].endswith("-> EpochGraph -> WidenScalarConstants")
     assert lines["train_epoch_ordered"].endswith(
-        "-> EpochGraph(shuffled=False) -> WidenScalarConstants")
+        "-> EpochGraph(shuffle=False) -> WidenScalarConstants")
     assert "-> StepGraph(optimizer=SGD) ->" in lines["train_step"]  # options off default only
     momentum = lossgraph.describe_plan(linear, optimizer=lossgraph.optim.Momentum(0.05))
     assert "StepGraph(optimizer=Momentum(learning_rate=0.05))" in momentum
     program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
     assert list(program.graphs) == list(lines)
+
+
+def test_import_lossgraph_exposes_a_curated_surface():
+    """Every public attribute of ``lossgraph`` that is not a submodule is in __all__ (no
+    leaked typing or helper names), every name of __all__ exists, and each pass a user
+    runs alone is reachable as add_loss_output is."""
+    import inspect
+
+    public = {name for name in dir(lossgraph) if not name.startswith("_")
+              and not inspect.ismodule(getattr(lossgraph, name))}
+    assert public == set(lossgraph.__all__) - {"optim", "__version__"}
+    for helper in ("add_loss_output", "gradient", "lower_ml_ops", "alphabetize_initializers",
+                   "stabilize_numerics", "strip_training", "straight_through_quantization"):
+        assert getattr(lossgraph, helper) is getattr(lossgraph.passes, helper)
+
+
+def test_every_error_and_warning_class_is_in_errors_all():
+    import inspect
+
+    from lossgraph import errors
+
+    classes = {name for name, value in vars(errors).items()
+               if inspect.isclass(value) and issubclass(value, BaseException)
+               and value.__module__ == errors.__name__}
+    assert classes <= set(errors.__all__)
+
+
+def test_the_package_speaks_of_onnxcustom_by_name():
+    package = Path(lossgraph.__file__).parent
+    found = [f"{path.relative_to(package)}:{number}"
+             for path in sorted(package.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if "reference document" in line.lower()]
+    assert found == []

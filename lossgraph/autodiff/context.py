@@ -241,7 +241,7 @@ class GradContext(GraphBuilder):
         the static shape of ``like``: ``Reshape(ReduceSum(grad, axes=(0..count-1)), like)``.
 
         A bias gradient is such a sum over the batch; compile runs
-        :class:`~lossgraph.optimize.SumRowsByProduct` to compute it the fast way.
+        :class:`~lossgraph.speed.SumRowsByProduct` to compute it the fast way.
         """
         target = [int(d) for d in self.shape(like)]
         total = self.reduce("ReduceSum", grad, list(range(count)), keepdims=0, hint="row_sum")

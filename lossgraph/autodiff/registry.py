@@ -76,6 +76,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..graphs import canonical_domain
+
 __all__ = ["GradRule", "grad_rule", "find_rule", "nondiff_inputs", "scoped_rules",
            "supported_ops", "RuleInfo", "zero_gradient", "no_gradient", "not_differentiable",
            "differentiable_inputs", "not_differentiable_reason", "zero_gradient_op",
@@ -145,7 +147,7 @@ def grad_rule(
     reasons = tuple(sorted(nondiff.items())) if isinstance(nondiff, Mapping) else ()
 
     def register(rule: GradRule) -> GradRule:
-        key = ("" if domain == "ai.onnx" else domain, op_type)
+        key = (canonical_domain(domain), op_type)
         info = RuleInfo(op_type, key[0], since, until, broadcast, notes, rule,
                         frozenset(nondiff), reasons, zero, frozenset(constant))
         kept = [r for r in _RULES.get(key, []) if (r.since, r.until) != (since, until)]
@@ -157,7 +159,7 @@ def grad_rule(
 
 def find_rule(op_type: str, domain: str, version: int) -> RuleInfo | None:
     """The rule for ``domain::op_type`` at opset ``version``, or ``None``."""
-    key = ("" if domain == "ai.onnx" else domain, op_type)
+    key = (canonical_domain(domain), op_type)
     for info in reversed(_RULES.get(key, [])):
         if info.covers(version):
             return info
@@ -168,7 +170,7 @@ def _declared(op_type: str, domain: str, version: int | None) -> RuleInfo | None
     """The rule whose declarations hold for ``domain::op_type`` at opset ``version``: the
     one covering it, else the newest (an op's shape and index inputs keep their
     positions); None when the op has no rule."""
-    infos = _RULES.get(("" if domain == "ai.onnx" else domain, op_type))
+    infos = _RULES.get((canonical_domain(domain), op_type))
     if not infos:
         return None
     covering = find_rule(op_type, domain, version) if version is not None else None
@@ -198,13 +200,13 @@ def no_gradient(*op_types: str, inputs: Iterable[int] = ALL_INPUTS, domain: str 
     """Declare that ``op_types`` (of ``domain``, without a gradient rule) pass no gradient
     to their ``inputs`` (default: any): shapes, counts, indices, random draws."""
     for op_type in op_types:
-        _NO_GRADIENT[(_domain(domain), op_type)] = frozenset(inputs)
+        _NO_GRADIENT[(canonical_domain(domain), op_type)] = frozenset(inputs)
 
 
 def not_differentiable(op_type: str, why: str, domain: str = "") -> None:
     """Declare ``domain::op_type`` (without a gradient rule) not differentiable: its outputs
     have no derivative worth having, for the reason ``why`` (an error quotes it)."""
-    _NOT_DIFFERENTIABLE[(_domain(domain), op_type)] = why
+    _NOT_DIFFERENTIABLE[(canonical_domain(domain), op_type)] = why
 
 
 def not_differentiable_ops() -> dict[tuple[str, str], str]:
@@ -217,17 +219,13 @@ def no_gradient_ops() -> dict[tuple[str, str], frozenset[int]]:
     return dict(_NO_GRADIENT)
 
 
-def _domain(domain: str) -> str:
-    return "" if domain == "ai.onnx" else domain
-
-
 def differentiable_inputs(op_type: str, domain: str, arity: int, trainable: bool = False,
                           opset: int | None = None) -> list[int]:
     """Positions of the inputs of an ``op_type`` node (of ``domain``, at ``opset``) that
     may carry a gradient (``trainable``: and may be trained, which excludes the rule's
     ``constant`` inputs). Ops of other domains without any declaration: every input."""
     info = _declared(op_type, domain, opset)
-    key = (_domain(domain), op_type)
+    key = (canonical_domain(domain), op_type)
     if info is not None:
         skipped = info.nondiff | (info.constant if trainable else frozenset())
     elif key in _NOT_DIFFERENTIABLE:
@@ -247,7 +245,7 @@ def not_differentiable_reason(op_type: str, domain: str = "", position: int | No
         reason = info.nondiff_reason(position) if info is not None else None
         if reason is not None:
             return reason
-    return _NOT_DIFFERENTIABLE.get((_domain(domain), op_type))
+    return _NOT_DIFFERENTIABLE.get((canonical_domain(domain), op_type))
 
 
 def zero_gradient_op(op_type: str, domain: str = "", opset: int | None = None) -> bool:

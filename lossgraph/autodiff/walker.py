@@ -37,7 +37,14 @@ import onnx
 
 from ..analysis import differentiable_values, gradient_block, influenced_values
 from ..errors import InvalidRuleError, MissingGradientError, NoGradientError
-from ..graphs import ForwardFacts, opset_version, outer_references, shortest_path, subgraphs
+from ..graphs import (
+    ForwardFacts,
+    GraphIndex,
+    opset_version,
+    outer_references,
+    shortest_path,
+    subgraphs,
+)
 from ..names import NameAuthority
 from ..target import Target, active_target
 from .context import GradContext, Node
@@ -285,13 +292,13 @@ _PATH_ENDS = 5  # values and nodes shown at each end of a long path in error mes
 def _path_through(model: onnx.ModelProto, target: onnx.NodeProto, wrt: Sequence[str],
                   seeds: Mapping[str, str], relevant: set[str]) -> str:
     """'w -> [Op 'name'] -> v -> ... -> loss' through ``target``, for error messages."""
-    producers = {o: n for n in model.graph.node for o in n.output}
+    index = GraphIndex(model.graph.node)
     # backwards from the node to a requested weight
     back: list[str] = []
     current = next((i for i in target.input if i in relevant), None)
     while current is not None and current not in wrt:
         back.append(current)
-        producer = producers.get(current)
+        producer = index.producer(current)
         if producer is None:
             break
         back.append(_label(producer))

@@ -52,7 +52,7 @@ from .parser import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     _one_line,
-    _parser,
+    build_parser,
 )
 from .train import _train
 
@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
             args.model, args.loss, loss_name=args.loss_name, label_name=args.label_name,
             weight_name=args.weight_name, penalty=args.penalty,
             output_index=_output_index(args.output_index), reduction=args.reduction,
-            **dict(args.option))
+            **dict(args.loss_option))
     elif args.command == "gradient":
         result = gradient(args.model, weights=args.weights, loss_name=args.loss_name,
                           backend=args.backend, outputs=args.outputs)
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status: 0 done, 2 a user error, 1 an internal
     error (see the module docstring)."""
     try:
-        args = _parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # --help, --version, or a one-line usage error
         return exit_.code if isinstance(exit_.code, int) else EXIT_ERROR
     prefix = f"lossgraph {args.command}"

@@ -23,7 +23,9 @@ from ..errors import (
 from ..graphs import (
     ForwardFacts,
     all_graphs,
+    canonical_domain,
     elem_type_name,
+    is_default_domain,
     opset_version,
     outer_references,
     shortest_path,
@@ -69,7 +71,7 @@ def _values(values: Iterable[onnx.ValueInfoProto], skip: set[str]) -> list[dict[
 
 
 def _label(node: onnx.NodeProto) -> str:
-    op = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+    op = f"{node.domain}::{node.op_type}" if not is_default_domain(node.domain) else node.op_type
     return f"{op} {node.name!r}" if node.name else op
 
 
@@ -147,7 +149,7 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
     counts: dict[tuple[str, str], int] = {}
     for sub in all_graphs(graph):
         for node in sub.node:
-            key = ("" if node.domain == "ai.onnx" else node.domain, node.op_type)
+            key = (canonical_domain(node.domain), node.op_type)
             counts[key] = counts.get(key, 0) + 1
     blocking = {(m["domain"], m["op_type"]) for m in missing}
     ops = []
@@ -244,8 +246,8 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         parts.append(f"the model carries its loss {report['roles']['loss']!r} (compile it with "
                      "--loss none); trainable means: reaching the loss")
     if report["trainable"]:
-        what = ("compile trains them alone only when --trainable names them, see below"
-                if report["blocked"] else "what compile trains unless --trainable says otherwise")
+        what = ("compile trains them alone only when --weights names them, see below"
+                if report["blocked"] else "what compile trains unless --weights says otherwise")
         parts.append(f"trainable candidates ({what}): {' '.join(report['trainable'])}")
     else:
         parts.append("trainable candidates: none (no float initializer reaches an output "
@@ -254,7 +256,7 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         parts.append(
             "\nweights whose effect on the outputs passes values lossgraph does not "
             "differentiate (sequences, optionals): compile chooses no default weights around "
-            "them; name the weights to train with --trainable\n" + _table(
+            "them; name the weights to train with --weights\n" + _table(
                 ("weight", "gradient", "path"),
                 ((b["name"], "partial" if b["partial"] else "none",
                   f"{_short_path(b['path'], len(b['path']) - 2)} ({b['kind']})")
@@ -267,7 +269,7 @@ def format_inspection(report: Mapping[str, Any]) -> str:
     missing = report["missing_gradient_rules"]
     if missing:
         parts.append("\nops without a gradient rule between a trainable weight and an output:\n"
-                     "compile fails on them; train other weights (--trainable), register a rule "
+                     "compile fails on them; train other weights (--weights), register a rule "
                      "(lossgraph.grad_rule) or compile with --backend ort\n" + _table(
                          ("op", "node", "path"),
                          ((_op_text(m["domain"], m["op_type"]), m["node"] or "-",

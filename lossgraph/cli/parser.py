@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import __version__
+from ..modes import MODES
 
 EXIT_OK = 0
 
@@ -36,7 +37,7 @@ examples:
   lossgraph compile model.onnx -o program/
   lossgraph compile model.onnx -o program/ --optimizer nesterov --learning-rate 0.01 \\
       --momentum 0.9 --penalty-l2 1e-4 --fuse epoch
-  lossgraph compile model.onnx -o program/ --trainable coef intercept --loss huber \\
+  lossgraph compile model.onnx -o program/ --weights coef intercept --loss huber \\
       --loss-option delta=0.5 --weight-name sample_weight
   lossgraph compile model.onnx -o program/ \\
       --optimizer '{"type": "AdamW", "learning_rate": 0.001, "weight_decay": 0.05}'
@@ -63,7 +64,7 @@ examples:
   lossgraph export program/ -o initial.onnx     # a program folder (lossgraph compile)""",
     "add-loss": """\
 example:
-  lossgraph add-loss model.onnx -o loss.onnx --loss huber --option delta=0.5 \\
+  lossgraph add-loss model.onnx -o loss.onnx --loss huber --loss-option delta=0.5 \\
       --weight-name sample_weight --penalty '{"coef": {"l1": 0.01, "l2": 0.1}}'""",
     "gradient": """\
 examples:
@@ -123,14 +124,18 @@ def _json(example: str) -> Callable[[str], Any]:
 class _Renamed(argparse.Action):
     """An option's previous spelling: stores into the new one's ``dest``, with a warning."""
 
-    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: Any):
+    def __init__(self, option_strings: list[str], dest: str, new: str = "",
+                 append: bool = False, **kwargs: Any):
         super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
         self.new = new
+        self.append = append  # the new option may be given several times: add to its list
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
         print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed in the "
               f"next release: use {self.new}.", file=sys.stderr)
+        if self.append:
+            values = [*(getattr(namespace, self.dest, None) or []), values]
         setattr(namespace, self.dest, values)
 
 
@@ -181,7 +186,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lossgraph", description="From an ONNX model to a trained ONNX "
                      "model: inspect it, compile it into training\ngraphs, train them on a data "
                      "file, export the result.", epilog=EPILOG,
@@ -217,9 +222,11 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--format", default="program", choices=["program", "ort-artifacts"],
                        help="a lossgraph program folder (for lossgraph train), or onnxruntime's "
                             "on-device training artifacts (default: program)")
-    build.add_argument("--trainable", "--weights", dest="weights", nargs="+", metavar="NAME",
+    build.add_argument("--weights", nargs="+", metavar="NAME",
                        help="the initializers to train (default: every trainable candidate, "
                             "as lossgraph inspect lists them)")
+    build.add_argument("--trainable", dest="weights", nargs="+", action=_Renamed,
+                       new="--weights")
     build.add_argument("--loss", default="squared_error",
                        help="the loss function (default: squared_error), or 'none' when the "
                             "model carries its loss")
@@ -250,8 +257,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the gradient backend (default: onnx; ort needs the onnxruntime "
                             "training build)")
     build.add_argument("--gradient", dest="backend", action=_Renamed, new="--backend")
-    build.add_argument("--fuse", default=None, choices=["separate", "step", "epoch"],
-                       help="how the training graphs are fused (default: step)")
+    build.add_argument("--fuse", default=None, choices=list(MODES),
+                       help="how the training graphs are fused (default: step): "
+                            + "; ".join(f"{name}, {mode.summary}" for name, mode in MODES.items()))
     build.add_argument("--target", default=None,
                        help="the runtimes the graphs must load in: a target name (default, "
                             "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "
@@ -317,9 +325,11 @@ def _parser() -> argparse.ArgumentParser:
     add_loss.add_argument("--reduction", default="mean", choices=["mean", "sum"])
     add_loss.add_argument("--penalty", type=penalty, default=None,
                           help='JSON, e.g. \'{"coef": {"l1": 0.01, "l2": 0.1}}\'')
-    add_loss.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+    add_loss.add_argument("--loss-option", action="append", default=[], metavar="KEY=VALUE",
                           type=_key_value,
                           help="option of the loss, e.g. delta=1.5 or from_logits=true")
+    add_loss.add_argument("--option", dest="loss_option", type=_key_value, action=_Renamed,
+                          new="--loss-option", append=True)
 
     grad = command("gradient", "add <weight>_grad outputs")
     grad.add_argument("model", help="input ONNX file")

@@ -15,7 +15,7 @@ from ..errors import (
 )
 from ..fileio import write_file
 from ..program import TrainingProgram
-from ..runtime import Trainer
+from ..runtime.trainer import Trainer
 from .build import _export_function
 from .data import _rows, _split, _training_data
 from .outputs import _external_note, _figure_class, _is_history, _is_plot

@@ -1,4 +1,4 @@
-"""The reference documents' (onnxcustom's) classes on lossgraph: the two optimizers, the
+"""onnxcustom's classes on lossgraph: the two optimizers, the
 forward/backward object, learning rates, losses, penalties and exceptions
 (docs/reference/compat.md)."""
 

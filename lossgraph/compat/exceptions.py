@@ -1,4 +1,4 @@
-"""The reference documents' exceptions, from lossgraph's hierarchy (:mod:`lossgraph.errors`)."""
+"""onnxcustom's exceptions, from lossgraph's hierarchy (:mod:`lossgraph.errors`)."""
 
 from ..errors import (
     ConvergenceError,

@@ -1,4 +1,4 @@
-"""The losses of the reference documents' forward/backward optimizer, as ONNX graphs.
+"""The losses of onnxcustom's forward/backward optimizer, as ONNX graphs.
 
 Each loss builds one graph ``(prediction, label[, weight]) -> (loss, prediction_grad)``
 with lossgraph's passes (an Identity model, :class:`~lossgraph.passes.loss.AddLossOutput`,
@@ -30,7 +30,7 @@ from onnx import helper
 
 from ..errors import UnsupportedOptionError, suggest
 from ..options import non_negative
-from ..separate import loss_graph
+from ..passes.loss import loss_graph
 
 __all__ = ["BaseLearningLoss", "SquareLearningLoss", "AbsoluteLearningLoss",
            "ElasticLearningLoss", "NegLogLearningLoss"]

@@ -1,4 +1,4 @@
-"""The penalties of the reference documents' forward/backward optimizer.
+"""The penalties of onnxcustom's forward/backward optimizer.
 
 For every weight ``W`` given::
 
@@ -7,7 +7,7 @@ For every weight ``W`` given::
 
 as lossgraph's penalty dict (:meth:`BaseLearningPenalty.penalty`, what ``compile_program``
 and ``add_loss_output`` take) and as the standalone graph of
-:func:`lossgraph.separate.penalty_graph`.
+:func:`lossgraph.penalties.penalty_graph`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import onnx
 
 from ..errors import UnsupportedOptionError, suggest
 from ..options import non_negative
-from ..separate import penalty_graph
+from ..penalties import penalty_graph
 
 __all__ = ["BaseLearningPenalty", "NoLearningPenalty", "ElasticLearningPenalty"]
 

@@ -1,4 +1,4 @@
-"""The learning rates of the reference documents' forward/backward optimizer.
+"""The learning rates of onnxcustom's forward/backward optimizer.
 
 A learning rate is stepped once per epoch; ``t`` counts the epochs already finished
 (``t = 0`` for the first epoch), and every update of epoch ``t`` uses::
@@ -12,7 +12,7 @@ A learning rate is stepped once per epoch; ``t`` counts the epochs already finis
 ``optimal`` is onnxcustom's: scikit-learn's ``SGDRegressor`` schedule
 ``1 / (alpha (t0 + t))`` with ``t0 = 1 / (alpha e)``, multiplied by the constant that makes
 its first rate ``eta0`` (scikit-learn's own starts at ``alpha^(-1/4)``, 10 for the default
-alpha, and diverges on the reference documents' examples; :class:`lossgraph.optim.SGD`
+alpha, and diverges on onnxcustom's examples; :class:`lossgraph.optim.SGD`
 keeps scikit-learn's). :meth:`BaseLearningRate.loop` yields ``eta_0, eta_1, ...`` as
 onnxcustom's ``loop`` did. The update of :class:`LearningRateSGDNesterov` is
 scikit-learn's ``SGDOptimizer``::
@@ -39,9 +39,8 @@ import numpy as np
 import onnx
 
 from ..errors import UnsupportedOptionError, suggest
-from ..optim import SGD, Momentum, Optimizer
+from ..optim import SGD, Momentum, Optimizer, update_graph
 from ..options import count, finite, non_negative
-from ..separate import update_graph
 
 __all__ = ["BaseLearningRate", "LearningRateSGD", "LearningRateSGDNesterov"]
 
@@ -106,7 +105,7 @@ class BaseLearningRate:
                             device: str = "cpu") -> onnx.ModelProto:
         """The update graph for ``weights`` (name -> value, giving shapes and dtype):
         ``(learning_rate, step, W, W_grad, states...) -> (W_new, states_new...)``, as
-        :func:`lossgraph.separate.update_graph` builds it for :meth:`to_optimizer`. The
+        :func:`lossgraph.optim.update_graph` builds it for :meth:`to_optimizer`. The
         graph does not depend on ``device``; the session running it picks the device."""
         if not isinstance(device, str):
             raise UnsupportedOptionError(f"device={device!r} must be a string such as 'cpu'.")

@@ -1,4 +1,4 @@
-"""The reference documents' two optimizers, as scikit-learn estimators on lossgraph.
+"""onnxcustom's two optimizers, as scikit-learn estimators on lossgraph.
 
 - :class:`OrtGradientOptimizer`, the whole-graph API: a model that carries its loss
   (:func:`~lossgraph.add_loss_output`) compiled with ``fuse="epoch"``, one run of
@@ -52,21 +52,21 @@ from ..errors import (
 )
 from ..fileio import check_file_target, save_model, serialize
 from ..models import ModelLike, as_model
-from ..options import count, flag
+from ..options import count, flag, names
+from ..passes.loss import loss_graph
 from ..program import TrainingProgram, with_weights
 from ..roles import get_roles
-from ..runtime import Trainer
+from ..runtime.graph_function import device_providers
 from ..runtime.session import create_session
-from ..separate import loss_graph, split_gradient
-from ..validation import names
-from .forward_backward import device_providers
+from ..runtime.trainer import Trainer
+from ..surgery import split_gradient
 from .learning_loss import BaseLearningLoss
 from .learning_penalty import BaseLearningPenalty
 from .learning_rate import BaseLearningRate, LearningRateSGDNesterov
 
 __all__ = ["BaseEstimator", "OrtGradientOptimizer", "OrtGradientForwardBackwardOptimizer"]
 
-#: The optimizer the reference documents' classes run (both support it alone).
+#: The optimizer onnxcustom's classes run (both support it alone).
 TRAINING_OPTIMIZERS = ("SGDOptimizer",)
 
 
@@ -205,7 +205,7 @@ class _TrainingEstimator(BaseEstimator):
             self._compiled_key = key
             if previous is not None:
                 self.train_session_.set_state(self._restorable(previous.state))
-                self.train_session_._restore_progress(previous._progress())
+                self.train_session_.restore_progress(previous.progress())
             elif hasattr(self, "trained_coef_"):  # parameters changed after fit
                 self.train_session_.set_state(self._restorable(self.trained_coef_))
         return self.train_session_
@@ -276,7 +276,7 @@ class _TrainingEstimator(BaseEstimator):
                 "(float labels): classes applies to a classifier's integer class labels. Leave "
                 "it out.")
         values = np.asarray(classes)
-        known = trainer._classes  # None: the model does not fix it
+        known = trainer.engine.classes  # None: the model does not fix it
         valid = f"0..{known - 1}" if known else "0..C-1"
         if (values.ndim != 1 or not values.size or values.dtype.kind not in "iu"
                 or (known and len(values) != known)
@@ -307,12 +307,12 @@ class _TrainingEstimator(BaseEstimator):
         raises = getattr(self, "exc", True)
         if X_val is not None:
             period = self._validation_period()
-            trainer._prepare(X_val, y_val, what="validation data ")  # checked before work
+            trainer.engine.prepare(X_val, y_val, what="validation data ")  # checked before work
 
             def validate(t: Trainer, epoch: int, logs: dict) -> None:
                 if (epoch + 1) % period:
                     return
-                loss = t.score(X_val, y_val)
+                loss = t.evaluate(X_val, y_val)
                 if not math.isfinite(loss):  # onnxcustom's EvaluationError
                     message = (
                         f"The validation loss is {loss} after epoch {epoch}: the loss on "
@@ -390,12 +390,13 @@ class _TrainingEstimator(BaseEstimator):
         epoch (:meth:`LearningRateSGDNesterov.velocity_scale`)."""
 
         def rescale(t: Trainer, epoch: int, logs: dict) -> None:
-            if not isinstance(rate, LearningRateSGDNesterov) or not t.program.states:
+            if not isinstance(rate, LearningRateSGDNesterov) or not t.program.optimizer_states:
                 return
             scale = rate.velocity_scale(epoch + 1)
             if scale != 1.0:
                 state = t.state
-                t.set_state({s: state[s] * state[s].dtype.type(scale) for s in t.program.states})
+                t.set_state({s: state[s] * state[s].dtype.type(scale)
+                             for s in t.program.optimizer_states})
 
         return rescale
 
@@ -435,7 +436,7 @@ class _TrainingEstimator(BaseEstimator):
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The negated loss on ``(X, y)``, so that higher is better (scikit-learn's
         convention)."""
-        return -self._fitted().score(X, y, _row_weights(sample_weight))
+        return -self._fitted().evaluate(X, y, _row_weights(sample_weight))
 
     def predict(self, X: Any) -> np.ndarray:
         """The model's prediction with the trained weights."""
@@ -573,7 +574,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
     @property
     def _weight_input(self) -> str | None:
         """The loss graph's sample-weight input: ``weight_name``, else ``"weight"`` once a
-        fit has had sample weights (the reference documents pass them without a name)."""
+        fit has had sample weights (onnxcustom's tutorial passes them without a name)."""
         if self.weight_name is not None:
             return self.weight_name
         return "weight" if getattr(self, "_weighted", False) else None
@@ -633,7 +634,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
             raise UnsupportedOptionError(
                 "sample_weight was given, but the loss has no sample-weight input: pass "
                 "weight_name='weight', or fit with sample weights first.")
-        data = trainer._prepare(X, y, sample_weight)
+        data = trainer.engine.prepare(X, y, sample_weight)
         feeds = {graph.graph.input[0].name: trainer.predict(X)}
         roles = trainer.program.manifest["roles"]
         feeds[graph.graph.input[1].name] = data[roles["label"]]
@@ -707,8 +708,8 @@ def _row_weights(sample_weight: Any) -> Any:
 
 def _short(name: str) -> str:
     """The reference's short file names: Learning -> L, OrtGradient -> Grad,
-    ForwardBackward -> FB."""
-    for long, short in (("Learning", "L"), ("OrtGradient", "Grad"), ("ForwardBackward", "FB")):
+    GradientHalves -> FB."""
+    for long, short in (("Learning", "L"), ("OrtGradient", "Grad"), ("GradientHalves", "FB")):
         name = name.replace(long, short)
     return name
 

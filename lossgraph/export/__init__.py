@@ -10,8 +10,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_names
 
 #: Public name -> the module of this package that defines it.
 _HOMES = {
@@ -22,9 +21,4 @@ _HOMES = {
 }
 
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'lossgraph.export' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name], __name__), name)
+__getattr__ = lazy_names(__name__, _HOMES)

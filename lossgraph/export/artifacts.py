@@ -39,8 +39,9 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import onnx
@@ -66,11 +67,13 @@ from ..metadata import GRADIENTS_KEY, read_json, remove_record, write_json
 from ..models import ModelLike, check_emitted
 from ..names import NameAuthority
 from ..optim import SGD, Adam, AdamW, Optimizer, as_optimizer
-from ..optimize import SumRowsByProduct, WidenScalarConstants
-from ..passes.contract import Pipeline
+from ..passes.contract import Pass, PassResult, Pipeline, Requirement
+from ..passes.fuse import GRADIENT_MODEL
 from ..passes.gradient import Gradient
+from ..passes.plan import GraphSource, Plan, Planned, PlanRunner
 from ..passes.strip import InferenceMode
 from ..program import TrainingProgram
+from ..speed import SumRowsByProduct, WidenScalarConstants
 from ..target import DEFAULT_TARGET, use_target
 from .ort_checkpoint import (
     MOMENT_NAMES,
@@ -80,8 +83,9 @@ from .ort_checkpoint import (
     checkpoint_bytes,
 )
 
-__all__ = ["to_ort_artifacts", "OrtArtifacts", "accumulate_gradients", "optimizer_model",
-           "ARTIFACTS_FOLDER", "ARTIFACT_FILES"]
+__all__ = ["to_ort_artifacts", "OrtArtifacts", "artifacts_plan", "AccumulateGradients",
+           "accumulate_gradients", "OrtOptimizerGraph", "optimizer_model", "ARTIFACTS_FOLDER",
+           "ARTIFACT_FILES"]
 
 TRAINING_FILE, EVAL_FILE, OPTIMIZER_FILE, CHECKPOINT_FILE = ARTIFACT_FILES = (
     "training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
@@ -156,19 +160,16 @@ def to_ort_artifacts(model_or_program: ModelLike | TrainingProgram,
             "lossgraph.Trainer and export the inference model, or export the layer in "
             "inference mode.")
     chosen = program.optimizer if optimizer is None else as_optimizer(optimizer)
-    op_type, attributes = ort_optimizer(chosen)
+    plan = artifacts_plan(program, chosen)  # an optimizer without an op: an error first
     evaluate = program.graphs["evaluate"]
-    weights = program.weights
-    _check_float32(evaluate, weights)
+    _check_float32(evaluate, program.weights)
     _check_opset(evaluate)
     with use_target(DEFAULT_TARGET):
-        gradients = Pipeline((Gradient(tuple(weights)), SumRowsByProduct(),
-                              WidenScalarConstants()))(evaluate).model
-        training = accumulate_gradients(gradients)
-        eval_model = InferenceMode()(evaluate).model  # the eval model's contract
-        optimizer_graph = optimizer_model(op_type, attributes, opset_version(evaluate) or 21)
+        built = PlanRunner({"evaluate": evaluate}).build_all(plan)
+    training, eval_model, optimizer_graph = (built[name].model for name in ARTIFACT_FILES[:3])
+    op_type = built[OPTIMIZER_FILE].report.of(OrtOptimizerGraph)
     checkpoint = checkpoint_bytes(OrtCheckpoint(
-        trainable={w: program.state[w] for w in weights},
+        trainable={w: program.state[w] for w in program.weights},
         optimizer_groups=[OptimizerGroup(step=int(step),
                                          initial_learning_rate=chosen.learning_rate,
                                          states=_moments(program, op_type))],
@@ -183,6 +184,43 @@ def to_ort_artifacts(model_or_program: ModelLike | TrainingProgram,
             (staging / name).write_bytes(data)
     folder = Path(directory)
     return OrtArtifacts(*(folder / name for name in ARTIFACT_FILES))
+
+
+def artifacts_plan(program: TrainingProgram, optimizer: Any = None) -> Plan:
+    """The plan of the artifacts' three graphs (``print`` shows it), from ``program``'s
+    ``evaluate`` graph; ``optimizer`` (default the program's) must have an onnxruntime
+    optimizer op (:func:`ort_optimizer`)::
+
+        training_model.onnx  = evaluate -> Gradient -> SumRowsByProduct
+                               -> WidenScalarConstants -> AccumulateGradients
+        eval_model.onnx      = evaluate -> InferenceMode
+        optimizer_model.onnx = OrtOptimizerGraph(op_type=..., ...)
+    """
+    chosen = program.optimizer if optimizer is None else as_optimizer(optimizer)
+    op_type, attributes = ort_optimizer(chosen)
+    opset = opset_version(program.graphs["evaluate"]) or 21
+    return Plan({
+        TRAINING_FILE: Planned("evaluate", Pipeline((
+            Gradient(tuple(program.weights)), SumRowsByProduct(), WidenScalarConstants(),
+            AccumulateGradients()))),
+        EVAL_FILE: Planned("evaluate", Pipeline((InferenceMode(),))),
+        OPTIMIZER_FILE: Planned(OrtOptimizerGraph(op_type, tuple(attributes.items()), opset),
+                                Pipeline(())),
+    })
+
+
+@dataclass(frozen=True)
+class OrtOptimizerGraph(GraphSource):
+    """The optimizer model: one onnxruntime optimizer op (:func:`optimizer_model`). Reports
+    the op."""
+
+    op_type: str
+    attributes: tuple[tuple[str, Any], ...] = ()
+    opset: int = 21
+
+    def build(self, known: Any = None) -> PassResult[str]:
+        return PassResult(optimizer_model(self.op_type, dict(self.attributes), self.opset),
+                          self.op_type)
 
 
 # -- what is trained ----------------------------------------------------------------------
@@ -284,48 +322,52 @@ def _moments(program: TrainingProgram, op_type: str) -> dict[str, dict[str, np.n
 # -- the models ------------------------------------------------------------------------------
 
 
-def accumulate_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of the gradient model ``model`` (:class:`~lossgraph.passes.gradient.Gradient`,
-    weights as inputs) with each gradient accumulated into its buffer by
-    ``InPlaceAccumulatorV2`` (module docstring)::
+@dataclass(frozen=True)
+class AccumulateGradients(Pass[dict[str, str]]):
+    """The gradient model (:class:`~lossgraph.passes.gradient.Gradient`, weights as inputs)
+    with each gradient accumulated into its buffer by ``InPlaceAccumulatorV2`` (module
+    docstring)::
 
         (inputs) -> (outputs, <w>_grad...)
             becomes
         (inputs, <w>_grad.accumulation.buffer..., lazy_reset_grad)
             -> (outputs, <w>_grad.accumulation.out...)
 
-    The buffer and flag names are those onnxruntime's Module looks for. (A function, not a
-    :class:`~lossgraph.passes.contract.Pass`: its output runs on the training build only.)
+    The buffer and flag names are those onnxruntime's Module looks for; its output runs on
+    the training build only. Reports each weight's buffer.
     """
-    gradients: dict[str, str] = read_json(model, GRADIENTS_KEY) or {}
-    if not gradients:
-        raise UnsupportedModelError(
-            "accumulate_gradients takes a gradient model (lossgraph.passes.gradient.Gradient "
-            "with the weights as inputs); this model records no gradients.")
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    graph = result.graph
-    names = NameAuthority.for_model(result)
-    reset = _reserved(names, LAZY_RESET_GRAD)
-    types = {o.name: o.type for o in graph.output}
-    flags = []
-    buffers = []
-    for weight, grad in gradients.items():
-        buffer = _reserved(names, f"{weight}{BUFFER_SUFFIX}")
-        flag = _reserved(names, f"{weight}{FLAG_SUFFIX}")
-        graph.node.append(helper.make_node(
-            "InPlaceAccumulatorV2", [buffer, grad, reset], [flag],
-            name=names.fresh(f"{weight}_grad_accumulator"), domain=MS_DOMAIN))
-        buffers.append(helper.make_value_info(buffer, types[grad]))
-        flags.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, [1]))
-    kept = [o for o in graph.output if o.name not in set(gradients.values())]
-    del graph.output[:]
-    graph.output.extend([*kept, *flags])
-    graph.input.extend([*buffers, helper.make_tensor_value_info(reset, TensorProto.BOOL, [1])])
-    result.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    _drop_unread_initializers(graph)
-    check_emitted(result, "to_ort_artifacts (training model)")
-    return result
+
+    requires: ClassVar[tuple[Requirement, ...]] = (GRADIENT_MODEL,)
+
+    def call(self, model: onnx.ModelProto) -> PassResult[dict[str, str]]:
+        gradients: dict[str, str] = read_json(model, GRADIENTS_KEY)
+        graph = model.graph
+        names = NameAuthority.for_model(model)
+        reset = _reserved(names, LAZY_RESET_GRAD)
+        types = {o.name: o.type for o in graph.output}
+        flags = []
+        buffers = {}
+        for weight, grad in gradients.items():
+            buffers[weight] = buffer = _reserved(names, f"{weight}{BUFFER_SUFFIX}")
+            flag = _reserved(names, f"{weight}{FLAG_SUFFIX}")
+            graph.node.append(helper.make_node(
+                "InPlaceAccumulatorV2", [buffer, grad, reset], [flag],
+                name=names.fresh(f"{weight}_grad_accumulator"), domain=MS_DOMAIN))
+            flags.append(helper.make_tensor_value_info(flag, TensorProto.BOOL, [1]))
+        kept = [o for o in graph.output if o.name not in set(gradients.values())]
+        del graph.output[:]
+        graph.output.extend([*kept, *flags])
+        graph.input.extend([*(helper.make_value_info(buffers[w], types[g])
+                              for w, g in gradients.items()),
+                            helper.make_tensor_value_info(reset, TensorProto.BOOL, [1])])
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        _drop_unread_initializers(graph)
+        return PassResult(model, buffers)
+
+
+def accumulate_gradients(model: ModelLike) -> onnx.ModelProto:
+    """:class:`AccumulateGradients` as a function: the model in, the model out."""
+    return AccumulateGradients()(model).model
 
 
 def _reserved(names: NameAuthority, name: str) -> str:

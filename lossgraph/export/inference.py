@@ -180,7 +180,7 @@ def _source(source: Source) -> _Source:
 def _of_program(program: TrainingProgram, state: Mapping[str, np.ndarray]) -> _Source:
     """The program's inference model, with its weights and buffers from ``state``."""
     return _Source(program.inference_model, program.model_state(state),
-                   frozenset(program.states), target_for(program.inference_model))
+                   frozenset(program.optimizer_states), target_for(program.inference_model))
 
 
 def _export(source: Source, state: Mapping[str, Any] | None,

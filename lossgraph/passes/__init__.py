@@ -25,26 +25,30 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
   Dropout in training mode), for the inference export; :class:`InferenceMode` the layers'
   part alone, for eval graphs
 
-The onnxruntime optimization passes live in :mod:`lossgraph.optimize`.
+The onnxruntime optimization passes live in :mod:`lossgraph.speed`.
+
+Each pass a user runs alone also has a function form, the model in and the model out
+(:func:`add_loss_output`, :func:`gradient`, ...), importable from ``lossgraph`` itself.
 """
 
-from .contract import Pass, PassResult, Pipeline
+from .contract import Pass, PassResult, Pipeline, Reports, Requirement
 from .expand_functions import ExpandFunctions
 from .fuse import EpochGraph, PackWeights, StepGraph
-from .gradient import Gradient
-from .loss import AddLossOutput, RemoveLossOutput
-from .lower_ml import LowerMlOps
+from .gradient import Gradient, gradient
+from .loss import AddLossOutput, RemoveLossOutput, add_loss_output
+from .lower_ml import LowerMlOps, lower_ml_ops
 from .quantization import StraightThroughQuantization, straight_through_quantization
-from .rename import AlphabetizeInitializers
+from .rename import AlphabetizeInitializers, alphabetize_initializers
 from .running_stats import RunningStatistics
 from .sequences import SequencesToTensors
-from .stabilize import StabilizeNumerics
-from .strip import InferenceMode, StripTraining
+from .stabilize import StabilizeNumerics, stabilize_numerics
+from .strip import InferenceMode, StripTraining, strip_training
 from .weights import WeightsToInputs
 
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "ExpandFunctions",
-           "Gradient", "LowerMlOps",
-           "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "RunningStatistics",
+           "Gradient", "InferenceMode", "LowerMlOps", "PackWeights", "Pass", "PassResult",
+           "Pipeline", "RemoveLossOutput", "Reports", "Requirement", "RunningStatistics",
            "SequencesToTensors", "StabilizeNumerics", "StepGraph", "StraightThroughQuantization",
-           "StripTraining",
-           "InferenceMode", "WeightsToInputs", "straight_through_quantization"]
+           "StripTraining", "WeightsToInputs", "add_loss_output", "alphabetize_initializers",
+           "gradient", "lower_ml_ops", "stabilize_numerics", "straight_through_quantization",
+           "strip_training"]

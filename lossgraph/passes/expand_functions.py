@@ -48,7 +48,14 @@ from onnx import helper
 
 from ..analysis import differentiable_values, influenced_values
 from ..autodiff.registry import differentiable_inputs, find_rule
-from ..graphs import FLOAT_TYPES, ForwardFacts, all_graphs, outer_references, subgraphs
+from ..graphs import (
+    FLOAT_TYPES,
+    ForwardFacts,
+    all_graphs,
+    canonical_domain,
+    outer_references,
+    subgraphs,
+)
 from ..names import NameAuthority
 from .contract import Pass, PassResult
 
@@ -63,7 +70,7 @@ _FunctionKey = tuple[str, str, str]  # (domain, name, overload) of a local funct
 
 # ------------------------------------------------------------------------ bodies
 def _domain(domain: str) -> str:
-    return "" if domain == "ai.onnx" else domain
+    return canonical_domain(domain)
 
 
 def _opsets(model: onnx.ModelProto) -> dict[str, int]:
@@ -488,7 +495,7 @@ def gradient_view(model: onnx.ModelProto, names: NameAuthority,
 
 # ------------------------------------------------------------------------- pass
 @dataclass(frozen=True)
-class ExpandFunctions(Pass):
+class ExpandFunctions(Pass[dict[str, int]]):
     """Replace function ops by their bodies in the forward graph (module docstring).
 
     ``op_types``: the ops to expand (any that has a body at the model's opset, rule or

@@ -26,7 +26,7 @@ to the last bit; it runs a handful of kernels instead of a handful per weight.
 Every data input is gathered by ``permutation`` (shuffling) and reshaped to
 ``(batches, batch, ...)``; ``batches`` is the length of ``learning_rates`` (one
 learning rate per batch) and ``batch`` is ``len(permutation) / batches``. Without
-shuffling (``shuffled=False``) there is no ``permutation``: the data inputs are the
+shuffling (``shuffle=False``) there is no ``permutation``: the data inputs are the
 epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each
 batch to the step graph as a view, carries weights, states, buffers and (for an update
 that reads it) the step counter, and stacks the per-batch losses. No Python runs between
@@ -45,11 +45,14 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
+from ..deprecation import renamed_keywords
 from ..graphs import names_in_graph, np_dtype, opset_version, rename_values, values_read
+from ..metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json
 from ..names import NameAuthority
 from ..optim import Optimizer
+from ..roles import get_roles
 from ..signature import Signature
-from .contract import Pass, PassResult
+from .contract import Pass, PassResult, Requirement
 
 __all__ = ["PackWeights", "StepGraph", "EpochGraph"]
 
@@ -73,8 +76,36 @@ def name_update(model: onnx.ModelProto, signature: Signature,
     return named, names
 
 
+def _gradients_problem(model: onnx.ModelProto) -> str | None:
+    """What keeps ``model`` from being a gradient model: a loss (add_loss_output) and the
+    gradients of its weights as outputs (lossgraph.gradient), recorded in its metadata."""
+    if read_json(model, SIGNATURE_KEY):
+        return None  # a step graph's signature names its gradients
+    if "loss" not in get_roles(model):
+        return "the model records no loss (build it with lossgraph.add_loss_output)"
+    if not read_json(model, GRADIENTS_KEY):
+        return ("the model records no gradients (lossgraph.gradient, with its weights as "
+                "inputs)")
+    return None
+
+
+def _step_graph_problem(model: onnx.ModelProto) -> str | None:
+    """What keeps ``model`` from being a step graph (StepGraph's output)."""
+    recorded = read_json(model, SIGNATURE_KEY)
+    if not recorded or recorded.get("learning_rates") is not None:
+        return ("the model records no step graph signature: it must be StepGraph's output "
+                "(an epoch graph cannot be wrapped again)")
+    return None
+
+
+#: A loss model with its weights' gradients, as :class:`~lossgraph.passes.Gradient` emits.
+GRADIENT_MODEL = Requirement("a loss model with its weights' gradients", _gradients_problem)
+#: A training step graph, as :class:`StepGraph` emits.
+STEP_GRAPH = Requirement("a training step graph", _step_graph_problem)
+
+
 @dataclass(frozen=True)
-class PackWeights(Pass):
+class PackWeights(Pass[Signature]):
     """One flat weight input and one flat gradient instead of one per weight (module doc).
 
     The input is a gradient model whose weights are graph inputs of static shapes and
@@ -83,6 +114,7 @@ class PackWeights(Pass):
     """
 
     optimizer: Optimizer
+    requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         unpacked, names = name_update(model, Signature.of_gradient_model(model), self.optimizer)
@@ -122,7 +154,7 @@ def _pack(model: onnx.ModelProto, unpacked: Signature, names: NameAuthority) -> 
 
 
 @dataclass(frozen=True)
-class StepGraph(Pass):
+class StepGraph(Pass[Signature]):
     """Append ``optimizer``'s update of every weight to a gradient model (module doc).
 
     The input holds the loss and each weight's gradient (the weights are graph inputs),
@@ -132,6 +164,7 @@ class StepGraph(Pass):
     """
 
     optimizer: Optimizer
+    requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         signature, names = name_update(model, Signature.of(model), self.optimizer)
@@ -176,24 +209,29 @@ def _bind(b: GraphBuilder, value: str, name: str) -> None:
 
 
 @dataclass(frozen=True)
-class EpochGraph(Pass):
+class EpochGraph(Pass[Signature]):
     """Wrap a step graph (from :class:`StepGraph`) in a Scan over one epoch's batches.
 
-    With ``shuffled=False`` there is no permutation input: the data inputs hold exactly
+    With ``shuffle=False`` there is no permutation input: the data inputs hold exactly
     the epoch's rows in order (a view of the first ``batches * batch`` rows), and no
     copy of them is made. The epoch graph records and reports its signature, with its
     permutation, learning rates and losses names.
     """
 
-    shuffled: bool = True
+    shuffle: bool = True
+    requires = (STEP_GRAPH,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        signature = _wrap_in_scan(model, Signature.of(model), self.shuffled)
+        signature = _wrap_in_scan(model, Signature.of(model), self.shuffle)
         signature.record(model)
         return PassResult(model, signature)
 
 
-def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -> Signature:
+#: ``EpochGraph(shuffled=...)``, the previous release's spelling, still works (with a warning).
+EpochGraph.__init__ = renamed_keywords(shuffled="shuffle")(EpochGraph.__init__)  # type: ignore
+
+
+def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) -> Signature:
     outer = signature.unpacked or signature  # the epoch graph's inputs and outputs
     names = NameAuthority([*names_in_graph(step.graph), *outer.weights, *outer.state_names,
                            *outer.buffers, *outer.new.values(), outer.step])
@@ -233,14 +271,14 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -
     graph = step.graph
     outer_types = _outer_types(graph, signature)
     b = GraphBuilder(names, opset_version(step) or 13, prefix="epoch/")
-    permutation = names.fresh("permutation") if shuffled else None
+    permutation = names.fresh("permutation") if shuffle else None
     learning_rates = names.fresh("learning_rates")
     batches = b.Shape(learning_rates, hint="batches")
-    rows_count = b.dims(permutation if shuffled else signature.data[0], 0, 1)
+    rows_count = b.dims(permutation if shuffle else signature.data[0], 0, 1)
     batch = b.Div(rows_count, batches, hint="batch")
     batched = []
     for name in signature.data:
-        rows = b.Gather(name, permutation, axis=0, hint=f"{name}_shuffled") if shuffled else name
+        rows = b.Gather(name, permutation, axis=0, hint=f"{name}_shuffled") if shuffle else name
         rank = len(outer_types[name].tensor_type.shape.dim)
         shape = [batches, batch]
         if rank > 1:
@@ -268,7 +306,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffled: bool) -
     dtype_code = outer_types[outer.weights[0]].tensor_type.elem_type
     outer_carried = [*outer.weights, *outer.state_names, *outer.buffers]
     new_inputs = [helper.make_value_info(n, outer_types[n]) for n in signature.data]
-    if shuffled:
+    if shuffle:
         new_inputs.append(helper.make_tensor_value_info(permutation, TensorProto.INT64, ["rows"]))
     new_inputs.append(helper.make_tensor_value_info(learning_rates, dtype_code, ["batches"]))
     new_inputs += [helper.make_value_info(n, outer_types[n])

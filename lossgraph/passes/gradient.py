@@ -54,6 +54,7 @@ from ..graphs import (
     ForwardFacts,
     all_graphs,
     elem_type_name,
+    is_onnx_op,
     names_in_graph,
     rename_values,
 )
@@ -73,7 +74,7 @@ BACKENDS = ("onnx", "ort")
 
 
 @dataclass(frozen=True)
-class Gradient(Pass):
+class Gradient(Pass[dict[str, str]]):
     """Add ``<w>_grad`` outputs for each ``w`` of ``weights`` (module docstring; the options
     are those of :func:`gradient`). The report is ``{weight: gradient output}``."""
 
@@ -90,9 +91,9 @@ class Gradient(Pass):
                                     self.outputs)
         return PassResult(model, grad_names)
 
-    def __call__(self, model: ModelLike) -> PassResult:
+    def run(self, model: ModelLike, *, checked: bool = False) -> PassResult[dict[str, str]]:
         try:
-            return super().__call__(model)
+            return super().run(model, checked=checked)
         except InternalError as exc:
             if self.backend != "ort":
                 raise
@@ -208,7 +209,7 @@ def _give_dropouts_masks(model: onnx.ModelProto, names: NameAuthority) -> None:
     training Dropout without its mask)."""
     for graph in all_graphs(model.graph):
         for node in graph.node:
-            if (node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
+            if (is_onnx_op(node, "Dropout")
                     and len(node.input) > 2 and node.input[2]
                     and (len(node.output) < 2 or not node.output[1])):
                 mask = names.fresh(f"{node.output[0]}_mask")

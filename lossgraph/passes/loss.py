@@ -84,10 +84,12 @@ from ..names import NameAuthority
 from ..options import flag, non_negative
 from ..penalties import parse_penalty, penalty_terms
 from ..roles import get_roles, set_roles
-from .contract import Pass, PassResult
+from ..speed import SumRowsByProduct
+from .contract import Pass, PassResult, Pipeline
+from .gradient import Gradient
 
 __all__ = ["AddLossOutput", "RemoveLossOutput", "add_loss_output", "SCORES", "resolve_score",
-           "OUTPUT_OPTIONS", "REDUCTIONS"]
+           "OUTPUT_OPTIONS", "REDUCTIONS", "loss_graph", "program_loss_graph"]
 
 
 @dataclass(frozen=True)
@@ -385,7 +387,7 @@ def _not_a_tensor(graph: onnx.GraphProto, output: onnx.ValueInfoProto) -> Unsupp
 
 
 @dataclass(frozen=True)
-class AddLossOutput(Pass):
+class AddLossOutput(Pass[dict[str, str]]):
     """Add a scalar loss as the model's first output (module docstring; the options are
     those of :func:`add_loss_output`, the score's own in ``options``). The report is
     the roles recorded (:mod:`lossgraph.roles`)."""
@@ -405,9 +407,14 @@ class AddLossOutput(Pass):
         return PassResult(model, roles)
 
 
+class _DefaultLoss(str):
+    """``"squared_error"`` as add_loss_output's default, told apart from a loss given (so
+    that onnxcustom's ``score_name`` may replace it, and a loss given with it is an error)."""
+
+
 def add_loss_output(
     model: ModelLike,
-    loss: str | None = None,
+    loss: str = _DefaultLoss("squared_error"),
     loss_name: str | None = None,
     label_name: str | None = None,
     weight_name: str | None = None,
@@ -424,7 +431,9 @@ def add_loss_output(
         model: the inference model (ModelProto, bytes or path).
         loss: the loss function: ``squared_error`` (``l2``), ``absolute_error`` (``l1``),
             ``elastic``, ``huber``, ``binary_log_loss``, ``logistic`` or
-            ``multiclass_log_loss``; see the module docstring. Default ``squared_error``.
+            ``multiclass_log_loss``; see the module docstring. ``None`` is the previous
+            release's spelling of the default (with a warning): ``compile_program``'s
+            ``loss=None`` means a model that carries its loss.
         loss_name: name of the loss output; ``None`` means ``"loss"`` or, if taken, the
             first free ``"loss_1"``, ``"loss_2"``, ... An explicit name must be free.
         label_name: name of the label input, chosen like ``loss_name`` (``"label"``).
@@ -437,17 +446,21 @@ def add_loss_output(
             ``ignore_index``), ``"sum"``, or ``"none"`` (the weighted loss of each row, shape
             ``(N,)``: an evaluation graph, which the gradient pass refuses, and without a
             penalty).
-        score_name: the reference documents' name of ``loss`` (either may be given).
+        score_name: onnxcustom's name of ``loss`` (either may be given, not both).
         **options: options of the loss function (``l1_weight``, ``l2_weight``, ``delta``,
             ``eps``, ``from_logits``, ``ignore_index``).
     """
-    if loss is not None and score_name is not None:
-        raise UnsupportedOptionError(
-            f"add_loss_output got loss={loss!r} and score_name={score_name!r}: score_name is "
-            "the reference documents' name of loss; pass one of them.")
-    chosen = loss if loss is not None else score_name if score_name is not None else (
-        "squared_error")
-    return AddLossOutput(chosen, loss_name, label_name, weight_name, penalty, output_index,
+    if loss is None:
+        warn_renamed("add_loss_output(loss=None)", "loss='squared_error' (None means a model "
+                     "carrying its loss in compile_program)")
+        loss = _DefaultLoss("squared_error")
+    if score_name is not None:
+        if not isinstance(loss, _DefaultLoss):
+            raise UnsupportedOptionError(
+                f"add_loss_output got loss={loss!r} and score_name={score_name!r}: score_name "
+                "is onnxcustom's name of loss; pass one of them.")
+        loss = score_name
+    return AddLossOutput(str(loss), loss_name, label_name, weight_name, penalty, output_index,
                          reduction, options)(model).model
 
 
@@ -592,7 +605,7 @@ def _penalty_terms(b: GraphBuilder, graph: onnx.GraphProto,
 
 
 @dataclass(frozen=True)
-class RemoveLossOutput(Pass):
+class RemoveLossOutput(Pass[None]):
     """The inference model inside a loss model: :class:`AddLossOutput` undone::
 
         (inputs, label[, weight]) -> (loss, outputs)   becomes   (inputs) -> (outputs)
@@ -636,3 +649,82 @@ class RemoveLossOutput(Pass):
         remove_record(model, ROLES_KEY)
         remove_record(model, LOSS_KEY)
         return PassResult(model, None)
+
+
+# -- the loss graph of fuse='separate' ------------------------------------------------
+
+
+def program_loss_graph(prediction: onnx.ValueInfoProto, label: str, loss: str,
+                       options: Mapping[str, Any], backend: str,
+                       reduction: str | None = None) -> PassResult:
+    """The ``loss`` graph of a separate program: :func:`loss_graph` of ``loss`` with
+    compile_program's ``loss_options`` (``options``) on the prediction ``prediction``, whose
+    label is named ``label``. ``reduction`` replaces the options' reduction: the
+    data-parallel step (:mod:`lossgraph.parallel`) needs the gradient of the loss summed
+    over the rows where the program's loss is their mean, which it divides by the rows'
+    total weight. A mean over the positions an ``ignore_index`` leaves is not that (its
+    divisor counts positions): an UnsupportedOptionError."""
+    own = {k: v for k, v in options.items() if k not in ("output_index", "label_name")}
+    output_options = {k: own.pop(k) for k in ("loss_name", "weight_name", "reduction")
+                      if k in own}
+    if reduction is not None:
+        if (own.get("ignore_index") is not None and reduction == "sum"
+                and output_options.get("reduction", "mean") == "mean"):
+            raise UnsupportedOptionError(
+                f"loss={loss!r} with ignore_index={own['ignore_index']!r} and reduction='mean' "
+                "averages over the positions whose label is not ignored, counted over the "
+                "whole batch; the data-parallel step divides summed gradients by the rows' "
+                "total weight, so it would not compute that mean. Train in one process "
+                "(lossgraph.Trainer), or compile with loss_options reduction='sum' (the "
+                "learning rate then scales with the batch).")
+        output_options["reduction"] = reduction
+    return loss_graph(prediction, loss, own, label_name=label, backend=backend, **output_options)
+
+
+def loss_graph(prediction: onnx.ValueInfoProto, loss: str, options: Mapping[str, Any],
+               *, label_name: str | None = None, loss_name: str | None = None,
+               weight_name: str | None = None, reduction: str = "mean",
+               backend: str = "onnx", opset: int = 18) -> PassResult:
+    """The graph ``(prediction, label[, weight]) -> (loss, prediction_grad)`` of
+    ``loss`` (an :func:`~lossgraph.add_loss_output` loss with its ``options``) on a
+    prediction of type ``prediction``; the report maps the prediction to its gradient.
+
+    With ``reduction="none"`` the graph is ``(prediction, label[, weight]) -> (loss)``,
+    the loss of each row, and has no gradient.
+    """
+    names = NameAuthority({prediction.name})
+    copy = names.fresh(f"{prediction.name}_copy")  # the loss pass needs an output to score
+    prediction = _named_dims(prediction)
+    identity = helper.make_model(
+        helper.make_graph([helper.make_node("Identity", [prediction.name], [copy])], "loss",
+                          [prediction], [helper.make_value_info(copy, prediction.type)]),
+        opset_imports=[helper.make_opsetid("", opset)])
+    loss_model = AddLossOutput(loss, loss_name, label_name, weight_name, None, None, reduction,
+                               dict(options))(identity).model
+    kept = [o for o in loss_model.graph.output if o.name != copy]
+    del loss_model.graph.output[:]
+    loss_model.graph.output.extend(kept)
+    if reduction == "none":
+        return PassResult(loss_model, {})
+    step = Pipeline((Gradient([prediction.name], loss_name=get_roles(loss_model)["loss"],
+                              backend=backend), SumRowsByProduct()))(loss_model)
+    return PassResult(step.model, step.report.of(Gradient))
+
+
+def _named_dims(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    """``value`` with a name for each dimension that has neither a size nor a name: the
+    label, declared like the prediction, then shares them, so shape inference proves the
+    two alike and the loss's gradient needs no run-time broadcast reduction."""
+    named = onnx.ValueInfoProto()
+    named.CopyFrom(value)
+    dims = named.type.tensor_type.shape.dim
+    taken = {dim.dim_param for dim in dims if dim.dim_param}
+    for index, dim in enumerate(dims):
+        if not dim.HasField("dim_value") and not dim.dim_param:
+            # a name of the model's own (a column named 'N') never doubles as this one
+            base = "N" if index == 0 else f"d{index}"
+            name = next(n for n in (base, *(f"{base}_{i}" for i in range(1, len(dims) + 2)))
+                        if n not in taken)
+            dim.dim_param = name
+            taken.add(name)
+    return named

@@ -445,7 +445,7 @@ _LOWER = {
 
 
 @dataclass(frozen=True)
-class LowerMlOps(Pass):
+class LowerMlOps(Pass[None]):
     """Rewrite ``ai.onnx.ml`` LinearRegressor, LinearClassifier and Normalizer nodes.
 
     The result computes the same outputs in standard ONNX ops (see the module

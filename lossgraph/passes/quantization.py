@@ -50,7 +50,15 @@ import onnx.defs
 from onnx import helper, numpy_helper
 
 from ..autodiff.rules.quantization import FAKE_QUANTIZE, FAKE_QUANTIZE_DOMAIN, INTEGER_RANGES
-from ..graphs import FLOAT_TYPES, ForwardFacts, attribute_values, opset_version
+from ..graphs import (
+    FLOAT_TYPES,
+    ForwardFacts,
+    GraphIndex,
+    attribute_values,
+    is_default_domain,
+    is_onnx_op,
+    opset_version,
+)
 from ..models import ModelLike
 from ..names import NameAuthority
 from .contract import Pass, PassResult
@@ -78,7 +86,7 @@ class FakeQuantization:
 
 
 @dataclass(frozen=True)
-class StraightThroughQuantization(Pass):
+class StraightThroughQuantization(Pass[tuple[FakeQuantization, ...]]):
     """Fake-quantization pairs (QuantizeLinear -> DequantizeLinear of a float tensor)
     rewritten into ``lossgraph.FakeQuantizeLinear`` nodes, differentiated with the
     straight-through estimator (module doc); with ``dequantize_weights``, integer weights
@@ -88,7 +96,7 @@ class StraightThroughQuantization(Pass):
     dequantize_weights: bool = False
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        ops = {node.op_type for node in model.graph.node if node.domain in ("", "ai.onnx")}
+        ops = {node.op_type for node in model.graph.node if is_default_domain(node.domain)}
         if "DequantizeLinear" not in ops:
             return PassResult(model, (), changed=False)
         rewrites = _Rewriter(model, self.dequantize_weights).run()
@@ -123,7 +131,7 @@ class _Rewriter:
         self.opset = opset_version(model) or onnx.defs.onnx_opset_version()
         self.facts = ForwardFacts.of(model)
         self.names = NameAuthority.for_model(model)
-        self.producers = {o: node for node in self.graph.node for o in node.output}
+        self.index = GraphIndex(self.graph.node)
         self.initializers = {t.name: t for t in self.graph.initializer}
         self.outputs = {o.name for o in self.graph.output}
         #: what the rewrites stop reading: QuantizeLinear outputs, integer weights
@@ -134,7 +142,7 @@ class _Rewriter:
         rewrites: list[FakeQuantization] = []
         replaced: dict[int, onnx.NodeProto] = {}
         for index, node in enumerate(self.graph.node):
-            if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+            if not is_onnx_op(node, "DequantizeLinear"):
                 continue
             found = self._pair(node) or self._integer_weight(node)
             if found is not None:
@@ -151,9 +159,9 @@ class _Rewriter:
 
     # -- matching ----------------------------------------------------------------------
     def _pair(self, node: onnx.NodeProto) -> tuple[onnx.NodeProto, FakeQuantization] | None:
-        quantize = self.producers.get(node.input[0])
+        quantize = self.index.producer(node.input[0])
         if quantize is None or quantize.op_type != "QuantizeLinear" \
-                or quantize.domain not in ("", "ai.onnx"):
+                or not is_default_domain(quantize.domain):
             return None
         value = quantize.input[0]
         if self.facts.elem_types.get(value) not in FLOAT_TYPES:

@@ -29,7 +29,7 @@ __all__ = ["AlphabetizeInitializers", "alphabetize_initializers"]
 
 
 @dataclass(frozen=True)
-class AlphabetizeInitializers(Pass):
+class AlphabetizeInitializers(Pass[dict[str, str]]):
     """Rename ``weights`` (default: the trainable initializers) so they sort in graph order.
 
     The report is the mapping ``old name -> new name``: the identity when the names

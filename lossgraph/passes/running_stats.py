@@ -68,7 +68,7 @@ from onnx import helper, numpy_helper
 from ..autodiff.rules.nn import TRAINING_BATCH_NORM, TRAINING_BATCH_NORM_DOMAIN
 from ..builder import GraphBuilder
 from ..errors import UnsupportedModelError
-from ..graphs import ForwardFacts, all_graphs, attribute_value, np_dtype, opset_version
+from ..graphs import ForwardFacts, all_graphs, attribute_value, is_onnx_op, np_dtype, opset_version
 from ..metadata import BUFFERS_KEY, write_json
 from ..names import NameAuthority
 from .contract import Pass, PassResult
@@ -188,7 +188,7 @@ def _check_no_other_reader(model: onnx.ModelProto, found: list[BatchNormStatisti
 
 
 def _is_batch_norm(node: onnx.NodeProto) -> bool:
-    return node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx")
+    return is_onnx_op(node, "BatchNormalization")
 
 
 def _label(node: onnx.NodeProto, index: int) -> str:
@@ -196,7 +196,7 @@ def _label(node: onnx.NodeProto, index: int) -> str:
 
 
 @dataclass(frozen=True)
-class RunningStatistics(Pass):
+class RunningStatistics(Pass[dict[str, str]]):
     """Rewrite each training-mode BatchNormalization into a
     ``lossgraph.BatchNormalizationTraining`` node (normalization by the batch statistics,
     which it outputs too), and add its running statistics' update as outputs (see the module

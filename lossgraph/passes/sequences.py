@@ -44,7 +44,7 @@ from onnx import numpy_helper
 
 from ..analysis import StaticSplit, static_splits
 from ..builder import GraphBuilder
-from ..graphs import ForwardFacts, attribute_value, opset_version, values_read
+from ..graphs import ForwardFacts, attribute_value, is_onnx_op, opset_version, values_read
 from ..names import NameAuthority
 from .contract import Pass, PassResult
 
@@ -53,12 +53,12 @@ __all__ = ["SequencesToTensors", "holds_splits"]
 
 def holds_splits(model: onnx.ModelProto) -> bool:
     """Whether the top-level graph has a ``SplitToSequence`` (something to look at)."""
-    return any(n.op_type == "SplitToSequence" and n.domain in ("", "ai.onnx")
+    return any(is_onnx_op(n, "SplitToSequence")
                for n in model.graph.node)
 
 
 @dataclass(frozen=True)
-class SequencesToTensors(Pass):
+class SequencesToTensors(Pass[tuple[str, ...]]):
     """``SplitToSequence`` read at constant positions rewritten into ``Split`` (module
     doc); the report is the tuple of the sequences rewritten, in graph order."""
 

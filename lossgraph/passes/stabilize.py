@@ -81,10 +81,13 @@ from ..builder import GraphBuilder
 from ..errors import UnsupportedOptionError
 from ..graphs import (
     FLOAT_TYPES,
+    GraphIndex,
     Shape,
     all_graphs,
     attribute_value,
     attribute_values,
+    is_default_domain,
+    is_onnx_op,
     opset_version,
     outer_references,
     subgraphs,
@@ -119,7 +122,7 @@ class StableRewrite:
 
 
 @dataclass(frozen=True)
-class StabilizeNumerics(Pass):
+class StabilizeNumerics(Pass[tuple[StableRewrite, ...]]):
     """Overflowing forms (``1 / (1 + Exp(-s))``, ``Log(Softmax)``, ``Log(1 + Exp)``,
     ``Log(Sigmoid)``, ...) rewritten into stable ones (module doc); the report is the
     tuple of :class:`StableRewrite` done, in graph order.
@@ -160,7 +163,7 @@ def stabilize_numerics(model: ModelLike, backend: str = "onnx") -> onnx.ModelPro
 
 
 def _has_candidates(graph: onnx.GraphProto) -> bool:
-    ops = {node.op_type for node in graph.node if node.domain in ("", "ai.onnx")}
+    ops = {node.op_type for node in graph.node if is_default_domain(node.domain)}
     return bool(ops & _ROOTS) and bool(ops & _INNER)
 
 
@@ -220,7 +223,7 @@ class _Rewriter:
         self.emitted: set[str] = set()  # names of the nodes this pass added: never roots
         self.released: set[str] = set()  # constants read by removed nodes
         self.removed: set[str] = set()  # values no node computes any more
-        self.producers: dict[str, onnx.NodeProto] = {}
+        self.index = GraphIndex(())
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> list[StableRewrite]:
@@ -228,9 +231,9 @@ class _Rewriter:
             return []
         rewrites: list[StableRewrite] = []
         while True:
-            self.producers = {o: n for n in self.nodes for o in n.output if o}
+            self.index = GraphIndex(self.nodes)
             for node in self.nodes:
-                if node.name in self.emitted or node.domain not in ("", "ai.onnx"):
+                if node.name in self.emitted or not is_default_domain(node.domain):
                     continue
                 match = self._match(node)
                 if match is not None:
@@ -481,8 +484,8 @@ class _Rewriter:
         return source is not None and source.op_type in _NON_NEGATIVE
 
     def _producer(self, value: str) -> onnx.NodeProto | None:
-        node = self.producers.get(value)
-        return node if node is not None and node.domain in ("", "ai.onnx") else None
+        node = self.index.producer(value)
+        return node if node is not None and is_default_domain(node.domain) else None
 
     def _float(self, value: str) -> bool:
         return self.facts()[0].get(value) in FLOAT_TYPES
@@ -496,7 +499,7 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     fed = {value.name for value in graph.input}
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in fed}
     for node in graph.node:
-        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        if not is_onnx_op(node, "Constant"):
             continue
         for attribute in node.attribute:
             if attribute.name == "value":

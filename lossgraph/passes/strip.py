@@ -42,7 +42,7 @@ from onnx import helper, numpy_helper
 
 from ..autodiff.rules.quantization import FAKE_QUANTIZE, FAKE_QUANTIZE_DOMAIN
 from ..errors import UnsupportedModelError
-from ..graphs import all_graphs, attribute_value
+from ..graphs import all_graphs, attribute_value, is_default_domain, is_onnx_op
 from ..metadata import GRADIENTS_KEY, ROLES_KEY, SIGNATURE_KEY, read_text, remove_record
 from ..models import ModelLike
 from ..names import NameAuthority
@@ -57,7 +57,7 @@ _TRAINING_GRAPH_KEYS = (GRADIENTS_KEY, SIGNATURE_KEY)
 
 
 @dataclass(frozen=True)
-class StripTraining(Pass):
+class StripTraining(Pass[dict[str, Any]]):
     """Remove the loss, its inputs and the roles record; put BatchNormalization and Dropout
     in inference mode (see the module docstring).
 
@@ -73,7 +73,7 @@ class StripTraining(Pass):
 
 
 @dataclass(frozen=True)
-class InferenceMode(Pass):
+class InferenceMode(Pass[dict[str, Any]]):
     """Put BatchNormalization and Dropout in inference mode and nothing else: the loss, its
     inputs and the roles stay (an eval graph, with the loss, runs this; see the module
     docstring for the rewrites). The report has :class:`StripTraining`'s keys but
@@ -162,7 +162,7 @@ def _to_inference_mode(model: onnx.ModelProto, report: dict[str, Any]) -> None:
         used = read | {o.name for o in graph.output}
         for index, node in enumerate(graph.node):
             label = node.name or f"{node.op_type}#{index}"
-            if node.domain not in ("", "ai.onnx"):
+            if not is_default_domain(node.domain):
                 continue
             if node.op_type == "BatchNormalization":
                 if _batch_norm_to_inference(graph, position == 0, node, label, read, report):
@@ -237,7 +237,7 @@ def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
             if tensor.name in flags:
                 values[tensor.name] = numpy_helper.to_array(tensor)
         for node in graph.node:
-            if (node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute
+            if (is_onnx_op(node, "Constant") and node.attribute
                     and node.output[0] in flags):
                 attribute = node.attribute[0]
                 if attribute.name == "value":

@@ -23,7 +23,7 @@ __all__ = ["WeightsToInputs"]
 
 
 @dataclass(frozen=True)
-class WeightsToInputs(Pass):
+class WeightsToInputs(Pass[dict[str, np.ndarray]]):
     """Turn the initializers ``weights`` into graph inputs (appended in that order); the
     report is their values by name."""
 

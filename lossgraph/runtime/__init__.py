@@ -1,6 +1,25 @@
-"""Running training programs in onnxruntime: sessions, bound state buffers, the Trainer."""
+"""Running training programs in onnxruntime: sessions, the state ring, the engine and
+the Trainer built on it.
 
-from .session import create_session, training_build_available
-from .trainer import Trainer
+- :class:`~lossgraph.runtime.engine.Engine`: a program's graphs over one live state
+  (sessions, buffers, the rate and step scalars; prepare, step, apply, evaluate);
+- :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style.
 
-__all__ = ["Trainer", "create_session", "training_build_available"]
+The names are loaded on first use: the fusion modes (:mod:`lossgraph.modes`), which the
+engine runs, build on this package's lower modules (the ring, sessions, the separate step).
+"""
+
+from __future__ import annotations
+
+from ..lazy import lazy_names
+
+#: Public name -> the module of this package that defines it.
+_HOMES = {
+    "Engine": ".engine",
+    "Trainer": ".trainer",
+    "create_session": ".session",
+    "training_build_available": ".session",
+}
+
+__all__ = sorted(_HOMES)
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -47,6 +47,7 @@ from ...graphs import (
     FLOAT_TYPES,
     ForwardFacts,
     Shape,
+    is_default_domain,
     names_in_graph,
     outer_references,
     rename_values,
@@ -81,7 +82,7 @@ def _branch_gradient(g, branch: onnx.GraphProto, dys: Sequence[str | None],
 
     declared = sorted(set(outer) | set(wanted))
     inputs = [g.value_info(name) for name in declared]
-    domains = sorted({n.domain for n in body.node if n.domain not in ("", "ai.onnx")})
+    domains = sorted({n.domain for n in body.node if not is_default_domain(n.domain)})
     model = helper.make_model(
         helper.make_graph(list(body.node), "branch", inputs, list(body.output),
                           list(body.initializer)),
@@ -205,7 +206,7 @@ def _body_model(g: GradContext, body: onnx.GraphProto, outer: Sequence[onnx.Valu
             constants.append(numpy_helper.from_array(np.asarray(value), name))
         else:
             captured.append(g.value_info(name))
-    domains = sorted({n.domain for n in body.node if n.domain not in ("", "ai.onnx")})
+    domains = sorted({n.domain for n in body.node if not is_default_domain(n.domain)})
     return helper.make_model(
         helper.make_graph(list(body.node), "body", [*inputs, *captured], list(body.output),
                           [*body.initializer, *constants], value_info=list(body.value_info)),

@@ -28,6 +28,7 @@ import numpy as np
 from ...errors import UnsupportedModelError
 from ...graphs import attribute_values
 from ..registry import grad_rule
+from .indexing import scatter_add_rows
 
 
 # ------------------------------------------------------------------ RotaryEmbedding
@@ -70,8 +71,12 @@ def _to_cache(g, node, sums: str, cache: str) -> str:
     if positions is None:
         return sums
     zeros = g.filled(g.Shape(cache), 0, cache, hint="zeros")
-    return g.ScatterND(zeros, g.unsqueeze(positions, [2]), sums, reduction="add",
-                       hint="cache_grad")
+    # (B, S) positions, repeated across the batch: rows added in order (indexing's
+    # scatter_add_rows), not by ScatterND(add), which onnxruntime runs with a race
+    count = g.Reshape(g.Size(positions), g.ints([1], hint="shape"))
+    half = g.Slice(g.Shape(sums), g.ints([2], hint="starts"), g.ints([3], hint="ends"))
+    rows = g.Reshape(sums, g.Concat(count, half, axis=0))
+    return scatter_add_rows(g, zeros, g.Reshape(positions, count), rows, 2)
 
 
 @grad_rule("RotaryEmbedding", since=23, nondiff=(3,),

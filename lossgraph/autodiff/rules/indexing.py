@@ -6,13 +6,15 @@
     Pad(x, p, c), constant    dx = Pad(dy, -p)  (crops what was padded, pads what was cropped)
                               dc = ReduceSum(dy) - ReduceSum(dx)
     Gather(x, i, axis)        dx[.., i[j], ..] += dy[.., j, ..]  (duplicates accumulate):
-                              ScatterND(reduction=add) along axis moved first (opset 16+),
+                              along axis moved first, the rows of dy added in order by
+                              ScatterElements(zeros, i broadcast to dy, dy, 0, reduction=add)
+                              (opset 16+; ScatterND(reduction=add) when no index can repeat),
                               OneHot(i)^T @ dy before opset 16
     GatherElements(x, i, a)   dx = ScatterElements(zeros, i, dy, a, reduction=add) (opset 16+),
                               ReduceSum(OneHot(i) * dy, a) before opset 16
-    GatherND(x, i)            dx = ScatterND(zeros, i, dy, reduction=add) (opset 16+); before
-                              opset 16, Gather's form on the flat positions sum_j i_j stride_j
-                              of x flattened over the k axes i indexes
+    GatherND(x, i)            Gather's form on the flat positions sum_j i_j stride_j of x
+                              flattened over the k axes i indexes (opset 16+: ScatterND(zeros,
+                              i, dy, reduction=add) when no index tuple can repeat)
     ScatterND(x, i, u)        dx = ScatterND(dy, i, zeros)   du = GatherND(dy, i)
     ScatterElements(x, i, u)  dx = ScatterElements(dy, i, zeros, a)   du = GatherElements(dy, i, a)
                               (reduction=add: dx = dy)
@@ -47,6 +49,14 @@
                               disagree on the forward)
 
 ``NonZero`` returns positions (no gradient); ``Unique`` is declared not differentiable.
+
+Why not ScatterND(reduction=add) for repeated indices: onnxruntime's CPU kernel (1.19
+to 1.32) hands the index rows to its threads with no synchronisation, so two threads
+adding into one row race and lose updates. An embedding's gradient (BERT's token ids,
+its token type ids all 0) came out wrong and different on every run: 3 SGD steps of a
+BERT-base classifier gave losses 1.1527, 1.1442, 1.1393 in three runs. ScatterElements
+adds the rows in order (onnxruntime runs it serially, or splits it by columns, which
+never share an element): the same sums as a one-thread ScatterND, bit for bit.
 """
 
 from __future__ import annotations
@@ -87,6 +97,34 @@ def _one_hot(g, indices: str, depth: str, like: str, axis: int) -> str:
     if g.elem_type(like) != onnx.TensorProto.FLOAT:
         hot = g.Cast(hot, to=g.elem_type(like))
     return hot
+
+
+def scatter_add_rows(g, zeros: str, positions: str, rows: str, rank: int) -> str:
+    """``zeros[positions[j]] += rows[j]`` for ``j = 0, 1, ...`` in order (duplicates
+    accumulate): ``positions`` int64 of shape (m,), ``rows`` of shape (m, ...) and rank
+    ``rank``, along the first axis of ``zeros``. A ScatterElements with the positions
+    broadcast to the rows' shape: deterministic in onnxruntime, where ScatterND(add) with
+    repeated indices is not (module doc)."""
+    if rank > 1:
+        positions = g.Expand(g.unsqueeze(positions, list(range(1, rank))), g.Shape(rows),
+                             hint="positions")
+    return g.ScatterElements(zeros, positions, rows, axis=0, reduction="add")
+
+
+def _distinct(g, indices: str, dims: list[int | str] | None, k: int = 1) -> bool:
+    """Whether no index of ``indices`` can repeat (for GatherND, no tuple of its last ``k``
+    entries): there is at most one, or they are constants all different once taken modulo
+    the static ``dims`` they index. A ScatterND(add) over them then has no two threads
+    writing one place."""
+    shape = g.shape(indices)
+    if shape is not None and all(isinstance(d, int) for d in shape) \
+            and int(np.prod(shape)) // max(k, 1) <= 1:
+        return True
+    value = g.value(indices)
+    if value is None or dims is None or not all(isinstance(d, int) and d > 0 for d in dims):
+        return False
+    tuples = np.mod(np.asarray(value, np.int64).reshape(-1, len(dims)), np.array(dims))
+    return len(np.unique(tuples, axis=0)) == len(tuples)
 
 
 def _as_index_type(g, indices: str) -> str:
@@ -173,7 +211,8 @@ def _sum_rows_by_one_hot(g, positions: str, depth: str, rows: str, like: str,
 
 # ---------------------------------------------------------------------------- Gather
 @grad_rule("Gather", since=13, nondiff=(1,),
-           notes="duplicate indices accumulate; ScatterND(add) from opset 16, OneHot+Gemm before")
+           notes="duplicate indices accumulate; ScatterElements(add) of the rows in order from "
+                 "opset 16 (ScatterND(add) when no index repeats), OneHot+Gemm before")
 def gather(g, node, dy):
     x, indices = node.inputs
     rank, q = g.rank(x), g.rank(indices)
@@ -188,9 +227,20 @@ def gather(g, node, dy):
         shape_t = g.ints([shape[p] for p in perm_x], hint="shape")
     else:
         shape_t = g.Gather(g.Shape(x), g.ints(perm_x, hint="perm"), axis=0)
-    if g.opset >= 16:
+    if g.opset >= 16 and _distinct(g, indices, [(g.shape(x) or [None] * rank)[axis]]):
         dx_t = g.ScatterND(g.filled(shape_t, 0, x, hint="zeros"), g.unsqueeze(idx, [q]), dy_t,
                            reduction="add")
+    elif g.opset >= 16:  # the rows of dy_t in index order, each added to its row of dx_t
+        index_shape = static_shape(g, indices)
+        count = (g.ints([int(np.prod(index_shape))], hint="shape") if index_shape is not None
+                 else g.Reshape(g.Size(indices), g.ints([1], hint="shape")))
+        if shape is not None:
+            rest = g.ints([shape[p] for p in perm_x[1:]], hint="shape")
+        else:
+            rest = g.Slice(shape_t, g.ints([1], hint="starts"), g.ints([rank], hint="ends"))
+        positions = idx if q == 1 else g.Reshape(idx, count)
+        rows = dy_t if q == 1 else g.Reshape(dy_t, g.Concat(count, rest, axis=0))
+        dx_t = scatter_add_rows(g, g.filled(shape_t, 0, x, hint="zeros"), positions, rows, rank)
     else:
         dx_t = _sum_rows_by_one_hot(g, g.unsqueeze(idx, [0]) if q == 0 else idx,
                                     _dim(g, x, axis), dy_t, x, shape_t)
@@ -220,8 +270,9 @@ def gather_elements(g, node, dy):
 
 
 @grad_rule("GatherND", since=13, nondiff=(1,),
-           notes="duplicate indices accumulate; ScatterND(add) from opset 16, OneHot+Gemm of "
-                 "the flat positions before; batch_dims=0")
+           notes="duplicate indices accumulate; the flat positions' rows added by "
+                 "ScatterElements(add) from opset 16 (ScatterND(add) when no index repeats), "
+                 "OneHot+Gemm before; batch_dims=0")
 def gather_nd(g, node, dy):
     x, indices = node.inputs
     if node.attr("batch_dims", 0) != 0:
@@ -234,7 +285,7 @@ def gather_nd(g, node, dy):
             "be static.")
     dims = g.dims(x, 0, k)
     idx = _normalize(g, indices, dims)
-    if g.opset >= 16:
+    if g.opset >= 16 and _distinct(g, indices, (g.shape(x) or [None] * k)[:k], k):
         return node.grads(g.ScatterND(g.zeros_like(x), idx, dy, reduction="add"))
     # the position of each index tuple in x flattened over its first k axes
     strides = [g.ints([1], "stride")]
@@ -242,8 +293,17 @@ def gather_nd(g, node, dy):
         strides.insert(0, g.Mul(strides[0], _dim(g, x, axis)))
     flat = g.reduce("ReduceSum", g.Mul(idx, g.Concat(*strides, axis=0)), [-1], keepdims=0)
     count = g.reduce("ReduceProd", dims, [0], keepdims=1)
-    positions = g.unsqueeze(flat, [0]) if g.rank(indices) == 1 else flat
-    return node.grads(_sum_rows_by_one_hot(g, positions, count, dy, x, shape_of(g, x)))
+    if g.opset < 16:
+        positions = g.unsqueeze(flat, [0]) if g.rank(indices) == 1 else flat
+        return node.grads(_sum_rows_by_one_hot(g, positions, count, dy, x, shape_of(g, x)))
+    # x as (count, rest...) rows; dy as (tuples, rest...) rows, each added to its row
+    rank, q = g.rank(x), g.rank(indices)
+    tuples = g.reduce("ReduceProd", g.dims(indices, 0, q - 1), [0], keepdims=1)
+    rest = [g.dims(x, k, rank)] if rank > k else []
+    rows = g.Reshape(dy, g.Concat(tuples, *rest, axis=0) if rest else tuples)
+    zeros = g.filled(g.Concat(count, *rest, axis=0) if rest else count, 0, x, hint="zeros")
+    summed = scatter_add_rows(g, zeros, g.Reshape(flat, tuples), rows, rank - k + 1)
+    return node.grads(g.Reshape(summed, shape_of(g, x)))
 
 
 # --------------------------------------------------------------------------- Scatter

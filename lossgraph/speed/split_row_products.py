@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import onnx
 
 from ..builder import GraphBuilder
-from ..graphs import attribute_values, known_shapes, opset_version
+from ..graphs import attribute_values, is_default_domain, known_shapes, opset_version
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
 from .scopes import main_and_scan_bodies
@@ -72,7 +72,7 @@ def _most_parts(rows: int, most: int, least_rows: int) -> int | None:
 
 
 @dataclass(frozen=True)
-class SplitRowProducts(Pass):
+class SplitRowProducts(Pass[None]):
     """Long one-row ``MatMul`` and ``Gemm(transA=1)`` of static shapes as sums of batched
     parts (module doc)."""
 
@@ -93,7 +93,7 @@ def _parts(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
     """Into how many parts ``node`` is split: ``None`` unless it is
     ``MatMul(row[1, n], m[n, k])`` or ``Gemm(a[n, k], b[n, m], transA=1)`` (no bias,
     ``alpha`` 1, ``b`` not transposed) with n long and divisible into enough parts."""
-    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm"):
+    if not is_default_domain(node.domain) or node.op_type not in ("MatMul", "Gemm"):
         return None
     operands = [shapes.get(name) for name in node.input]
     if len(operands) != 2 or any(s is None or len(s) != 2 for s in operands):

@@ -1,20 +1,20 @@
-"""Weights and optimizer states in device buffers, rotated between steps, never copied.
+"""Weights and optimizer states in arrays rotated between steps, never copied: the state ring.
 
 A training graph reads the state (weights, optimizer states) as inputs and writes
-the next state as outputs. :class:`StateBuffers` keeps a ring of three sets of buffers;
+the next state as outputs. :class:`StateRing` keeps a ring of three sets of arrays;
 a :class:`GraphRunner` holds one ``SessionIOBinding`` per set (inputs from that set,
 outputs into the next one), so a step only rebinds its data batch. After a successful
-step the next set becomes the live one (:meth:`StateBuffers.advance`); after a failed
+step the next set becomes the live one (:meth:`StateRing.advance`); after a failed
 one it does not, and the state is still the one before the step. The third set keeps
 the state before the last successful step: a loss is computed at a step's input
 state, so when a step's loss is not finite, its input state is the one that diverged,
-and the one before it (:meth:`StateBuffers.step_back`) is the last whose loss was
+and the one before it (:meth:`StateRing.step_back`) is the last whose loss was
 finite.
 
 Groups of state tensors of one dtype can be *packed*: laid end to end in one flat array
 per set, each tensor a view of its part. A graph then reads or writes the whole group
 as one vector (a runner binds the group by its tuple of names), with no copy: the
-separate mode's update of every weight at once (:mod:`lossgraph.runtime.forward_backward`).
+separate mode's update of every weight at once (:mod:`lossgraph.runtime.separate_step`).
 
 Every OrtValue here aliases a numpy array that this module keeps alive.
 """
@@ -28,14 +28,14 @@ import numpy as np
 
 from .session import cpu_device, evaluation_error, ortvalue
 
-__all__ = ["Block", "StateBuffers", "GraphRunner"]
+__all__ = ["Block", "StateRing", "GraphRunner"]
 
 
 #: A packed group of state tensors: their names, in the order they are laid end to end.
 Block = tuple[str, ...]
 
 
-class StateBuffers:
+class StateRing:
     """A ring of buffer sets for the named state tensors; ``current`` holds the live state,
     a step writes the next one into set :meth:`following`.
 
@@ -61,7 +61,7 @@ class StateBuffers:
 
     def _allocate(self, initial: Mapping[str, np.ndarray],
                   packed: Sequence[Sequence[str]]) -> list[np.ndarray]:
-        """One set of buffers shaped like ``initial``; each packed group views one flat array."""
+        """One set of arrays shaped like ``initial``; each packed group views one flat array."""
         arrays: dict[str, np.ndarray] = {}
         for group in packed:
             parts = [np.asarray(initial[n]) for n in group]
@@ -85,7 +85,7 @@ class StateBuffers:
         return (parity + 1) % self.SETS
 
     def live(self) -> dict[str, np.ndarray]:
-        """The live state, by name (the buffers themselves: copy what must outlive a step)."""
+        """The live state, by name (the arrays themselves: copy what must outlive a step)."""
         return dict(zip(self.names, self.arrays[self.current]))
 
     def advance(self) -> None:
@@ -104,21 +104,21 @@ class StateBuffers:
         return True
 
     def load(self, state: Mapping[str, np.ndarray]) -> None:
-        """Copy ``state`` into the live buffers (no earlier state is kept then)."""
+        """Copy ``state`` into the live arrays (no earlier state is kept then)."""
         for name, array in zip(self.names, self.arrays[self.current]):
             array[...] = state[name]
         self._kept = False
 
 
 class GraphRunner:
-    """Runs one training graph over the state buffers with pre-built bindings.
+    """Runs one training graph over the state ring with pre-built bindings.
 
     ``state_inputs`` maps graph inputs to state names (or packed groups), ``state_outputs``
     graph outputs to state names (or packed groups); ``fixed`` binds small owned arrays
     (learning rate, step, loss) whose contents the caller updates in place between runs.
     """
 
-    def __init__(self, session, buffers: StateBuffers,
+    def __init__(self, session, ring: StateRing,
                  state_inputs: Mapping[str, str | Block],
                  state_outputs: Mapping[str, str | Block],
                  fixed_inputs: Mapping[str, np.ndarray] | None = None,
@@ -129,21 +129,21 @@ class GraphRunner:
         self.graph = graph
         self._session = session._sess
         self._run_options = C.RunOptions()
-        self.buffers = buffers
+        self.ring = ring
         fixed_inputs, fixed_outputs = fixed_inputs or {}, fixed_outputs or {}
         self._keep = [*fixed_inputs.values(), *fixed_outputs.values()]
-        fixed = {n: ortvalue(a, buffers.device) for n, a in fixed_inputs.items()}
-        outputs = {n: ortvalue(a, buffers.device) for n, a in fixed_outputs.items()}
+        fixed = {n: ortvalue(a, ring.device) for n, a in fixed_inputs.items()}
+        outputs = {n: ortvalue(a, ring.device) for n, a in fixed_outputs.items()}
         self._keep += [*fixed.values(), *outputs.values()]
         self._outputs: dict[str, tuple[np.ndarray, object]] = {}
-        self._data: list[tuple] = [()] * buffers.SETS  # per binding: the arrays it aliases
+        self._data: list[tuple] = [()] * ring.SETS  # per binding: the arrays it aliases
         self._bindings = []
-        for parity in range(buffers.SETS):
+        for parity in range(ring.SETS):
             binding = C.SessionIOBinding(self._session)
             for name, state in state_inputs.items():
-                binding.bind_ortvalue_input(name, buffers.value(parity, state))
+                binding.bind_ortvalue_input(name, ring.value(parity, state))
             for name, state in state_outputs.items():
-                binding.bind_ortvalue_output(name, buffers.value(buffers.following(parity),
+                binding.bind_ortvalue_output(name, ring.value(ring.following(parity),
                                                                  state))
             for name, value in fixed.items():
                 binding.bind_ortvalue_input(name, value)
@@ -153,7 +153,7 @@ class GraphRunner:
 
     def bind_output(self, name: str, array: np.ndarray) -> None:
         """Write output ``name`` into ``array`` from now on (kept alive here until rebound)."""
-        value = ortvalue(array, self.buffers.device)
+        value = ortvalue(array, self.ring.device)
         self._outputs[name] = (array, value)
         for binding in self._bindings:
             binding.bind_ortvalue_output(name, value)
@@ -165,10 +165,10 @@ class GraphRunner:
         The arrays stay referenced until this binding's next run rebinds them, since the
         binding still holds OrtValues over their memory.
         """
-        parity = self.buffers.current
+        parity = self.ring.current
         binding = self._bindings[parity]
         if data:
-            values = [ortvalue(value, self.buffers.device) if isinstance(value, np.ndarray)
+            values = [ortvalue(value, self.ring.device) if isinstance(value, np.ndarray)
                       else value for value in data.values()]
             for name, value in zip(data, values):
                 binding.bind_ortvalue_input(name, value)

@@ -10,7 +10,7 @@ repeated until nothing changes (a folded ``Shape`` can make more shapes static:
 
 Why: a graph of symbolic batch size recomputes its shapes every step (the mean's count,
 the ones row that sums a bias gradient over the batch). Once the batch size is fixed
-(:class:`~lossgraph.optimize.SpecializeBatch`) they are constants, and onnxruntime's
+(:class:`~lossgraph.speed.SpecializeBatch`) they are constants, and onnxruntime's
 constant folding takes the rest of the shape arithmetic (``Cast``, ``Div``, ``Concat``,
 ``ConstantOfShape``, ``Expand`` of constants) out of every step; each node it removes
 saves a kernel's fixed cost (about 0.7 us).
@@ -32,7 +32,7 @@ __all__ = ["FoldStaticShapes"]
 
 
 @dataclass(frozen=True)
-class FoldStaticShapes(Pass):
+class FoldStaticShapes(Pass[None]):
     """``Shape``/``Size`` of static shapes to constants, no-op ``Reshape`` to ``Identity``
     (module doc). Shapes are inferred with data propagation, which resolves shapes
     computed from ``Shape`` values: on a 665-node transformer's step graph 43 ``Shape``

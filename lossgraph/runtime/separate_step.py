@@ -1,29 +1,32 @@
-"""Running a vector-Jacobian graph cut in two (:func:`lossgraph.separate.split_gradient`).
+"""Running a vector-Jacobian graph cut in two (:func:`lossgraph.surgery.split_gradient`).
 
-:class:`ForwardBackwardRunner` runs the forward half once and hands its residuals to
+:class:`HalvesRunner` runs the forward half once and hands its residuals to
 the backward half as OrtValues, never through numpy: the forward pass is not
 computed twice and nothing is copied between the halves. :class:`SeparateStep`
 chains it with a ``fuse="separate"`` program's loss, penalty and update graphs, the
-reference documents' training step.
+onnxcustom's training step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 
 from ..errors import UnsupportedModelError
 from ..graphs import np_dtype
-from ..optimize import SpecializeBatch
-from ..program import TrainingProgram
-from ..separate import ForwardBackward, PackedUpdate, chain_graphs, split_gradient
-from .buffers import GraphRunner, StateBuffers
+from ..speed import SpecializeBatch
+from ..surgery import GradientHalves, chain_graphs, split_gradient
+from .packed import PackedUpdate
+from .ring import GraphRunner, StateRing
 from .session import cpu_device, evaluation_error, ortvalue
 
-__all__ = ["ForwardBackwardRunner", "SeparateStep"]
+if TYPE_CHECKING:  # the program module builds on the fusion modes, which build on this one
+    from ..program import TrainingProgram
+
+__all__ = ["HalvesRunner", "SeparateStep"]
 
 SessionFactory = Callable[[onnx.ModelProto], Any]
 #: ``make_runner(graph, batch=None, bound=None)``: the Trainer's GraphRunner of a program graph.
@@ -61,10 +64,10 @@ class _Bound:
         return [values[i] for i in range(len(self._outputs))]
 
 
-class ForwardBackwardRunner:
+class HalvesRunner:
     """The two halves of a split vector-Jacobian graph, run with OrtValues."""
 
-    def __init__(self, split: ForwardBackward, make_session: SessionFactory) -> None:
+    def __init__(self, split: GradientHalves, make_session: SessionFactory) -> None:
         self.split = split
         self._forward_outputs = [o.name for o in split.forward.graph.output]
         self._forward = _Bound(make_session(split.forward), self._forward_outputs, "forward")
@@ -78,7 +81,7 @@ class ForwardBackwardRunner:
 
     def backward(self, residuals: Mapping[str, Any], reused: Mapping[str, Any],
                  seeds: Mapping[str, Any]) -> list[Any]:
-        """The gradients (OrtValues in :attr:`ForwardBackward.gradients` order)
+        """The gradients (OrtValues in :attr:`GradientHalves.gradients` order)
         from a forward run's residuals, the forward inputs the backward half reads again
         and the seeds (the outputs' gradients)."""
         return self._backward.run({**residuals, **reused, **seeds})
@@ -91,7 +94,7 @@ class SeparateStep:
         backward(prediction_grad) -> W_grad;  penalty(W) -> penalty, W_penalty_grad
         update(W, W_grad (+ W_penalty_grad), states) -> W', states'
 
-    Weights and states stay in ``buffers``; the update writes the next state into the
+    Weights and states stay in ``ring``; the update writes the next state into the
     following buffer set (the caller advances to it after a finite loss). A program's buffers
     (the running statistics of a training-mode BatchNormalization) are read by the forward
     half, which also computes their next values (outputs of the ``gradient`` graph, so of
@@ -105,13 +108,13 @@ class SeparateStep:
     nothing else. Without ``batch`` (or where a shape stays unknown), onnxruntime
     allocates the values each step and they are bound as they come.
 
-    With ``packed`` (:func:`~lossgraph.separate.packed_update`, the weights and states
-    packed in ``buffers`` as it lays them out), such a step runs the update packed: the
+    With ``packed`` (:func:`~lossgraph.runtime.packed.packed_update`, the weights and states
+    packed in ``ring`` as it lays them out), such a step runs the update packed: the
     backward half writes each gradient into its part of one flat vector, and one small
     update graph updates every weight at once, to the same numbers.
     """
 
-    def __init__(self, program: TrainingProgram, buffers: StateBuffers,
+    def __init__(self, program: TrainingProgram, ring: StateRing,
                  make_session: SessionFactory, make_runner: RunnerFactory,
                  batch: int | None = None, packed: PackedUpdate | None = None) -> None:
         io = program.io
@@ -119,7 +122,7 @@ class SeparateStep:
         if batch is not None:  # static shapes: no shape arithmetic at run time
             for name in ("gradient", "loss"):
                 graphs[name] = SpecializeBatch(batch)(graphs[name]).model
-        self._buffers = buffers
+        self._ring = ring
         self._weights = program.weights
         # the model's buffers, and the gradient graph's outputs with their next values
         self._model_buffers = program.buffers
@@ -142,8 +145,8 @@ class SeparateStep:
                                    arrays[prediction].shape, prediction, batch)
         if arrays is None:
             self._static = False
-            self._model = ForwardBackwardRunner(split, make_session)
-            self._index = {name: i for i, name in enumerate(buffers.names)}
+            self._model = HalvesRunner(split, make_session)
+            self._index = {name: i for i, name in enumerate(ring.names)}
             self._seed, self._loss_io = seed, loss_io
             self._loss = _Bound(make_session(graphs["loss"]),
                                 [loss_io["loss"], loss_io["prediction_grad"]], "loss")
@@ -152,11 +155,11 @@ class SeparateStep:
         else:
             self._static = True
             # the gradients end to end in one vector, for the packed update to read at once
-            packs = packed is not None and tuple(self._weights) in buffers.blocks
+            packs = packed is not None and tuple(self._weights) in ring.blocks
             flat_gradient = _pack_gradients(arrays, split.gradients) if packs else None
             self._arrays = arrays
             self._loss_value = arrays[loss_io["loss"]]
-            self._runs = self._gradient_runs(split, graphs["loss"], loss_io, arrays, buffers,
+            self._runs = self._gradient_runs(split, graphs["loss"], loss_io, arrays, ring,
                                              make_session)
             self._gradients = dict(zip(self._weights, (arrays[g] for g in split.gradients)))
             self._update = (
@@ -168,18 +171,18 @@ class SeparateStep:
             total, *grads = io("penalty", "penalty") + io("penalty", "penalty_gradient")
             self._penalty_total = np.empty((), program.state[self._penalized[0]].dtype)
             self._penalty_grads = [np.empty_like(program.state[w]) for w in self._penalized]
-            self._penalty = GraphRunner(make_session(graphs["penalty"]), buffers,
+            self._penalty = GraphRunner(make_session(graphs["penalty"]), ring,
                                         {w: w for w in self._penalized}, {}, {},
                                         {total: self._penalty_total,
                                          **dict(zip(grads, self._penalty_grads))}, "penalty")
 
-    def _gradient_runs(self, split: ForwardBackward, loss: onnx.ModelProto,
+    def _gradient_runs(self, split: GradientHalves, loss: onnx.ModelProto,
                        loss_io: Mapping[str, str], arrays: Mapping[str, np.ndarray],
-                       buffers: StateBuffers, make_session: SessionFactory
+                       ring: StateRing, make_session: SessionFactory
                        ) -> list[tuple[GraphRunner, dict[str, str]]]:
         """The runs of a full batch's forward half, loss and backward half, each with the
         batch inputs it reads (graph input -> batch input): one run of the three graphs
-        chained (:func:`~lossgraph.separate.chain_graphs`), else one run each."""
+        chained (:func:`~lossgraph.surgery.chain_graphs`), else one run each."""
         seed, prediction = loss_io["prediction_grad"], loss_io["prediction"]
         state_in = {w: w for w in (*self._weights, *self._model_buffers)}
         state_out = dict(zip(self._new_buffers, self._model_buffers))
@@ -192,21 +195,33 @@ class SeparateStep:
             (model, renamed), loss_renamed = chained, ahead[1]
             outputs = {loss_renamed.get(loss_io["loss"], loss_io["loss"]): self._loss_value,
                        **{renamed.get(g, g): array for g, array in gradients.items()}}
-            runner = GraphRunner(make_session(model), buffers, state_in, state_out, {},
+            runner = GraphRunner(make_session(model), ring, state_in, state_out, {},
                                  outputs, "gradient and loss")
             return [(runner, {**features, **{loss_renamed.get(n, n): n for n in labels}})]
-        forward = GraphRunner(make_session(split.forward), buffers, state_in, state_out, {},
+        forward = GraphRunner(make_session(split.forward), ring, state_in, state_out, {},
                               {o.name: arrays[o.name] for o in split.forward.graph.output
                                if o.name not in state_out}, "forward")
-        loss_run = GraphRunner(make_session(loss), buffers, {}, {},
+        loss_run = GraphRunner(make_session(loss), ring, {}, {},
                                {prediction: arrays[prediction]},
                                {loss_io["loss"]: self._loss_value, seed: arrays[seed]}, "loss")
-        backward = GraphRunner(make_session(split.backward), buffers,
+        backward = GraphRunner(make_session(split.backward), ring,
                                {w: w for w in split.reused if w in state_in}, {},
                                {**{r: arrays[r] for r in split.residuals}, seed: arrays[seed]},
                                gradients, "backward")
         reused = {n: n for n in split.reused if n not in state_in}
         return [(forward, features), (loss_run, labels), (backward, reused)]
+
+    @property
+    def static(self) -> bool:
+        """Whether every value the graphs exchange lives in one preallocated array (a step
+        of the batch size the graphs are specialized to, all shapes static)."""
+        return self._static
+
+    @property
+    def runs(self) -> int:
+        """onnxruntime runs of a step's forward half, loss and backward half (1: chained
+        into one session); 0 where the values are not static (bound as they come)."""
+        return len(self._runs) if self._static else 0
 
     def run(self, batch: Mapping[str, np.ndarray]) -> float:
         """One step on ``batch`` (C-contiguous arrays by input name); the loss."""
@@ -255,12 +270,12 @@ class SeparateStep:
     def _gradients_dynamic(self, batch: Mapping[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
         device = self._device
         data = {name: ortvalue(array, device) for name, array in batch.items()}
-        current = self._buffers.current
-        live = self._buffers.values[current]
+        current = self._ring.current
+        live = self._ring.values[current]
         weights = {w: live[self._index[w]] for w in (*self._weights, *self._model_buffers)}
         (prediction, *new_buffers), residuals = self._model.forward(
             {**{n: data[n] for n in self._features}, **weights})
-        following = self._buffers.arrays[self._buffers.following(current)]  # the next state
+        following = self._ring.arrays[self._ring.following(current)]  # the next state
         for buffer, value in zip(self._model_buffers, new_buffers):
             following[self._index[buffer]][...] = value.numpy()
         loss, prediction_grad = self._loss.run(
@@ -305,7 +320,7 @@ def _check_prediction_rows(loss: onnx.ModelProto, read: str, computed: tuple[int
             "that mixes rows).")
 
 
-def _static_values(split: ForwardBackward, loss: onnx.ModelProto) -> dict[str, np.ndarray] | None:
+def _static_values(split: GradientHalves, loss: onnx.ModelProto) -> dict[str, np.ndarray] | None:
     """An array for each value the graphs of a step exchange (the forward outputs, the
     loss's outputs, the gradients), or None when a shape is not static."""
     values = [*split.forward.graph.output, *loss.graph.output, *split.backward.graph.output]

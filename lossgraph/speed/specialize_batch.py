@@ -8,9 +8,9 @@
 
 A program's ``train_step`` and ``train_epoch`` graphs serve every batch size: a step
 takes a batch of symbolic size and recomputes its shapes every time. For the one batch
-size a fit uses they are constants (:mod:`~lossgraph.optimize.fold_static_shapes`),
+size a fit uses they are constants (:mod:`~lossgraph.speed.fold_static_shapes`),
 and long one-row products can be split for onnxruntime's threads
-(:mod:`~lossgraph.optimize.split_row_products`). The result is for running, not for
+(:mod:`~lossgraph.speed.split_row_products`). The result is for running, not for
 saving: the program keeps its general graphs.
 """
 
@@ -25,7 +25,7 @@ from ..errors import InvalidModelError, UnsupportedModelError, UnsupportedOption
 from ..graphs import subgraphs
 from ..metadata import SIGNATURE_KEY, read_json
 from ..models import ModelLike
-from ..passes.contract import Pass, PassResult, Pipeline
+from ..passes.contract import Pass, PassResult, Pipeline, Reports
 from ..target import active_target, loading_target, use_target
 from .fold_static_shapes import FoldStaticShapes
 from .split_row_products import SplitRowProducts
@@ -34,7 +34,7 @@ __all__ = ["SpecializeBatch"]
 
 
 @dataclass(frozen=True)
-class SpecializeBatch(Pass):
+class SpecializeBatch(Pass[Reports | None]):
     """The training graph with its steps taking batches of ``batch`` rows, its shape
     arithmetic folded and its long one-row products split (module doc)."""
 
@@ -45,12 +45,12 @@ class SpecializeBatch(Pass):
             raise UnsupportedOptionError(
                 f"SpecializeBatch(batch={self.batch!r}): the batch size must be an int >= 1.")
 
-    def __call__(self, model: ModelLike) -> PassResult:
+    def run(self, model: ModelLike, *, checked: bool = False) -> PassResult:
         """Run for the runtimes that load ``model``: a program compiled for current
         onnxruntime alone (a newer opset) is specialized for it too."""
         loading = loading_target(model) if isinstance(model, onnx.ModelProto) else None
         with use_target(loading or active_target()):
-            return super().__call__(model)
+            return super().run(model, checked=checked)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
         signature = read_json(model, SIGNATURE_KEY) or {}

@@ -38,11 +38,12 @@ from ..builder import GraphBuilder
 from ..graphs import (
     FLOAT_TYPES,
     ForwardFacts,
+    GraphIndex,
     Shape,
     all_graphs,
     attribute_values,
-    consumers,
     initializer_arrays,
+    is_onnx_op,
     np_dtype,
     opset_version,
     values_read,
@@ -54,7 +55,7 @@ __all__ = ["SumRowsByProduct"]
 
 
 @dataclass(frozen=True)
-class SumRowsByProduct(Pass):
+class SumRowsByProduct(Pass[None]):
     """Sums over the leading axes, reshaped to a constant shape, as ``ones @ rows`` (a
     whole ``ReduceSum`` for one column); see the module doc."""
 
@@ -108,7 +109,7 @@ def _rewrite(graph: onnx.GraphProto, facts: _ValueFacts, names: NameAuthority,
                       and n.attribute[0].name == "value"})
     for value in graph.input:  # an initializer that is also an input can be fed
         constants.pop(value.name, None)
-    readers = consumers(graph)
+    index = GraphIndex(graph.node)
     outputs = {o.name for o in graph.output}
     g = GraphBuilder(names, opset, prefix="sum_rows/")
     replaced: set[str] = set()  # outputs of the sums and Reshapes rewritten
@@ -117,7 +118,7 @@ def _rewrite(graph: onnx.GraphProto, facts: _ValueFacts, names: NameAuthority,
     for node in graph.node:
         if node.output and node.output[0] in replaced:
             continue  # the Reshape of a rewritten sum: emitted with it
-        match = _recognize(node, constants, readers, outputs, facts)
+        match = _recognize(node, constants, index, outputs, facts)
         if match is None:
             rebuilt.append(node)
             continue
@@ -141,10 +142,10 @@ def _rewrite(graph: onnx.GraphProto, facts: _ValueFacts, names: NameAuthority,
 
 
 def _recognize(node: onnx.NodeProto, constants: dict[str, np.ndarray],
-               readers: dict[str, list[onnx.NodeProto]], outputs: set[str],
+               index: GraphIndex, outputs: set[str],
                facts: _ValueFacts) -> tuple[onnx.NodeProto, int, tuple[int, ...]] | None:
     """``(its Reshape, k, t)`` when ``node`` is a sum the pass rewrites (module doc)."""
-    if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
+    if not is_onnx_op(node, "ReduceSum"):
         return None
     attributes = attribute_values(node)
     if attributes.get("keepdims", 1) != 0:
@@ -157,10 +158,10 @@ def _recognize(node: onnx.NodeProto, constants: dict[str, np.ndarray],
     total = node.output[0]
     if (not axes or axes != list(range(len(axes)))
             or facts.elem_types.get(node.input[0]) not in FLOAT_TYPES
-            or total in outputs or len(readers.get(total, [])) != 1):
+            or total in outputs or index.read_once(total) is None):
         return None
-    (reshape,) = readers[total]
-    if (reshape.op_type != "Reshape" or reshape.domain not in ("", "ai.onnx")
+    reshape = index.read_once(total)
+    if (not is_onnx_op(reshape, "Reshape")
             or list(reshape.input) != [total, reshape.input[1]]):
         return None
     shape = constants.get(reshape.input[1])

@@ -31,7 +31,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..builder import GraphBuilder
-from ..graphs import ForwardFacts, attribute_values, consumers, opset_version
+from ..graphs import (
+    ForwardFacts,
+    GraphIndex,
+    attribute_values,
+    is_default_domain,
+    is_onnx_op,
+    opset_version,
+)
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
 from .rewriting import replace_nodes
@@ -43,7 +50,7 @@ _INDEX_DEPTH = 4
 
 
 @dataclass(frozen=True)
-class ConcatScatteredSlabs(Pass):
+class ConcatScatteredSlabs(Pass[None]):
     """Sums of one-slab scatters into zeros that fill a tensor, as a ``Concat`` of the
     slabs (module doc)."""
 
@@ -58,26 +65,25 @@ class ConcatScatteredSlabs(Pass):
 
 def _zeros(node: onnx.NodeProto | None) -> bool:
     """Whether ``node`` is a ``ConstantOfShape`` of zeros."""
-    if node is None or node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx"):
+    if node is None or not is_onnx_op(node, "ConstantOfShape"):
         return False
     value = attribute_values(node).get("value")
     return value is None or not np.any(numpy_helper.to_array(value))
 
 
-def _same_value(first: str, second: str, producers: dict[str, tuple[int, onnx.NodeProto]],
-                depth: int = _INDEX_DEPTH) -> bool:
+def _same_value(first: str, second: str, graph: GraphIndex, depth: int = _INDEX_DEPTH) -> bool:
     """Whether two values are surely equal: the same name, or computed by nodes of the
     same deterministic op and attributes from surely equal inputs (``Shape(t)`` twice)."""
     if first == second:
         return True
-    one, other = producers.get(first, (-1, None))[1], producers.get(second, (-1, None))[1]
+    one, other = graph.producer(first), graph.producer(second)
     if (depth == 0 or one is None or other is None or one.op_type != other.op_type
             or one.domain != other.domain or one.op_type not in _DETERMINISTIC
             or list(one.attribute) != list(other.attribute)
             or len(one.input) != len(other.input)
             or list(one.output).index(first) != list(other.output).index(second)):
         return False
-    return all(_same_value(a, b, producers, depth - 1) for a, b in zip(one.input, other.input))
+    return all(_same_value(a, b, graph, depth - 1) for a, b in zip(one.input, other.input))
 
 
 #: ops whose outputs are functions of their inputs and attributes alone
@@ -86,12 +92,11 @@ _DETERMINISTIC = frozenset({"Shape", "Size", "Gather", "Slice", "Concat", "Unsqu
                             "Div", "Mod", "Neg", "ConstantOfShape", "Constant"})
 
 
-def _constant_index(model: onnx.ModelProto, name: str,
-                    producers: dict[str, tuple[int, onnx.NodeProto]],
+def _constant_index(model: onnx.ModelProto, name: str, graph: GraphIndex,
                     initializers: dict[str, onnx.TensorProto]) -> np.ndarray | None:
     """The value of ``name`` when a few nodes compute it from constants alone (onnx's
-    reference evaluator), else None. ``producers``: each value's node and its position,
-    ``initializers``: the constant ones (not graph inputs)."""
+    reference evaluator), else None. ``initializers``: the constant ones (not graph
+    inputs)."""
     needed: dict[int, onnx.NodeProto] = {}
     used: dict[str, onnx.TensorProto] = {}
     frontier = [(name, 0)]
@@ -100,8 +105,8 @@ def _constant_index(model: onnx.ModelProto, name: str,
         if value in initializers:
             used[value] = initializers[value]
             continue
-        position, node = producers.get(value, (-1, None))
-        if (node is None or depth > _INDEX_DEPTH or node.domain not in ("", "ai.onnx")
+        position, node = graph.position(value), graph.producer(value)
+        if (node is None or depth > _INDEX_DEPTH or not is_default_domain(node.domain)
                 or node.op_type in ("Shape", "Size") or any(
                     a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                     for a in node.attribute)):
@@ -112,7 +117,7 @@ def _constant_index(model: onnx.ModelProto, name: str,
     evaluator = helper.make_model(
         helper.make_graph(order, "index", [], [helper.make_tensor_value_info(name, 0, None)],
                           list(used.values())),
-        opset_imports=[op for op in model.opset_import if op.domain in ("", "ai.onnx")])
+        opset_imports=[op for op in model.opset_import if is_default_domain(op.domain)])
     from onnx.reference import ReferenceEvaluator  # imported only where needed: 0.1 s
 
     try:
@@ -123,13 +128,11 @@ def _constant_index(model: onnx.ModelProto, name: str,
 
 
 def _slabs(model: onnx.ModelProto, total: onnx.NodeProto, facts: ForwardFacts,
-           producers: dict[str, tuple[int, onnx.NodeProto]],
-           initializers: dict[str, onnx.TensorProto],
-           readers: dict[str, list[onnx.NodeProto]],
+           graph: GraphIndex, initializers: dict[str, onnx.TensorProto],
            outputs: set[str]) -> list[tuple[str, onnx.NodeProto]] | None:
     """``(u_m, its ScatterND)`` in index order ``m = 0..K-1`` when ``total`` is a sum the
     pass rewrites (module doc)."""
-    if total.op_type != "Sum" or total.domain not in ("", "ai.onnx"):
+    if not is_onnx_op(total, "Sum"):
         return None
     shape = facts.shapes.get(total.output[0])
     if shape is None or not shape or not isinstance(shape[0], int) \
@@ -138,18 +141,18 @@ def _slabs(model: onnx.ModelProto, total: onnx.NodeProto, facts: ForwardFacts,
     slabs: dict[int, tuple[str, onnx.NodeProto]] = {}
     zeros_shape = None  # every term's zeros of one shape: the Sum does not broadcast
     for term in total.input:
-        _, scatter = producers.get(term, (-1, None))
-        zeros = None if scatter is None else producers.get(scatter.input[0], (-1, None))[1]
-        if (scatter is None or zeros is None or scatter.op_type != "ScatterND"
-                or scatter.domain not in ("", "ai.onnx") or term in outputs
-                or len(readers.get(term, [])) != 1
+        scatter = graph.producer(term)
+        zeros = None if scatter is None else graph.producer(scatter.input[0])
+        if (scatter is None or zeros is None or not is_onnx_op(scatter, "ScatterND")
+                or term in outputs
+                or graph.read_once(term) is None
                 or attribute_values(scatter).get("reduction", "none") not in ("none", "add")
                 or not _zeros(zeros)):
             return None
         zeros_shape = zeros_shape or zeros.input[0]
-        if not _same_value(zeros.input[0], zeros_shape, producers):
+        if not _same_value(zeros.input[0], zeros_shape, graph):
             return None
-        index = _constant_index(model, scatter.input[1], producers, initializers)
+        index = _constant_index(model, scatter.input[1], graph, initializers)
         if index is None or index.shape != (1,):
             return None
         position = int(index[0]) % shape[0]
@@ -162,16 +165,14 @@ def _slabs(model: onnx.ModelProto, total: onnx.NodeProto, facts: ForwardFacts,
 def _rewrite(model: onnx.ModelProto, facts: ForwardFacts, names: NameAuthority,
              opset: int) -> bool:
     graph = model.graph
-    producers = {output: (position, node) for position, node in enumerate(graph.node)
-                 for output in node.output}
+    index = GraphIndex(graph.node)
     fed = {v.name for v in graph.input}  # an initializer that is an input can be fed
     initializers = {t.name: t for t in graph.initializer if t.name not in fed}
-    readers = consumers(graph)
     outputs = {o.name for o in graph.output}
     g = GraphBuilder(names, opset, prefix="concat_slabs/")
 
     def emit(node: onnx.NodeProto) -> list[str] | None:
-        slabs = _slabs(model, node, facts, producers, initializers, readers, outputs)
+        slabs = _slabs(model, node, facts, index, initializers, outputs)
         if slabs is None:
             return None
         stacked = g.Concat(*(g.unsqueeze(u, [0]) for u, _ in slabs), axis=0, hint="slabs")

@@ -43,8 +43,9 @@ from onnx import TensorProto
 
 from ..builder import GraphBuilder
 from ..graphs import (
+    GraphIndex,
     attribute_values,
-    consumers,
+    is_onnx_op,
 )
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
@@ -61,7 +62,7 @@ _SWAP_PREFIX = [1, 0]
 
 
 @dataclass(frozen=True)
-class UnfoldConvWeightGradients(Pass):
+class UnfoldConvWeightGradients(Pass[None]):
     """Convolution weight gradients ``Conv(x^T, dy^T)^T`` as a product of the unfolded x
     and dy (module doc)."""
 
@@ -84,7 +85,7 @@ class _Match:
 
 
 def _is_swap(node: onnx.NodeProto | None) -> bool:
-    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+    if node is None or not is_onnx_op(node, "Transpose"):
         return False
     perm = list(attribute_values(node).get("perm", []))
     return perm[:2] == _SWAP_PREFIX and perm[2:] == list(range(2, len(perm)))
@@ -92,18 +93,17 @@ def _is_swap(node: onnx.NodeProto | None) -> bool:
 
 
 
-def _recognize(graph: onnx.GraphProto, conv: onnx.NodeProto,
-               producers: dict[str, onnx.NodeProto], readers: dict[str, list[onnx.NodeProto]],
+def _recognize(graph: onnx.GraphProto, conv: onnx.NodeProto, index: GraphIndex,
                outputs: set[str], shapes: dict[str, list[int | None]],
                types: dict[str, int]) -> _Match | None:
     """The match of ``conv`` when it is a weight gradient the pass rewrites (module doc)."""
-    if conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(conv.input) != 2:
+    if not is_onnx_op(conv, "Conv") or len(conv.input) != 2:
         return None
     attributes = attribute_values(conv)
     if attributes.get("group", 1) != 1 or attributes.get("auto_pad", "NOTSET") not in (
             "NOTSET", ""):
         return None
-    swaps = [producers.get(name) for name in conv.input]
+    swaps = [index.producer(name) for name in conv.input]
     if not all(_is_swap(s) for s in swaps):
         return None
     x, dy = (s.input[0] for s in swaps)  # type: ignore[union-attr]
@@ -114,20 +114,20 @@ def _recognize(graph: onnx.GraphProto, conv: onnx.NodeProto,
         return None
     n = len(x_shape) - 2
     result = conv.output[0]
-    if result in outputs or len(readers.get(result, [])) != 1:
+    reader = index.read_once(result)
+    if result in outputs or reader is None:
         return None
-    (reader,) = readers[result]
     kernel = shapes.get(result, [None] * (n + 2))[2:]
-    if reader.op_type == "Slice" and reader.domain in ("", "ai.onnx"):
+    if is_onnx_op(reader, "Slice"):
         starts, ends = (constant_ints(graph, name) for name in reader.input[1:3])
         axes = constant_ints(graph, reader.input[3]) if len(reader.input) > 3 else None
         steps = constant_ints(graph, reader.input[4]) if len(reader.input) > 4 else None
         if (starts != [0] * n or axes != list(range(2, n + 2)) or ends is None
                 or steps not in (None, [1] * n) or reader.output[0] in outputs
-                or len(readers.get(reader.output[0], [])) != 1):
+                or index.read_once(reader.output[0]) is None):
             return None
         kernel = ends
-        (reader,) = readers[reader.output[0]]
+        reader = index.read_once(reader.output[0])
     if not _is_swap(reader) or None in kernel or any(k < 1 for k in kernel):
         return None
     kernel = [int(k) for k in kernel]  # type: ignore[arg-type]
@@ -172,12 +172,11 @@ def _rewrite(graph: onnx.GraphProto, shapes: dict[str, list[int | None]],
              types: dict[str, int], names: NameAuthority, opset: int) -> bool:
     """Rewrite ``graph``'s weight-gradient Convs in place, dropping the nodes only they
     read; True if any."""
-    producers = {output: node for node in graph.node for output in node.output}
-    readers = consumers(graph)
+    index = GraphIndex(graph.node)
     outputs = {o.name for o in graph.output}
     matches = {}
     for node in graph.node:
-        match = _recognize(graph, node, producers, readers, outputs, shapes, types)
+        match = _recognize(graph, node, index, outputs, shapes, types)
         if match is not None:
             matches[match.last.output[0]] = match
     if not matches:

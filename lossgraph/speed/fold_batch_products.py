@@ -32,8 +32,9 @@ import onnx
 from ..builder import GraphBuilder
 from ..graphs import (
     FLOAT_TYPES,
+    GraphIndex,
     attribute_values,
-    consumers,
+    is_onnx_op,
 )
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
@@ -46,7 +47,7 @@ Dims = list  # a value's dims: int where static, str for a symbol, None where un
 
 
 @dataclass(frozen=True)
-class FoldBatchIntoProducts(Pass):
+class FoldBatchIntoProducts(Pass[None]):
     """Sums over the batch of batched ``a^T b`` as one ``Gemm`` over all rows (module doc)."""
 
     def call(self, model: onnx.ModelProto) -> PassResult:
@@ -61,26 +62,25 @@ def _same_dims(first: Dims, second: Dims) -> bool:
         a is not None and a == b for a, b in zip(first, second))
 
 
-def _recognize(graph: onnx.GraphProto, node: onnx.NodeProto,
-               producers: dict[str, onnx.NodeProto], readers: dict[str, list[onnx.NodeProto]],
+def _recognize(graph: onnx.GraphProto, node: onnx.NodeProto, index: GraphIndex,
                outputs: set[str], shapes: dict[str, Dims], types: dict[str, int]
                ) -> tuple[str, str, int, int, tuple[onnx.NodeProto, ...]] | None:
     """``(a, b, D, F, (the Transpose, the MatMul))`` when ``node`` is a sum the pass
     rewrites (module doc)."""
-    if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
+    if not is_onnx_op(node, "ReduceSum"):
         return None
     attributes = attribute_values(node)
     if attributes.get("keepdims", 1) != 0:
         return None
     axes = (constant_ints(graph, node.input[1]) if len(node.input) > 1 and node.input[1]
             else attributes.get("axes"))
-    product = producers.get(node.input[0])
-    if (axes is None or product is None or product.op_type != "MatMul"
-            or product.domain not in ("", "ai.onnx") or product.output[0] in outputs
-            or len(readers.get(product.output[0], [])) != 1):
+    product = index.producer(node.input[0])
+    if (axes is None or product is None or not is_onnx_op(product, "MatMul")
+            or product.output[0] in outputs
+            or index.read_once(product.output[0]) is None):
         return None
-    swap = producers.get(product.input[0])
-    if swap is None or swap.op_type != "Transpose" or swap.domain not in ("", "ai.onnx"):
+    swap = index.producer(product.input[0])
+    if swap is None or not is_onnx_op(swap, "Transpose"):
         return None
     a, b = swap.input[0], product.input[1]
     a_dims, b_dims = shapes.get(a), shapes.get(b)
@@ -100,13 +100,12 @@ def _rewrite(graph: onnx.GraphProto, shapes: dict[str, Dims], types: dict[str, i
              names: NameAuthority, opset: int) -> bool:
     """Rewrite ``graph``'s recognized sums in place, dropping the Transposes and MatMuls
     only they read; True if any."""
-    producers = {output: node for node in graph.node for output in node.output}
-    readers = consumers(graph)
+    index = GraphIndex(graph.node)
     outputs = {o.name for o in graph.output}
     g = GraphBuilder(names, opset, prefix="fold_batch/")
 
     def emit(node: onnx.NodeProto) -> list[str] | None:
-        match = _recognize(graph, node, producers, readers, outputs, shapes, types)
+        match = _recognize(graph, node, index, outputs, shapes, types)
         if match is None:
             return None
         a, b, d, f, chain = match

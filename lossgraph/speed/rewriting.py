@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..builder import GraphBuilder
-from ..graphs import values_read
+from ..graphs import GraphIndex, values_read
 
 __all__ = ["constant_ints", "drop_unread", "replace_nodes"]
 
@@ -35,11 +35,11 @@ def drop_unread(graph: onnx.GraphProto, replaced: set[str]) -> None:
     fed only those, and so on; initializers that only they read go too. A node with an
     output that is still read, or a graph output, stays."""
     outputs = {o.name for o in graph.output}
-    producers = {output: node for node in graph.node for output in node.output}
+    index = GraphIndex(graph.node)
     candidates = set(replaced)
     while candidates:
         read = values_read(graph) | outputs
-        dropped = {id(node) for name in candidates if (node := producers.get(name)) is not None
+        dropped = {id(node) for name in candidates if (node := index.producer(name)) is not None
                    and not any(o in read for o in node.output if o)}
         if not dropped:
             break
@@ -48,7 +48,7 @@ def drop_unread(graph: onnx.GraphProto, replaced: set[str]) -> None:
         candidates = {i for n in removed for i in n.input if i}
         graph.ClearField("node")
         graph.node.extend(kept)
-        producers = {output: node for node in graph.node for output in node.output}
+        index = GraphIndex(graph.node)
         fed = {v.name for v in graph.input}  # an initializer that is an input stays declared
         initial = {t.name for t in graph.initializer} - fed
         unread = (candidates & initial) - values_read(graph) - outputs

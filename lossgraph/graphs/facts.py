@@ -1,237 +1,23 @@
-"""Queries over ONNX graphs shared by every pass, and the one in-place rewrite they share.
-
-Passes never walk protobufs by hand: they ask here for subgraphs, node attributes,
-what shape inference knows of a model's values (:class:`ForwardFacts`) and the names
-used anywhere in a model (subgraphs included), and rename values with
-:func:`rename_values`, which keeps every reference consistent.
+"""What a model tells about its values: :class:`ForwardFacts`, the types and shapes shape
+inference finds (with data propagation), the static ranks it leaves unknown, constant
+values, and the nodes reading each value.
 """
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 import onnx
-from google.protobuf.message import Message
 from onnx import helper, numpy_helper
 
-__all__ = [
-    "FLOAT_TYPES",
-    "Shape",
-    "ForwardFacts",
-    "attribute_values",
-    "attribute_value",
-    "subgraphs",
-    "all_graphs",
-    "names_in_graph",
-    "outer_references",
-    "consumers",
-    "stored_tensors",
-    "without_weight_data",
-    "shortest_path",
-    "elem_type_name",
-    "np_dtype",
-    "opset_version",
-    "initializer_arrays",
-    "rename_values",
-]
+from .queries import all_graphs, attribute_value, initializer_arrays, subgraphs
+from .types import Shape, is_default_domain, is_onnx_op, np_dtype
+from .weights import without_weight_data
 
-#: Element types lossgraph differentiates and trains.
-FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE})
-
-#: A static shape: ints for known dims, strings for symbolic ones, None for unknown.
-Shape = tuple[int | str | None, ...]
-
-
-def attribute_values(node: onnx.NodeProto) -> dict[str, Any]:
-    """The node's attributes by name as Python values: a single string decoded (UTF-8,
-    undecodable bytes replaced, so a bad value reaches the caller's own check), string
-    lists kept as bytes (class labels are bytes in string tensors)."""
-    return {attribute.name: _decoded(helper.get_attribute_value(attribute))
-            for attribute in node.attribute}
-
-
-def attribute_value(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    """The attribute ``name`` of ``node`` as :func:`attribute_values` gives it, or ``default``."""
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return _decoded(helper.get_attribute_value(attribute))
-    return default
-
-
-def _decoded(value: Any) -> Any:
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
-
-
-def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    """The graphs held by a node's attributes (If branches, Loop and Scan bodies)."""
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            yield attribute.g
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            yield from attribute.graphs
-
-
-def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and every graph nested in it, depth first."""
-    yield graph
-    for node in graph.node:
-        for sub in subgraphs(node):
-            yield from all_graphs(sub)
-
-
-def names_in_graph(graph: onnx.GraphProto) -> set[str]:
-    """Every value and node name used in ``graph`` or any nested graph."""
-    names: set[str] = set()
-    for g in all_graphs(graph):
-        names.update(v.name for v in (*g.input, *g.output, *g.value_info))
-        names.update(t.name for t in g.initializer)
-        names.update(t.values.name for t in g.sparse_initializer)
-        for node in g.node:
-            names.update(node.input)
-            names.update(node.output)
-            names.add(node.name)
-    names.discard("")
-    return names
-
-
-def values_read(graph: onnx.GraphProto) -> set[str]:
-    """Every value a node of ``graph``, or of a graph nested in it, takes as input."""
-    read = {name for g in all_graphs(graph) for node in g.node for name in node.input}
-    read.discard("")
-    return read
-
-
-def outer_references(graph: onnx.GraphProto) -> set[str]:
-    """Names a (sub)graph reads without defining them: values captured from outer scopes."""
-    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    used: set[str] = set()
-    for node in graph.node:
-        used.update(i for i in node.input if i and i not in defined)
-        for sub in subgraphs(node):
-            used.update(n for n in outer_references(sub) if n not in defined)
-        defined.update(node.output)
-    used.update(o.name for o in graph.output if o.name not in defined)
-    return used
-
-
-def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    """The nodes of ``graph`` that read each value, as an input or captured by a subgraph."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        captured = (n for sub in subgraphs(node) for n in sorted(outer_references(sub)))
-        for name in dict.fromkeys([*node.input, *captured]):
-            if name:
-                readers.setdefault(name, []).append(node)
-    return readers
-
-
-def shortest_path(graph: onnx.GraphProto, source: str, targets: Container[str],
-                  within: Container[str] | None = None) -> list[str | onnx.NodeProto] | None:
-    """``[source, node, value, node, ..., target]``: the shortest chain of nodes by which
-    ``source`` reaches one of ``targets`` (breadth first), through values of ``within``
-    only when it is given; None when it reaches none."""
-    readers = consumers(graph)
-    parents: dict[str, tuple[str, onnx.NodeProto] | None] = {source: None}
-    queue = deque([source])
-    while queue:
-        value = queue.popleft()
-        if value in targets:
-            path: list[str | onnx.NodeProto] = [value]
-            while parents[value] is not None:
-                value, node = parents[value]
-                path[:0] = [value, node]
-            return path
-        for node in readers.get(value, []):
-            for out in node.output:
-                if out and out not in parents and (within is None or out in within):
-                    parents[out] = (value, node)
-                    queue.append(out)
-    return None
-
-
-def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor the model stores, which onnx may keep in external files: initializers
-    (sparse ones' values too) and attribute tensors, of the graph and its subgraphs."""
-    for graph in all_graphs(model.graph):
-        yield from graph.initializer
-        yield from (sparse.values for sparse in graph.sparse_initializer)
-        for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t"):
-                    yield attribute.t
-                yield from attribute.tensors
-
-
-#: Bytes per element of the floating-point types whose large tensors
-#: :func:`without_weight_data` sets aside.
-_FLOAT_ITEM_SIZES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.DOUBLE: 8,
-                     onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2}
-#: Smaller tensors keep their data: they cost less to serialize than to set aside, and
-#: shape inference reads small constants (a Reshape target, Resize scales), never a weight.
-_WEIGHT_MIN_BYTES = 1 << 16
-_VALUE_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data",
-                 "uint64_data")
-
-
-def without_weight_data(model: onnx.ModelProto
-                        ) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
-    """``model`` without the data of its weights, for onnx's checker and shape inference,
-    which serialize the whole model on each call (a BERT-base model's 440 MB, dozens of
-    times in one compile); and the tensors set aside.
-
-    Each large floating-point initializer of the main graph becomes a graph input of its
-    type (same name, element type and dims), so that both see the same types. Only tensors
-    whose data the checker would accept are set aside (raw data of exactly the declared
-    size, no other value field, not external): any other is left in, for the checker to
-    report; so is every tensor of a model of IR version 3, which must list its
-    initializers as inputs. ``model`` itself is returned when nothing is set aside; it is
-    never changed.
-    """
-    graph = model.graph
-    if model.ir_version < 4:
-        return model, []
-    inputs = {value.name for value in graph.input}
-    heavy = [tensor for tensor in graph.initializer
-             if tensor.name not in inputs and _well_formed_weight(tensor)]
-    if not heavy:
-        return model, []
-    light = onnx.ModelProto()
-    _copy_fields(model, light, skip="graph")
-    _copy_fields(graph, light.graph, skip="initializer")
-    aside = {tensor.name for tensor in heavy}
-    light.graph.initializer.extend(t for t in graph.initializer if t.name not in aside)
-    light.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, t.dims)
-                             for t in heavy)
-    return light, heavy
-
-
-def _well_formed_weight(tensor: onnx.TensorProto) -> bool:
-    """A large floating-point tensor whose data the checker accepts (see above)."""
-    nbytes = math.prod(tensor.dims) * _FLOAT_ITEM_SIZES.get(tensor.data_type, 0)
-    return (nbytes >= _WEIGHT_MIN_BYTES and all(d >= 0 for d in tensor.dims)
-            and tensor.HasField("raw_data")
-            and tensor.data_location != onnx.TensorProto.EXTERNAL
-            and not any(len(getattr(tensor, name)) for name in _VALUE_FIELDS)
-            and len(tensor.raw_data) == nbytes)
-
-
-def _copy_fields(source: Any, target: Any, skip: str) -> None:
-    """Copy every field set in protobuf message ``source`` into ``target`` but ``skip``."""
-    for descriptor, value in source.ListFields():
-        if descriptor.name == skip:
-            continue
-        if isinstance(value, Message):
-            getattr(target, descriptor.name).CopyFrom(value)
-        elif isinstance(value, (str, bytes, int, float)):
-            setattr(target, descriptor.name, value)
-        else:  # a repeated field
-            getattr(target, descriptor.name).extend(value)
+__all__ = ["ForwardFacts"]
 
 
 @dataclass(frozen=True)
@@ -282,7 +68,7 @@ class ForwardFacts:
         constants = initializer_arrays(self._graph)
         constants.update((tensor.name, numpy_helper.to_array(tensor)) for tensor in self._weights)
         for node in self._graph.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            if is_onnx_op(node, "Constant"):
                 value = _constant_node_value(node)
                 if value is not None:
                     constants[node.output[0]] = value
@@ -370,7 +156,7 @@ def _fold_shape_arithmetic(model: onnx.ModelProto) -> dict[int, onnx.NodeProto]:
     for position, node in enumerate(graph.node):
         inputs = [i for i in node.input if i]
         outputs = [o for o in node.output if o]
-        if node.domain not in ("", "ai.onnx") or any(True for _ in subgraphs(node)):
+        if not is_default_domain(node.domain) or any(True for _ in subgraphs(node)):
             continue
         if node.op_type == "Constant" and _small(types.get(outputs[0])):
             constant.add(outputs[0])
@@ -391,7 +177,7 @@ def _fold_shape_arithmetic(model: onnx.ModelProto) -> dict[int, onnx.NodeProto]:
             [helper.make_tensor_value_info(o, types[o].tensor_type.elem_type, None)
              for o in wanted],
             [t for t in graph.initializer if t.name in constant]),
-        opset_imports=[op for op in model.opset_import if op.domain in ("", "ai.onnx")])
+        opset_imports=[op for op in model.opset_import if is_default_domain(op.domain)])
     try:
         values = ReferenceEvaluator(evaluator).run(None, {})
     except Exception:  # noqa: BLE001 - an op the evaluator lacks: onnx alone sets the ranks
@@ -430,7 +216,7 @@ def _declare_static_ranks(graph: onnx.GraphProto,
     for node in graph.node:
         for sub in subgraphs(node):
             declared |= _declare_static_ranks(sub, known)
-        if node.domain not in ("", "ai.onnx"):
+        if not is_default_domain(node.domain):
             continue
         for out, (elem_type, rank) in _static_ranks(node, known).items():
             if out in known and known[out].tensor_type.HasField("shape"):
@@ -571,60 +357,3 @@ def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
         if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
             return np.array(helper.get_attribute_value(attribute))
     return None
-
-
-def known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
-    """The shape of every input, output and ``value_info`` of ``graph`` whose rank is
-    known: a dimension is its size, or ``None`` when symbolic or unknown."""
-    return {v.name: [d.dim_value if d.HasField("dim_value") else None
-                     for d in v.type.tensor_type.shape.dim]
-            for v in (*graph.input, *graph.value_info, *graph.output)
-            if v.type.tensor_type.HasField("shape")}
-
-
-def elem_type_name(elem_type: int) -> str:
-    """'float', 'double', 'int64'... for an ONNX element type; 'undefined' for 0 and
-    'element type 99' for a number ONNX does not define (a damaged model's), so that the
-    message about it can be written."""
-    if elem_type in onnx.TensorProto.DataType.values():
-        return onnx.TensorProto.DataType.Name(elem_type).lower()
-    return f"element type {elem_type}"
-
-
-def np_dtype(elem_type: int) -> np.dtype:
-    """The numpy dtype of an ONNX element type."""
-    return helper.tensor_dtype_to_np_dtype(elem_type)
-
-
-def opset_version(model: onnx.ModelProto, domain: str = "") -> int | None:
-    """The version of ``domain`` the model imports (``None`` when it does not)."""
-    aliases = {"", "ai.onnx"} if domain in ("", "ai.onnx") else {domain}
-    versions = [op.version for op in model.opset_import if op.domain in aliases]
-    return max(versions) if versions else None
-
-
-def initializer_arrays(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """The graph's initializers as numpy arrays, by name."""
-    return {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-
-
-def rename_values(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
-    """Rename values in place everywhere they are defined or used, subgraphs included.
-
-    A subgraph that defines a value of the same name (shadowing) keeps its own.
-    """
-    if not mapping:
-        return
-    for value in (*graph.input, *graph.output, *graph.value_info):
-        value.name = mapping.get(value.name, value.name)
-    for tensor in graph.initializer:
-        tensor.name = mapping.get(tensor.name, tensor.name)
-    for sparse in graph.sparse_initializer:
-        sparse.values.name = mapping.get(sparse.values.name, sparse.values.name)
-    for node in graph.node:
-        node.input[:] = [mapping.get(i, i) for i in node.input]
-        node.output[:] = [mapping.get(o, o) for o in node.output]
-        for sub in subgraphs(node):
-            local = {v.name for v in sub.input} | {t.name for t in sub.initializer}
-            local |= {o for n in sub.node for o in n.output}
-            rename_values(sub, {k: v for k, v in mapping.items() if k not in local})

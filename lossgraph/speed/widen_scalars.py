@@ -31,7 +31,7 @@ BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Equa
 
 
 @dataclass(frozen=True)
-class WidenScalarConstants(Pass):
+class WidenScalarConstants(Pass[None]):
     """One-element constants take the rank of what they broadcast against (module doc)."""
 
     def call(self, model: onnx.ModelProto) -> PassResult:

@@ -1,0 +1,222 @@
+"""Checks of the data a Trainer, an estimator or the command line is given, before any work.
+
+Each check returns the data in the form the runtime uses (a C-contiguous array of the dtype
+and shape a graph input declares) or raises the :mod:`lossgraph.errors` class that fits,
+naming the data, the row and how to fix it. Decisions made here, once for every caller:
+
+- Python lists are data: converted to the dtype the model declares (a list has no dtype
+  of its own); objects with ``to_numpy()`` (pandas, polars) or ``__array__`` are read as
+  arrays; an array of another dtype is an error, never a silent copy to another type;
+- a label in one column, ``(N, 1)``, is read as the ``(N,)`` label a model declares, and
+  ``(N,)`` as the one column of an ``(N, 1)`` input;
+- data are checked for NaN and infinity before training (one read of the data, about
+  as long as one epoch of a linear model takes to read it; the row is named); arrays
+  already checked, the same objects with the same layout, are not checked again
+  (:class:`CheckedArrays`), so a loop of warm-start fits over the same arrays pays once.
+"""
+
+from __future__ import annotations
+
+import numbers
+import reprlib
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import DTypeMismatchError, InvalidDataError, ShapeMismatchError, UnsupportedOptionError
+
+__all__ = ["random_state", "callbacks", "as_array", "check_values", "CheckedArrays"]
+
+#: Elements per block of the NaN check (256 KiB of float32, its mask 64 KiB).
+_FINITE_BLOCK = 1 << 16
+
+
+def random_state(value: Any) -> int | np.random.Generator | None:
+    """A seed for ``numpy.random.default_rng``: None, an integer >= 0, or a Generator."""
+    if value is None or isinstance(value, np.random.Generator):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)) \
+            and value >= 0:
+        return int(value)
+    raise UnsupportedOptionError(
+        f"random_state={reprlib.repr(value)} must be None, an integer >= 0 or a "
+        "numpy.random.Generator.")
+
+
+def callbacks(value: Any) -> list[Callable]:
+    """The callbacks as a list (a single callable is a list of one), each callable."""
+    if value is None:
+        return []
+    if callable(value):
+        return [value]
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise UnsupportedOptionError(
+            f"callbacks={reprlib.repr(value)} must be a list of functions "
+            "callback(trainer, epoch, logs).")
+    listed = list(value)
+    for index, callback in enumerate(listed):
+        if not callable(callback):
+            raise UnsupportedOptionError(
+                f"callbacks[{index}]={reprlib.repr(callback)} is not callable: each callback is "
+                "a function callback(trainer, epoch, logs).")
+    return listed
+
+
+def _shape_text(shape: Sequence[int | str | None]) -> str:
+    """``(N, K)`` for a declared shape: each dimension's size or own name, ``?`` unnamed."""
+    dims = ["?" if d is None else str(d) for d in shape]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def as_array(value: Any, spec: Mapping[str, Any], what: str) -> np.ndarray:
+    """``value`` as a C-contiguous array of the dtype and shape input ``spec`` declares.
+
+    ``spec`` is a manifest entry (``name``, ``dtype``, ``shape``, ``role``); ``what`` names
+    the data in messages (``X``, ``y``, ``validation_data y``...). The caller's array is
+    never written to: a conversion makes a copy. An ``(N,)`` array is read as one column
+    where the input is ``(N, 1)``, and a label in one column, ``(N, 1)``, where the label is
+    ``(N,)`` (onnxcustom's examples pass ``y.reshape((-1, 1))``); no other shape changes.
+    """
+    expected = np.dtype(spec["dtype"])
+    declared = f"{expected} of shape {_shape_text(spec['shape'])}"
+    if value is None:
+        raise InvalidDataError(f"No data for input {spec['name']!r} ({declared}).")
+    if hasattr(value, "to_numpy") and not isinstance(value, np.ndarray):
+        value = value.to_numpy()
+    if isinstance(value, (list, tuple)):
+        array = _from_list(value, expected, what)
+    else:
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidDataError(f"{what} cannot be read as an array: {exc}.") from None
+    if array.dtype.kind not in "biuf":
+        raise DTypeMismatchError(
+            f"{what} holds {array.dtype} values, not numbers; input {spec['name']!r} of the "
+            f"model is {declared}.")
+    if array.ndim and not len(array):
+        raise InvalidDataError(f"{what} has no rows.")
+    if array.dtype != expected:
+        if not (array.dtype.kind in "iub" and expected.kind in "iu"):
+            raise DTypeMismatchError(
+                f"{what} is {array.dtype} but input {spec['name']!r} of the model is "
+                f"{declared}: convert it first with .astype(np.{expected.name}) (lossgraph "
+                "does not change your data's type behind your back).")
+        array = array.astype(expected)
+    shape = spec["shape"]
+    if array.ndim == len(shape) - 1 and shape and shape[-1] == 1:
+        array = array.reshape(*array.shape, 1)  # y of shape (N,) for an (N, 1) output
+    elif (spec.get("role") == "label" and len(shape) == 1 and array.ndim == 2
+          and array.shape[1] == 1):
+        array = array.reshape(len(array))  # y in one column, (N, 1), for an (N,) label
+    if array.ndim != len(shape) or any(
+            isinstance(d, int) and d != n for d, n in zip(shape[1:], array.shape[1:])):
+        raise ShapeMismatchError(
+            f"{what} has shape {array.shape} but input {spec['name']!r} of the model is "
+            f"{declared}.")
+    return np.ascontiguousarray(array)
+
+
+def _from_list(value: list | tuple, expected: np.dtype, what: str) -> np.ndarray:
+    """A list's numbers in the model's dtype; integral values only for integer inputs."""
+    try:
+        array = np.asarray(value)
+    except ValueError:
+        raise InvalidDataError(
+            f"{what} is a list whose rows differ in length (or nest differently): every row "
+            "needs the same shape.") from None
+    if array.dtype.kind == "f" and expected.kind in "iu":
+        if not np.array_equal(array, np.round(array)):
+            raise DTypeMismatchError(
+                f"{what} holds non-integral numbers, but the model takes {expected} there "
+                "(class indices).")
+    if array.dtype.kind in "biuf":
+        return array.astype(expected)
+    return array
+
+
+def check_values(array: np.ndarray, role: str, what: str, classes: int | None = None,
+                 finite: bool = True, ignored: int | None = None) -> None:
+    """The values fit their role: finite floats (unless ``finite`` is False), sample weights
+    >= 0 and not all zero, integer labels class indices in ``0..classes-1`` (any index
+    >= 0 when ``classes`` is None: the model's class count is not static) or ``ignored``
+    (the loss's ``ignore_index``), which may not be every label."""
+    if finite and array.dtype.kind == "f" and not _all_finite(array):
+        rows = np.isfinite(array.reshape(len(array), -1))
+        row = int(np.flatnonzero(~rows.all(axis=1))[0])
+        column = int(np.flatnonzero(~rows[row])[0])
+        where = f"row {row}" + (f", column {column}" if rows.shape[1] > 1 else "")
+        raise InvalidDataError(
+            f"{what} holds {array.reshape(len(array), -1)[row, column]} at {where}: "
+            "clean or impute NaN and infinite values first.")
+    if role == "sample_weight":
+        negative = np.flatnonzero(array < 0)
+        if negative.size:
+            raise InvalidDataError(
+                f"{what} is negative at row {int(negative[0])} ({array[negative[0]]}): sample "
+                "weights must be >= 0.")
+        if not array.any():
+            raise InvalidDataError(
+                f"{what} is all zero: no row would count. Give some rows a positive weight.")
+    if role == "label" and array.dtype.kind in "iu":
+        _check_class_labels(array, what, classes, ignored)
+
+
+def _check_class_labels(array: np.ndarray, what: str, classes: int | None,
+                        ignored: int | None) -> None:
+    """Class indices, or ``ignored``; the first bad one named by row (and position)."""
+    outside = (array < 0) | (array >= classes if classes else False)
+    if ignored is not None:
+        counted = array != ignored
+        if not counted.any():
+            raise InvalidDataError(
+                f"{what} is {ignored} (the loss's ignore_index) everywhere: no label would "
+                "count, so the mean loss is 0/0. Give some positions a class label.")
+        outside &= counted
+    bad = np.flatnonzero(outside)
+    if bad.size:
+        index = [int(i) for i in np.unravel_index(int(bad[0]), array.shape)]
+        position = f", position {tuple(index[1:])}" if array.ndim > 1 else ""
+        valid = f"0..{classes - 1}" if classes else ">= 0"
+        also = f" (or {ignored}, the loss's ignore_index)" if ignored is not None else ""
+        raise InvalidDataError(
+            f"{what} holds the class label {int(array.reshape(-1)[bad[0]])} at row {index[0]}"
+            f"{position}, but the model's classes are {valid}{also}: encode labels as class "
+            "indices, e.g. with sklearn.preprocessing.LabelEncoder.")
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """True when ``array`` holds no NaN or infinity. Blocks of rows keep the temporary mask
+    in cache: one read of the data, single-threaded (a BLAS product against ones would
+    leave its threads spinning on the cores onnxruntime needs next)."""
+    rows = array.reshape(len(array), -1)
+    step = max(1, _FINITE_BLOCK // max(1, rows.shape[1]))
+    return all(np.isfinite(rows[lo:lo + step]).all() for lo in range(0, len(rows), step))
+
+
+class CheckedArrays:
+    """Arrays whose values were checked, kept by identity and layout (weakly).
+
+    An array counts as checked while the same object still has the same data pointer,
+    shape, strides and dtype. Writing into it in place is not noticed: a NaN written
+    between fits is caught when it makes the loss non-finite (the error names its row).
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, weakref.ref] = {}
+
+    @staticmethod
+    def _key(array: np.ndarray, context: tuple) -> tuple:
+        return (id(array), array.__array_interface__["data"][0], array.shape, array.strides,
+                array.dtype.str, context)
+
+    def __contains__(self, item: tuple[np.ndarray, tuple]) -> bool:
+        array, context = item
+        ref = self._seen.get(self._key(array, context))
+        return ref is not None and ref() is array
+
+    def add(self, array: np.ndarray, context: tuple) -> None:
+        self._seen = {k: r for k, r in self._seen.items() if r() is not None}
+        self._seen[self._key(array, context)] = weakref.ref(array)

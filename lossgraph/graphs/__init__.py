@@ -1,0 +1,49 @@
+"""ONNX graphs as the passes see them, one module per concern:
+
+- :mod:`.queries`: node attributes, subgraphs, the names used anywhere, the values a graph
+  reads from outside, readers, shortest paths;
+- :mod:`.index`: :class:`GraphIndex`, each value's producer and readers, built once;
+- :mod:`.facts`: :class:`ForwardFacts`, what shape inference (and the rank rules it lacks)
+  knows of a model's values;
+- :mod:`.weights`: the tensors a model stores, and the model without its weights' data;
+- :mod:`.types`: element types, dtypes, opsets, the default domain;
+- :mod:`.rename`: :func:`rename_values`, the one in-place rewrite the passes share.
+
+Every name is importable from ``lossgraph.graphs`` itself.
+"""
+
+from .facts import ForwardFacts
+from .index import GraphIndex, shortest_path
+from .queries import (
+    all_graphs,
+    attribute_value,
+    attribute_values,
+    initializer_arrays,
+    known_shapes,
+    names_in_graph,
+    outer_references,
+    subgraphs,
+    values_read,
+)
+from .rename import rename_values
+from .types import (
+    FLOAT_TYPES,
+    Shape,
+    canonical_domain,
+    elem_type_name,
+    is_default_domain,
+    is_onnx_op,
+    np_dtype,
+    opset_version,
+    weights_dtype,
+)
+from .weights import stored_tensors, without_weight_data
+
+__all__ = [
+    "FLOAT_TYPES", "Shape", "ForwardFacts", "GraphIndex", "attribute_values",
+    "attribute_value", "subgraphs", "all_graphs", "names_in_graph", "values_read",
+    "outer_references", "stored_tensors", "without_weight_data",
+    "shortest_path", "elem_type_name", "np_dtype", "weights_dtype", "opset_version",
+    "initializer_arrays", "rename_values", "known_shapes", "is_default_domain",
+    "canonical_domain", "is_onnx_op",
+]

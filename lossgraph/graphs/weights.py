@@ -1,0 +1,96 @@
+"""A model's weights apart from its graph: every tensor it stores, and the model without
+its large weights' data for onnx's checker and shape inference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import onnx
+from google.protobuf.message import Message
+from onnx import helper
+
+from .queries import all_graphs
+
+__all__ = ["stored_tensors", "without_weight_data"]
+
+
+def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor the model stores, which onnx may keep in external files: initializers
+    (sparse ones' values too) and attribute tensors, of the graph and its subgraphs."""
+    for graph in all_graphs(model.graph):
+        yield from graph.initializer
+        yield from (sparse.values for sparse in graph.sparse_initializer)
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
+
+
+#: Bytes per element of the floating-point types whose large tensors
+#: :func:`without_weight_data` sets aside.
+_FLOAT_ITEM_SIZES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.DOUBLE: 8,
+                     onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2}
+#: Smaller tensors keep their data: they cost less to serialize than to set aside, and
+#: shape inference reads small constants (a Reshape target, Resize scales), never a weight.
+_WEIGHT_MIN_BYTES = 1 << 16
+_VALUE_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data",
+                 "uint64_data")
+
+
+def without_weight_data(model: onnx.ModelProto
+                        ) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
+    """``model`` without the data of its weights, for onnx's checker and shape inference,
+    which serialize the whole model on each call (a BERT-base model's 440 MB, dozens of
+    times in one compile); and the tensors set aside.
+
+    Each large floating-point initializer of the main graph becomes a graph input of its
+    type (same name, element type and dims), so that both see the same types. Only tensors
+    whose data the checker would accept are set aside (raw data of exactly the declared
+    size, no other value field, not external): any other is left in, for the checker to
+    report; so is every tensor of a model of IR version 3, which must list its
+    initializers as inputs. ``model`` itself is returned when nothing is set aside; it is
+    never changed.
+    """
+    graph = model.graph
+    if model.ir_version < 4:
+        return model, []
+    inputs = {value.name for value in graph.input}
+    heavy = [tensor for tensor in graph.initializer
+             if tensor.name not in inputs and _well_formed_weight(tensor)]
+    if not heavy:
+        return model, []
+    light = onnx.ModelProto()
+    _copy_fields(model, light, skip="graph")
+    _copy_fields(graph, light.graph, skip="initializer")
+    aside = {tensor.name for tensor in heavy}
+    light.graph.initializer.extend(t for t in graph.initializer if t.name not in aside)
+    light.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+                             for t in heavy)
+    return light, heavy
+
+
+def _well_formed_weight(tensor: onnx.TensorProto) -> bool:
+    """A large floating-point tensor whose data the checker accepts (see above)."""
+    nbytes = math.prod(tensor.dims) * _FLOAT_ITEM_SIZES.get(tensor.data_type, 0)
+    return (nbytes >= _WEIGHT_MIN_BYTES and all(d >= 0 for d in tensor.dims)
+            and tensor.HasField("raw_data")
+            and tensor.data_location != onnx.TensorProto.EXTERNAL
+            and not any(len(getattr(tensor, name)) for name in _VALUE_FIELDS)
+            and len(tensor.raw_data) == nbytes)
+
+
+def _copy_fields(source: Any, target: Any, skip: str) -> None:
+    """Copy every field set in protobuf message ``source`` into ``target`` but ``skip``."""
+    for descriptor, value in source.ListFields():
+        if descriptor.name == skip:
+            continue
+        if isinstance(value, Message):
+            getattr(target, descriptor.name).CopyFrom(value)
+        elif isinstance(value, (str, bytes, int, float)):
+            setattr(target, descriptor.name, value)
+        else:  # a repeated field
+            getattr(target, descriptor.name).extend(value)

@@ -1,0 +1,399 @@
+"""The training engine: a program's graphs run in onnxruntime over one live state.
+
+    engine = Engine(program)                      # sessions made on first use
+    data = engine.prepare(X, y)                   # checked input arrays by name
+    loss = engine.step(batch, step=t, rate=lr)    # one update; its result pending
+    engine.apply(1, "epoch 0, batch 3")           # the pending state becomes the live one
+    engine.evaluate(data), engine.predict(data)
+
+The engine owns the onnxruntime sessions (one per graph, specialized to a batch size where
+a fit asks), the state (weights, optimizer states, buffers) in a ring of three sets of arrays
+bound to the sessions (:mod:`lossgraph.runtime.ring`), the learning-rate and step
+scalars the graphs read, and the data checks (:mod:`lossgraph.data`). What a step runs is
+its fusion mode's (:mod:`lossgraph.modes`). The training loop, schedules, counters,
+callbacks and checkpoints are its callers': :class:`~lossgraph.runtime.trainer.Trainer`,
+the data-parallel :class:`~lossgraph.parallel.Replica`.
+
+Contract: :meth:`step` (and :meth:`epoch`, :meth:`update`) read the live state and write
+the next one into the following buffer set, never the live one; :meth:`apply` makes it
+live and keeps the state it replaced, which :meth:`step_back` returns to once (a loss is
+that of the state a step reads, so after a non-finite loss the state before the last
+applied run is the last whose loss was finite). A failed run changes nothing the caller
+sees. Arrays handed to a run are aliased, never copied: keep them unchanged until the
+next run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..data import CheckedArrays, as_array, check_values
+from ..errors import (
+    InvalidDataError,
+    InvalidProgramError,
+    ShapeMismatchError,
+    UnknownNameError,
+    UnsupportedOptionError,
+    suggest,
+)
+from ..metadata import LOSS_KEY, read_json
+from ..modes import fuse_mode
+from ..program import TrainingProgram
+from ..speed import SpecializeBatch
+from .packed import PackedUpdate
+from .ring import Block, GraphRunner, StateRing
+from .session import check_loadable, checked_providers, create_session, evaluation_error
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Runs a :class:`~lossgraph.program.TrainingProgram`'s graphs over one live state
+    (module docstring: the contract)."""
+
+    def __init__(self, program: TrainingProgram, providers: Sequence[str] | None = None,
+                 session_options: Any = None) -> None:
+        if not isinstance(program, TrainingProgram):
+            hint = ""
+            if isinstance(program, (onnx.ModelProto, bytes, str, os.PathLike)):
+                hint = " Compile a model first: Trainer(lossgraph.compile_program(model))."
+            raise UnsupportedOptionError(
+                f"Trainer takes a TrainingProgram (from lossgraph.compile_program or "
+                f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
+        for name, graph in program.graphs.items():  # before any work, not at the first fit
+            check_loadable(graph, f"The program's {name!r} graph")
+        self.program = program
+        self.providers = checked_providers(providers)
+        self.session_options = session_options
+        self.mode = fuse_mode(program.fuse)
+        manifest = program.manifest
+        roles = manifest["roles"]
+        #: the label and sample-weight inputs' names (None: no sample weights)
+        self.label: str = roles["label"]
+        self.sample_weight: str | None = roles.get("sample_weight")
+        #: how many classes integer labels index (None: not static, or no class labels)
+        self.classes = _class_count(manifest)
+        #: the label value the loss ignores (its ignore_index), or None
+        self.ignored_label = _ignored_label(program)
+        # Models that impute missing values take NaN features on purpose.
+        self.allows_missing = any(node.op_type in ("Imputer", "IsNaN")
+                                  for node in program.graphs["predict"].graph.node)
+        self._checked = CheckedArrays()
+        self._new = {w["name"]: w["new"] for w in manifest["weights"]}
+        self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
+        self._new.update({b["name"]: b["new"] for b in manifest.get("buffers", [])})
+        #: the update of every weight at once, where the mode runs one (the state lies packed)
+        self.packed: PackedUpdate | None = self.mode.packed_update(program)
+        self.ring = StateRing(program.weights + program.optimizer_states + program.buffers,
+                                    program.state, self.packed.blocks if self.packed else ())
+        self._sessions: dict[tuple[str, int | None], Any] = {}
+        self._runners: dict[tuple[Any, ...], GraphRunner] = {}
+        self.dtype = program.state[program.weights[0]].dtype
+        self._rate = np.zeros((), self.dtype)
+        self._step = np.zeros((), np.int64)
+        self._loss = np.zeros((), self.dtype)
+        self._stepper = self.mode.stepper(self)
+        #: the last applied run's steps and where it was (what step_back undoes)
+        self._applied: tuple[int, str] | None = None
+
+    # -- state -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """The program's initial state, live again."""
+        self.ring.load(self.program.state)
+        self._applied = None
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """A copy of the live weights, optimizer states and buffers."""
+        return {name: array.copy() for name, array in self.ring.live().items()}
+
+    def live(self) -> dict[str, np.ndarray]:
+        """The live state's arrays themselves (views: copy what must outlive a step)."""
+        return self.ring.live()
+
+    def set_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace weights (and optimizer states or buffers, when given); names, shapes,
+        dtypes and finiteness are checked before anything changes."""
+        live = self.ring.live()
+        if not isinstance(state, Mapping):
+            raise UnsupportedOptionError(
+                f"set_state takes a dict of arrays by name (as Trainer.state gives), not a "
+                f"{type(state).__name__}.")
+        for name, value in state.items():
+            if name not in live:
+                raise UnknownNameError(f"{name!r} is not a weight, state or buffer of this program."
+                                       + suggest(str(name), list(live), "names"))
+            value = np.asarray(value)
+            if value.shape != live[name].shape or value.dtype != live[name].dtype:
+                raise ShapeMismatchError(
+                    f"State {name!r} must be {live[name].dtype}{list(live[name].shape)}, got "
+                    f"{value.dtype}{list(value.shape)}.")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise InvalidDataError(f"State {name!r} holds NaN or infinite values.")
+        for name, value in state.items():
+            live[name][...] = value
+        self._applied = None
+
+    # -- sessions ----------------------------------------------------------------------
+    def session(self, graph: str, batch: int | None = None) -> Any:
+        """The session of ``graph``, specialized to ``batch`` rows a step when given (one
+        batch size at a time per graph: another batch size replaces it)."""
+        key = (graph, batch)
+        if key not in self._sessions:
+            model = self.program.graphs[graph]
+            if batch is not None:
+                for stale in [k for k in self._sessions if k[0] == graph and k[1] is not None]:
+                    del self._sessions[stale]
+                for stale in [k for k in self._runners if k[0] == graph and k[1] is not None]:
+                    del self._runners[stale]
+                model = SpecializeBatch(batch)(model).model
+            self._sessions[key] = self.new_session(model, graph)
+        return self._sessions[key]
+
+    @property
+    def open_sessions(self) -> list[tuple[str, int | None]]:
+        """The sessions made so far, as (graph, the batch size it is specialized to or
+        None); the packed update's is ``("packed update", None)``."""
+        return list(self._sessions)
+
+    def new_session(self, model: onnx.ModelProto, graph: str = "model") -> Any:
+        """A session of ``model`` with the engine's providers and options."""
+        return create_session(model, self.providers, self.session_options, graph)
+
+    def runner(self, graph: str | PackedUpdate, batch: int | None = None,
+               bound: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
+        """The runner of ``graph`` (or of the packed update) over the state ring
+        (specialized to ``batch``), with the learning rate, the step and the arrays
+        ``bound`` (by input name) bound once."""
+        if isinstance(graph, PackedUpdate):
+            return self._packed_runner(graph, bound or {})
+        key = (graph, batch, tuple(bound or ()))
+        if key not in self._runners:
+            entry = self.program.manifest["graphs"][graph]
+            inputs: dict[str, str | Block] = {v["name"]: v["name"] for v in entry["inputs"]
+                                              if v["role"] in ("weight", "state", "buffer")}
+            outputs: dict[str, str | Block] = {self._new[name]: name for name in inputs.values()}
+            roles = {v["role"]: v["name"] for v in (*entry["inputs"], *entry["outputs"])}
+            fixed_in = {roles["step"]: self._step, **(bound or {})}
+            fixed_out = {}
+            if "learning_rate" in roles:
+                fixed_in[roles["learning_rate"]] = self._rate
+            if "loss" in roles:
+                fixed_out[roles["loss"]] = self._loss
+            self._runners[key] = GraphRunner(self.session(graph, batch), self.ring, inputs,
+                                             outputs, fixed_in, fixed_out, graph)
+        return self._runners[key]
+
+    def _packed_runner(self, packed: PackedUpdate, bound: Mapping[str, np.ndarray]
+                       ) -> GraphRunner:
+        """A runner of the packed update graph over the packed weights and states, reading
+        the arrays ``bound`` (a new runner each time: each step binds its own gradient)."""
+        key = ("packed update", None)
+        if key not in self._sessions:
+            self._sessions[key] = self.new_session(packed.model, "update")
+        return GraphRunner(self._sessions[key], self.ring, packed.inputs, packed.outputs,
+                           {packed.learning_rate: self._rate, packed.step: self._step, **bound},
+                           {}, "update")
+
+    # -- data --------------------------------------------------------------------------
+    def inputs(self, graph: str, role: str) -> list[dict]:
+        """The manifest entries of ``graph``'s inputs that play ``role``."""
+        entry = self.program.manifest["graphs"][graph]
+        return [v for v in entry["inputs"] if v["role"] == role]
+
+    def prepare(self, X: Any, y: Any = None, sample_weight: Any = None, *,
+                graph: str = "evaluate", with_label: bool = True,
+                what: str = "") -> dict[str, np.ndarray]:
+        """Checked, C-contiguous data arrays by ``graph``'s input names; errors before any
+        work. ``what`` prefixes the data's names in messages (``"validation_data "``)."""
+        features = self.inputs(graph, "feature")
+        if isinstance(X, Mapping):
+            unknown = sorted(set(X) - {f["name"] for f in features})
+            if unknown:
+                raise UnknownNameError(f"{what}X names {unknown[0]!r}, not a feature input."
+                                       + suggest(str(unknown[0]), [f["name"] for f in features],
+                                                 "feature inputs"))
+            given = {name: (value, f"{what}X[{name!r}]") for name, value in X.items()}
+        elif len(features) == 1:
+            given = {features[0]["name"]: (X, f"{what}X")}
+        else:
+            raise InvalidDataError(
+                f"The model has {len(features)} feature inputs "
+                f"({', '.join(f['name'] for f in features)}): pass {what}X as a dict by name.")
+        data = {f["name"]: self._array(*given.get(f["name"], (None, f"{what}X")), f, "feature")
+                for f in features}
+        if with_label:
+            label = self.inputs(graph, "label")[0]
+            if y is None:
+                raise InvalidDataError(
+                    f"{what}y is missing: training and evaluation need labels.")
+            data[label["name"]] = self._array(y, f"{what}y", label, "label")
+            weight = self.inputs(graph, "sample_weight")
+            if sample_weight is not None and not weight:
+                raise UnsupportedOptionError(
+                    "sample_weight was given but the program has no sample-weight input: "
+                    "compile with loss_options={'weight_name': 'sample_weight'}.")
+            if weight:
+                rows = len(next(iter(data.values())))
+                data[weight[0]["name"]] = (
+                    np.ones(rows, self.dtype) if sample_weight is None else
+                    self._array(sample_weight, f"{what}sample_weight", weight[0],
+                                "sample_weight"))
+        rows = {name: len(array) for name, array in data.items()}
+        if len(set(rows.values())) > 1:
+            raise ShapeMismatchError(f"The {what}data have different numbers of rows: {rows}.")
+        return data
+
+    def _array(self, value: Any, what: str, spec: dict, role: str) -> np.ndarray:
+        """One input's data, converted and checked (values once per array, see
+        :class:`~lossgraph.data.CheckedArrays`)."""
+        array = as_array(value, spec, what)
+        context = (role, spec["name"])
+        if (array, context) not in self._checked:
+            check_values(array, role, what, self.classes,
+                         finite=not (role == "feature" and self.allows_missing),
+                         ignored=self.ignored_label)
+            self._checked.add(array, context)
+        return array
+
+    def data_problem(self, data: Mapping[str, np.ndarray], rows: np.ndarray, where: str,
+                     restored: str) -> InvalidDataError | None:
+        """The error that blames a batch (``data``, rows ``rows`` of the data given) for a
+        non-finite loss at ``where``, or None when the data are not at fault (divergence).
+        ``restored`` says which state the caller keeps."""
+        for name, array in data.items():
+            if array.dtype.kind != "f" or (self.allows_missing and name not in (
+                    self.label, self.sample_weight)):
+                continue
+            finite = np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+            if not finite.all():  # the data changed in place since they were checked
+                bad_row = int(rows[np.flatnonzero(~finite)[0]])
+                return InvalidDataError(
+                    f"Input {name!r} holds NaN or infinite values (row {bad_row}, {where}): "
+                    "clean or impute the data before training.")
+        if self.sample_weight in data and not data[self.sample_weight].any():
+            return InvalidDataError(
+                f"The sample weights of {where} are all zero, so its mean loss is 0/0. Shuffle "
+                "the rows (shuffle=True), use larger batches, or drop rows of weight zero. The "
+                f"weights are those before {restored}.")
+        labels = data.get(self.label)
+        if self.ignored_label is not None and labels is not None:
+            counted = (labels != self.ignored_label).reshape(len(labels), -1).sum(axis=1)
+            if not np.any(counted * data.get(self.sample_weight, 1)):
+                return InvalidDataError(
+                    f"No label of {where} counts: each is {self.ignored_label} (the loss's "
+                    "ignore_index) or in a row of weight zero, so its mean loss is 0/0. Shuffle "
+                    "the rows (shuffle=True), use larger batches, or drop such rows. The "
+                    f"weights are those before {restored}.")
+        return None
+
+    # -- training ----------------------------------------------------------------------
+    @property
+    def runs_epochs(self) -> bool:
+        """Whether :meth:`epoch` runs the full batches of an epoch as one graph."""
+        return self.mode.runs_epochs
+
+    @property
+    def loss(self) -> float:
+        """The loss of the last fused run (the scalar its graph writes)."""
+        return float(self._loss)
+
+    def set_scalars(self, step: int, rate: float) -> None:
+        """The update number (from 1) and learning rate the next run reads."""
+        self._step[()] = step
+        self._rate[()] = rate
+
+    def step(self, batch: Mapping[str, np.ndarray], *, step: int, rate: float,
+             full: int | None = None) -> float:
+        """One update on ``batch`` (checked arrays by input name) as update number ``step``
+        with learning rate ``rate``: the loss at the live state; the next state is pending
+        (:meth:`apply`). A batch of ``full`` rows (the fit's batch size) runs graphs
+        specialized to that size."""
+        self.set_scalars(step, rate)
+        return self._stepper.step(batch, full)
+
+    def epoch(self, data: Mapping[str, np.ndarray], order: np.ndarray | None, batches: int,
+              batch_size: int, *, first_step: int, rates: np.ndarray) -> np.ndarray:
+        """``batches`` updates on the full batches of ``data`` in one run (where
+        :attr:`runs_epochs`), the first of update number ``first_step``, one learning rate
+        each: their losses; the next state is pending."""
+        if not self.runs_epochs:
+            raise UnsupportedOptionError(
+                f"A fuse={self.program.fuse!r} program runs no epoch graph: compile with "
+                "fuse='epoch'.")
+        self._step[()] = first_step
+        return self._stepper.epoch(data, order, batches, batch_size, rates)
+
+    def apply(self, steps: int, where: str) -> None:
+        """Make the pending state live: a run of ``steps`` updates, ``where`` (for
+        :meth:`step_back`'s account of it)."""
+        self.ring.advance()
+        self._applied = (steps, where)
+
+    def step_back(self) -> tuple[int, str] | None:
+        """Make the state before the last applied run live again: that run's steps and
+        where it was; None when it is not kept (nothing applied since the start, a load,
+        or a step back)."""
+        applied, self._applied = self._applied, None
+        if applied is None or not self.ring.step_back():
+            return None
+        return applied
+
+    # -- evaluation --------------------------------------------------------------------
+    def evaluate(self, data: Mapping[str, np.ndarray]) -> float:
+        """The loss on ``data`` (prepared) at the live state, layers in inference mode."""
+        loss = self.program.manifest["roles"]["loss"]
+        return float(self._run("evaluate", [loss], data)[0])
+
+    def predict(self, data: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The model's prediction (the output the loss is computed on) for ``data``
+        (prepared with ``graph="predict", with_label=False``) at the live state."""
+        prediction = self.program.manifest["roles"]["prediction"]
+        return self._run("predict", [prediction], data)[0]
+
+    def _run(self, graph: str, outputs: list[str], data: Mapping[str, np.ndarray]) -> list:
+        live = self.ring.live()
+        inputs = self.program.manifest["graphs"][graph]["inputs"]
+        state = {v["name"]: live[v["name"]] for v in inputs if v["role"] in ("weight", "buffer")}
+        try:
+            return self.session(graph).run(outputs, {**data, **state})
+        except Exception as exc:  # onnxruntime's errors derive from Exception only
+            raise evaluation_error(graph, exc) from None
+
+
+def _class_count(manifest: Mapping[str, Any]) -> int | None:
+    """How many classes integer labels index: C for an (N, C) prediction, 2 for (N,) or
+    (N, 1) (a binary loss), C for an (N, d1, ..., C) prediction with labels of shape
+    (N, d1, ...) (a class at each position); None when the count is not static."""
+    roles, graph = manifest["roles"], manifest["graphs"]["evaluate"]
+    shape = next((o["shape"] for o in graph["outputs"] if o["name"] == roles["prediction"]),
+                 None)
+    if shape is None:
+        return None
+    if len(shape) > 2:
+        label = next((i["shape"] for i in graph["inputs"] if i["name"] == roles["label"]), None)
+        if label != shape[:-1]:
+            return None
+    elif len(shape) == 1 or shape[1] == 1:
+        return 2
+    return shape[-1] if isinstance(shape[-1], int) else None
+
+
+def _ignored_label(program: TrainingProgram) -> int | None:
+    """The label value the loss ignores (its ``ignore_index``), recorded by add_loss_output
+    in the loss model and so in the evaluate graph; None when it has none."""
+    record = read_json(program.graphs["evaluate"], LOSS_KEY)
+    if record is None:
+        return None
+    ignored = record.get("ignore_index") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or isinstance(ignored, bool) or not isinstance(
+            ignored, (int, type(None))):
+        raise InvalidProgramError(
+            f"The evaluate graph's metadata {LOSS_KEY!r} must be a JSON object such as "
+            f'{{"ignore_index": -100}}, not {record!r}: compile the model again.')
+    return ignored

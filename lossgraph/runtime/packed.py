@@ -1,0 +1,73 @@
+"""The update of every weight at once: an update graph on flat vectors.
+
+A runner may run a ``fuse="separate"`` program's ``update`` graph *packed*
+(:func:`packed_update`): the same graph built for one flat vector holding every weight end
+to end (its gradient and each state likewise). The optimizers' updates are elementwise, so
+it gives the per-weight graph's numbers to the last bit, in a handful of kernels instead of
+a handful per weight (at batch 15 on onnxcustom's MLP, 6 kernels in 6 us instead of 36 in
+15 us). The state buffers lay the weights and states out so
+(:class:`~lossgraph.runtime.ring.StateRing`'s packed groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from ..optim import Optimizer, build_update, update_graph
+from ..speed import WidenScalarConstants
+
+__all__ = ["PackedUpdate", "packed_update"]
+
+
+@dataclass(frozen=True)
+class PackedUpdate:
+    """An update graph on flat vectors (:func:`packed_update`).
+
+    ``inputs`` and ``outputs`` map the graph's weight and state inputs, and its outputs
+    with their next values, to the names laid end to end in them (``blocks``: the
+    weights, then each state of every weight); ``gradient`` is the flat gradient input,
+    the weights' gradients end to end.
+    """
+
+    model: onnx.ModelProto
+    learning_rate: str
+    step: str
+    gradient: str
+    inputs: dict[str, tuple[str, ...]]
+    outputs: dict[str, tuple[str, ...]]
+
+    @property
+    def blocks(self) -> list[tuple[str, ...]]:
+        """The groups of names each flat vector holds, weights first."""
+        return list(self.inputs.values())
+
+
+def packed_update(update: onnx.ModelProto, optimizer: Optimizer,
+                  weights: Mapping[str, np.ndarray]) -> PackedUpdate | None:
+    """``update``, the update graph of ``optimizer`` for ``weights`` (name -> value), on
+    flat vectors: the same graph built for one vector of every weight end to end, as
+    ``compile_program`` builds it (:func:`update_graph`, then WidenScalarConstants).
+
+    None where ``update`` is not the graph :func:`update_graph` builds (a hand-edited
+    program: only its own graph may run) or the weights are not of one float type.
+    """
+    dtypes = {np.asarray(value).dtype for value in weights.values()}
+    if len(dtypes) != 1:
+        return None
+    built = build_update(optimizer, weights)
+    if WidenScalarConstants()(built.model).model.graph.SerializeToString() != \
+            update.graph.SerializeToString():
+        return None
+    size = sum(int(np.asarray(value).size) for value in weights.values())
+    flat = "weights"  # update_graph reads only the shape and dtype: no memory for the values
+    shaped = np.broadcast_to(np.zeros((), *dtypes), (size,))
+    model = WidenScalarConstants()(update_graph(optimizer, {flat: shaped})).model
+    names = [flat, *optimizer.state_names(flat)]
+    blocks = [tuple(weights), *(tuple(built.states[w][k] for w in weights)
+                                for k in range(len(names) - 1))]
+    return PackedUpdate(model, "learning_rate", "step", f"{flat}_grad",
+                        dict(zip(names, blocks)), {f"{n}_new": b for n, b in zip(names, blocks)})

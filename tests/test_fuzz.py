@@ -17,7 +17,8 @@ lossgraph's entry points (tests/fuzzing.py builds them):
 The property: a lossgraph error (not an ``InternalError``, which says "a bug in
 lossgraph"), or a correct result: a program that trains a step or two, runs its graphs in
 onnxruntime, predicts and exports a valid model; a fit that returns finite losses and
-weights; a damaged folder that loads only if it trains to the numbers of the intact one;
+weights; a damaged folder that loads only if it trains to the numbers of the intact one
+(where its checksum was written again too, an edit: only if it trains cleanly);
 a command that exits 0, or 2 with one line saying ``error:``, no traceback and nothing
 written. Never a raw exception, a hang, or a native crash.
 
@@ -26,7 +27,10 @@ every machine), in this process: a few seconds. ``pytest -m fuzz`` is the long r
 family for ``LOSSGRAPH_FUZZ_SECONDS`` seconds (default 40) of random examples, each run
 in a sandbox process (tests/fuzzing.py's ``Sandbox``) so that a native crash or a hang of
 onnxruntime is a reported failure, not the end of pytest; it prints how many examples ran
-and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). It does not shrink a failing
+and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). With ``LOSSGRAPH_FUZZ_BATCHES=n``
+it draws exactly ``n`` batches of 50 examples from the seed instead, the same examples on
+every machine: CI runs a fixed replay, so that what fails there fails here too, and new
+ground is broken by runs without a seed. It does not shrink a failing
 example (each try of a crashing one would restart the sandbox): the failure prints the
 example in words, a reproduction. What the fuzzer found is in the catalogue, each finding
 a case of its own.
@@ -129,17 +133,20 @@ def test_a_long_run_of_random_examples_in_a_sandbox(family, request, capsys):
     if "fuzz" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the long fuzz run takes minutes: pytest -m fuzz")
     first = int(os.environ.get("LOSSGRAPH_FUZZ_SEED", random.randrange(1 << 30)))
+    replay = int(os.environ.get("LOSSGRAPH_FUZZ_BATCHES", "0"))
     outcomes: collections.Counter = collections.Counter()
     sandbox = Sandbox(timeout=120)
     start = time.monotonic()
-    batches, size = 0, 5  # the first batch measures how long an example takes
+    batches, size = 0, BATCH if replay else 5  # a timed run's first batch measures
     try:
-        while (left := LONG_SECONDS - (time.monotonic() - start)) > 0:
+        while (batches < replay if replay
+               else (left := LONG_SECONDS - (time.monotonic() - start)) > 0):
             began, done = time.monotonic(), sum(outcomes.values())
             fuzz(family, size, sandbox, seed=first + batches, outcomes=outcomes)
             batches += 1
-            each = (time.monotonic() - began) / max(1, sum(outcomes.values()) - done)
-            size = max(1, min(BATCH, int((left - (time.monotonic() - began)) / each)))
+            if not replay:
+                each = (time.monotonic() - began) / max(1, sum(outcomes.values()) - done)
+                size = max(1, min(BATCH, int((left - (time.monotonic() - began)) / each)))
     finally:
         sandbox.close()
         seconds = time.monotonic() - start

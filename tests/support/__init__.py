@@ -10,6 +10,8 @@
 - ``estimators``: data, models and numpy references of the onnxcustom estimators' tests;
 - ``catalogue``: the bad-input tables of docs/reference/errors.md
   (``PYTHONPATH=. python tests/support/catalogue.py`` rewrites them);
+- ``fuzzing``: the fuzzer's examples, property and sandbox process (tests/test_fuzz.py;
+  ``python tests/support/fuzzing.py FAMILY EXAMPLES SEED`` explores outside pytest);
 - ``node_audit``: the ONNX backend node tests as a gradient audit
   (``python tests/support/node_audit.py``, docs/gradient_audit.md).
 """

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from catalogue import Row, assert_listed, message_of, print_table
-from linear_data import LINEAR, linear_data
-from models import changed_op_model
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import set_external_data
+from support.catalogue import Row, assert_listed, message_of, print_table
+from support.linear import LINEAR, linear_data
+from support.models import changed_op_model, image_scaler
 
 import lossgraph
 from lossgraph.errors import (
@@ -103,17 +103,6 @@ def zipmap_classifier() -> onnx.ModelProto:
     """)
 
 
-def image_scaler() -> onnx.ModelProto:
-    """An opset 7 model with ImageScaler, an experimental op onnx removed at opset 10."""
-    node = helper.make_node("ImageScaler", ["x"], ["s"], name="scale", scale=2.0)
-    product = helper.make_node("MatMul", ["s", "w"], ["y"])
-    graph = helper.make_graph(
-        [node, product], "old", [helper.make_tensor_value_info("x", 1, ["N", 1, 1, 4])],
-        [helper.make_tensor_value_info("y", 1, ["N", 1, 1, 1])],
-        [helper.make_tensor("w", 1, [4, 1], [1.0, 2.0, 3.0, 4.0])])
-    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 7)])
-
-
 def tree_ensemble() -> onnx.ModelProto:
     """A one-split regression tree, as skl2onnx converts a DecisionTreeRegressor."""
     node = helper.make_node(
@@ -167,6 +156,19 @@ def raw_and_longer(tensor: onnx.TensorProto) -> None:
     """The tensor stored as raw data, 4 bytes longer than its shape needs."""
     tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
     tensor.raw_data += b"\0\0\0\0"
+
+
+def with_inf(tensor: onnx.TensorProto) -> None:
+    """The weight's second value made infinite."""
+    value = numpy_helper.to_array(tensor).copy()
+    value.reshape(-1)[1] = np.inf
+    tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
+
+
+def binary_with_inf() -> onnx.ModelProto:
+    model = parse(BINARY)
+    with_inf(model.graph.initializer[0])
+    return model
 
 
 def cast_to(model: onnx.ModelProto, to: int) -> None:
@@ -737,6 +739,15 @@ CASES: list[Case] = [
     Case("model-conv-channels-not-the-weights", "a Conv of 2 input channels, weight for 1",
          lambda c: c.program(parse(CONV_CHANNELS)), InvalidModelError,
          "reads 'x' with 2 channels, but its weight 'w' of shape (1, 1, 3, 3) takes 1"),
+    Case("trainable-initializers-of-an-invalid-model",
+         "trainable_initializers of a model whose node's domain is not imported",
+         lambda c: lossgraph.trainable_initializers(with_graph(
+             lambda m: setattr(m.graph.node[1], "domain", "com.microsoft"))),
+         InvalidModelError, "The model given to trainable_initializers is not a valid ONNX"),
+    Case("model-weight-not-finite", "a weight holding inf (the clipped log loss stayed finite)",
+         lambda c: c.fit(y=np.zeros(len(X), np.int64), model=binary_with_inf(),
+                         compile_options={"loss": "binary_log_loss"}),
+         UnsupportedModelError, "Weight 'w' holds inf at index (1, 0)"),
     Case("model-name-not-utf8", "model bytes with a node name that is not UTF-8",
          lambda c: c.program(name_not_utf8()), InvalidModelError,
          "model.graph.node[0].name is not UTF-8 text"),
@@ -933,7 +944,7 @@ def test_opsets_are_checked_at_compile_time_not_when_loading(tmp_path):
 
 def test_compile_with_the_ort_backend_needs_the_training_build_before_reading_the_model(
         tmp_path):
-    from conftest import HAS_TRAINING
+    from support.environment import HAS_TRAINING
 
     if HAS_TRAINING:
         pytest.skip("the training build is installed here")

@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 import onnx.defs
 import pytest
-from conftest import HAS_SKL2ONNX, HAS_TRAINING
-from models import CHANGED_OPS, changed_op_model, model
+from support.environment import HAS_SKL2ONNX, HAS_TRAINING
+from support.models import CHANGED_OPS, changed_op_model, image_scaler, model
 
 import lossgraph
 from lossgraph.errors import InvalidModelError, UnsupportedModelError
@@ -260,8 +260,6 @@ def test_an_older_opset_is_raised_by_onnxs_version_converter_and_computes_the_sa
 
 
 def test_an_op_onnx_removed_cannot_be_raised_and_the_fix_works():
-    from test_bad_inputs import image_scaler
-
     with pytest.raises(UnsupportedModelError) as caught:
         lossgraph.convert_opset(image_scaler())
     assert "opset 13 has no ImageScaler" in str(caught.value)

@@ -41,7 +41,7 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import HAS_SKL2ONNX
+from support.environment import HAS_SKL2ONNX
 
 import lossgraph
 from lossgraph.cli import main

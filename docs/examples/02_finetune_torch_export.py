@@ -1,7 +1,7 @@
 """02: fine-tune a model exported from PyTorch.
 
 A small torch MLP is exported with ``torch.onnx.export``; lossgraph compiles the ONNX model
-(squared error, plain SGD) and trains it for 20 epochs. torch trains its own copy with
+(squared error, plain SGD) and trains it for 10 epochs. torch trains its own copy with
 the same batches in the same order, and both end with the same weights (to float32
 rounding): lossgraph's training graph computes what torch's autograd computes. Both
 score the same R2 on rows held out.
@@ -22,7 +22,7 @@ import onnx
 import lossgraph
 from lossgraph.optim import SGD
 
-LEARNING_RATE, BATCH, EPOCHS = 0.05, 32, 20
+LEARNING_RATE, BATCH, EPOCHS = 0.1, 32, 10
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ turns the ONNX model into an ``nn.Module`` whose initializers are ``nn.Parameter
 objects; its backward pass runs lossgraph's gradient graphs in onnxruntime.
 
 The ONNX layer here is a torch MLP exported with ``torch.onnx.export``, so the same
-network can also be trained in pure torch: 60 steps of SGD with momentum give the same
+network can also be trained in pure torch: 50 steps of SGD with momentum give the same
 losses and the same weights in both, step for step, and the same R2 on rows held out.
 ``to_onnx()`` then returns the ONNX layer with its trained weights, for any onnxruntime.
 
@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import onnxruntime
 
-STEPS, BATCH, HELD_OUT = 60, 32, 512
+STEPS, BATCH, HELD_OUT = 50, 32, 512
 
 
 def main() -> None:

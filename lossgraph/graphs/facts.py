@@ -5,9 +5,11 @@ values, and the nodes reading each value.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -94,28 +96,41 @@ _FOLDED_TYPES = frozenset({
 _FOLDED_SIZE = 64
 
 
-def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 8) -> onnx.ModelProto:
-    """``inferred`` with ranks onnx's shape inference leaves unknown although they are
-    static, so that the gradient rules, which need ranks, find them.
+def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 8,
+                      fold_rounds: int = 64) -> onnx.ModelProto:
+    """``inferred`` with shapes onnx's shape inference leaves unknown although they are
+    static, so that the gradient rules, which need ranks (and some, such as a grouped
+    Conv's, a static channel count), find them.
 
-    Two things get onnx going again where it stops (a model whose every value has a rank
-    is returned as it is):
+    Three things get onnx going again where it stops (a model where none applies is
+    returned as it is):
 
     - shape arithmetic on constants that onnx's data propagation does not evaluate
       (``Mod`` of two constants, as torch's legacy exporter writes for ``unflatten``): a
       scratch copy holds its values, so that onnx sees the Reshape targets built from them;
+    - shape arithmetic on the static dims of a value whose other dims are not
+      (:func:`_static_dim_values`): torch's legacy exporter writes ``x.chunk(2, dim=1)``
+      as a Slice whose end is ``Div(Shape(x)[1] + 1, 2)``, which onnx leaves unknown when
+      the batch is symbolic, and the channels after it with it;
     - the rank rules of :func:`_static_ranks`, for ops onnx gives no rank although it is
       fixed by the op's definition and its inputs' ranks or lengths.
 
     Each round declares the ranks found and infers again, so that the ops after them get
     shapes too. The returned model has the input's nodes; only its types are richer.
     """
-    if not _unranked(inferred.graph):
+    unranked = _unranked(inferred.graph)
+    graph = inferred.graph
+    if not unranked and not _static_dim_values(graph, _declared_types(graph),
+                                               {v.name for v in graph.input}):
         return inferred
     scratch = onnx.ModelProto()
     scratch.CopyFrom(inferred)
-    folded = _fold_shape_arithmetic(scratch)
-    if folded:
+    folded: dict[int, onnx.NodeProto] = {}
+    for _ in range(fold_rounds):  # static dims found make the dims after them static
+        found, from_dims = _fold_shape_arithmetic(scratch, constants_too=unranked)
+        folded.update(found)
+        if not found or not (unranked or from_dims):
+            break
         scratch = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
     for _ in range(rounds):
         if not _declare_static_ranks(scratch.graph, {}):
@@ -137,60 +152,228 @@ def _unranked(graph: onnx.GraphProto) -> bool:
     return False
 
 
-def _fold_shape_arithmetic(model: onnx.ModelProto) -> dict[int, onnx.NodeProto]:
+def _fold_shape_arithmetic(model: onnx.ModelProto, constants_too: bool = True
+                           ) -> tuple[dict[int, onnx.NodeProto], bool]:
     """Replace each node of ``model``'s graph that computes a small integer or boolean
-    tensor from constants alone by a ``Constant`` of its value (onnx's reference evaluator
-    computes them, all in one run); returns the replaced nodes by position.
+    tensor from constants alone, or from static dims (:func:`_static_dim_values`), by a
+    ``Constant`` of its value (onnx's reference evaluator computes those from constants,
+    all in one run); returns the replaced nodes by position, and whether any value came
+    from static dims. Without ``constants_too``, a graph where no value comes from static
+    dims is left as it is (and costs one walk over its nodes).
 
-    The values are exact (constants in, deterministic ops), so the shapes onnx infers
-    from them are too. Nodes with subgraphs, several outputs or in other domains are left
-    alone.
+    The values are exact (constants and static dims in, deterministic ops), so the shapes
+    onnx infers from them are too. Nodes with subgraphs, several outputs or in other
+    domains are left alone.
     """
     graph = model.graph
     types = _declared_types(graph)
     fed = {v.name for v in graph.input}  # an initializer that is an input is only a default
+    from_dims = _static_dim_values(graph, types, fed)
+    if not from_dims and not constants_too:
+        return {}, False
     constant = {t.name for t in graph.initializer
                 if t.name not in fed and _small(types.get(t.name))}
-    evaluated: list[onnx.NodeProto] = []
+    recipes: dict[str, onnx.NodeProto] = {}  # how the evaluator computes each constant
     foldable: dict[int, onnx.NodeProto] = {}
     for position, node in enumerate(graph.node):
-        inputs = [i for i in node.input if i]
-        outputs = [o for o in node.output if o]
-        if not is_default_domain(node.domain) or any(True for _ in subgraphs(node)):
+        if len(node.output) != 1 or not node.output[0]:
             continue
-        if node.op_type == "Constant" and _small(types.get(outputs[0])):
-            constant.add(outputs[0])
-            evaluated.append(node)
-        elif inputs and len(outputs) == 1 and all(i in constant for i in inputs) \
-                and _small(types.get(outputs[0]), _FOLDED_TYPES):
-            constant.add(outputs[0])
-            evaluated.append(node)
+        out = node.output[0]
+        if node.op_type == "Constant":
+            if is_default_domain(node.domain) and _small_constant(node):
+                constant.add(out)
+                recipes[out] = node
+        elif out in from_dims:
+            constant.add(out)
+            recipes[out] = _constant(node.name, out, from_dims[out])
+            foldable[position] = node
+        elif any(node.input) and all(i in constant for i in node.input if i) \
+                and is_default_domain(node.domain) and not any(True for _ in subgraphs(node)) \
+                and _small(types.get(out), _FOLDED_TYPES):
+            constant.add(out)
+            recipes[out] = node
             foldable[position] = node
     if not foldable:
-        return {}
-    from onnx.reference import ReferenceEvaluator  # imported only where needed: 0.1 s
-
-    wanted = [node.output[0] for node in foldable.values()]
-    evaluator = helper.make_model(
-        helper.make_graph(
-            evaluated, "shape_arithmetic", [],
-            [helper.make_tensor_value_info(o, types[o].tensor_type.elem_type, None)
-             for o in wanted],
-            [t for t in graph.initializer if t.name in constant]),
-        opset_imports=[op for op in model.opset_import if is_default_domain(op.domain)])
-    try:
-        values = ReferenceEvaluator(evaluator).run(None, {})
-    except Exception:  # noqa: BLE001 - an op the evaluator lacks: onnx alone sets the ranks
-        return {}
+        return {}, False
+    wanted = [node.output[0] for node in foldable.values() if node.output[0] not in from_dims]
+    values = dict(zip(wanted, _evaluate(model, recipes, wanted, types) if wanted else []))
+    if len(values) < len(wanted):  # an op the evaluator lacks: fold the static dims only
+        foldable = {p: n for p, n in foldable.items() if n.output[0] in from_dims}
     replaced = {}
-    for (position, node), out, value in zip(foldable.items(), wanted, values):
+    for position, node in foldable.items():
+        out = node.output[0]
         replaced[position] = onnx.NodeProto()
         replaced[position].CopyFrom(node)
-        array = np.asarray(value, dtype=np_dtype(types[out].tensor_type.elem_type))
-        graph.node[position].CopyFrom(helper.make_node(
-            "Constant", [], [out], name=node.name,
-            value=numpy_helper.from_array(array, out)))
-    return replaced
+        value = from_dims[out] if out in from_dims else np.asarray(
+            values[out], dtype=np_dtype(types[out].tensor_type.elem_type))
+        graph.node[position].CopyFrom(_constant(node.name, out, value))
+    return replaced, any(node.output[0] in from_dims for node in foldable.values())
+
+
+def _small_constant(node: onnx.NodeProto) -> bool:
+    """True for a ``Constant`` node of at most :data:`_FOLDED_SIZE` elements (its tensor's
+    dims read, its data not)."""
+    for attribute in node.attribute:
+        if attribute.name in ("value", "sparse_value"):
+            dims = attribute.t.dims if attribute.name == "value" else attribute.sparse_tensor.dims
+            return math.prod(dims) <= _FOLDED_SIZE
+        if attribute.name in ("value_floats", "value_ints", "value_strings"):
+            return len(helper.get_attribute_value(attribute)) <= _FOLDED_SIZE
+    return True  # a scalar
+
+
+def _constant(name: str, output: str, value: np.ndarray) -> onnx.NodeProto:
+    """A ``Constant`` node named ``name`` giving ``output`` the value ``value``."""
+    return helper.make_node("Constant", [], [output], name=name,
+                            value=numpy_helper.from_array(value, output))
+
+
+def _evaluate(model: onnx.ModelProto, recipes: Mapping[str, onnx.NodeProto],
+              wanted: list[str], types: Mapping[str, onnx.TypeProto]) -> list:
+    """The values of ``wanted``, computed by the nodes of ``recipes`` (by output) they
+    need and ``model``'s initializers (onnx's reference evaluator, in one run); empty
+    when it cannot."""
+    from onnx.reference import ReferenceEvaluator  # imported only where needed: 0.1 s
+
+    needed: dict[str, onnx.NodeProto] = {}
+    stack = list(wanted)
+    while stack:
+        name = stack.pop()
+        if name in recipes and name not in needed:
+            needed[name] = recipes[name]
+            stack.extend(i for i in recipes[name].input if i)
+    order = {name: position for position, name in enumerate(recipes)}  # graph order
+    nodes = [needed[name] for name in sorted(needed, key=order.__getitem__)]
+    read = {i for node in nodes for i in node.input}
+    evaluator = helper.make_model(
+        helper.make_graph(
+            nodes, "shape_arithmetic", [],
+            [helper.make_tensor_value_info(o, types[o].tensor_type.elem_type, None)
+             for o in wanted],
+            [t for t in model.graph.initializer if t.name in read]),
+        opset_imports=[op for op in model.opset_import if is_default_domain(op.domain)])
+    try:
+        return ReferenceEvaluator(evaluator).run(None, {})
+    except Exception:  # noqa: BLE001 - an op the evaluator lacks: onnx alone sets the ranks
+        return []
+
+
+class _Ints(NamedTuple):
+    """A small integer tensor of rank 0 or 1 as :func:`_static_dim_values` follows it."""
+
+    elements: tuple[int | None, ...]  # each known (an int) or not (None)
+    scalar: bool = False
+
+    @property
+    def known(self) -> tuple[int, ...] | None:
+        """The elements, when all are known."""
+        return None if None in self.elements else self.elements  # type: ignore[return-value]
+
+
+def _static_dim_values(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProto],
+                       fed: Container[str]) -> dict[str, np.ndarray]:
+    """The values of ``graph``'s node outputs that the static dims of values whose other
+    dims are not (a symbolic batch) determine, where onnx's data propagation stops: each
+    output of ``Shape``, ``Size``, and ``Gather``, ``Slice``, ``Concat``, ``Squeeze``,
+    ``Unsqueeze``, ``Cast`` or ``Identity`` of them (and of constants) whose every
+    element is known.
+
+    ``Shape(x)[1]`` of an ``x`` of shape ``(N, 4, 6, 6)`` is 4 whatever ``N``; onnx
+    propagates it, but not through the ``Div`` that follows (torch's ``chunk``), which
+    the caller's evaluator then computes from it as from a constant."""
+    constants = {t.name: t for t in graph.initializer if t.name not in fed}
+    constants.update((n.output[0], n) for n in graph.node
+                     if n.op_type == "Constant" and is_default_domain(n.domain) and n.output)
+
+    def constant(name: str) -> _Ints | None:
+        """A small integer constant of rank 0 or 1, read on first use."""
+        source = constants.get(name)
+        if source is None:
+            return None
+        value = numpy_helper.to_array(source) if isinstance(source, onnx.TensorProto) \
+            else _constant_node_value(source)
+        if value is None or value.ndim > 1 or value.size > _FOLDED_SIZE \
+                or value.dtype.kind not in "iu":
+            return None
+        return _Ints(tuple(int(v) for v in value.reshape(-1)), value.ndim == 0)
+
+    known: dict[str, _Ints] = {}  # the values computed from dims, each known in part
+    found: dict[str, np.ndarray] = {}
+    for node in graph.node:
+        if node.op_type not in _DIMS_OPS or not is_default_domain(node.domain) \
+                or len(node.output) != 1 or not node.output[0]:
+            continue
+        if node.op_type not in ("Shape", "Size") and node.input[0] not in known \
+                and not (node.op_type == "Concat" and any(i in known for i in node.input)):
+            continue
+        args = [known.get(i) or constant(i) if i else None for i in node.input]
+        result = _dims_op(node, args, types)
+        if result is None:
+            continue
+        out = node.output[0]
+        known[out] = result
+        elem_type = types[out].tensor_type.elem_type if out in types else None
+        if result.known is not None and elem_type in _FOLDED_TYPES:
+            found[out] = np.array(result.known[0] if result.scalar else list(result.known),
+                                  np_dtype(elem_type))
+    return found
+
+
+#: The ops :func:`_static_dim_values` follows.
+_DIMS_OPS = frozenset({"Shape", "Size", "Identity", "Cast", "Gather", "Slice", "Concat",
+                       "Unsqueeze", "Squeeze"})
+
+
+def _dims_op(node: onnx.NodeProto, args: list[_Ints | None],
+             types: Mapping[str, onnx.TypeProto]) -> _Ints | None:
+    """What :func:`_static_dim_values` knows of ``node``'s output from what it knows of its
+    inputs (``args``), None if nothing."""
+    op, data = node.op_type, args[0]
+
+    def given(index: int) -> tuple[int, ...] | None:
+        """Input ``index``'s elements when all are known."""
+        arg = args[index] if index < len(args) else None
+        return arg.known if arg is not None else None
+
+    if op in ("Shape", "Size"):
+        value = types.get(node.input[0])
+        if value is None or not value.tensor_type.HasField("shape"):
+            return None
+        dims = tuple(d.dim_value if d.HasField("dim_value") else None
+                     for d in value.tensor_type.shape.dim)
+        if op == "Size":
+            return _Ints((int(np.prod(dims)) if None not in dims else None,), True)
+        start, end = attribute_value(node, "start", 0), attribute_value(node, "end")
+        return _Ints(dims[slice(start, end)])
+    if data is None:
+        return None
+    if op in ("Identity", "Cast"):
+        to = attribute_value(node, "to", onnx.TensorProto.INT64)
+        return data if to in _FOLDED_TYPES and to != onnx.TensorProto.BOOL else None
+    if op == "Gather" and not data.scalar and attribute_value(node, "axis", 0) in (0, -1) \
+            and given(1) is not None:
+        size = len(data.elements)
+        if not all(-size <= i < size for i in given(1)):
+            return None
+        return _Ints(tuple(data.elements[i] for i in given(1)), args[1].scalar)
+    if op == "Slice" and not data.scalar and len(args) >= 3:
+        starts, ends = given(1), given(2)
+        axes = given(3) if len(args) > 3 and node.input[3] else (0,)
+        steps = given(4) if len(args) > 4 and node.input[4] else (1,)
+        if None in (starts, ends, axes, steps) or len(starts) != 1 or axes not in ((0,), (-1,)) \
+                or steps == (0,):
+            return None
+        return _Ints(data.elements[slice(starts[0], ends[0], steps[0])])
+    if op == "Concat" and attribute_value(node, "axis") in (0, -1) \
+            and all(a is not None and not a.scalar for a in args):
+        return _Ints(tuple(e for a in args for e in a.elements))
+    if op == "Unsqueeze" and data.scalar:
+        axes = given(1) if len(args) > 1 else tuple(attribute_value(node, "axes", []))
+        return _Ints(data.elements) if axes in ((0,), (-1,)) else None
+    if op == "Squeeze" and not data.scalar and len(data.elements) == 1:
+        axes = given(1) if len(args) > 1 else tuple(attribute_value(node, "axes", [0]))
+        return _Ints(data.elements, True) if axes in ((0,), (-1,)) else None
+    return None
 
 
 def _small(value: onnx.TypeProto | None, elem_types: Container[int] | None = None) -> bool:

@@ -595,3 +595,29 @@ def test_specializing_without_the_long_vectors_gives_the_same_graph(monkeypatch,
     monkeypatch.setattr(scopes, "infer_shapes_with_data",
                         lambda m: onnx.shape_inference.infer_shapes(m, data_prop=True))
     assert fast.SerializeToString() == SpecializeBatch(batch)(general).model.SerializeToString()
+
+
+def test_a_vector_whose_length_only_data_propagation_finds_is_kept_out_too(monkeypatch):
+    """A packed gradient can hold a part whose length only data propagation finds (a
+    depthwise convolution's weight gradient, computed from shapes): its Concat, and what is
+    computed from it, stand first as vectors of unknown length, then of the length onnx's
+    inference of the node gives; the types are onnx's all the same."""
+    from lossgraph.graphs import infer_shapes_with_data
+
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 4] x, float[5000] v) => (float[M] y) {
+            s = Shape(x)  i = Constant <value = int64[1] {1}> ()  n = Gather(s, i)
+            t = ConstantOfShape <value = float[1] {1}> (n)
+            c = Concat <axis = 0> (v, t)  y = Mul(c, c) }""")
+    plain = {v.name: v.type for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    assert not plain["c"].tensor_type.shape.dim[0].HasField("dim_value")  # the case
+    expected = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    seen = _recording_data_propagation(monkeypatch)
+    inferred = infer_shapes_with_data(model)
+    monkeypatch.undo()
+    assert _types(inferred) == _types(expected)
+    assert {v.name: v.type.tensor_type.shape.dim[0].dim_value
+            for v in (*inferred.graph.value_info, *inferred.graph.output)
+            if v.name in "cty"} == {"t": 4, "c": 5004, "y": 5004}
+    assert _nodes(inferred) == _nodes(model)
+    assert len(seen) == 2 and not _long_vectors(seen)

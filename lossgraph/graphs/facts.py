@@ -16,7 +16,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .queries import all_graphs, attribute_value, initializer_arrays, subgraphs
-from .types import Shape, is_default_domain, is_onnx_op, np_dtype
+from .types import Shape, is_default_domain, is_onnx_op, np_dtype, opset_version
 from .weights import without_weight_data
 
 __all__ = ["ForwardFacts", "LONG_VECTOR", "infer_shapes_with_data"]
@@ -95,52 +95,131 @@ def infer_shapes_with_data(model: onnx.ModelProto) -> onnx.ModelProto:
     ones included: on the packed weights of ResNet-18's epoch graph (11 million values,
     :class:`~lossgraph.passes.PackWeights`) one call took 5 s, against 0.01 s on its step
     graph. A floating-point value never holds shape data, so each node that computes one
-    long floating-point vector (:data:`LONG_VECTOR` values or more; its type found by
-    inference without data propagation) stands, for the inference only, as a ``Constant``
-    of that type holding no data: every value's inferred type is the same. The returned
-    model has ``model``'s nodes and the inferred types."""
-    plain = onnx.shape_inference.infer_shapes(model)
+    floating-point vector from such vectors, or of :data:`LONG_VECTOR` values or more
+    (found by inference without data propagation), stands, for the inference only, as a
+    node of the same output type that computes nothing onnx propagates: a ``Constant``
+    holding no data (an empty sparse value). Where only data propagation finds a vector's
+    length (a packed gradient whose parts' shapes are computed), a first inference has it
+    stand as a vector of unknown length, onnx's own type inference of the node then gives
+    its type from its inputs', and a second inference takes that. Every value's inferred
+    type is onnx's. The returned model has ``model``'s nodes and the inferred types."""
     scratch = onnx.ModelProto()
     scratch.CopyFrom(model)
-    replaced: list[tuple[int, int, onnx.NodeProto]] = []
-    graphs = list(all_graphs(scratch.graph))
-    for index, (graph, shaped) in enumerate(zip(graphs, all_graphs(plain.graph))):
-        types = _declared_types(shaped)
-        for position, node in enumerate(graph.node):
-            stand_in = _long_vector_stand_in(node, types)
-            if stand_in is not None:
-                kept = onnx.NodeProto()
-                kept.CopyFrom(node)
-                replaced.append((index, position, kept))
-                node.CopyFrom(stand_in)
-    if not replaced:
+    stand_ins = _vector_stand_ins(scratch, onnx.shape_inference.infer_shapes(model))
+    if not stand_ins:
         return onnx.shape_inference.infer_shapes(model, data_prop=True)
     inferred = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
+    unsized = [s for s in stand_ins if s.type is None]
+    if unsized:
+        graphs = list(all_graphs(scratch.graph))
+        for stand_in, found in zip(unsized, _node_types(inferred, unsized, model)):
+            if found is not None and _length(found) is not None:
+                graphs[stand_in.graph].node[stand_in.position].CopyFrom(
+                    _empty_constant(stand_in.node, found))
+        inferred = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
     graphs = list(all_graphs(inferred.graph))
-    for index, position, node in replaced:
-        graphs[index].node[position].CopyFrom(node)
+    for stand_in in stand_ins:
+        graphs[stand_in.graph].node[stand_in.position].CopyFrom(stand_in.node)
+    del inferred.graph.input[len(model.graph.input):]  # the unknown length's, if any
     return inferred
 
 
-def _long_vector_stand_in(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto]
-                          ) -> onnx.NodeProto | None:
-    """A ``Constant`` of ``node``'s one output's type with no data (an empty sparse value),
-    when that output is a floating-point vector of :data:`LONG_VECTOR` values or more and
-    ``node`` holds no graph; else None."""
-    if len(node.output) != 1 or any(True for _ in subgraphs(node)):
-        return None
-    value = types.get(node.output[0])
-    if value is None or _rank(value) != 1 or value.tensor_type.elem_type not in _FLOATING:
-        return None
-    length = _length(value)
-    if length is None or length < LONG_VECTOR:
-        return None
+@dataclass(frozen=True)
+class _StandIn:
+    """A node of a scratch model standing in for ``node``, the ``position``-th of the
+    ``graph``-th graph of :func:`~lossgraph.graphs.all_graphs`; ``type`` is its output's
+    type, or None when only data propagation finds its length."""
+
+    graph: int
+    position: int
+    node: onnx.NodeProto
+    type: onnx.TypeProto | None
+
+
+def _vector_stand_ins(scratch: onnx.ModelProto, plain: onnx.ModelProto) -> list[_StandIn]:
+    """Replace in ``scratch`` (in place) each single-output node that computes a
+    floating-point vector, of :data:`LONG_VECTOR` values or more or from such vectors, by
+    a stand-in (:func:`infer_shapes_with_data`); ``plain`` is ``scratch`` after inference
+    without data propagation. The stand-ins, in graph order."""
+    stand_ins: list[_StandIn] = []
+    length = ""
+    long: set[str] = set()  # long floating-point vectors, and the stand-ins' outputs
+    for index, (graph, shaped) in enumerate(zip(list(all_graphs(scratch.graph)),
+                                                all_graphs(plain.graph))):
+        types = _declared_types(shaped)
+        long |= {name for name, value in types.items() if _long_vector(value)}
+        for position, node in enumerate(graph.node):
+            value = types.get(node.output[0]) if len(node.output) == 1 else None
+            if value is None or any(True for _ in subgraphs(node)) \
+                    or _rank(value) != 1 or value.tensor_type.elem_type not in _FLOATING:
+                continue
+            sized = _long_vector(value)
+            if not sized and (_length(value) is not None or not long.intersection(node.input)):
+                continue
+            kept = onnx.NodeProto()
+            kept.CopyFrom(node)
+            stand_ins.append(_StandIn(index, position, kept, value if sized else None))
+            if not sized and not length:  # a vector of unknown length, from an unknown input
+                length = _fresh_input(scratch, "lossgraph_unknown_length")
+            node.CopyFrom(_empty_constant(kept, value) if sized else helper.make_node(
+                "ConstantOfShape", [length], list(kept.output), name=kept.name,
+                value=helper.make_tensor("zero", value.tensor_type.elem_type, [1], [0])))
+            long.add(kept.output[0])
+    return stand_ins
+
+
+def _long_vector(value: onnx.TypeProto) -> bool:
+    """A floating-point vector of :data:`LONG_VECTOR` values or more."""
+    return value.tensor_type.elem_type in _FLOATING and (_length(value) or 0) >= LONG_VECTOR
+
+
+def _empty_constant(node: onnx.NodeProto, value: onnx.TypeProto) -> onnx.NodeProto:
+    """A ``Constant`` named as ``node`` giving its output a vector of ``value``'s type
+    with no data: an empty sparse value."""
     elem_type = value.tensor_type.elem_type
     empty = helper.make_sparse_tensor(
         helper.make_tensor("values", elem_type, [0], []),
-        helper.make_tensor("indices", onnx.TensorProto.INT64, [0], []), [length])
+        helper.make_tensor("indices", onnx.TensorProto.INT64, [0], []), [_length(value)])
     return helper.make_node("Constant", [], list(node.output), name=node.name,
                             sparse_value=empty)
+
+
+def _fresh_input(model: onnx.ModelProto, hint: str) -> str:
+    """A new int64[1] input of ``model``'s main graph, of a name no value has."""
+    taken = {name for g in all_graphs(model.graph)
+             for name in (*(v.name for v in (*g.input, *g.output, *g.value_info)),
+                          *(t.name for t in g.initializer),
+                          *(o for n in g.node for o in n.output))}
+    name = next(f"{hint}_{i}" if i else hint for i in range(len(taken) + 1)
+                if (f"{hint}_{i}" if i else hint) not in taken)
+    model.graph.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.INT64, [1]))
+    return name
+
+
+def _node_types(inferred: onnx.ModelProto, unsized: list[_StandIn],
+                model: onnx.ModelProto) -> list[onnx.TypeProto | None]:
+    """The output type onnx's inference of each node of ``unsized`` (in graph order) gives
+    from its inputs' types in ``inferred`` (a stand-in's input: the type found for it
+    before); None where it gives none."""
+    graphs = list(all_graphs(inferred.graph))
+    outer = _declared_types(inferred.graph)
+    found: dict[str, onnx.TypeProto] = {}
+    types = []
+    for stand_in in unsized:
+        node = stand_in.node
+        known = {**outer, **_declared_types(graphs[stand_in.graph]), **found}
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset_version(model, node.domain) or 1,
+                                          node.domain)
+            result = onnx.shape_inference.infer_node_outputs(
+                schema, node, {i: known[i] for i in node.input if i in known},
+                opset_imports=list(model.opset_import)).get(node.output[0])
+        except Exception:  # noqa: BLE001 - no schema, or inference fails: the length stays unknown
+            result = None
+        if result is not None:
+            found[node.output[0]] = result
+        types.append(result)
+    return types
 
 
 def _declared_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:

@@ -597,11 +597,13 @@ class TiedWeight:
         return f"{self.name!r} (read by {len(labels)} layers: {shown})"
 
 
-def layer_readers(graph: onnx.GraphProto, name: str) -> list[tuple[onnx.NodeProto, int]]:
+def layer_readers(graph: onnx.GraphProto, name: str, index: GraphIndex | None = None
+                  ) -> list[tuple[onnx.NodeProto, int]]:
     """``(node, input position)`` of each node of ``graph`` reading ``name``, the readers
     of an ``Identity`` of it in the ``Identity``'s stead (an ``Identity`` whose output is a
-    graph output counts itself), in graph order; -1 for a node whose subgraph captures it."""
-    index = GraphIndex(graph.node)
+    graph output counts itself), in graph order; -1 for a node whose subgraph captures it.
+    ``index``: ``graph``'s, when the caller has it."""
+    index = index or GraphIndex(graph.node)
     outputs = {o.name for o in graph.output}
     order = {id(node): position for position, node in enumerate(graph.node)}
     found: list[tuple[onnx.NodeProto, int]] = []
@@ -627,11 +629,12 @@ def tied_initializers(model: ModelLike, candidates: Sequence[str] | None = None
     candidates = trainable_initializers(model) if candidates is None else candidates
     sizes = {t.name: math.prod(t.dims) for t in model.graph.initializer
              if t.data_type in FLOAT_TYPES}
+    index = GraphIndex(model.graph.node)
     found = []
     for name in candidates:
         if sizes.get(name, 0) <= 1:  # one value: a constant in all likelihood
             continue
-        readers = layer_readers(model.graph, name)
+        readers = layer_readers(model.graph, name, index)
         kinds = Counter((n.domain, n.op_type, p) for n, p in readers if p >= 0)
         if kinds and max(kinds.values()) >= 2:
             found.append(TiedWeight(name, tuple(readers)))

@@ -265,16 +265,17 @@ def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 8,
     """
     unranked = _unranked(inferred.graph)
     graph = inferred.graph
-    if not unranked and not _static_dim_values(graph, _declared_types(graph),
-                                               {v.name for v in graph.input}):
+    from_dims = _static_dim_values(graph, _declared_types(graph), {v.name for v in graph.input})
+    if not unranked and not from_dims:
         return inferred
     scratch = onnx.ModelProto()
     scratch.CopyFrom(inferred)
     folded: dict[int, onnx.NodeProto] = {}
     for _ in range(fold_rounds):  # static dims found make the dims after them static
-        found, from_dims = _fold_shape_arithmetic(scratch, constants_too=unranked)
+        found, dims_used = _fold_shape_arithmetic(scratch, unranked, from_dims)
+        from_dims = None  # found again from the next round's shapes
         folded.update(found)
-        if not found or not (unranked or from_dims):
+        if not found or not (unranked or dims_used):
             break
         scratch = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
     for _ in range(rounds):
@@ -297,14 +298,16 @@ def _unranked(graph: onnx.GraphProto) -> bool:
     return False
 
 
-def _fold_shape_arithmetic(model: onnx.ModelProto, constants_too: bool = True
+def _fold_shape_arithmetic(model: onnx.ModelProto, constants_too: bool = True,
+                           from_dims: dict[str, np.ndarray] | None = None
                            ) -> tuple[dict[int, onnx.NodeProto], bool]:
     """Replace each node of ``model``'s graph that computes a small integer or boolean
     tensor from constants alone, or from static dims (:func:`_static_dim_values`), by a
     ``Constant`` of its value (onnx's reference evaluator computes those from constants,
     all in one run); returns the replaced nodes by position, and whether any value came
     from static dims. Without ``constants_too``, a graph where no value comes from static
-    dims is left as it is (and costs one walk over its nodes).
+    dims is left as it is (and costs one walk over its nodes). ``from_dims``: what
+    :func:`_static_dim_values` finds in ``model``, when the caller has it.
 
     The values are exact (constants and static dims in, deterministic ops), so the shapes
     onnx infers from them are too. Nodes with subgraphs, several outputs or in other
@@ -313,7 +316,8 @@ def _fold_shape_arithmetic(model: onnx.ModelProto, constants_too: bool = True
     graph = model.graph
     types = _declared_types(graph)
     fed = {v.name for v in graph.input}  # an initializer that is an input is only a default
-    from_dims = _static_dim_values(graph, types, fed)
+    if from_dims is None:
+        from_dims = _static_dim_values(graph, types, fed)
     if not from_dims and not constants_too:
         return {}, False
     constant = {t.name for t in graph.initializer
@@ -430,17 +434,18 @@ def _static_dim_values(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProt
     constants.update((n.output[0], n) for n in graph.node
                      if n.op_type == "Constant" and is_default_domain(n.domain) and n.output)
 
+    read: dict[str, _Ints | None] = {}
+
     def constant(name: str) -> _Ints | None:
-        """A small integer constant of rank 0 or 1, read on first use."""
-        source = constants.get(name)
-        if source is None:
-            return None
-        value = numpy_helper.to_array(source) if isinstance(source, onnx.TensorProto) \
-            else _constant_node_value(source)
-        if value is None or value.ndim > 1 or value.size > _FOLDED_SIZE \
-                or value.dtype.kind not in "iu":
-            return None
-        return _Ints(tuple(int(v) for v in value.reshape(-1)), value.ndim == 0)
+        """A small integer constant of rank 0 or 1, read once, on first use."""
+        if name not in read:
+            source = constants.get(name)
+            value = None if source is None else numpy_helper.to_array(source) \
+                if isinstance(source, onnx.TensorProto) else _constant_node_value(source)
+            read[name] = None if value is None or value.ndim > 1 \
+                or value.size > _FOLDED_SIZE or value.dtype.kind not in "iu" \
+                else _Ints(tuple(int(v) for v in value.reshape(-1)), value.ndim == 0)
+        return read[name]
 
     known: dict[str, _Ints] = {}  # the values computed from dims, each known in part
     found: dict[str, np.ndarray] = {}

@@ -38,14 +38,12 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
 BENCHMARK_MARK = "lossgraph benchmarks/first_fit.py"  # in every file the run writes
-ROOT = Path(__file__).resolve().parents[1]
 MODELS, MODELS_QUICK = ("resnet18", "convnext_tiny"), ("small_cnn",)
 FUSES = ("step", "epoch")
 VARIANTS = ("before", "after")
@@ -56,13 +54,12 @@ GRAPH = {"step": "train_step", "epoch": "train_epoch"}
 
 # -- the models -------------------------------------------------------------------------
 def _torchvision() -> Any:
-    """torchvision, imported beside a CPU torch build (tests/torch_libraries.py), or None."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    """torchvision, or None when it is not installed."""
     try:
-        from torch_libraries import import_torchvision
-    finally:
-        sys.path.pop(0)
-    return import_torchvision()
+        import torchvision
+    except ImportError:
+        return None
+    return torchvision
 
 
 def network(name: str) -> Any:

@@ -14,7 +14,6 @@ import numpy as np
 import onnx
 import pytest
 from models import model
-from torch_libraries import import_torchvision
 from torch_steps import (
     assert_gradients_like_torch,
     assert_steps_like_torch,
@@ -197,7 +196,7 @@ def test_torchvisions_shufflenet_v2_legacy_export_has_torchs_gradient():
     """ShuffleNetV2's blocks split the channels with ``chunk`` and convolve each half with
     a depthwise (grouped) Conv: the legacy export with a free batch compiles, and its
     gradient is torch's."""
-    torchvision = import_torchvision() or pytest.skip("needs torchvision==0.28.0")
+    torchvision = pytest.importorskip("torchvision", reason="needs torchvision==0.28.0")
     import torch
 
     torch.manual_seed(0)

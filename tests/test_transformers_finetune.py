@@ -25,11 +25,9 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from torch_libraries import import_transformers
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
-transformers = import_transformers() or pytest.skip(
-    "needs transformers", allow_module_level=True)
+transformers = pytest.importorskip("transformers", reason="needs transformers")
 
 from torch_steps import (  # noqa: E402
     assert_gradients_close,

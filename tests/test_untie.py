@@ -20,7 +20,6 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from torch_libraries import import_transformers
 from torch_steps import assert_gradients_like_torch, assert_steps_like_torch, torch_mse
 
 import lossgraph
@@ -281,7 +280,7 @@ def _bert_net():
     documented limit); the others stay as a fresh model has them."""
     import torch
 
-    transformers = import_transformers() or pytest.skip("needs transformers")
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
     torch.manual_seed(0)
     config = transformers.BertConfig(
         hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,

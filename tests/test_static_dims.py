@@ -7,9 +7,6 @@ ShuffleNetV2), had no static shape, and the Conv's gradient refused the model.
 
 from __future__ import annotations
 
-import io
-import warnings
-
 import numpy as np
 import onnx
 import pytest
@@ -17,6 +14,7 @@ from models import model
 from torch_steps import (
     assert_gradients_like_torch,
     assert_steps_like_torch,
+    legacy_export,
     make_distinct,
     torch_mse,
 )
@@ -134,16 +132,9 @@ torch_only = pytest.mark.torch
 
 
 def _legacy_export(net, example: np.ndarray) -> onnx.ModelProto:
-    """``net`` exported by the legacy exporter at opset 17, its batch free."""
-    import torch
-
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation warning
-        torch.onnx.export(net, (torch.from_numpy(example),), buffer, dynamo=False, opset_version=17,
-                          do_constant_folding=False, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
-    return onnx.load_from_string(buffer.getvalue())
+    """``net`` exported by the legacy exporter, its batch free, the shape arithmetic left
+    unfolded as a dynamic batch leaves it."""
+    return legacy_export(net, example, do_constant_folding=False)
 
 
 def _chunk_net():
@@ -162,18 +153,7 @@ def _chunk_net():
 
 
 @torch_only
-def test_the_legacy_chunk_into_a_grouped_conv_has_torchs_gradient():
-    net = _chunk_net()
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(5, 4, 6, 6)).astype(np.float32)
-    y = rng.normal(size=(5, 2, 4, 4)).astype(np.float32)
-    exported = _legacy_export(net, X[:2].copy())
-    assert any(n.op_type == "Div" for n in exported.graph.node)  # the chunk's arithmetic
-    assert_gradients_like_torch(exported, net, X, y)
-
-
-@torch_only
-def test_the_legacy_chunk_into_a_grouped_conv_trains_like_torch():
+def test_the_legacy_chunk_into_a_grouped_conv_has_torchs_gradient_and_trains_like_torch():
     import torch
 
     net = _chunk_net()
@@ -181,6 +161,8 @@ def test_the_legacy_chunk_into_a_grouped_conv_trains_like_torch():
     X = rng.normal(size=(12, 4, 6, 6)).astype(np.float32)
     y = rng.normal(size=(12, 2, 4, 4)).astype(np.float32)
     exported = _legacy_export(net, X[:2].copy())
+    assert any(n.op_type == "Div" for n in exported.graph.node)  # the chunk's arithmetic
+    assert_gradients_like_torch(exported, net, X[:5], y[:5])
     for fuse in ("step", "epoch"):
         reference = _chunk_net()
         trainer = lossgraph.Trainer(lossgraph.compile_program(exported, optimizer=SGD(0.1),
@@ -191,20 +173,25 @@ def test_the_legacy_chunk_into_a_grouped_conv_trains_like_torch():
 
 
 @torch_only
-@pytest.mark.slow
-def test_torchvisions_shufflenet_v2_legacy_export_has_torchs_gradient():
-    """ShuffleNetV2's blocks split the channels with ``chunk`` and convolve each half with
-    a depthwise (grouped) Conv: the legacy export with a free batch compiles, and its
-    gradient is torch's."""
+def test_torchvisions_shufflenet_v2_blocks_legacy_export_has_torchs_gradient():
+    """ShuffleNetV2's blocks (torchvision's own ``InvertedResidual``, the fewest that show
+    it: the whole network takes four times as long and checks nothing more) split the
+    channels with ``chunk`` and shuffle them with a ``view`` of shape arithmetic; the next
+    down-sampling block's depthwise (grouped) Conv reads the shuffled channels. The legacy
+    export with a free batch compiles, and its gradient is torch's."""
     torchvision = pytest.importorskip("torchvision", reason="needs torchvision==0.28.0")
     import torch
+    from torchvision.models.shufflenetv2 import InvertedResidual
 
     torch.manual_seed(0)
-    net = torchvision.models.shufflenet_v2_x0_5(num_classes=3)
+    net = torch.nn.Sequential(InvertedResidual(3, 8, 2), InvertedResidual(8, 8, 1),
+                              InvertedResidual(8, 8, 2), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    assert isinstance(torchvision.models.shufflenet_v2_x0_5().stage2[0], InvertedResidual)
     make_distinct(net)  # the exporter merges equal initializers (fresh BatchNorm scales)
     net.eval()
     rng = np.random.default_rng(2)
-    X = rng.normal(size=(2, 3, 32, 32)).astype(np.float32)
+    X = rng.normal(size=(2, 3, 8, 8)).astype(np.float32)
     y = rng.normal(size=(2, 3)).astype(np.float32)
     exported = _legacy_export(net, X)
     assert_gradients_like_torch(exported, net, X, y, rtol=1e-3, atol=1e-4)

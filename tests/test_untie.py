@@ -12,7 +12,6 @@ product like a weight is listed by ``inspect`` as not trainable, and trains when
 
 from __future__ import annotations
 
-import io
 import json
 import warnings
 
@@ -20,7 +19,12 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from torch_steps import assert_gradients_like_torch, assert_steps_like_torch, torch_mse
+from torch_steps import (
+    assert_gradients_like_torch,
+    assert_steps_like_torch,
+    legacy_export,
+    torch_mse,
+)
 
 import lossgraph
 from lossgraph.analysis import constant_weights, tied_initializers
@@ -258,13 +262,7 @@ def test_the_legacy_exports_identities_become_the_torch_parameters():
     torch.manual_seed(0)
     net = Blocks()
     X, y = _data()
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation warning
-        torch.onnx.export(net, (torch.from_numpy(X[:2]),), buffer, dynamo=False,
-                          opset_version=17, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "N"}, "y": {0: "N"}})
-    exported = onnx.load_from_string(buffer.getvalue())
+    exported = legacy_export(net, X[:2])
     assert "Identity" in [n.op_type for n in exported.graph.node]
     tied = {t.name for t in tied_initializers(exported)}
     assert tied == {"first.weight", "first.bias"}

@@ -16,14 +16,21 @@ runs alone, side by side:
   over the whole graph, as SpecializeBatch did (``lossgraph.speed.scopes`` patched back);
 - **after**: ``infer_shapes_with_data``, as it does now;
 
-and checks that both give the same specialized graph, byte for byte. Models: torchvision's
-ResNet-18 and ConvNeXt-Tiny (10 classes, 32 x 32 images, random weights), exported by
-torch's legacy exporter (opset 17, a free batch axis); ``--quick``: a two-layer CNN (torch
-alone). Without torch, nothing runs; without torchvision, the quick CNN only.
+and checks that both give the same specialized graph, byte for byte. Each cell runs in a
+fresh process (``--worker``), which also gives its peak memory (the peak resident set less
+the resident set before the fit, ``VmHWM`` - ``VmRSS``); onnx's data propagation holds each
+propagated value as a message of its own, so a worker whose resident set passes
+``--memory-limit`` (GiB, 6 by default) is killed and its cell reads "over 6 GiB" rather
+than the machine running out of memory. Models (10 classes, 32 x 32 images, random
+weights, exported by torch's legacy exporter at opset 17, a free batch axis):
+torchvision's ResNet-18 and ConvNeXt-Tiny, and timm's ConvNeXt-Atto (ConvNeXt's blocks,
+3.4 million parameters); ``--quick``: a two-layer CNN (torch alone), measured in this
+process. Without torch, nothing runs; without torchvision or timm, their models are
+skipped.
 
 Run from the repository root:
-      python -m benchmarks.first_fit [--quick] [--models resnet18,convnext_tiny]
-          [--repeat 1] [--json out.json]
+      python -m benchmarks.first_fit [--quick] [--models resnet18,convnext_atto,convnext_tiny]
+          [--repeat 1] [--memory-limit 6] [--json out.json]
 See docs/benchmarks.md#the-first-fit-of-an-epoch-graph.
 """
 
@@ -34,17 +41,24 @@ import contextlib
 import hashlib
 import io
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
+from benchmarks.machine import process_memory_mb, reset_peak_memory
+
 BENCHMARK_MARK = "lossgraph benchmarks/first_fit.py"  # in every file the run writes
-MODELS, MODELS_QUICK = ("resnet18", "convnext_tiny"), ("small_cnn",)
+ROOT = Path(__file__).resolve().parents[1]
+MODELS, MODELS_QUICK = ("resnet18", "convnext_atto", "convnext_tiny"), ("small_cnn",)
 FUSES = ("step", "epoch")
 VARIANTS = ("before", "after")
 ROWS, BATCH, CLASSES, SIDE = 64, 16, 10, 32
@@ -53,17 +67,8 @@ GRAPH = {"step": "train_step", "epoch": "train_epoch"}
 
 
 # -- the models -------------------------------------------------------------------------
-def _torchvision() -> Any:
-    """torchvision, or None when it is not installed."""
-    try:
-        import torchvision
-    except ImportError:
-        return None
-    return torchvision
-
-
 def network(name: str) -> Any:
-    """The torch module of ``name``, seeded."""
+    """The torch module of ``name``, seeded (ImportError without its library)."""
     import torch
 
     torch.manual_seed(0)
@@ -72,9 +77,12 @@ def network(name: str) -> Any:
             torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
             torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
             torch.nn.Linear(8 * (SIDE // 2) ** 2, CLASSES))
-    torchvision = _torchvision()
-    if torchvision is None:
-        raise ImportError("torchvision is not installed (pip install torchvision==0.28.0)")
+    if name.startswith("convnext_atto"):
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=CLASSES)
+    import torchvision
+
     return getattr(torchvision.models, name)(num_classes=CLASSES)
 
 
@@ -130,6 +138,8 @@ def measure(model: onnx.ModelProto, fuse: str, name: str) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     X = rng.normal(size=(ROWS, 3, SIDE, SIDE)).astype(np.float32)
     y = rng.integers(0, CLASSES, size=ROWS)
+    reset_peak_memory()
+    resident = process_memory_mb("VmRSS")
     with variant(name):
         special, specialize_s, specialize_cpu = _timed(
             lambda: SpecializeBatch(BATCH)(program.graphs[GRAPH[fuse]]).model)
@@ -138,7 +148,38 @@ def measure(model: onnx.ModelProto, fuse: str, name: str) -> dict[str, Any]:
                                                        shuffle=False, progress=False))
     return {"fit_s": fit_s, "fit_cpu_s": fit_cpu, "specialize_s": specialize_s,
             "specialize_cpu_s": specialize_cpu, "loss": float(trainer.train_losses_[-1]),
-            "graph": hashlib.sha256(special.SerializeToString()).hexdigest()[:16]}
+            "graph": hashlib.sha256(special.SerializeToString()).hexdigest()[:16],
+            "peak_added_mb": process_memory_mb("VmHWM") - resident}
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One cell in this fresh process: the model of ``spec["file"]``, its fuse mode and
+    variant."""
+    return measure(onnx.load(spec["file"]), spec["fuse"], spec["variant"])
+
+
+def run_worker(file: Path, fuse: str, which: str, limit_gib: float) -> dict[str, Any]:
+    """:func:`worker` in a fresh interpreter, killed once its resident set passes
+    ``limit_gib`` (checked every 20 ms from here: onnx's inference holds the worker's
+    interpreter); a failure is the cell's ``error``."""
+    spec = json.dumps({"file": str(file), "fuse": fuse, "variant": which})
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.first_fit", "--worker", spec], stdout=out,
+            stderr=err, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        while child.poll() is None:
+            if process_memory_mb("VmRSS", child.pid) > limit_gib * 1024:
+                child.kill()
+                child.wait()
+                return {"error": f"over {limit_gib:g} GiB"}
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        lines = out.read().strip().splitlines()
+        if child.returncode or not lines:
+            last = (err.read().strip().splitlines() or ["no output"])[-1]
+            return {"error": f"worker exited {child.returncode}: {last[:300]}"}
+    return json.loads(lines[-1])
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -146,24 +187,29 @@ def _seconds(value: float) -> str:
     return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
 
 
+def _variant_text(record: dict[str, Any]) -> tuple[str, str, str]:
+    """(first fit, SpecializeBatch, peak memory) of one variant's record."""
+    if "error" in record:
+        return record["error"], "-", "-"
+    return (f"{_seconds(record['fit_s'])} ({record['fit_cpu_s']:.2f})",
+            f"{_seconds(record['specialize_s'])} ({record['specialize_cpu_s']:.2f})",
+            f"{record['peak_added_mb']:,.0f} MiB")
+
+
 def report(cells: dict[str, dict[str, dict[str, Any]]]) -> None:
     """The table: each model and fuse mode, before and after, side by side."""
     print("\n| model | fuse | first fit, before | first fit, after | SpecializeBatch, before "
-          "| SpecializeBatch, after | same graph |")
-    print("|---|---|---|---|---|---|---|")
+          "| SpecializeBatch, after | peak memory, before | peak memory, after | same graph |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for key, pair in cells.items():
         model, fuse = key.split("/")
-        if "error" in pair:
-            print(f"| {model} | {fuse} | {pair['error']} | | | | |")
-            continue
-        before, after = pair["before"], pair["after"]
-        same = "yes" if before["graph"] == after["graph"] else "NO"
-        print(f"| {model} | {fuse} | {_seconds(before['fit_s'])} ({before['fit_cpu_s']:.2f}) "
-              f"| {_seconds(after['fit_s'])} ({after['fit_cpu_s']:.2f}) "
-              f"| {_seconds(before['specialize_s'])} ({before['specialize_cpu_s']:.2f}) "
-              f"| {_seconds(after['specialize_s'])} ({after['specialize_cpu_s']:.2f}) "
-              f"| {same} |")
-    print("(wall seconds, CPU seconds of this process in brackets)")
+        before, after = (_variant_text(pair[which]) for which in VARIANTS)
+        same = ("-" if "graph" not in pair["before"] or "graph" not in pair["after"] else
+                "yes" if pair["before"]["graph"] == pair["after"]["graph"] else "NO")
+        print(f"| {model} | {fuse} | {before[0]} | {after[0]} | {before[1]} | {after[1]} "
+              f"| {before[2]} | {after[2]} | {same} |")
+    print("(wall seconds, CPU seconds of the process in brackets; peak memory: the peak "
+          "resident set less the resident set before the fit)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,8 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", help="comma-separated, of " + ", ".join(MODELS))
     parser.add_argument("--repeat", type=int, default=1,
                         help="first fits per cell and variant, alternating (the least counts)")
+    parser.add_argument("--memory-limit", type=float, default=6.0, metavar="GIB",
+                        help="stop a cell whose process holds more than this (default 6)")
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    parser.add_argument("--worker", metavar="SPEC", help="internal: one cell, printed as JSON")
     args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
     from benchmarks.machine import cpu_seconds, machine_facts, report_load
     from benchmarks.output import written_by
     from lossgraph.errors import UnsafeWriteError
@@ -192,19 +244,25 @@ def main(argv: list[str] | None = None) -> int:
     started, cpu_before = time.perf_counter(), cpu_seconds()
     cells: dict[str, dict[str, Any]] = {}
     skipped = []
-    for name in names:
-        try:
-            model = export(name)
-        except ImportError as exc:
-            skipped.append(f"{name}: skipped ({exc})")
-            continue
-        for fuse in FUSES:
-            runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-            for _ in range(args.repeat):  # alternating, so that load falls on both alike
-                for which in VARIANTS:
-                    runs[which].append(measure(model, fuse, which))
-            cells[f"{name}/{fuse}"] = {which: min(found, key=lambda r: r["fit_s"])
-                                       for which, found in runs.items()}
+    with tempfile.TemporaryDirectory(prefix="lossgraph_first_fit_") as folder:
+        for name in names:
+            try:
+                model = export(name)
+            except ImportError as exc:
+                skipped.append(f"{name}: skipped ({exc})")
+                continue
+            file = Path(folder) / f"{name}.onnx"
+            onnx.save(model, file)
+            for fuse in FUSES:
+                runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+                for _ in range(args.repeat):  # alternating, so that load falls on both alike
+                    for which in VARIANTS:
+                        runs[which].append(measure(model, fuse, which) if args.quick else
+                                           run_worker(file, fuse, which, args.memory_limit))
+                cells[f"{name}/{fuse}"] = {
+                    which: min(found, key=lambda r: r.get("fit_s", float("inf")))
+                    for which, found in runs.items()}
+                print(f"  {name} {fuse}: done", flush=True)
     report(cells)
     for line in skipped:
         print(f"  {line}")
@@ -213,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     report_load(cpu_before, wall, facts)
     if args.json:
         figures = {"generator": BENCHMARK_MARK, "machine": facts, "rows": ROWS,
-                   "batch": BATCH, "cells": cells, "skipped": skipped}
+                   "batch": BATCH, "memory_limit_gib": args.memory_limit, "cells": cells,
+                   "skipped": skipped}
         write_file(args.json, json.dumps(figures, indent=2).encode(),
                    owned=written_by(BENCHMARK_MARK))
         print(f"figures written to {args.json}")

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    from benchmarks.machine import cpu_seconds, machine_facts, report_load
+    from benchmarks.machine import cpu_seconds, machine_facts, report_run
     from benchmarks.output import written_by
     from lossgraph.errors import UnsafeWriteError
     from lossgraph.fileio import check_file_target, write_file
@@ -264,11 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                     for which, found in runs.items()}
                 print(f"  {name} {fuse}: done", flush=True)
     report(cells)
-    for line in skipped:
-        print(f"  {line}")
-    wall = time.perf_counter() - started
-    print(f"\ntotal wall time {wall:.0f} s")
-    report_load(cpu_before, wall, facts)
+    report_run(started, cpu_before, facts, skipped)
     if args.json:
         figures = {"generator": BENCHMARK_MARK, "machine": facts, "rows": ROWS,
                    "batch": BATCH, "memory_limit_gib": args.memory_limit, "cells": cells,

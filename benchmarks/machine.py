@@ -6,6 +6,8 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,18 @@ def report_load(cpu_before: tuple[float, float] | None, wall: float,
                "machine" if others / wall > 0.25 else "")
     print(f"other processes kept {others / wall:.2f} of {os.cpu_count()} cores busy "
           f"during the run{warning}")
+
+
+def report_run(started: float, cpu_before: tuple[float, float] | None,
+               facts: dict[str, str], skipped: Sequence[str] = ()) -> None:
+    """Print what a run skipped, its total wall time since ``started``
+    (``time.perf_counter()``) and how busy other processes kept the machine
+    (:func:`report_load`)."""
+    for line in skipped:
+        print(f"  {line}")
+    wall = time.perf_counter() - started
+    print(f"\ntotal wall time {wall:.0f} s")
+    report_load(cpu_before, wall, facts)
 
 
 def cpu_seconds() -> tuple[float, float] | None:

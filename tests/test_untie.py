@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from torch_steps import (
+from support.torch_steps import (
     assert_gradients_like_torch,
     assert_steps_like_torch,
     legacy_export,

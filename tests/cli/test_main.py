@@ -192,6 +192,8 @@ BAD_COMMANDS = {
     "negative penalty": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--penalty-l1", "-1"],
     "unknown trainable weight": lambda t: ["compile", _model(t), "-o", f"{t}/p",
                                            "--weights", "z_weigth"],
+    "untie an unknown initializer": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                               "--untie", "z_weigth"],
     "unknown format": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--format", "zip"],
     "fuse for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                          "ort-artifacts", "--fuse", "epoch"],

@@ -136,6 +136,14 @@ def _data(tmp_path) -> str:
     return str(tmp_path / "data.npz")
 
 
+def _overflowing_npz(tmp_path) -> str:
+    """float64 arrays (converted to the model's float32), one value beyond float32."""
+    X = np.ones((10, 3))
+    X[4, 2] = -1e40
+    np.savez(tmp_path / "big.npz", X=X, y=np.ones((10, 2)))
+    return str(tmp_path / "big.npz")
+
+
 def _broken_manifest(tmp_path) -> str:
     folder = _program(tmp_path)
     (tmp_path / "program" / "manifest.json").write_text('{"format": ')
@@ -282,6 +290,11 @@ BAD_COMMANDS = {
     "csv with a duplicate column": lambda t: ["train", _program(t), "--data",
                                               _file(t, "d.csv", b"a,a,c,y\n1,2,3,4\n"),
                                               "-o", f"{t}/o.onnx"],
+    "csv value beyond float32": lambda t: ["train", _program(t), "--data",
+                                           _file(t, "d.csv", b"a,b,c,y,z\n1,2,3,4,5\n"
+                                                 b"2,1e39,4,5,6\n"), "-o", f"{t}/o.onnx"],
+    "npz value beyond float32": lambda t: ["train", _program(t), "--data", _overflowing_npz(t),
+                                           "-o", f"{t}/o.onnx"],
     "sample weights for a program without": lambda t: ["train", _program(t), "--data",
                                                        _csv(t), "--label", "y", "z",
                                                        "--sample-weight", "a", "-o",

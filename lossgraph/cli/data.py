@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..data import converted, declared
 from ..errors import (
     InvalidDataError,
     RuntimeUnavailableError,
@@ -197,16 +198,11 @@ def _read_parquet(path: Path, wanted: Sequence[str]) -> dict[str, np.ndarray]:
 
 
 def _as_input(values: np.ndarray, spec: Mapping[str, Any], what: str) -> np.ndarray:
-    """A column (or columns) of a table as the dtype input ``spec`` declares."""
-    dtype = np.dtype(spec["dtype"])
-    if dtype.kind in "iu" and values.dtype.kind == "f":
-        bad = ~np.isfinite(values) | (values != np.round(values))
-        if bad.any():
-            row = int(np.argwhere(bad)[0][0])
-            raise InvalidDataError(
-                f"{what} holds {values[bad][0]!r} (row {row}), but the model's input "
-                f"{spec['name']!r} takes whole numbers ({dtype}).")
-    return values.astype(dtype)
+    """A column (or columns) of a table as the dtype input ``spec`` declares, converted as
+    the Trainer converts arrays (:func:`lossgraph.data.converted`); a text table has no
+    dtype of its own, so whole numbers are taken for an integer input."""
+    return converted(values, np.dtype(spec["dtype"]), what,
+                     declared(spec["name"], spec["dtype"], spec["shape"]), whole=True)
 
 
 def _table_data(path: str, args: argparse.Namespace,

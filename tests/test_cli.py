@@ -22,7 +22,7 @@ import onnx
 import pytest
 from catalogue import Row, assert_listed, message_of, print_table, slug
 
-from lossgraph import TrainingProgram, cli, compile_program, get_roles
+from lossgraph import TrainingProgram, compile_program, get_roles
 from lossgraph.cli import main
 from lossgraph.optim import SGD, Adam, AdamW, Momentum
 from lossgraph.runtime import Trainer
@@ -292,7 +292,8 @@ BAD_COMMANDS = {
                                               "-o", f"{t}/o.onnx"],
     "csv value beyond float32": lambda t: ["train", _program(t), "--data",
                                            _file(t, "d.csv", b"a,b,c,y,z\n1,2,3,4,5\n"
-                                                 b"2,1e39,4,5,6\n"), "-o", f"{t}/o.onnx"],
+                                                 b"2,1e39,4,5,6\n"), "--label", "y", "z",
+                                           "-o", f"{t}/o.onnx"],
     "npz value beyond float32": lambda t: ["train", _program(t), "--data", _overflowing_npz(t),
                                            "-o", f"{t}/o.onnx"],
     "sample weights for a program without": lambda t: ["train", _program(t), "--data",
@@ -890,7 +891,7 @@ def test_an_internal_error_exits_1_with_one_line(model_file, capsys, monkeypatch
     def broken(path):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(cli, "inspect_model", broken)
+    monkeypatch.setattr("lossgraph.cli.inspection.inspect_model", broken)  # read when run
     monkeypatch.delenv("LOSSGRAPH_DEBUG", raising=False)
     assert main(["inspect", str(model_file)]) == 1
     err = capsys.readouterr().err
@@ -910,7 +911,7 @@ def test_warnings_are_one_line_like_errors(model_file, capsys, monkeypatch):
         warnings.warn("something odd\non two lines", UserWarning, stacklevel=1)
         return "table"
 
-    monkeypatch.setattr(cli, "format_inspection", warns)
+    monkeypatch.setattr("lossgraph.cli.inspection.format_inspection", warns)
     assert main(["inspect", str(model_file)]) == 0
     assert capsys.readouterr().err == "lossgraph inspect: warning: something odd on two lines\n"
 
@@ -919,7 +920,7 @@ def test_a_closed_stdout_ends_quietly(model_file, capsys, monkeypatch):
     def closed(report):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(cli, "format_inspection", closed)
+    monkeypatch.setattr("lossgraph.cli.inspection.format_inspection", closed)
     assert main(["inspect", str(model_file)]) == 141
     assert capsys.readouterr().err == ""
 

@@ -19,6 +19,7 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
+from ..paths import data_source
 from ..program import TrainingProgram
 from ..storage import read_arrays
 from .parser import TABLE_SUFFIXES, _one_line
@@ -209,10 +210,7 @@ def _table_data(path: str, args: argparse.Namespace,
                 specs: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """``X``, ``y`` (and ``sample_weight``) from the columns of a .csv or .parquet file,
     converted to the dtypes of the program's inputs."""
-    source = Path(path)
-    if not source.is_file():
-        raise InvalidDataError(f"There is no data file at {path!r}." if not source.exists()
-                               else f"{path!r} is not a regular file.")
+    source = data_source(path, table=True)
     parquet = source.suffix.lower() != ".csv"
     names = _parquet_columns(source) if parquet else _csv_columns(source)
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -274,11 +272,7 @@ def _training_data(path: str, args: argparse.Namespace,
     specs = _input_specs(program)
     if Path(path).suffix.lower() in TABLE_SUFFIXES:
         return _table_data(path, args, specs)
-    if Path(path).suffix.lower() == ".npy":
-        raise InvalidDataError(
-            f"{path!r} is one .npy array; --data takes an .npz file, a folder of .npy files "
-            "(X.npy, y.npy, ...), a .csv or a .parquet file.")
-    return _array_data(path, args, specs)
+    return _array_data(path, args, specs)  # (one .npy file was refused by check_inputs)
 
 
 def _rows(value: Any) -> int:

@@ -70,7 +70,13 @@ from ..passes.weights import WeightsToInputs
 from ..surgery import GradientHalves, split_gradient
 from ..validation import check_trainable_model
 from .separate_step import HalvesRunner
-from .session import checked_providers, cpu_device, create_session, ortvalue
+from .session import (
+    checked_providers,
+    cpu_device,
+    create_session,
+    onnxruntime_module,
+    ortvalue,
+)
 
 __all__ = ["GraphFunction", "GraphFunctionCall", "device_providers"]
 
@@ -91,8 +97,7 @@ def device_providers(device: Any) -> list[str] | None:
     if kind == "cpu":
         return None
     if kind in ("cuda", "gpu"):
-        import onnxruntime
-
+        onnxruntime = onnxruntime_module()
         if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
             raise ProviderError(
                 f"device={device!r} needs onnxruntime's CUDAExecutionProvider, which this "

@@ -150,29 +150,42 @@ def prepare(folder: Path, environment: dict[str, str]) -> None:
         "  { h = MatMul(x, w)\n y = Add(h, b) }''')\n"
         "lossgraph.compile_program(model).save('prog')\n"
         "rng = np.random.default_rng(0)\n"
-        "X = rng.normal(size=(10, 3))\n"
-        "np.savez('train.npz', X=X, y=X @ [1.0, 2.0, 3.0])\n")
+        "X = rng.normal(size=(10, 3)).astype(np.float32)  # (older checkouts took no float64)\n"
+        "np.savez('train.npz', X=X, y=X @ np.float32([1.0, 2.0, 3.0]))\n")
     subprocess.run([sys.executable, "-c", script], cwd=folder, env=environment, check=True)
 
 
-def measure(source: Path, runs: int, real_run: bool = True) -> dict[str, Timing]:
-    """Every row of :func:`rows` for the lossgraph at ``source``, ``runs`` rounds."""
-    environment = {**os.environ, "PYTHONPATH": str(source)}
-    environment.pop("LOSSGRAPH_DEBUG", None)
+def measure(sources: dict[str, Path], runs: int, real_run: bool = True
+            ) -> dict[str, dict[str, Timing]]:
+    """Every row of :func:`rows` for the lossgraph of each of ``sources`` (a folder holding
+    its package), ``runs`` rounds; each round runs every row of every source once."""
+    listed = rows(real_run)
+    first = next(iter(sources))  # the floors are timed once, with this checkout
+    chosen = {name: [row for row in listed if row.lossgraph or name == first]
+              for name in sources}
     with tempfile.TemporaryDirectory(prefix="lossgraph_cli_speed_") as tmp:
-        folder = Path(tmp)
-        prepare(folder, environment)
-        listed = rows(real_run)
-        timings = {row.name: Timing() for row in listed}
-        for row in listed:  # one warm-up run each (the file cache), not counted
-            timed(row, folder, environment)
-            timings[row.name].imported = imported(row, folder, environment)
+        setups = {}
+        for index, (name, source) in enumerate(sources.items()):
+            environment = {**os.environ, "PYTHONPATH": str(source)}
+            environment.pop("LOSSGRAPH_DEBUG", None)
+            folder = Path(tmp) / str(index)
+            folder.mkdir()
+            prepare(folder, environment)
+            setups[name] = folder, environment
+        measured = {name: {row.name: Timing() for row in chosen[name]} for name in sources}
+        for name, (folder, environment) in setups.items():
+            for row in chosen[name]:  # one warm-up run each (the file cache), not counted
+                timed(row, folder, environment)
+                measured[name][row.name].imported = imported(row, folder, environment)
         for _ in range(runs):
             for row in listed:
-                wall, cpu = timed(row, folder, environment)
-                timings[row.name].wall.append(wall)
-                timings[row.name].cpu.append(cpu)
-    return timings
+                for name, (folder, environment) in setups.items():
+                    if row.name not in measured[name]:
+                        continue
+                    wall, cpu = timed(row, folder, environment)
+                    measured[name][row.name].wall.append(wall)
+                    measured[name][row.name].cpu.append(cpu)
+    return measured
 
 
 def report(measured: dict[str, dict[str, Timing]], runs: int, listed: list[Row]) -> list[str]:
@@ -241,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     sources = {f"this checkout ({ROOT.name})": ROOT}
     if args.compare is not None:
         sources[f"--compare ({args.compare.resolve().name})"] = args.compare.resolve()
-    measured = {name: measure(path, runs, real_run=not args.quick)
-                for name, path in sources.items()}
+    measured = measure(sources, runs, real_run=not args.quick)
     verdicts = report(measured, runs, rows(real_run=not args.quick))
     wall = time.perf_counter() - started
     print(f"\ntotal wall time {wall:.0f} s")

@@ -257,12 +257,13 @@ def _table_data(path: str, args: argparse.Namespace,
             f"({', '.join(label)}), but the model's label {label_spec['name']!r} takes "
             f"{outputs}: name them with --label.")
     data: dict[str, Any] = {
-        "X": _as_input(stacked(features), feature_spec, f"{path!r} columns {', '.join(features)}"),
+        "X": _as_input(stacked(features), feature_spec,
+                       f"{path!r} (columns {', '.join(features)})"),
         "y": _as_input(columns[label[0]] if len(label) == 1 else stacked(label), label_spec,
-                       f"{path!r} column {', '.join(label)}")}
+                       f"{path!r} (column{'s' * (len(label) > 1)} {', '.join(label)})")}
     if weight:
         data["sample_weight"] = _as_input(columns[weight], specs["sample_weight"][0],
-                                          f"{path!r} column {weight}")
+                                          f"{path!r} (column {weight})")
     return data
 
 

@@ -23,8 +23,9 @@ def import_onnxruntime() -> ModuleType:
     """The ``onnxruntime`` module, imported (when it is not yet) without the training
     build's ``onnxruntime.training`` package, which its build check would import with
     torch: the check then finds no ORTModule, as on a build without it, and nothing else
-    changes. ``import onnxruntime.training`` afterwards works as usual. ImportError where
-    onnxruntime is not installed."""
+    changes. ``import onnxruntime.training`` afterwards works as usual (during the import
+    itself, another thread importing it would be refused). ImportError where onnxruntime
+    is not installed."""
     module = sys.modules.get("onnxruntime")
     if module is not None:
         return module

@@ -357,7 +357,9 @@ def test_model_speed_never_replaces_a_file_it_did_not_write(tmp_path):
 
 def test_cli_speed_times_the_commands_it_names_and_reports_each(tmp_path, capsys):
     """Each lossgraph row does what its name says (status and message checked by the run);
-    the report prints every row with what it imported (no timing is judged here)."""
+    the report prints every row with what it imported (no timing is judged here). The
+    real training run is left to the benchmark (it loads onnxruntime: seconds here); a
+    floor row shows that an import is seen."""
     import os
     from pathlib import Path
 
@@ -365,15 +367,16 @@ def test_cli_speed_times_the_commands_it_names_and_reports_each(tmp_path, capsys
 
     environment = {**os.environ, "PYTHONPATH": str(Path(bench.ROOT))}
     bench.prepare(tmp_path, environment)
-    listed = [row for row in bench.rows(real_run=True) if row.lossgraph]
+    listed = [row for row in bench.rows(real_run=False) if row.lossgraph]
     measured = {}
     for row in listed:
         wall, cpu = bench.timed(row, tmp_path, environment)  # asserts status and message
         assert wall > 0 and cpu >= 0
         measured[row.name] = bench.Timing([wall], [cpu], bench.imported(row, tmp_path,
                                                                         environment))
-    assert measured[listed[0].name].imported == []  # --help imports nothing heavy
-    assert "onnxruntime" in measured[listed[-1].name].imported  # the real run
+    assert all(timing.imported == [] for timing in measured.values())
+    floor = next(row for row in bench.rows(real_run=False) if row.name == "import onnx")
+    assert "onnx" in bench.imported(floor, tmp_path, environment)
     verdicts = bench.report({"here": measured}, 1, listed)
     printed = capsys.readouterr().out
     assert all(row.name in printed for row in listed)

@@ -46,8 +46,14 @@ MODEL = """
 """
 
 
-def run(code: str, *argv: str, cwd: Path) -> dict:
+def run(code: str, *argv: str, cwd: Path, pycache: Path | None = None) -> dict:
+    """Runs ``code`` with ``argv`` in a fresh interpreter in ``cwd``; its last line's JSON.
+    With ``pycache``, bytecode is written there and read back (where the environment says
+    not to write any, each child would compile every module it imports again)."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if pycache is not None:
+        environment.pop("PYTHONDONTWRITEBYTECODE", None)
+        environment["PYTHONPYCACHEPREFIX"] = str(pycache)
     result = subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=environment,
                             capture_output=True, text=True, check=True)
     return json.loads(result.stdout.splitlines()[-1])
@@ -139,6 +145,7 @@ def test_training_imports_onnxruntime_without_torch(folder):
     assert "torch" not in result["modules"] and "onnxruntime.training" not in result["modules"]
 
 
+@pytest.mark.slow  # imports torch, as onnxruntime.training does (2-4 s)
 @pytest.mark.skipif(not HAS_TRAINING or importlib.util.find_spec("torch") is None,
                     reason="needs the training build and torch")
 def test_onnxruntime_training_still_imports_after_lossgraph_imported_onnxruntime(folder):
@@ -185,9 +192,12 @@ print(json.dumps({"modules": len(names), "failed": failed}))
 """
 
 
+@pytest.mark.slow  # 120 modules, each imported first in its own child: about 5 s of CPU
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_every_module_imports_first(tmp_path):
     """``import lossgraph`` loads nothing, so no import order hides a cycle between modules:
-    each module must import when it is the first one of lossgraph a program imports."""
-    result = run(EVERY_MODULE, str(ROOT), cwd=tmp_path)
+    each module must import when it is the first one of lossgraph a program imports. (A
+    cycle fails only when the import enters it at one module, so no cheaper single import
+    shows it; the children share compiled bytecode.)"""
+    result = run(EVERY_MODULE, str(ROOT), cwd=tmp_path, pycache=tmp_path / "pycache")
     assert result["modules"] > 100 and result["failed"] == {}, result["failed"]

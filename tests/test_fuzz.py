@@ -9,14 +9,16 @@ lossgraph's entry points (tests/fuzzing.py builds them):
   scored, predicted with and exported;
 - **options**: values drawn for ``compile_program``'s and ``fit``'s options, data included;
 - **storage**: program and checkpoint folders with one file truncated, flipped, replaced,
-  extended, deleted or edited as JSON (checksums kept, dropped or recomputed), loaded with
-  ``TrainingProgram.load`` and ``Trainer.load_checkpoint``;
+  extended, deleted, edited as JSON or (an ONNX file) mutated as a model, checksums kept,
+  dropped or recomputed, loaded with ``TrainingProgram.load`` and
+  ``Trainer.load_checkpoint``;
 - **cli**: command lines of every command with drawn arguments, options and files.
 
 The property: a lossgraph error (not an ``InternalError``, which says "a bug in
 lossgraph"), or a correct result: a program that trains a step or two, runs its graphs in
 onnxruntime, predicts and exports a valid model; a fit that returns finite losses and
-weights; a damaged folder that loads only if it trains to the numbers of the intact one;
+weights; a damaged folder that loads only if it trains to the numbers of the intact one
+(where its checksum was written again too, an edit: only if it trains cleanly);
 a command that exits 0, or 2 with one line saying ``error:``, no traceback and nothing
 written. Never a raw exception, a hang, or a native crash.
 
@@ -25,8 +27,13 @@ every machine), in this process: a few seconds. ``pytest -m fuzz`` is the long r
 family for ``LOSSGRAPH_FUZZ_SECONDS`` seconds (default 40) of random examples, each run
 in a sandbox process (tests/fuzzing.py's ``Sandbox``) so that a native crash or a hang of
 onnxruntime is a reported failure, not the end of pytest; it prints how many examples ran
-and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). What the fuzzer found is in the
-catalogue, each finding a case of its own.
+and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). With ``LOSSGRAPH_FUZZ_BATCHES=n``
+it draws exactly ``n`` batches of 50 examples from the seed instead, the same examples on
+every machine: CI runs a fixed replay, so that what fails there fails here too, and new
+ground is broken by runs without a seed. It does not shrink a failing
+example (each try of a crashing one would restart the sandbox): the failure prints the
+example in words, a reproduction. What the fuzzer found is in the catalogue, each finding
+a case of its own.
 """
 
 from __future__ import annotations
@@ -82,12 +89,14 @@ class HypothesisChooser:
 def fuzz(family: str, examples: int, sandbox: Sandbox | None = None,
          seed: int | None = None, outcomes: collections.Counter | None = None) -> None:
     """``examples`` examples of ``family`` through hypothesis: derandomized (``seed`` None)
-    or from ``seed``; each run here, or in ``sandbox``. A failure is shrunk, then raised
-    with the example in words."""
+    or from ``seed``; each run here (a failure is shrunk), or in ``sandbox`` (not shrunk).
+    A failure is raised with the example in words."""
     tally = outcomes if outcomes is not None else collections.Counter()
 
+    phases = [Phase.generate] if sandbox is not None else [Phase.generate, Phase.shrink]
+
     @settings(max_examples=examples, derandomize=seed is None, database=None, deadline=None,
-              phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+              phases=phases, suppress_health_check=list(HealthCheck))
     @given(st.data())
     def check(data: Any) -> None:
         example: Example = FAMILIES[family](HypothesisChooser(data))
@@ -124,17 +133,20 @@ def test_a_long_run_of_random_examples_in_a_sandbox(family, request, capsys):
     if "fuzz" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the long fuzz run takes minutes: pytest -m fuzz")
     first = int(os.environ.get("LOSSGRAPH_FUZZ_SEED", random.randrange(1 << 30)))
+    replay = int(os.environ.get("LOSSGRAPH_FUZZ_BATCHES", "0"))
     outcomes: collections.Counter = collections.Counter()
     sandbox = Sandbox(timeout=120)
     start = time.monotonic()
-    batches, size = 0, 5  # the first batch measures how long an example takes
+    batches, size = 0, BATCH if replay else 5  # a timed run's first batch measures
     try:
-        while (left := LONG_SECONDS - (time.monotonic() - start)) > 0:
+        while (batches < replay if replay
+               else (left := LONG_SECONDS - (time.monotonic() - start)) > 0):
             began, done = time.monotonic(), sum(outcomes.values())
             fuzz(family, size, sandbox, seed=first + batches, outcomes=outcomes)
             batches += 1
-            each = (time.monotonic() - began) / max(1, sum(outcomes.values()) - done)
-            size = max(1, min(BATCH, int((left - (time.monotonic() - began)) / each)))
+            if not replay:
+                each = (time.monotonic() - began) / max(1, sum(outcomes.values()) - done)
+                size = max(1, min(BATCH, int((left - (time.monotonic() - began)) / each)))
     finally:
         sandbox.close()
         seconds = time.monotonic() - start

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from catalogue import Row, assert_listed, message_of, print_table
-from linear_data import LINEAR, linear_data
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import set_external_data
+from support.catalogue import Row, assert_listed, message_of, print_table
+from support.linear import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.errors import (
@@ -938,7 +938,7 @@ def test_opsets_are_checked_at_compile_time_not_when_loading(tmp_path):
 
 def test_compile_with_the_ort_backend_needs_the_training_build_before_reading_the_model(
         tmp_path):
-    from conftest import HAS_TRAINING
+    from support.environment import HAS_TRAINING
 
     if HAS_TRAINING:
         pytest.skip("the training build is installed here")

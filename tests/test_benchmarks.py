@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import HAS_SKL2ONNX
 from onnx import numpy_helper
+from support.environment import HAS_SKL2ONNX
 
 from benchmarks.bounds import hand_graph_bound, products_graph, products_loop, scan_session
 from benchmarks.harness import ModelRun, Row, line_up

@@ -9,14 +9,13 @@ import re
 import runpy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support.environment import ROOT
 
 from lossgraph.autodiff import scoped_rules
 from lossgraph.autodiff.table import markdown
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("[0-9][0-9]_*.py"))
 

@@ -19,11 +19,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import HAS_TRAINING
+from support.environment import HAS_TRAINING, ROOT
 
 import lossgraph
 
-ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("numpy", "onnx", "onnxruntime", "onnxruntime.training", "torch")
 
 #: Runs ``lossgraph.cli.main(argv)``; prints its status, its stderr and the heavy modules.

@@ -374,3 +374,31 @@ def test_first_fit_quick_run_specializes_to_the_same_graph_before_and_after(tmp_
         assert before["loss"] == after["loss"]
         assert after["fit_s"] > 0 and after["specialize_s"] > 0
     assert "| small_cnn | epoch |" in capsys.readouterr().out
+
+
+def test_cli_speed_times_the_commands_it_names_and_reports_each(tmp_path, capsys):
+    """Each lossgraph row does what its name says (status and message checked by the run);
+    the report prints every row with what it imported (no timing is judged here). The
+    real training run is left to the benchmark (it loads onnxruntime: seconds here); a
+    floor row shows that an import is seen."""
+    import os
+    from pathlib import Path
+
+    from benchmarks import cli_speed as bench
+
+    environment = {**os.environ, "PYTHONPATH": str(Path(bench.ROOT))}
+    bench.prepare(tmp_path, environment)
+    listed = [row for row in bench.rows(real_run=False) if row.lossgraph]
+    measured = {}
+    for row in listed:
+        wall, cpu = bench.timed(row, tmp_path, environment)  # asserts status and message
+        assert wall > 0 and cpu >= 0
+        measured[row.name] = bench.Timing([wall], [cpu], bench.imported(row, tmp_path,
+                                                                        environment))
+    assert all(timing.imported == [] for timing in measured.values())
+    floor = next(row for row in bench.rows(real_run=False) if row.name == "import onnx")
+    assert "onnx" in bench.imported(floor, tmp_path, environment)
+    verdicts = bench.report({"here": measured}, 1, listed)
+    printed = capsys.readouterr().out
+    assert all(row.name in printed for row in listed)
+    assert len(verdicts) == sum(row.target for row in listed) == 4

@@ -2,10 +2,13 @@
 
 The loss model comes first::
 
-    loss model      = ConvertOpset -> LowerMlOps -> ZipMapToTensor -> AddLossOutput(loss, ...)
-                      (or the model's own loss; ZipMapToTensor where the model has a ZipMap)
-    inference model = ConvertOpset -> LowerMlOps -> StripTraining     (no loss; BatchNorm-
-                      alization and Dropout in inference mode; a ZipMap kept)
+    loss model      = ConvertOpset -> LowerMlOps -> (weights) -> ZipMapToTensor
+                      -> AddLossOutput(loss, ...)     (or the model's own loss; ZipMapToTensor
+                                                       where the model has a ZipMap)
+    inference model = ConvertOpset -> LowerMlOps -> (weights) -> StripTraining     (no loss;
+                      BatchNormalization and Dropout in inference mode; a ZipMap kept)
+    (weights)       = ConstantsToInitializers (Constant nodes named in weights)
+                      -> UntieWeights (untie=...), where asked
 
 ``ConvertOpset`` moves the model to an opset the target loads (:mod:`lossgraph.opsets`);
 ``loss="auto"``, the default, is the loss that fits what the trained output holds
@@ -68,7 +71,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .analysis import default_weights, trainable_initializers
+from .analysis import default_weights, tied_initializers, trainable_initializers
 from .deprecation import renamed_keywords
 from .errors import UnsupportedModelError, UnsupportedOptionError
 from .graphs import weights_dtype
@@ -77,7 +80,7 @@ from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .opsets import OpsetMove
 from .options import names
-from .passes.contract import Pipeline
+from .passes.contract import Pass, Pipeline
 from .passes.loss import AddLossOutput, LossChoice, choose_loss
 from .passes.lower_ml import LowerMlOps
 from .passes.opset import ConvertOpset
@@ -85,6 +88,8 @@ from .passes.plan import Plan, Planned, PlanRunner
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
+from .passes.untie import UntieWeights
+from .passes.weights import ConstantsToInitializers
 from .passes.zipmap import ZipMapToTensor, zipped_outputs
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
@@ -95,6 +100,7 @@ from .validation import (
     check_trainable_model,
     compile_options,
     no_weights_error,
+    warn_tied,
 )
 
 __all__ = ["compile_program", "plan", "describe_plan", "trained_weights", "CompileNotes"]
@@ -137,6 +143,7 @@ def compile_program(
     backend: str = "onnx",
     fuse: str = "step",
     target: Target | str | None = None,
+    untie: Sequence[str] | str | bool | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -149,7 +156,9 @@ def compile_program(
         weights: the weights to train (a list of names, or one name); default
             :func:`~lossgraph.trainable_initializers`, or an ``UnsupportedModelError`` when
             a weight influences the loss through a sequence lossgraph does not
-            differentiate (:func:`lossgraph.analysis.default_weights`).
+            differentiate (:func:`lossgraph.analysis.default_weights`). A name may be the
+            output of a ``Constant`` node: it becomes an initializer and trains
+            (:class:`~lossgraph.passes.ConstantsToInitializers`).
         loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows; by
             default ``"auto"``, the loss that fits what the trained output holds (a log loss
             for a classifier's probabilities, ``squared_error`` for values, see
@@ -170,9 +179,18 @@ def compile_program(
             every onnxruntime since 1.19, opsets 13-21; ``"onnxruntime-1.23"``, ...,
             ``"onnxruntime-latest"``), an explicit pair such as ``"ir10-opset21"``, or a
             :class:`~lossgraph.target.Target` (docs/reference/targets.md).
+        untie: initializers several layers read to give each layer its own copy of
+            (:class:`~lossgraph.passes.UntieWeights`): ``"auto"`` (or ``True``) for every one
+            that layers read as their own (:func:`lossgraph.analysis.tied_initializers`,
+            what torch's exporters make of equal values), or their names. Each copy is a
+            weight (of ``weights``' when it names the initializer; penalized as it is), the
+            manifest's ``untied`` maps each initializer to its copies, and the inference
+            model keeps them apart. Without it, training a tied weight warns
+            (``TiedWeightWarning``).
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
-               "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse}
+               "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
+               "untie": untie}
     with use_target(target):
         return _compile(model, options)
 
@@ -227,6 +245,8 @@ class _Front:
     made_by: dict[str, Pipeline]
     mode: FuseMode
     context: PlanContext
+    #: each untied initializer -> its copies (UntieWeights)
+    untied: dict[str, list[str]]
     notes: CompileNotes
 
     def describe(self) -> str:
@@ -245,17 +265,18 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
     and the checked options, each checked before any graph is built."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
-                              options["fuse"])
+                              options["fuse"], options["untie"])
     given = as_model(model)
     check_trainable_model(given)
     lowering = Pipeline((ConvertOpset(), LowerMlOps()))
     lowered = lowering(given)
-    source = lowered.model
+    source, untied, weighting = _weights_made(lowered.model, checked.weights, checked.untie)
+    lowering = lowering.then(*weighting)
     zipmaps = zipped_outputs(source)
     # the outputs a loss reads: a ZipMap's tensor, not its list of maps
     tensors = Pipeline((ZipMapToTensor(),) if zipmaps else ())
     trainable = tensors.run(source, checked=True).model if zipmaps else source
-    loss, penalty = options["loss"], options["penalty"]
+    loss, penalty = options["loss"], _with_copies(options["penalty"], untied)
     carried = get_roles(source).get("loss")
     choice = None
     if loss is None:
@@ -283,11 +304,14 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
     if checked.weights == []:
         names("weights", [], candidates=trainable_initializers(loss_model))
     # never around a weight no gradient (or part of one) would reach: that is an error
-    weights = checked.weights or default_weights(loss_model)
+    weights = list(_with_copies(dict.fromkeys(checked.weights or ()), untied)) \
+        or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
     check_penalized(penalty, weights)
     check_learnable(loss_model, weights)
+    if checked.untie is None:
+        warn_tied(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:
@@ -315,7 +339,38 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
                "forward model": lowering.then(*tensors.passes)}
     notes = CompileNotes(lowered.report.of(ConvertOpset), zipmaps, choice)
     return _Front({"loss model": loss_model, "inference model": inference,
-                   "forward model": trainable}, made_by, mode, context, notes)
+                   "forward model": trainable}, made_by, mode, context, untied,
+                  notes)
+
+
+def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
+                  untie: str | list[str] | None
+                  ) -> tuple[onnx.ModelProto, dict[str, list[str]], tuple[Pass, ...]]:
+    """``model`` with the ``Constant`` nodes ``weights`` names made initializers, and the
+    initializers ``untie`` names (``"auto"``: every tied one) untied; the copies made of
+    each, and the passes that ran."""
+    outputs = {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.output}
+    constants = [w for w in weights or () if w in outputs]
+    ran: list[Pass] = []
+    if constants:
+        ran.append(ConstantsToInitializers(constants))
+        model = ran[-1].run(model, checked=True).model
+    names = [t.name for t in tied_initializers(model)] if untie == "auto" else untie
+    if not names:
+        return model, {}, tuple(ran)
+    ran.append(UntieWeights(names))
+    result = ran[-1].run(model, checked=True)
+    return result.model, result.report, tuple(ran)
+
+
+def _with_copies(by_weight: Mapping[str, Any] | None, untied: Mapping[str, list[str]]
+                 ) -> Mapping[str, Any] | None:
+    """``by_weight`` (a penalty, or weights as keys) with each untied weight's copies after
+    it, given what it gives the weight."""
+    if not untied or not isinstance(by_weight, Mapping):
+        return by_weight
+    return {name: value for weight, value in by_weight.items()
+            for name in (weight, *untied.get(weight, ()))}
 
 
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
@@ -339,6 +394,6 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     state.update((b, lifted[b]) for b in context.buffers)
     graphs = {name: result.model for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
-                              assembled.graph_roles)
+                              assembled.graph_roles, front.untied)
     return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
                            notes=front.notes)

@@ -119,6 +119,12 @@ class StuckWeightWarning(LossgraphWarning):
     everywhere: training never changes it."""
 
 
+class TiedWeightWarning(LossgraphWarning):
+    """An initializer to train is read by several layers that look independent (an
+    exporter merged initializers of equal values): it trains as one tied weight, unless
+    ``untie`` gives each layer its own copy."""
+
+
 class EvaluationError(LossgraphError, RuntimeError):
     """Running a graph failed while training or predicting."""
 
@@ -139,5 +145,5 @@ __all__ = [
     "InvalidDataError", "InvalidProgramError", "UnsafeWriteError", "MissingFolderError",
     "NoGradientError", "InvalidRuleError", "EvaluationError", "ProviderError", "NotFittedError",
     "LossgraphWarning", "LossgraphDeprecationWarning", "ConvergenceWarning",
-    "ValidationLossWarning", "StuckWeightWarning", "suggest",
+    "ValidationLossWarning", "StuckWeightWarning", "TiedWeightWarning", "suggest",
 ]

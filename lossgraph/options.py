@@ -15,10 +15,9 @@ from __future__ import annotations
 import math
 import numbers
 import reprlib
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from .errors import UnsupportedOptionError, suggest
 
@@ -26,7 +25,10 @@ __all__ = ["count", "flag", "choice", "finite", "non_negative", "names"]
 
 
 def _is_bool(value: Any) -> bool:
-    return isinstance(value, (bool, np.bool_))
+    """A bool, or numpy's (which exists only once numpy is imported: the command line checks
+    its options before it imports numpy)."""
+    numpy = sys.modules.get("numpy")
+    return isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))
 
 
 def count(what: str, value: Any, minimum: int) -> int:

@@ -7,11 +7,10 @@ import json
 import math
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from .. import __version__
-from ..modes import MODES
 
 EXIT_OK = 0
 
@@ -41,6 +40,7 @@ examples:
       --loss-option delta=0.5 --weight-name sample_weight
   lossgraph compile model.onnx -o program/ \\
       --optimizer '{"type": "AdamW", "learning_rate": 0.001, "weight_decay": 0.05}'
+  lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
   lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
     "train": """\
 examples:
@@ -186,6 +186,25 @@ def _fraction(text: str) -> float:
     return value
 
 
+class _Modes:
+    """The fusion modes of :data:`lossgraph.modes.MODES`, read when argparse checks
+    ``--fuse`` or shows its help: importing the registry imports numpy and onnx, which
+    ``--help`` and the argument checks of every other option do without."""
+
+    def __iter__(self) -> Iterator[str]:
+        from ..modes import MODES
+
+        return iter(MODES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in list(self)
+
+    def __str__(self) -> str:
+        from ..modes import MODES
+
+        return "; ".join(f"{name}, {mode.summary}" for name, mode in MODES.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lossgraph", description="From an ONNX model to a trained ONNX "
                      "model: inspect it, compile it into training\ngraphs, train them on a data "
@@ -227,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "as lossgraph inspect lists them)")
     build.add_argument("--trainable", dest="weights", nargs="+", action=_Renamed,
                        new="--weights")
+    build.add_argument("--untie", nargs="*", metavar="NAME",
+                       help="give each layer reading one of these initializers its own copy "
+                            "(alone: every initializer several layers read as their own, as "
+                            "lossgraph inspect lists them; torch's exporters merge equal "
+                            "values, such as a fresh model's LayerNorm scales)")
     build.add_argument("--loss", default="auto",
                        help="the loss function (default: auto, the loss that fits the trained "
                             "output: a log loss for a classifier's probabilities or scores, "
@@ -259,9 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the gradient backend (default: onnx; ort needs the onnxruntime "
                             "training build)")
     build.add_argument("--gradient", dest="backend", action=_Renamed, new="--backend")
-    build.add_argument("--fuse", default=None, choices=list(MODES),
-                       help="how the training graphs are fused (default: step): "
-                            + "; ".join(f"{name}, {mode.summary}" for name, mode in MODES.items()))
+    fuse = build.add_argument("--fuse", default=None, choices=_Modes(), metavar="MODE",
+                              help="how the training graphs are fused (default: step): "
+                                   "%(modes)s")
+    fuse.modes = _Modes()  # read by argparse's help as %(modes)s, when it is shown
     build.add_argument("--target", default=None,
                        help="the runtimes the graphs must load in: a target name (default, "
                             "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "

@@ -44,6 +44,7 @@ import onnx
 
 from .. import training_build
 from ..analysis import default_weights
+from ..data import converted, declared
 from ..errors import (
     InternalError,
     InvalidDataError,
@@ -69,7 +70,13 @@ from ..passes.weights import WeightsToInputs
 from ..surgery import GradientHalves, split_gradient
 from ..validation import check_trainable_model
 from .separate_step import HalvesRunner
-from .session import checked_providers, cpu_device, create_session, ortvalue
+from .session import (
+    checked_providers,
+    cpu_device,
+    create_session,
+    onnxruntime_module,
+    ortvalue,
+)
 
 __all__ = ["GraphFunction", "GraphFunctionCall", "device_providers"]
 
@@ -90,8 +97,7 @@ def device_providers(device: Any) -> list[str] | None:
     if kind == "cpu":
         return None
     if kind in ("cuda", "gpu"):
-        import onnxruntime
-
+        onnxruntime = onnxruntime_module()
         if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
             raise ProviderError(
                 f"device={device!r} needs onnxruntime's CUDAExecutionProvider, which this "
@@ -601,14 +607,15 @@ class GraphFunctionCall:
 
     def _array(self, name: str, value: Any, what: str, shaped: bool = True) -> np.ndarray:
         """``value`` as a contiguous array of ``name``'s declared dtype (and shape when
-        ``shaped``)."""
+        ``shaped``): numbers of another dtype converted as the Trainer converts them
+        (:func:`lossgraph.data.converted`: float64 for float32 cast, overflow refused)."""
         array = np.asarray(value.numpy() if hasattr(value, "numpy") and not
                            isinstance(value, np.ndarray) else value)
+        dtype, shape = self.owner._declared[name]
+        of = "output" if name in self.owner.output_names else "input"
+        array = converted(array, dtype, f"{what} {name!r}", declared(name, dtype, shape, of))
         if not array.flags.c_contiguous:  # (not ascontiguousarray: it makes 0-d arrays 1-d)
             array = array.copy(order="C")
-        dtype, shape = self.owner._declared[name]
-        if array.dtype != dtype:
-            raise InvalidDataError(f"{what} {name!r} is {array.dtype}; it must be {dtype}.")
         if shaped and shape is not None and (len(shape) != array.ndim or any(
                 d is not None and d != n for d, n in zip(shape, array.shape))):
             expected = ", ".join("?" if d is None else str(d) for d in shape)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from support.cli import (
     initializers,
@@ -19,6 +20,7 @@ from support.cli import (
     write_csv,
     write_file,
 )
+from support.linear import linear_data, linear_model
 
 from lossgraph import TrainingProgram
 from lossgraph.cli import main
@@ -144,3 +146,27 @@ def test_parquet_without_pyarrow_is_a_one_line_error(model_file, tmp_path, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install pyarrow" in err
+
+
+def test_lossgraph_train_takes_float64_npz_and_npy_data(tmp_path):
+    """float64 arrays (an .npz, a folder of .npy) train as their float32 values do, converted
+    as the Trainer converts them (tests/test_data.py)."""
+    model = tmp_path / "linear.onnx"
+    onnx.save(linear_model(), model)
+    assert main(["compile", str(model), "-o", str(tmp_path / "program")]) == 0
+    X, y = linear_data(120, seed=5)
+    np.savez(tmp_path / "f32.npz", X=X, y=y)
+    np.savez(tmp_path / "f64.npz", X=X.astype(np.float64), y=y.astype(np.float64))
+    (tmp_path / "f64").mkdir()
+    np.save(tmp_path / "f64" / "X.npy", X.astype(np.float64))
+    np.save(tmp_path / "f64" / "y.npy", y.astype(np.float64))
+    weights = {}
+    for data in ("f32.npz", "f64.npz", "f64"):
+        output = tmp_path / f"{data}.onnx"
+        assert main(["train", str(tmp_path / "program"), "--data", str(tmp_path / data),
+                     "--random-state", "0", "--epochs", "2", "-o", str(output)]) == 0
+        weights[data] = {t.name: onnx.numpy_helper.to_array(t)
+                         for t in onnx.load(output).graph.initializer}
+    for data in ("f64.npz", "f64"):
+        for name, value in weights["f32.npz"].items():
+            np.testing.assert_array_equal(weights[data][name], value)

@@ -37,7 +37,7 @@ from support.cli import write_file as _file
 from support.environment import ROOT
 from support.models import NET as MODEL
 
-from lossgraph import cli, get_roles
+from lossgraph import get_roles
 from lossgraph.cli import main
 from lossgraph.runtime import Trainer
 
@@ -95,6 +95,14 @@ def test_compile_then_train_from_the_shell(model_file, tmp_path, run_model, rng)
 
 def _model(tmp_path) -> str:
     return _file(tmp_path, "m.onnx", onnx.parser.parse_model(MODEL).SerializeToString())
+
+
+def _overflowing_npz(tmp_path) -> str:
+    """float64 arrays (converted to the model's float32), one value beyond float32."""
+    X = np.ones((10, 3))
+    X[4, 2] = -1e40
+    np.savez(tmp_path / "big.npz", X=X, y=np.ones((10, 2)))
+    return str(tmp_path / "big.npz")
 
 
 def _broken_manifest(tmp_path) -> str:
@@ -192,6 +200,8 @@ BAD_COMMANDS = {
     "negative penalty": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--penalty-l1", "-1"],
     "unknown trainable weight": lambda t: ["compile", _model(t), "-o", f"{t}/p",
                                            "--weights", "z_weigth"],
+    "untie an unknown initializer": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                               "--untie", "z_weigth"],
     "unknown format": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--format", "zip"],
     "fuse for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                          "ort-artifacts", "--fuse", "epoch"],
@@ -251,6 +261,12 @@ BAD_COMMANDS = {
     "csv with a duplicate column": lambda t: ["train", _program(t), "--data",
                                               _file(t, "d.csv", b"a,a,c,y\n1,2,3,4\n"),
                                               "-o", f"{t}/o.onnx"],
+    "csv value beyond float32": lambda t: ["train", _program(t), "--data",
+                                           _file(t, "d.csv", b"a,b,c,y,z\n1,2,3,4,5\n"
+                                                 b"2,1e39,4,5,6\n"), "--label", "y", "z",
+                                           "-o", f"{t}/o.onnx"],
+    "npz value beyond float32": lambda t: ["train", _program(t), "--data", _overflowing_npz(t),
+                                           "-o", f"{t}/o.onnx"],
     "sample weights for a program without": lambda t: ["train", _program(t), "--data",
                                                        _csv(t), "--label", "y", "z",
                                                        "--sample-weight", "a", "-o",
@@ -482,7 +498,7 @@ def test_an_internal_error_exits_1_with_one_line(model_file, capsys, monkeypatch
     def broken(path):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(cli, "inspect_model", broken)
+    monkeypatch.setattr("lossgraph.cli.inspection.inspect_model", broken)  # read when run
     monkeypatch.delenv("LOSSGRAPH_DEBUG", raising=False)
     assert main(["inspect", str(model_file)]) == 1
     err = capsys.readouterr().err
@@ -502,7 +518,7 @@ def test_warnings_are_one_line_like_errors(model_file, capsys, monkeypatch):
         warnings.warn("something odd\non two lines", UserWarning, stacklevel=1)
         return "table"
 
-    monkeypatch.setattr(cli, "format_inspection", warns)
+    monkeypatch.setattr("lossgraph.cli.inspection.format_inspection", warns)
     assert main(["inspect", str(model_file)]) == 0
     assert capsys.readouterr().err == "lossgraph inspect: warning: something odd on two lines\n"
 
@@ -511,7 +527,7 @@ def test_a_closed_stdout_ends_quietly(model_file, capsys, monkeypatch):
     def closed(report):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(cli, "format_inspection", closed)
+    monkeypatch.setattr("lossgraph.cli.inspection.format_inspection", closed)
     assert main(["inspect", str(model_file)]) == 141
     assert capsys.readouterr().err == ""
 

@@ -34,6 +34,7 @@ from lossgraph.optim import SGD, Adam, Momentum, update_graph
 from lossgraph.passes import (
     AddLossOutput,
     AlphabetizeInitializers,
+    ConstantsToInitializers,
     ConvertOpset,
     EpochGraph,
     Gradient,
@@ -45,6 +46,7 @@ from lossgraph.passes import (
     RemoveLossOutput,
     StepGraph,
     StripTraining,
+    UntieWeights,
     WeightsToInputs,
 )
 from lossgraph.passes.expand_functions import ExpandFunctions
@@ -151,6 +153,14 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
         lambda: onnx.parser.parse_model(UNSORTED),
         AlphabetizeInitializers()),
     "WeightsToInputs": (lambda: with_loss("hand_linear"), WeightsToInputs(["W", "B"])),
+    "ConstantsToInitializers": (lambda: onnx.parser.parse_model("""<ir_version: 8,
+        opset_import: ["" : 18]> g (float[N, 2] x) => (float[N, 2] y) {
+            c = Constant <value = float[2, 2] {1, 2, 3, 4}> ()  y = MatMul(x, c) }"""),
+        ConstantsToInitializers(["c"])),
+    "UntieWeights": (lambda: onnx.parser.parse_model("""<ir_version: 8,
+        opset_import: ["" : 18]> g (float[N, 2] x) => (float[N, 2] y) <float[2] s = {1, 1},
+        float[2] b = {0, 0}> { h = LayerNormalization(x, s, b)  t = Identity(s)
+        u = Identity(b)  y = LayerNormalization(h, t, u)  }"""), UntieWeights(["s", "b"])),
     "ExpandFunctions": (lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: [
         "" : 18, "local" : 1]> g (float[N, 3] x) => (float[N, 3] y, float s) {
             y = local.SiLU <alpha: float = 2.0> (x)   q, s, z = DynamicQuantizeLinear(y) }

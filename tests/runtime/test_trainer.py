@@ -216,7 +216,8 @@ def test_nan_in_the_data_is_named_by_row(data):
 
 
 @pytest.mark.parametrize(("kwargs", "error", "pattern"), [
-    ({"X": "float64"}, DTypeMismatchError, "astype\\(np.float32\\)"),
+    ({"X": "overflowing"}, InvalidDataError, "row 3, column 1, beyond the range of float32"),
+    ({"X": "text"}, DTypeMismatchError, "not numbers"),
     ({"X": "wide"}, ShapeMismatchError, "\\(N, 4\\)"),
     ({"y": "short"}, ShapeMismatchError, "different numbers of rows"),
     ({"sample_weight": True}, UnsupportedOptionError, "weight_name"),
@@ -225,7 +226,10 @@ def test_nan_in_the_data_is_named_by_row(data):
 ])
 def test_bad_data_is_rejected_before_any_work(data, kwargs, error, pattern):
     X, y = data
-    variants = {"float64": X.astype(np.float64), "wide": np.ones((len(X), 5), np.float32),
+    overflowing = X.astype(np.float64)
+    overflowing[3, 1] = 1e39
+    variants = {"overflowing": overflowing, "text": X.astype(str),
+                "wide": np.ones((len(X), 5), np.float32),
                 "empty": X[:0], "short": y[:-1]}
     call = {"X": X, "y": y, "batch_size": 10}
     for key, value in kwargs.items():

@@ -6,7 +6,11 @@
 - ``linear``: the small linear regression model and its data, the problem the training
   tests share;
 - ``gradcheck``: a gradient checked against finite differences (and the training build);
-- ``torch_steps``: lossgraph's training steps and gradients against torch's;
+- ``torch_steps``: lossgraph's training steps and gradients against torch's, and torch's
+  legacy export with a free batch (``legacy_export``);
+- ``data_propagation``: a program whose epoch graph packs long vectors, the models onnx's
+  data propagation sees and the long vectors in them (graphs/test_facts.py,
+  speed/test_specialize_batch.py);
 - ``estimators``: data, models and numpy references of the onnxcustom estimators' tests;
 - ``catalogue``: the bad-input tables of docs/reference/errors.md
   (``PYTHONPATH=. python tests/support/catalogue.py`` rewrites them);

@@ -548,6 +548,7 @@ COMPILE_OPTIONS: dict[str, tuple[tuple[Any, ...], tuple[Any, ...]]] = {
                    "@dict", "@dict"), ("nope", 0.01, "@class")),
     "backend": (("onnx", "onnx", "ort"), ("tf", 3, None)),
     "fuse": (("step", "epoch", "separate"), ("turbo", None, 1)),
+    "untie": ((None, False, True, "auto"), ("nope", 3, [], ["nope"])),
     "target": ((None, "default", "onnxruntime-latest", "onnxruntime-1.23", "onnxruntime",
                 "ir10-opset21", "@Target"),
                ("ir9-opset13", "ir10-opset12", "ir99-opset21", "ir10-opset99", "mars", 3)),

@@ -1,7 +1,10 @@
 """Training a lossgraph Trainer and a torch network side by side, step for step: the
-check the torch-export tests share."""
+check the torch-export tests share, and torch's legacy export they start from."""
 
 from __future__ import annotations
+
+import io
+import warnings
 
 import numpy as np
 import onnx
@@ -155,6 +158,21 @@ def assert_gradients_like_torch(model: onnx.ModelProto, net, X, y: np.ndarray,
     ours = lossgraph_gradients(model, names, X, y, loss, **loss_options)
     assert sorted(lossgraph.trainable_initializers(model)) == sorted(names)
     assert_gradients_close(ours, torch_gradients(net, X, y, torch_loss, forward), rtol, atol)
+
+
+def legacy_export(net, example: np.ndarray, **options) -> onnx.ModelProto:
+    """``net`` exported by torch's legacy (TorchScript) exporter at opset 17 from the
+    float ``example``, input ``x`` and output ``y``, its batch axis free (``N``);
+    ``options``: more of ``torch.onnx.export``'s."""
+    import torch
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation warning
+        torch.onnx.export(net, (torch.from_numpy(example),), buffer, dynamo=False,
+                          opset_version=17, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "N"}, "y": {0: "N"}}, **options)
+    return onnx.load_from_string(buffer.getvalue())
 
 
 def make_distinct(net) -> None:

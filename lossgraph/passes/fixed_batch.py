@@ -1,0 +1,535 @@
+"""A model exported with a fixed batch, freed to take any number of rows where its graph
+proves which constants hold the batch size::
+
+    x[2, 1, 28, 28]        ->  x[batch, 1, 28, 28]    (every data input, every output)
+    Reshape(h, [2, 676])   ->  Reshape(h, [0, 676])    h[batch, 4, 13, 13]: 0 copies h's batch
+    Reshape(h, [8, 16])    ->  Reshape(h, [-1, 16])    h[batch, 4, 16]: the batch merged with 4
+    Expand(h, [2, 5])      ->  Expand(h, [1, 5])       h[batch, 5]: 1 keeps h's batch
+
+torch's default export (``torch.onnx.export(net, (x,), path)``, dynamo in torch 2.13)
+fixes the batch at the example's rows and writes shape constants computed from it
+(a ``flatten`` or ``view`` becomes ``Reshape(h, [2, 676])``). lossgraph trains batches of
+rows, so it reads each such constant back as the batch, where the graph proves it.
+
+**The proof.** The graph's shapes are inferred (onnx's shape inference with data
+propagation) with the inputs' batch at two sizes, :data:`PROBES`: a dimension that
+differs between the two is the batch times a constant (``k * batch``); one that does not
+is fixed. A ``Reshape`` whose data carries the batch at axis ``i`` (``k * batch``) keeps
+the rows apart only if one axis ``j`` of its target holds them: the axes before ``j``
+hold what the data's axes before ``i`` hold (their product divides), and ``j`` holds
+``k * batch`` times the axes it merges from either side. That axis is rewritten to read the
+batch (``0``: the data's own axis, or ``-1``: what is left); a constant that merely equals
+the batch elsewhere (a hidden width of 2 at a batch of 2) is never an axis ``j`` and is
+left alone. An ``Expand`` whose data carries the batch at an axis gets 1 there. Where
+several axes fit (at a batch of 1, a ``[1, 676]`` target fits both ways), each reading is
+followed on; rewrites are repeated until none is left (a rewrite frees the values after
+it). The result must then be **proved consistent** at both sizes: strict shape inference
+passes, every ``Reshape`` keeps its element count, and every output's first axis is the
+batch (one output row per input row) with its other axes as exported.
+
+Exactly one consistent reading frees the batch (:class:`GeneralizeBatch` reports each
+rewrite). None, or more than one, and the batch stays fixed: the model then trains in
+batches of exactly that size (the compiler's ``fixed_batch`` option, docs/reference/errors.md
+"Decisions"), or with ``strict=True`` the pass raises an
+:class:`~lossgraph.errors.UnsupportedModelError` saying why and how to export again.
+Shapes made from nothing (``ConstantOfShape``, ``Range``, an ``Expand`` of a constant)
+are not rewritten: where they hold the batch, the consistency check fails and names the
+node.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import UnsupportedModelError
+from ..graphs import attribute_value, known_shapes, without_weight_data
+from ..names import NameAuthority
+from ..speed.specialize_batch import set_leading_dims
+from .contract import Pass, PassResult
+
+__all__ = ["GeneralizeBatch", "BatchReport", "Rewrite", "fixed_batch", "export_calls",
+           "export_advice", "rows", "PROBES", "BATCH_NAME"]
+
+#: The two batch sizes the shapes are inferred at: a dimension that differs between them
+#: is the batch's; primes, so that a multiple of the batch is never taken for another.
+PROBES = (97, 89)
+#: The name a freed batch axis gets (``batch_1``, ... when the model uses it already).
+BATCH_NAME = "batch"
+#: How many shape inferences the search for a reading may run before giving up.
+_BUDGET = 64
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One shape constant read back as the batch: the node that reads it, its kind, and
+    the constant before and after."""
+
+    node: str
+    op_type: str
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.op_type} {self.node!r} {list(self.before)} -> {list(self.after)}"
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What :class:`GeneralizeBatch` did with a model's fixed batch of ``batch`` rows:
+    freed it (``rewrites``, possibly none), or kept it (``reason``)."""
+
+    batch: int
+    freed: bool
+    rewrites: tuple[Rewrite, ...] = ()
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One sentence, as ``describe_plan``, ``inspect`` and ``compile`` print it."""
+        if self.freed:
+            what = ("; ".join(map(str, self.rewrites)) if self.rewrites
+                    else "no shape constant holds it")
+            return f"its fixed batch of {rows(self.batch)} freed ({what})"
+        return (f"its fixed batch of {rows(self.batch)} kept: it trains in batches of exactly "
+                f"{rows(self.batch)} ({self.reason})")
+
+
+def rows(count: int) -> str:
+    """``1 row``, ``2 rows``."""
+    return f"{count} row{'s' * (count != 1)}"
+
+
+def fixed_batch(model: onnx.ModelProto) -> int | None:
+    """The batch size every data input of ``model`` fixes (its first dimension), or None
+    when their batch axis is free. Inputs that disagree (one fixed, one free, or two
+    sizes) are an :class:`~lossgraph.errors.UnsupportedModelError`."""
+    sizes = _leading_dims(model)
+    if not sizes or all(not isinstance(d, int) for d in sizes.values()):
+        return None
+    fixed = {name: d for name, d in sizes.items() if isinstance(d, int)}
+    if len(fixed) < len(sizes):
+        free = next(name for name in sizes if name not in fixed)
+        name, size = next(iter(fixed.items()))
+        raise UnsupportedModelError(
+            f"Input {name!r} has a fixed batch dimension of {size}, but input {free!r}'s is "
+            "free: lossgraph feeds every data input the same rows. "
+            + export_advice(model))
+    if len(set(fixed.values())) > 1:
+        raise UnsupportedModelError(
+            f"The data inputs fix different batch sizes ({fixed}): lossgraph feeds every data "
+            "input the same rows. " + export_advice(model))
+    return next(iter(fixed.values()))
+
+
+def _leading_dims(model: onnx.ModelProto) -> dict[str, int | str | None]:
+    """The first dimension of every data input that has one: its size, name or None."""
+    weights = {t.name for t in model.graph.initializer}
+    dims: dict[str, int | str | None] = {}
+    for value in model.graph.input:
+        shape = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else ()
+        if value.name in weights or not shape:
+            continue
+        first = shape[0]
+        dims[value.name] = (first.dim_value if first.HasField("dim_value") else
+                            first.dim_param or None)
+    return dims
+
+
+def export_calls(inputs: Sequence[str], outputs: Sequence[str]) -> tuple[str, str]:
+    """The torch calls that export ``model`` again with a free batch axis, for
+    ``torch.onnx.export``'s two exporters in torch 2.13: the default (dynamo), which takes
+    ``dynamic_shapes`` (one per positional argument of ``forward``), and the legacy one,
+    which takes ``dynamic_axes`` by input and output name. Each reads ``model``, ``args``
+    (the example inputs, a tuple) and ``path``."""
+    shapes = ", ".join("{0: torch.export.Dim('batch')}" for _ in inputs)
+    axes = ", ".join(f"{name!r}: {{0: 'batch'}}" for name in (*inputs, *outputs))
+    return (f"torch.onnx.export(model, args, path, dynamic_shapes=({shapes},))",
+            f"torch.onnx.export(model, args, path, dynamo=False, input_names={list(inputs)!r}, "
+            f"output_names={list(outputs)!r}, dynamic_axes={{{axes}}})")
+
+
+def export_advice(model: onnx.ModelProto) -> str:
+    """How to export ``model`` again with a free batch axis (both of torch's exporters)."""
+    weights = {t.name for t in model.graph.initializer}
+    inputs = [v.name for v in model.graph.input if v.name not in weights]
+    default, legacy = export_calls(inputs, [v.name for v in model.graph.output])
+    return (f"To train any batch size, export it with a free batch axis: {default} (torch's "
+            f"default exporter), or {legacy} (the legacy exporter).")
+
+
+@dataclass(frozen=True)
+class GeneralizeBatch(Pass[BatchReport]):
+    """A fixed-batch model's batch freed where the graph proves which shape constants hold
+    it (module doc); else the model unchanged and the report's reason, or with ``strict``
+    an :class:`~lossgraph.errors.UnsupportedModelError`. A model whose batch is free
+    already is returned unchanged, with no report."""
+
+    strict: bool = False
+
+    def call(self, model: onnx.ModelProto) -> PassResult[BatchReport | None]:
+        batch = fixed_batch(model)
+        if batch is None:
+            return PassResult(model, None, changed=False)
+        readings, reason = _Search(model, batch).readings()
+        if len(readings) == 1:
+            rewrites = tuple(readings[0].rewrites(model))
+            _free(model, batch, readings[0])
+            return PassResult(model, BatchReport(batch, True, rewrites))
+        if readings:
+            reason = (f"its shape constants can be read {len(readings)} ways that all fit the "
+                      "graph, so which one holds the batch is not proven")
+        if self.strict:
+            raise UnsupportedModelError(
+                f"The model's batch is fixed at {rows(batch)}, and lossgraph cannot free it: "
+                f"{reason}. Train it at that batch (fixed_batch='auto' or 'keep'). "
+                + export_advice(model))
+        return PassResult(model, BatchReport(batch, False, reason=reason), changed=False)
+
+
+# -- the search ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Reading:
+    """Shape constants read as the batch so far: by node position, the target it gets
+    (the same target where the node was found to need no rewrite)."""
+
+    targets: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def but(self, index: int, target: np.ndarray) -> _Reading:
+        return _Reading({**self.targets, index: target})
+
+    def rewrites(self, model: onnx.ModelProto) -> Iterator[Rewrite]:
+        """The targets that differ from what ``model`` (the reading not applied) reads."""
+        constants = _constants(model.graph)
+        for index, target in self.targets.items():
+            node = model.graph.node[index]
+            before = constants[node.input[1]]
+            if not np.array_equal(before, target):
+                yield Rewrite(node.name or node.output[0], node.op_type,
+                              tuple(int(v) for v in before), tuple(int(v) for v in target))
+
+
+class _Search:
+    """The readings of a model's batch-sized constants that fit its graph (module doc)."""
+
+    def __init__(self, model: onnx.ModelProto, batch: int) -> None:
+        self.batch = batch
+        light, _ = without_weight_data(model)
+        self.model = onnx.ModelProto()
+        self.model.CopyFrom(light)
+        del self.model.graph.value_info[:]  # the exporter's shapes, at the fixed batch
+        self.constants = _constants(self.model.graph)
+        self.declared = {v.name: _dims(v) for v in model.graph.output}
+        self.budget = _BUDGET
+        self.failures: list[str] = []
+
+    def readings(self) -> tuple[list[_Reading], str]:
+        """Every consistent reading (up to two: more tells nothing new) and, where there is
+        none, why the first one followed failed."""
+        found: list[_Reading] = []
+        pending = [_Reading()]
+        while pending and len(found) < 2:
+            if self.budget <= 0:  # a reading found so far is not proven the only one
+                return [], "its shape constants can be read too many ways to follow each one"
+            reading = pending.pop()
+            outcome = self._follow(reading)
+            if isinstance(outcome, str):
+                self.failures.append(outcome)
+            elif isinstance(outcome, _Reading):
+                found.append(outcome)
+            else:
+                pending.extend(reversed(outcome))
+        return found, self.failures[0] if self.failures else "no reading fits"
+
+    def _follow(self, reading: _Reading) -> _Reading | list[_Reading] | str:
+        """``reading`` taken as far as it goes: consistent (the reading), a branch (the
+        readings to follow), or a failure (why)."""
+        while True:
+            model = self._apply(reading)
+            probes = [self._shapes(model, size) for size in PROBES]
+            decided, branches = {}, None
+            for index, node in enumerate(model.graph.node):
+                if index in reading.targets or node.op_type not in ("Reshape", "Expand"):
+                    continue
+                if len(node.input) < 2 or node.input[1] not in self.constants:
+                    continue
+                options = _options(node, self.constants[node.input[1]], probes, self.batch)
+                if isinstance(options, str):
+                    return options
+                if options is None:
+                    continue
+                if len(options) == 1:
+                    decided[index] = options[0]
+                elif branches is None:
+                    branches = [reading.but(index, option) for option in options]
+            if decided:
+                reading = _Reading({**reading.targets, **decided})
+                continue
+            if branches is not None:
+                return branches
+            problem = self._unknown_shape(model, dict(zip(PROBES, probes))) or self._inconsistency(model)
+            return problem or reading
+
+    def _apply(self, reading: _Reading) -> onnx.ModelProto:
+        """The probe model with ``reading``'s targets in place (as new initializers)."""
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        _rewrite(model, reading.targets, prune=False)  # node positions stay
+        return model
+
+    def _shapes(self, model: onnx.ModelProto, size: int, strict: bool = False
+                ) -> dict[str, list[int | None]]:
+        """Every value's shape with the inputs' batch of ``size`` rows (outputs' declared
+        first axis left out): their own shape inference's, strict where asked."""
+        self.budget -= 1
+        probe = onnx.ModelProto()
+        probe.CopyFrom(model)
+        set_leading_dims(_data_inputs(probe), size, fixed=self.batch)
+        for output in probe.graph.output:
+            dims = output.type.tensor_type.shape.dim
+            if dims:
+                dims[0].Clear()
+        inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=strict, data_prop=True)
+        shapes = known_shapes(inferred.graph)
+        shapes.update({t.name: list(t.dims) for t in inferred.graph.initializer})
+        return shapes
+
+    def _unknown_shape(self, model: onnx.ModelProto,
+                       probes: Mapping[int, Mapping[str, list[int | None]]]) -> str | None:
+        """The first node whose result's shape is not known at a probe size, in words
+        (with its inputs' shapes and constants); None when every shape is known."""
+        for size, shapes in probes.items():
+            for node in model.graph.node:
+                if all(_static(shapes.get(o)) for o in node.output if o):
+                    continue
+                read = ", ".join(
+                    f"{name!r} = {self.constants[name].tolist()}" if name in self.constants
+                    else f"{name!r} of shape {shapes.get(name)}" for name in node.input if name)
+                return (f"at {size} rows the shape of {node.op_type} "
+                        f"{node.name or node.output[0]!r}'s result is not known (it reads "
+                        f"{read}): a constant there holds the batch where lossgraph cannot "
+                        "prove it, or the graph's shapes are not static")
+        return None
+
+    def _inconsistency(self, model: onnx.ModelProto) -> str | None:
+        """Why ``model`` (a reading applied) does not take any batch size, or None."""
+        for size in PROBES:
+            try:
+                shapes = self._shapes(model, size, strict=True)
+            except Exception as exc:  # noqa: BLE001  onnx's shape errors have no common type
+                detail = str(exc).strip().splitlines()[-1][:300]
+                return (f"at {size} rows its shapes contradict each other ({detail}): a "
+                        "constant that is not a Reshape or Expand target holds the batch")
+            unknown = self._unknown_shape(model, {size: shapes})
+            if unknown:
+                return unknown
+            for node in model.graph.node:
+                if node.op_type != "Reshape":
+                    continue
+                data, out = shapes.get(node.input[0]), shapes.get(node.output[0])
+                if not (_static(data) and _static(out)) or math.prod(data) != math.prod(out):
+                    return (f"at {size} rows Reshape {node.name or node.output[0]!r} would "
+                            f"turn {data} into {out}")
+            for output in model.graph.output:
+                computed, declared = shapes.get(output.name), self.declared[output.name]
+                if not computed or computed[0] != size:
+                    return (f"output {output.name!r} does not have one row per input row "
+                            f"(at {size} input rows it has shape {computed})")
+                if declared and any(isinstance(d, int) and d != c
+                                    for d, c in zip(declared[1:], computed[1:])):
+                    return (f"output {output.name!r} changes shape with the batch (at {size} "
+                            f"rows it has shape {computed})")
+        return None
+
+
+def _options(node: onnx.NodeProto, target: np.ndarray,
+             probes: Sequence[Mapping[str, list[int | None]]], batch: int
+             ) -> list[np.ndarray] | str | None:
+    """How ``node``'s constant shape ``target`` reads the batch: None (its data carries no
+    batch yet, or its shape is not known), the targets that keep the batch (one: proven;
+    several: to follow each), or why none can."""
+    data = [probe.get(node.input[0]) for probe in probes]
+    if not all(_static(d) for d in data) or len(data[0]) != len(data[1]):
+        return None
+    linear = [(axis, p // PROBES[0]) for axis, (p, q) in enumerate(zip(*data)) if p != q]
+    if not linear:
+        return None
+    label = f"{node.op_type} {node.name or node.output[0]!r}"
+    for axis, k in linear:
+        p, q = data[0][axis], data[1][axis]
+        if p % PROBES[0] or q != k * PROBES[1]:
+            return f"{label} reads a value whose axis {axis} is not a multiple of the batch"
+    exported = list(data[0])
+    for axis, k in linear:
+        exported[axis] = k * batch
+    if node.op_type == "Expand":
+        return _expand_options(target, exported, linear, batch, label)
+    if len(linear) > 1:
+        return f"{label} reshapes a value that holds the batch in {len(linear)} axes"
+    return _reshape_options(target, exported, *linear[0],
+                            bool(attribute_value(node, "allowzero", 0)), label)
+
+
+def _reshape_options(target: np.ndarray, data: list[int], axis: int, k: int, allowzero: bool,
+                     label: str) -> list[np.ndarray] | str:
+    """The targets under which ``Reshape(data, target)`` keeps the batch (``data[axis]``
+    is ``k`` times it) in one axis of its result (module doc)."""
+    resolved = _resolved(target, data, allowzero)
+    if resolved is None:
+        return f"{label}'s target {target.tolist()} does not fit its data's shape {data}"
+    before, rows, after = math.prod(data[:axis]), data[axis], math.prod(data[axis + 1:])
+    options = []
+    for j, size in enumerate(resolved):
+        head = math.prod(resolved[:j])
+        if head == 0 or before % head or size % (before // head * rows):
+            continue
+        tail = size // (before // head * rows)
+        if math.prod(resolved[j + 1:]) * tail != after:
+            continue
+        option = np.array(target, np.int64)
+        if option[j] == -1 or (option[j] == 0 and not allowzero and j == axis):
+            options.append(option)  # the target reads the batch already
+        elif j == axis and before == head and tail == 1 and not allowzero:
+            option[j] = 0  # the data's own axis, copied
+            options.append(option)
+        else:
+            option = np.array(resolved, np.int64)
+            option[j] = -1  # the batch times the axes merged into it
+            options.append(option)
+    if not options:
+        return (f"{label} splits the batch across axes ({data} -> {resolved.tolist()}), so "
+                "which part is the batch is not known")
+    return options
+
+
+def _expand_options(target: np.ndarray, data: list[int], linear: list[tuple[int, int]],
+                    batch: int, label: str) -> list[np.ndarray] | str:
+    """The one target under which ``Expand(data, target)`` keeps the batch axes of
+    ``data`` (1 where the target repeats their size: broadcasting keeps them)."""
+    option = np.array(target, np.int64)
+    for axis, k in linear:
+        j = len(target) - (len(data) - axis)
+        if j < 0 or option[j] == 1:
+            continue
+        if option[j] != k * batch:
+            return f"{label} broadcasts a batch axis of {k * batch} to {int(option[j])}"
+        option[j] = 1
+    return [option]
+
+
+def _resolved(target: np.ndarray, data: list[int], allowzero: bool) -> np.ndarray | None:
+    """``target`` as ``Reshape`` reads it for ``data``: 0 copies, -1 what is left; None
+    when it does not fit."""
+    resolved = np.array(target, np.int64)
+    if not allowzero:
+        for j in np.flatnonzero(resolved == 0):
+            if j >= len(data):
+                return None
+            resolved[j] = data[j]
+    missing = np.flatnonzero(resolved == -1)
+    known = math.prod(int(v) for v in resolved if v != -1)
+    if len(missing) > 1 or (resolved < -1).any():
+        return None
+    if len(missing):
+        if known == 0 or math.prod(data) % known:
+            return None
+        resolved[missing[0]] = math.prod(data) // known
+    return resolved if math.prod(resolved.tolist()) == math.prod(data) else None
+
+
+# -- rewriting -----------------------------------------------------------------------------
+
+
+def _free(model: onnx.ModelProto, batch: int, reading: _Reading) -> None:
+    """``model`` with ``reading``'s targets and its inputs' and outputs' batch named; the
+    exporter's value_info entries whose shape the batch changes dropped."""
+    _rewrite(model, reading.targets)
+    taken = {d.dim_param for v in (*model.graph.input, *model.graph.output, *model.graph.value_info)
+             for d in v.type.tensor_type.shape.dim if d.dim_param}
+    name = NameAuthority(taken).fresh(BATCH_NAME)
+    set_leading_dims(_data_inputs(model), name, fixed=batch)
+    set_leading_dims(model.graph.output, name, fixed=batch)
+    probe = _Search(model, batch)
+    shapes = [probe._shapes(probe.model, size) for size in PROBES]
+    kept = [v for v in model.graph.value_info
+            if shapes[0].get(v.name) == shapes[1].get(v.name) == _dims(v)]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
+
+
+def _rewrite(model: onnx.ModelProto, targets: Mapping[int, np.ndarray], prune: bool = True
+             ) -> None:
+    """Point each node at position ``index`` of ``targets`` at a new initializer holding
+    its target (where it differs from the one it reads); with ``prune``, drop the
+    constants no longer read."""
+    graph = model.graph
+    constants = _constants(graph)
+    names = NameAuthority.for_model(model)
+    made: dict[bytes, str] = {}
+    for index in sorted(targets):
+        node, target = graph.node[index], targets[index]
+        if np.array_equal(constants[node.input[1]], target):
+            continue
+        key = target.tobytes() + bytes([len(target)])
+        if key not in made:
+            made[key] = names.fresh(f"{node.input[1]}_any_batch")
+            graph.initializer.append(numpy_helper.from_array(target, made[key]))
+        node.input[1] = made[key]
+    if not prune:
+        return
+    read = {name for n in graph.node for name in n.input}
+    kept = [t for t in graph.initializer if t.name in read or t.name not in constants
+            or t.name in {v.name for v in graph.input}]
+    if len(kept) < len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    nodes = [n for n in graph.node
+             if not (n.op_type == "Constant" and n.output[0] in constants
+                     and n.output[0] not in read)]
+    if len(nodes) < len(graph.node):
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The graph's 1-D int64 constants (initializers and Constant nodes): the shape
+    targets a Reshape or Expand may read."""
+    found = {}
+    inputs = {v.name for v in graph.input}
+    for tensor in graph.initializer:
+        if (tensor.data_type == onnx.TensorProto.INT64 and len(tensor.dims) == 1
+                and tensor.name not in inputs):
+            found[tensor.name] = numpy_helper.to_array(tensor)
+    for node in graph.node:
+        if node.op_type == "Constant" and not node.domain:
+            value = next((a.t for a in node.attribute if a.name == "value"), None)
+            if value is not None and value.data_type == onnx.TensorProto.INT64 and \
+                    len(value.dims) == 1:
+                found[node.output[0]] = numpy_helper.to_array(value)
+            ints = next((a.ints for a in node.attribute if a.name == "value_ints"), None)
+            if ints is not None and value is None:
+                found[node.output[0]] = np.array(list(ints), np.int64)
+    return found
+
+
+def _data_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    weights = {t.name for t in model.graph.initializer}
+    return [v for v in model.graph.input if v.name not in weights]
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | None] | None:
+    """A value's declared shape (None: unknown rank; a None dim: not a number)."""
+    if not value.type.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else None
+            for d in value.type.tensor_type.shape.dim]
+
+
+def _static(shape: list[int | None] | None) -> bool:
+    return shape is not None and None not in shape

@@ -119,6 +119,11 @@ class StuckWeightWarning(LossgraphWarning):
     everywhere: training never changes it."""
 
 
+class FixedBatchWarning(LossgraphWarning):
+    """The model's batch is fixed (torch.onnx.export's default) and lossgraph cannot prove
+    which of its constants hold it: the program trains in batches of exactly that size."""
+
+
 class EvaluationError(LossgraphError, RuntimeError):
     """Running a graph failed while training or predicting."""
 
@@ -139,5 +144,5 @@ __all__ = [
     "InvalidDataError", "InvalidProgramError", "UnsafeWriteError", "MissingFolderError",
     "NoGradientError", "InvalidRuleError", "EvaluationError", "ProviderError", "NotFittedError",
     "LossgraphWarning", "LossgraphDeprecationWarning", "ConvergenceWarning",
-    "ValidationLossWarning", "StuckWeightWarning", "suggest",
+    "ValidationLossWarning", "StuckWeightWarning", "FixedBatchWarning", "suggest",
 ]

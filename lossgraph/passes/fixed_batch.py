@@ -54,8 +54,12 @@ from ..speed.specialize_batch import set_leading_dims
 from .contract import Pass, PassResult
 
 __all__ = ["GeneralizeBatch", "BatchReport", "Rewrite", "fixed_batch", "export_calls",
+           "FIXED_BATCH_CHOICES",
            "export_advice", "rows", "PROBES", "BATCH_NAME"]
 
+#: What compile does with a fixed batch (``compile_program(fixed_batch=...)``): free it
+#: where the graph proves it, else train at it (the default); free it or raise; train at it.
+FIXED_BATCH_CHOICES = ("auto", "generalize", "keep")
 #: The two batch sizes the shapes are inferred at: a dimension that differs between them
 #: is the batch's; primes, so that a multiple of the batch is never taken for another.
 PROBES = (97, 89)
@@ -186,8 +190,7 @@ class GeneralizeBatch(Pass[BatchReport]):
         if self.strict:
             raise UnsupportedModelError(
                 f"The model's batch is fixed at {rows(batch)}, and lossgraph cannot free it: "
-                f"{reason}. Train it at that batch (fixed_batch='auto' or 'keep'). "
-                + export_advice(model))
+                f"{reason}. " + export_advice(model))
         return PassResult(model, BatchReport(batch, False, reason=reason), changed=False)
 
 

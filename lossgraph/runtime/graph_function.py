@@ -59,6 +59,7 @@ from ..graphs import FLOAT_TYPES, np_dtype
 from ..models import ModelLike, as_model
 from ..options import names
 from ..passes.contract import Pipeline
+from ..passes.fixed_batch import GeneralizeBatch, fixed_batch
 from ..passes.gradient import BACKENDS, Gradient
 from ..passes.lower_ml import LowerMlOps
 from ..passes.plan import Plan, Planned, PlanRunner
@@ -142,6 +143,8 @@ class GraphFunction:
         given = as_model(onnx_model)
         check_trainable_model(given)
         model = LowerMlOps()(given).model
+        if fixed_batch(model) is not None:  # torch's default export: free it, or say why not
+            model = GeneralizeBatch(strict=True)(model).model
         self.onnx_model = model
         self.graph_builder_config = graph_builder_config
         self.weights_to_train = (_configured_weights(weights_to_train, graph_builder_config)

@@ -43,6 +43,7 @@ from ..errors import (
 )
 from ..metadata import LOSS_KEY, read_json
 from ..modes import fuse_mode
+from ..passes.fixed_batch import rows
 from ..program import TrainingProgram
 from ..speed import SpecializeBatch
 from .packed import PackedUpdate
@@ -359,8 +360,8 @@ class Engine:
         exactly that many."""
         if self.fixed_batch is not None and _rows(data) != self.fixed_batch:
             raise InvalidDataError(
-                f"{what} has {_rows(data)} rows, but the model's batch is fixed at "
-                f"{self.fixed_batch} rows: its graphs take batches of exactly that many "
+                f"{what} has {rows(_rows(data))}, but the model's batch is fixed at "
+                f"{rows(self.fixed_batch)}: its graphs take batches of exactly that many "
                 f"({self.program.manifest['batch']['detail']}). Export the model with a free "
                 "batch axis to train any batch size (lossgraph inspect shows how).")
 
@@ -369,11 +370,11 @@ class Engine:
         a multiple of it (run in batches of that size)."""
         if self.fixed_batch is not None and _rows(data) % self.fixed_batch:
             raise InvalidDataError(
-                f"{what} has {_rows(data)} rows, not a multiple of {self.fixed_batch}: the "
-                f"model's batch is fixed at {self.fixed_batch} rows, so it evaluates and "
+                f"{what} has {rows(_rows(data))}, not a multiple of {self.fixed_batch}: the "
+                f"model's batch is fixed at {rows(self.fixed_batch)}, so it evaluates and "
                 "predicts that many rows a run (and lossgraph never pads rows, which would "
                 "change a batch the model computes as one). Pass a multiple of "
-                f"{self.fixed_batch} rows, or export the model with a free batch axis "
+                f"{rows(self.fixed_batch)}, or export the model with a free batch axis "
                 "(lossgraph inspect shows how).")
 
     def _batches(self, data: Mapping[str, np.ndarray], what: str
@@ -411,10 +412,10 @@ class Engine:
             kind = (f"reduction {self._loss_reduction!r}" if self._loss_reduction else
                     "the model's own")
             raise UnsupportedOptionError(
-                f"The model's batch is fixed at {self.fixed_batch} rows, so its loss is "
-                f"evaluated {self.fixed_batch} rows a run, and only a mean loss (reduction "
+                f"The model's batch is fixed at {rows(self.fixed_batch)}, so its loss is "
+                f"evaluated {rows(self.fixed_batch)} a run, and only a mean loss (reduction "
                 "'mean', lossgraph's loss) combines exactly across runs; this one is "
-                f"{kind}. Evaluate {self.fixed_batch} rows "
+                f"{kind}. Evaluate {rows(self.fixed_batch)} "
                 "at a time, or export the model with a free batch axis.")
         losses = [float(self._run("evaluate", [loss], batch)[0]) for batch in batches]
         if len(batches) == 1:

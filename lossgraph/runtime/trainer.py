@@ -41,6 +41,7 @@ from ..errors import (
     ValidationLossWarning,
 )
 from ..options import count, flag
+from ..passes.fixed_batch import rows
 from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
 from .engine import Engine
@@ -177,8 +178,8 @@ class Trainer:
         if fixed is not None and batch_size != fixed:
             detail = self.program.manifest["batch"]["detail"]
             raise UnsupportedOptionError(
-                f"batch_size={batch_size}, but the model's batch is fixed at {fixed} rows: it "
-                f"trains in batches of exactly {fixed} rows ({detail}). Leave batch_size out, "
+                f"batch_size={batch_size}, but the model's batch is fixed at {rows(fixed)}: "
+                f"it trains in batches of exactly {rows(fixed)} ({detail}). Leave batch_size out, "
                 "or export the model with a free batch axis (lossgraph inspect shows how).")
         return batch_size
 

@@ -1,0 +1,229 @@
+"""torch's default export trains as it is: ``torch.onnx.export(net, (x0,), path)``.
+
+In torch 2.13 the default exporter is dynamo, and without ``dynamic_shapes`` it fixes the
+batch at the example's rows and writes the shape constants computed from it (``flatten``
+and ``view(x.size(0), -1)`` become ``Reshape(h, [2, 676])`` and ``Reshape(h, [2, -1])``).
+A small CNN (conv, relu, pool, flatten, linear) and one whose ``view`` bakes the batch,
+exported that way and by the legacy exporter with a fixed batch, are compiled with no
+option but the loss and the optimizer, as docs/reference/program.md shows: lossgraph frees
+their batch (``GeneralizeBatch``), and ``Trainer.fit`` in every fusion mode ends with the
+weights torch reaches training the same way on the same batches.
+
+A model whose batch lossgraph cannot prove (a mask the exporter folded into a constant of
+the batch's rows) trains at its batch, each epoch's last short batch left out, equal to
+torch's ``DataLoader(drop_last=True)`` on the same order of rows; and the export calls
+every message suggests run in torch 2.13 (both exporters) and give a model with a free
+batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
+
+import lossgraph  # noqa: E402
+from lossgraph.errors import FixedBatchWarning, UnsupportedModelError  # noqa: E402
+from lossgraph.optim import SGD  # noqa: E402
+from lossgraph.passes.fixed_batch import export_calls, fixed_batch  # noqa: E402
+
+pytestmark = pytest.mark.torch
+nn = torch.nn
+
+RATE = 0.05
+EPOCHS, ROWS, BATCH = 2, 12, 4
+
+
+class CNN(nn.Module):
+    """conv, relu, pool, flatten, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(1, 3, 3)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(3 * 4 * 4, 4)
+
+    def features(self, x):
+        return self.pool(torch.relu(self.conv(x)))
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.features(x), 1))
+
+
+class ViewCNN(CNN):
+    """The same, flattened by ``view(x.size(0), -1)``: the batch read from the input."""
+
+    def forward(self, x):
+        h = self.features(x)
+        return self.fc(h.view(x.size(0), -1))
+
+
+class Masked(nn.Module):
+    """A linear layer over a mask of ones made from the batch size: dynamo folds the mask
+    into a constant of the example's rows, whose first axis nothing in the graph proves
+    to be the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.o = nn.Linear(4, 3)
+
+    def forward(self, x):
+        mask = torch.ones(x.shape[0], x.shape[1])
+        return self.o((x * mask[:, :, None]).sum(1))
+
+
+def export(net: nn.Module, example: torch.Tensor, path: Path, **options) -> Path:
+    """``torch.onnx.export(net, (example,), path, **options)``, its chatter silenced."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (example,), str(path), **options)
+    return path
+
+
+def images(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, 1, 10, 10)).astype(np.float32),
+            rng.integers(0, 4, rows))
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """Each CNN exported by torch's default call, and by the legacy exporter, with a fixed
+    batch of 2 rows."""
+    folder = tmp_path_factory.mktemp("exports")
+    example = torch.from_numpy(images(2)[0])
+    paths = {}
+    for net in (CNN(), ViewCNN()):
+        name = type(net).__name__
+        paths[f"{name} default"] = export(net.eval(), example, folder / f"{name}.onnx")
+        paths[f"{name} legacy"] = export(net.eval(), example, folder / f"{name}_legacy.onnx",
+                                         dynamo=False)
+    return paths
+
+
+def trained_torch(net: nn.Module, X: np.ndarray, y: np.ndarray, orders, batch: int,
+                  loss) -> dict[str, np.ndarray]:
+    """``net`` trained by ``torch.optim.SGD`` on the rows of each epoch's order, in
+    batches of ``batch`` (the last short batch left out, as ``drop_last=True``)."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=RATE)
+    for order in orders:
+        for start in range(0, len(order) - batch + 1, batch):
+            rows = order[start:start + batch]
+            optimizer.zero_grad()
+            loss(net(torch.from_numpy(X[rows])), torch.from_numpy(y[rows])).backward()
+            optimizer.step()
+    return {name: value.detach().numpy() for name, value in net.state_dict().items()}
+
+
+def assert_weights_equal(trainer: lossgraph.Trainer, expected: dict[str, np.ndarray]) -> None:
+    state = trainer.state
+    assert set(trainer.program.weights) <= set(expected)
+    for name in trainer.program.weights:
+        np.testing.assert_allclose(state[name], expected[name], rtol=2e-4, atol=2e-6,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+@pytest.mark.parametrize("source", ["CNN default", "ViewCNN default", "CNN legacy",
+                                    "ViewCNN legacy"])
+def test_torchs_default_export_of_a_cnn_trains_like_torch(exports, source, fuse):
+    model = onnx.load(exports[source])
+    assert fixed_batch(model) == 2  # the batch the example had
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # freed, no FixedBatchWarning
+        program = lossgraph.compile_program(
+            exports[source], loss="multiclass_log_loss", loss_options={"from_logits": True},
+            optimizer=SGD(RATE), fuse=fuse)
+    assert program.manifest["batch"]["fixed"] is False
+    X, y = images(ROWS, seed=1)
+    trainer = lossgraph.Trainer(program)
+    trainer.fit(X, y, epochs=EPOCHS, batch_size=BATCH, random_state=3)
+    rng = np.random.default_rng(3)  # the Trainer's shuffling, each epoch in turn
+    orders = [rng.permutation(ROWS) for _ in range(EPOCHS)]
+    net = (CNN if source.startswith("CNN") else ViewCNN)()
+    expected = trained_torch(net, X, y, orders, BATCH, nn.functional.cross_entropy)
+    assert_weights_equal(trainer, expected)
+    with torch.no_grad():  # and it predicts any number of rows, as the net does
+        torch_prediction = net(torch.from_numpy(X[:5])).numpy()
+    np.testing.assert_allclose(trainer.predict(X[:5]), torch_prediction, rtol=1e-4, atol=1e-5)
+
+
+def test_the_default_export_is_freed_where_the_batch_is_baked(exports):
+    """What compile does, as describe_plan prints it: dynamo's flatten and view targets
+    read the batch from the data; the legacy exporter's Flatten holds no batch."""
+    lines = {source: lossgraph.describe_plan(path, loss="multiclass_log_loss").splitlines()[0]
+             for source, path in exports.items()}
+    assert lines["CNN default"].endswith("freed (Reshape 'node_view' [2, 48] -> [-1, 48])")
+    assert lines["ViewCNN default"].endswith("freed (Reshape 'node_view' [2, -1] -> [-1, 48])")
+    assert lines["CNN legacy"].endswith("freed (no shape constant holds it)")
+    assert lines["ViewCNN legacy"].endswith("freed (Reshape '/Reshape' [2, -1] -> [0, -1])")
+
+
+def test_a_batch_of_one_is_freed_too(tmp_path):
+    path = export(CNN().eval(), torch.from_numpy(images(1)[0]), tmp_path / "cnn.onnx")
+    program = lossgraph.compile_program(path, loss="multiclass_log_loss",
+                                        loss_options={"from_logits": True})
+    assert program.manifest["batch"] == {
+        "size": 1, "fixed": False, "loss_reduction": "mean",
+        "detail": "its fixed batch of 1 row freed (Reshape 'node_view' [1, 48] -> [-1, 48])"}
+
+
+@pytest.fixture(scope="module")
+def masked(tmp_path_factory) -> Path:
+    return export(Masked().eval(), torch.zeros(2, 5, 4),
+                  tmp_path_factory.mktemp("masked") / "masked.onnx")
+
+
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_an_unproven_batch_trains_at_its_size_like_torch_with_drop_last(masked, fuse):
+    # the mask, a float constant, would be a default weight: train the layer's
+    with pytest.warns(FixedBatchWarning, match="Mul 'node_mul'"):
+        program = lossgraph.compile_program(masked, weights=["o.weight", "o.bias"],
+                                            optimizer=SGD(RATE), fuse=fuse)
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((9, 5, 4)).astype(np.float32)
+    y = rng.standard_normal((9, 3)).astype(np.float32)
+    trainer = lossgraph.Trainer(program)
+    trainer.fit(X, y, epochs=3, random_state=4)
+    assert trainer.steps_ == 3 * 4  # 9 rows: four batches of 2 an epoch, one row left out
+    orders = np.random.default_rng(4)
+    expected = trained_torch(Masked(), X, y, [orders.permutation(9) for _ in range(3)], 2,
+                             nn.functional.mse_loss)
+    assert_weights_equal(trainer, expected)
+
+
+def test_every_suggested_export_call_runs_in_torch_and_frees_the_batch(masked, tmp_path):
+    """The calls of the error (fixed_batch='generalize'), the warning and inspect, run as
+    written with ``model``, ``args`` and ``path``: both give a model with a free batch,
+    which trains without a warning and predicts as the net does."""
+    with pytest.raises(UnsupportedModelError) as error:
+        lossgraph.compile_program(masked, fixed_batch="generalize")
+    with pytest.warns(FixedBatchWarning) as warned:
+        lossgraph.compile_program(masked)
+    calls = export_calls(["x"], ["linear"])
+    net = Masked().eval()
+    X = np.random.default_rng(3).standard_normal((5, 5, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = net(torch.from_numpy(X)).numpy()
+    for index, call in enumerate(calls):
+        assert call in str(error.value) and call in str(warned[0].message)
+        path = str(tmp_path / f"suggested_{index}.onnx")
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            eval(call, {"torch": torch}, {"model": net, "args": (torch.zeros(2, 5, 4),),
+                                          "path": path})
+        model = onnx.load(path)
+        assert fixed_batch(model) is None, call
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            trainer = lossgraph.Trainer(lossgraph.compile_program(model))
+        np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-5, atol=1e-6)

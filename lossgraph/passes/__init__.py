@@ -49,9 +49,10 @@ from .strip import InferenceMode, StripTraining, strip_training
 from .weights import WeightsToInputs
 
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "ExpandFunctions",
-           "GeneralizeBatch", "Gradient", "InferenceMode", "LowerMlOps", "PackWeights", "Pass", "PassResult",
-           "Pipeline", "RemoveLossOutput", "Reports", "Requirement", "RunningStatistics",
-           "SequencesToTensors", "StabilizeNumerics", "StepGraph", "StraightThroughQuantization",
+           "GeneralizeBatch", "Gradient", "InferenceMode", "LowerMlOps", "PackWeights", "Pass",
+           "PassResult", "Pipeline", "RemoveLossOutput", "Reports", "Requirement",
+           "RunningStatistics", "SequencesToTensors", "StabilizeNumerics", "StepGraph",
+           "StraightThroughQuantization",
            "StripTraining", "WeightsToInputs", "add_loss_output", "alphabetize_initializers",
            "gradient", "lower_ml_ops", "stabilize_numerics", "straight_through_quantization",
            "strip_training"]

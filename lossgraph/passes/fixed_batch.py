@@ -276,7 +276,8 @@ class _Search:
                 continue
             if branches is not None:
                 return branches
-            problem = self._unknown_shape(model, dict(zip(PROBES, probes))) or self._inconsistency(model)
+            problem = (self._unknown_shape(model, dict(zip(PROBES, probes)))
+                       or self._inconsistency(model))
             return problem or reading
 
     def _apply(self, reading: _Reading) -> onnx.ModelProto:

@@ -6,6 +6,12 @@ The loss model comes first::
     inference model = LowerMlOps -> StripTraining     (no loss; BatchNormalization and Dropout
                                                        in inference mode)
 
+A model whose inputs fix the batch size (torch's default export) gets ``GeneralizeBatch``
+right after ``LowerMlOps`` (``fixed_batch="auto"`` or ``"generalize"``): its batch freed
+where the graph proves which shape constants hold it, else kept (the program then runs
+batches of exactly that size, recorded in the manifest's ``batch``). ``describe_plan``
+prints what it did as its first line, ``model = given model -> GeneralizeBatch: ...``.
+
 then every graph of the program is a pipeline of passes from the loss model (``predict``:
 from the lowered inference model), declared by :func:`plan` and printable before it
 runs (``print(describe_plan(...))``)::

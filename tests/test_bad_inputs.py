@@ -65,13 +65,13 @@ def linear(*replacements: tuple[str, str]) -> onnx.ModelProto:
 
 #: The linear model as torch's default export writes it: a batch fixed at 2 rows.
 FIXED_BATCH = ("float[N, 4] x) => (float[N, 1] y)", "float[2, 4] x) => (float[2, 1] y)")
-#: A fixed batch of 2 whose mask, made from nothing, nothing proves to be the batch's rows.
+#: A fixed batch of 2 scaled by a constant with a row of its own for each of the 2 rows:
+#: it has no value for other rows, so the batch cannot be freed.
 MASKED = """
     <ir_version: 8, opset_import: ["" : 18]>
     g (float[2, 4] x) => (float[2, 1] y)
-      <float[4, 1] coef = {0.1, -0.2, 0.3, 0.4}, int64[2] shape = {2, 4}> {
-        ones = ConstantOfShape <value: tensor = float[1] {1.0}> (shape)
-        m = Mul(x, ones)
+      <float[4, 1] coef = {0.1, -0.2, 0.3, 0.4}, float[2, 4] scale = {1, 2, 3, 4, 5, 6, 7, 8}> {
+        m = Mul(x, scale)
         y = MatMul(m, coef)
     }"""
 
@@ -393,8 +393,8 @@ CASES: list[Case] = [
              g (float[N, 4] x) => (float[N, 4] y) <int64[1] axis = {1}> {
                  y = Relu(x) }""")),
          UnsupportedModelError, "'axis' (int64[1])"),
-    Case("model-fixed-batch-unproven", "fixed_batch='generalize' on a batch-sized mask "
-         "made by ConstantOfShape", lambda c: c.program(parse(MASKED), fixed_batch="generalize"),
+    Case("model-fixed-batch-unproven", "fixed_batch='generalize' on a constant with a row "
+         "per exported row", lambda c: c.program(parse(MASKED), fixed_batch="generalize"),
          UnsupportedModelError, "batch is fixed at 2 rows, and lossgraph cannot free it"),
     Case("model-fixed-batch-and-free", "inputs float[2, 4] x and float[N, 4] z",
          lambda c: c.program(linear(FIXED_BATCH, ("float[2, 4] x)", "float[2, 4] x, "

@@ -110,9 +110,31 @@ def expanded(batch: int = 2) -> onnx.ModelProto:
         }}""")
 
 
+def per_row_constant(batch: int = 2) -> onnx.ModelProto:
+    """The input times a constant with a row of its own for each row of the exported
+    batch: it has no value for other rows, so the batch stays."""
+    return parse(f"""
+        g (float[{batch}, 3] x) => (float[{batch}, 3] y)
+          <float[{batch}, 3] c = {{{weights((batch, 3), 4)}}}> {{
+            y = Mul(x, c)
+        }}""")
+
+
+def concat_token(batch: int = 2) -> onnx.ModelProto:
+    """A learned token prepended to each row's sequence: the exporter folded
+    ``token.expand(batch, -1, -1)`` into a constant of the batch's rows, all equal."""
+    token = ", ".join(["0.5, -1.0, 2.0"] * batch)
+    return parse(f"""
+        g (float[{batch}, 4, 3] x) => (float[{batch}, 3] y)
+          <float[{batch}, 1, 3] token = {{{token}}}, int64[1] middle = {{1}}> {{
+            s = Concat <axis: int = 1> (token, x)
+            y = ReduceMean <keepdims: int = 0> (s, middle)
+        }}""")
+
+
 def constant_mask(batch: int = 2) -> onnx.ModelProto:
-    """A mask made from nothing, ``ConstantOfShape([batch, 3])``, times the input: no
-    graph fact says its first axis is the batch."""
+    """A mask made from nothing, ``ConstantOfShape([batch, 3])``, times the input: it
+    meets the input's batch axis in the Mul, and its rows are all equal."""
     return parse(f"""
         g (float[{batch}, 3] x) => (float[{batch}, 3] y)
           <int64[2] shape = {{{batch}, 3}}, float[3] w = {{1.0, 2.0, 3.0}}> {{
@@ -170,6 +192,10 @@ def free_dims(model: onnx.ModelProto) -> list:
     (lambda b: flatten_to_linear(b, allowzero=1), 1, ["Reshape 'h' [1, 6] -> [-1, 6]"]),
     (unflatten, 2, ["Reshape 'r' [2, 4, 3] -> [-1, 4, 3]"]),
     (expanded, 2, ["Expand 'e' [2, 4, 3] -> [1, 4, 3]"]),
+    (constant_mask, 2, ["ConstantOfShape 'ones' [2, 3] -> [1, 3]"]),
+    (concat_token, 2, ["Concat 's' reads 'token' of shape [2, 1, 3] as its one row "
+                       "[1, 1, 3], expanded to the rows of 'x'"]),
+    (concat_token, 1, ["Concat 's' reads 'token' expanded to the rows of 'x'"]),
 ])
 def test_a_proven_batch_is_freed_and_computes_what_each_run_of_the_export_does(
         build, batch, rewrites):
@@ -204,7 +230,7 @@ def test_the_exporters_stale_shapes_are_dropped_and_the_rest_kept():
 
 
 @pytest.mark.parametrize("build, reason", [
-    (constant_mask, "Mul 'm'"),
+    (per_row_constant, "Mul 'y'"),
     (split_batch, "splits the batch across axes"),
     (batch_merged, "Reshape 'y' splits the batch across axes ([8, 2] -> [2, 8])"),
 ])
@@ -254,7 +280,7 @@ def test_describe_plan_shows_what_compile_does_with_the_batch():
         "model      = given model -> GeneralizeBatch: its fixed batch of 2 rows freed "
         "(Reshape 'h' [2, 6] -> [-1, 6])")
     with pytest.warns(FixedBatchWarning, match="cannot prove"):
-        kept = lossgraph.describe_plan(constant_mask())
+        kept = lossgraph.describe_plan(per_row_constant())
     assert kept.splitlines()[0].startswith(
         "model      = given model -> GeneralizeBatch: its fixed batch of 2 rows kept: it "
         "trains in batches of exactly 2 rows (")
@@ -270,21 +296,21 @@ def test_the_fixed_batch_option_is_checked_and_generalize_fails_with_the_way_out
     with pytest.raises(UnsupportedOptionError, match="fixed_batch"):
         lossgraph.compile_program(flatten_to_linear(2), fixed_batch="never")
     with pytest.raises(UnsupportedModelError, match="fixed_batch='auto'"):
-        lossgraph.compile_program(constant_mask(), fixed_batch="generalize")
+        lossgraph.compile_program(per_row_constant(), fixed_batch="generalize")
     program = lossgraph.compile_program(flatten_to_linear(2), fixed_batch="generalize")
     assert program.manifest["batch"]["fixed"] is False
 
 
 def test_a_kept_batch_warns_once_and_is_recorded():
     with pytest.warns(FixedBatchWarning) as caught:
-        program = lossgraph.compile_program(constant_mask())
+        program = lossgraph.compile_program(per_row_constant())
     assert len(caught) == 1 and caught[0].filename == __file__
     assert "torch.onnx.export(model, args, path, dynamic_shapes=" in str(caught[0].message)
     record = program.manifest["batch"]
     assert record["size"] == 2 and record["fixed"] and record["loss_reduction"] == "mean"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lossgraph.compile_program(constant_mask(), fixed_batch="keep")
+        lossgraph.compile_program(per_row_constant(), fixed_batch="keep")
 
 
 def test_a_free_model_gets_no_batch_record():
@@ -394,7 +420,7 @@ def test_a_kept_batch_survives_saving_and_loading(tmp_path):
 
 
 def test_inspect_reports_a_fixed_batch_and_what_compile_does(tmp_path, capsys):
-    for name, model in (("freed", flatten_to_linear(2)), ("kept", constant_mask())):
+    for name, model in (("freed", flatten_to_linear(2)), ("kept", per_row_constant())):
         onnx.save(model, tmp_path / f"{name}.onnx")
     assert main(["inspect", str(tmp_path / "freed.onnx")]) == 0
     text = capsys.readouterr().out
@@ -403,7 +429,7 @@ def test_inspect_reports_a_fixed_batch_and_what_compile_does(tmp_path, capsys):
             "graph (Reshape 'h' [2, 6] -> [-1, 6])") in text
     assert main(["inspect", str(tmp_path / "kept.onnx"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)["fixed_batch"]
-    assert report["size"] == 2 and not report["freed"] and "Mul 'm'" in report["reason"]
+    assert report["size"] == 2 and not report["freed"] and "Mul 'y'" in report["reason"]
     assert report["export"] == list(export_calls(["x"], ["y"]))
     assert main(["inspect", str(tmp_path / "kept.onnx")]) == 0
     text = capsys.readouterr().out
@@ -411,7 +437,7 @@ def test_inspect_reports_a_fixed_batch_and_what_compile_does(tmp_path, capsys):
 
 
 def test_compile_and_train_on_the_command_line(tmp_path, capsys):
-    onnx.save(constant_mask(), tmp_path / "kept.onnx")
+    onnx.save(per_row_constant(), tmp_path / "kept.onnx")
     X = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
     np.savez(tmp_path / "data.npz", X=X, y=X * 2)
     assert main(["compile", str(tmp_path / "kept.onnx"), "-o", str(tmp_path / "program"),

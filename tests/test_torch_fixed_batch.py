@@ -9,11 +9,11 @@ option but the loss and the optimizer, as docs/reference/program.md shows: lossg
 their batch (``GeneralizeBatch``), and ``Trainer.fit`` in every fusion mode ends with the
 weights torch reaches training the same way on the same batches.
 
-A model whose batch lossgraph cannot prove (a mask the exporter folded into a constant of
-the batch's rows) trains at its batch, each epoch's last short batch left out, equal to
-torch's ``DataLoader(drop_last=True)`` on the same order of rows; and the export calls
-every message suggests run in torch 2.13 (both exporters) and give a model with a free
-batch.
+A mask the exporter folded into a constant of the batch's rows is read as one row. A
+model whose batch lossgraph cannot free (each row scaled by its position in the batch)
+trains at its batch, each epoch's last short batch left out, equal to torch's
+``DataLoader(drop_last=True)`` on the same order of rows; and the export calls every
+message suggests run in torch 2.13 (both exporters) and give a model with a free batch.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class ViewCNN(CNN):
 
 class Masked(nn.Module):
     """A linear layer over a mask of ones made from the batch size: dynamo folds the mask
-    into a constant of the example's rows, whose first axis nothing in the graph proves
-    to be the batch."""
+    into a constant of the example's rows, all equal, which meets the input's batch axis
+    in a Mul: lossgraph reads it as one row."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,6 +79,16 @@ class Masked(nn.Module):
     def forward(self, x):
         mask = torch.ones(x.shape[0], x.shape[1])
         return self.o((x * mask[:, :, None]).sum(1))
+
+
+class RowScaled(Masked):
+    """Each row scaled by its position in the batch: dynamo folds ``arange`` into a
+    constant with a value of its own for each of the example's rows, which has no value
+    for other rows, so the batch stays fixed."""
+
+    def forward(self, x):
+        scale = torch.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None, None]
+        return self.o((x * scale).sum(1))
 
 
 def export(net: nn.Module, example: torch.Tensor, path: Path, **options) -> Path:
@@ -178,16 +188,31 @@ def test_a_batch_of_one_is_freed_too(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def masked(tmp_path_factory) -> Path:
-    return export(Masked().eval(), torch.zeros(2, 5, 4),
-                  tmp_path_factory.mktemp("masked") / "masked.onnx")
+def row_scaled(tmp_path_factory) -> Path:
+    return export(RowScaled().eval(), torch.zeros(2, 5, 4),
+                  tmp_path_factory.mktemp("row_scaled") / "row_scaled.onnx")
+
+
+def test_a_mask_the_exporter_folded_is_read_as_one_row(tmp_path):
+    path = export(Masked().eval(), torch.zeros(2, 5, 4), tmp_path / "masked.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # freed, no FixedBatchWarning
+        program = lossgraph.compile_program(path, weights=["o.weight", "o.bias"])
+    assert program.manifest["batch"]["detail"] == (
+        "its fixed batch of 2 rows freed (Mul 'node_mul' reads 'unsqueeze' of shape "
+        "[2, 5, 1] as its one row [1, 5, 1])")
+    X = np.random.default_rng(3).standard_normal((5, 5, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = Masked()(torch.from_numpy(X)).numpy()
+    np.testing.assert_allclose(lossgraph.Trainer(program).predict(X), expected, rtol=1e-5,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
-def test_an_unproven_batch_trains_at_its_size_like_torch_with_drop_last(masked, fuse):
-    # the mask, a float constant, would be a default weight: train the layer's
+def test_an_unproven_batch_trains_at_its_size_like_torch_with_drop_last(row_scaled, fuse):
+    # the scale, a float constant, would be a default weight: train the layer's
     with pytest.warns(FixedBatchWarning, match="Mul 'node_mul'"):
-        program = lossgraph.compile_program(masked, weights=["o.weight", "o.bias"],
+        program = lossgraph.compile_program(row_scaled, weights=["o.weight", "o.bias"],
                                             optimizer=SGD(RATE), fuse=fuse)
     rng = np.random.default_rng(2)
     X = rng.standard_normal((9, 5, 4)).astype(np.float32)
@@ -196,21 +221,21 @@ def test_an_unproven_batch_trains_at_its_size_like_torch_with_drop_last(masked, 
     trainer.fit(X, y, epochs=3, random_state=4)
     assert trainer.steps_ == 3 * 4  # 9 rows: four batches of 2 an epoch, one row left out
     orders = np.random.default_rng(4)
-    expected = trained_torch(Masked(), X, y, [orders.permutation(9) for _ in range(3)], 2,
+    expected = trained_torch(RowScaled(), X, y, [orders.permutation(9) for _ in range(3)], 2,
                              nn.functional.mse_loss)
     assert_weights_equal(trainer, expected)
 
 
-def test_every_suggested_export_call_runs_in_torch_and_frees_the_batch(masked, tmp_path):
+def test_every_suggested_export_call_runs_in_torch_and_frees_the_batch(row_scaled, tmp_path):
     """The calls of the error (fixed_batch='generalize'), the warning and inspect, run as
     written with ``model``, ``args`` and ``path``: both give a model with a free batch,
     which trains without a warning and predicts as the net does."""
     with pytest.raises(UnsupportedModelError) as error:
-        lossgraph.compile_program(masked, fixed_batch="generalize")
+        lossgraph.compile_program(row_scaled, fixed_batch="generalize")
     with pytest.warns(FixedBatchWarning) as warned:
-        lossgraph.compile_program(masked)
+        lossgraph.compile_program(row_scaled)
     calls = export_calls(["x"], ["linear"])
-    net = Masked().eval()
+    net = RowScaled().eval()
     X = np.random.default_rng(3).standard_normal((5, 5, 4)).astype(np.float32)
     with torch.no_grad():
         expected = net(torch.from_numpy(X)).numpy()

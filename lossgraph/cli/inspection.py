@@ -202,8 +202,10 @@ def _fixed_batch(model: onnx.ModelProto) -> dict[str, Any] | None:
     if report is None:
         return None
     return {"size": report.batch, "freed": report.freed,
-            "rewrites": [{"node": r.node, "op_type": r.op_type, "before": list(r.before),
-                          "after": list(r.after)} for r in report.rewrites],
+            "rewrites": [{"node": r.node, "op_type": r.op_type, "value": r.value,
+                          "kind": r.kind, "before": list(r.before), "after": list(r.after),
+                          "expanded": r.expanded or None, "text": str(r)}
+                         for r in report.rewrites],
             "reason": report.reason or None, "export": list(calls)}
 
 
@@ -242,8 +244,7 @@ def _fixed_batch_text(batch: Mapping[str, Any]) -> str:
     head = (f"\nfixed batch: the inputs fix the batch at {size} (as torch.onnx.export "
             "writes a model without dynamic_shapes or dynamic_axes)")
     if batch["freed"]:
-        how = ("; ".join(f"{r['op_type']} {r['node']!r} {r['before']} -> {r['after']}"
-                         for r in batch["rewrites"]) or "no shape constant holds it")
+        how = "; ".join(r["text"] for r in batch["rewrites"]) or "no shape constant holds it"
         return (f"{head}; compile frees it, proven from the graph ({how}): the program "
                 "trains and predicts any number of rows")
     return (f"{head}; compile keeps it ({batch['reason']}): the program trains in batches of "

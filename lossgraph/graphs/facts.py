@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .queries import all_graphs, attribute_value, initializer_arrays, subgraphs
+from .queries import all_graphs, attribute_value, constant_value, initializer_arrays, subgraphs
 from .types import Shape, is_default_domain, is_onnx_op, np_dtype
 from .weights import without_weight_data
 
@@ -69,7 +69,7 @@ class ForwardFacts:
         constants.update((tensor.name, numpy_helper.to_array(tensor)) for tensor in self._weights)
         for node in self._graph.node:
             if is_onnx_op(node, "Constant"):
-                value = _constant_node_value(node)
+                value = constant_value(node)
                 if value is not None:
                     constants[node.output[0]] = value
         return constants
@@ -348,12 +348,3 @@ def _loop_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
         elif _rank(inner) is not None:  # a scan output: the iterations stacked
             ranks[out] = (inner.tensor_type.elem_type, _rank(inner) + 1)
     return {out: found for out, found in ranks.items() if out}
-
-
-def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
-    for attribute in node.attribute:
-        if attribute.name == "value":
-            return numpy_helper.to_array(attribute.t)
-        if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
-            return np.array(helper.get_attribute_value(attribute))
-    return None

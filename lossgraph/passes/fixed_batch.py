@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from ..errors import UnsupportedModelError
-from ..graphs import attribute_value, known_shapes, without_weight_data
+from ..graphs import attribute_value, constant_value, known_shapes, without_weight_data
 from ..names import NameAuthority
 from ..speed.specialize_batch import set_leading_dims
 from .contract import Pass, PassResult
@@ -71,16 +71,29 @@ _BUDGET = 64
 
 @dataclass(frozen=True)
 class Rewrite:
-    """One shape constant read back as the batch: the node that reads it, its kind, and
-    the constant before and after."""
+    """One constant read back as the batch: the node that reads it (its name and op), the
+    value it reads, and that value's numbers (a shape) or shape (a constant tensor)
+    before and after; ``expanded``: the value is then expanded to the batch of
+    ``expanded`` (a Concat takes it whole)."""
 
     node: str
     op_type: str
+    value: str
     before: tuple[int, ...]
     after: tuple[int, ...]
+    kind: str = "target"  # a shape's numbers ("target"), a tensor's shape ("constant"), or
+    #                       "expanded" (no numbers: the value read is expanded)
+    expanded: str = ""
 
     def __str__(self) -> str:
-        return f"{self.op_type} {self.node!r} {list(self.before)} -> {list(self.after)}"
+        where = f"{self.op_type} {self.node!r}"
+        if self.kind == "target":
+            return f"{where} {list(self.before)} -> {list(self.after)}"
+        if self.kind == "expanded":
+            return f"{where} reads {self.value!r} expanded to the rows of {self.expanded!r}"
+        grown = f", expanded to the rows of {self.expanded!r}" if self.expanded else ""
+        return (f"{where} reads {self.value!r} of shape {list(self.before)} as its one row "
+                f"{list(self.after)}{grown}")
 
 
 @dataclass(frozen=True)
@@ -196,26 +209,59 @@ class GeneralizeBatch(Pass[BatchReport]):
 
 # -- the search ----------------------------------------------------------------------------
 
+#: Ops whose inputs broadcast against each other, right-aligned: an axis of the batch's
+#: size in one input meets the batch axis of another.
+_BROADCASTING = frozenset((
+    "Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where", "Equal",
+    "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "PRelu",
+    "BitShift"))
+#: The input that holds the shape a node makes, by op.
+_SHAPE_INPUTS = {"Reshape": 1, "Expand": 1, "ConstantOfShape": 0}
+#: An input of a node, by the node's position and the input's.
+_Input = tuple[int, int]
+#: How a node input is expanded to the batch: its axis, its rank, and the value and axis
+#: whose size it takes.
+_Expansion = tuple[int, int, str, int]
+
 
 @dataclass
 class _Reading:
-    """Shape constants read as the batch so far: by node position, the target it gets
-    (the same target where the node was found to need no rewrite)."""
+    """The constants read as the batch so far: by node input, the constant it reads
+    instead (the same one where the node was found to need no rewrite); and the node
+    inputs then expanded to the batch: the axis, the value's rank, and the value and axis
+    whose size they take."""
 
-    targets: dict[int, np.ndarray] = field(default_factory=dict)
+    targets: dict[_Input, np.ndarray] = field(default_factory=dict)
+    expansions: dict[_Input, _Expansion] = field(default_factory=dict)
 
-    def but(self, index: int, target: np.ndarray) -> _Reading:
-        return _Reading({**self.targets, index: target})
+    def but(self, targets: Mapping[_Input, np.ndarray],
+            expansions: Mapping[_Input, _Expansion] | None = None) -> _Reading:
+        return _Reading({**self.targets, **targets}, {**self.expansions, **(expansions or {})})
 
     def rewrites(self, model: onnx.ModelProto) -> Iterator[Rewrite]:
-        """The targets that differ from what ``model`` (the reading not applied) reads."""
-        constants = _constants(model.graph)
-        for index, target in self.targets.items():
-            node = model.graph.node[index]
-            before = constants[node.input[1]]
-            if not np.array_equal(before, target):
-                yield Rewrite(node.name or node.output[0], node.op_type,
-                              tuple(int(v) for v in before), tuple(int(v) for v in target))
+        """What this reading changes in ``model`` (to which it is not applied)."""
+        graph = model.graph
+        changed = {key for key, after in self.targets.items()
+                   if not _same(_constant_of(graph, graph.node[key[0]].input[key[1]]), after)}
+        for (index, position), after in sorted(self.targets.items()):
+            if (index, position) not in changed:
+                continue
+            node = graph.node[index]
+            name = node.input[position]
+            before = _constant_of(graph, name)
+            label = node.name or node.output[0]
+            if _SHAPE_INPUTS.get(node.op_type) == position:
+                yield Rewrite(label, node.op_type, name, tuple(int(v) for v in before),
+                              tuple(int(v) for v in after))
+            else:
+                expanded = self.expansions.get((index, position))
+                yield Rewrite(label, node.op_type, name, before.shape, after.shape,
+                              "constant", expanded[2] if expanded else "")
+        for (index, position), (_, _, source, _) in sorted(self.expansions.items()):
+            if (index, position) not in changed:
+                node = graph.node[index]
+                yield Rewrite(node.name or node.output[0], node.op_type, node.input[position],
+                              (), (), "expanded", source)
 
 
 class _Search:
@@ -223,6 +269,10 @@ class _Search:
 
     def __init__(self, model: onnx.ModelProto, batch: int) -> None:
         self.batch = batch
+        self.source = model
+        #: the data inputs, whose first axis is the batch (not the weights the light model
+        #: takes as inputs)
+        self.inputs = {v.name for v in _data_inputs(model)}
         light, _ = without_weight_data(model)
         self.model = onnx.ModelProto()
         self.model.CopyFrom(light)
@@ -257,8 +307,8 @@ class _Search:
             model = self._apply(reading)
             probes = [self._shapes(model, size) for size in PROBES]
             decided, branches = {}, None
-            for index, node in enumerate(model.graph.node):
-                if index in reading.targets or node.op_type not in ("Reshape", "Expand"):
+            for index, node in enumerate(self.model.graph.node):
+                if (index, 1) in reading.targets or node.op_type not in ("Reshape", "Expand"):
                     continue
                 if len(node.input) < 2 or node.input[1] not in self.constants:
                     continue
@@ -268,23 +318,109 @@ class _Search:
                 if options is None:
                     continue
                 if len(options) == 1:
-                    decided[index] = options[0]
+                    decided[(index, 1)] = options[0]
                 elif branches is None:
-                    branches = [reading.but(index, option) for option in options]
+                    branches = [reading.but({(index, 1): option}) for option in options]
             if decided:
-                reading = _Reading({**reading.targets, **decided})
+                reading = reading.but(decided)
                 continue
             if branches is not None:
                 return branches
+            met = self._batch_met(reading, probes)
+            if met is not None:
+                reading = reading.but(*met)
+                continue
             problem = (self._unknown_shape(model, dict(zip(PROBES, probes)))
                        or self._inconsistency(model))
             return problem or reading
 
+    def _batch_met(self, reading: _Reading, probes: Sequence[Mapping[str, list[int | None]]]
+                   ) -> tuple[dict[_Input, np.ndarray], dict[_Input, _Expansion]] | None:
+        """Constants that meet the batch: an input of a broadcasting op or a Concat with an
+        axis of the batch's size (``k * batch``) where another input has the batch
+        (``k * batch`` rows at every batch size), made of equal slices along that axis (a
+        constant tensor, a ``ConstantOfShape``, an ``Expand`` of one slice). The graph is
+        valid at another batch size only if that axis is the batch, and one slice there
+        computes what the exported graph did: the constant is rewritten to one slice (for
+        a Concat, then expanded to the other input's rows). None when none meets it."""
+        targets: dict[_Input, np.ndarray] = {}
+        expansions: dict[_Input, _Expansion] = {}
+        for index, node in enumerate(self.model.graph.node):
+            concat = node.op_type == "Concat"
+            if node.op_type not in _BROADCASTING and not concat:
+                continue
+            shapes = [[probe.get(name) for name in node.input] for probe in probes]
+            if not all(_static(shape) for probe in shapes for shape in probe):
+                continue
+            rank = max(len(shape) for shape in shapes[0])
+            axis = attribute_value(node, "axis", 0) % rank if concat else None
+            for aligned in range(rank):
+                if aligned == axis:
+                    continue
+                own = [aligned - rank + len(shape) for shape in shapes[0]]
+                sizes = [[shape[a] if a >= 0 else None for shape, a in zip(probe, own)]
+                         for probe in shapes]
+                carriers = [(position, p // PROBES[0]) for position, (p, q)
+                            in enumerate(zip(*sizes)) if p is not None and p != q
+                            and p % PROBES[0] == 0 and q == p // PROBES[0] * PROBES[1]]
+                if not carriers:
+                    continue
+                source, k = carriers[0]
+                for position, size in enumerate(sizes[0]):
+                    key = (index, position)
+                    if size != k * self.batch or (size == 1 and not concat) or \
+                            sizes[1][position] != size \
+                            or key in reading.targets or key in reading.expansions:
+                        continue
+                    found = self._one_slice(key, node.input[position], own[position],
+                                            probes[0])
+                    if found is None:
+                        continue
+                    targets[found[0]] = found[1]
+                    if concat:
+                        expansions[key] = (own[position], len(shapes[0][position]),
+                                           node.input[source], own[source])
+        new = any(key not in reading.targets or not _same(reading.targets[key], value)
+                  for key, value in targets.items()) or not expansions.keys() <= \
+            reading.expansions.keys()
+        return (targets, expansions) if new else None
+
+    def _one_slice(self, reader: _Input, name: str, axis: int,
+                   shapes: Mapping[str, list[int | None]]) -> tuple[_Input, np.ndarray] | None:
+        """The node input to rewrite, and what it then reads, for ``name`` (read by
+        ``reader``) to be one slice along ``axis``: where it is a constant made of equal
+        slices (the reader's input, its first slice), a ``ConstantOfShape`` (its shape,
+        1 there) or an ``Expand`` of a value of size 1 there (its shape, 1 there); else
+        None."""
+        nodes = self.model.graph.node
+        producer = next((i for i, n in enumerate(nodes) if name in n.output), None)
+        if producer is None or nodes[producer].op_type == "Constant":
+            value = _constant_of(self.source.graph, name)
+            if value is None or not np.all(value == value.take([0], axis=axis)):
+                return None
+            return reader, value.take([0], axis=axis)
+        node = nodes[producer]
+        position = {"ConstantOfShape": 0, "Expand": 1}.get(node.op_type)
+        if position is None or len(node.input) <= position or \
+                node.input[position] not in self.constants:
+            return None
+        shape = self.constants[node.input[position]].copy()
+        j = axis - (len(shapes[name]) - len(shape))
+        if node.op_type == "Expand":
+            data = shapes.get(node.input[0])
+            d = axis - (len(shapes[name]) - len(data)) if data is not None else None
+            if d is None or (d >= 0 and data[d] != 1):
+                return None  # the data has rows of its own there
+        if j < 0:
+            return None
+        shape[j] = 1
+        return (producer, position), shape
+
     def _apply(self, reading: _Reading) -> onnx.ModelProto:
-        """The probe model with ``reading``'s targets in place (as new initializers)."""
+        """The probe model with ``reading`` applied."""
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
-        _rewrite(model, reading.targets, prune=False)  # node positions stay
+        _rewrite(model, reading, prune=False)
         return model
 
     def _shapes(self, model: onnx.ModelProto, size: int, strict: bool = False
@@ -294,7 +430,8 @@ class _Search:
         self.budget -= 1
         probe = onnx.ModelProto()
         probe.CopyFrom(model)
-        set_leading_dims(_data_inputs(probe), size, fixed=self.batch)
+        set_leading_dims([v for v in probe.graph.input if v.name in self.inputs], size,
+                         fixed=self.batch)
         for output in probe.graph.output:
             dims = output.type.tensor_type.shape.dim
             if dims:
@@ -329,7 +466,7 @@ class _Search:
             except Exception as exc:  # noqa: BLE001  onnx's shape errors have no common type
                 detail = str(exc).strip().splitlines()[-1][:300]
                 return (f"at {size} rows its shapes contradict each other ({detail}): a "
-                        "constant that is not a Reshape or Expand target holds the batch")
+                        "constant that lossgraph cannot read as the batch holds it")
             unknown = self._unknown_shape(model, {size: shapes})
             if unknown:
                 return unknown
@@ -451,75 +588,105 @@ def _resolved(target: np.ndarray, data: list[int], allowzero: bool) -> np.ndarra
 
 
 def _free(model: onnx.ModelProto, batch: int, reading: _Reading) -> None:
-    """``model`` with ``reading``'s targets and its inputs' and outputs' batch named; the
+    """``model`` with ``reading`` applied and its inputs' and outputs' batch named; the
     exporter's value_info entries whose shape the batch changes dropped."""
-    _rewrite(model, reading.targets)
+    _rewrite(model, reading)
     taken = {d.dim_param for v in (*model.graph.input, *model.graph.output, *model.graph.value_info)
              for d in v.type.tensor_type.shape.dim if d.dim_param}
     name = NameAuthority(taken).fresh(BATCH_NAME)
     set_leading_dims(_data_inputs(model), name, fixed=batch)
     set_leading_dims(model.graph.output, name, fixed=batch)
-    probe = _Search(model, batch)
-    shapes = [probe._shapes(probe.model, size) for size in PROBES]
+    search = _Search(model, batch)
+    shapes = [search._shapes(search.model, size) for size in PROBES]
     kept = [v for v in model.graph.value_info
             if shapes[0].get(v.name) == shapes[1].get(v.name) == _dims(v)]
     del model.graph.value_info[:]
     model.graph.value_info.extend(kept)
 
 
-def _rewrite(model: onnx.ModelProto, targets: Mapping[int, np.ndarray], prune: bool = True
-             ) -> None:
-    """Point each node at position ``index`` of ``targets`` at a new initializer holding
-    its target (where it differs from the one it reads); with ``prune``, drop the
-    constants no longer read."""
+def _rewrite(model: onnx.ModelProto, reading: _Reading, prune: bool = True) -> None:
+    """Point each node input of ``reading``'s targets at a new initializer holding its
+    value (where it differs from the one it reads), and expand each of its expansions to
+    the rows of the value it names; with ``prune``, drop the constants no longer read."""
     graph = model.graph
-    constants = _constants(graph)
     names = NameAuthority.for_model(model)
-    made: dict[bytes, str] = {}
-    for index in sorted(targets):
-        node, target = graph.node[index], targets[index]
-        if np.array_equal(constants[node.input[1]], target):
+    made: dict[tuple[str, bytes, tuple[int, ...]], str] = {}
+    replaced: set[str] = set()
+    for (index, position), value in sorted(reading.targets.items()):
+        node = graph.node[index]
+        name = node.input[position]
+        if _same(_constant_of(graph, name), value):
             continue
-        key = target.tobytes() + bytes([len(target)])
+        key = (name, value.tobytes(), value.shape)
         if key not in made:
-            made[key] = names.fresh(f"{node.input[1]}_any_batch")
-            graph.initializer.append(numpy_helper.from_array(target, made[key]))
-        node.input[1] = made[key]
+            made[key] = names.fresh(f"{name}_any_batch")
+            graph.initializer.append(numpy_helper.from_array(value, made[key]))
+        node.input[position] = made[key]
+        replaced.add(name)
+    for (index, position), (axis, rank, source, source_axis) in sorted(
+            reading.expansions.items(), reverse=True):
+        node = graph.node[index]  # from the last: inserting nodes moves those after
+        read = node.input[position]
+        rows = names.fresh(f"{source}_rows")
+        shape = names.fresh(f"{read}_shape")
+        expanded = names.fresh(f"{read}_rows")
+        ones = [numpy_helper.from_array(np.ones(count, np.int64), names.fresh("ones"))
+                for count in (axis, rank - axis - 1)]
+        graph.initializer.extend(ones)
+        added = [helper.make_node("Shape", [source], [rows], start=source_axis,
+                                  end=source_axis + 1, name=names.fresh(f"{rows}/Shape")),
+                 helper.make_node("Concat", [ones[0].name, rows, ones[1].name], [shape],
+                                  axis=0, name=names.fresh(f"{shape}/Concat")),
+                 helper.make_node("Expand", [read, shape], [expanded],
+                                  name=names.fresh(f"{expanded}/Expand"))]
+        node.input[position] = expanded
+        for offset, new in enumerate(added):
+            graph.node.insert(index + offset, new)
     if not prune:
         return
     read = {name for n in graph.node for name in n.input}
-    kept = [t for t in graph.initializer if t.name in read or t.name not in constants
-            or t.name in {v.name for v in graph.input}]
+    unread = replaced - read
+    kept = [t for t in graph.initializer if t.name not in unread]
     if len(kept) < len(graph.initializer):
         del graph.initializer[:]
         graph.initializer.extend(kept)
-    nodes = [n for n in graph.node
-             if not (n.op_type == "Constant" and n.output[0] in constants
-                     and n.output[0] not in read)]
+    nodes = [n for n in graph.node if not (n.op_type == "Constant" and n.output[0] in unread)]
     if len(nodes) < len(graph.node):
         del graph.node[:]
         graph.node.extend(nodes)
 
 
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+def _constants(graph: onnx.GraphProto, any_type: bool = False) -> dict[str, np.ndarray]:
     """The graph's 1-D int64 constants (initializers and Constant nodes): the shape
-    targets a Reshape or Expand may read."""
+    targets a Reshape or Expand may read; with ``any_type``, every constant."""
     found = {}
     inputs = {v.name for v in graph.input}
     for tensor in graph.initializer:
-        if (tensor.data_type == onnx.TensorProto.INT64 and len(tensor.dims) == 1
-                and tensor.name not in inputs):
+        if tensor.name not in inputs and (any_type or (
+                tensor.data_type == onnx.TensorProto.INT64 and len(tensor.dims) == 1)):
             found[tensor.name] = numpy_helper.to_array(tensor)
     for node in graph.node:
         if node.op_type == "Constant" and not node.domain:
-            value = next((a.t for a in node.attribute if a.name == "value"), None)
-            if value is not None and value.data_type == onnx.TensorProto.INT64 and \
-                    len(value.dims) == 1:
-                found[node.output[0]] = numpy_helper.to_array(value)
-            ints = next((a.ints for a in node.attribute if a.name == "value_ints"), None)
-            if ints is not None and value is None:
-                found[node.output[0]] = np.array(list(ints), np.int64)
+            value = constant_value(node)
+            if value is not None and (any_type or (value.dtype == np.int64
+                                                   and value.ndim == 1)):
+                found[node.output[0]] = value
     return found
+
+
+def _constant_of(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
+    """The value of ``name`` where it is an initializer (not an input) or a Constant."""
+    tensor = next((t for t in graph.initializer if t.name == name), None)
+    if tensor is not None:
+        return None if name in {v.name for v in graph.input} else numpy_helper.to_array(tensor)
+    node = next((n for n in graph.node if n.op_type == "Constant" and not n.domain
+                 and n.output[0] == name), None)
+    return None if node is None else constant_value(node)
+
+
+def _same(a: np.ndarray | None, b: np.ndarray) -> bool:
+    """Whether two constants are the same tensor (shape and values)."""
+    return a is not None and a.shape == b.shape and np.array_equal(a, b)
 
 
 def _data_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:

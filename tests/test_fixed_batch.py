@@ -31,6 +31,7 @@ from lossgraph.errors import (
 from lossgraph.manifest import check_manifest
 from lossgraph.passes import GeneralizeBatch
 from lossgraph.passes.fixed_batch import export_calls, fixed_batch
+from lossgraph.runtime.graph_function import GraphFunction
 from lossgraph.runtime.session import create_session
 
 HEADER = '<ir_version: 8, opset_import: ["" : 18]>'
@@ -269,6 +270,17 @@ def test_an_output_whose_first_axis_is_not_the_batch_is_refused():
         <int64[1] zero = {0}> { y = ReduceSum <keepdims: int = 1> (x, zero) }""")
     with pytest.raises(UnsupportedModelError, match="one output row per input row"):
         lossgraph.compile_program(model)
+
+
+def test_a_graph_function_frees_the_batch_or_says_how_to_export_again():
+    function = GraphFunction(flatten_to_linear(2))
+    X = np.random.default_rng(0).standard_normal((5, 2, 3)).astype(np.float32)
+    weights = [function.get_initializer(name) for name in function.weights_to_train]
+    (prediction,) = function.new_instance().forward([X, *weights])
+    np.testing.assert_allclose(prediction, by_runs(flatten_to_linear(1), X, 1), rtol=1e-6,
+                               atol=1e-6)
+    with pytest.raises(UnsupportedModelError, match="dynamic_shapes="):
+        GraphFunction(per_row_constant())
 
 
 # -- compile ---------------------------------------------------------------------------------

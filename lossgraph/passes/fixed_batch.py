@@ -5,6 +5,10 @@ proves which constants hold the batch size::
     Reshape(h, [2, 676])   ->  Reshape(h, [0, 676])    h[batch, 4, 13, 13]: 0 copies h's batch
     Reshape(h, [8, 16])    ->  Reshape(h, [-1, 16])    h[batch, 4, 16]: the batch merged with 4
     Expand(h, [2, 5])      ->  Expand(h, [1, 5])       h[batch, 5]: 1 keeps h's batch
+    Mul(h, c[2, 5, 1])     ->  Mul(h, c[0:1])          h[batch, 5, 8]; c's two slices equal
+    ConstantOfShape([2, 5]) -> ConstantOfShape([1, 5]) (meeting h[batch, 5] in a broadcast)
+    Concat(c[2, 1, 8], h, axis=1)
+                           ->  Concat(Expand(c[0:1], [Shape(h)[0], 1, 1]), h, axis=1)
 
 torch's default export (``torch.onnx.export(net, (x,), path)``, dynamo in torch 2.13)
 fixes the batch at the example's rows and writes shape constants computed from it
@@ -20,7 +24,12 @@ hold what the data's axes before ``i`` hold (their product divides), and ``j`` h
 ``k * batch`` times the axes it merges from either side. That axis is rewritten to read the
 batch (``0``: the data's own axis, or ``-1``: what is left); a constant that merely equals
 the batch elsewhere (a hidden width of 2 at a batch of 2) is never an axis ``j`` and is
-left alone. An ``Expand`` whose data carries the batch at an axis gets 1 there. Where
+left alone. An ``Expand`` whose data carries the batch at an axis gets 1 there. A
+constant that meets another value's batch axis in a broadcasting op or a ``Concat`` with
+an axis of the batch's size there (``k * batch``) must be the batch's there, or the graph
+would not be valid at another batch size; where its slices along it are equal (a constant
+tensor, a ``ConstantOfShape``, an ``Expand`` of one slice) it becomes one slice, which
+computes what the export did (a ``Concat`` expands it to the other value's rows). Where
 several axes fit (at a batch of 1, a ``[1, 676]`` target fits both ways), each reading is
 followed on; rewrites are repeated until none is left (a rewrite frees the values after
 it). The result must then be **proved consistent** at both sizes: strict shape inference
@@ -32,9 +41,10 @@ rewrite). None, or more than one, and the batch stays fixed: the model then trai
 batches of exactly that size (the compiler's ``fixed_batch`` option, docs/reference/errors.md
 "Decisions"), or with ``strict=True`` the pass raises an
 :class:`~lossgraph.errors.UnsupportedModelError` saying why and how to export again.
-Shapes made from nothing (``ConstantOfShape``, ``Range``, an ``Expand`` of a constant)
-are not rewritten: where they hold the batch, the consistency check fails and names the
-node.
+A constant with a value of its own for each exported row has none for other rows, and a
+number computed from the batch size (``x / x.size(0)``, written by the exporter as a
+number) cannot be told from any other: the first keeps the batch, the second is what no
+graph shows (docs/reference/program.md).
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ Two backends build the graphs behind it, with the same public behaviour:
 
 ``ai.onnx.ml`` linear operators (``LinearRegressor``, ...) are first lowered to standard
 ops (:mod:`lossgraph.passes.lower_ml`), so their coefficients become the weights
-``coef`` and ``intercept``.
+``coef`` and ``intercept``. A model exported with a fixed batch (torch's default export)
+has it freed (:class:`~lossgraph.passes.GeneralizeBatch`), or is refused with why and how
+to export it again: a function takes batches of any size.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
 
 import lossgraph  # noqa: E402
+from lossgraph.cli.inspection import inspect_model  # noqa: E402
 from lossgraph.errors import FixedBatchWarning, UnsupportedModelError  # noqa: E402
 from lossgraph.optim import SGD  # noqa: E402
 from lossgraph.passes.fixed_batch import export_calls, fixed_batch  # noqa: E402
@@ -226,6 +227,32 @@ def test_an_unproven_batch_trains_at_its_size_like_torch_with_drop_last(row_scal
     assert_weights_equal(trainer, expected)
 
 
+def run_call(call: str, net: nn.Module, example: torch.Tensor, path: Path) -> onnx.ModelProto:
+    """``call`` (an export call as a message writes it) run with ``model``, ``args`` and
+    ``path``, its chatter silenced; the model it writes."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        eval(call, {"torch": torch}, {"model": net, "args": (example,), "path": str(path)})
+    return onnx.load(path)
+
+
+@pytest.mark.parametrize("source", ["CNN default", "CNN legacy"])
+def test_the_export_calls_inspect_gives_for_a_cnn_run_in_torch(exports, source, tmp_path):
+    """inspect's calls for the CNN's own export (its input and output names), run on a
+    small CNN: both write a free batch, and the model predicts as the net does."""
+    calls = inspect_model(exports[source])["fixed_batch"]["export"]
+    net = CNN().eval()
+    X = images(5)[0]
+    with torch.no_grad():
+        expected = net(torch.from_numpy(X)).numpy()
+    for index, call in enumerate(calls):
+        model = run_call(call, net, torch.from_numpy(images(2)[0]), tmp_path / f"{index}.onnx")
+        assert fixed_batch(model) is None, call
+        trainer = lossgraph.Trainer(lossgraph.compile_program(
+            model, loss="multiclass_log_loss", loss_options={"from_logits": True}))
+        np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_every_suggested_export_call_runs_in_torch_and_frees_the_batch(row_scaled, tmp_path):
     """The calls of the error (fixed_batch='generalize'), the warning and inspect, run as
     written with ``model``, ``args`` and ``path``: both give a model with a free batch,
@@ -241,12 +268,7 @@ def test_every_suggested_export_call_runs_in_torch_and_frees_the_batch(row_scale
         expected = net(torch.from_numpy(X)).numpy()
     for index, call in enumerate(calls):
         assert call in str(error.value) and call in str(warned[0].message)
-        path = str(tmp_path / f"suggested_{index}.onnx")
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            eval(call, {"torch": torch}, {"model": net, "args": (torch.zeros(2, 5, 4),),
-                                          "path": path})
-        model = onnx.load(path)
+        model = run_call(call, net, torch.zeros(2, 5, 4), tmp_path / f"suggested_{index}.onnx")
         assert fixed_batch(model) is None, call
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -158,6 +158,14 @@ def split_batch() -> onnx.ModelProto:
         }}""")
 
 
+def unsqueezed_one() -> onnx.ModelProto:
+    """A batch of 1 reshaped to ``[1, 1, 6]``: either 1 may be the batch."""
+    return parse("""
+        g (float[1, 6] x) => (float[1, 1, 6] y) <int64[3] shape = {1, 1, 6}> {
+            y = Reshape(x, shape)
+        }""")
+
+
 def run(model: onnx.ModelProto, X: np.ndarray) -> np.ndarray:
     session = create_session(model)
     return session.run(None, {session.get_inputs()[0].name: X})[0]
@@ -188,8 +196,8 @@ def free_dims(model: onnx.ModelProto) -> list:
     (hidden_width_two, 1, ["Reshape 'r' [1, 2, 2] -> [0, 2, 2]"]),
     (lambda b: flatten_to_linear(b, allowzero=1), 2, ["Reshape 'h' [2, 6] -> [-1, 6]"]),
     (lambda b: flatten_to_linear(b, allowzero=0), 2, ["Reshape 'h' [2, 6] -> [0, 6]"]),
-    # at a batch of 1, [1, 6] also reads as one row of all the rows' values: the product
-    # after it takes 6 values a row, so that reading does not fit and the other is proven
+    # at a batch of 1, [1, 6] also reads as one row of all the rows' values: the axis
+    # that holds the batch alone is the batch's
     (lambda b: flatten_to_linear(b, allowzero=1), 1, ["Reshape 'h' [1, 6] -> [-1, 6]"]),
     (unflatten, 2, ["Reshape 'r' [2, 4, 3] -> [-1, 4, 3]"]),
     (expanded, 2, ["Expand 'e' [2, 4, 3] -> [1, 4, 3]"]),
@@ -234,6 +242,7 @@ def test_the_exporters_stale_shapes_are_dropped_and_the_rest_kept():
     (per_row_constant, "Mul 'y'"),
     (split_batch, "splits the batch across axes"),
     (batch_merged, "Reshape 'y' splits the batch across axes ([8, 2] -> [2, 8])"),
+    (unsqueezed_one, "Reshape 'y' fits the batch at 2 of its axes ([1, 6] -> [1, 1, 6])"),
 ])
 def test_an_unproven_batch_is_kept_with_the_reason_or_refused_when_strict(build, reason):
     model = build()

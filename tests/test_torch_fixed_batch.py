@@ -188,6 +188,35 @@ def test_a_batch_of_one_is_freed_too(tmp_path):
         "detail": "its fixed batch of 1 row freed (Reshape 'node_view' [1, 48] -> [-1, 48])"}
 
 
+class Encoder(nn.Module):
+    """A transformer encoder layer (batch first) and a linear head on its mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.o = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.o(self.layer(x).mean(1))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_an_attention_layer_is_kept_at_its_batch_never_freed_wrong(rows, tmp_path):
+    """dynamo writes the attention's heads as (batch * heads, ...) views split back later,
+    and at a batch of 1 its views fit the batch at several axes: the shapes cannot tell
+    which, so the batch stays, and the kept model computes what torch does."""
+    path = export(Encoder().eval(), torch.zeros(rows, 5, 8), tmp_path / "encoder.onnx")
+    with pytest.warns(FixedBatchWarning, match="is not known"):
+        program = lossgraph.compile_program(path)
+    assert program.manifest["batch"]["fixed"]
+    X = np.random.default_rng(4).standard_normal((2 * rows, 5, 8)).astype(np.float32)
+    with torch.no_grad():
+        expected = Encoder().eval()(torch.from_numpy(X)).numpy()
+    np.testing.assert_allclose(lossgraph.Trainer(program).predict(X), expected, rtol=1e-4,
+                               atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def row_scaled(tmp_path_factory) -> Path:
     return export(RowScaled().eval(), torch.zeros(2, 5, 4),

@@ -20,27 +20,31 @@ propagation) with the inputs' batch at two sizes, :data:`PROBES`: a dimension th
 differs between the two is the batch times a constant (``k * batch``); one that does not
 is fixed. A ``Reshape`` whose data carries the batch at axis ``i`` (``k * batch``) keeps
 the rows apart only if one axis ``j`` of its target holds them: the axes before ``j``
-hold what the data's axes before ``i`` hold (their product divides), and ``j`` holds
-``k * batch`` times the axes it merges from either side. That axis is rewritten to read the
-batch (``0``: the data's own axis, or ``-1``: what is left); a constant that merely equals
-the batch elsewhere (a hidden width of 2 at a batch of 2) is never an axis ``j`` and is
-left alone. An ``Expand`` whose data carries the batch at an axis gets 1 there. A
-constant that meets another value's batch axis in a broadcasting op or a ``Concat`` with
-an axis of the batch's size there (``k * batch``) must be the batch's there, or the graph
-would not be valid at another batch size; where its slices along it are equal (a constant
-tensor, a ``ConstantOfShape``, an ``Expand`` of one slice) it becomes one slice, which
-computes what the export did (a ``Concat`` expands it to the other value's rows). Where
-several axes fit (at a batch of 1, a ``[1, 676]`` target fits both ways), each reading is
-followed on; rewrites are repeated until none is left (a rewrite frees the values after
-it). The result must then be **proved consistent** at both sizes: strict shape inference
-passes, every ``Reshape`` keeps its element count, and every output's first axis is the
-batch (one output row per input row) with its other axes as exported.
+hold a part of what the data's axes before ``i`` hold (their product divides), and ``j``
+holds ``k * batch`` times what it merges from either side. An axis that holds the batch
+alone, after the same leading axes, is the batch's where there is one (at a batch of 1,
+``[1, 676]`` also reads as one row of every row's values: the batch stays an axis of its
+own); otherwise the one merged axis that fits; a target that fits several ways, or splits
+a merged batch across axes (``[4, ...] -> [2, 2, ...]``: which factor is the batch is not
+in the shapes), is not guessed. That axis is rewritten to read the batch (``0``: the
+data's own axis, or ``-1``: what is left); a constant that merely equals the batch
+elsewhere (a hidden width of 2 at a batch of 2) is never an axis ``j`` and is left alone.
+An ``Expand`` whose data carries the batch at an axis gets 1 there. A constant that meets
+another value's batch axis in a broadcasting op or a ``Concat`` with an axis of the
+batch's size there (``k * batch``) must be the batch's there, or the graph would not be
+valid at another batch size; where its slices along it are equal (a constant tensor, a
+``ConstantOfShape``, an ``Expand`` of one slice) it becomes one slice, which computes what
+the export did (a ``Concat`` expands it to the other value's rows). Rewrites are repeated
+until none is left (a rewrite frees the values after it). The result must then be
+**proved consistent** at both sizes: strict shape inference passes, every shape is known,
+every ``Reshape`` keeps its element count, and every output's first axis is the batch (one
+output row per input row) with its other axes as exported.
 
-Exactly one consistent reading frees the batch (:class:`GeneralizeBatch` reports each
-rewrite). None, or more than one, and the batch stays fixed: the model then trains in
-batches of exactly that size (the compiler's ``fixed_batch`` option, docs/reference/errors.md
-"Decisions"), or with ``strict=True`` the pass raises an
-:class:`~lossgraph.errors.UnsupportedModelError` saying why and how to export again.
+A consistent result frees the batch (:class:`GeneralizeBatch` reports each rewrite).
+Otherwise the batch stays fixed: the model then trains in batches of exactly that size
+(the compiler's ``fixed_batch`` option, docs/reference/errors.md "Decisions"), or with
+``strict=True`` the pass raises an :class:`~lossgraph.errors.UnsupportedModelError`
+saying why and how to export again.
 A constant with a value of its own for each exported row has none for other rows, and a
 number computed from the batch size (``x / x.size(0)``, written by the exporter as a
 number) cannot be told from any other: the first keeps the batch, the second is what no
@@ -75,8 +79,10 @@ FIXED_BATCH_CHOICES = ("auto", "generalize", "keep")
 PROBES = (97, 89)
 #: The name a freed batch axis gets (``batch_1``, ... when the model uses it already).
 BATCH_NAME = "batch"
-#: How many shape inferences the search for a reading may run before giving up.
-_BUDGET = 64
+#: The float initializers the probes infer shapes without (as inputs of their type): every
+#: one of 256 bytes or more. Smaller ones may be shapes (a Resize's scales); a weight's
+#: data is copied with the model for each inference (45 MB a copy for ResNet-18).
+_PROBED_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -202,14 +208,12 @@ class GeneralizeBatch(Pass[BatchReport]):
         batch = fixed_batch(model)
         if batch is None:
             return PassResult(model, None, changed=False)
-        readings, reason = _Search(model, batch).readings()
-        if len(readings) == 1:
-            rewrites = tuple(readings[0].rewrites(model))
-            _free(model, batch, readings[0])
+        reading = _Search(model, batch).follow(_Reading())
+        if isinstance(reading, _Reading):
+            rewrites = tuple(reading.rewrites(model))
+            _free(model, batch, reading)
             return PassResult(model, BatchReport(batch, True, rewrites))
-        if readings:
-            reason = (f"its shape constants can be read {len(readings)} ways that all fit the "
-                      "graph, so which one holds the batch is not proven")
+        reason = reading
         if self.strict:
             raise UnsupportedModelError(
                 f"The model's batch is fixed at {rows(batch)}, and lossgraph cannot free it: "
@@ -275,7 +279,8 @@ class _Reading:
 
 
 class _Search:
-    """The readings of a model's batch-sized constants that fit its graph (module doc)."""
+    """How a model's batch-sized constants read the batch (module doc): the probes and
+    the rules."""
 
     def __init__(self, model: onnx.ModelProto, batch: int) -> None:
         self.batch = batch
@@ -283,66 +288,39 @@ class _Search:
         #: the data inputs, whose first axis is the batch (not the weights the light model
         #: takes as inputs)
         self.inputs = {v.name for v in _data_inputs(model)}
-        light, _ = without_weight_data(model)
+        light, _ = without_weight_data(model, _PROBED_BYTES)
         self.model = onnx.ModelProto()
         self.model.CopyFrom(light)
         del self.model.graph.value_info[:]  # the exporter's shapes, at the fixed batch
         self.constants = _constants(self.model.graph)
         self.declared = {v.name: _dims(v) for v in model.graph.output}
-        self.budget = _BUDGET
-        self.failures: list[str] = []
 
-    def readings(self) -> tuple[list[_Reading], str]:
-        """Every consistent reading (up to two: more tells nothing new) and, where there is
-        none, why the first one followed failed."""
-        found: list[_Reading] = []
-        pending = [_Reading()]
-        while pending and len(found) < 2:
-            if self.budget <= 0:  # a reading found so far is not proven the only one
-                return [], "its shape constants can be read too many ways to follow each one"
-            reading = pending.pop()
-            outcome = self._follow(reading)
-            if isinstance(outcome, str):
-                self.failures.append(outcome)
-            elif isinstance(outcome, _Reading):
-                found.append(outcome)
-            else:
-                pending.extend(reversed(outcome))
-        return found, self.failures[0] if self.failures else "no reading fits"
-
-    def _follow(self, reading: _Reading) -> _Reading | list[_Reading] | str:
-        """``reading`` taken as far as it goes: consistent (the reading), a branch (the
-        readings to follow), or a failure (why)."""
+    def follow(self, reading: _Reading) -> _Reading | str:
+        """``reading`` taken as far as it goes, each rewrite proven (module doc): the
+        reading under which the graph is consistent at any batch size, or why none is."""
         while True:
             model = self._apply(reading)
             probes = [self._shapes(model, size) for size in PROBES]
-            decided, branches = {}, None
+            decided = {}
             for index, node in enumerate(self.model.graph.node):
                 if (index, 1) in reading.targets or node.op_type not in ("Reshape", "Expand"):
                     continue
                 if len(node.input) < 2 or node.input[1] not in self.constants:
                     continue
-                options = _options(node, self.constants[node.input[1]], probes, self.batch)
-                if isinstance(options, str):
-                    return options
-                if options is None:
-                    continue
-                if len(options) == 1:
-                    decided[(index, 1)] = options[0]
-                elif branches is None:
-                    branches = [reading.but({(index, 1): option}) for option in options]
+                option = _options(node, self.constants[node.input[1]], probes, self.batch)
+                if isinstance(option, str):
+                    return option
+                if option is not None:
+                    decided[(index, 1)] = option
             if decided:
                 reading = reading.but(decided)
                 continue
-            if branches is not None:
-                return branches
             met = self._batch_met(reading, probes)
             if met is not None:
                 reading = reading.but(*met)
                 continue
-            problem = (self._unknown_shape(model, dict(zip(PROBES, probes)))
-                       or self._inconsistency(model))
-            return problem or reading
+            return (self._unknown_shape(model, dict(zip(PROBES, probes)))
+                    or self._inconsistency(model) or reading)
 
     def _batch_met(self, reading: _Reading, probes: Sequence[Mapping[str, list[int | None]]]
                    ) -> tuple[dict[_Input, np.ndarray], dict[_Input, _Expansion]] | None:
@@ -437,7 +415,6 @@ class _Search:
                 ) -> dict[str, list[int | None]]:
         """Every value's shape with the inputs' batch of ``size`` rows (outputs' declared
         first axis left out): their own shape inference's, strict where asked."""
-        self.budget -= 1
         probe = onnx.ModelProto()
         probe.CopyFrom(model)
         set_leading_dims([v for v in probe.graph.input if v.name in self.inputs], size,
@@ -475,36 +452,36 @@ class _Search:
                 shapes = self._shapes(model, size, strict=True)
             except Exception as exc:  # noqa: BLE001  onnx's shape errors have no common type
                 detail = str(exc).strip().splitlines()[-1][:300]
-                return (f"at {size} rows its shapes contradict each other ({detail}): a "
-                        "constant that lossgraph cannot read as the batch holds it")
+                return (f"at {size} rows its shapes contradict each other ({detail}): "
+                                "a constant that lossgraph cannot read as the batch holds it")
             unknown = self._unknown_shape(model, {size: shapes})
             if unknown:
-                return unknown
+                return (unknown)
             for node in model.graph.node:
                 if node.op_type != "Reshape":
                     continue
                 data, out = shapes.get(node.input[0]), shapes.get(node.output[0])
                 if not (_static(data) and _static(out)) or math.prod(data) != math.prod(out):
-                    return (f"at {size} rows Reshape {node.name or node.output[0]!r} would "
-                            f"turn {data} into {out}")
+                    return (f"at {size} rows Reshape {node.name or node.output[0]!r} "
+                                    f"would turn {data} into {out}")
             for output in model.graph.output:
                 computed, declared = shapes.get(output.name), self.declared[output.name]
                 if not computed or computed[0] != size:
-                    return (f"output {output.name!r} does not have one row per input row "
-                            f"(at {size} input rows it has shape {computed})")
+                    return (f"output {output.name!r} does not have one row per input "
+                                    f"row (at {size} input rows it has shape {computed})")
                 if declared and any(isinstance(d, int) and d != c
                                     for d, c in zip(declared[1:], computed[1:])):
-                    return (f"output {output.name!r} changes shape with the batch (at {size} "
-                            f"rows it has shape {computed})")
+                    return (f"output {output.name!r} changes shape with the batch (at "
+                                    f"{size} rows it has shape {computed})")
         return None
 
 
 def _options(node: onnx.NodeProto, target: np.ndarray,
              probes: Sequence[Mapping[str, list[int | None]]], batch: int
-             ) -> list[np.ndarray] | str | None:
-    """How ``node``'s constant shape ``target`` reads the batch: None (its data carries no
-    batch yet, or its shape is not known), the targets that keep the batch (one: proven;
-    several: to follow each), or why none can."""
+             ) -> np.ndarray | str | None:
+    """The target under which ``node`` (a Reshape or Expand) keeps the batch, in place of
+    its constant ``target``; None where its data carries no batch yet (or its shape is not
+    known); or why no target is proven."""
     data = [probe.get(node.input[0]) for probe in probes]
     if not all(_static(d) for d in data) or len(data[0]) != len(data[1]):
         return None
@@ -520,49 +497,56 @@ def _options(node: onnx.NodeProto, target: np.ndarray,
     for axis, k in linear:
         exported[axis] = k * batch
     if node.op_type == "Expand":
-        return _expand_options(target, exported, linear, batch, label)
+        return _expand_target(target, exported, linear, batch, label)
     if len(linear) > 1:
         return f"{label} reshapes a value that holds the batch in {len(linear)} axes"
-    return _reshape_options(target, exported, *linear[0],
-                            bool(attribute_value(node, "allowzero", 0)), label)
+    return _reshape_target(target, exported, *linear[0],
+                           bool(attribute_value(node, "allowzero", 0)), label)
 
 
-def _reshape_options(target: np.ndarray, data: list[int], axis: int, k: int, allowzero: bool,
-                     label: str) -> list[np.ndarray] | str:
-    """The targets under which ``Reshape(data, target)`` keeps the batch (``data[axis]``
-    is ``k`` times it) in one axis of its result (module doc)."""
+def _reshape_target(target: np.ndarray, data: list[int], axis: int, k: int, allowzero: bool,
+                    label: str) -> np.ndarray | str:
+    """The target under which ``Reshape(data, target)`` keeps the batch (``data[axis]`` is
+    ``k`` times it) in one axis of its result (module doc), or why none is proven: an axis
+    ``j`` fits where the axes before it hold a part ``1/u`` of what the data's axes before
+    ``axis`` hold, and it holds ``u * data[axis] * tail``, ``tail`` taken from the axes
+    after. An axis that holds the batch alone (``u = tail = 1``) is the batch's where there
+    is one; otherwise the one merged axis that fits. A target that fits several ways (at a
+    batch of 1, ``[1, 1, 676]``) is not guessed."""
     resolved = _resolved(target, data, allowzero)
     if resolved is None:
         return f"{label}'s target {target.tolist()} does not fit its data's shape {data}"
     before, rows, after = math.prod(data[:axis]), data[axis], math.prod(data[axis + 1:])
-    options = []
+    alone, merged = [], []
     for j, size in enumerate(resolved):
         head = math.prod(resolved[:j])
         if head == 0 or before % head or size % (before // head * rows):
             continue
         tail = size // (before // head * rows)
-        if math.prod(resolved[j + 1:]) * tail != after:
-            continue
-        option = np.array(target, np.int64)
-        if option[j] == -1 or (option[j] == 0 and not allowzero and j == axis):
-            options.append(option)  # the target reads the batch already
-        elif j == axis and before == head and tail == 1 and not allowzero:
-            option[j] = 0  # the data's own axis, copied
-            options.append(option)
-        else:
-            option = np.array(resolved, np.int64)
-            option[j] = -1  # the batch times the axes merged into it
-            options.append(option)
-    if not options:
-        return (f"{label} splits the batch across axes ({data} -> {resolved.tolist()}), so "
-                "which part is the batch is not known")
-    return options
+        if math.prod(resolved[j + 1:]) * tail == after:
+            (alone if before == head and tail == 1 else merged).append(j)
+    fits = alone or merged
+    if len(fits) != 1:
+        how = ("splits the batch across axes" if not fits else
+               f"fits the batch at {len(fits)} of its axes")
+        return (f"{label} {how} ({data} -> {resolved.tolist()}), so which part is the batch "
+                "is not known")
+    j = fits[0]
+    option = np.array(target, np.int64)
+    if option[j] == -1 or (option[j] == 0 and not allowzero and j == axis):
+        return option  # the target reads the batch already
+    if j == axis and alone and not allowzero:
+        option[j] = 0  # the data's own axis, copied
+        return option
+    option = np.array(resolved, np.int64)
+    option[j] = -1  # the batch (times the axes merged into it): what is left
+    return option
 
 
-def _expand_options(target: np.ndarray, data: list[int], linear: list[tuple[int, int]],
-                    batch: int, label: str) -> list[np.ndarray] | str:
-    """The one target under which ``Expand(data, target)`` keeps the batch axes of
-    ``data`` (1 where the target repeats their size: broadcasting keeps them)."""
+def _expand_target(target: np.ndarray, data: list[int], linear: list[tuple[int, int]],
+                   batch: int, label: str) -> np.ndarray | str:
+    """The target under which ``Expand(data, target)`` keeps the batch axes of ``data`` (1
+    where the target repeats their size: broadcasting keeps them), or why none is."""
     option = np.array(target, np.int64)
     for axis, k in linear:
         j = len(target) - (len(data) - axis)
@@ -571,7 +555,7 @@ def _expand_options(target: np.ndarray, data: list[int], linear: list[tuple[int,
         if option[j] != k * batch:
             return f"{label} broadcasts a batch axis of {k * batch} to {int(option[j])}"
         option[j] = 1
-    return [option]
+    return option
 
 
 def _resolved(target: np.ndarray, data: list[int], allowzero: bool) -> np.ndarray | None:

@@ -28,7 +28,7 @@ from .graphs import (
     shortest_path,
     subgraphs,
 )
-from .models import ModelLike, as_model
+from .models import ModelLike, as_model, check_model
 from .roles import get_roles
 
 __all__ = ["trainable_initializers", "blocked_initializers", "blocked_weights", "default_weights",
@@ -361,6 +361,7 @@ def trainable_initializers(model: ModelLike) -> list[str]:
     maps) are :func:`blocked_initializers`.
     """
     model = as_model(model)
+    check_model(model, "The model given to trainable_initializers")
     return _trainable(model, _loss_or_outputs(model), ForwardFacts.of(model).types, True)
 
 
@@ -446,6 +447,7 @@ def blocked_initializers(model: ModelLike) -> list[BlockedWeight]:
     or a map. No gradient, or only part of one, would reach them, so compile_program
     refuses to choose its default weights around them (:func:`default_weights`)."""
     model = as_model(model)
+    check_model(model, "The model given to blocked_initializers")
     types = ForwardFacts.of(model).types
     return blocked_weights(model, _loss_or_outputs(model), types, _candidates(model))
 

@@ -37,7 +37,7 @@ from onnx.external_data_helper import uses_external_data
 
 from .errors import InvalidDataError, InvalidProgramError
 from .fileio import FolderKind, replace_directory, serialize
-from .graphs import stored_tensors
+from .graphs import all_graphs, stored_tensors
 from .manifest import check_manifest
 from .models import non_text_field
 
@@ -220,6 +220,13 @@ def _verified_bytes(folder: Path, name: str, checksums: Mapping[str, str], where
     return data
 
 
+#: The ai.onnx.ml operators compile_program lowers into standard ops (lossgraph.passes.
+#: lower_ml): never in a program's graphs. onnxruntime 1.19 dies of a segmentation fault
+#: on a LinearClassifier without intercepts (measured), so a folder holding one is refused
+#: before any session is made.
+_LOWERED = ("LinearClassifier", "LinearRegressor", "Normalizer")
+
+
 def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
     if not data:
         raise InvalidProgramError(f"{str(path)!r} is empty; it should hold an ONNX model.")
@@ -239,6 +246,14 @@ def _parse_onnx(data: bytes, path: Path) -> onnx.ModelProto:
         raise InvalidProgramError(
             f"{str(path)!r} is not a valid ONNX model: a name or text in it is not UTF-8 "
             f"({damaged}; damaged bytes).")
+    lowered = next((node for graph in all_graphs(model.graph) for node in graph.node
+                    if node.domain == "ai.onnx.ml" and node.op_type in _LOWERED), None)
+    if lowered is not None:
+        raise InvalidProgramError(
+            f"{str(path)!r} holds an ai.onnx.ml {lowered.op_type} node, which lossgraph "
+            "never writes into a program (compile_program rewrites them into standard ops): "
+            "the file was not written by lossgraph, and onnxruntime 1.19 crashes on some of "
+            "them. Save the program again.")
     try:
         onnx.checker.check_model(model)
     except Exception as exc:  # noqa: BLE001  ValidationError, and whatever else it raises
@@ -322,13 +337,42 @@ def _check_state(state: Mapping[str, np.ndarray], manifest: Mapping[str, Any], p
                 f"graphs take {io['dtype']}{dims}.")
 
 
+#: The roles each graph's inputs and outputs include, as build_manifest writes them (the
+#: runtime finds its inputs by role: a graph without them is not the graph it is named).
+_GRAPH_ROLES: dict[str, tuple[set[str], set[str]]] = {
+    "evaluate": ({"feature", "label"}, {"loss"}),
+    "predict": ({"feature"}, set()),
+    "train_step": ({"feature", "label", "step"}, {"loss"}),
+    "train_epoch": ({"feature", "label", "step", "permutation"}, {"losses"}),
+    "train_epoch_ordered": ({"feature", "label", "step"}, {"losses"}),
+    "gradient": ({"feature", "prediction_grad"}, {"prediction", "gradient"}),
+    "loss": ({"prediction", "label"}, {"loss", "prediction_grad"}),
+    "update": ({"step", "weight", "gradient"}, {"new_weight"}),
+    "penalty": ({"weight"}, {"penalty"}),
+}
+
+
 def _check_roles(manifest: Mapping[str, Any], at: str) -> None:
-    """The manifest's roles (loss, label, prediction, sample weight) name the evaluate
-    graph's inputs and outputs of those roles (the Trainer reads the roles)."""
+    """Each graph has the roles its name promises (:data:`_GRAPH_ROLES`), and the
+    manifest's roles (loss, label, prediction, sample weight) name the evaluate graph's
+    inputs and outputs of those roles (the Trainer reads the roles)."""
+    for graph, (inputs, outputs) in _GRAPH_ROLES.items():
+        entry = manifest["graphs"].get(graph)
+        if entry is None:
+            continue
+        lacking = sorted((inputs - {io["role"] for io in entry["inputs"]})
+                         | (outputs - {io["role"] for io in entry["outputs"]}))
+        if lacking:
+            raise InvalidProgramError(
+                f"{at}: the graph {graph!r} ({entry['file']!r}) has no input or output of the "
+                f"role {lacking[0]!r}, which every {graph!r} graph has: the program folder is "
+                "damaged. Save it again (TrainingProgram.save or lossgraph compile -o).")
     evaluate = manifest["graphs"]["evaluate"]
     roles = {io["name"]: io["role"] for io in (*evaluate["inputs"], *evaluate["outputs"])}
-    # the prediction is an output of role "prediction" in fuse="separate", "output" else
-    allowed = {"loss": ("loss",), "label": ("label",), "sample_weight": ("sample_weight",),
+    # the prediction is an output of role "prediction" in fuse="separate", "output" else;
+    # the sample weight's role may have its previous release's name (lossgraph.roles)
+    allowed = {"loss": ("loss",), "label": ("label",),
+               "sample_weight": ("sample_weight", "weight"),
                "prediction": ("prediction", "output")}
     for role, name in manifest["roles"].items():
         if role in allowed and roles.get(name) not in allowed[role]:

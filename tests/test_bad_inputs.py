@@ -167,6 +167,19 @@ def raw_and_longer(tensor: onnx.TensorProto) -> None:
     tensor.raw_data += b"\0\0\0\0"
 
 
+def with_inf(tensor: onnx.TensorProto) -> None:
+    """The weight's second value made infinite."""
+    value = numpy_helper.to_array(tensor).copy()
+    value.reshape(-1)[1] = np.inf
+    tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
+
+
+def binary_with_inf() -> onnx.ModelProto:
+    model = parse(BINARY)
+    with_inf(model.graph.initializer[0])
+    return model
+
+
 def cast_to(model: onnx.ModelProto, to: int) -> None:
     """``y = Cast(y_before, to=to)`` at the end of the graph."""
     model.graph.node[-1].output[0] = "y_before"
@@ -750,6 +763,15 @@ CASES: list[Case] = [
     Case("model-conv-channels-not-the-weights", "a Conv of 2 input channels, weight for 1",
          lambda c: c.program(parse(CONV_CHANNELS)), InvalidModelError,
          "reads 'x' with 2 channels, but its weight 'w' of shape (1, 1, 3, 3) takes 1"),
+    Case("trainable-initializers-of-an-invalid-model",
+         "trainable_initializers of a model whose node's domain is not imported",
+         lambda c: lossgraph.trainable_initializers(with_graph(
+             lambda m: setattr(m.graph.node[1], "domain", "com.microsoft"))),
+         InvalidModelError, "The model given to trainable_initializers is not a valid ONNX"),
+    Case("model-weight-not-finite", "a weight holding inf (the clipped log loss stayed finite)",
+         lambda c: c.fit(y=np.zeros(len(X), np.int64), model=binary_with_inf(),
+                         compile_options={"loss": "binary_log_loss"}),
+         UnsupportedModelError, "Weight 'w' holds inf at index (1, 0)"),
     Case("model-name-not-utf8", "model bytes with a node name that is not UTF-8",
          lambda c: c.program(name_not_utf8()), InvalidModelError,
          "model.graph.node[0].name is not UTF-8 text"),

@@ -176,6 +176,14 @@ def _checkpoint(tmp_path) -> str:
 
 
 JUNK = b"this is not an ONNX model\n"
+
+
+def _unimported_domain(tmp_path) -> str:
+    """The model with its Add in the domain com.microsoft, which it does not import."""
+    model = onnx.parser.parse_model(MODEL)
+    model.graph.node[1].domain = "com.microsoft"
+    return _file(tmp_path, "ms.onnx", model.SerializeToString())
+
 BAD_COMMANDS = {
     # junk files for every command that reads a model
     "add-loss junk": lambda t: ["add-loss", _file(t, "j.onnx", JUNK), "-o", f"{t}/o.onnx"],
@@ -322,6 +330,9 @@ BAD_COMMANDS = {
                                                 "--target", "mars"],
     # found by the fuzzer (tests/test_fuzz.py): onnx.load reads a .json file as JSON text
     "export to a json file": lambda t: ["export", _program(t), "-o", f"{t}/o.json"],
+    # found by the fuzzer: onnx's InferenceError, exit 1
+    "trainable of a domain not imported": lambda t: ["trainable", _unimported_domain(t)],
+    "inspect of a domain not imported": lambda t: ["inspect", _unimported_domain(t)],
     "inspect junk": lambda t: ["inspect", _file(t, "j.onnx", JUNK)],
     "inspect a folder": lambda t: ["inspect", _program(t)],
 }

@@ -9,8 +9,9 @@ lossgraph's entry points (tests/fuzzing.py builds them):
   scored, predicted with and exported;
 - **options**: values drawn for ``compile_program``'s and ``fit``'s options, data included;
 - **storage**: program and checkpoint folders with one file truncated, flipped, replaced,
-  extended, deleted or edited as JSON (checksums kept, dropped or recomputed), loaded with
-  ``TrainingProgram.load`` and ``Trainer.load_checkpoint``;
+  extended, deleted, edited as JSON or (an ONNX file) mutated as a model, checksums kept,
+  dropped or recomputed, loaded with ``TrainingProgram.load`` and
+  ``Trainer.load_checkpoint``;
 - **cli**: command lines of every command with drawn arguments, options and files.
 
 The property: a lossgraph error (not an ``InternalError``, which says "a bug in
@@ -25,8 +26,10 @@ every machine), in this process: a few seconds. ``pytest -m fuzz`` is the long r
 family for ``LOSSGRAPH_FUZZ_SECONDS`` seconds (default 40) of random examples, each run
 in a sandbox process (tests/fuzzing.py's ``Sandbox``) so that a native crash or a hang of
 onnxruntime is a reported failure, not the end of pytest; it prints how many examples ran
-and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). What the fuzzer found is in the
-catalogue, each finding a case of its own.
+and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). It does not shrink a failing
+example (each try of a crashing one would restart the sandbox): the failure prints the
+example in words, a reproduction. What the fuzzer found is in the catalogue, each finding
+a case of its own.
 """
 
 from __future__ import annotations
@@ -82,12 +85,14 @@ class HypothesisChooser:
 def fuzz(family: str, examples: int, sandbox: Sandbox | None = None,
          seed: int | None = None, outcomes: collections.Counter | None = None) -> None:
     """``examples`` examples of ``family`` through hypothesis: derandomized (``seed`` None)
-    or from ``seed``; each run here, or in ``sandbox``. A failure is shrunk, then raised
-    with the example in words."""
+    or from ``seed``; each run here (a failure is shrunk), or in ``sandbox`` (not shrunk).
+    A failure is raised with the example in words."""
     tally = outcomes if outcomes is not None else collections.Counter()
 
+    phases = [Phase.generate] if sandbox is not None else [Phase.generate, Phase.shrink]
+
     @settings(max_examples=examples, derandomize=seed is None, database=None, deadline=None,
-              phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+              phases=phases, suppress_health_check=list(HealthCheck))
     @given(st.data())
     def check(data: Any) -> None:
         example: Example = FAMILIES[family](HypothesisChooser(data))

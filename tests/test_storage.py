@@ -337,6 +337,26 @@ def _untyped_input(folder: Path) -> None:
     _drop_checksums(folder)
 
 
+def _linear_classifier(folder: Path) -> None:
+    """predict.onnx replaced by an ai.onnx.ml LinearClassifier without intercepts, inputs and
+    outputs as the manifest says: onnxruntime 1.19 dies of a segmentation fault on it."""
+    model = onnx.load(folder / "predict.onnx")
+    del model.graph.node[:]
+    model.graph.node.append(onnx.helper.make_node(
+        "LinearClassifier", ["x"], ["label", "y"], domain="ai.onnx.ml",
+        coefficients=[1.0, 2.0, 3.0], classlabels_ints=[0, 1]))
+    model.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", 1))
+    (folder / "predict.onnx").write_bytes(model.SerializeToString())
+    _drop_checksums(folder)
+
+
+def _swap_entries(manifest: dict) -> None:
+    """train_step's and predict's manifest entries swapped, each with its file: each graph
+    agrees with its entry, but the Trainer ran predict as the step (a raw KeyError)."""
+    graphs = manifest["graphs"]
+    graphs["train_step"], graphs["predict"] = graphs["predict"], graphs["train_step"]
+
+
 def _swap_roles(manifest: dict) -> None:
     roles = manifest["roles"]
     roles["loss"], roles["prediction"] = roles["prediction"], roles["loss"]
@@ -382,10 +402,15 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "graphs swapped": (_swap_graphs, "do not belong together"),
     # found by the fuzzer (tests/test_fuzz.py): raw KeyError, IndexError in the Trainer
     "graph input of no element type": (_untyped_input, "('x', 'element type 0')"),
+    "graphs' entries swapped": (lambda f: _rewrite_manifest(f, _swap_entries),
+                                "the graph 'train_step' ('predict.onnx') has no input or "
+                                "output of the role 'label'"),
     "roles swapped": (lambda f: _rewrite_manifest(f, _swap_roles),
                       "the roles name 'y' as the loss, but in the evaluate graph 'y' is its"),
     "prediction shape edited": (lambda f: _rewrite_manifest(f, lambda m: _prediction_shape(
         m, [])), "declares its output 'y' of shape ['N', 1], but the manifest describes []"),
+    "graph holding a linear classifier": (_linear_classifier,
+                                          "holds an ai.onnx.ml LinearClassifier node"),
     "graph name not utf-8": (lambda f: _not_utf8(
         f, "evaluate.onnx", lambda m: setattr(m.graph.output[0], "name", "PLACEHOLDER")),
         "model.graph.output[0].name; damaged bytes"),

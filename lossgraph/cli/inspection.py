@@ -17,6 +17,7 @@ from ..analysis import (
 )
 from ..autodiff.registry import differentiable_inputs, find_rule
 from ..errors import (
+    InvalidModelError,
     LossgraphError,
 )
 from ..graphs import (
@@ -113,6 +114,8 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
     graph = model.graph
     try:
         lowered = lower_ml_ops(model)
+    except InvalidModelError:  # not valid ONNX: nothing more can be told about it
+        raise
     except LossgraphError as exc:  # compile fails the same way; the rest still tells
         lowered, lowering = model, _one_line(str(exc))
     else:

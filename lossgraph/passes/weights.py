@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import UnknownNameError, suggest
+from ..errors import UnknownNameError, UnsupportedModelError, suggest
 from .contract import Pass, PassResult, name_fields
 
 __all__ = ["WeightsToInputs"]
@@ -47,6 +47,15 @@ def _lift(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
             )
     chosen = set(names)
     values = {name: numpy_helper.to_array(initializers[name]) for name in names}
+    for name, value in values.items():
+        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+            at = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+            raise UnsupportedModelError(
+                f"Weight {name!r} holds {value[at] if at else value} at index {at}: a weight "
+                "that is not finite stays so whatever the updates (its gradient is infinite "
+                "or NaN), and a loss that clips its probabilities can hide it while the "
+                "training seems to run. Give the model finite weights (or leave this one out "
+                "of weights=).")
     kept = [t for t in graph.initializer if t.name not in chosen]
     del graph.initializer[:]
     graph.initializer.extend(kept)

@@ -143,9 +143,13 @@ def assert_weights_equal(trainer: lossgraph.Trainer, expected: dict[str, np.ndar
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
-@pytest.mark.parametrize("source", ["CNN default", "ViewCNN default", "CNN legacy",
-                                    "ViewCNN legacy"])
+#: torch's default export in every fusion mode, each other export in one (the modes
+#: differ in the engine, the exports in what GeneralizeBatch rewrites)
+TRAINED = [("CNN default", "step"), ("CNN default", "epoch"), ("CNN default", "separate"),
+           ("ViewCNN default", "separate"), ("CNN legacy", "epoch"), ("ViewCNN legacy", "step")]
+
+
+@pytest.mark.parametrize(("source", "fuse"), TRAINED)
 def test_torchs_default_export_of_a_cnn_trains_like_torch(exports, source, fuse):
     model = onnx.load(exports[source])
     assert fixed_batch(model) == 2  # the batch the example had

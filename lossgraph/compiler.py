@@ -67,7 +67,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .analysis import default_weights, trainable_initializers
+from .analysis import default_weights, tied_initializers, trainable_initializers
 from .deprecation import renamed_keywords
 from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
 from .graphs import weights_dtype
@@ -83,6 +83,8 @@ from .passes.plan import Plan, Planned, PlanRunner
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
+from .passes.untie import UntieWeights
+from .passes.weights import ConstantsToInitializers
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
 from .target import Target, use_target
@@ -92,6 +94,7 @@ from .validation import (
     check_trainable_model,
     compile_options,
     no_weights_error,
+    warn_tied,
 )
 
 __all__ = ["compile_program", "plan", "describe_plan"]
@@ -135,6 +138,7 @@ def compile_program(
     fuse: str = "step",
     target: Target | str | None = None,
     fixed_batch: str = "auto",
+    untie: Sequence[str] | str | bool | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -147,7 +151,9 @@ def compile_program(
         weights: the weights to train (a list of names, or one name); default
             :func:`~lossgraph.trainable_initializers`, or an ``UnsupportedModelError`` when
             a weight influences the loss through a sequence lossgraph does not
-            differentiate (:func:`lossgraph.analysis.default_weights`).
+            differentiate (:func:`lossgraph.analysis.default_weights`). A name may be the
+            output of a ``Constant`` node: it becomes an initializer and trains
+            (:class:`~lossgraph.passes.ConstantsToInitializers`).
         loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows, or
             ``None`` when the model carries its loss already.
         loss_options: further arguments of ``add_loss_output`` (``weight_name``,
@@ -170,10 +176,18 @@ def compile_program(
             and otherwise trains in batches of exactly that size, with a
             :class:`~lossgraph.errors.FixedBatchWarning` saying why; ``"generalize"`` frees
             it or raises an ``UnsupportedModelError``; ``"keep"`` trains at that size.
+        untie: initializers several layers read to give each layer its own copy of
+            (:class:`~lossgraph.passes.UntieWeights`): ``"auto"`` (or ``True``) for every one
+            that layers read as their own (:func:`lossgraph.analysis.tied_initializers`,
+            what torch's exporters make of equal values), or their names. Each copy is a
+            weight (of ``weights``' when it names the initializer; penalized as it is), the
+            manifest's ``untied`` maps each initializer to its copies, and the inference
+            model keeps them apart. Without it, training a tied weight warns
+            (``TiedWeightWarning``).
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
-               "fixed_batch": fixed_batch}
+               "fixed_batch": fixed_batch, "untie": untie}
     with use_target(target):
         return _compile(model, options)
 
@@ -193,6 +207,8 @@ class _Front:
     starts: dict[str, onnx.ModelProto]
     mode: FuseMode
     context: PlanContext
+    #: each untied initializer -> its copies (UntieWeights)
+    untied: dict[str, list[str]]
     batch: BatchReport | None = None
 
 
@@ -202,12 +218,12 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     user's frame from here, for a warning."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
-                              options["fuse"], options["fixed_batch"])
+                              options["fuse"], options["fixed_batch"], options["untie"])
     given = as_model(model)
     check_trainable_model(given)
-    source, batch = _free_batch(LowerMlOps()(given).model, checked.fixed_batch,
-                                stacklevel + 1)
-    loss, penalty = options["loss"], options["penalty"]
+    freed, batch = _free_batch(LowerMlOps()(given).model, checked.fixed_batch, stacklevel + 1)
+    source, untied = _weights_made(freed, checked.weights, checked.untie)
+    loss, penalty = options["loss"], _with_copies(options["penalty"], untied)
     carried = get_roles(source).get("loss")
     if loss is None:
         if not carried:
@@ -231,11 +247,14 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     if checked.weights == []:
         names("weights", [], candidates=trainable_initializers(loss_model))
     # never around a weight no gradient (or part of one) would reach: that is an error
-    weights = checked.weights or default_weights(loss_model)
+    weights = list(_with_copies(dict.fromkeys(checked.weights or ()), untied)) \
+        or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
     check_penalized(penalty, weights)
     check_learnable(loss_model, weights)
+    if checked.untie is None:
+        warn_tied(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:
@@ -256,7 +275,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     stripped = StripTraining()(source)
     inference = stripped.model if stripped.changed else source  # unchanged: one prefix run
     return _Front({"loss model": loss_model, "inference model": inference,
-                   "forward model": source}, mode, context, batch)
+                   "forward model": source}, mode, context, untied, batch)
 
 
 def _free_batch(model: onnx.ModelProto, choice: str, stacklevel: int
@@ -305,6 +324,32 @@ def _batch_record(report: BatchReport, context: PlanContext) -> dict[str, Any]:
             "loss_reduction": reduction}
 
 
+def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
+                  untie: str | list[str] | None) -> tuple[onnx.ModelProto, dict[str, list[str]]]:
+    """``model`` with the ``Constant`` nodes ``weights`` names made initializers, and the
+    initializers ``untie`` names (``"auto"``: every tied one) untied; the copies made of
+    each."""
+    outputs = {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.output}
+    constants = [w for w in weights or () if w in outputs]
+    if constants:
+        model = ConstantsToInitializers(constants)(model).model
+    names = [t.name for t in tied_initializers(model)] if untie == "auto" else untie
+    if not names:
+        return model, {}
+    result = UntieWeights(names)(model)
+    return result.model, result.report
+
+
+def _with_copies(by_weight: Mapping[str, Any] | None, untied: Mapping[str, list[str]]
+                 ) -> Mapping[str, Any] | None:
+    """``by_weight`` (a penalty, or weights as keys) with each untied weight's copies after
+    it, given what it gives the weight."""
+    if not untied or not isinstance(by_weight, Mapping):
+        return by_weight
+    return {name: value for weight, value in by_weight.items()
+            for name in (weight, *untied.get(weight, ()))}
+
+
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
 
 
@@ -326,6 +371,6 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     state.update((b, lifted[b]) for b in context.buffers)
     graphs = {name: result.model for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
-                              assembled.graph_roles,
+                              assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context))
     return TrainingProgram(graphs, manifest, state, front.starts["inference model"])

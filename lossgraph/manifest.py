@@ -23,6 +23,12 @@ more key, ``"buffers": [{"name": b, "new": b_new}]``, with the roles ``buffer`` 
 exactly as before (format 1), and both formats are read: a lossgraph that knows no
 buffers refuses a program that has them instead of training or exporting it without them.
 
+A program compiled with ``untie`` (:class:`~lossgraph.passes.UntieWeights`) has one more
+key, ``"untied": {initializer: [copy, ...]}``: each initializer several layers read and the
+copies its layers read instead, all weights of their own. Its graphs and inference model
+hold the copies like any weight, so it needs no new format (a lossgraph that does not know
+the key trains and exports the program all the same).
+
 :func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything
 trusts it, so a damaged one fails with the key at fault rather than a ``KeyError``
@@ -141,6 +147,10 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
         if _field(batch, "loss_reduction", (str, type(None)), f"{where} batch") not in (
                 "mean", "sum", None):
             raise _fail(where, "batch loss_reduction must be 'mean', 'sum' or null")
+    for name, copies in _field(manifest, "untied", dict, where).items() \
+            if "untied" in manifest else ():
+        if not isinstance(copies, list) or not all(isinstance(c, str) for c in copies):
+            raise _fail(f"{where} untied[{name!r}]", "expected a list of names")
     graphs = _field(manifest, "graphs", dict, where)
     missing = [name for name in REQUIRED_GRAPHS[fuse] if name not in graphs]
     if missing:
@@ -157,11 +167,13 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
 def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                    optimizer: Optimizer, fuse: str, roles: Mapping[str, str],
                    graph_roles: Mapping[str, Mapping[str, str]] | None = None,
+                   untied: Mapping[str, list[str]] | None = None,
                    batch: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The program's description: graphs with the role of every input and output.
 
     Roles come from ``signature``; ``graph_roles`` gives, by graph, the roles of the names
-    a graph's builder chose (the separate graphs'), which take precedence in that graph.
+    a graph's builder chose (the separate graphs'), which take precedence in that graph;
+    ``untied`` the copies of each untied initializer (the key is left out without any).
     ``batch`` is the record of a model exported with a fixed batch (module doc).
     """
     role_of = {name: "feature" for name in signature.features}
@@ -208,6 +220,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
         manifest["buffers"] = [{"name": b, "new": signature.new[b]} for b in signature.buffers]
     if batch:
         manifest["batch"] = dict(batch)
+    if untied:
+        manifest["untied"] = {name: list(copies) for name, copies in untied.items()}
     graph_roles = graph_roles or {}
     manifest["graphs"] = {name: {"file": f"{name}.onnx",
                                  "inputs": describe(g.graph.input, graph_roles.get(name, {})),

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from catalogue import Row, assert_listed, message_of, print_table
-from linear_data import LINEAR, linear_data
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import set_external_data
+from support.catalogue import Row, assert_listed, message_of, print_table
+from support.linear import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.errors import (
@@ -553,6 +553,14 @@ CASES: list[Case] = [
          UnsupportedOptionError, "weights holds 0 (int)"),
     Case("weights-an-input", "weights=['x'] (a data input)",
          lambda c: c.program(weights=["x"]), UnknownNameError, "'x' is not an initializer"),
+    Case("untie-misspelt-name", "untie=['cof'] (misspelt)",
+         lambda c: c.program(untie=["cof"]), UnknownNameError,
+         "untie names 'cof', which is not an initializer of the model. Did you mean 'coef'?"),
+    Case("untie-one-reader", "untie='coef', an initializer one layer reads",
+         lambda c: c.program(untie="coef"), UnsupportedOptionError,
+         "untie names 'coef', which one layer reads: there is nothing to untie"),
+    Case("untie-not-a-name", "untie=3", lambda c: c.program(untie=3), UnsupportedOptionError,
+         "untie=3 must be 'auto'"),
     # -- fit options -------------------------------------------------------------------------
     *[Case(f"batch-size-{label}", f"batch_size={value!r}",
            lambda c, v=value: c.fit(batch_size=v), UnsupportedOptionError,
@@ -968,7 +976,7 @@ def test_opsets_are_checked_at_compile_time_not_when_loading(tmp_path):
 
 def test_compile_with_the_ort_backend_needs_the_training_build_before_reading_the_model(
         tmp_path):
-    from conftest import HAS_TRAINING
+    from support.environment import HAS_TRAINING
 
     if HAS_TRAINING:
         pytest.skip("the training build is installed here")

@@ -1,13 +1,13 @@
-"""Models exported with a fixed batch (torch.onnx.export's default: ``float[2, 4]``).
+"""Models exported with a fixed batch (torch.onnx.export's default: ``float[2, 4]``),
+through every entry point.
 
-:class:`~lossgraph.passes.GeneralizeBatch` frees the batch where the graph proves which
-shape constants hold it, and the freed model computes, at any batch size, what the
-exported one computes on each run of its own batch size; a constant that merely equals
-the batch (a hidden width of 2 at a batch of 2) is left alone. Where nothing proves it,
-the program keeps the batch and trains, evaluates and predicts in runs of exactly that
-many rows (each epoch's last, short batch left out, as torch's ``drop_last=True``),
-equal to the freed program fed the same batches. The torch exports themselves are in
-tests/test_torch_fixed_batch.py.
+compile_program frees the batch where GeneralizeBatch proves it (tests/passes/
+test_fixed_batch.py) and says so (describe_plan, the manifest's ``batch``); where nothing
+proves it, the program keeps the batch and trains, evaluates and predicts in runs of
+exactly that many rows (each epoch's last, short batch left out, as torch's
+``drop_last=True``), equal to the freed program fed the same batches; GraphFunction,
+``lossgraph inspect`` and ``compile`` say what is done. The torch exports themselves are
+in tests/test_torch_fixed_batch.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import onnx
 import pytest
+from support.fixed_batch import by_runs, flatten_to_linear, parse, per_row_constant
 
 import lossgraph
 from lossgraph.cli import main
@@ -29,239 +30,10 @@ from lossgraph.errors import (
     UnsupportedOptionError,
 )
 from lossgraph.manifest import check_manifest
-from lossgraph.passes import GeneralizeBatch
-from lossgraph.passes.fixed_batch import export_calls, fixed_batch
+from lossgraph.passes.fixed_batch import export_calls
 from lossgraph.runtime.graph_function import GraphFunction
-from lossgraph.runtime.session import create_session
 
-HEADER = '<ir_version: 8, opset_import: ["" : 18]>'
-
-
-def parse(text: str) -> onnx.ModelProto:
-    return onnx.parser.parse_model(HEADER + text)
-
-
-def weights(shape: tuple[int, ...], seed: int) -> str:
-    """``shape`` values of a fixed random draw, as ONNX text."""
-    values = np.random.default_rng(seed).standard_normal(int(np.prod(shape)))
-    return ", ".join(f"{v:.4f}" for v in values)
-
-
-def hidden_width_two(batch: int = 2) -> onnx.ModelProto:
-    """``x @ w`` of 4 columns viewed as (batch, 2, 2), summed over its middle axis: the
-    exporter wrote the view's target as ``[batch, 2, 2]``, so at a batch of 2 the hidden
-    width 2 equals the batch."""
-    return parse(f"""
-        g (float[{batch}, 3] x) => (float[{batch}, 2] y)
-          <float[3, 4] w = {{{weights((3, 4), 0)}}}, int64[3] view = {{{batch}, 2, 2}},
-           int64[1] middle = {{1}}> {{
-            h = MatMul(x, w)
-            r = Reshape(h, view)
-            y = ReduceSum <keepdims: int = 0> (r, middle)
-        }}""")
-
-
-def flatten_to_linear(batch: int, allowzero: int = 1) -> onnx.ModelProto:
-    """A (batch, 2, 3) input flattened by ``Reshape(x, [batch, 6])`` (dynamo writes
-    ``allowzero=1``) into a linear layer of 3 outputs."""
-    return parse(f"""
-        g (float[{batch}, 2, 3] x) => (float[{batch}, 3] y)
-          <float[6, 3] w = {{{weights((6, 3), 1)}}}, float[3] b = {{0.1, -0.2, 0.3}},
-           int64[2] flat = {{{batch}, 6}}> {{
-            h = Reshape <allowzero: int = {allowzero}> (x, flat)
-            m = MatMul(h, w)
-            y = Add(m, b)
-        }}""")
-
-
-def unflatten(batch: int = 2) -> onnx.ModelProto:
-    """(batch, 12) viewed as (batch, 4, 3) (``allowzero=1``, as dynamo writes it), summed
-    over its middle axis."""
-    return parse(f"""
-        g (float[{batch}, 12] x) => (float[{batch}, 3] y)
-          <int64[3] view = {{{batch}, 4, 3}}, int64[1] middle = {{1}}> {{
-            r = Reshape <allowzero: int = 1> (x, view)
-            y = ReduceSum <keepdims: int = 0> (r, middle)
-        }}""")
-
-
-def batch_merged(batch: int = 2) -> onnx.ModelProto:
-    """The batch merged with an axis: (batch, 4, 3) -> (batch * 4, 3), a product, then
-    back to (batch, 4 * 2): the second Reshape splits ``4 * batch`` rows into two axes,
-    and which one holds the batch is not known from shapes (the first holds it here)."""
-    return parse(f"""
-        g (float[{batch}, 4, 3] x) => (float[{batch}, 8] y)
-          <float[3, 2] w = {{{weights((3, 2), 2)}}}, int64[2] rows = {{{4 * batch}, 3}},
-           int64[2] back = {{{batch}, 8}}> {{
-            r = Reshape(x, rows)
-            m = MatMul(r, w)
-            y = Reshape(m, back)
-        }}""")
-
-
-def expanded(batch: int = 2) -> onnx.ModelProto:
-    """``Expand(x[batch, 1, 3], [batch, 4, 3])``: the batch axis expanded to itself."""
-    return parse(f"""
-        g (float[{batch}, 1, 3] x) => (float[{batch}, 4] y)
-          <float[3] w = {{0.5, -1.0, 2.0}}, int64[3] shape = {{{batch}, 4, 3}},
-           int64[1] last = {{2}}> {{
-            e = Expand(x, shape)
-            m = Mul(e, w)
-            y = ReduceSum <keepdims: int = 0> (m, last)
-        }}""")
-
-
-def per_row_constant(batch: int = 2) -> onnx.ModelProto:
-    """The input times a constant with a row of its own for each row of the exported
-    batch: it has no value for other rows, so the batch stays."""
-    return parse(f"""
-        g (float[{batch}, 3] x) => (float[{batch}, 3] y)
-          <float[{batch}, 3] c = {{{weights((batch, 3), 4)}}}> {{
-            y = Mul(x, c)
-        }}""")
-
-
-def concat_token(batch: int = 2) -> onnx.ModelProto:
-    """A learned token prepended to each row's sequence: the exporter folded
-    ``token.expand(batch, -1, -1)`` into a constant of the batch's rows, all equal."""
-    token = ", ".join(["0.5, -1.0, 2.0"] * batch)
-    return parse(f"""
-        g (float[{batch}, 4, 3] x) => (float[{batch}, 3] y)
-          <float[{batch}, 1, 3] token = {{{token}}}, int64[1] middle = {{1}}> {{
-            s = Concat <axis: int = 1> (token, x)
-            y = ReduceMean <keepdims: int = 0> (s, middle)
-        }}""")
-
-
-def constant_mask(batch: int = 2) -> onnx.ModelProto:
-    """A mask made from nothing, ``ConstantOfShape([batch, 3])``, times the input: it
-    meets the input's batch axis in the Mul, and its rows are all equal."""
-    return parse(f"""
-        g (float[{batch}, 3] x) => (float[{batch}, 3] y)
-          <int64[2] shape = {{{batch}, 3}}, float[3] w = {{1.0, 2.0, 3.0}}> {{
-            ones = ConstantOfShape <value: tensor = float[1] {{1.0}}> (shape)
-            m = Mul(x, ones)
-            y = Mul(m, w)
-        }}""")
-
-
-def split_batch() -> onnx.ModelProto:
-    """(4, 3) rows of a batch of 4 reshaped to (2, 2, 3) and summed over the middle axis:
-    which of the two axes of 2 is the batch is not known (at 4 rows it mixes rows)."""
-    return parse(f"""
-        g (float[4, 3] x) => (float[4, 3] y)
-          <float[3, 3] w = {{{weights((3, 3), 3)}}}, int64[3] split = {{2, 2, 3}},
-           int64[2] back = {{4, 3}}> {{
-            m = MatMul(x, w)
-            r = Reshape(m, split)
-            y = Reshape(r, back)
-        }}""")
-
-
-def unsqueezed_one() -> onnx.ModelProto:
-    """A batch of 1 reshaped to ``[1, 1, 6]``: either 1 may be the batch."""
-    return parse("""
-        g (float[1, 6] x) => (float[1, 1, 6] y) <int64[3] shape = {1, 1, 6}> {
-            y = Reshape(x, shape)
-        }""")
-
-
-def run(model: onnx.ModelProto, X: np.ndarray) -> np.ndarray:
-    session = create_session(model)
-    return session.run(None, {session.get_inputs()[0].name: X})[0]
-
-
-def by_runs(model: onnx.ModelProto, X: np.ndarray, batch: int) -> np.ndarray:
-    """The exported model on ``X`` in runs of its own ``batch`` rows."""
-    return np.concatenate([run(model, X[i:i + batch]) for i in range(0, len(X), batch)])
-
-
-def target(model: onnx.ModelProto, node: int) -> list[int]:
-    graph = model.graph
-    name = graph.node[node].input[1]
-    return onnx.numpy_helper.to_array(next(t for t in graph.initializer if t.name == name)
-                                      ).tolist()
-
-
-def free_dims(model: onnx.ModelProto) -> list:
-    return [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in (*model.graph.input, *model.graph.output)]
-
-
-# -- the pass ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("build, batch, rewrites", [
-    (hidden_width_two, 2, ["Reshape 'r' [2, 2, 2] -> [0, 2, 2]"]),
-    (hidden_width_two, 1, ["Reshape 'r' [1, 2, 2] -> [0, 2, 2]"]),
-    (lambda b: flatten_to_linear(b, allowzero=1), 2, ["Reshape 'h' [2, 6] -> [-1, 6]"]),
-    (lambda b: flatten_to_linear(b, allowzero=0), 2, ["Reshape 'h' [2, 6] -> [0, 6]"]),
-    # at a batch of 1, [1, 6] also reads as one row of all the rows' values: the axis
-    # that holds the batch alone is the batch's
-    (lambda b: flatten_to_linear(b, allowzero=1), 1, ["Reshape 'h' [1, 6] -> [-1, 6]"]),
-    (unflatten, 2, ["Reshape 'r' [2, 4, 3] -> [-1, 4, 3]"]),
-    (expanded, 2, ["Expand 'e' [2, 4, 3] -> [1, 4, 3]"]),
-    (constant_mask, 2, ["ConstantOfShape 'ones' [2, 3] -> [1, 3]"]),
-    (concat_token, 2, ["Concat 's' reads 'token' of shape [2, 1, 3] as its one row "
-                       "[1, 1, 3], expanded to the rows of 'x'"]),
-    (concat_token, 1, ["Concat 's' reads 'token' expanded to the rows of 'x'"]),
-])
-def test_a_proven_batch_is_freed_and_computes_what_each_run_of_the_export_does(
-        build, batch, rewrites):
-    model = build(batch)
-    given = model.SerializeToString()
-    result = GeneralizeBatch()(model)
-    assert model.SerializeToString() == given
-    assert result.report.freed and result.report.batch == batch
-    assert [str(r) for r in result.report.rewrites] == rewrites
-    assert all(dims[0] == "batch" for dims in free_dims(result.model))
-    X = np.random.default_rng(0).standard_normal(
-        (6, *[d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim[1:]])
-    ).astype(np.float32)
-    np.testing.assert_allclose(run(result.model, X), by_runs(model, X, batch), rtol=1e-6,
-                               atol=1e-6)
-
-
-def test_a_constant_equal_to_the_batch_elsewhere_is_not_rewritten():
-    """The hidden width 2 at a batch of 2 stays: only the view's batch axis reads it."""
-    freed = GeneralizeBatch()(hidden_width_two(2)).model
-    reshape = next(i for i, n in enumerate(freed.graph.node) if n.op_type == "Reshape")
-    assert target(freed, reshape) == [0, 2, 2]
-
-
-def test_the_exporters_stale_shapes_are_dropped_and_the_rest_kept():
-    model = flatten_to_linear(2)
-    model.graph.value_info.extend([
-        onnx.helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, [2, 6]),
-        onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [6, 3])])
-    freed = GeneralizeBatch()(model).model
-    assert [v.name for v in freed.graph.value_info] == ["w"]
-
-
-@pytest.mark.parametrize("build, reason", [
-    (per_row_constant, "Mul 'y'"),
-    (split_batch, "splits the batch across axes"),
-    (batch_merged, "Reshape 'y' splits the batch across axes ([8, 2] -> [2, 8])"),
-    (unsqueezed_one, "Reshape 'y' fits the batch at 2 of its axes ([1, 6] -> [1, 1, 6])"),
-])
-def test_an_unproven_batch_is_kept_with_the_reason_or_refused_when_strict(build, reason):
-    model = build()
-    result = GeneralizeBatch()(model)
-    assert not result.changed and not result.report.freed
-    assert reason in result.report.reason
-    assert result.model.graph.input[0].type.tensor_type.shape.dim[0].dim_value == \
-        model.graph.input[0].type.tensor_type.shape.dim[0].dim_value
-    with pytest.raises(UnsupportedModelError, match="cannot free it") as error:
-        GeneralizeBatch(strict=True)(model)
-    for call in export_calls(["x"], ["y"]):
-        assert call in str(error.value)
-
-
-def test_a_free_batch_is_left_alone():
-    model = parse("""g (float[N, 2] x) => (float[N, 2] y) { y = Relu(x) }""")
-    result = GeneralizeBatch()(model)
-    assert result.report is None and not result.changed
-    assert fixed_batch(model) is None
+# -- what compile takes ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("inputs, message", [

@@ -1,7 +1,7 @@
 """A fuzzer behind the catalogue of bad inputs (docs/reference/errors.md).
 
 The catalogue holds the bad inputs someone thought of; this file throws generated ones at
-lossgraph's entry points (tests/fuzzing.py builds them):
+lossgraph's entry points (tests/support/fuzzing.py builds them):
 
 - **models**: every golden model with one to three mutations (fields dropped, dims
   changed, dtypes swapped, nodes rewired, attributes corrupted, opsets changed,
@@ -17,16 +17,20 @@ lossgraph's entry points (tests/fuzzing.py builds them):
 The property: a lossgraph error (not an ``InternalError``, which says "a bug in
 lossgraph"), or a correct result: a program that trains a step or two, runs its graphs in
 onnxruntime, predicts and exports a valid model; a fit that returns finite losses and
-weights; a damaged folder that loads only if it trains to the numbers of the intact one;
+weights; a damaged folder that loads only if it trains to the numbers of the intact one
+(where its checksum was written again too, an edit: only if it trains cleanly);
 a command that exits 0, or 2 with one line saying ``error:``, no traceback and nothing
 written. Never a raw exception, a hang, or a native crash.
 
 The default run draws a few examples per family, derandomized (the same examples on
 every machine), in this process: a few seconds. ``pytest -m fuzz`` is the long run: each
 family for ``LOSSGRAPH_FUZZ_SECONDS`` seconds (default 40) of random examples, each run
-in a sandbox process (tests/fuzzing.py's ``Sandbox``) so that a native crash or a hang of
+in a sandbox process (support.fuzzing's ``Sandbox``) so that a native crash or a hang of
 onnxruntime is a reported failure, not the end of pytest; it prints how many examples ran
-and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). It does not shrink a failing
+and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). With ``LOSSGRAPH_FUZZ_BATCHES=n``
+it draws exactly ``n`` batches of 50 examples from the seed instead, the same examples on
+every machine: CI runs a fixed replay, so that what fails there fails here too, and new
+ground is broken by runs without a seed. It does not shrink a failing
 example (each try of a crashing one would restart the sandbox): the failure prints the
 example in words, a reproduction. What the fuzzer found is in the catalogue, each finding
 a case of its own.
@@ -45,7 +49,9 @@ import pytest
 pytest.importorskip("onnxruntime")
 hypothesis = pytest.importorskip("hypothesis")
 
-from fuzzing import (  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from support.fuzzing import (  # noqa: E402
     FAMILIES,
     Example,
     Finding,
@@ -57,8 +63,6 @@ from fuzzing import (  # noqa: E402
     run_cli,
     run_example,
 )
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 #: Examples per family in the default run (derandomized, a few seconds in all).
 DEFAULT_EXAMPLES = {"models": 30, "options": 20, "storage": 4, "cli": 4}
@@ -129,17 +133,20 @@ def test_a_long_run_of_random_examples_in_a_sandbox(family, request, capsys):
     if "fuzz" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the long fuzz run takes minutes: pytest -m fuzz")
     first = int(os.environ.get("LOSSGRAPH_FUZZ_SEED", random.randrange(1 << 30)))
+    replay = int(os.environ.get("LOSSGRAPH_FUZZ_BATCHES", "0"))
     outcomes: collections.Counter = collections.Counter()
     sandbox = Sandbox(timeout=120)
     start = time.monotonic()
-    batches, size = 0, 5  # the first batch measures how long an example takes
+    batches, size = 0, BATCH if replay else 5  # a timed run's first batch measures
     try:
-        while (left := LONG_SECONDS - (time.monotonic() - start)) > 0:
+        while (batches < replay if replay
+               else (left := LONG_SECONDS - (time.monotonic() - start)) > 0):
             began, done = time.monotonic(), sum(outcomes.values())
             fuzz(family, size, sandbox, seed=first + batches, outcomes=outcomes)
             batches += 1
-            each = (time.monotonic() - began) / max(1, sum(outcomes.values()) - done)
-            size = max(1, min(BATCH, int((left - (time.monotonic() - began)) / each)))
+            if not replay:
+                each = (time.monotonic() - began) / max(1, sum(outcomes.values()) - done)
+                size = max(1, min(BATCH, int((left - (time.monotonic() - began)) / each)))
     finally:
         sandbox.close()
         seconds = time.monotonic() - start

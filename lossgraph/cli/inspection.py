@@ -11,8 +11,10 @@ import onnx
 
 from ..analysis import (
     blocked_initializers,
+    constant_weights,
     differentiable_values,
     influenced_values,
+    tied_initializers,
     trainable_initializers,
 )
 from ..autodiff.registry import differentiable_inputs, find_rule
@@ -163,6 +165,11 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
             rule = "missing" if (domain, op_type) in blocking else "no"
         ops.append({"domain": domain, "op_type": op_type, "count": count, "gradient_rule": rule})
 
+    tied = [{"name": t.name, "readers": [_label(n) for n, _ in t.readers]}
+            for t in tied_initializers(lowered, candidates)]
+    constants = [{"name": c.name, "node": c.node.name, "dtype": elem_type_name(c.elem_type),
+                  "shape": list(c.dims), "size": int(np.prod(c.dims, dtype=np.int64)),
+                  "feeds": _label(c.reader)} for c in constant_weights(lowered)]
     initializers = []
     for tensor in lowered.graph.initializer:
         initializers.append({
@@ -179,6 +186,8 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         "outputs": _values(graph.output, set()),
         "initializers": initializers,
         "trainable": candidates,
+        "tied": tied,
+        "constants": constants,
         "blocked": blocked,
         "lowered_ops": sorted({n.op_type for n in graph.node
                                if n.domain == ML_DOMAIN and n.op_type in LOWERED_OPS}),
@@ -224,6 +233,12 @@ def _shape_text(shape: list[int | str | None] | None) -> str:
     if shape is None:
         return "unknown"
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _readers_text(readers: Sequence[str], most: int = 3) -> str:
+    """The first ``most`` readers, then how many more."""
+    more = f" and {len(readers) - most} more" if len(readers) > most else ""
+    return ", ".join(readers[:most]) + more
 
 
 def _op_text(domain: str, op_type: str) -> str:
@@ -296,6 +311,23 @@ def format_inspection(report: Mapping[str, Any]) -> str:
     else:
         parts.append("trainable candidates: none (no float initializer reaches an output "
                      "differentiably)")
+    if report["tied"]:
+        parts.append(
+            "\ninitializers several layers read as their own (torch's exporters merge equal "
+            "values, such as a fresh model's LayerNorm scales and zero biases): compile trains "
+            "each as one weight those layers share, and warns; compile --untie gives each layer "
+            "its own copy\n" + _table(
+                ("initializer", "layers", "read by"),
+                ((t["name"], len(t["readers"]), _readers_text(t["readers"]))
+                 for t in report["tied"])))
+    if report["constants"]:
+        parts.append(
+            "\nfloat constants that feed a product like a weight (an exporter may have folded "
+            "a parameter into one): not trainable: a constant; compile --weights NAME makes "
+            "it an initializer and trains it\n" + _table(
+                ("constant", "type", "shape", "values", "feeds"),
+                ((c["name"], c["dtype"], _shape_text(c["shape"]), c["size"], c["feeds"])
+                 for c in report["constants"])))
     if report["blocked"]:
         parts.append(
             "\nweights whose effect on the outputs passes values lossgraph does not "

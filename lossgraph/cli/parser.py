@@ -42,6 +42,7 @@ examples:
       --loss-option delta=0.5 --weight-name sample_weight
   lossgraph compile model.onnx -o program/ \\
       --optimizer '{"type": "AdamW", "learning_rate": 0.001, "weight_decay": 0.05}'
+  lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
   lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
     "train": """\
 examples:
@@ -228,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "as lossgraph inspect lists them)")
     build.add_argument("--trainable", dest="weights", nargs="+", action=_Renamed,
                        new="--weights")
+    build.add_argument("--untie", nargs="*", metavar="NAME",
+                       help="give each layer reading one of these initializers its own copy "
+                            "(alone: every initializer several layers read as their own, as "
+                            "lossgraph inspect lists them; torch's exporters merge equal "
+                            "values, such as a fresh model's LayerNorm scales)")
     build.add_argument("--loss", default="squared_error",
                        help="the loss function (default: squared_error), or 'none' when the "
                             "model carries its loss")

@@ -12,7 +12,7 @@
 Every name is importable from ``lossgraph.graphs`` itself.
 """
 
-from .facts import ForwardFacts
+from .facts import LONG_VECTOR, ForwardFacts, infer_shapes_with_data
 from .index import GraphIndex, shortest_path
 from .queries import (
     all_graphs,
@@ -46,5 +46,5 @@ __all__ = [
     "outer_references", "stored_tensors", "without_weight_data",
     "shortest_path", "elem_type_name", "np_dtype", "weights_dtype", "opset_version",
     "initializer_arrays", "rename_values", "known_shapes", "is_default_domain",
-    "canonical_domain", "is_onnx_op",
+    "canonical_domain", "is_onnx_op", "infer_shapes_with_data", "LONG_VECTOR",
 ]

@@ -626,7 +626,8 @@ def tied_initializers(model: ModelLike, candidates: Sequence[str] | None = None
     """The ``candidates`` (default: :func:`trainable_initializers`) of more than one value
     that several layers read as if each had its own (:class:`TiedWeight`), in their order.
     A weight two different layers share on purpose (a language model's embedding and
-    output projection: a Gather and a MatMul) is not one."""
+    output projection: a Gather and a MatMul) is not one, nor one that ops read in parts
+    (:data:`_PART_READS`: an LSTM's gates sliced out of one weight)."""
     model = as_model(model)
     candidates = trainable_initializers(model) if candidates is None else candidates
     sizes = {t.name: math.prod(t.dims) for t in model.graph.initializer
@@ -637,11 +638,16 @@ def tied_initializers(model: ModelLike, candidates: Sequence[str] | None = None
         if sizes.get(name, 0) <= 1:  # one value: a constant in all likelihood
             continue
         readers = layer_readers(model.graph, name, index)
-        kinds = Counter((n.domain, n.op_type, p) for n, p in readers if p >= 0)
+        kinds = Counter((n.domain, n.op_type, p) for n, p in readers if p >= 0
+                        and not (is_default_domain(n.domain) and n.op_type in _PART_READS))
         if kinds and max(kinds.values()) >= 2:
             found.append(TiedWeight(name, tuple(readers)))
     return found
 
+
+#: Ops that read a part of a tensor, or its shape: several of them reading one weight
+#: take its parts (an LSTM's gates, an embedding's rows), not each a copy of its own.
+_PART_READS = ("Slice", "Split", "Gather", "GatherElements", "GatherND", "Shape", "Size")
 
 #: A float constant of at least this many values that feeds a product like a weight is
 #: reported by :func:`constant_weights`.

@@ -17,6 +17,12 @@ for values), the output a ZipMap's tensor where the model has one (``predict`` t
 that tensor too). What compile decided is kept in ``TrainingProgram.notes``
 (:class:`CompileNotes`) and printed by ``describe_plan`` with the pipelines above.
 
+A model whose inputs fix the batch size (torch's default export) gets ``GeneralizeBatch``
+right after ``LowerMlOps`` (``fixed_batch="auto"`` or ``"generalize"``): its batch freed
+where the graph proves which shape constants hold it, else kept (the program then runs
+batches of exactly that size, recorded in the manifest's ``batch``). ``describe_plan``
+prints what it did as its first line, ``model = given model -> GeneralizeBatch: ...``.
+
 then every graph of the program is a pipeline of passes from the loss model (``predict``:
 from the lowered inference model), declared by :func:`plan` and printable before it
 runs (``print(describe_plan(...))``)::
@@ -63,6 +69,7 @@ graphs and the signature they record (:mod:`lossgraph.manifest`).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +80,7 @@ from onnx import helper
 
 from .analysis import default_weights, tied_initializers, trainable_initializers
 from .deprecation import renamed_keywords
-from .errors import UnsupportedModelError, UnsupportedOptionError
+from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
 from .graphs import weights_dtype
 from .manifest import build_manifest
 from .models import ModelLike, as_model
@@ -81,6 +88,7 @@ from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .opsets import OpsetMove
 from .options import names
 from .passes.contract import Pass, Pipeline
+from .passes.fixed_batch import BatchReport, GeneralizeBatch, export_advice, fixed_batch, rows
 from .passes.loss import AddLossOutput, LossChoice, choose_loss
 from .passes.lower_ml import LowerMlOps
 from .passes.opset import ConvertOpset
@@ -122,14 +130,14 @@ def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
 def describe_plan(model: ModelLike, **options: Any) -> str:
     """What :func:`compile_program` would run on ``model`` with ``options`` (its keyword
     arguments but ``target``), as text: the loss model is built, nothing else runs."""
-    return _front(model, _options(options)).describe()
+    return _front(model, _options(options), stacklevel=3).describe()
 
 
 def trained_weights(model: ModelLike, **options: Any) -> list[str]:
     """The weights :func:`compile_program` trains on ``model`` with ``options`` (its
     keyword arguments but ``target``): ``weights``, or by default those of the loss model
     it builds."""
-    return list(_front(model, _options(options)).context.weights)
+    return list(_front(model, _options(options), stacklevel=3).context.weights)
 
 
 @renamed_keywords(trainable="weights", gradient="backend")
@@ -143,6 +151,7 @@ def compile_program(
     backend: str = "onnx",
     fuse: str = "step",
     target: Target | str | None = None,
+    fixed_batch: str = "auto",
     untie: Sequence[str] | str | bool | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
@@ -179,6 +188,12 @@ def compile_program(
             every onnxruntime since 1.19, opsets 13-21; ``"onnxruntime-1.23"``, ...,
             ``"onnxruntime-latest"``), an explicit pair such as ``"ir10-opset21"``, or a
             :class:`~lossgraph.target.Target` (docs/reference/targets.md).
+        fixed_batch: what to do with a model whose inputs fix the batch size (torch's
+            default export, ``float[2, 1, 28, 28]``): ``"auto"`` frees it where the graph
+            proves which shape constants hold it (:class:`~lossgraph.passes.GeneralizeBatch`)
+            and otherwise trains in batches of exactly that size, with a
+            :class:`~lossgraph.errors.FixedBatchWarning` saying why; ``"generalize"`` frees
+            it or raises an ``UnsupportedModelError``; ``"keep"`` trains at that size.
         untie: initializers several layers read to give each layer its own copy of
             (:class:`~lossgraph.passes.UntieWeights`): ``"auto"`` (or ``True``) for every one
             that layers read as their own (:func:`lossgraph.analysis.tied_initializers`,
@@ -190,7 +205,7 @@ def compile_program(
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
-               "untie": untie}
+               "fixed_batch": fixed_batch, "untie": untie}
     with use_target(target):
         return _compile(model, options)
 
@@ -248,30 +263,35 @@ class _Front:
     #: each untied initializer -> its copies (UntieWeights)
     untied: dict[str, list[str]]
     notes: CompileNotes
+    batch: BatchReport | None = None
 
     def describe(self) -> str:
-        """The plan as text, after the pipelines of the start models it uses."""
+        """The plan as text: what compile did with a fixed batch (the first line, where the
+        model has one), the pipelines of the start models the plan uses, then the plan."""
         planned = plan(self.context, self.mode)
         used = [name for name in self.made_by
                 if any(p.start == name for p in planned.values())]
         width = max(len(name) for name in (*used, *planned))
+        batch = [] if self.batch is None else [f"{'model':<{width}} = {_batch_step(self.batch)}"]
         starts = [f"{name:<{width}} = model -> {self.made_by[name]}" for name in used]
         graphs = [f"{name:<{width}} = {planned[name]}" for name in planned]
-        return "\n".join([*starts, *graphs])
+        return "\n".join([*batch, *starts, *graphs])
 
 
-def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
+def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Front:
     """The start models, the weights, the buffers (running statistics training updates)
-    and the checked options, each checked before any graph is built."""
+    and the checked options, each checked before any graph is built. ``stacklevel``: the
+    user's frame from here, for a warning."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
-                              options["fuse"], options["untie"])
+                              options["fuse"], options["fixed_batch"], options["untie"])
     given = as_model(model)
     check_trainable_model(given)
     lowering = Pipeline((ConvertOpset(), LowerMlOps()))
     lowered = lowering(given)
-    source, untied, weighting = _weights_made(lowered.model, checked.weights, checked.untie)
-    lowering = lowering.then(*weighting)
+    freed, batch, freeing = _free_batch(lowered.model, checked.fixed_batch, stacklevel + 1)
+    source, untied, weighting = _weights_made(freed, checked.weights, checked.untie)
+    lowering = lowering.then(*freeing, *weighting)
     zipmaps = zipped_outputs(source)
     # the outputs a loss reads: a ZipMap's tensor, not its list of maps
     tensors = Pipeline((ZipMapToTensor(),) if zipmaps else ())
@@ -340,7 +360,55 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
     notes = CompileNotes(lowered.report.of(ConvertOpset), zipmaps, choice)
     return _Front({"loss model": loss_model, "inference model": inference,
                    "forward model": trainable}, made_by, mode, context, untied,
-                  notes)
+                  notes, batch)
+
+
+def _free_batch(model: onnx.ModelProto, choice: str, stacklevel: int
+                ) -> tuple[onnx.ModelProto, BatchReport | None, tuple[Pass, ...]]:
+    """``model`` with its fixed batch freed where the graph proves it (``fixed_batch=``
+    ``choice``), what was done, and the pass that ran; a model whose batch is free comes
+    back as it is. A batch kept by ``"auto"`` is a FixedBatchWarning (``stacklevel``: the
+    user's frame)."""
+    batch = fixed_batch(model)
+    if batch is None:
+        return model, None, ()
+    if choice == "keep":
+        return model, BatchReport(batch, False, reason=_KEPT), ()
+    generalize = GeneralizeBatch(strict=choice == "generalize")
+    try:
+        result = generalize.run(model, checked=True)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(
+            f"{exc} Or compile with fixed_batch='auto' (the default) to train it in batches "
+            f"of exactly {rows(batch)}.") from None
+    report = result.report
+    if not report.freed:
+        warnings.warn(
+            f"The model's batch is fixed at {rows(batch)} and lossgraph cannot prove which "
+            f"of its constants hold it ({report.reason}): the program trains in batches of "
+            f"exactly {rows(batch)}, and each epoch's remaining rows are left out (as torch's "
+            f"DataLoader(drop_last=True)). {export_advice(model)}", FixedBatchWarning,
+            stacklevel=stacklevel)
+    return result.model, report, (generalize,)
+
+
+def _batch_step(report: BatchReport) -> str:
+    """The first line of a fixed-batch model's plan: what compile does with its batch."""
+    ran = report.freed or report.reason != _KEPT
+    return f"given model{' -> GeneralizeBatch' if ran else ''}: {report.describe()}"
+
+
+#: The reason a fixed batch is kept when the option says so.
+_KEPT = "fixed_batch='keep'"
+
+
+def _batch_record(report: BatchReport, context: PlanContext) -> dict[str, Any]:
+    """The manifest's record of a fixed-batch model: its batch, whether the program keeps
+    it (then the runtime feeds batches of exactly that size) and how its loss reduces
+    rows (how the losses of several batches combine)."""
+    reduction = context.loss_options.get("reduction", "mean") if context.loss else None
+    return {"size": report.batch, "fixed": not report.freed, "detail": report.describe(),
+            "loss_reduction": reduction}
 
 
 def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
@@ -377,7 +445,7 @@ _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "red
 
 
 def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
-    front = _front(model, options)
+    front = _front(model, options, stacklevel=5)  # compile_program, its keyword wrapper
     context, mode = front.context, front.mode
     runner = PlanRunner(front.starts)
     compiling = Compiling(context.roles, context.weights, context.buffers)
@@ -394,6 +462,7 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     state.update((b, lifted[b]) for b in context.buffers)
     graphs = {name: result.model for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
-                              assembled.graph_roles, front.untied)
+                              assembled.graph_roles, front.untied,
+                              front.batch and _batch_record(front.batch, context))
     return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
                            notes=front.notes)

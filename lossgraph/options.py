@@ -21,6 +21,12 @@ from typing import Any
 
 from .errors import UnsupportedOptionError, suggest
 
+#: What compile does with a fixed batch (``compile_program(fixed_batch=...)``,
+#: :mod:`lossgraph.passes.fixed_batch`): free it where the graph proves it, else train at
+#: it (the default); free it or raise; train at it. Here, where the command line reads it
+#: without importing onnx.
+FIXED_BATCH_CHOICES = ("auto", "generalize", "keep")
+
 __all__ = ["count", "flag", "choice", "finite", "non_negative", "names"]
 
 

@@ -34,6 +34,7 @@ from .manifest import FUSE_MODES
 from .models import check_declared_outputs
 from .optim import Optimizer, as_optimizer
 from .options import choice, names
+from .passes.fixed_batch import FIXED_BATCH_CHOICES, export_advice, fixed_batch, rows
 from .passes.gradient import BACKENDS
 from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
 from .penalties import parse_penalty
@@ -59,15 +60,17 @@ class CompileOptions:
     optimizer: Optimizer
     backend: str
     fuse: str
+    fixed_batch: str = "auto"
     #: None (nothing untied), "auto" (every tied initializer) or the initializers' names
     untie: str | list[str] | None = None
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
-                    optimizer: Any, backend: Any, fuse: Any, untie: Any = None
-                    ) -> CompileOptions:
+                    optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
+                    untie: Any = None) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
+    fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
     backend = choice("backend", backend, BACKENDS)
     if backend == "ort":
         training_build.bindings("backend='ort'")  # before any work, not after the loss
@@ -78,7 +81,8 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
             "penalty= needs lossgraph to add the loss; with loss=None the model carries its "
             "own. Add the penalty when building it: add_loss_output(..., penalty=...).")
     return CompileOptions(names("weights", weights, allow_empty=True), options,
-                          as_optimizer(optimizer), backend, fuse, _untie(untie))
+                          as_optimizer(optimizer), backend, fuse, fixed_batch,
+                          _untie(untie))
 
 
 def _untie(untie: Any) -> str | list[str] | None:
@@ -150,7 +154,9 @@ def check_penalized(penalty: Mapping[str, Any] | None, weights: Sequence[str]) -
 
 def check_trainable_model(model: onnx.ModelProto) -> None:
     """What makes a valid model untrainable, named before any pass runs: an empty graph,
-    a data input or an output without a free batch axis, an output declared of another
+    a scalar data input, data inputs that fix different batch sizes
+    (:func:`~lossgraph.passes.fixed_batch.fixed_batch`; one fixed batch trains), an output
+    whose first axis is not the inputs' batch, an output declared of another
     shape than its node computes (:func:`~lossgraph.models.check_declared_outputs`),
     parameters kept in attributes only."""
     graph = model.graph
@@ -177,26 +183,22 @@ def check_trainable_model(model: onnx.ModelProto) -> None:
             raise UnsupportedModelError(
                 f"Input {value.name!r} is a scalar: lossgraph feeds data in batches of rows, "
                 "so every data input needs a batch axis first.")
-        if dims and dims[0].HasField("dim_value"):
-            raise UnsupportedModelError(
-                f"Input {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
-                f"(shape ({_dims_text(dims)})), as torch.onnx.export writes without dynamic "
-                "axes: it "
-                "could train and predict only that many rows at a time. Export again with a "
-                f"free batch axis: torch.onnx.export(..., dynamic_axes={{{value.name!r}: "
-                "{0: 'batch'}, <output>: {0: 'batch'}}) (or dynamo=True with dynamic_shapes). "
-                "A graph that does not hard-code the batch size can also be freed with "
-                "onnx.tools.update_model_dims.update_inputs_outputs_dims.")
+    batch = fixed_batch(model)  # a fixed batch (torch's default export) trains: compiler
     for value in graph.output:
         dims = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else ()
-        if dims and dims[0].HasField("dim_value"):
+        if not dims or not dims[0].HasField("dim_value") or dims[0].dim_value == batch:
+            continue
+        if batch is not None:
             raise UnsupportedModelError(
-                f"Output {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
-                f"(shape ({_dims_text(dims)})), but the inputs' batch dimension is free: "
-                "lossgraph trains "
-                "on batches of rows, so each output needs a free batch axis first as well. "
-                "Declare it like the inputs' (e.g. 'N'), or export again with dynamic axes for "
-                "the outputs too.")
+                f"Output {value.name!r} has shape ({_dims_text(dims)}), but the inputs' batch "
+                f"is fixed at {rows(batch)}: lossgraph trains models that compute one output "
+                "row per input row, and this output's first axis is not the batch.")
+        raise UnsupportedModelError(
+            f"Output {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
+            f"(shape ({_dims_text(dims)})), but the inputs' batch dimension is free: "
+            "lossgraph trains on batches of rows, so each output needs a free batch axis "
+            "first as well. Declare it like the inputs' (e.g. 'N'), or export again with "
+            "the outputs' batch free too. " + export_advice(model))
     check_declared_outputs(model)
     floats = [t for t in graph.initializer if t.data_type in FLOAT_TYPES]
     fixed = [n for n in graph.node if n.domain == "ai.onnx.ml" and n.op_type in _ATTRIBUTE_MODELS]

@@ -64,7 +64,17 @@ def linear(*replacements: tuple[str, str]) -> onnx.ModelProto:
     return parse(text)
 
 
-FIXED_BATCH = ("float[N, 4] x) => (float[N, 1] y)", "float[1, 4] x) => (float[1, 1] y)")
+#: The linear model as torch's default export writes it: a batch fixed at 2 rows.
+FIXED_BATCH = ("float[N, 4] x) => (float[N, 1] y)", "float[2, 4] x) => (float[2, 1] y)")
+#: A fixed batch of 2 scaled by a constant with a row of its own for each of the 2 rows:
+#: it has no value for other rows, so the batch cannot be freed.
+MASKED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[2, 4] x) => (float[2, 1] y)
+      <float[4, 1] coef = {0.1, -0.2, 0.3, 0.4}, float[2, 4] scale = {1, 2, 3, 4, 5, 6, 7, 8}> {
+        m = Mul(x, scale)
+        y = MatMul(m, coef)
+    }"""
 
 
 #: A 3-class softmax classifier (cross-entropy labels 0..2) and a binary sigmoid one.
@@ -397,9 +407,21 @@ CASES: list[Case] = [
              g (float[N, 4] x) => (float[N, 4] y) <int64[1] axis = {1}> {
                  y = Relu(x) }""")),
          UnsupportedModelError, "'axis' (int64[1])"),
-    Case("model-fixed-batch", "a torch export without dynamic axes (input float[1, 4])",
-         lambda c: lossgraph.compile_program(linear(FIXED_BATCH)),
-         UnsupportedModelError, "Input 'x' has a fixed batch dimension of 1"),
+    Case("model-fixed-batch-unproven", "fixed_batch='generalize' on a constant with a row "
+         "per exported row", lambda c: c.program(parse(MASKED), fixed_batch="generalize"),
+         UnsupportedModelError, "batch is fixed at 2 rows, and lossgraph cannot free it"),
+    Case("model-fixed-batch-and-free", "inputs float[2, 4] x and float[N, 4] z",
+         lambda c: c.program(linear(FIXED_BATCH, ("float[2, 4] x)", "float[2, 4] x, "
+                                                  "float[N, 4] z)"))),
+         UnsupportedModelError, "Input 'x' has a fixed batch dimension of 2, but input 'z''s "
+         "is free"),
+    Case("model-fixed-batch-output-not-rows", "input float[2, 4], output float[1, 1]",
+         lambda c: c.program(linear(FIXED_BATCH, ("(float[2, 1] y)", "(float[1, 1] y)"))),
+         UnsupportedModelError, "Output 'y' has shape (1, 1), but the inputs' batch is fixed "
+         "at 2 rows"),
+    Case("fixed-batch-unknown", "fixed_batch='never'",
+         lambda c: c.program(fixed_batch="never"), UnsupportedOptionError,
+         "fixed_batch='never'"),
     Case("model-scalar-input", "a data input without a batch axis",
          lambda c: lossgraph.compile_program(linear(("float[N, 4] x)", "float[N, 4] x, float t)"))),
          UnsupportedModelError, "Input 't' is a scalar"),
@@ -711,6 +733,31 @@ CASES: list[Case] = [
          "function that returns a new iterator"),
     Case("x-dict-unknown-input", "X as a dict naming an input the model lacks",
          lambda c: c.fit({"z": X}), UnknownNameError, "X names 'z', not a feature input"),
+    Case("fit-fixed-batch-size", "batch_size=10 for a batch kept at 2 rows",
+         lambda c: c.fit(model=linear(FIXED_BATCH), compile_options={"fixed_batch": "keep"}),
+         UnsupportedOptionError, "batch_size=10, but the model's batch is fixed at 2 rows"),
+    Case("fit-fixed-batch-one-row", "one row for a batch kept at 2 rows",
+         lambda c: c.fit(X[:1], Y[:1], model=linear(FIXED_BATCH), batch_size=None,
+                         compile_options={"fixed_batch": "keep"}),
+         InvalidDataError, "X has 1 row, but the model's batch is fixed at 2 rows"),
+    Case("validation-fixed-batch-rows", "5 validation rows for a batch kept at 2 rows",
+         lambda c: c.fit(X[:4], Y[:4], model=linear(FIXED_BATCH), batch_size=None,
+                         validation_data=(X[:5], Y[:5]),
+                         compile_options={"fixed_batch": "keep"}),
+         InvalidDataError, "validation_data has 5 rows, not a multiple of 2"),
+    Case("batch-fixed-batch-size", "a streamed batch of 3 rows for a batch kept at 2 rows",
+         lambda c: c.fit([(X[:2], Y[:2]), (X[2:5], Y[2:5])], None, model=linear(FIXED_BATCH),
+                         batch_size=None, compile_options={"fixed_batch": "keep"}),
+         InvalidDataError, "Batch 1 has 3 rows, but the model's batch is fixed at 2 rows",
+         trains=True),
+    Case("predict-fixed-batch-rows", "predict on 205 rows for a batch kept at 2 rows",
+         lambda c: c.trainer(linear(FIXED_BATCH), fixed_batch="keep").predict(X),
+         InvalidDataError, "X has 205 rows, not a multiple of 2"),
+    Case("evaluate-fixed-batch-sum", "evaluate 4 rows of a sum loss, a batch kept at 2 rows",
+         lambda c: c.trainer(linear(FIXED_BATCH), fixed_batch="keep",
+                             loss_options={"reduction": "sum"}).evaluate(X[:4], Y[:4]),
+         UnsupportedOptionError, "only a mean loss (reduction 'mean', lossgraph's loss) "
+         "combines exactly across runs; this one is reduction 'sum'"),
     Case("predict-wrong-width", "predict on 3 features",
          lambda c: c.trainer().predict(X[:, :3]), ShapeMismatchError, "X has shape (205, 3)"),
     Case("score-nan", "score on NaN labels",

@@ -107,6 +107,24 @@ def test_a_weight_two_different_layers_share_on_purpose_is_not_tied():
         lossgraph.compile_program(model)
 
 
+def test_a_weight_read_in_parts_is_not_tied():
+    """torch's legacy LSTM export slices each gate out of one weight: three Slices read
+    it, each a part, none a copy of its own."""
+    weight = np.random.default_rng(1).normal(size=(6, 2)).astype(np.float32)
+    starts = [numpy_helper.from_array(np.array([k], np.int64), f"s{k}") for k in (0, 2, 4, 6)]
+    axis = numpy_helper.from_array(np.array([0], np.int64), "axis")
+    nodes = [helper.make_node("Slice", ["w", f"s{k}", f"s{k + 2}", "axis"], [f"g{k}"])
+             for k in (0, 2, 4)]
+    nodes += [helper.make_node("Sum", ["g0", "g2", "g4"], ["gates"]),
+              helper.make_node("MatMul", ["x", "gates"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "gates", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
+        [numpy_helper.from_array(weight, "w"), *starts, axis])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert tied_initializers(model, ["w"]) == []
+
+
 def test_compiling_a_tied_weight_warns_naming_it_its_layers_and_the_way_out():
     with pytest.warns(TiedWeightWarning) as caught:
         program = lossgraph.compile_program(_two_layer_norms())

@@ -78,16 +78,25 @@ def test_a_penalty_on_a_weight_not_trained_is_refused_with_the_weights_trained()
 @pytest.mark.parametrize("signature, body, pattern", [
     ("(float[N, 2] x) => (float[N, 2] x2)", "", "has no nodes"),
     ("(float x) => (float y)", "y = Mul(x, w)", "Input 'x' is a scalar"),
-    ("(float[3, 2] x) => (float[3, 2] y)", "y = Mul(x, w)",
-     "Input 'x' has a fixed batch dimension of 3"),
+    ("(float[3, 2] x, float[N, 2] z) => (float[3, 2] y)", "y = Add(x, z)",
+     "Input 'x' has a fixed batch dimension of 3, but input 'z''s is free"),
+    ("(float[3, 2] x) => (float[1, 2] y)", "y = ReduceSum <keepdims: int = 1> (x, zero)",
+     "the inputs' batch is fixed at 3 rows"),
     ("(float[N, 2] x) => (float[3, 2] y)", "y = Mul(x, w)",
      "Output 'y' has a fixed batch dimension of 3"),
-], ids=["no nodes", "a scalar input", "a fixed input batch", "a fixed output batch"])
+], ids=["no nodes", "a scalar input", "a fixed input batch beside a free one",
+        "an output not of the fixed batch", "a fixed output batch"])
 def test_what_makes_a_valid_model_untrainable_is_named(signature, body, pattern):
     model = onnx.parser.parse_model(f"""<ir_version: 8, opset_import: ["" : 18]>
-        g {signature} <float[2] w = {{1, 2}}> {{ {body} }}""")
+        g {signature} <float[2] w = {{1, 2}}, int64[1] zero = {{0}}> {{ {body} }}""")
     with pytest.raises(UnsupportedModelError, match=pattern):
         check_trainable_model(model)
+
+
+def test_a_fixed_batch_alone_is_trainable():
+    """torch's default export fixes the batch: compile frees or keeps it (GeneralizeBatch)."""
+    check_trainable_model(onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
+        g (float[3, 2] x) => (float[3, 2] y) <float[2] w = {1, 2}> { y = Mul(x, w) }"""))
 
 
 def test_a_model_without_trainable_weights_is_told_where_its_weights_are():

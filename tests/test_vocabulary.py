@@ -147,7 +147,8 @@ FLAG_PARAMETERS = {
         "--weight-name": "loss_options", "--penalty": "penalty", "--penalty-l1": "penalty",
         "--penalty-l2": "penalty", "--optimizer": "optimizer", "--learning-rate": "optimizer",
         "--momentum": "optimizer", "--backend": "backend", "--fuse": "fuse",
-        "--target": "target", "--untie": "untie", "--output": None, "--format": None}),
+        "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
+        "--output": None, "--format": None}),
 }
 
 

@@ -95,7 +95,7 @@ def _compile(args: argparse.Namespace) -> int:
         to_ort_artifacts = _export_function("to_ort_artifacts")
         written = to_ort_artifacts(args.model, args.output, optimizer=optimizer,
                                    weights=args.weights, loss=loss, loss_options=loss_options,
-                                   penalty=penalty, untie=untie)
+                                   penalty=penalty, fixed_batch=args.fixed_batch, untie=untie)
         print(f"{args.output}: {', '.join(Path(path).name for path in written)}; trains with "
               f"{type(optimizer).__name__} (learning rate {optimizer.learning_rate:g}: "
               "onnxruntime's Optimizer starts at 0.001, set_learning_rate sets it)")
@@ -103,13 +103,15 @@ def _compile(args: argparse.Namespace) -> int:
     program = compile_program(
         args.model, weights=args.weights, loss=loss, loss_options=loss_options, penalty=penalty,
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
-        target=args.target, untie=untie)
+        target=args.target, fixed_batch=args.fixed_batch, untie=untie)
     program.save(args.output)
     for note in program.notes.lines():
         print(f"{args.output}: {note}")
     print(f"{args.output}: {', '.join(sorted(program.graphs))}; trains "
           f"{', '.join(program.weights)} with {type(program.optimizer).__name__} "
           f"(learning rate {program.optimizer.learning_rate:g})")
+    if "batch" in program.manifest:
+        print(f"the model: {program.manifest['batch']['detail']}")
     return EXIT_OK
 
 

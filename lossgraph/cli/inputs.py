@@ -36,7 +36,8 @@ def check_inputs(args: argparse.Namespace) -> None:
                 "Name the program folder to train (lossgraph train PROGRAM --data ...), or a "
                 "checkpoint to continue with --resume CHECKPOINT.")
         count("epochs", args.epochs, 0)  # Trainer.fit's checks
-        count("batch_size", args.batch_size, 1)
+        if args.batch_size is not None:  # None: the Trainer's default, or a kept batch
+            count("batch_size", args.batch_size, 1)
         if args.program is not None:
             saved_folder(args.program, PROGRAM)
         if args.resume is not None:

@@ -35,6 +35,7 @@ from ..graphs import (
 )
 from ..models import as_model
 from ..opsets import OpsetMove
+from ..passes.fixed_batch import GeneralizeBatch, export_calls, rows
 from ..passes.loss import AUTO, choose_loss
 from ..passes.lower_ml import LOWERED_OPS, lower_ml_ops
 from ..passes.opset import ConvertOpset
@@ -209,6 +210,7 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         "roles": roles,
         "ops": ops,
         "missing_gradient_rules": missing,
+        "fixed_batch": _fixed_batch(lowered),
     }
 
 
@@ -227,6 +229,28 @@ def _training_output(model: onnx.ModelProto) -> dict[str, Any]:
         return {"error": _one_line(str(exc))}
     return {"name": choice.output, "holds": choice.kind.kind, "evidence": choice.kind.evidence,
             "loss": choice.loss, "loss_options": dict(choice.options), "text": str(choice)}
+
+
+def _fixed_batch(model: onnx.ModelProto) -> dict[str, Any] | None:
+    """What compile does with the model's fixed batch (None: its batch is free): frees it
+    (the constants rewritten) or keeps it (why), and how to export it with a free batch."""
+    weights = {t.name for t in model.graph.initializer}
+    calls = export_calls([v.name for v in model.graph.input if v.name not in weights],
+                         [v.name for v in model.graph.output])
+    try:
+        result = GeneralizeBatch()(model)
+    except LossgraphError as exc:  # inputs that disagree: compile fails the same way
+        return {"size": None, "freed": False, "rewrites": [], "reason": _one_line(str(exc)),
+                "export": list(calls)}
+    report = result.report
+    if report is None:
+        return None
+    return {"size": report.batch, "freed": report.freed,
+            "rewrites": [{"node": r.node, "op_type": r.op_type, "value": r.value,
+                          "kind": r.kind, "before": list(r.before), "after": list(r.after),
+                          "expanded": r.expanded or None, "text": str(r)}
+                         for r in report.rewrites],
+            "reason": report.reason or None, "export": list(calls)}
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "  ") -> str:
@@ -259,6 +283,24 @@ _RULE_TEXT = {"yes": "yes", "missing": "MISSING (see below)",
               "lowered": "lowered into standard ops by compile"}
 
 
+def _fixed_batch_text(batch: Mapping[str, Any]) -> str:
+    """The fixed batch, what compile does with it, and how to export the model again."""
+    export = (f"\n  to train any batch size, export the model with a free batch axis:\n"
+              f"    {batch['export'][0]}   (torch's default exporter)\n"
+              f"    {batch['export'][1]}   (the legacy exporter)")
+    if batch["size"] is None:
+        return f"\nfixed batch: compile refuses the model: {batch['reason']}{export}"
+    size = rows(batch["size"])
+    head = (f"\nfixed batch: the inputs fix the batch at {size} (as torch.onnx.export "
+            "writes a model without dynamic_shapes or dynamic_axes)")
+    if batch["freed"]:
+        how = "; ".join(r["text"] for r in batch["rewrites"]) or "no shape constant holds it"
+        return (f"{head}; compile frees it, proven from the graph ({how}): the program "
+                "trains and predicts any number of rows")
+    return (f"{head}; compile keeps it ({batch['reason']}): the program trains in batches of "
+            f"exactly {size}, each epoch's remaining rows left out{export}")
+
+
 def format_inspection(report: Mapping[str, Any]) -> str:
     """:func:`inspect_model`'s report as readable tables."""
     producer = " ".join(filter(None, report["producer"].values())) or "unknown producer"
@@ -275,6 +317,8 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         parts.append(f"\n{key}\n" + _table(
             ("name", "type", "shape"),
             ((v["name"], v["dtype"], _shape_text(v["shape"])) for v in report[key])))
+    if report.get("fixed_batch"):
+        parts.append(_fixed_batch_text(report["fixed_batch"]))
     initializers = report["initializers"]
     if initializers:
         total = sum(t["size"] for t in initializers)

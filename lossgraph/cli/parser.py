@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from .. import __version__
+from ..options import FIXED_BATCH_CHOICES
 
 EXIT_OK = 0
 
@@ -291,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the runtimes the graphs must load in: a target name (default, "
                             "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "
                             "see docs/reference/targets.md")
+    build.add_argument("--fixed-batch", default="auto", choices=list(FIXED_BATCH_CHOICES),
+                       help="a model whose inputs fix the batch size (torch.onnx.export's "
+                            "default): auto frees it where the graph proves which constants "
+                            "hold it, else trains batches of exactly that size (default); "
+                            "generalize frees it or fails; keep trains at that size")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")
@@ -308,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--validation-split", type=_fraction, metavar="F",
                        help="hold out the last fraction F of the rows as validation data")
     train.add_argument("--epochs", type=int, default=1, help="epochs to train (default: 1)")
-    train.add_argument("--batch-size", type=int, default=32, help="rows a step (default: 32)")
+    train.add_argument("--batch-size", type=int, default=None,
+                       help="rows a step (default: 32, or the batch a model exported with a "
+                            "fixed batch keeps)")
     train.add_argument("--no-shuffle", action="store_true",
                        help="visit the rows in order (default: shuffled every epoch)")
     train.add_argument("--random-state", type=int, default=None, metavar="SEED",

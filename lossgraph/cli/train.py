@@ -102,7 +102,7 @@ def _train(args: argparse.Namespace) -> int:
         history = json.dumps({
             "format": HISTORY_FORMAT, "epochs": trainer.epochs_, "steps": trainer.steps_,
             "train_loss": list(train_losses), "validation_loss": list(validation_losses),
-            "batch_size": args.batch_size, "data": args.data,
+            "batch_size": trainer.batch_size(args.batch_size), "data": args.data,
             "validation_split": args.validation_split,
             "program": args.program, "resumed_from": args.resume}, indent=2) + "\n"
     plot = loss_curve_png(train_losses, validation_losses,

@@ -18,6 +18,7 @@ from .queries import (
     all_graphs,
     attribute_value,
     attribute_values,
+    constant_value,
     initializer_arrays,
     known_shapes,
     names_in_graph,
@@ -41,7 +42,8 @@ from .weights import stored_tensors, without_weight_data
 
 __all__ = [
     "FLOAT_TYPES", "Shape", "ForwardFacts", "all_value_types", "GraphIndex", "attribute_values",
-    "attribute_value", "subgraphs", "all_graphs", "names_in_graph", "values_read",
+    "attribute_value", "constant_value", "subgraphs", "all_graphs", "names_in_graph",
+    "values_read",
     "outer_references", "stored_tensors", "without_weight_data",
     "shortest_path", "elem_type_name", "np_dtype", "weights_dtype", "opset_version",
     "initializer_arrays", "rename_values", "known_shapes", "is_default_domain",

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .queries import all_graphs, attribute_value, initializer_arrays, subgraphs
+from .queries import all_graphs, attribute_value, constant_value, initializer_arrays, subgraphs
 from .types import Shape, is_default_domain, is_onnx_op, np_dtype, opset_version
 from .weights import without_weight_data
 
@@ -71,7 +71,7 @@ class ForwardFacts:
         constants.update((tensor.name, numpy_helper.to_array(tensor)) for tensor in self._weights)
         for node in self._graph.node:
             if is_onnx_op(node, "Constant"):
-                value = _constant_node_value(node)
+                value = constant_value(node)
                 if value is not None:
                     constants[node.output[0]] = value
         return constants
@@ -441,7 +441,7 @@ def _static_dim_values(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProt
         if name not in read:
             source = constants.get(name)
             value = None if source is None else numpy_helper.to_array(source) \
-                if isinstance(source, onnx.TensorProto) else _constant_node_value(source)
+                if isinstance(source, onnx.TensorProto) else constant_value(source)
             read[name] = None if value is None or value.ndim > 1 \
                 or value.size > _FOLDED_SIZE or value.dtype.kind not in "iu" \
                 else _Ints(tuple(int(v) for v in value.reshape(-1)), value.ndim == 0)
@@ -681,15 +681,6 @@ def _loop_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
         elif _rank(inner) is not None:  # a scan output: the iterations stacked
             ranks[out] = (inner.tensor_type.elem_type, _rank(inner) + 1)
     return {out: found for out, found in ranks.items() if out}
-
-
-def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
-    for attribute in node.attribute:
-        if attribute.name == "value":
-            return numpy_helper.to_array(attribute.t)
-        if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
-            return np.array(helper.get_attribute_value(attribute))
-    return None
 
 
 def all_value_types(model: onnx.ModelProto, data_prop: bool = False

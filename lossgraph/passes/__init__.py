@@ -6,6 +6,8 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 - :class:`ConvertOpset`: the model at an ``ai.onnx`` opset the target loads, where its ops
   keep their meaning (every pass does so with the model it is given)
 - :class:`LowerMlOps`: ``ai.onnx.ml`` linear models into standard ops
+- :class:`GeneralizeBatch`: a fixed-batch export (torch's default) freed to take any
+  number of rows, where the graph proves which shape constants hold the batch
 - :class:`ZipMapToTensor`: a classifier's ZipMap output replaced by the probability tensor
   it zips, which the loss reads
 - :class:`AddLossOutput`: a scalar loss (and penalty) as the first output;
@@ -40,6 +42,7 @@ Each pass a user runs alone also has a function form, the model in and the model
 
 from .contract import Pass, PassResult, Pipeline, Reports, Requirement
 from .expand_functions import ExpandFunctions
+from .fixed_batch import GeneralizeBatch
 from .fuse import EpochGraph, PackWeights, StepGraph
 from .gradient import Gradient, gradient
 from .loss import AddLossOutput, RemoveLossOutput, add_loss_output
@@ -56,10 +59,10 @@ from .weights import ConstantsToInitializers, WeightsToInputs
 from .zipmap import ZipMapToTensor
 
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers", "ConvertOpset",
-           "EpochGraph", "ExpandFunctions", "Gradient", "InferenceMode", "LowerMlOps",
-           "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "Reports",
-           "Requirement", "RunningStatistics", "SequencesToTensors", "StabilizeNumerics",
-           "StepGraph", "StraightThroughQuantization", "StripTraining", "UntieWeights",
-           "WeightsToInputs", "ZipMapToTensor", "add_loss_output", "alphabetize_initializers",
-           "convert_opset", "gradient", "lower_ml_ops", "stabilize_numerics",
-           "straight_through_quantization", "strip_training"]
+           "EpochGraph", "ExpandFunctions", "GeneralizeBatch", "Gradient", "InferenceMode",
+           "LowerMlOps", "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput",
+           "Reports", "Requirement", "RunningStatistics", "SequencesToTensors",
+           "StabilizeNumerics", "StepGraph", "StraightThroughQuantization", "StripTraining",
+           "UntieWeights", "WeightsToInputs", "ZipMapToTensor", "add_loss_output",
+           "alphabetize_initializers", "convert_opset", "gradient", "lower_ml_ops",
+           "stabilize_numerics", "straight_through_quantization", "strip_training"]

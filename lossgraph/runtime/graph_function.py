@@ -31,7 +31,9 @@ Two backends build the graphs behind it, with the same public behaviour:
 
 ``ai.onnx.ml`` linear operators (``LinearRegressor``, ...) are first lowered to standard
 ops (:mod:`lossgraph.passes.lower_ml`), so their coefficients become the weights
-``coef`` and ``intercept``.
+``coef`` and ``intercept``. A model exported with a fixed batch (torch's default export)
+has it freed (:class:`~lossgraph.passes.GeneralizeBatch`), or is refused with why and how
+to export it again: a function takes batches of any size.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from ..graphs import FLOAT_TYPES, np_dtype
 from ..models import ModelLike, as_model
 from ..options import names
 from ..passes.contract import Pipeline
+from ..passes.fixed_batch import GeneralizeBatch, fixed_batch
 from ..passes.gradient import BACKENDS, Gradient
 from ..passes.lower_ml import LowerMlOps
 from ..passes.plan import Plan, Planned, PlanRunner
@@ -148,6 +151,8 @@ class GraphFunction:
         given = as_model(onnx_model)
         check_trainable_model(given)
         model = LowerMlOps()(given).model
+        if fixed_batch(model) is not None:  # torch's default export: free it, or say why not
+            model = GeneralizeBatch(strict=True)(model).model
         self.onnx_model = model
         self.graph_builder_config = graph_builder_config
         self.weights_to_train = (_configured_weights(weights_to_train, graph_builder_config)

@@ -37,6 +37,7 @@ from lossgraph.passes import (
     ConstantsToInitializers,
     ConvertOpset,
     EpochGraph,
+    GeneralizeBatch,
     Gradient,
     LowerMlOps,
     PackWeights,
@@ -117,6 +118,15 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
         p = Softmax <axis = 1> (z)  label = ArgMax <axis = 1, keepdims = 0> (p)
         probabilities = ai.onnx.ml.ZipMap <classlabels_int64s = [0, 1]> (p) }"""),
         ZipMapToTensor()),
+    "GeneralizeBatch": (lambda: onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[2, 4] x) => (float[2, 3] y)
+          <float[4, 6] w = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                            20, 21, 22, 23, 24}, int64[3] t = {2, 2, 3}, int64[1] a = {1}> {
+            h = MatMul(x, w)
+            r = Reshape(h, t)
+            y = ReduceSum <keepdims: int = 0> (r, a)
+        }"""), GeneralizeBatch()),
     "AddLossOutput": (lambda: golden("hand_mlp_tanh_double"),
                       AddLossOutput("huber", penalty={"W1": 0.1})),
     "AddLossOutput multiclass_log_loss": (

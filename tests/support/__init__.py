@@ -11,6 +11,9 @@
 - ``data_propagation``: a program whose epoch graph packs long vectors, the models onnx's
   data propagation sees and the long vectors in them (graphs/test_facts.py,
   speed/test_specialize_batch.py);
+- ``fixed_batch``: models exported with a fixed batch, freed or kept by GeneralizeBatch,
+  and an export run in runs of its own batch (passes/test_fixed_batch.py,
+  test_fixed_batch.py);
 - ``estimators``: data, models and numpy references of the onnxcustom estimators' tests;
 - ``catalogue``: the bad-input tables of docs/reference/errors.md
   (``PYTHONPATH=. python tests/support/catalogue.py`` rewrites them);

@@ -33,7 +33,6 @@ package, e.g. a worktree of main) beside this one's. See docs/benchmarks.md#the-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -43,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.output import written_by
+from benchmarks.output import save_figures, written_by
 
 BENCHMARK_MARK = "lossgraph benchmarks/cli_speed.py"  # in every file the run writes
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from benchmarks.machine import cpu_seconds, machine_facts, report_load
     from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target, write_file
+    from lossgraph.fileio import check_file_target
 
     if args.compare is not None and not (args.compare / "lossgraph" / "__init__.py").is_file():
         parser.error(f"--compare {args.compare}: no lossgraph package there")
@@ -265,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                    "rows": {name: {row: {**asdict(t), **t.summary()} for row, t in timings.items()}
                             for name, timings in measured.items()},
                    "verdicts": verdicts}
-        write_file(args.json, json.dumps(figures, indent=2).encode(),
-                   owned=written_by(BENCHMARK_MARK))
-        print(f"figures written to {args.json}")
+        save_figures(figures, args.json, written_by(BENCHMARK_MARK))
     return 0
 
 

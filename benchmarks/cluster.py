@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -44,10 +43,10 @@ from typing import Any
 import numpy as np
 
 from benchmarks.machine import machine_facts
-from benchmarks.output import written_by
+from benchmarks.output import save_figures, written_by
 from benchmarks.problems import LEARNING_RATE, MOMENTUM, make_data, mlp_problem
 from lossgraph.errors import UnsafeWriteError
-from lossgraph.fileio import check_file_target, write_file
+from lossgraph.fileio import check_file_target
 
 BENCHMARK_MARK = "lossgraph benchmarks/cluster.py"  # in every file the run writes
 ROWS, BATCH, EPOCHS = 100_000, 10_000, 4
@@ -270,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         config.sizes = tuple(int(size) for size in args.sizes.split(","))
     figures = run(config)
     if args.json:
-        write_file(args.json, json.dumps(figures, indent=2).encode(), owned=is_benchmark_output)
-        print(f"figures written to {args.json}")
+        save_figures(figures, args.json, is_benchmark_output)
     return 0
 
 

@@ -50,7 +50,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from benchmarks.output import save_figure, written_by
+from benchmarks.output import save_figure, save_figures, written_by
 
 BENCHMARK_MARK = "lossgraph benchmarks/compile_cost.py"  # in every file the run writes
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
     from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target, write_file
+    from lossgraph.fileio import check_file_target
 
     layers = ([int(n) for n in args.layers.split(",")] if args.layers
               else list(LAYERS_QUICK if args.quick else LAYERS))
@@ -393,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                    "width": WIDTH, "memory": "peak resident set of the first run less the "
                    "resident set before it (VmHWM - VmRSS), MiB", "cells": cells,
                    "verdicts": verdicts, "skipped": skipped}
-        write_file(args.json, json.dumps(figures, indent=2).encode(), owned=is_benchmark_output)
-        print(f"figures written to {args.json}")
+        save_figures(figures, args.json, is_benchmark_output)
     if args.plot:
         plot(cells, modes, args.plot)
     return 0

@@ -227,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
-    from benchmarks.output import written_by
+    from benchmarks.output import save_figures, written_by
     from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target, write_file
+    from lossgraph.fileio import check_file_target
 
     if args.json:
         try:
@@ -269,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = {"generator": BENCHMARK_MARK, "machine": facts, "rows": ROWS,
                    "batch": BATCH, "memory_limit_gib": args.memory_limit, "cells": cells,
                    "skipped": skipped}
-        write_file(args.json, json.dumps(figures, indent=2).encode(),
-                   owned=written_by(BENCHMARK_MARK))
-        print(f"figures written to {args.json}")
+        save_figures(figures, args.json, written_by(BENCHMARK_MARK))
     return 0
 
 

@@ -4,6 +4,7 @@ only what that benchmark wrote before (never a file of the user's), atomically."
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,3 +28,10 @@ def save_figure(figure: Any, path: str, mark: str, dpi: int = 110) -> None:
     image = io.BytesIO()
     figure.savefig(image, format="png", dpi=dpi, metadata={"Software": mark})
     write_file(path, image.getvalue(), owned=written_by(mark))
+
+
+def save_figures(figures: Any, path: str, owned: Callable[[Path], bool]) -> None:
+    """A benchmark's figures as JSON, written atomically to ``path`` unless a file that
+    ``owned`` does not recognise is there, and where they went said."""
+    write_file(path, json.dumps(figures, indent=2).encode(), owned=owned)
+    print(f"figures written to {path}")

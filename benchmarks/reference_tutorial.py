@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -54,7 +53,7 @@ import onnx
 from benchmarks.bounds import numpy_products, onnxruntime_products
 from benchmarks.harness import SETTLE_S
 from benchmarks.machine import cpu_seconds, machine_facts, report_run
-from benchmarks.output import written_by
+from benchmarks.output import save_figures, written_by
 from benchmarks.problems import (
     N_FEATURES,
     Epoch,
@@ -64,7 +63,7 @@ from benchmarks.problems import (
     make_data,
 )
 from lossgraph.errors import UnsafeWriteError
-from lossgraph.fileio import check_file_target, write_file
+from lossgraph.fileio import check_file_target
 
 BENCHMARK_MARK = "lossgraph benchmarks/reference_tutorial.py"  # in every file the run writes
 HIDDEN_LAYERS = (50, 10)
@@ -510,9 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot run: {error}", file=sys.stderr)
         return 1
     if args.json:
-        write_file(args.json, json.dumps(figures, indent=2).encode(),
-                   owned=is_benchmark_output)
-        print(f"figures written to {args.json}")
+        save_figures(figures, args.json, is_benchmark_output)
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import tempfile
 import time
@@ -36,10 +35,11 @@ from pathlib import Path
 
 from benchmarks.harness import SETTLE_S, run_model
 from benchmarks.machine import cpu_seconds, machine_facts, report_run
+from benchmarks.output import save_figures
 from benchmarks.problems import N_FEATURES, PROBLEMS, make_data
 from benchmarks.report import ModelReport, is_benchmark_output, plot, report_model, to_json
 from lossgraph.errors import UnsafeWriteError
-from lossgraph.fileio import check_file_target, write_file
+from lossgraph.fileio import check_file_target
 
 N_ROWS, N_ROWS_QUICK = 100_000, 20_000
 
@@ -89,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             reports[name] = report_model(result, batches, n)
     report_run(started, cpu_before, facts)
     if args.json:
-        write_file(args.json, json.dumps(to_json(facts, reports, args.repeat, n),
-                                         indent=2).encode(), owned=is_benchmark_output)
-        print(f"figures written to {args.json}")
+        save_figures(to_json(facts, reports, args.repeat, n), args.json, is_benchmark_output)
     if args.plot:
         plot(reports, batches, args.plot)
     return 0

@@ -1,0 +1,100 @@
+"""The supported-models catalogue (tests/supported_models.py) and its page,
+docs/supported_models.md.
+
+The whole catalogue (every model x exporter x fusion mode) takes many minutes of CPU, so it
+runs as a script, ``python tests/supported_models.py``, which records every outcome in
+tests/supported_models.json and writes the page from the record. Here:
+
+- the page is the record's rendering, and the record covers exactly the catalogue's cases,
+  every defect in it a known one (cheap: nothing is trained);
+- a representative part of the catalogue (:data:`REPRESENTATIVE`: each source and exporter,
+  each fusion mode, a named error, on the smallest models that show them) runs again and
+  comes to its recorded outcome.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import supported_models as suite
+from model_sources import LIBRARIES, library
+
+#: The cases CI runs again, by (source, name, exporter, fuse): each source with each
+#: exporter, each fusion mode, and the cheapest models that show them.
+REPRESENTATIVE = (
+    ("torchvision", "squeezenet1_0", "legacy", "step"),
+    ("torchvision", "squeezenet1_0", "dynamo", "separate"),
+    ("timm", "resnet10t", "dynamo", "step"),
+    ("timm", "resnet10t", "legacy", "epoch"),
+    ("transformers", "bert", "legacy", "epoch"),
+    ("transformers", "bert", "dynamo", "step"),
+    ("transformers", "bert, fresh", "dynamo", "step"),
+)
+
+
+def _architecture(source: str, name: str) -> suite.Architecture:
+    found = [a for a in suite.catalogue() if (a.source, a.name) == (source, name)]
+    assert len(found) == 1, f"no architecture {source}/{name} in the catalogue"
+    return found[0]
+
+
+@functools.cache
+def _case(source: str, name: str) -> suite.Case:
+    """One Case an architecture: its exports and torch references made once for its
+    parametrized tests."""
+    return suite.Case(_architecture(source, name))
+
+
+def test_page_is_generated_from_the_record():
+    assert suite.PAGE.read_text() == suite.render(suite.load_record()), (
+        "docs/supported_models.md is stale: run python tests/supported_models.py --render "
+        "(or without --render to run the catalogue again)")
+
+
+def test_record_covers_the_catalogue_and_names_every_defect():
+    record = suite.load_record()["cases"]
+    keys = [suite.case_key(*c) for c in suite.cases()]
+    assert sorted(record) == sorted(keys), (
+        "tests/supported_models.json is not the catalogue's: run python "
+        "tests/supported_models.py")
+    assert all(outcome["status"] in suite.STATUSES for outcome in record.values())
+    defects = {(f"{a.source}/{a.name}", e) for a, e, f in suite.cases()
+               if suite.is_defect(record[suite.case_key(a, e, f)]["status"])}
+    assert sorted(defects - set(suite.KNOWN)) == [], "defects with no KNOWN entry"
+    assert sorted(set(suite.KNOWN) - defects) == [], "KNOWN entries no case needs"
+
+
+def test_representative_cases_are_in_the_catalogue():
+    sources = {source for source, *_ in REPRESENTATIVE}
+    assert sources == set(LIBRARIES)
+    assert {e for *_, e, _ in REPRESENTATIVE} == set(suite.EXPORTERS)
+    assert {f for *_, f in REPRESENTATIVE} == set(suite.FUSE_MODES)
+    for source, name, *_ in REPRESENTATIVE:
+        _architecture(source, name)
+
+
+def _same(outcome: suite.Outcome, recorded: dict[str, str]) -> bool:
+    """Whether ``outcome`` is the recorded one: the status, and for an error its class (the
+    message may quote numbers of this machine)."""
+    if outcome.status != recorded["status"]:
+        return False
+    if outcome.status in (suite.NAMED_ERROR, suite.EXPORT_FAILS, suite.RAW_EXCEPTION):
+        return outcome.reason.split(":")[0] == recorded["reason"].split(":")[0]
+    return outcome.status != suite.EQUAL or outcome.reason == recorded["reason"]
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.parametrize(("source", "name", "exporter", "fuse"), REPRESENTATIVE,
+                         ids=["-".join(c) for c in REPRESENTATIVE])
+def test_case_comes_to_its_recorded_outcome(source, name, exporter, fuse):
+    if library(source) is None:
+        pytest.skip(f"needs {source} (CI's training environment installs it: "
+                    ".ci/setup-env --torch)")
+    architecture = _architecture(source, name)
+    recorded = suite.load_record()["cases"][suite.case_key(architecture, exporter, fuse)]
+    outcome = _case(source, name).run(exporter, fuse)
+    assert _same(outcome, recorded), (
+        f"{source}/{name} {exporter} {fuse}: {outcome.status}: {outcome.reason}; recorded "
+        f"{recorded['status']}: {recorded['reason']}")

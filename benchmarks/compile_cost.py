@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args.worker)
         print(json.dumps(measure(Subject(**spec["subject"]), spec["mode"], spec["repeat"])))
         return 0
-    from benchmarks.machine import cpu_seconds, machine_facts, report_load
+    from benchmarks.machine import cpu_seconds, machine_facts, report_run
     from lossgraph.errors import UnsafeWriteError
     from lossgraph.fileio import check_file_target, write_file
 
@@ -387,11 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = {s.name: {mode: run_worker(s, mode, repeat) for mode in modes}
                  for s in subjects}
     verdicts = report(cells, modes, repeat)
-    for line in skipped:
-        print(f"  {line}")
-    wall = time.perf_counter() - started
-    print(f"\ntotal wall time {wall:.0f} s")
-    report_load(cpu_before, wall, facts)
+    report_run(started, cpu_before, facts, skipped)
     if args.json:
         figures = {"generator": BENCHMARK_MARK, "machine": facts, "repeat": repeat,
                    "width": WIDTH, "memory": "peak resident set of the first run less the "

@@ -6,6 +6,8 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,18 @@ def report_load(cpu_before: tuple[float, float] | None, wall: float,
           f"during the run{warning}")
 
 
+def report_run(started: float, cpu_before: tuple[float, float] | None,
+               facts: dict[str, str], skipped: Sequence[str] = ()) -> None:
+    """Print what a run skipped, its total wall time since ``started``
+    (``time.perf_counter()``) and how busy other processes kept the machine
+    (:func:`report_load`)."""
+    for line in skipped:
+        print(f"  {line}")
+    wall = time.perf_counter() - started
+    print(f"\ntotal wall time {wall:.0f} s")
+    report_load(cpu_before, wall, facts)
+
+
 def cpu_seconds() -> tuple[float, float] | None:
     """(CPU seconds busy on the whole machine, CPU seconds used by this process), Linux only."""
     try:
@@ -67,15 +81,23 @@ def cpu_seconds() -> tuple[float, float] | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), times.user + times.system
 
 
-def process_memory_mb(field: str) -> float:
-    """``VmRSS`` (resident set now) or ``VmHWM`` (its peak) of this process, in MiB; NaN
-    where ``/proc`` has no such file. (``ru_maxrss`` would not do: Linux keeps it across
-    exec, so a worker would report the peak of the parent that started it.)"""
+def process_memory_mb(field: str, pid: int | str = "self") -> float:
+    """``VmRSS`` (resident set now) or ``VmHWM`` (its peak) of this process (or of process
+    ``pid``), in MiB; NaN where ``/proc`` has no such file (a process gone). (``ru_maxrss``
+    would not do: Linux keeps it across exec, so a worker would report the peak of the
+    parent that started it.)"""
     try:
-        status = Path("/proc/self/status").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return float("nan")
     for line in status.splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def reset_peak_memory() -> None:
+    """Start this process's ``VmHWM`` over from its resident set now (Linux 4.0 and later:
+    ``/proc/self/clear_refs``), so that the peak counts what comes next; nothing elsewhere."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")

@@ -53,7 +53,7 @@ import onnx
 
 from benchmarks.bounds import numpy_products, onnxruntime_products
 from benchmarks.harness import SETTLE_S
-from benchmarks.machine import cpu_seconds, machine_facts, report_load
+from benchmarks.machine import cpu_seconds, machine_facts, report_run
 from benchmarks.output import written_by
 from benchmarks.problems import (
     N_FEATURES,
@@ -475,9 +475,7 @@ def run(config: Config) -> dict[str, Any]:
     candidates = line_up(setting)
     time_candidates(candidates, config.repeat)
     figures = report(candidates, setting)
-    wall = time.perf_counter() - started
-    print(f"\ntotal wall time {wall:.0f} s")
-    report_load(cpu_before, wall, facts)
+    report_run(started, cpu_before, facts)
     return {"generator": BENCHMARK_MARK, "machine": facts,
             "config": {"rows": config.rows, "features": N_FEATURES, "batch": config.batch,
                        "epochs": config.epochs, "hidden_layer_sizes": list(HIDDEN_LAYERS),

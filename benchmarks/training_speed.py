@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import SETTLE_S, run_model
-from benchmarks.machine import cpu_seconds, machine_facts, report_load
+from benchmarks.machine import cpu_seconds, machine_facts, report_run
 from benchmarks.problems import N_FEATURES, PROBLEMS, make_data
 from benchmarks.report import ModelReport, is_benchmark_output, plot, report_model, to_json
 from lossgraph.errors import UnsafeWriteError
@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             result = run_model(PROBLEMS[name](X, y), batches, args.repeat, Path(workdir))
             reports[name] = report_model(result, batches, n)
-    wall = time.perf_counter() - started
-    print(f"\ntotal wall time {wall:.0f} s")
-    report_load(cpu_before, wall, facts)
+    report_run(started, cpu_before, facts)
     if args.json:
         write_file(args.json, json.dumps(to_json(facts, reports, args.repeat, n),
                                          indent=2).encode(), owned=is_benchmark_output)

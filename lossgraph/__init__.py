@@ -17,81 +17,52 @@ The public surface (docs/concepts.md gives its vocabulary):
   learning rates, losses and penalties
 - deployment: :mod:`lossgraph.export`; data-parallel training: :mod:`lossgraph.parallel`
   (and :mod:`lossgraph.ray`); a graph as a torch layer: :mod:`lossgraph.torch`
+
+Each name is loaded on first use (:mod:`lossgraph.lazy`): ``import lossgraph`` imports
+neither numpy, onnx nor onnxruntime, so the command line answers ``--help`` and
+argument errors at once; ``lossgraph.Trainer``, ``from lossgraph import Trainer`` and
+every submodule as an attribute (``lossgraph.passes``) work as with an eager import.
 """
 
-from . import optim
-from .analysis import trainable_initializers
-from .autodiff import grad_rule, supported_ops
-from .compat import (
-    AbsoluteLearningLoss,
-    BaseLearningLoss,
-    BaseLearningPenalty,
-    BaseLearningRate,
-    ElasticLearningLoss,
-    ElasticLearningPenalty,
-    LearningRateSGD,
-    LearningRateSGDNesterov,
-    NegLogLearningLoss,
-    NoLearningPenalty,
-    OrtGradientForwardBackward,
-    OrtGradientForwardBackwardOptimizer,
-    OrtGradientOptimizer,
-    SquareLearningLoss,
-)
-from .compiler import compile_program, describe_plan
 from .deprecation import moved_names as _moved_names
-from .errors import LossgraphError
-from .passes import (
-    add_loss_output,
-    alphabetize_initializers,
-    gradient,
-    lower_ml_ops,
-    stabilize_numerics,
-    straight_through_quantization,
-    strip_training,
-)
-from .program import TrainingProgram
-from .roles import get_roles
-from .runtime.engine import Engine
-from .runtime.trainer import Trainer
+from .lazy import lazy_names as _lazy_names
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Engine",
-    "LossgraphError",
-    "Trainer",
-    "TrainingProgram",
-    "add_loss_output",
-    "alphabetize_initializers",
-    "compile_program",
-    "describe_plan",
-    "get_roles",
-    "grad_rule",
-    "gradient",
-    "lower_ml_ops",
-    "optim",
-    "stabilize_numerics",
-    "straight_through_quantization",
-    "strip_training",
-    "supported_ops",
-    "trainable_initializers",
-    "__version__",
-    "AbsoluteLearningLoss",
-    "BaseLearningLoss",
-    "BaseLearningPenalty",
-    "BaseLearningRate",
-    "ElasticLearningLoss",
-    "ElasticLearningPenalty",
-    "LearningRateSGD",
-    "LearningRateSGDNesterov",
-    "NegLogLearningLoss",
-    "NoLearningPenalty",
-    "OrtGradientForwardBackward",
-    "OrtGradientForwardBackwardOptimizer",
-    "OrtGradientOptimizer",
-    "SquareLearningLoss",
-]
+#: Public name -> the module that defines it.
+_HOMES = {
+    "Engine": ".runtime.engine",
+    "LossgraphError": ".errors",
+    "Trainer": ".runtime.trainer",
+    "TrainingProgram": ".program",
+    "add_loss_output": ".passes",
+    "alphabetize_initializers": ".passes",
+    "compile_program": ".compiler",
+    "describe_plan": ".compiler",
+    "get_roles": ".roles",
+    "grad_rule": ".autodiff",
+    "gradient": ".passes",
+    "lower_ml_ops": ".passes",
+    "optim": ".optim",
+    "stabilize_numerics": ".passes",
+    "straight_through_quantization": ".passes",
+    "strip_training": ".passes",
+    "supported_ops": ".autodiff",
+    "trainable_initializers": ".analysis",
+    **{name: ".compat" for name in (
+        "AbsoluteLearningLoss", "BaseLearningLoss", "BaseLearningPenalty", "BaseLearningRate",
+        "ElasticLearningLoss", "ElasticLearningPenalty", "LearningRateSGD",
+        "LearningRateSGDNesterov", "NegLogLearningLoss", "NoLearningPenalty",
+        "OrtGradientForwardBackward", "OrtGradientForwardBackwardOptimizer",
+        "OrtGradientOptimizer", "SquareLearningLoss")},
+}
+
+__all__ = [*_HOMES, "__version__"]
 
 #: ``lossgraph.compile``, the previous release's name of :func:`compile_program`.
-__getattr__ = _moved_names("lossgraph", {"compile": "lossgraph:compile_program"})
+__getattr__ = _lazy_names(__name__, _HOMES, fallback=_moved_names(
+    "lossgraph", {"compile": "lossgraph:compile_program"}))
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

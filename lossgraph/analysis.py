@@ -1,7 +1,12 @@
-"""Analyses that read a model and answer a question about it, without changing it."""
+"""Analyses that read a model and answer a question about it, without changing it: which
+values are differentiable, which initializers are trainable, blocked (their gradient would
+pass a sequence) or stuck (their gradient is zero everywhere), which an exporter tied
+(:func:`tied_initializers`) or froze into constants (:func:`constant_weights`)."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +38,9 @@ from .roles import get_roles
 
 __all__ = ["trainable_initializers", "blocked_initializers", "blocked_weights", "default_weights",
            "differentiable_values", "influenced_values", "GradientBlock", "gradient_block",
-           "BlockedWeight", "StaticSplit", "static_splits", "StuckWeight", "stuck_weights"]
+           "BlockedWeight", "StaticSplit", "static_splits", "StuckWeight", "stuck_weights",
+           "TiedWeight", "tied_initializers", "layer_readers", "ConstantWeight",
+           "constant_weights", "LARGE_CONSTANT"]
 
 #: Kinds of values that hold tensors without being one, as messages name them.
 _CONTAINERS = {"sequence_type": "a sequence", "optional_type": "an optional",
@@ -563,3 +570,149 @@ _EXPORT_HINTS = {
             "that collects a sequence; the TorchScript exporter (dynamo=False) writes it as "
             "a Loop over tensors, which trains",
 }
+
+
+# -- weights an exporter tied or froze ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """A float initializer read by several layers that look independent: two nodes of one
+    op type or more read it at the same input (the LayerNorm scales of different blocks,
+    the biases of different Linear layers), directly or through ``Identity`` nodes (torch's
+    legacy exporter names each merged parameter by one). torch's exporters merge
+    initializers of equal values (a fresh model's unit LayerNorm scales and zero biases,
+    a layer's copies): the model then trains them as one weight, which torch does not.
+
+    ``readers`` are ``(node, input position)`` of every layer reading it, in graph order
+    (position -1: a subgraph of the node captures it).
+    """
+
+    name: str
+    readers: tuple[tuple[onnx.NodeProto, int], ...]
+
+    def describe(self, most: int = 4) -> str:
+        """``'w' (read by 5 layers: LayerNormalization 'a', 'b', ... and Add 'c')``."""
+        labels = [f"{n.op_type} {n.name or n.output[0]!r}" for n, _ in self.readers]
+        shown = ", ".join(labels[:most]) + (f" and {len(labels) - most} more"
+                                            if len(labels) > most else "")
+        return f"{self.name!r} (read by {len(labels)} layers: {shown})"
+
+
+def layer_readers(graph: onnx.GraphProto, name: str, index: GraphIndex | None = None
+                  ) -> list[tuple[onnx.NodeProto, int]]:
+    """``(node, input position)`` of each node of ``graph`` reading ``name``, the readers
+    of an ``Identity`` of it in the ``Identity``'s stead (an ``Identity`` whose output is a
+    graph output counts itself), in graph order; -1 for a node whose subgraph captures it.
+    ``index``: ``graph``'s, when the caller has it."""
+    index = index or GraphIndex(graph.node)
+    outputs = {o.name for o in graph.output}
+    order = {id(node): position for position, node in enumerate(graph.node)}
+    found: list[tuple[onnx.NodeProto, int]] = []
+    pending = [name]
+    while pending:
+        value = pending.pop()
+        for node in index.readers(value):
+            if is_onnx_op(node, "Identity") and node.output[0] not in outputs:
+                pending.append(node.output[0])
+                continue
+            positions = [p for p, i in enumerate(node.input) if i == value] or [-1]
+            found += [(node, p) for p in positions]
+    return sorted(found, key=lambda reader: (order[id(reader[0])], reader[1]))
+
+
+def tied_initializers(model: ModelLike, candidates: Sequence[str] | None = None
+                      ) -> list[TiedWeight]:
+    """The ``candidates`` (default: :func:`trainable_initializers`) of more than one value
+    that several layers read as if each had its own (:class:`TiedWeight`), in their order.
+    A weight two different layers share on purpose (a language model's embedding and
+    output projection: a Gather and a MatMul) is not one, nor one that ops read in parts
+    (:data:`_PART_READS`: an LSTM's gates sliced out of one weight)."""
+    model = as_model(model)
+    candidates = trainable_initializers(model) if candidates is None else candidates
+    sizes = {t.name: math.prod(t.dims) for t in model.graph.initializer
+             if t.data_type in FLOAT_TYPES}
+    index = GraphIndex(model.graph.node)
+    found = []
+    for name in candidates:
+        if sizes.get(name, 0) <= 1:  # one value: a constant in all likelihood
+            continue
+        readers = layer_readers(model.graph, name, index)
+        kinds = Counter((n.domain, n.op_type, p) for n, p in readers if p >= 0
+                        and not (is_default_domain(n.domain) and n.op_type in _PART_READS))
+        if kinds and max(kinds.values()) >= 2:
+            found.append(TiedWeight(name, tuple(readers)))
+    return found
+
+
+#: Ops that read a part of a tensor, or its shape: several of them reading one weight
+#: take its parts (an LSTM's gates, an embedding's rows), not each a copy of its own.
+_PART_READS = ("Slice", "Split", "Gather", "GatherElements", "GatherND", "Shape", "Size")
+
+#: A float constant of at least this many values that feeds a product like a weight is
+#: reported by :func:`constant_weights`.
+LARGE_CONSTANT = 16
+#: The inputs where a tensor is a layer's weight: (op type, input positions).
+_WEIGHT_INPUTS = {"MatMul": (0, 1), "Gemm": (0, 1), "Conv": (1,), "ConvTranspose": (1,),
+                  "Gather": (0,), "Einsum": None}
+#: Ops between a constant and the product it feeds that only lay its values out.
+_LAYOUT_OPS = ("Identity", "Transpose", "Reshape", "Cast", "Squeeze", "Unsqueeze", "Flatten")
+
+
+@dataclass(frozen=True)
+class ConstantWeight:
+    """A float ``Constant`` node of :data:`LARGE_CONSTANT` values or more that feeds a
+    product like a weight (a MatMul, Gemm, Conv or Einsum operand, a Gather's table),
+    maybe through ops that lay it out (Transpose, Reshape, ...): an exporter folded what
+    may be a parameter into a constant, which lossgraph does not train unless
+    ``weights=`` names it (:class:`~lossgraph.passes.ConstantsToInitializers`)."""
+
+    name: str
+    node: onnx.NodeProto
+    reader: onnx.NodeProto
+    elem_type: int
+    dims: tuple[int, ...]
+
+
+def constant_weights(model: ModelLike) -> list[ConstantWeight]:
+    """The :class:`ConstantWeight` of ``model``'s graph, in graph order."""
+    model = as_model(model)
+    graph = model.graph
+    index = GraphIndex(graph.node)
+    found = []
+    for node in graph.node:
+        tensor = _constant_tensor(node)
+        if tensor is None or tensor.data_type not in FLOAT_TYPES \
+                or math.prod(tensor.dims) < LARGE_CONSTANT:
+            continue
+        reader = _product_reading(index, node.output[0])
+        if reader is not None:
+            found.append(ConstantWeight(node.output[0], node, reader, tensor.data_type,
+                                        tuple(tensor.dims)))
+    return found
+
+
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """The tensor of a ``Constant`` node given by its ``value`` attribute, else None."""
+    if not is_onnx_op(node, "Constant"):
+        return None
+    return next((a.t for a in node.attribute if a.name == "value"), None)
+
+
+def _product_reading(index: GraphIndex, name: str) -> onnx.NodeProto | None:
+    """The first product reading ``name`` as a weight, through layout ops; else None."""
+    pending, seen = [name], set()
+    while pending:
+        value = pending.pop(0)
+        seen.add(value)
+        for node in index.readers(value):
+            if not is_default_domain(node.domain):
+                continue
+            if node.op_type in _LAYOUT_OPS and node.input[0] == value:
+                pending += [o for o in node.output if o and o not in seen]
+                continue
+            positions = _WEIGHT_INPUTS.get(node.op_type, ())
+            if positions is None or any(node.input[p] == value for p in positions
+                                        if p < len(node.input)):
+                return node
+    return None

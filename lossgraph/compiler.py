@@ -6,6 +6,12 @@ The loss model comes first::
     inference model = LowerMlOps -> StripTraining     (no loss; BatchNormalization and Dropout
                                                        in inference mode)
 
+A model whose inputs fix the batch size (torch's default export) gets ``GeneralizeBatch``
+right after ``LowerMlOps`` (``fixed_batch="auto"`` or ``"generalize"``): its batch freed
+where the graph proves which shape constants hold it, else kept (the program then runs
+batches of exactly that size, recorded in the manifest's ``batch``). ``describe_plan``
+prints what it did as its first line, ``model = given model -> GeneralizeBatch: ...``.
+
 then every graph of the program is a pipeline of passes from the loss model (``predict``:
 from the lowered inference model), declared by :func:`plan` and printable before it
 runs (``print(describe_plan(...))``)::
@@ -52,6 +58,7 @@ graphs and the signature they record (:mod:`lossgraph.manifest`).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,21 +67,24 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .analysis import default_weights, trainable_initializers
+from .analysis import default_weights, tied_initializers, trainable_initializers
 from .deprecation import renamed_keywords
-from .errors import UnsupportedModelError, UnsupportedOptionError
+from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
 from .graphs import weights_dtype
 from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .options import names
 from .passes.contract import Pipeline
+from .passes.fixed_batch import BatchReport, GeneralizeBatch, export_advice, fixed_batch, rows
 from .passes.loss import AddLossOutput
 from .passes.lower_ml import LowerMlOps
 from .passes.plan import Plan, Planned, PlanRunner
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
+from .passes.untie import UntieWeights
+from .passes.weights import ConstantsToInitializers
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
 from .target import Target, use_target
@@ -84,6 +94,7 @@ from .validation import (
     check_trainable_model,
     compile_options,
     no_weights_error,
+    warn_tied,
 )
 
 __all__ = ["compile_program", "plan", "describe_plan"]
@@ -107,8 +118,12 @@ def describe_plan(model: ModelLike, **options: Any) -> str:
     unknown = sorted(set(options) - set(_DEFAULTS))
     if unknown:
         raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
-    front = _front(model, {**_DEFAULTS, **options})
-    return str(plan(front.context, front.mode))
+    front = _front(model, {**_DEFAULTS, **options}, stacklevel=3)
+    planned = plan(front.context, front.mode)
+    if front.batch is None:
+        return str(planned)
+    width = max(len(name) for name in planned)
+    return f"{'model':<{width}} = {_batch_step(front.batch)}\n{planned}"
 
 
 @renamed_keywords(trainable="weights", gradient="backend")
@@ -122,6 +137,8 @@ def compile_program(
     backend: str = "onnx",
     fuse: str = "step",
     target: Target | str | None = None,
+    fixed_batch: str = "auto",
+    untie: Sequence[str] | str | bool | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -134,7 +151,9 @@ def compile_program(
         weights: the weights to train (a list of names, or one name); default
             :func:`~lossgraph.trainable_initializers`, or an ``UnsupportedModelError`` when
             a weight influences the loss through a sequence lossgraph does not
-            differentiate (:func:`lossgraph.analysis.default_weights`).
+            differentiate (:func:`lossgraph.analysis.default_weights`). A name may be the
+            output of a ``Constant`` node: it becomes an initializer and trains
+            (:class:`~lossgraph.passes.ConstantsToInitializers`).
         loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows, or
             ``None`` when the model carries its loss already.
         loss_options: further arguments of ``add_loss_output`` (``weight_name``,
@@ -151,9 +170,24 @@ def compile_program(
             every onnxruntime since 1.19, opsets 13-21; ``"onnxruntime-1.23"``, ...,
             ``"onnxruntime-latest"``), an explicit pair such as ``"ir10-opset21"``, or a
             :class:`~lossgraph.target.Target` (docs/reference/targets.md).
+        fixed_batch: what to do with a model whose inputs fix the batch size (torch's
+            default export, ``float[2, 1, 28, 28]``): ``"auto"`` frees it where the graph
+            proves which shape constants hold it (:class:`~lossgraph.passes.GeneralizeBatch`)
+            and otherwise trains in batches of exactly that size, with a
+            :class:`~lossgraph.errors.FixedBatchWarning` saying why; ``"generalize"`` frees
+            it or raises an ``UnsupportedModelError``; ``"keep"`` trains at that size.
+        untie: initializers several layers read to give each layer its own copy of
+            (:class:`~lossgraph.passes.UntieWeights`): ``"auto"`` (or ``True``) for every one
+            that layers read as their own (:func:`lossgraph.analysis.tied_initializers`,
+            what torch's exporters make of equal values), or their names. Each copy is a
+            weight (of ``weights``' when it names the initializer; penalized as it is), the
+            manifest's ``untied`` maps each initializer to its copies, and the inference
+            model keeps them apart. Without it, training a tied weight warns
+            (``TiedWeightWarning``).
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
-               "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse}
+               "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
+               "fixed_batch": fixed_batch, "untie": untie}
     with use_target(target):
         return _compile(model, options)
 
@@ -173,18 +207,23 @@ class _Front:
     starts: dict[str, onnx.ModelProto]
     mode: FuseMode
     context: PlanContext
+    #: each untied initializer -> its copies (UntieWeights)
+    untied: dict[str, list[str]]
+    batch: BatchReport | None = None
 
 
-def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
+def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Front:
     """The start models, the weights, the buffers (running statistics training updates)
-    and the checked options, each checked before any graph is built."""
+    and the checked options, each checked before any graph is built. ``stacklevel``: the
+    user's frame from here, for a warning."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
-                              options["fuse"])
+                              options["fuse"], options["fixed_batch"], options["untie"])
     given = as_model(model)
     check_trainable_model(given)
-    source = LowerMlOps()(given).model
-    loss, penalty = options["loss"], options["penalty"]
+    freed, batch = _free_batch(LowerMlOps()(given).model, checked.fixed_batch, stacklevel + 1)
+    source, untied = _weights_made(freed, checked.weights, checked.untie)
+    loss, penalty = options["loss"], _with_copies(options["penalty"], untied)
     carried = get_roles(source).get("loss")
     if loss is None:
         if not carried:
@@ -208,11 +247,14 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
     if checked.weights == []:
         names("weights", [], candidates=trainable_initializers(loss_model))
     # never around a weight no gradient (or part of one) would reach: that is an error
-    weights = checked.weights or default_weights(loss_model)
+    weights = list(_with_copies(dict.fromkeys(checked.weights or ()), untied)) \
+        or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
     check_penalized(penalty, weights)
     check_learnable(loss_model, weights)
+    if checked.untie is None:
+        warn_tied(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:
@@ -233,14 +275,86 @@ def _front(model: ModelLike, options: Mapping[str, Any]) -> _Front:
     stripped = StripTraining()(source)
     inference = stripped.model if stripped.changed else source  # unchanged: one prefix run
     return _Front({"loss model": loss_model, "inference model": inference,
-                   "forward model": source}, mode, context)
+                   "forward model": source}, mode, context, untied, batch)
+
+
+def _free_batch(model: onnx.ModelProto, choice: str, stacklevel: int
+                ) -> tuple[onnx.ModelProto, BatchReport | None]:
+    """``model`` with its fixed batch freed where the graph proves it (``fixed_batch=``
+    ``choice``), and what was done; a model whose batch is free comes back as it is. A
+    batch kept by ``"auto"`` is a FixedBatchWarning (``stacklevel``: the user's frame)."""
+    batch = fixed_batch(model)
+    if batch is None:
+        return model, None
+    if choice == "keep":
+        return model, BatchReport(batch, False, reason=_KEPT)
+    try:
+        result = GeneralizeBatch(strict=choice == "generalize")(model)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(
+            f"{exc} Or compile with fixed_batch='auto' (the default) to train it in batches "
+            f"of exactly {rows(batch)}.") from None
+    report = result.report
+    if not report.freed:
+        warnings.warn(
+            f"The model's batch is fixed at {rows(batch)} and lossgraph cannot prove which "
+            f"of its constants hold it ({report.reason}): the program trains in batches of "
+            f"exactly {rows(batch)}, and each epoch's remaining rows are left out (as torch's "
+            f"DataLoader(drop_last=True)). {export_advice(model)}", FixedBatchWarning,
+            stacklevel=stacklevel)
+    return result.model, report
+
+
+def _batch_step(report: BatchReport) -> str:
+    """The first line of a fixed-batch model's plan: what compile does with its batch."""
+    ran = report.freed or report.reason != _KEPT
+    return f"given model{' -> GeneralizeBatch' if ran else ''}: {report.describe()}"
+
+
+#: The reason a fixed batch is kept when the option says so.
+_KEPT = "fixed_batch='keep'"
+
+
+def _batch_record(report: BatchReport, context: PlanContext) -> dict[str, Any]:
+    """The manifest's record of a fixed-batch model: its batch, whether the program keeps
+    it (then the runtime feeds batches of exactly that size) and how its loss reduces
+    rows (how the losses of several batches combine)."""
+    reduction = context.loss_options.get("reduction", "mean") if context.loss else None
+    return {"size": report.batch, "fixed": not report.freed, "detail": report.describe(),
+            "loss_reduction": reduction}
+
+
+def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
+                  untie: str | list[str] | None) -> tuple[onnx.ModelProto, dict[str, list[str]]]:
+    """``model`` with the ``Constant`` nodes ``weights`` names made initializers, and the
+    initializers ``untie`` names (``"auto"``: every tied one) untied; the copies made of
+    each."""
+    outputs = {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.output}
+    constants = [w for w in weights or () if w in outputs]
+    if constants:
+        model = ConstantsToInitializers(constants)(model).model
+    names = [t.name for t in tied_initializers(model)] if untie == "auto" else untie
+    if not names:
+        return model, {}
+    result = UntieWeights(names)(model)
+    return result.model, result.report
+
+
+def _with_copies(by_weight: Mapping[str, Any] | None, untied: Mapping[str, list[str]]
+                 ) -> Mapping[str, Any] | None:
+    """``by_weight`` (a penalty, or weights as keys) with each untied weight's copies after
+    it, given what it gives the weight."""
+    if not untied or not isinstance(by_weight, Mapping):
+        return by_weight
+    return {name: value for weight, value in by_weight.items()
+            for name in (weight, *untied.get(weight, ()))}
 
 
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
 
 
 def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
-    front = _front(model, options)
+    front = _front(model, options, stacklevel=5)  # compile_program, its keyword wrapper
     context, mode = front.context, front.mode
     runner = PlanRunner(front.starts)
     compiling = Compiling(context.roles, context.weights, context.buffers)
@@ -257,5 +371,6 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     state.update((b, lifted[b]) for b in context.buffers)
     graphs = {name: result.model for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
-                              assembled.graph_roles)
+                              assembled.graph_roles, front.untied,
+                              front.batch and _batch_record(front.batch, context))
     return TrainingProgram(graphs, manifest, state, front.starts["inference model"])

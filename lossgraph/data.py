@@ -4,9 +4,19 @@ Each check returns the data in the form the runtime uses (a C-contiguous array o
 and shape a graph input declares) or raises the :mod:`lossgraph.errors` class that fits,
 naming the data, the row and how to fix it. Decisions made here, once for every caller:
 
+- numbers are converted to the dtype the model declares as scikit-learn's
+  ``check_array(X, dtype=...)`` converts them (:func:`converted`): float64 (or integer,
+  or bool) data for a float32 input are cast, float32 data for a float64 input too
+  (exactly); a value the cast would turn infinite (beyond float32's +-3.4e38) is refused
+  by row and column, never trained on as infinity. The caller's array is never written:
+  a conversion is a copy, made once per call (pass the model's dtype to skip it). Class
+  labels stay whole numbers: float labels for an integer input are refused (lists and
+  text tables, which have no dtype of their own, may hold whole numbers as floats), and
+  an integer outside the input's range is refused, never wrapped. Text, complex and
+  object values are refused;
 - Python lists are data: converted to the dtype the model declares (a list has no dtype
   of its own); objects with ``to_numpy()`` (pandas, polars) or ``__array__`` are read as
-  arrays; an array of another dtype is an error, never a silent copy to another type;
+  arrays;
 - a label in one column, ``(N, 1)``, is read as the ``(N,)`` label a model declares, and
   ``(N,)`` as the one column of an ``(N, 1)`` input;
 - data are checked for NaN and infinity before training (one read of the data, about
@@ -27,7 +37,8 @@ import numpy as np
 
 from .errors import DTypeMismatchError, InvalidDataError, ShapeMismatchError, UnsupportedOptionError
 
-__all__ = ["random_state", "callbacks", "as_array", "check_values", "CheckedArrays"]
+__all__ = ["random_state", "callbacks", "as_array", "converted", "declared", "check_values",
+           "CheckedArrays"]
 
 #: Elements per block of the NaN check (256 KiB of float32, its mask 64 KiB).
 _FINITE_BLOCK = 1 << 16
@@ -64,10 +75,15 @@ def callbacks(value: Any) -> list[Callable]:
     return listed
 
 
-def _shape_text(shape: Sequence[int | str | None]) -> str:
-    """``(N, K)`` for a declared shape: each dimension's size or own name, ``?`` unnamed."""
+def declared(name: str, dtype: Any, shape: Sequence[int | str | None] | None,
+             of: str = "input") -> str:
+    """``input 'x' of the model is float32 of shape (N, K)``: what a graph declares, for
+    messages (each dimension its size or own name, ``?`` unnamed; no shape when unknown)."""
+    text = f"{of} {name!r} of the model is {np.dtype(dtype)}"
+    if shape is None:
+        return text
     dims = ["?" if d is None else str(d) for d in shape]
-    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+    return f"{text} of shape (" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
 def as_array(value: Any, spec: Mapping[str, Any], what: str) -> np.ndarray:
@@ -75,36 +91,31 @@ def as_array(value: Any, spec: Mapping[str, Any], what: str) -> np.ndarray:
 
     ``spec`` is a manifest entry (``name``, ``dtype``, ``shape``, ``role``); ``what`` names
     the data in messages (``X``, ``y``, ``validation_data y``...). The caller's array is
-    never written to: a conversion makes a copy. An ``(N,)`` array is read as one column
-    where the input is ``(N, 1)``, and a label in one column, ``(N, 1)``, where the label is
-    ``(N,)`` (onnxcustom's examples pass ``y.reshape((-1, 1))``); no other shape changes.
+    never written to: a conversion (:func:`converted`) makes a copy. An ``(N,)`` array is
+    read as one column where the input is ``(N, 1)``, and a label in one column, ``(N, 1)``,
+    where the label is ``(N,)`` (onnxcustom's examples pass ``y.reshape((-1, 1))``); no
+    other shape changes.
     """
     expected = np.dtype(spec["dtype"])
-    declared = f"{expected} of shape {_shape_text(spec['shape'])}"
+    model_takes = declared(spec["name"], expected, spec["shape"])
     if value is None:
-        raise InvalidDataError(f"No data for input {spec['name']!r} ({declared}).")
+        raise InvalidDataError(f"No data for {model_takes}.")
     if hasattr(value, "to_numpy") and not isinstance(value, np.ndarray):
         value = value.to_numpy()
-    if isinstance(value, (list, tuple)):
-        array = _from_list(value, expected, what)
-    else:
-        try:
-            array = np.asarray(value)
-        except (TypeError, ValueError) as exc:
-            raise InvalidDataError(f"{what} cannot be read as an array: {exc}.") from None
-    if array.dtype.kind not in "biuf":
-        raise DTypeMismatchError(
-            f"{what} holds {array.dtype} values, not numbers; input {spec['name']!r} of the "
-            f"model is {declared}.")
+    listed = isinstance(value, (list, tuple))
+    try:
+        array = np.asarray(value)
+    except ValueError as exc:
+        raise InvalidDataError(
+            f"{what} is a list whose rows differ in length (or nest differently): every row "
+            "needs the same shape." if listed else
+            f"{what} cannot be read as an array: {exc}.") from None
+    except TypeError as exc:
+        raise InvalidDataError(f"{what} cannot be read as an array: {exc}.") from None
+    _check_numbers(array, what, model_takes)
     if array.ndim and not len(array):
         raise InvalidDataError(f"{what} has no rows.")
-    if array.dtype != expected:
-        if not (array.dtype.kind in "iub" and expected.kind in "iu"):
-            raise DTypeMismatchError(
-                f"{what} is {array.dtype} but input {spec['name']!r} of the model is "
-                f"{declared}: convert it first with .astype(np.{expected.name}) (lossgraph "
-                "does not change your data's type behind your back).")
-        array = array.astype(expected)
+    array = converted(array, expected, what, model_takes, whole=listed)
     shape = spec["shape"]
     if array.ndim == len(shape) - 1 and shape and shape[-1] == 1:
         array = array.reshape(*array.shape, 1)  # y of shape (N,) for an (N, 1) output
@@ -113,28 +124,99 @@ def as_array(value: Any, spec: Mapping[str, Any], what: str) -> np.ndarray:
         array = array.reshape(len(array))  # y in one column, (N, 1), for an (N,) label
     if array.ndim != len(shape) or any(
             isinstance(d, int) and d != n for d, n in zip(shape[1:], array.shape[1:])):
-        raise ShapeMismatchError(
-            f"{what} has shape {array.shape} but input {spec['name']!r} of the model is "
-            f"{declared}.")
+        raise ShapeMismatchError(f"{what} has shape {array.shape} but {model_takes}.")
     return np.ascontiguousarray(array)
 
 
-def _from_list(value: list | tuple, expected: np.dtype, what: str) -> np.ndarray:
-    """A list's numbers in the model's dtype; integral values only for integer inputs."""
-    try:
-        array = np.asarray(value)
-    except ValueError:
-        raise InvalidDataError(
-            f"{what} is a list whose rows differ in length (or nest differently): every row "
-            "needs the same shape.") from None
-    if array.dtype.kind == "f" and expected.kind in "iu":
-        if not np.array_equal(array, np.round(array)):
+def _check_numbers(array: np.ndarray, what: str, model_takes: str) -> None:
+    """A DTypeMismatchError for values that are not real numbers (text, complex, objects)."""
+    if array.dtype.kind == "c":
+        raise DTypeMismatchError(
+            f"{what} holds {array.dtype} values; {model_takes}: lossgraph drops no imaginary "
+            "part. Pass the real part (.real), or the real and imaginary parts as separate "
+            "features.")
+    if array.dtype.kind not in "biuf":
+        raise DTypeMismatchError(
+            f"{what} holds {array.dtype} values, not numbers; {model_takes}.")
+
+
+def converted(array: np.ndarray, expected: np.dtype, what: str, model_takes: str,
+              whole: bool = False) -> np.ndarray:
+    """``array`` (real numbers) in dtype ``expected``, as scikit-learn's
+    ``check_array(dtype=...)`` converts data: a copy when the dtype differs, the caller's
+    array untouched.
+
+    - Any real numbers (float64, float32, integers, bools) for a float input are cast;
+      a finite value the cast makes infinite (beyond the dtype's range: +-3.4e38 for
+      float32, 65504 for float16) is an InvalidDataError naming its row and column.
+    - Integers (and bools) for an integer input are cast; a value outside the input's
+      range is an InvalidDataError (never wrapped into another class index).
+    - Floats for an integer input (class labels) are a DTypeMismatchError, unless
+      ``whole`` (a list, a column of a text table: no dtype of their own) and every
+      value is a whole number.
+
+    ``what`` names the data and ``model_takes`` the input (:func:`declared`) in messages.
+    """
+    if array.dtype == expected:
+        return array
+    _check_numbers(array, what, model_takes)
+    if expected.kind == "f":
+        with np.errstate(over="ignore"):  # the overflow is found and named below
+            result = array.astype(expected)
+        overflow = _first_overflow(array, result)
+        if overflow is not None:
+            raise InvalidDataError(
+                f"{what} holds {array[overflow]} at {_position(array.shape, overflow)}, "
+                f"beyond the range of {expected} (largest {np.finfo(expected).max:.8g}): "
+                f"{model_takes}, where it would be infinite. Scale the data (e.g. with "
+                "sklearn.preprocessing.StandardScaler) or clip it first.")
+        return result
+    if array.dtype.kind == "f":
+        if not whole:
             raise DTypeMismatchError(
-                f"{what} holds non-integral numbers, but the model takes {expected} there "
-                "(class indices).")
-    if array.dtype.kind in "biuf":
-        return array.astype(expected)
-    return array
+                f"{what} is {array.dtype} but {model_takes}: class labels are whole numbers; "
+                f"convert them with .astype(np.{expected.name}) once they are (lossgraph "
+                "rounds no label).")
+        fractional = ~np.isfinite(array) | (array != np.round(array))
+        if fractional.any():
+            index = tuple(int(i) for i in np.argwhere(fractional)[0])
+            raise DTypeMismatchError(
+                f"{what} holds {array[index]} at {_position(array.shape, index)}, not a "
+                f"whole number, but {model_takes} (class indices).")
+    if expected.kind in "iu" and not np.can_cast(array.dtype, expected):
+        limits = np.iinfo(expected)
+        outside = (array < limits.min) | (array > limits.max)
+        if outside.any():
+            index = tuple(int(i) for i in np.argwhere(outside)[0])
+            raise InvalidDataError(
+                f"{what} holds {array[index]} at {_position(array.shape, index)}, beyond "
+                f"the range of {expected} ({limits.min}..{limits.max}): {model_takes}. Encode "
+                "labels as class indices, e.g. with sklearn.preprocessing.LabelEncoder.")
+    return array.astype(expected)
+
+
+def _first_overflow(source: np.ndarray, result: np.ndarray) -> tuple[int, ...] | None:
+    """The index of the first value that ``result`` (``source`` cast to a float dtype) holds
+    as infinite where ``source`` is finite; None when there is none (one read of
+    ``result`` when it is all finite)."""
+    if _all_finite(result):
+        return None
+    bad = np.isinf(result) & ~np.isinf(source)
+    if not bad.any():
+        return None
+    return tuple(int(i) for i in np.argwhere(bad)[0])
+
+
+def _position(shape: tuple[int, ...], index: tuple[int, ...]) -> str:
+    """``row 3, column 1`` for ``index`` in an array of ``shape`` (columns count every
+    value of a row, in C order; ``row 3`` where a row holds one value)."""
+    if not shape:
+        return "its only value"
+    row, rest = index[0], index[1:]
+    if int(np.prod(shape[1:])) <= 1:
+        return f"row {row}"
+    column = int(np.ravel_multi_index(rest, shape[1:]))
+    return f"row {row}, column {column}"
 
 
 def check_values(array: np.ndarray, role: str, what: str, classes: int | None = None,
@@ -144,12 +226,9 @@ def check_values(array: np.ndarray, role: str, what: str, classes: int | None = 
     >= 0 when ``classes`` is None: the model's class count is not static) or ``ignored``
     (the loss's ``ignore_index``), which may not be every label."""
     if finite and array.dtype.kind == "f" and not _all_finite(array):
-        rows = np.isfinite(array.reshape(len(array), -1))
-        row = int(np.flatnonzero(~rows.all(axis=1))[0])
-        column = int(np.flatnonzero(~rows[row])[0])
-        where = f"row {row}" + (f", column {column}" if rows.shape[1] > 1 else "")
+        index = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
         raise InvalidDataError(
-            f"{what} holds {array.reshape(len(array), -1)[row, column]} at {where}: "
+            f"{what} holds {array[index]} at {_position(array.shape, index)}: "
             "clean or impute NaN and infinite values first.")
     if role == "sample_weight":
         negative = np.flatnonzero(array < 0)
@@ -191,7 +270,7 @@ def _all_finite(array: np.ndarray) -> bool:
     """True when ``array`` holds no NaN or infinity. Blocks of rows keep the temporary mask
     in cache: one read of the data, single-threaded (a BLAS product against ones would
     leave its threads spinning on the cores onnxruntime needs next)."""
-    rows = array.reshape(len(array), -1)
+    rows = array.reshape(len(array), -1) if array.ndim else array.reshape(1, 1)
     step = max(1, _FINITE_BLOCK // max(1, rows.shape[1]))
     return all(np.isfinite(rows[lo:lo + step]).all() for lo in range(0, len(rows), step))
 

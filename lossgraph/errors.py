@@ -119,6 +119,17 @@ class StuckWeightWarning(LossgraphWarning):
     everywhere: training never changes it."""
 
 
+class FixedBatchWarning(LossgraphWarning):
+    """The model's batch is fixed (torch.onnx.export's default) and lossgraph cannot prove
+    which of its constants hold it: the program trains in batches of exactly that size."""
+
+
+class TiedWeightWarning(LossgraphWarning):
+    """An initializer to train is read by several layers that look independent (an
+    exporter merged initializers of equal values): it trains as one tied weight, unless
+    ``untie`` gives each layer its own copy."""
+
+
 class EvaluationError(LossgraphError, RuntimeError):
     """Running a graph failed while training or predicting."""
 
@@ -139,5 +150,6 @@ __all__ = [
     "InvalidDataError", "InvalidProgramError", "UnsafeWriteError", "MissingFolderError",
     "NoGradientError", "InvalidRuleError", "EvaluationError", "ProviderError", "NotFittedError",
     "LossgraphWarning", "LossgraphDeprecationWarning", "ConvergenceWarning",
-    "ValidationLossWarning", "StuckWeightWarning", "suggest",
+    "ValidationLossWarning", "StuckWeightWarning", "TiedWeightWarning", "FixedBatchWarning",
+    "suggest",
 ]

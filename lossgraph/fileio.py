@@ -33,11 +33,13 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import onnx
+from typing import TYPE_CHECKING
 
 from .errors import MissingFolderError, UnsafeWriteError
 from .metadata import WRITTEN_BY_KEY
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["WRITTEN_BY_KEY", "FolderKind", "serialize", "written_by_lossgraph", "write_file",
            "save_model", "ensure_folder", "check_file_target", "check_folder_target",
@@ -50,7 +52,7 @@ def serialize(model: onnx.ModelProto) -> bytes:
     """``model``'s bytes, marked as lossgraph's output (the caller's model is not changed)."""
     if any(p.key == WRITTEN_BY_KEY for p in model.metadata_props):
         return model.SerializeToString()
-    marked = onnx.ModelProto()
+    marked = type(model)()
     marked.CopyFrom(model)
     marked.metadata_props.add(key=WRITTEN_BY_KEY, value="lossgraph")
     return marked.SerializeToString()
@@ -60,6 +62,8 @@ def written_by_lossgraph(path: Path) -> bool:
     """True when ``path`` is a regular file holding an ONNX model lossgraph wrote."""
     if path.is_symlink() or not path.is_file():
         return False
+    import onnx  # here: the command line checks its outputs before it imports onnx
+
     try:
         model = onnx.load_model_from_string(path.read_bytes())
     except Exception:  # not ONNX at all: certainly not ours

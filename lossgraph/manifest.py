@@ -9,12 +9,25 @@ A manifest is a JSON object (docs/reference/program.md)::
 
     io = {"name": str, "role": str, "dtype": numpy dtype name, "shape": [int | str | null]}
 
+A program compiled from a model exported with a fixed batch (torch's default export)
+has one more key, ``"batch": {"size": int, "fixed": bool, "detail": str, "loss_reduction":
+"mean" | "sum" | null}``: the exported batch size, whether the program keeps it (its
+graphs then take batches of exactly ``size`` rows; else the batch was freed), what
+compile did, and how the loss reduces rows (how losses of several batches combine).
+Other programs are written without it.
+
 A program with buffers (the running statistics of a training-mode BatchNormalization,
 :mod:`lossgraph.passes.running_stats`) has the format ``"lossgraph-program/2"`` and one
 more key, ``"buffers": [{"name": b, "new": b_new}]``, with the roles ``buffer`` and
 ``new_buffer`` in its graphs' inputs and outputs. A program without buffers is written
 exactly as before (format 1), and both formats are read: a lossgraph that knows no
 buffers refuses a program that has them instead of training or exporting it without them.
+
+A program compiled with ``untie`` (:class:`~lossgraph.passes.UntieWeights`) has one more
+key, ``"untied": {initializer: [copy, ...]}``: each initializer several layers read and the
+copies its layers read instead, all weights of their own. Its graphs and inference model
+hold the copies like any weight, so it needs no new format (a lossgraph that does not know
+the key trains and exports the program all the same).
 
 :func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything
@@ -125,6 +138,19 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
     elif form == FORMAT_WITH_BUFFERS:
         raise _fail(where, f"a {FORMAT_WITH_BUFFERS!r} program lists its buffers, and the key "
                            "'buffers' is missing")
+    if "batch" in manifest:
+        batch = _field(manifest, "batch", dict, where)
+        if _field(batch, "size", int, f"{where} batch") < 1:
+            raise _fail(where, "batch size must be >= 1")
+        _field(batch, "fixed", bool, f"{where} batch")
+        _field(batch, "detail", str, f"{where} batch")
+        if _field(batch, "loss_reduction", (str, type(None)), f"{where} batch") not in (
+                "mean", "sum", None):
+            raise _fail(where, "batch loss_reduction must be 'mean', 'sum' or null")
+    for name, copies in _field(manifest, "untied", dict, where).items() \
+            if "untied" in manifest else ():
+        if not isinstance(copies, list) or not all(isinstance(c, str) for c in copies):
+            raise _fail(f"{where} untied[{name!r}]", "expected a list of names")
     graphs = _field(manifest, "graphs", dict, where)
     missing = [name for name in REQUIRED_GRAPHS[fuse] if name not in graphs]
     if missing:
@@ -140,12 +166,15 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
 
 def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                    optimizer: Optimizer, fuse: str, roles: Mapping[str, str],
-                   graph_roles: Mapping[str, Mapping[str, str]] | None = None
-                   ) -> dict[str, Any]:
+                   graph_roles: Mapping[str, Mapping[str, str]] | None = None,
+                   untied: Mapping[str, list[str]] | None = None,
+                   batch: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The program's description: graphs with the role of every input and output.
 
     Roles come from ``signature``; ``graph_roles`` gives, by graph, the roles of the names
-    a graph's builder chose (the separate graphs'), which take precedence in that graph.
+    a graph's builder chose (the separate graphs'), which take precedence in that graph;
+    ``untied`` the copies of each untied initializer (the key is left out without any).
+    ``batch`` is the record of a model exported with a fixed batch (module doc).
     """
     role_of = {name: "feature" for name in signature.features}
     role_of.update({signature.label: "label", signature.loss: "loss",
@@ -189,6 +218,10 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
     }
     if signature.buffers:
         manifest["buffers"] = [{"name": b, "new": signature.new[b]} for b in signature.buffers]
+    if batch:
+        manifest["batch"] = dict(batch)
+    if untied:
+        manifest["untied"] = {name: list(copies) for name, copies in untied.items()}
     graph_roles = graph_roles or {}
     manifest["graphs"] = {name: {"file": f"{name}.onnx",
                                  "inputs": describe(g.graph.input, graph_roles.get(name, {})),

@@ -18,9 +18,10 @@ through the pipeline.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import onnx
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["ROLES_KEY", "LOSS_KEY", "GRADIENTS_KEY", "SIGNATURE_KEY", "BUFFERS_KEY",
            "WRITTEN_BY_KEY", "read_text", "read_json", "write_json", "remove_record"]
@@ -49,7 +50,9 @@ def write_json(model: onnx.ModelProto, key: str, value: Any) -> None:
     """Record ``value`` as JSON under ``key``, in place, replacing any previous record."""
     props = {p.key: p.value for p in model.metadata_props}
     props[key] = json.dumps(value, sort_keys=key == ROLES_KEY)
-    onnx.helper.set_model_props(model, props)
+    del model.metadata_props[:]
+    for name, text in props.items():
+        model.metadata_props.add(key=name, value=text)
 
 
 def remove_record(model: onnx.ModelProto, key: str) -> None:

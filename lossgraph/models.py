@@ -29,6 +29,7 @@ from onnx.external_data_helper import load_external_data_for_tensor, uses_extern
 
 from .errors import InternalError, InvalidModelError
 from .graphs import elem_type_name, stored_tensors, without_weight_data
+from .paths import model_file
 from .target import finalize
 
 if TYPE_CHECKING:
@@ -105,15 +106,7 @@ def _in_dependency_order(graph: onnx.GraphProto) -> bool:
 
 def _read(path: Path) -> bytes:
     """The file's bytes, or an error saying why there are none."""
-    if os.path.isdir(path):
-        raise InvalidModelError(
-            f"{str(path)!r} is a folder, not an ONNX file. A saved TrainingProgram loads with "
-            "lossgraph.TrainingProgram.load(folder); a model is a .onnx file.")
-    if not os.path.isfile(path):
-        hint = (" It looks like ONNX text: parse it with onnx.parser.parse_model(text) first."
-                if str(path).lstrip().startswith("<") else "")
-        raise InvalidModelError(f"No ONNX file at {str(path)!r} (current directory: "
-                                f"{os.getcwd()!r}).{hint}")
+    model_file(path)
     try:
         return path.read_bytes()
     except OSError as exc:

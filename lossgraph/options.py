@@ -15,18 +15,26 @@ from __future__ import annotations
 import math
 import numbers
 import reprlib
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from .errors import UnsupportedOptionError, suggest
+
+#: What compile does with a fixed batch (``compile_program(fixed_batch=...)``,
+#: :mod:`lossgraph.passes.fixed_batch`): free it where the graph proves it, else train at
+#: it (the default); free it or raise; train at it. Here, where the command line reads it
+#: without importing onnx.
+FIXED_BATCH_CHOICES = ("auto", "generalize", "keep")
 
 __all__ = ["count", "flag", "choice", "finite", "non_negative", "names"]
 
 
 def _is_bool(value: Any) -> bool:
-    return isinstance(value, (bool, np.bool_))
+    """A bool, or numpy's (which exists only once numpy is imported: the command line checks
+    its options before it imports numpy)."""
+    numpy = sys.modules.get("numpy")
+    return isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_))
 
 
 def count(what: str, value: Any, minimum: int) -> int:

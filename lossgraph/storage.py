@@ -36,20 +36,30 @@ import onnx
 from onnx.external_data_helper import uses_external_data
 
 from .errors import InvalidDataError, InvalidProgramError
-from .fileio import FolderKind, replace_directory, serialize
+from .fileio import replace_directory, serialize
 from .graphs import all_graphs, stored_tensors
 from .manifest import check_manifest
 from .models import non_text_field
+from .paths import (
+    CHECKPOINT,
+    CHECKPOINT_FOLDER,
+    CHECKPOINT_FORMAT,
+    INFERENCE_FILE,
+    MANIFEST_FILE,
+    PROGRAM,
+    PROGRAM_FOLDER,
+    PROGRAM_SUBFOLDER,
+    STATE_FILE,
+    TRAINER_FILE,
+    data_source,
+    is_checkpoint_record,
+    is_plain,
+    saved_folder,
+)
 
 __all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "Program", "ProgramParts", "save_program",
            "read_program", "save_checkpoint", "read_checkpoint", "read_arrays"]
 
-MANIFEST_FILE = "manifest.json"
-STATE_FILE = "state.npz"
-INFERENCE_FILE = "inference.onnx"
-TRAINER_FILE = "trainer.json"
-PROGRAM_SUBFOLDER = "program"
-CHECKPOINT_FORMAT = "lossgraph-checkpoint/1"
 _CHECKSUMS = "files"  # manifest key of the checksums, present on disk only
 
 
@@ -67,61 +77,12 @@ ProgramParts = tuple[dict[str, onnx.ModelProto], dict[str, Any], dict[str, np.nd
                      onnx.ModelProto]
 
 
-# -- recognising lossgraph's folders ----------------------------------------------------------
-
-
-def _json_object(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _program_entries(folder: Path) -> set[str] | None:
-    manifest = _json_object(folder / MANIFEST_FILE)
-    if manifest is None or not str(manifest.get("format", "")).startswith("lossgraph-program/"):
-        return None
-    graphs = manifest.get("graphs")
-    files = [entry.get("file") for entry in graphs.values() if isinstance(entry, dict)] \
-        if isinstance(graphs, dict) else []
-    owned = {MANIFEST_FILE, STATE_FILE, INFERENCE_FILE, *(f for f in files if _is_plain(f))}
-    return {name for name in owned if not (folder / name).is_symlink()}
-
-
-def _checkpoint_entries(folder: Path) -> set[str] | None:
-    record = _json_object(folder / TRAINER_FILE)
-    if record is None or not _is_checkpoint_record(record):
-        return None
-    program = folder / PROGRAM_SUBFOLDER
-    entries = _program_entries(program) if program.is_dir() and not program.is_symlink() else None
-    if entries is not None and set(os.listdir(program)) <= entries:
-        return {TRAINER_FILE, PROGRAM_SUBFOLDER}
-    return {TRAINER_FILE}
-
-
-def _is_checkpoint_record(record: Mapping[str, Any]) -> bool:
-    if "format" in record:
-        return str(record["format"]).startswith("lossgraph-checkpoint/")
-    return {"steps", "epochs", "rng"} <= set(record)  # written before checkpoints had a format
-
-
-PROGRAM_FOLDER = FolderKind("a lossgraph program folder", _program_entries)
-CHECKPOINT_FOLDER = FolderKind("a lossgraph checkpoint folder", _checkpoint_entries)
-
-
 # -- names inside a folder ---------------------------------------------------------------------
-
-
-def _is_plain(name: Any) -> bool:
-    """A file name that stays inside its folder: no separators, no ``..``, not hidden."""
-    return (isinstance(name, str) and bool(name) and not name.startswith(".")
-            and os.sep not in name and "/" not in name and (os.altsep or "/") not in name)
 
 
 def _member(folder: Path, name: Any, where: str) -> Path:
     """``folder / name``, once it is a regular file inside ``folder``; else InvalidProgramError."""
-    if not _is_plain(name):
+    if not is_plain(name):
         raise InvalidProgramError(
             f"{where} names the file {name!r}, which is not a plain file name inside the "
             f"folder {str(folder)!r}; lossgraph never reads outside the folder it is given.")
@@ -147,7 +108,7 @@ def _write_program(folder: Path, program: Program) -> None:
     """Write ``program`` into the empty staging ``folder``."""
     written: dict[str, bytes] = {}
     for name, entry in program.manifest["graphs"].items():
-        if not _is_plain(entry["file"]):
+        if not is_plain(entry["file"]):
             raise InvalidProgramError(
                 f"The manifest names the file {entry['file']!r} for graph {name!r}, which is "
                 "not a plain file name; lossgraph writes only inside the program folder.")
@@ -184,22 +145,9 @@ def save_checkpoint(path: str | os.PathLike, program: Program,
 # -- reading -------------------------------------------------------------------------------------
 
 
-def _folder(path: str | os.PathLike, what: str, writer: str) -> Path:
-    folder = Path(path)
-    if not folder.exists():
-        raise InvalidProgramError(f"There is no {what} at {str(folder)!r}.")
-    if not folder.is_dir():
-        hint = (" To train a model file, compile it first (lossgraph.compile_program, or lossgraph "
-                "compile MODEL -o FOLDER)." if folder.suffix == ".onnx" else "")
-        raise InvalidProgramError(
-            f"{str(folder)!r} is a file; a {what} is a folder written by {writer}.{hint}")
-    return folder
-
-
 def _read_json(folder: Path, name: str, what: str) -> Any:
-    path = folder / name
-    if not path.exists():
-        raise InvalidProgramError(f"{str(folder)!r} holds no {name}: it is not a {what}.")
+    """The JSON of the file ``name`` that marks ``folder`` (:func:`~lossgraph.paths.saved_folder`
+    found it there)."""
     path = _member(folder, name, what)
     try:
         return json.loads(path.read_text())
@@ -385,8 +333,7 @@ def _check_roles(manifest: Mapping[str, Any], at: str) -> None:
 
 def read_program(path: str | os.PathLike) -> ProgramParts:
     """Read and check the program folder at ``path`` (see the module docstring)."""
-    folder = _folder(path, "lossgraph program folder",
-                     "TrainingProgram.save or lossgraph compile -o")
+    folder = saved_folder(path, PROGRAM)
     at = str(folder / MANIFEST_FILE)
     manifest = _read_json(folder, MANIFEST_FILE, "lossgraph program folder")
     checksums = manifest.pop(_CHECKSUMS, {}) if isinstance(manifest, dict) else {}
@@ -432,10 +379,10 @@ def _losses(record: Mapping[str, Any], key: str, at: str) -> list[float]:
 def read_checkpoint(path: str | os.PathLike) -> tuple[ProgramParts, dict[str, Any]]:
     """Read and check a checkpoint folder: its program, and its record with ``steps``,
     ``epochs``, ``train_losses``, ``validation_losses`` and ``rng`` (a Generator or None)."""
-    folder = _folder(path, "lossgraph checkpoint folder", "Trainer.save_checkpoint")
+    folder = saved_folder(path, CHECKPOINT)
     at = str(folder / TRAINER_FILE)
     record = _read_json(folder, TRAINER_FILE, "lossgraph checkpoint folder")
-    if not isinstance(record, dict) or not _is_checkpoint_record(record):
+    if not isinstance(record, dict) or not is_checkpoint_record(record):
         raise InvalidProgramError(f"{at} is not a lossgraph checkpoint record.")
     if record.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:
         raise InvalidProgramError(f"{at}: the checkpoint has format {record['format']!r}; this "
@@ -473,9 +420,7 @@ def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     Read without pickle; links leading out of the folder are refused.
     """
-    source = Path(path)
-    if not source.exists():
-        raise InvalidDataError(f"There is no data file or folder at {str(source)!r}.")
+    source = data_source(path)
     if source.is_dir():
         arrays = {}
         for file in sorted(source.glob("*.npy")):

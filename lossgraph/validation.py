@@ -19,11 +19,12 @@ from typing import Any
 import onnx
 
 from . import training_build
-from .analysis import stuck_weights
+from .analysis import stuck_weights, tied_initializers
 from .errors import (
     InvalidModelError,
     NoGradientError,
     StuckWeightWarning,
+    TiedWeightWarning,
     UnsupportedModelError,
     UnsupportedOptionError,
     suggest,
@@ -33,13 +34,14 @@ from .manifest import FUSE_MODES
 from .models import check_declared_outputs
 from .optim import Optimizer, as_optimizer
 from .options import choice, names
+from .passes.fixed_batch import FIXED_BATCH_CHOICES, export_advice, fixed_batch, rows
 from .passes.gradient import BACKENDS
 from .passes.loss import OUTPUT_OPTIONS, resolve_score
 from .penalties import parse_penalty
 from .roles import get_roles
 
 __all__ = ["CompileOptions", "compile_options", "check_trainable_model", "check_learnable",
-           "no_weights_error", "check_penalized"]
+           "no_weights_error", "check_penalized", "warn_tied"]
 
 #: ai.onnx.ml operators that keep their parameters in attributes: nothing to train.
 _ATTRIBUTE_MODELS = ("TreeEnsembleRegressor", "TreeEnsembleClassifier", "TreeEnsemble",
@@ -58,12 +60,17 @@ class CompileOptions:
     optimizer: Optimizer
     backend: str
     fuse: str
+    fixed_batch: str = "auto"
+    #: None (nothing untied), "auto" (every tied initializer) or the initializers' names
+    untie: str | list[str] | None = None
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
-                    optimizer: Any, backend: Any, fuse: Any) -> CompileOptions:
+                    optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
+                    untie: Any = None) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
+    fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
     backend = choice("backend", backend, BACKENDS)
     if backend == "ort":
         training_build.bindings("backend='ort'")  # before any work, not after the loss
@@ -74,8 +81,22 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
             "penalty= needs lossgraph to add the loss; with loss=None the model carries its "
             "own. Add the penalty when building it: add_loss_output(..., penalty=...).")
     return CompileOptions(names("weights", weights, allow_empty=True), options,
-                          as_optimizer(optimizer),
-                          backend, fuse)
+                          as_optimizer(optimizer), backend, fuse, fixed_batch,
+                          _untie(untie))
+
+
+def _untie(untie: Any) -> str | list[str] | None:
+    """``untie`` as None (False, None: nothing), ``"auto"`` (True, ``"auto"``: every
+    initializer :func:`~lossgraph.analysis.tied_initializers` finds) or a list of names."""
+    if untie is None or untie is False:
+        return None
+    if untie is True or untie == "auto":
+        return "auto"
+    if isinstance(untie, (str, list, tuple)) and untie:
+        return names("untie", untie)
+    raise UnsupportedOptionError(
+        f"untie={reprlib.repr(untie)} must be 'auto' (or True: every initializer several "
+        "layers read as their own), a list of initializer names, or None.")
 
 
 def _loss_options(loss: Any, options: Any) -> dict[str, Any]:
@@ -128,7 +149,9 @@ def check_penalized(penalty: Mapping[str, Any] | None, weights: Sequence[str]) -
 
 def check_trainable_model(model: onnx.ModelProto) -> None:
     """What makes a valid model untrainable, named before any pass runs: an empty graph,
-    a data input or an output without a free batch axis, an output declared of another
+    a scalar data input, data inputs that fix different batch sizes
+    (:func:`~lossgraph.passes.fixed_batch.fixed_batch`; one fixed batch trains), an output
+    whose first axis is not the inputs' batch, an output declared of another
     shape than its node computes (:func:`~lossgraph.models.check_declared_outputs`),
     parameters kept in attributes only."""
     graph = model.graph
@@ -155,26 +178,22 @@ def check_trainable_model(model: onnx.ModelProto) -> None:
             raise UnsupportedModelError(
                 f"Input {value.name!r} is a scalar: lossgraph feeds data in batches of rows, "
                 "so every data input needs a batch axis first.")
-        if dims and dims[0].HasField("dim_value"):
-            raise UnsupportedModelError(
-                f"Input {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
-                f"(shape ({_dims_text(dims)})), as torch.onnx.export writes without dynamic "
-                "axes: it "
-                "could train and predict only that many rows at a time. Export again with a "
-                f"free batch axis: torch.onnx.export(..., dynamic_axes={{{value.name!r}: "
-                "{0: 'batch'}, <output>: {0: 'batch'}}) (or dynamo=True with dynamic_shapes). "
-                "A graph that does not hard-code the batch size can also be freed with "
-                "onnx.tools.update_model_dims.update_inputs_outputs_dims.")
+    batch = fixed_batch(model)  # a fixed batch (torch's default export) trains: compiler
     for value in graph.output:
         dims = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else ()
-        if dims and dims[0].HasField("dim_value"):
+        if not dims or not dims[0].HasField("dim_value") or dims[0].dim_value == batch:
+            continue
+        if batch is not None:
             raise UnsupportedModelError(
-                f"Output {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
-                f"(shape ({_dims_text(dims)})), but the inputs' batch dimension is free: "
-                "lossgraph trains "
-                "on batches of rows, so each output needs a free batch axis first as well. "
-                "Declare it like the inputs' (e.g. 'N'), or export again with dynamic axes for "
-                "the outputs too.")
+                f"Output {value.name!r} has shape ({_dims_text(dims)}), but the inputs' batch "
+                f"is fixed at {rows(batch)}: lossgraph trains models that compute one output "
+                "row per input row, and this output's first axis is not the batch.")
+        raise UnsupportedModelError(
+            f"Output {value.name!r} has a fixed batch dimension of {dims[0].dim_value} "
+            f"(shape ({_dims_text(dims)})), but the inputs' batch dimension is free: "
+            "lossgraph trains on batches of rows, so each output needs a free batch axis "
+            "first as well. Declare it like the inputs' (e.g. 'N'), or export again with "
+            "the outputs' batch free too. " + export_advice(model))
     check_declared_outputs(model)
     floats = [t for t in graph.initializer if t.data_type in FLOAT_TYPES]
     fixed = [n for n in graph.node if n.domain == "ai.onnx.ml" and n.op_type in _ATTRIBUTE_MODELS]
@@ -214,15 +233,32 @@ def check_learnable(model: onnx.ModelProto, weights: Sequence[str]) -> None:
         stacklevel=4)
 
 
+def warn_tied(model: onnx.ModelProto, weights: Sequence[str]) -> None:
+    """A TiedWeightWarning naming the ``weights`` several layers read as their own
+    (:func:`~lossgraph.analysis.tied_initializers`), and the way to untie them."""
+    tied = tied_initializers(model, weights)
+    if not tied:
+        return
+    lines = "".join(f"\n  {t.describe()}" for t in tied)
+    warnings.warn(
+        f"{'These weights are' if len(tied) > 1 else 'This weight is'} read by several layers "
+        "that look independent, and trains as one weight those layers share:" + lines +
+        "\ntorch's exporters merge initializers of equal values (a fresh model's LayerNorm "
+        "scales and zero biases, copied layers): the torch model had one parameter per layer. "
+        "Compile with untie='auto' (lossgraph compile --untie) to give each layer its own copy, "
+        f"or untie=[{tied[0].name!r}, ...] for some; if the layers share it on purpose, "
+        "ignore this.", TiedWeightWarning, stacklevel=4)
+
+
 def no_weights_error(model: onnx.ModelProto) -> UnsupportedModelError:
     """Why the model has no trainable weight, and what to do."""
     graph = model.graph
     if not graph.initializer:
         constants = [n.output[0] for n in graph.node if n.op_type == "Constant"]
         where = (f" Its weights seem to be Constant nodes ({', '.join(map(repr, constants[:5]))}"
-                 "), which are not trainable: lift them into initializers first, e.g. with "
-                 "onnx_ir.passes.common.LiftConstantsToInitializersPass, or export without "
-                 "constant folding." if constants else "")
+                 "), which are not trained unless named: pass weights=[...] naming their "
+                 "outputs (compile makes them initializers), or export without constant "
+                 "folding." if constants else "")
         return UnsupportedModelError(f"The model has no initializers, so no trainable weights."
                                      f"{where}")
     listed = ", ".join(f"{t.name!r} ({elem_type_name(t.data_type)}{list(t.dims)})"

@@ -1,4 +1,4 @@
-"""Shared test set-up: what this environment can run, markers, and small fixtures.
+"""Shared test set-up: markers that skip what this environment cannot run, and small fixtures.
 
 The suite runs in two environments (docs/installation.md): the onnxruntime
 training build runs everything; plain current onnxruntime runs everything that
@@ -10,76 +10,31 @@ does not need the training build. Tests say what they need with markers:
     @pytest.mark.slow       takes more than a few seconds
 
 A test whose requirement is missing is skipped with a reason that says what to
-install; nothing else is skipped. For other optional packages use the flags
-``HAS_ONNXRUNTIME``, ``HAS_TRAINING``, ``HAS_TORCH`` and ``HAS_SKL2ONNX`` (probed on
-first use), e.g. ``from conftest import HAS_SKL2ONNX`` and
-``@pytest.mark.skipif(not HAS_SKL2ONNX, reason="needs skl2onnx")``.
+install; nothing else is skipped. For other optional packages use the flags of
+``support.environment`` (``from support.environment import HAS_SKL2ONNX``).
 
-``golden_models/`` and ``docs/examples/`` are on ``sys.path`` (pyproject's pytest
-``pythonpath``) so tests can ``import recipes``.
+The layout (tests/README.md): the folders mirror the package (``tests/passes/test_loss.py``
+tests ``lossgraph/passes/loss.py``), the tests of no single module sit here at the top,
+and the helpers they share are the ``support`` package. pytest imports test files with
+``--import-mode=importlib`` (pyproject.toml), so two folders may hold files of one name;
+``tests/``, ``golden_models/`` and ``docs/examples/`` are on ``sys.path`` (pyproject's
+pytest ``pythonpath``) so tests can ``import support.gradcheck`` or ``import recipes``.
+A test file never imports another test file: what two share goes into ``support``.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import os
 from collections.abc import Callable, Mapping
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+from support.environment import has
 
-from lossgraph import training_build
 from lossgraph.runtime.session import create_session, quiet_session_options
-
-GOLDEN_MODELS = Path(__file__).resolve().parents[1] / "golden_models"
-
-
-# ------------------------------------------------------------ capabilities
-def _import_or_none(module: str) -> Any | None:
-    """The module if it is installed and imports cleanly, else None.
-
-    Checking the spec first keeps absent packages cheap; catching every exception
-    (not only ImportError) turns a broken binary install into "missing" rather
-    than a collection error in every test module.
-    """
-    try:
-        if importlib.util.find_spec(module) is None:
-            return None
-        return importlib.import_module(module)
-    except Exception:
-        return None
-
-
-# Probed on first use, not at import: torch and skl2onnx take seconds to import,
-# and a run of tests that need neither should not pay for them. Read them as
-# ``from conftest import HAS_TORCH`` (module __getattr__, PEP 562) or ``has("torch")``.
-_PROBES: dict[str, Callable[[], bool]] = {
-    "onnxruntime": lambda: _import_or_none("onnxruntime") is not None,
-    "training": training_build.available,
-    "torch": lambda: _import_or_none("torch") is not None,
-    "skl2onnx": lambda: _import_or_none("skl2onnx") is not None,
-}
-
-
-@functools.cache
-def has(capability: str) -> bool:
-    """Whether this environment has ``capability`` (a key of ``_PROBES``), importable."""
-    return _PROBES[capability]()
-
-
-def __getattr__(name: str) -> bool:
-    """``HAS_ONNXRUNTIME``, ``HAS_TRAINING``, ``HAS_TORCH``, ``HAS_SKL2ONNX``."""
-    capability = name.removeprefix("HAS_").lower()
-    if name.startswith("HAS_") and capability in _PROBES:
-        return has(capability)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 # Markers that skip a test when this environment lacks what it needs.
 SKIP_REASONS: dict[str, str] = {

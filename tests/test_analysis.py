@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import onnx
+from support.models import ROUNDED
 
 from lossgraph import add_loss_output, trainable_initializers
 
@@ -85,22 +86,6 @@ def test_differentiable_constants_of_losses_and_encodings_are_not_trainable():
     assert trainable_initializers(model) == ["w"]
 
 
-ROUNDED = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    g (float[N, 2] x) => (float[N, 1] y)
-    <float[2, 1] w = {1, 2}, float[2, 1] v = {3, 4}, float[1] b = {0.5}>
-    {
-        h = MatMul(x, w)
-        r = Round(h)
-        k = MatMul(x, v)
-        s = Sign(k)
-        t = Add(r, s)
-        u = Add(t, h)
-        y = Add(t, b)
-    }
-"""
-
-
 def test_stuck_weights_reach_the_loss_only_through_zero_gradient_ops():
     """w reaches the loss only through Round (h's other reader, u, feeds no output), v only
     through Sign, b directly; once u feeds the output, w has a live path too."""
@@ -112,16 +97,3 @@ def test_stuck_weights_reach_the_loss_only_through_zero_gradient_ops():
     assert stuck[0].describe() == "'w' -> [MatMul] -> 'h' -> [Round] -> 'r' -> ... -> 'loss'"
     live = onnx.parser.parse_model(ROUNDED.replace("y = Add(t, b)", "y = Add(u, b)"))
     assert [s.name for s in stuck_weights(add_loss_output(live), ["w", "v", "b"])] == ["v"]
-
-
-def test_compiling_stuck_weights_warns_and_refuses_when_none_can_learn():
-    import pytest
-
-    import lossgraph
-    from lossgraph.errors import NoGradientError, StuckWeightWarning
-
-    model = onnx.parser.parse_model(ROUNDED)
-    with pytest.warns(StuckWeightWarning, match="'w', 'v' reach the loss 'loss' only"):
-        lossgraph.compile_program(model)
-    with pytest.raises(NoGradientError, match="No weight can learn: 'v' reaches the loss"):
-        lossgraph.compile_program(model, weights=["v"])

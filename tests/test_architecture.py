@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lossgraph"
+from support.environment import ROOT
+
+PACKAGE = ROOT / "lossgraph"
 
 
 def modules() -> Iterator[tuple[str, ast.Module]]:
@@ -71,7 +73,7 @@ def test_the_check_finds_a_read_of_another_modules_underscore_attribute(tmp_path
     (package / "owner.py").write_text("class Owner:\n    def __init__(self):\n"
                                       "        self._secret = 1\n")
     (package / "reader.py").write_text("def peek(owner):\n    return owner._secret\n")
-    monkeypatch.setattr(__import__(__name__), "PACKAGE", package)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
     assert foreign_private_reads() == [
         "lossgraph/reader.py:2: owner._secret (defined in lossgraph/owner.py)"]
 

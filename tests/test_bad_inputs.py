@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from catalogue import Row, assert_listed, message_of, print_table
-from linear_data import LINEAR, linear_data
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import set_external_data
+from support.catalogue import Row, assert_listed, message_of, print_table
+from support.linear import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.errors import (
@@ -63,7 +63,17 @@ def linear(*replacements: tuple[str, str]) -> onnx.ModelProto:
     return parse(text)
 
 
-FIXED_BATCH = ("float[N, 4] x) => (float[N, 1] y)", "float[1, 4] x) => (float[1, 1] y)")
+#: The linear model as torch's default export writes it: a batch fixed at 2 rows.
+FIXED_BATCH = ("float[N, 4] x) => (float[N, 1] y)", "float[2, 4] x) => (float[2, 1] y)")
+#: A fixed batch of 2 scaled by a constant with a row of its own for each of the 2 rows:
+#: it has no value for other rows, so the batch cannot be freed.
+MASKED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[2, 4] x) => (float[2, 1] y)
+      <float[4, 1] coef = {0.1, -0.2, 0.3, 0.4}, float[2, 4] scale = {1, 2, 3, 4, 5, 6, 7, 8}> {
+        m = Mul(x, scale)
+        y = MatMul(m, coef)
+    }"""
 
 
 #: A 3-class softmax classifier (cross-entropy labels 0..2) and a binary sigmoid one.
@@ -396,9 +406,21 @@ CASES: list[Case] = [
              g (float[N, 4] x) => (float[N, 4] y) <int64[1] axis = {1}> {
                  y = Relu(x) }""")),
          UnsupportedModelError, "'axis' (int64[1])"),
-    Case("model-fixed-batch", "a torch export without dynamic axes (input float[1, 4])",
-         lambda c: lossgraph.compile_program(linear(FIXED_BATCH)),
-         UnsupportedModelError, "Input 'x' has a fixed batch dimension of 1"),
+    Case("model-fixed-batch-unproven", "fixed_batch='generalize' on a constant with a row "
+         "per exported row", lambda c: c.program(parse(MASKED), fixed_batch="generalize"),
+         UnsupportedModelError, "batch is fixed at 2 rows, and lossgraph cannot free it"),
+    Case("model-fixed-batch-and-free", "inputs float[2, 4] x and float[N, 4] z",
+         lambda c: c.program(linear(FIXED_BATCH, ("float[2, 4] x)", "float[2, 4] x, "
+                                                  "float[N, 4] z)"))),
+         UnsupportedModelError, "Input 'x' has a fixed batch dimension of 2, but input 'z''s "
+         "is free"),
+    Case("model-fixed-batch-output-not-rows", "input float[2, 4], output float[1, 1]",
+         lambda c: c.program(linear(FIXED_BATCH, ("(float[2, 1] y)", "(float[1, 1] y)"))),
+         UnsupportedModelError, "Output 'y' has shape (1, 1), but the inputs' batch is fixed "
+         "at 2 rows"),
+    Case("fixed-batch-unknown", "fixed_batch='never'",
+         lambda c: c.program(fixed_batch="never"), UnsupportedOptionError,
+         "fixed_batch='never'"),
     Case("model-scalar-input", "a data input without a batch axis",
          lambda c: lossgraph.compile_program(linear(("float[N, 4] x)", "float[N, 4] x, float t)"))),
          UnsupportedModelError, "Input 't' is a scalar"),
@@ -531,6 +553,14 @@ CASES: list[Case] = [
          UnsupportedOptionError, "weights holds 0 (int)"),
     Case("weights-an-input", "weights=['x'] (a data input)",
          lambda c: c.program(weights=["x"]), UnknownNameError, "'x' is not an initializer"),
+    Case("untie-misspelt-name", "untie=['cof'] (misspelt)",
+         lambda c: c.program(untie=["cof"]), UnknownNameError,
+         "untie names 'cof', which is not an initializer of the model. Did you mean 'coef'?"),
+    Case("untie-one-reader", "untie='coef', an initializer one layer reads",
+         lambda c: c.program(untie="coef"), UnsupportedOptionError,
+         "untie names 'coef', which one layer reads: there is nothing to untie"),
+    Case("untie-not-a-name", "untie=3", lambda c: c.program(untie=3), UnsupportedOptionError,
+         "untie=3 must be 'auto'"),
     # -- fit options -------------------------------------------------------------------------
     *[Case(f"batch-size-{label}", f"batch_size={value!r}",
            lambda c, v=value: c.fit(batch_size=v), UnsupportedOptionError,
@@ -558,8 +588,21 @@ CASES: list[Case] = [
          lambda c: lossgraph.Trainer(c.program(), providers=["NoSuchExecutionProvider"]),
          UnsupportedOptionError, "'NoSuchExecutionProvider', which this onnxruntime does not"),
     # -- data --------------------------------------------------------------------------------
-    Case("x-wrong-dtype", "float64 X for a float32 model", lambda c: c.fit(X.astype(np.float64)),
-         DTypeMismatchError, "float32 of shape (N, 4): convert it first with .astype(np.float32)"),
+    Case("x-beyond-float32", "float64 X holding 1e39 (beyond float32) for a float32 model",
+         lambda c: c.fit(with_value(X.astype(np.float64), 7, 1e39, column=2)), InvalidDataError,
+         "X holds 1e+39 at row 7, column 2, beyond the range of float32 (largest "
+         "3.4028235e+38): input 'x' of the model is float32 of shape (N, 4)"),
+    Case("y-beyond-float32", "float64 y holding -1e300 for a float32 model",
+         lambda c: c.fit(y=with_value(Y.astype(np.float64), 12, -1e300)), InvalidDataError,
+         "y holds -1e+300 at row 12, beyond the range of float32"),
+    Case("validation-x-beyond-float32", "validation_data X beyond float32",
+         lambda c: c.fit(validation_data=(with_value(X.astype(np.float64), 0, 4e38, 0), Y)),
+         InvalidDataError, "validation_data X holds 4e+38 at row 0, column 0, beyond"),
+    Case("x-list-beyond-float32", "a list of rows holding 1e39",
+         lambda c: c.fit([[1.0, 2.0, 3.0, 1e39]], [1.0]), InvalidDataError,
+         "X holds 1e+39 at row 0, column 3, beyond the range of float32"),
+    Case("x-complex", "complex X", lambda c: c.fit(X.astype(np.complex128)),
+         DTypeMismatchError, "X holds complex128 values; input 'x' of the model is float32"),
     Case("x-wrong-width", "X with 5 features for a 4-feature model",
          lambda c: c.fit(np.ones((len(X), 5), np.float32)), ShapeMismatchError,
          "X has shape (205, 5) but input 'x' of the model is float32 of shape (N, 4)"),
@@ -642,10 +685,14 @@ CASES: list[Case] = [
          lambda c: c.fit(y=np.zeros(len(X), np.float32), model=parse(CLASSIFIER),
                          compile_options={"loss": "multiclass_log_loss"}),
          DTypeMismatchError, "y is float32 but input 'label' of the model is int64"),
+    Case("labels-beyond-int64", "uint64 class labels beyond int64",
+         lambda c: c.fit(y=with_value(np.zeros(len(X), np.uint64), 5, 2**64 - 1),
+                         model=parse(CLASSIFIER), compile_options={"loss": "multiclass_log_loss"}),
+         InvalidDataError, "y holds 18446744073709551615 at row 5, beyond the range of int64"),
     Case("labels-fractional-list", "a list of labels [0.5, ...] for class indices",
          lambda c: c.fit(X[:2], [0.5, 1.0], model=parse(CLASSIFIER),
                          compile_options={"loss": "multiclass_log_loss"}),
-         DTypeMismatchError, "non-integral numbers"),
+         DTypeMismatchError, "y holds 0.5 at row 0, not a whole number"),
     Case("batches-with-separate-y", "a list of (X, y) batches and a separate y",
          lambda c: c.fit([(X[:100], Y[:100]), (X[100:], Y[100:])], Y), InvalidDataError,
          "leave y and sample_weight out"),
@@ -664,6 +711,31 @@ CASES: list[Case] = [
          "function that returns a new iterator"),
     Case("x-dict-unknown-input", "X as a dict naming an input the model lacks",
          lambda c: c.fit({"z": X}), UnknownNameError, "X names 'z', not a feature input"),
+    Case("fit-fixed-batch-size", "batch_size=10 for a batch kept at 2 rows",
+         lambda c: c.fit(model=linear(FIXED_BATCH), compile_options={"fixed_batch": "keep"}),
+         UnsupportedOptionError, "batch_size=10, but the model's batch is fixed at 2 rows"),
+    Case("fit-fixed-batch-one-row", "one row for a batch kept at 2 rows",
+         lambda c: c.fit(X[:1], Y[:1], model=linear(FIXED_BATCH), batch_size=None,
+                         compile_options={"fixed_batch": "keep"}),
+         InvalidDataError, "X has 1 row, but the model's batch is fixed at 2 rows"),
+    Case("validation-fixed-batch-rows", "5 validation rows for a batch kept at 2 rows",
+         lambda c: c.fit(X[:4], Y[:4], model=linear(FIXED_BATCH), batch_size=None,
+                         validation_data=(X[:5], Y[:5]),
+                         compile_options={"fixed_batch": "keep"}),
+         InvalidDataError, "validation_data has 5 rows, not a multiple of 2"),
+    Case("batch-fixed-batch-size", "a streamed batch of 3 rows for a batch kept at 2 rows",
+         lambda c: c.fit([(X[:2], Y[:2]), (X[2:5], Y[2:5])], None, model=linear(FIXED_BATCH),
+                         batch_size=None, compile_options={"fixed_batch": "keep"}),
+         InvalidDataError, "Batch 1 has 3 rows, but the model's batch is fixed at 2 rows",
+         trains=True),
+    Case("predict-fixed-batch-rows", "predict on 205 rows for a batch kept at 2 rows",
+         lambda c: c.trainer(linear(FIXED_BATCH), fixed_batch="keep").predict(X),
+         InvalidDataError, "X has 205 rows, not a multiple of 2"),
+    Case("evaluate-fixed-batch-sum", "evaluate 4 rows of a sum loss, a batch kept at 2 rows",
+         lambda c: c.trainer(linear(FIXED_BATCH), fixed_batch="keep",
+                             loss_options={"reduction": "sum"}).evaluate(X[:4], Y[:4]),
+         UnsupportedOptionError, "only a mean loss (reduction 'mean', lossgraph's loss) "
+         "combines exactly across runs; this one is reduction 'sum'"),
     Case("predict-wrong-width", "predict on 3 features",
          lambda c: c.trainer().predict(X[:, :3]), ShapeMismatchError, "X has shape (205, 3)"),
     Case("score-nan", "score on NaN labels",
@@ -921,7 +993,7 @@ def test_opsets_are_checked_at_compile_time_not_when_loading(tmp_path):
 
 def test_compile_with_the_ort_backend_needs_the_training_build_before_reading_the_model(
         tmp_path):
-    from conftest import HAS_TRAINING
+    from support.environment import HAS_TRAINING
 
     if HAS_TRAINING:
         pytest.skip("the training build is installed here")

@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import HAS_SKL2ONNX
 from onnx import numpy_helper
+from support.environment import HAS_SKL2ONNX
 
 from benchmarks.bounds import hand_graph_bound, products_graph, products_loop, scan_session
 from benchmarks.harness import ModelRun, Row, line_up
@@ -353,3 +353,52 @@ def test_model_speed_never_replaces_a_file_it_did_not_write(tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--workloads", "cnn", "--plot", str(mine)])
     assert mine.read_text() == '{"mine": true}'
+
+
+@pytest.mark.torch
+def test_first_fit_quick_run_specializes_to_the_same_graph_before_and_after(tmp_path, capsys):
+    """The first-fit benchmark in quick mode: each fuse mode's first fit runs with the
+    shape inference of before and of now, both specialize to the same graph and train to
+    the same loss (no timing is checked)."""
+    pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
+    from benchmarks import first_fit as bench
+
+    out = tmp_path / "first_fit.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["generator"] == bench.BENCHMARK_MARK
+    assert set(figures["cells"]) == {f"small_cnn/{fuse}" for fuse in bench.FUSES}
+    for pair in figures["cells"].values():
+        before, after = pair["before"], pair["after"]
+        assert before["graph"] == after["graph"]
+        assert before["loss"] == after["loss"]
+        assert after["fit_s"] > 0 and after["specialize_s"] > 0
+    assert "| small_cnn | epoch |" in capsys.readouterr().out
+
+
+def test_cli_speed_times_the_commands_it_names_and_reports_each(tmp_path, capsys):
+    """Each lossgraph row does what its name says (status and message checked by the run);
+    the report prints every row with what it imported (no timing is judged here). The
+    real training run is left to the benchmark (it loads onnxruntime: seconds here); a
+    floor row shows that an import is seen."""
+    import os
+    from pathlib import Path
+
+    from benchmarks import cli_speed as bench
+
+    environment = {**os.environ, "PYTHONPATH": str(Path(bench.ROOT))}
+    bench.prepare(tmp_path, environment)
+    listed = [row for row in bench.rows(real_run=False) if row.lossgraph]
+    measured = {}
+    for row in listed:
+        wall, cpu = bench.timed(row, tmp_path, environment)  # asserts status and message
+        assert wall > 0 and cpu >= 0
+        measured[row.name] = bench.Timing([wall], [cpu], bench.imported(row, tmp_path,
+                                                                        environment))
+    assert all(timing.imported == [] for timing in measured.values())
+    floor = next(row for row in bench.rows(real_run=False) if row.name == "import onnx")
+    assert "onnx" in bench.imported(floor, tmp_path, environment)
+    verdicts = bench.report({"here": measured}, 1, listed)
+    printed = capsys.readouterr().out
+    assert all(row.name in printed for row in listed)
+    assert len(verdicts) == sum(row.target for row in listed) == 4

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from sklearn.base import clone
-from test_compat_estimators import (
+from support.estimators import (
     ESTIMATORS,
     FB,
     assert_states_close,

@@ -9,14 +9,13 @@ import re
 import runpy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support.environment import ROOT
 
 from lossgraph.autodiff import scoped_rules
 from lossgraph.autodiff.table import markdown
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 EXAMPLES = sorted((ROOT / "docs" / "examples").glob("[0-9][0-9]_*.py"))
 
@@ -27,10 +26,16 @@ def needs(*modules: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
 
 
-#: Examples that need more than the core dependencies, by the marker that says so.
+#: Examples that need more than the core dependencies, by the marker that says so; the
+#: fine-tuning ones import torchvision or transformers and train a real architecture beside
+#: torch (10 s each on two cores, half of it imports).
 EXAMPLE_MARKS = {"02_finetune_torch_export.py": pytest.mark.torch,
                  "06_torch_layer.py": pytest.mark.torch,
-                 "07_out_of_core.py": needs("pyarrow")}
+                 "07_out_of_core.py": needs("pyarrow"),
+                 "08_finetune_torchvision.py": [pytest.mark.torch, pytest.mark.slow,
+                                                needs("torchvision")],
+                 "09_finetune_transformers.py": [pytest.mark.torch, pytest.mark.slow,
+                                                 needs("transformers")]}
 BLOCKS = [(page, index, code) for page in PAGES
           for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
 #: A block whose first line is "# needs torch" (or another package) runs where it is installed.

@@ -22,10 +22,9 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_gradients, cotangent, loss_model, to_float64
-from models import model
-from test_rules_reduction import NO_DOUBLE, REDUCE_OPS, sample, tolerances
-from torch_steps import assert_sgd_steps_like_torch
+from support.gradcheck import check_gradients, cotangent, loss_model, to_float64
+from support.models import model
+from support.torch_steps import assert_sgd_steps_like_torch
 
 import lossgraph
 from lossgraph.errors import UnsupportedModelError
@@ -230,33 +229,6 @@ def test_tile_over_repeats_computed_at_run_time(rng, x_shape, repeats):
     net = model("(double[a, b] x, int64[2] r) => (double[c, d] y)", "y = Tile(x, r)", opset=13)
     check_gradients(net, {"x": _rand(rng, *x_shape), "r": np.array(repeats)}, wrt=["x"],
                     ort=False)
-
-
-@pytest.mark.parametrize("axes, attributes", [
-    ([1], "keepdims = 0"),
-    ([0, -1], "keepdims = 1"),
-    ([], "keepdims = 0"),                           # all axes
-    ([], "keepdims = 0, noop_with_empty_axes = 1"),  # none: elementwise
-])
-@pytest.mark.parametrize("op", REDUCE_OPS)
-def test_reductions_over_axes_computed_at_run_time(rng, op, axes, attributes):
-    """The axes are an input of the graph: the gradient takes them at run time (float32
-    where onnxruntime 1.19 has no exact double kernel, as in test_rules_reduction)."""
-    import onnxruntime
-
-    noop = "noop" in attributes
-    if noop and op in ("ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSum") \
-            and onnxruntime.__version__.startswith("1.19"):
-        pytest.skip("onnxruntime 1.19 does not follow the spec for this op with empty axes")
-    dtype, kind = (np.float32, "float") if op in NO_DOUBLE[18] else (np.float64, "double")
-    rank = 2 if noop or "keepdims = 1" in attributes else 2 - len(axes) if axes else 0
-    dims = ", ".join(f"d{i}" for i in range(rank))
-    output = f"{kind}[{dims}] y" if rank else f"{kind} y"
-    net = model(f"({kind}[N, 4] x, int64[{len(axes)}] a) => ({output})",
-                f"y = {op} <{attributes}> (x, a)", opset=18)
-    check_gradients(net, {"x": sample(op, (3, 4), rng, dtype),
-                          "a": np.array(axes, dtype=np.int64)},
-                    wrt=["x"], ort=False, **tolerances(op, dtype))
 
 
 # -- torch's exports of attention -------------------------------------------------------------

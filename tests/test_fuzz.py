@@ -1,7 +1,7 @@
 """A fuzzer behind the catalogue of bad inputs (docs/reference/errors.md).
 
 The catalogue holds the bad inputs someone thought of; this file throws generated ones at
-lossgraph's entry points (tests/fuzzing.py builds them):
+lossgraph's entry points (tests/support/fuzzing.py builds them):
 
 - **models**: every golden model with one to three mutations (fields dropped, dims
   changed, dtypes swapped, nodes rewired, attributes corrupted, opsets changed,
@@ -25,7 +25,7 @@ written. Never a raw exception, a hang, or a native crash.
 The default run draws a few examples per family, derandomized (the same examples on
 every machine), in this process: a few seconds. ``pytest -m fuzz`` is the long run: each
 family for ``LOSSGRAPH_FUZZ_SECONDS`` seconds (default 40) of random examples, each run
-in a sandbox process (tests/fuzzing.py's ``Sandbox``) so that a native crash or a hang of
+in a sandbox process (support.fuzzing's ``Sandbox``) so that a native crash or a hang of
 onnxruntime is a reported failure, not the end of pytest; it prints how many examples ran
 and their seeds (``LOSSGRAPH_FUZZ_SEED`` replays a run). With ``LOSSGRAPH_FUZZ_BATCHES=n``
 it draws exactly ``n`` batches of 50 examples from the seed instead, the same examples on
@@ -49,7 +49,9 @@ import pytest
 pytest.importorskip("onnxruntime")
 hypothesis = pytest.importorskip("hypothesis")
 
-from fuzzing import (  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from support.fuzzing import (  # noqa: E402
     FAMILIES,
     Example,
     Finding,
@@ -61,8 +63,6 @@ from fuzzing import (  # noqa: E402
     run_cli,
     run_example,
 )
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 #: Examples per family in the default run (derandomized, a few seconds in all).
 DEFAULT_EXAMPLES = {"models": 30, "options": 20, "storage": 4, "cli": 4}

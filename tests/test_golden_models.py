@@ -11,8 +11,9 @@ import numpy as np
 import onnx
 import pytest
 import recipes
+from support.environment import GOLDEN_MODELS
 
-GOLDEN_DIR = Path(__file__).parents[1] / "golden_models"
+GOLDEN_DIR = GOLDEN_MODELS
 
 NAMES = list(recipes.RECIPES)
 # The torch model's comparison needs torch: conftest skips ``torch``-marked items.

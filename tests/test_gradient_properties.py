@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from gradcheck import check_gradients
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.gradcheck import check_gradients
 
 UNARY = ["Tanh", "Sigmoid", "Sin", "Neg", "Softmax", "Transpose2", "Square", "Softplus"]
 BINARY = ["Add", "Sub", "Mul", "DivSafe", "MatMul"]
@@ -85,7 +85,7 @@ def test_random_op_chains_match_finite_differences(lines, seed):
     inputs = {"x": rng.normal(size=(3, 4)), "w": rng.normal(size=(4,)),
               "m": rng.normal(size=(4, 4)) / 2}
     # Only the inputs y depends on have a gradient: asking for another one is an error
-    # (NoGradientError, tested in test_gradient.py), not zeros.
+    # (NoGradientError, tested in tests/passes/test_gradient.py), not zeros.
     used = [name for name in ("x", "w", "m") if name in _read_by(lines, "y")]
     # Basic optimizations: onnxruntime would fuse x * Sigmoid(x) into com.microsoft's
     # QuickGelu, which has no double kernel (a runtime limit, not lossgraph's graph).

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from models import model
 from onnx import numpy_helper
+from support.models import model
 
 import lossgraph
 from benchmarks.kernel_floor import HEAVY_OPS, heavy_kernel_floor, step_graph

@@ -11,25 +11,16 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from support.linear import linear_text
 
 import lossgraph
 from lossgraph import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer, Trainer
 from lossgraph.cli import main
 from lossgraph.errors import ShapeMismatchError
 
-SCORE_MODEL = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    linear (float[N, 4] X) => (float[N, 1] score)
-    <float[4, 1] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}>
-    { h = MatMul(X, coef)
-      score = Add(h, intercept) }"""
-
-FLAT_MODEL = """
-    <ir_version: 8, opset_import: ["" : 18]>
-    linear (float[N, 4] X) => (float[N] score)
-    <float[4] coef = {0.1, -0.2, 0.3, 0.0}, float[1] intercept = {0.5}>
-    { h = MatMul(X, coef)
-      score = Add(h, intercept) }"""
+#: The linear model under scikit-learn's names, its score (N, 1) or flat (N,).
+SCORE_MODEL = linear_text(x="X", y="score")
+FLAT_MODEL = linear_text(x="X", y="score", flat=True)
 
 
 def score_model() -> onnx.ModelProto:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from linear_data import linear_data
+from support.linear import linear_data, linear_model, linear_program
 
 import lossgraph
 from lossgraph.optim import Adam, Momentum
@@ -15,14 +15,7 @@ MODES = ["separate", "step", "epoch"]
 
 def linear(coef: str, intercept: str) -> onnx.ModelProto:
     """``y = x @ <coef> + <intercept>`` with weights of the given names."""
-    return onnx.parser.parse_model(f"""
-        <ir_version: 8, opset_import: ["" : 18]>
-        linear (float[N, 4] x) => (float[N, 1] y)
-        <float[4, 1] {coef} = {{0.1, -0.2, 0.3, 0.0}}, float[1] {intercept} = {{0.5}}>
-        {{
-            h = MatMul(x, {coef})
-            y = Add(h, {intercept})
-        }}""")
+    return linear_model(coef_name=coef, intercept_name=intercept)
 
 
 #: weight names lossgraph would otherwise invent for itself: a state, a gradient, the
@@ -52,3 +45,14 @@ def test_a_weight_named_like_what_lossgraph_invents_trains_as_any_other(mode, co
     assert runs[0][0] == runs[1][0]
     for got, expected in zip(runs[0][1], runs[1][1]):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_manifest_gives_every_training_input_a_role():
+    manifest = linear_program("epoch").manifest
+    roles = {i["name"]: i["role"] for i in manifest["graphs"]["train_epoch"]["inputs"]}
+    assert roles == {"x": "feature", "label": "label", "permutation": "permutation",
+                     "learning_rates": "learning_rates", "step": "step", "coef": "weight",
+                     "intercept": "weight", "coef_velocity": "state",
+                     "intercept_velocity": "state"}
+    assert manifest["optimizer"] == {"type": "Momentum", "learning_rate": 0.01, "momentum": 0.9,
+                                     "nesterov": True}

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime
 import pytest
+from support.environment import GOLDEN_MODELS
 
 import lossgraph
 import lossgraph.compat
@@ -19,7 +19,7 @@ from lossgraph.models import as_model
 
 gs = pytest.importorskip("onnx_graphsurgeon")
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
+GOLDEN = GOLDEN_MODELS
 
 
 def graph_of(name: str, infer_shapes: bool = False):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import onnx
 import pytest
-from linear_data import LINEAR
+from support.linear import LINEAR
 
 import lossgraph
 from lossgraph.parallel import ParallelProgram

@@ -1,4 +1,4 @@
-"""The ONNX backend node tests as a gradient test suite (tests/node_audit.py).
+"""The ONNX backend node tests as a gradient test suite (tests/support/node_audit.py).
 
 The default run audits a fixed sample (a few seconds): the tests that found wrong
 gradients, each pinned to its verdict, and a spread of common ops. The whole set
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-node_audit = pytest.importorskip("node_audit")
+node_audit = pytest.importorskip("support.node_audit")
 pytest.importorskip("onnxruntime")
 
-from node_audit import (  # noqa: E402
+from support.node_audit import (  # noqa: E402
     CRASH,
     NOT_DIFFERENTIABLE,
     PASS,

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnx
 import pytest
-from linear_data import LINEAR, linear_data
 from onnx import TensorProto, helper, numpy_helper
+from support.linear import LINEAR, linear_data
 
 import lossgraph
 from lossgraph.errors import (

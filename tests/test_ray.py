@@ -10,8 +10,8 @@ import os
 import numpy as np
 import onnx
 import pytest
-from linear_data import LINEAR, linear_data
 from onnx import numpy_helper
+from support.linear import LINEAR, linear_data
 
 ray = pytest.importorskip("ray", reason="needs Ray (pip install 'lossgraph[ray]')")
 pytest.importorskip("ray.train", reason="needs Ray Train (pip install 'lossgraph[ray]')")

@@ -22,11 +22,10 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from support.environment import ROOT
 
 import lossgraph
 from lossgraph.optim import SGD
-
-ROOT = Path(__file__).resolve().parents[1]
 
 #: Train a saved program on saved data in a fresh interpreter; write its losses and state.
 TRAIN_ELSEWHERE = textwrap.dedent("""

@@ -20,19 +20,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from catalogue import Row, assert_listed, message_of, print_table, slug
+from support.catalogue import Row, assert_listed, message_of, print_table, slug
+from support.linear import linear_model
 
 import lossgraph
 from lossgraph import fileio, storage
 from lossgraph.cli import main as cli
 from lossgraph.errors import InvalidDataError, InvalidProgramError, UnsafeWriteError
 
-MODEL = onnx.parser.parse_model("""
-    <ir_version: 8, opset_import: ["" : 18]>
-    linear (float[N, 3] x) => (float[N, 1] y)
-    <float[3, 1] coef = {0.5, -0.25, 1}, float[1] intercept = {0.1}>
-    { h = MatMul(x, coef)
-      y = Add(h, intercept) }""")
+MODEL = linear_model((0.5, -0.25, 1), 0.1)
 
 
 def compiled(fuse: str = "step") -> lossgraph.TrainingProgram:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
-from torch_steps import make_distinct
+from support.torch_steps import make_distinct
 
 import lossgraph
 from lossgraph.errors import InvalidProgramError, UnsupportedModelError, UnsupportedOptionError

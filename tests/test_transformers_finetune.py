@@ -29,7 +29,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 
-from torch_steps import (  # noqa: E402
+from support.torch_steps import (  # noqa: E402
     assert_gradients_close,
     assert_gradients_like_torch,
     assert_steps_like_torch,

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from support.environment import GOLDEN_MODELS
 
 import lossgraph
 import lossgraph.passes
@@ -19,7 +20,7 @@ from lossgraph.cli import main
 from lossgraph.cli.parser import build_parser
 from lossgraph.errors import LossgraphDeprecationWarning, UnsupportedOptionError
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
+GOLDEN = GOLDEN_MODELS
 
 
 @pytest.fixture
@@ -146,7 +147,8 @@ FLAG_PARAMETERS = {
         "--weight-name": "loss_options", "--penalty": "penalty", "--penalty-l1": "penalty",
         "--penalty-l2": "penalty", "--optimizer": "optimizer", "--learning-rate": "optimizer",
         "--momentum": "optimizer", "--backend": "backend", "--fuse": "fuse",
-        "--target": "target", "--output": None, "--format": None}),
+        "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
+        "--output": None, "--format": None}),
 }
 
 
@@ -196,44 +198,6 @@ def test_deprecated_attributes_and_keywords_still_work_with_a_warning(linear):
         assert trainer.score(x, y) == trainer.evaluate(x, y)
 
 
-def test_describe_plan_prints_every_graph_of_a_separate_program(linear):
-    """Every graph separate mode emits has a declared plan: the model's gradient from the
-    forward model, the loss, update and penalty graphs from their builders' options."""
-    text = lossgraph.describe_plan(linear, fuse="separate", penalty={"W": 0.1},
-                                   optimizer=lossgraph.optim.Momentum(0.05))
-    lines = dict(line.split(" = ", 1) for line in text.splitlines())
-    assert [name.strip() for name in lines] == ["evaluate", "predict", "gradient", "loss",
-                                                "update", "penalty"]
-    assert lines["gradient"].endswith("-> Gradient(weights=('W', 'B'), outputs=('Y',)) -> "
-                                      "SumRowsByProduct -> SumRowsByProduct -> "
-                                      "WidenScalarConstants")
-    assert lines["loss    "] == "LossGraph(loss='squared_error') -> WidenScalarConstants"
-    assert lines["update  "] == ("UpdateGraph(optimizer=Momentum(learning_rate=0.05)) -> "
-                                 "WidenScalarConstants")
-    assert lines["penalty "] == "PenaltyGraph(penalty={'W': 0.1}) -> WidenScalarConstants"
-
-
-def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
-    text = lossgraph.describe_plan(linear, fuse="epoch", weights=["W"])
-    lines = {name.strip(): passes for name, passes in
-             (line.split(" = ", 1) for line in text.splitlines())}
-    assert list(lines) == ["evaluate", "predict", "train_step", "train_epoch_ordered",
-                           "train_epoch"]
-    assert lines["train_epoch"].startswith("loss model -> WeightsToInputs(weights=('W',)) -> "
-                                           "StabilizeNumerics -> Gradient(weights=('W',)) -> "
-                                           "FoldBatchIntoProducts -> SumRowsByProduct -> "
-                                           "ConcatScatteredSlabs -> UnfoldConvWeightGradients "
-                                           "-> PackWeights(")
-    assert lines["train_epoch"].endswith("-> EpochGraph -> WidenScalarConstants")
-    assert lines["train_epoch_ordered"].endswith(
-        "-> EpochGraph(shuffle=False) -> WidenScalarConstants")
-    assert "-> StepGraph(optimizer=SGD) ->" in lines["train_step"]  # options off default only
-    momentum = lossgraph.describe_plan(linear, optimizer=lossgraph.optim.Momentum(0.05))
-    assert "StepGraph(optimizer=Momentum(learning_rate=0.05))" in momentum
-    program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
-    assert list(program.graphs) == list(lines)
-
-
 def test_import_lossgraph_exposes_a_curated_surface():
     """Every public attribute of ``lossgraph`` that is not a submodule is in __all__ (no
     leaked typing or helper names), every name of __all__ exists, and each pass a user
@@ -266,3 +230,9 @@ def test_the_package_speaks_of_onnxcustom_by_name():
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if "reference document" in line.lower()]
     assert found == []
+
+
+def test_top_level_reexports():
+    for name in ("LearningRateSGD", "LearningRateSGDNesterov", "SquareLearningLoss",
+                 "ElasticLearningLoss", "ElasticLearningPenalty", "NoLearningPenalty"):
+        assert getattr(lossgraph, name) is getattr(lossgraph.compat, name)

@@ -125,7 +125,8 @@ def main() -> None:
         print(f"exported trained model: {path.name}, {path.stat().st_size} bytes, "
               f"inputs {[i.name for i in session.get_inputs()]}")
         assert np.allclose(deployed, prediction, rtol=1e-5, atol=1e-5)
-    assert lossgraph_r2 > sklearn_r2 - 0.05, (lossgraph_r2, sklearn_r2)
+    # the same network and settings, shuffled differently: near, not equal
+    assert abs(lossgraph_r2 - sklearn_r2) < 0.01, (lossgraph_r2, sklearn_r2)
     print("OK: lossgraph trains the ONNX model as well as scikit-learn trains its own")
 
 

@@ -30,20 +30,11 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from ..analysis import trainable_initializers
-from ..autodiff import supported_ops
-from ..errors import InvalidModelError, InvalidProgramError, LossgraphError
-from ..fileio import save_model
-from ..passes.gradient import gradient
-from ..passes.loss import add_loss_output
-from ..passes.lower_ml import lower_ml_ops
-from ..passes.rename import alphabetize_initializers
-from .build import _compile, _export_function
-from .inspection import format_inspection, inspect_model
-from .outputs import _check_outputs, _external_note
+from ..errors import LossgraphError
+from .inputs import check_inputs
+from .outputs import _check_outputs
 from .parser import (
     DEBUG_VARIABLE,
     EXIT_BROKEN_PIPE,
@@ -54,7 +45,6 @@ from .parser import (
     _one_line,
     build_parser,
 )
-from .train import _train
 
 __all__ = ["main"]
 
@@ -67,11 +57,9 @@ def _output_index(text: str | None) -> int | str | None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    if not Path(args.source).exists():
-        raise InvalidProgramError(
-            f"There is nothing at {args.source!r}: lossgraph export takes a checkpoint folder "
-            "(lossgraph train --checkpoint), a program folder (lossgraph compile) or an .onnx "
-            "model.")
+    from .build import _export_function
+    from .outputs import _external_note
+
     save_inference_model = _export_function("save_inference_model")
     save_inference_model(args.source, args.output, external_data=args.external_data,
                          target=args.target, overwrite=args.force)
@@ -80,43 +68,60 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Run one parsed command; return the exit status."""
+    """Run one parsed command; return the exit status. Each command imports what it
+    needs (numpy, onnx, onnxruntime) here, after its arguments and paths were checked."""
     if args.command == "inspect":
-        if Path(args.model).is_dir():
-            raise InvalidModelError(
-                f"{args.model!r} is a folder; lossgraph inspect reads an ONNX model file (a "
-                "program folder keeps its inference model as inference.onnx).")
+        from .inspection import format_inspection, inspect_model
+
         report = inspect_model(args.model)
         print(json.dumps(report, indent=2) if args.json else format_inspection(report))
         return EXIT_OK
     if args.command == "compile":
+        from .build import _compile
+
         return _compile(args)
     if args.command == "train":
+        from .train import _train
+
         return _train(args)
     if args.command == "export":
         return _export(args)
     if args.command == "add-loss":
+        from ..passes.loss import add_loss_output
+
         result = add_loss_output(
             args.model, args.loss, loss_name=args.loss_name, label_name=args.label_name,
             weight_name=args.weight_name, penalty=args.penalty,
             output_index=_output_index(args.output_index), reduction=args.reduction,
             **dict(args.loss_option))
     elif args.command == "gradient":
+        from ..passes.gradient import gradient
+
         result = gradient(args.model, weights=args.weights, loss_name=args.loss_name,
                           backend=args.backend, outputs=args.outputs)
     elif args.command == "lower-ml":
+        from ..passes.lower_ml import lower_ml_ops
+
         result = lower_ml_ops(args.model)
     elif args.command == "alphabetize":
+        from ..passes.rename import alphabetize_initializers
+
         result, mapping = alphabetize_initializers(args.model)
         print(json.dumps(mapping, indent=2))
     elif args.command == "trainable":
+        from ..analysis import trainable_initializers
+
         print("\n".join(trainable_initializers(args.model)))
         return EXIT_OK
     else:
+        from ..autodiff import supported_ops
+
         for rule in supported_ops(None):
             domain = f"{rule.domain}::" if rule.domain else ""
             print(f"{domain}{rule.op_type}\topset {rule.opsets}\t{rule.notes}".rstrip())
         return EXIT_OK
+    from ..fileio import save_model
+
     save_model(result, args.output, overwrite=args.force)
     return EXIT_OK
 
@@ -152,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_printer(prefix)
+            check_inputs(args)
             _check_outputs(args)
             return _run(args)
     except (LossgraphError, OSError) as exc:

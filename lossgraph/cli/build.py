@@ -86,6 +86,7 @@ def _compile(args: argparse.Namespace) -> int:
     loss_options = _loss_options(args)
     optimizer = _optimizer(args)
     penalty = _penalty(args, loss, loss_options)
+    untie = None if args.untie is None else args.untie or "auto"  # --untie alone: "auto"
     if args.format == "ort-artifacts":
         given = [option for option, value in (("--fuse", args.fuse), ("--backend", args.backend),
                                               ("--target", args.target)) if value]
@@ -98,7 +99,7 @@ def _compile(args: argparse.Namespace) -> int:
         to_ort_artifacts = _export_function("to_ort_artifacts")
         written = to_ort_artifacts(args.model, args.output, optimizer=optimizer,
                                    weights=args.weights, loss=loss, loss_options=loss_options,
-                                   penalty=penalty)
+                                   penalty=penalty, fixed_batch=args.fixed_batch, untie=untie)
         print(f"{args.output}: {', '.join(Path(path).name for path in written)}; trains with "
               f"{type(optimizer).__name__} (learning rate {optimizer.learning_rate:g}: "
               "onnxruntime's Optimizer starts at 0.001, set_learning_rate sets it)")
@@ -106,11 +107,13 @@ def _compile(args: argparse.Namespace) -> int:
     program = compile_program(
         args.model, weights=args.weights, loss=loss, loss_options=loss_options, penalty=penalty,
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
-        target=args.target)
+        target=args.target, fixed_batch=args.fixed_batch, untie=untie)
     program.save(args.output)
     print(f"{args.output}: {', '.join(sorted(program.graphs))}; trains "
           f"{', '.join(program.weights)} with {type(program.optimizer).__name__} "
           f"(learning rate {program.optimizer.learning_rate:g})")
+    if "batch" in program.manifest:
+        print(f"the model: {program.manifest['batch']['detail']}")
     return EXIT_OK
 
 

@@ -12,12 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from ..data import converted, declared
 from ..errors import (
     InvalidDataError,
     RuntimeUnavailableError,
     UnsupportedOptionError,
     suggest,
 )
+from ..paths import data_source
 from ..program import TrainingProgram
 from ..storage import read_arrays
 from .parser import TABLE_SUFFIXES, _one_line
@@ -197,26 +199,18 @@ def _read_parquet(path: Path, wanted: Sequence[str]) -> dict[str, np.ndarray]:
 
 
 def _as_input(values: np.ndarray, spec: Mapping[str, Any], what: str) -> np.ndarray:
-    """A column (or columns) of a table as the dtype input ``spec`` declares."""
-    dtype = np.dtype(spec["dtype"])
-    if dtype.kind in "iu" and values.dtype.kind == "f":
-        bad = ~np.isfinite(values) | (values != np.round(values))
-        if bad.any():
-            row = int(np.argwhere(bad)[0][0])
-            raise InvalidDataError(
-                f"{what} holds {values[bad][0]!r} (row {row}), but the model's input "
-                f"{spec['name']!r} takes whole numbers ({dtype}).")
-    return values.astype(dtype)
+    """A column (or columns) of a table as the dtype input ``spec`` declares, converted as
+    the Trainer converts arrays (:func:`lossgraph.data.converted`); a text table has no
+    dtype of its own, so whole numbers are taken for an integer input."""
+    return converted(values, np.dtype(spec["dtype"]), what,
+                     declared(spec["name"], spec["dtype"], spec["shape"]), whole=True)
 
 
 def _table_data(path: str, args: argparse.Namespace,
                 specs: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """``X``, ``y`` (and ``sample_weight``) from the columns of a .csv or .parquet file,
     converted to the dtypes of the program's inputs."""
-    source = Path(path)
-    if not source.is_file():
-        raise InvalidDataError(f"There is no data file at {path!r}." if not source.exists()
-                               else f"{path!r} is not a regular file.")
+    source = data_source(path, table=True)
     parquet = source.suffix.lower() != ".csv"
     names = _parquet_columns(source) if parquet else _csv_columns(source)
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -263,12 +257,13 @@ def _table_data(path: str, args: argparse.Namespace,
             f"({', '.join(label)}), but the model's label {label_spec['name']!r} takes "
             f"{outputs}: name them with --label.")
     data: dict[str, Any] = {
-        "X": _as_input(stacked(features), feature_spec, f"{path!r} columns {', '.join(features)}"),
+        "X": _as_input(stacked(features), feature_spec,
+                       f"{path!r} (columns {', '.join(features)})"),
         "y": _as_input(columns[label[0]] if len(label) == 1 else stacked(label), label_spec,
-                       f"{path!r} column {', '.join(label)}")}
+                       f"{path!r} (column{'s' * (len(label) > 1)} {', '.join(label)})")}
     if weight:
         data["sample_weight"] = _as_input(columns[weight], specs["sample_weight"][0],
-                                          f"{path!r} column {weight}")
+                                          f"{path!r} (column {weight})")
     return data
 
 
@@ -278,11 +273,7 @@ def _training_data(path: str, args: argparse.Namespace,
     specs = _input_specs(program)
     if Path(path).suffix.lower() in TABLE_SUFFIXES:
         return _table_data(path, args, specs)
-    if Path(path).suffix.lower() == ".npy":
-        raise InvalidDataError(
-            f"{path!r} is one .npy array; --data takes an .npz file, a folder of .npy files "
-            "(X.npy, y.npy, ...), a .csv or a .parquet file.")
-    return _array_data(path, args, specs)
+    return _array_data(path, args, specs)  # (one .npy file was refused by check_inputs)
 
 
 def _rows(value: Any) -> int:

@@ -11,8 +11,10 @@ import onnx
 
 from ..analysis import (
     blocked_initializers,
+    constant_weights,
     differentiable_values,
     influenced_values,
+    tied_initializers,
     trainable_initializers,
 )
 from ..autodiff.registry import differentiable_inputs, find_rule
@@ -32,6 +34,7 @@ from ..graphs import (
     subgraphs,
 )
 from ..models import as_model
+from ..passes.fixed_batch import GeneralizeBatch, export_calls, rows
 from ..passes.lower_ml import LOWERED_OPS, lower_ml_ops
 from ..roles import get_roles
 from .parser import ML_DOMAIN, _one_line
@@ -162,6 +165,11 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
             rule = "missing" if (domain, op_type) in blocking else "no"
         ops.append({"domain": domain, "op_type": op_type, "count": count, "gradient_rule": rule})
 
+    tied = [{"name": t.name, "readers": [_label(n) for n, _ in t.readers]}
+            for t in tied_initializers(lowered, candidates)]
+    constants = [{"name": c.name, "node": c.node.name, "dtype": elem_type_name(c.elem_type),
+                  "shape": list(c.dims), "size": int(np.prod(c.dims, dtype=np.int64)),
+                  "feeds": _label(c.reader)} for c in constant_weights(lowered)]
     initializers = []
     for tensor in lowered.graph.initializer:
         initializers.append({
@@ -178,6 +186,8 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         "outputs": _values(graph.output, set()),
         "initializers": initializers,
         "trainable": candidates,
+        "tied": tied,
+        "constants": constants,
         "blocked": blocked,
         "lowered_ops": sorted({n.op_type for n in graph.node
                                if n.domain == ML_DOMAIN and n.op_type in LOWERED_OPS}),
@@ -185,7 +195,30 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         "roles": roles,
         "ops": ops,
         "missing_gradient_rules": missing,
+        "fixed_batch": _fixed_batch(lowered),
     }
+
+
+def _fixed_batch(model: onnx.ModelProto) -> dict[str, Any] | None:
+    """What compile does with the model's fixed batch (None: its batch is free): frees it
+    (the constants rewritten) or keeps it (why), and how to export it with a free batch."""
+    weights = {t.name for t in model.graph.initializer}
+    calls = export_calls([v.name for v in model.graph.input if v.name not in weights],
+                         [v.name for v in model.graph.output])
+    try:
+        result = GeneralizeBatch()(model)
+    except LossgraphError as exc:  # inputs that disagree: compile fails the same way
+        return {"size": None, "freed": False, "rewrites": [], "reason": _one_line(str(exc)),
+                "export": list(calls)}
+    report = result.report
+    if report is None:
+        return None
+    return {"size": report.batch, "freed": report.freed,
+            "rewrites": [{"node": r.node, "op_type": r.op_type, "value": r.value,
+                          "kind": r.kind, "before": list(r.before), "after": list(r.after),
+                          "expanded": r.expanded or None, "text": str(r)}
+                         for r in report.rewrites],
+            "reason": report.reason or None, "export": list(calls)}
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "  ") -> str:
@@ -202,6 +235,12 @@ def _shape_text(shape: list[int | str | None] | None) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+def _readers_text(readers: Sequence[str], most: int = 3) -> str:
+    """The first ``most`` readers, then how many more."""
+    more = f" and {len(readers) - most} more" if len(readers) > most else ""
+    return ", ".join(readers[:most]) + more
+
+
 def _op_text(domain: str, op_type: str) -> str:
     return f"{domain}::{op_type}" if domain else op_type
 
@@ -210,6 +249,24 @@ def _op_text(domain: str, op_type: str) -> str:
 _RULE_TEXT = {"yes": "yes", "missing": "MISSING (see below)",
               "no": "no (no gradient needs to pass it)",
               "lowered": "lowered into standard ops by compile"}
+
+
+def _fixed_batch_text(batch: Mapping[str, Any]) -> str:
+    """The fixed batch, what compile does with it, and how to export the model again."""
+    export = (f"\n  to train any batch size, export the model with a free batch axis:\n"
+              f"    {batch['export'][0]}   (torch's default exporter)\n"
+              f"    {batch['export'][1]}   (the legacy exporter)")
+    if batch["size"] is None:
+        return f"\nfixed batch: compile refuses the model: {batch['reason']}{export}"
+    size = rows(batch["size"])
+    head = (f"\nfixed batch: the inputs fix the batch at {size} (as torch.onnx.export "
+            "writes a model without dynamic_shapes or dynamic_axes)")
+    if batch["freed"]:
+        how = "; ".join(r["text"] for r in batch["rewrites"]) or "no shape constant holds it"
+        return (f"{head}; compile frees it, proven from the graph ({how}): the program "
+                "trains and predicts any number of rows")
+    return (f"{head}; compile keeps it ({batch['reason']}): the program trains in batches of "
+            f"exactly {size}, each epoch's remaining rows left out{export}")
 
 
 def format_inspection(report: Mapping[str, Any]) -> str:
@@ -222,6 +279,8 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         parts.append(f"\n{key}\n" + _table(
             ("name", "type", "shape"),
             ((v["name"], v["dtype"], _shape_text(v["shape"])) for v in report[key])))
+    if report.get("fixed_batch"):
+        parts.append(_fixed_batch_text(report["fixed_batch"]))
     initializers = report["initializers"]
     if initializers:
         total = sum(t["size"] for t in initializers)
@@ -252,6 +311,23 @@ def format_inspection(report: Mapping[str, Any]) -> str:
     else:
         parts.append("trainable candidates: none (no float initializer reaches an output "
                      "differentiably)")
+    if report["tied"]:
+        parts.append(
+            "\ninitializers several layers read as their own (torch's exporters merge equal "
+            "values, such as a fresh model's LayerNorm scales and zero biases): compile trains "
+            "each as one weight those layers share, and warns; compile --untie gives each layer "
+            "its own copy\n" + _table(
+                ("initializer", "layers", "read by"),
+                ((t["name"], len(t["readers"]), _readers_text(t["readers"]))
+                 for t in report["tied"])))
+    if report["constants"]:
+        parts.append(
+            "\nfloat constants that feed a product like a weight (an exporter may have folded "
+            "a parameter into one): not trainable: a constant; compile --weights NAME makes "
+            "it an initializer and trains it\n" + _table(
+                ("constant", "type", "shape", "values", "feeds"),
+                ((c["name"], c["dtype"], _shape_text(c["shape"]), c["size"], c["feeds"])
+                 for c in report["constants"])))
     if report["blocked"]:
         parts.append(
             "\nweights whose effect on the outputs passes values lossgraph does not "

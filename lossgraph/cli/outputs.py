@@ -7,11 +7,9 @@ import json
 import os
 from pathlib import Path
 
-import onnx
-
 from ..errors import RuntimeUnavailableError, UnsupportedOptionError
 from ..fileio import check_file_target, check_folder_target
-from ..storage import CHECKPOINT_FOLDER, PROGRAM_FOLDER
+from ..paths import CHECKPOINT_FOLDER, PROGRAM_FOLDER
 from .parser import PNG_SIGNATURE
 
 EXIT_OK = 0
@@ -124,6 +122,8 @@ def _figure_class() -> type:
 
 def _external_note(path: str) -> str:
     """`` and <file>`` when the model at ``path`` keeps tensors in an external file."""
+    import onnx
+
     model = onnx.load_model_from_string(Path(path).read_bytes())  # binary, whatever its name
     files = sorted({entry.value for tensor in model.graph.initializer
                     for entry in tensor.external_data if entry.key == "location"})

@@ -7,11 +7,11 @@ import json
 import math
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from .. import __version__
-from ..modes import MODES
+from ..options import FIXED_BATCH_CHOICES
 
 EXIT_OK = 0
 
@@ -41,6 +41,7 @@ examples:
       --loss-option delta=0.5 --weight-name sample_weight
   lossgraph compile model.onnx -o program/ \\
       --optimizer '{"type": "AdamW", "learning_rate": 0.001, "weight_decay": 0.05}'
+  lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
   lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
     "train": """\
 examples:
@@ -186,6 +187,25 @@ def _fraction(text: str) -> float:
     return value
 
 
+class _Modes:
+    """The fusion modes of :data:`lossgraph.modes.MODES`, read when argparse checks
+    ``--fuse`` or shows its help: importing the registry imports numpy and onnx, which
+    ``--help`` and the argument checks of every other option do without."""
+
+    def __iter__(self) -> Iterator[str]:
+        from ..modes import MODES
+
+        return iter(MODES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in list(self)
+
+    def __str__(self) -> str:
+        from ..modes import MODES
+
+        return "; ".join(f"{name}, {mode.summary}" for name, mode in MODES.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lossgraph", description="From an ONNX model to a trained ONNX "
                      "model: inspect it, compile it into training\ngraphs, train them on a data "
@@ -227,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "as lossgraph inspect lists them)")
     build.add_argument("--trainable", dest="weights", nargs="+", action=_Renamed,
                        new="--weights")
+    build.add_argument("--untie", nargs="*", metavar="NAME",
+                       help="give each layer reading one of these initializers its own copy "
+                            "(alone: every initializer several layers read as their own, as "
+                            "lossgraph inspect lists them; torch's exporters merge equal "
+                            "values, such as a fresh model's LayerNorm scales)")
     build.add_argument("--loss", default="squared_error",
                        help="the loss function (default: squared_error), or 'none' when the "
                             "model carries its loss")
@@ -257,13 +282,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the gradient backend (default: onnx; ort needs the onnxruntime "
                             "training build)")
     build.add_argument("--gradient", dest="backend", action=_Renamed, new="--backend")
-    build.add_argument("--fuse", default=None, choices=list(MODES),
-                       help="how the training graphs are fused (default: step): "
-                            + "; ".join(f"{name}, {mode.summary}" for name, mode in MODES.items()))
+    fuse = build.add_argument("--fuse", default=None, choices=_Modes(), metavar="MODE",
+                              help="how the training graphs are fused (default: step): "
+                                   "%(modes)s")
+    fuse.modes = _Modes()  # read by argparse's help as %(modes)s, when it is shown
     build.add_argument("--target", default=None,
                        help="the runtimes the graphs must load in: a target name (default, "
                             "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "
                             "see docs/reference/targets.md")
+    build.add_argument("--fixed-batch", default="auto", choices=list(FIXED_BATCH_CHOICES),
+                       help="a model whose inputs fix the batch size (torch.onnx.export's "
+                            "default): auto frees it where the graph proves which constants "
+                            "hold it, else trains batches of exactly that size (default); "
+                            "generalize frees it or fails; keep trains at that size")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")
@@ -281,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--validation-split", type=_fraction, metavar="F",
                        help="hold out the last fraction F of the rows as validation data")
     train.add_argument("--epochs", type=int, default=1, help="epochs to train (default: 1)")
-    train.add_argument("--batch-size", type=int, default=32, help="rows a step (default: 32)")
+    train.add_argument("--batch-size", type=int, default=None,
+                       help="rows a step (default: 32, or the batch a model exported with a "
+                            "fixed batch keeps)")
     train.add_argument("--no-shuffle", action="store_true",
                        help="visit the rows in order (default: shuffled every epoch)")
     train.add_argument("--random-state", type=int, default=None, metavar="SEED",

@@ -57,14 +57,13 @@ def loss_curve_png(train_losses: Sequence[float], validation_losses: Sequence[fl
     return buffer.getvalue()
 
 
-def _trainer(args: argparse.Namespace) -> Trainer:
-    """A trainer of the program folder, or resuming ``--resume``'s checkpoint."""
+def _trainer_and_data(args: argparse.Namespace) -> tuple[Trainer, dict]:
+    """A trainer of the program folder (or resuming ``--resume``'s checkpoint) and the data
+    of ``--data``, read before the trainer starts onnxruntime (check_inputs found both)."""
     if args.resume is None:
-        if args.program is None:
-            raise UnsupportedOptionError(
-                "Name the program folder to train (lossgraph train PROGRAM --data ...), or a "
-                "checkpoint to continue with --resume CHECKPOINT.")
-        return Trainer(TrainingProgram.load(args.program))
+        program = TrainingProgram.load(args.program)
+        data = _training_data(args.data, args, program)
+        return Trainer(program), data
     trainer = Trainer.load_checkpoint(args.resume)
     if args.program is not None:
         program = TrainingProgram.load(args.program)
@@ -73,12 +72,11 @@ def _trainer(args: argparse.Namespace) -> Trainer:
                 f"The checkpoint {args.resume!r} was not saved by training the program "
                 f"{args.program!r} (their manifests differ): leave the program out to continue "
                 "the checkpoint's own.")
-    return trainer
+    return trainer, _training_data(args.data, args, trainer.program)
 
 
 def _train(args: argparse.Namespace) -> int:
-    trainer = _trainer(args)
-    data = _training_data(args.data, args, trainer.program)
+    trainer, data = _trainer_and_data(args)
     validation = None
     if args.validation_split is not None:
         data, validation = _split(data, args.validation_split)
@@ -104,7 +102,7 @@ def _train(args: argparse.Namespace) -> int:
         history = json.dumps({
             "format": HISTORY_FORMAT, "epochs": trainer.epochs_, "steps": trainer.steps_,
             "train_loss": list(train_losses), "validation_loss": list(validation_losses),
-            "batch_size": args.batch_size, "data": args.data,
+            "batch_size": trainer.batch_size(args.batch_size), "data": args.data,
             "validation_split": args.validation_split,
             "program": args.program, "resumed_from": args.resume}, indent=2) + "\n"
     plot = loss_curve_png(train_losses, validation_losses,

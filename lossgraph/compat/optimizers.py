@@ -54,6 +54,7 @@ from ..fileio import check_file_target, save_model, serialize
 from ..models import ModelLike, as_model
 from ..options import count, flag, names
 from ..passes.loss import loss_graph
+from ..passes.lower_ml import lower_ml_ops
 from ..program import TrainingProgram, with_weights
 from ..roles import get_roles
 from ..runtime.graph_function import device_providers
@@ -590,7 +591,9 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         loss_options = {**loss.loss_options(), "loss_name": self.loss_output_name}
         if self._weight_input is not None:
             loss_options["weight_name"] = self._weight_input
-        weights = names("weights_to_train", self.weights_to_train) or default_weights(model)
+        # the weights of skl2onnx's ai.onnx.ml linear models appear once they are lowered
+        weights = (names("weights_to_train", self.weights_to_train)
+                   or default_weights(lower_ml_ops(model)))
         return compile_program(model, weights=weights, loss=loss.loss,
                                loss_options=loss_options, penalty=penalty.penalty(weights),
                                optimizer=self.learning_rate.to_optimizer(), fuse="separate")

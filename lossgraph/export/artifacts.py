@@ -99,7 +99,7 @@ MS_DOMAIN = "com.microsoft"
 #: Metadata of the ONNX files: the format and the checksum of the checkpoint written with them.
 RECORD_KEY = "lossgraph.ort_artifacts"
 RECORD_FORMAT = "lossgraph-ort-artifacts/1"
-_COMPILE_OPTIONS = ("weights", "loss", "loss_options", "penalty")
+_COMPILE_OPTIONS = ("weights", "loss", "loss_options", "penalty", "fixed_batch", "untie")
 
 
 class OrtArtifacts(NamedTuple):
@@ -142,8 +142,9 @@ def to_ort_artifacts(model_or_program: ModelLike | TrainingProgram,
         step: the updates already done (e.g. ``Trainer.steps_`` for a program holding a
             trained state), stored in the checkpoint; AdamW's bias correction counts from it.
         properties: ints, floats and strings stored in the checkpoint's property bag.
-        compile_options: ``weights``, ``loss``, ``loss_options``, ``penalty``, as
-            :func:`~lossgraph.compile_program` takes them (models only).
+        compile_options: ``weights``, ``loss``, ``loss_options``, ``penalty``,
+            ``fixed_batch``, ``untie``, as :func:`~lossgraph.compile_program` takes them
+            (models only).
 
     Returns:
         The four paths, as an :class:`OrtArtifacts`.

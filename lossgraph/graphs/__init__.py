@@ -12,12 +12,13 @@
 Every name is importable from ``lossgraph.graphs`` itself.
 """
 
-from .facts import ForwardFacts
+from .facts import LONG_VECTOR, ForwardFacts, infer_shapes_with_data
 from .index import GraphIndex, shortest_path
 from .queries import (
     all_graphs,
     attribute_value,
     attribute_values,
+    constant_value,
     initializer_arrays,
     known_shapes,
     names_in_graph,
@@ -41,9 +42,9 @@ from .weights import stored_tensors, without_weight_data
 
 __all__ = [
     "FLOAT_TYPES", "Shape", "ForwardFacts", "GraphIndex", "attribute_values",
-    "attribute_value", "subgraphs", "all_graphs", "names_in_graph", "values_read",
+    "attribute_value", "constant_value", "subgraphs", "all_graphs", "names_in_graph", "values_read",
     "outer_references", "stored_tensors", "without_weight_data",
     "shortest_path", "elem_type_name", "np_dtype", "weights_dtype", "opset_version",
     "initializer_arrays", "rename_values", "known_shapes", "is_default_domain",
-    "canonical_domain", "is_onnx_op",
+    "canonical_domain", "is_onnx_op", "infer_shapes_with_data", "LONG_VECTOR",
 ]

@@ -5,19 +5,21 @@ values, and the nodes reading each value.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .queries import all_graphs, attribute_value, initializer_arrays, subgraphs
-from .types import Shape, is_default_domain, is_onnx_op, np_dtype
+from .queries import all_graphs, attribute_value, constant_value, initializer_arrays, subgraphs
+from .types import Shape, is_default_domain, is_onnx_op, np_dtype, opset_version
 from .weights import without_weight_data
 
-__all__ = ["ForwardFacts"]
+__all__ = ["ForwardFacts", "LONG_VECTOR", "infer_shapes_with_data"]
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,155 @@ class ForwardFacts:
         constants.update((tensor.name, numpy_helper.to_array(tensor)) for tensor in self._weights)
         for node in self._graph.node:
             if is_onnx_op(node, "Constant"):
-                value = _constant_node_value(node)
+                value = constant_value(node)
                 if value is not None:
                     constants[node.output[0]] = value
         return constants
+
+
+#: A 1-D floating-point value at least this long is kept out of onnx's data propagation
+#: (:func:`infer_shapes_with_data`): no shape is computed from it.
+LONG_VECTOR = 1 << 12
+
+#: The floating-point element types: their values never hold shape data.
+_FLOATING = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                       onnx.TensorProto.BFLOAT16})
+
+
+def infer_shapes_with_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``onnx.shape_inference.infer_shapes(model, data_prop=True)``, without the time onnx
+    spends on long vectors.
+
+    onnx's data propagation holds the value of every static 1-D tensor that an ``Add``,
+    ``Mul``, ``Concat``... reads as a list of dimensions, one per element, floating-point
+    ones included: on the packed weights of ResNet-18's epoch graph (11 million values,
+    :class:`~lossgraph.passes.PackWeights`) one call took 5 s, against 0.01 s on its step
+    graph. A floating-point value never holds shape data, so each node that computes one
+    floating-point vector from such vectors, or of :data:`LONG_VECTOR` values or more
+    (found by inference without data propagation), stands, for the inference only, as a
+    node of the same output type that computes nothing onnx propagates: a ``Constant``
+    holding no data (an empty sparse value). Where only data propagation finds a vector's
+    length (a packed gradient whose parts' shapes are computed), a first inference has it
+    stand as a vector of unknown length, onnx's own type inference of the node then gives
+    its type from its inputs', and a second inference takes that. Every value's inferred
+    type is onnx's. The returned model has ``model``'s nodes and the inferred types."""
+    scratch = onnx.ModelProto()
+    scratch.CopyFrom(model)
+    stand_ins = _vector_stand_ins(scratch, onnx.shape_inference.infer_shapes(model))
+    if not stand_ins:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    inferred = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
+    unsized = [s for s in stand_ins if s.type is None]
+    if unsized:
+        graphs = list(all_graphs(scratch.graph))
+        for stand_in, found in zip(unsized, _node_types(inferred, unsized, model)):
+            if found is not None and _length(found) is not None:
+                graphs[stand_in.graph].node[stand_in.position].CopyFrom(
+                    _empty_constant(stand_in.node, found))
+        inferred = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
+    graphs = list(all_graphs(inferred.graph))
+    for stand_in in stand_ins:
+        graphs[stand_in.graph].node[stand_in.position].CopyFrom(stand_in.node)
+    del inferred.graph.input[len(model.graph.input):]  # the unknown length's, if any
+    return inferred
+
+
+@dataclass(frozen=True)
+class _StandIn:
+    """A node of a scratch model standing in for ``node``, the ``position``-th of the
+    ``graph``-th graph of :func:`~lossgraph.graphs.all_graphs`; ``type`` is its output's
+    type, or None when only data propagation finds its length."""
+
+    graph: int
+    position: int
+    node: onnx.NodeProto
+    type: onnx.TypeProto | None
+
+
+def _vector_stand_ins(scratch: onnx.ModelProto, plain: onnx.ModelProto) -> list[_StandIn]:
+    """Replace in ``scratch`` (in place) each single-output node that computes a
+    floating-point vector, of :data:`LONG_VECTOR` values or more or from such vectors, by
+    a stand-in (:func:`infer_shapes_with_data`); ``plain`` is ``scratch`` after inference
+    without data propagation. The stand-ins, in graph order."""
+    stand_ins: list[_StandIn] = []
+    length = ""
+    long: set[str] = set()  # long floating-point vectors, and the stand-ins' outputs
+    for index, (graph, shaped) in enumerate(zip(list(all_graphs(scratch.graph)),
+                                                all_graphs(plain.graph))):
+        types = _declared_types(shaped)
+        long |= {name for name, value in types.items() if _long_vector(value)}
+        for position, node in enumerate(graph.node):
+            value = types.get(node.output[0]) if len(node.output) == 1 else None
+            if value is None or any(True for _ in subgraphs(node)) \
+                    or _rank(value) != 1 or value.tensor_type.elem_type not in _FLOATING:
+                continue
+            sized = _long_vector(value)
+            if not sized and (_length(value) is not None or not long.intersection(node.input)):
+                continue
+            kept = onnx.NodeProto()
+            kept.CopyFrom(node)
+            stand_ins.append(_StandIn(index, position, kept, value if sized else None))
+            if not sized and not length:  # a vector of unknown length, from an unknown input
+                length = _fresh_input(scratch, "lossgraph_unknown_length")
+            node.CopyFrom(_empty_constant(kept, value) if sized else helper.make_node(
+                "ConstantOfShape", [length], list(kept.output), name=kept.name,
+                value=helper.make_tensor("zero", value.tensor_type.elem_type, [1], [0])))
+            long.add(kept.output[0])
+    return stand_ins
+
+
+def _long_vector(value: onnx.TypeProto) -> bool:
+    """A floating-point vector of :data:`LONG_VECTOR` values or more."""
+    return value.tensor_type.elem_type in _FLOATING and (_length(value) or 0) >= LONG_VECTOR
+
+
+def _empty_constant(node: onnx.NodeProto, value: onnx.TypeProto) -> onnx.NodeProto:
+    """A ``Constant`` named as ``node`` giving its output a vector of ``value``'s type
+    with no data: an empty sparse value."""
+    elem_type = value.tensor_type.elem_type
+    empty = helper.make_sparse_tensor(
+        helper.make_tensor("values", elem_type, [0], []),
+        helper.make_tensor("indices", onnx.TensorProto.INT64, [0], []), [_length(value)])
+    return helper.make_node("Constant", [], list(node.output), name=node.name,
+                            sparse_value=empty)
+
+
+def _fresh_input(model: onnx.ModelProto, hint: str) -> str:
+    """A new int64[1] input of ``model``'s main graph, of a name no value has."""
+    taken = {name for g in all_graphs(model.graph)
+             for name in (*(v.name for v in (*g.input, *g.output, *g.value_info)),
+                          *(t.name for t in g.initializer),
+                          *(o for n in g.node for o in n.output))}
+    name = next(f"{hint}_{i}" if i else hint for i in range(len(taken) + 1)
+                if (f"{hint}_{i}" if i else hint) not in taken)
+    model.graph.input.append(helper.make_tensor_value_info(name, onnx.TensorProto.INT64, [1]))
+    return name
+
+
+def _node_types(inferred: onnx.ModelProto, unsized: list[_StandIn],
+                model: onnx.ModelProto) -> list[onnx.TypeProto | None]:
+    """The output type onnx's inference of each node of ``unsized`` (in graph order) gives
+    from its inputs' types in ``inferred`` (a stand-in's input: the type found for it
+    before); None where it gives none."""
+    graphs = list(all_graphs(inferred.graph))
+    outer = _declared_types(inferred.graph)
+    found: dict[str, onnx.TypeProto] = {}
+    types = []
+    for stand_in in unsized:
+        node = stand_in.node
+        known = {**outer, **_declared_types(graphs[stand_in.graph]), **found}
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset_version(model, node.domain) or 1,
+                                          node.domain)
+            result = onnx.shape_inference.infer_node_outputs(
+                schema, node, {i: known[i] for i in node.input if i in known},
+                opset_imports=list(model.opset_import)).get(node.output[0])
+        except Exception:  # noqa: BLE001 - no schema, or inference fails: the length stays unknown
+            result = None
+        if result is not None:
+            found[node.output[0]] = result
+        types.append(result)
+    return types
 
 
 def _declared_types(graph: onnx.GraphProto) -> dict[str, onnx.TypeProto]:
@@ -94,28 +241,42 @@ _FOLDED_TYPES = frozenset({
 _FOLDED_SIZE = 64
 
 
-def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 8) -> onnx.ModelProto:
-    """``inferred`` with ranks onnx's shape inference leaves unknown although they are
-    static, so that the gradient rules, which need ranks, find them.
+def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 8,
+                      fold_rounds: int = 64) -> onnx.ModelProto:
+    """``inferred`` with shapes onnx's shape inference leaves unknown although they are
+    static, so that the gradient rules, which need ranks (and some, such as a grouped
+    Conv's, a static channel count), find them.
 
-    Two things get onnx going again where it stops (a model whose every value has a rank
-    is returned as it is):
+    Three things get onnx going again where it stops (a model where none applies is
+    returned as it is):
 
     - shape arithmetic on constants that onnx's data propagation does not evaluate
       (``Mod`` of two constants, as torch's legacy exporter writes for ``unflatten``): a
       scratch copy holds its values, so that onnx sees the Reshape targets built from them;
+    - shape arithmetic on the static dims of a value whose other dims are not
+      (:func:`_static_dim_values`): torch's legacy exporter writes ``x.chunk(2, dim=1)``
+      as a Slice whose end is ``Div(Shape(x)[1] + 1, 2)``, which onnx leaves unknown when
+      the batch is symbolic, and the channels after it with it;
     - the rank rules of :func:`_static_ranks`, for ops onnx gives no rank although it is
       fixed by the op's definition and its inputs' ranks or lengths.
 
     Each round declares the ranks found and infers again, so that the ops after them get
     shapes too. The returned model has the input's nodes; only its types are richer.
     """
-    if not _unranked(inferred.graph):
+    unranked = _unranked(inferred.graph)
+    graph = inferred.graph
+    from_dims = _static_dim_values(graph, _declared_types(graph), {v.name for v in graph.input})
+    if not unranked and not from_dims:
         return inferred
     scratch = onnx.ModelProto()
     scratch.CopyFrom(inferred)
-    folded = _fold_shape_arithmetic(scratch)
-    if folded:
+    folded: dict[int, onnx.NodeProto] = {}
+    for _ in range(fold_rounds):  # static dims found make the dims after them static
+        found, dims_used = _fold_shape_arithmetic(scratch, unranked, from_dims)
+        from_dims = None  # found again from the next round's shapes
+        folded.update(found)
+        if not found or not (unranked or dims_used):
+            break
         scratch = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
     for _ in range(rounds):
         if not _declare_static_ranks(scratch.graph, {}):
@@ -137,60 +298,232 @@ def _unranked(graph: onnx.GraphProto) -> bool:
     return False
 
 
-def _fold_shape_arithmetic(model: onnx.ModelProto) -> dict[int, onnx.NodeProto]:
+def _fold_shape_arithmetic(model: onnx.ModelProto, constants_too: bool = True,
+                           from_dims: dict[str, np.ndarray] | None = None
+                           ) -> tuple[dict[int, onnx.NodeProto], bool]:
     """Replace each node of ``model``'s graph that computes a small integer or boolean
-    tensor from constants alone by a ``Constant`` of its value (onnx's reference evaluator
-    computes them, all in one run); returns the replaced nodes by position.
+    tensor from constants alone, or from static dims (:func:`_static_dim_values`), by a
+    ``Constant`` of its value (onnx's reference evaluator computes those from constants,
+    all in one run); returns the replaced nodes by position, and whether any value came
+    from static dims. Without ``constants_too``, a graph where no value comes from static
+    dims is left as it is (and costs one walk over its nodes). ``from_dims``: what
+    :func:`_static_dim_values` finds in ``model``, when the caller has it.
 
-    The values are exact (constants in, deterministic ops), so the shapes onnx infers
-    from them are too. Nodes with subgraphs, several outputs or in other domains are left
-    alone.
+    The values are exact (constants and static dims in, deterministic ops), so the shapes
+    onnx infers from them are too. Nodes with subgraphs, several outputs or in other
+    domains are left alone.
     """
     graph = model.graph
     types = _declared_types(graph)
     fed = {v.name for v in graph.input}  # an initializer that is an input is only a default
+    if from_dims is None:
+        from_dims = _static_dim_values(graph, types, fed)
+    if not from_dims and not constants_too:
+        return {}, False
     constant = {t.name for t in graph.initializer
                 if t.name not in fed and _small(types.get(t.name))}
-    evaluated: list[onnx.NodeProto] = []
+    recipes: dict[str, onnx.NodeProto] = {}  # how the evaluator computes each constant
     foldable: dict[int, onnx.NodeProto] = {}
     for position, node in enumerate(graph.node):
-        inputs = [i for i in node.input if i]
-        outputs = [o for o in node.output if o]
-        if not is_default_domain(node.domain) or any(True for _ in subgraphs(node)):
+        if len(node.output) != 1 or not node.output[0]:
             continue
-        if node.op_type == "Constant" and _small(types.get(outputs[0])):
-            constant.add(outputs[0])
-            evaluated.append(node)
-        elif inputs and len(outputs) == 1 and all(i in constant for i in inputs) \
-                and _small(types.get(outputs[0]), _FOLDED_TYPES):
-            constant.add(outputs[0])
-            evaluated.append(node)
+        out = node.output[0]
+        if node.op_type == "Constant":
+            if is_default_domain(node.domain) and _small_constant(node):
+                constant.add(out)
+                recipes[out] = node
+        elif out in from_dims:
+            constant.add(out)
+            recipes[out] = _constant(node.name, out, from_dims[out])
+            foldable[position] = node
+        elif any(node.input) and all(i in constant for i in node.input if i) \
+                and is_default_domain(node.domain) and not any(True for _ in subgraphs(node)) \
+                and _small(types.get(out), _FOLDED_TYPES):
+            constant.add(out)
+            recipes[out] = node
             foldable[position] = node
     if not foldable:
-        return {}
-    from onnx.reference import ReferenceEvaluator  # imported only where needed: 0.1 s
-
-    wanted = [node.output[0] for node in foldable.values()]
-    evaluator = helper.make_model(
-        helper.make_graph(
-            evaluated, "shape_arithmetic", [],
-            [helper.make_tensor_value_info(o, types[o].tensor_type.elem_type, None)
-             for o in wanted],
-            [t for t in graph.initializer if t.name in constant]),
-        opset_imports=[op for op in model.opset_import if is_default_domain(op.domain)])
-    try:
-        values = ReferenceEvaluator(evaluator).run(None, {})
-    except Exception:  # noqa: BLE001 - an op the evaluator lacks: onnx alone sets the ranks
-        return {}
+        return {}, False
+    wanted = [node.output[0] for node in foldable.values() if node.output[0] not in from_dims]
+    values = dict(zip(wanted, _evaluate(model, recipes, wanted, types) if wanted else []))
+    if len(values) < len(wanted):  # an op the evaluator lacks: fold the static dims only
+        foldable = {p: n for p, n in foldable.items() if n.output[0] in from_dims}
     replaced = {}
-    for (position, node), out, value in zip(foldable.items(), wanted, values):
+    for position, node in foldable.items():
+        out = node.output[0]
         replaced[position] = onnx.NodeProto()
         replaced[position].CopyFrom(node)
-        array = np.asarray(value, dtype=np_dtype(types[out].tensor_type.elem_type))
-        graph.node[position].CopyFrom(helper.make_node(
-            "Constant", [], [out], name=node.name,
-            value=numpy_helper.from_array(array, out)))
-    return replaced
+        value = from_dims[out] if out in from_dims else np.asarray(
+            values[out], dtype=np_dtype(types[out].tensor_type.elem_type))
+        graph.node[position].CopyFrom(_constant(node.name, out, value))
+    return replaced, any(node.output[0] in from_dims for node in foldable.values())
+
+
+def _small_constant(node: onnx.NodeProto) -> bool:
+    """True for a ``Constant`` node of at most :data:`_FOLDED_SIZE` elements (its tensor's
+    dims read, its data not)."""
+    for attribute in node.attribute:
+        if attribute.name in ("value", "sparse_value"):
+            dims = attribute.t.dims if attribute.name == "value" else attribute.sparse_tensor.dims
+            return math.prod(dims) <= _FOLDED_SIZE
+        if attribute.name in ("value_floats", "value_ints", "value_strings"):
+            return len(helper.get_attribute_value(attribute)) <= _FOLDED_SIZE
+    return True  # a scalar
+
+
+def _constant(name: str, output: str, value: np.ndarray) -> onnx.NodeProto:
+    """A ``Constant`` node named ``name`` giving ``output`` the value ``value``."""
+    return helper.make_node("Constant", [], [output], name=name,
+                            value=numpy_helper.from_array(value, output))
+
+
+def _evaluate(model: onnx.ModelProto, recipes: Mapping[str, onnx.NodeProto],
+              wanted: list[str], types: Mapping[str, onnx.TypeProto]) -> list:
+    """The values of ``wanted``, computed by the nodes of ``recipes`` (by output) they
+    need and ``model``'s initializers (onnx's reference evaluator, in one run); empty
+    when it cannot."""
+    from onnx.reference import ReferenceEvaluator  # imported only where needed: 0.1 s
+
+    needed: dict[str, onnx.NodeProto] = {}
+    stack = list(wanted)
+    while stack:
+        name = stack.pop()
+        if name in recipes and name not in needed:
+            needed[name] = recipes[name]
+            stack.extend(i for i in recipes[name].input if i)
+    order = {name: position for position, name in enumerate(recipes)}  # graph order
+    nodes = [needed[name] for name in sorted(needed, key=order.__getitem__)]
+    read = {i for node in nodes for i in node.input}
+    evaluator = helper.make_model(
+        helper.make_graph(
+            nodes, "shape_arithmetic", [],
+            [helper.make_tensor_value_info(o, types[o].tensor_type.elem_type, None)
+             for o in wanted],
+            [t for t in model.graph.initializer if t.name in read]),
+        opset_imports=[op for op in model.opset_import if is_default_domain(op.domain)])
+    try:
+        return ReferenceEvaluator(evaluator).run(None, {})
+    except Exception:  # noqa: BLE001 - an op the evaluator lacks: onnx alone sets the ranks
+        return []
+
+
+class _Ints(NamedTuple):
+    """A small integer tensor of rank 0 or 1 as :func:`_static_dim_values` follows it."""
+
+    elements: tuple[int | None, ...]  # each known (an int) or not (None)
+    scalar: bool = False
+
+    @property
+    def known(self) -> tuple[int, ...] | None:
+        """The elements, when all are known."""
+        return None if None in self.elements else self.elements  # type: ignore[return-value]
+
+
+def _static_dim_values(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProto],
+                       fed: Container[str]) -> dict[str, np.ndarray]:
+    """The values of ``graph``'s node outputs that the static dims of values whose other
+    dims are not (a symbolic batch) determine, where onnx's data propagation stops: each
+    output of ``Shape``, ``Size``, and ``Gather``, ``Slice``, ``Concat``, ``Squeeze``,
+    ``Unsqueeze``, ``Cast`` or ``Identity`` of them (and of constants) whose every
+    element is known.
+
+    ``Shape(x)[1]`` of an ``x`` of shape ``(N, 4, 6, 6)`` is 4 whatever ``N``; onnx
+    propagates it, but not through the ``Div`` that follows (torch's ``chunk``), which
+    the caller's evaluator then computes from it as from a constant."""
+    constants = {t.name: t for t in graph.initializer if t.name not in fed}
+    constants.update((n.output[0], n) for n in graph.node
+                     if n.op_type == "Constant" and is_default_domain(n.domain) and n.output)
+
+    read: dict[str, _Ints | None] = {}
+
+    def constant(name: str) -> _Ints | None:
+        """A small integer constant of rank 0 or 1, read once, on first use."""
+        if name not in read:
+            source = constants.get(name)
+            value = None if source is None else numpy_helper.to_array(source) \
+                if isinstance(source, onnx.TensorProto) else constant_value(source)
+            read[name] = None if value is None or value.ndim > 1 \
+                or value.size > _FOLDED_SIZE or value.dtype.kind not in "iu" \
+                else _Ints(tuple(int(v) for v in value.reshape(-1)), value.ndim == 0)
+        return read[name]
+
+    known: dict[str, _Ints] = {}  # the values computed from dims, each known in part
+    found: dict[str, np.ndarray] = {}
+    for node in graph.node:
+        if node.op_type not in _DIMS_OPS or not is_default_domain(node.domain) \
+                or len(node.output) != 1 or not node.output[0]:
+            continue
+        if node.op_type not in ("Shape", "Size") and node.input[0] not in known \
+                and not (node.op_type == "Concat" and any(i in known for i in node.input)):
+            continue
+        args = [known.get(i) or constant(i) if i else None for i in node.input]
+        result = _dims_op(node, args, types)
+        if result is None:
+            continue
+        out = node.output[0]
+        known[out] = result
+        elem_type = types[out].tensor_type.elem_type if out in types else None
+        if result.known is not None and elem_type in _FOLDED_TYPES:
+            found[out] = np.array(result.known[0] if result.scalar else list(result.known),
+                                  np_dtype(elem_type))
+    return found
+
+
+#: The ops :func:`_static_dim_values` follows.
+_DIMS_OPS = frozenset({"Shape", "Size", "Identity", "Cast", "Gather", "Slice", "Concat",
+                       "Unsqueeze", "Squeeze"})
+
+
+def _dims_op(node: onnx.NodeProto, args: list[_Ints | None],
+             types: Mapping[str, onnx.TypeProto]) -> _Ints | None:
+    """What :func:`_static_dim_values` knows of ``node``'s output from what it knows of its
+    inputs (``args``), None if nothing."""
+    op, data = node.op_type, args[0]
+
+    def given(index: int) -> tuple[int, ...] | None:
+        """Input ``index``'s elements when all are known."""
+        arg = args[index] if index < len(args) else None
+        return arg.known if arg is not None else None
+
+    if op in ("Shape", "Size"):
+        value = types.get(node.input[0])
+        if value is None or not value.tensor_type.HasField("shape"):
+            return None
+        dims = tuple(d.dim_value if d.HasField("dim_value") else None
+                     for d in value.tensor_type.shape.dim)
+        if op == "Size":
+            return _Ints((int(np.prod(dims)) if None not in dims else None,), True)
+        start, end = attribute_value(node, "start", 0), attribute_value(node, "end")
+        return _Ints(dims[slice(start, end)])
+    if data is None:
+        return None
+    if op in ("Identity", "Cast"):
+        to = attribute_value(node, "to", onnx.TensorProto.INT64)
+        return data if to in _FOLDED_TYPES and to != onnx.TensorProto.BOOL else None
+    if op == "Gather" and not data.scalar and attribute_value(node, "axis", 0) in (0, -1) \
+            and given(1) is not None:
+        size = len(data.elements)
+        if not all(-size <= i < size for i in given(1)):
+            return None
+        return _Ints(tuple(data.elements[i] for i in given(1)), args[1].scalar)
+    if op == "Slice" and not data.scalar and len(args) >= 3:
+        starts, ends = given(1), given(2)
+        axes = given(3) if len(args) > 3 and node.input[3] else (0,)
+        steps = given(4) if len(args) > 4 and node.input[4] else (1,)
+        if None in (starts, ends, axes, steps) or len(starts) != 1 or axes not in ((0,), (-1,)) \
+                or steps == (0,):
+            return None
+        return _Ints(data.elements[slice(starts[0], ends[0], steps[0])])
+    if op == "Concat" and attribute_value(node, "axis") in (0, -1) \
+            and all(a is not None and not a.scalar for a in args):
+        return _Ints(tuple(e for a in args for e in a.elements))
+    if op == "Unsqueeze" and data.scalar:
+        axes = given(1) if len(args) > 1 else tuple(attribute_value(node, "axes", []))
+        return _Ints(data.elements) if axes in ((0,), (-1,)) else None
+    if op == "Squeeze" and not data.scalar and len(data.elements) == 1:
+        axes = given(1) if len(args) > 1 else tuple(attribute_value(node, "axes", [0]))
+        return _Ints(data.elements, True) if axes in ((0,), (-1,)) else None
+    return None
 
 
 def _small(value: onnx.TypeProto | None, elem_types: Container[int] | None = None) -> bool:
@@ -348,12 +681,3 @@ def _loop_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
         elif _rank(inner) is not None:  # a scan output: the iterations stacked
             ranks[out] = (inner.tensor_type.elem_type, _rank(inner) + 1)
     return {out: found for out, found in ranks.items() if out}
-
-
-def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
-    for attribute in node.attribute:
-        if attribute.name == "value":
-            return numpy_helper.to_array(attribute.t)
-        if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
-            return np.array(helper.get_attribute_value(attribute))
-    return None

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["attribute_values", "attribute_value", "subgraphs", "all_graphs", "names_in_graph",
-           "values_read", "outer_references",
+__all__ = ["attribute_values", "attribute_value", "constant_value", "subgraphs", "all_graphs",
+           "names_in_graph", "values_read", "outer_references",
            "initializer_arrays", "known_shapes"]
 
 
@@ -89,6 +89,18 @@ def outer_references(graph: onnx.GraphProto) -> set[str]:
         defined.update(node.output)
     used.update(o.name for o in graph.output if o.name not in defined)
     return used
+
+
+def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    """A ``Constant`` node's value: its ``value`` tensor, or its ``value_int(s)`` (int64)
+    or ``value_float(s)`` (float32); None for another kind (a sparse or string value)."""
+    for attribute in node.attribute:
+        if attribute.name == "value":
+            return numpy_helper.to_array(attribute.t)
+        if attribute.name in ("value_float", "value_int", "value_floats", "value_ints"):
+            return np.array(helper.get_attribute_value(attribute),
+                            np.int64 if "int" in attribute.name else np.float32)
+    return None
 
 
 def initializer_arrays(graph: onnx.GraphProto) -> dict[str, np.ndarray]:

@@ -41,7 +41,7 @@ _VALUE_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "doubl
                  "uint64_data")
 
 
-def without_weight_data(model: onnx.ModelProto
+def without_weight_data(model: onnx.ModelProto, min_bytes: int = _WEIGHT_MIN_BYTES
                         ) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
     """``model`` without the data of its weights, for onnx's checker and shape inference,
     which serialize the whole model on each call (a BERT-base model's 440 MB, dozens of
@@ -53,14 +53,15 @@ def without_weight_data(model: onnx.ModelProto
     size, no other value field, not external): any other is left in, for the checker to
     report; so is every tensor of a model of IR version 3, which must list its
     initializers as inputs. ``model`` itself is returned when nothing is set aside; it is
-    never changed.
+    never changed. ``min_bytes``: the size from which a weight is set aside (a caller that
+    infers shapes many times sets aside smaller ones too).
     """
     graph = model.graph
     if model.ir_version < 4:
         return model, []
     inputs = {value.name for value in graph.input}
     heavy = [tensor for tensor in graph.initializer
-             if tensor.name not in inputs and _well_formed_weight(tensor)]
+             if tensor.name not in inputs and _well_formed_weight(tensor, min_bytes)]
     if not heavy:
         return model, []
     light = onnx.ModelProto()
@@ -73,10 +74,11 @@ def without_weight_data(model: onnx.ModelProto
     return light, heavy
 
 
-def _well_formed_weight(tensor: onnx.TensorProto) -> bool:
-    """A large floating-point tensor whose data the checker accepts (see above)."""
+def _well_formed_weight(tensor: onnx.TensorProto, min_bytes: int) -> bool:
+    """A floating-point tensor of ``min_bytes`` or more whose data the checker accepts
+    (see above)."""
     nbytes = math.prod(tensor.dims) * _FLOAT_ITEM_SIZES.get(tensor.data_type, 0)
-    return (nbytes >= _WEIGHT_MIN_BYTES and all(d >= 0 for d in tensor.dims)
+    return (nbytes >= max(min_bytes, 1) and all(d >= 0 for d in tensor.dims)
             and tensor.HasField("raw_data")
             and tensor.data_location != onnx.TensorProto.EXTERNAL
             and not any(len(getattr(tensor, name)) for name in _VALUE_FIELDS)

@@ -4,8 +4,13 @@ Every pass is a :class:`~lossgraph.passes.contract.Pass` (pure, checked, determi
 it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 
 - :class:`LowerMlOps`: ``ai.onnx.ml`` linear models into standard ops
+- :class:`GeneralizeBatch`: a fixed-batch export (torch's default) freed to take any
+  number of rows, where the graph proves which shape constants hold the batch
 - :class:`AddLossOutput`: a scalar loss (and penalty) as the first output;
   :class:`RemoveLossOutput` undoes it (the inference model inside a loss model)
+- :class:`ConstantsToInitializers`: ``Constant`` nodes named as weights become initializers
+- :class:`UntieWeights`: an initializer several layers read (an exporter merged equal
+  values), one copy per layer
 - :class:`AlphabetizeInitializers`: weights renamed so their names sort in graph order
 - :class:`WeightsToInputs`: trainable initializers become graph inputs
 - :class:`RunningStatistics`: a training-mode BatchNormalization as one node of the function
@@ -33,6 +38,7 @@ Each pass a user runs alone also has a function form, the model in and the model
 
 from .contract import Pass, PassResult, Pipeline, Reports, Requirement
 from .expand_functions import ExpandFunctions
+from .fixed_batch import GeneralizeBatch
 from .fuse import EpochGraph, PackWeights, StepGraph
 from .gradient import Gradient, gradient
 from .loss import AddLossOutput, RemoveLossOutput, add_loss_output
@@ -43,12 +49,14 @@ from .running_stats import RunningStatistics
 from .sequences import SequencesToTensors
 from .stabilize import StabilizeNumerics, stabilize_numerics
 from .strip import InferenceMode, StripTraining, strip_training
-from .weights import WeightsToInputs
+from .untie import UntieWeights
+from .weights import ConstantsToInitializers, WeightsToInputs
 
-__all__ = ["AddLossOutput", "AlphabetizeInitializers", "EpochGraph", "ExpandFunctions",
-           "Gradient", "InferenceMode", "LowerMlOps", "PackWeights", "Pass", "PassResult",
-           "Pipeline", "RemoveLossOutput", "Reports", "Requirement", "RunningStatistics",
-           "SequencesToTensors", "StabilizeNumerics", "StepGraph", "StraightThroughQuantization",
-           "StripTraining", "WeightsToInputs", "add_loss_output", "alphabetize_initializers",
-           "gradient", "lower_ml_ops", "stabilize_numerics", "straight_through_quantization",
+__all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers", "EpochGraph",
+           "ExpandFunctions", "GeneralizeBatch", "Gradient", "InferenceMode", "LowerMlOps",
+           "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "Reports",
+           "Requirement", "RunningStatistics", "SequencesToTensors", "StabilizeNumerics",
+           "StepGraph", "StraightThroughQuantization", "StripTraining", "UntieWeights",
+           "WeightsToInputs", "add_loss_output", "alphabetize_initializers", "gradient",
+           "lower_ml_ops", "stabilize_numerics", "straight_through_quantization",
            "strip_training"]

@@ -305,7 +305,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
 
     dtype_code = outer_types[outer.weights[0]].tensor_type.elem_type
     outer_carried = [*outer.weights, *outer.state_names, *outer.buffers]
-    new_inputs = [helper.make_value_info(n, outer_types[n]) for n in signature.data]
+    new_inputs = [_all_rows(helper.make_value_info(n, outer_types[n])) for n in signature.data]
     if shuffle:
         new_inputs.append(helper.make_tensor_value_info(permutation, TensorProto.INT64, ["rows"]))
     new_inputs.append(helper.make_tensor_value_info(learning_rates, dtype_code, ["batches"]))
@@ -325,6 +325,16 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     signature.permutation, signature.learning_rates, signature.losses = (
         permutation, learning_rates, losses)
     return signature
+
+
+def _all_rows(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    """A data input of the epoch graph: every row of the epoch, whose number a step graph
+    of a fixed batch (a model exported with one, passes/fixed_batch.py) does not fix."""
+    dims = value.type.tensor_type.shape.dim
+    if dims and dims[0].HasField("dim_value"):
+        dims[0].Clear()
+        dims[0].dim_param = "rows"
+    return value
 
 
 def _outer_types(graph: onnx.GraphProto, signature: Signature) -> dict[str, onnx.TypeProto]:

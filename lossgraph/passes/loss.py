@@ -84,7 +84,7 @@ from ..names import NameAuthority
 from ..options import flag, non_negative
 from ..penalties import parse_penalty, penalty_terms
 from ..roles import get_roles, set_roles
-from ..speed import SumRowsByProduct
+from ..speed.sum_rows import SumRowsByProduct  # (the module: speed/__init__ imports passes)
 from .contract import Pass, PassResult, Pipeline
 from .gradient import Gradient
 

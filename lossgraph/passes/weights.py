@@ -1,6 +1,9 @@
-"""weights_to_inputs: trainable initializers become graph inputs.
+"""Which tensors are weights: trainable initializers become graph inputs
+(:class:`WeightsToInputs`), ``Constant`` nodes named as weights become initializers
+(:class:`ConstantsToInitializers`).
 
     initializer W (value v)   ->   graph input W   (v returned, to be fed at run time)
+    W = Constant(value=v)     ->   initializer W (value v)
 
 Training graphs take their weights as inputs so a runner can keep them in device
 buffers and swap input and output buffers between steps without copies; the
@@ -17,9 +20,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import UnknownNameError, UnsupportedModelError, suggest
+from ..graphs import is_onnx_op
 from .contract import Pass, PassResult, name_fields
 
-__all__ = ["WeightsToInputs"]
+__all__ = ["ConstantsToInitializers", "WeightsToInputs"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +70,42 @@ def _lift(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
             graph.input.append(
                 helper.make_tensor_value_info(name, tensor.data_type, list(tensor.dims)))
     return values
+
+
+@dataclass(frozen=True)
+class ConstantsToInitializers(Pass[list[str]]):
+    """Turn the ``Constant`` nodes giving ``names`` into initializers of those names (and
+    the same values), so that they can be trained: an exporter may fold what was a
+    parameter into a constant (:func:`~lossgraph.analysis.constant_weights`), and
+    ``compile_program(weights=[...])`` naming its output trains it. The report is the names
+    made initializers."""
+
+    names: Sequence[str]
+
+    def __post_init__(self) -> None:
+        name_fields(self, "names")
+
+    def call(self, model: onnx.ModelProto) -> PassResult:
+        graph = model.graph
+        wanted = set(self.names)
+        tensors, kept = {}, []
+        for node in graph.node:
+            value = next((a.t for a in node.attribute if a.name == "value"), None) \
+                if is_onnx_op(node, "Constant") and node.output[0] in wanted else None
+            if value is None:
+                kept.append(node)
+                continue
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(value)
+            tensor.name = node.output[0]
+            tensors[tensor.name] = tensor
+        missing = [name for name in self.names if name not in tensors]
+        if missing:
+            constants = [n.output[0] for n in graph.node if is_onnx_op(n, "Constant")]
+            raise UnknownNameError(
+                f"{missing[0]!r} is not the output of a Constant node holding a tensor."
+                + suggest(missing[0], constants, "Constant outputs"))
+        del graph.node[:]
+        graph.node.extend(kept)
+        graph.initializer.extend(tensors[name] for name in self.names)
+        return PassResult(model, list(self.names))

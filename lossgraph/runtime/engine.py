@@ -43,6 +43,7 @@ from ..errors import (
 )
 from ..metadata import LOSS_KEY, read_json
 from ..modes import fuse_mode
+from ..passes.fixed_batch import rows
 from ..program import TrainingProgram
 from ..speed import SpecializeBatch
 from .packed import PackedUpdate
@@ -80,6 +81,11 @@ class Engine:
         self.classes = _class_count(manifest)
         #: the label value the loss ignores (its ignore_index), or None
         self.ignored_label = _ignored_label(program)
+        batch = manifest.get("batch")
+        #: the rows every run takes, for a model exported with a fixed batch that compile
+        #: kept (None: any number of rows)
+        self.fixed_batch: int | None = batch["size"] if batch and batch["fixed"] else None
+        self._loss_reduction = batch["loss_reduction"] if batch else "mean"
         # Models that impute missing values take NaN features on purpose.
         self.allows_missing = any(node.op_type in ("Imputer", "IsNaN")
                                   for node in program.graphs["predict"].graph.node)
@@ -314,6 +320,7 @@ class Engine:
         with learning rate ``rate``: the loss at the live state; the next state is pending
         (:meth:`apply`). A batch of ``full`` rows (the fit's batch size) runs graphs
         specialized to that size."""
+        self.check_batch(batch, "The batch")
         self.set_scalars(step, rate)
         return self._stepper.step(batch, full)
 
@@ -326,6 +333,8 @@ class Engine:
             raise UnsupportedOptionError(
                 f"A fuse={self.program.fuse!r} program runs no epoch graph: compile with "
                 "fuse='epoch'.")
+        if self.fixed_batch is not None and batch_size != self.fixed_batch:
+            self.check_batch({"": np.empty(batch_size)}, "Each batch of the epoch")
         self._step[()] = first_step
         return self._stepper.epoch(data, order, batches, batch_size, rates)
 
@@ -344,17 +353,86 @@ class Engine:
             return None
         return applied
 
+    # -- a fixed batch -----------------------------------------------------------------
+    def check_batch(self, data: Mapping[str, np.ndarray], what: str) -> None:
+        """``data`` (``what``, in messages) is one batch this program's graphs take: any
+        number of rows, or for a model whose batch is fixed (:attr:`fixed_batch`)
+        exactly that many."""
+        if self.fixed_batch is not None and _rows(data) != self.fixed_batch:
+            raise InvalidDataError(
+                f"{what} has {rows(_rows(data))}, but the model's batch is fixed at "
+                f"{rows(self.fixed_batch)}: its graphs take batches of exactly that many "
+                f"({self.program.manifest['batch']['detail']}). Export the model with a free "
+                "batch axis to train any batch size (lossgraph inspect shows how).")
+
+    def check_rows(self, data: Mapping[str, np.ndarray], what: str) -> None:
+        """``data`` can be evaluated or predicted: any number of rows, or for a fixed batch
+        a multiple of it (run in batches of that size)."""
+        if self.fixed_batch is not None and _rows(data) % self.fixed_batch:
+            raise InvalidDataError(
+                f"{what} has {rows(_rows(data))}, not a multiple of {self.fixed_batch}: the "
+                f"model's batch is fixed at {rows(self.fixed_batch)}, so it evaluates and "
+                "predicts that many rows a run (and lossgraph never pads rows, which would "
+                "change a batch the model computes as one). Pass a multiple of "
+                f"{rows(self.fixed_batch)}, or export the model with a free batch axis "
+                "(lossgraph inspect shows how).")
+
+    def _batches(self, data: Mapping[str, np.ndarray], what: str
+                 ) -> list[Mapping[str, np.ndarray]]:
+        """``data`` as the batches one run takes: itself, or for a fixed batch views of
+        that many rows."""
+        self.check_rows(data, what)
+        size = self.fixed_batch or _rows(data)
+        if size == _rows(data):
+            return [data]
+        return [{name: array[lo:lo + size] for name, array in data.items()}
+                for lo in range(0, _rows(data), size)]
+
+    def _share(self, batch: Mapping[str, np.ndarray]) -> float:
+        """The denominator of a batch's mean loss, by which batch losses average into the
+        loss of all their rows: the sample weights (or rows), times the fraction of each
+        row's labels that count (its ignore_index)."""
+        rows = _rows(batch)
+        weights = batch[self.sample_weight] if self.sample_weight else np.ones(rows)
+        if self.ignored_label is None:
+            return float(np.sum(weights))
+        counted = (batch[self.label] != self.ignored_label).reshape(rows, -1)
+        if self.sample_weight is None:
+            return float(counted.sum())
+        return float(np.dot(weights, counted.mean(axis=1)))
+
     # -- evaluation --------------------------------------------------------------------
     def evaluate(self, data: Mapping[str, np.ndarray]) -> float:
-        """The loss on ``data`` (prepared) at the live state, layers in inference mode."""
+        """The loss on ``data`` (prepared) at the live state, layers in inference mode
+        (for a fixed batch, the runs' losses of that many rows each, averaged as one mean
+        over all rows)."""
         loss = self.program.manifest["roles"]["loss"]
-        return float(self._run("evaluate", [loss], data)[0])
+        batches = self._batches(data, "The data to evaluate")
+        if len(batches) > 1 and self._loss_reduction != "mean":
+            kind = (f"reduction {self._loss_reduction!r}" if self._loss_reduction else
+                    "the model's own")
+            raise UnsupportedOptionError(
+                f"The model's batch is fixed at {rows(self.fixed_batch)}, so its loss is "
+                f"evaluated {rows(self.fixed_batch)} a run, and only a mean loss (reduction "
+                "'mean', lossgraph's loss) combines exactly across runs; this one is "
+                f"{kind}. Evaluate {rows(self.fixed_batch)} "
+                "at a time, or export the model with a free batch axis.")
+        losses = [float(self._run("evaluate", [loss], batch)[0]) for batch in batches]
+        if len(batches) == 1:
+            return losses[0]
+        shares = np.array([self._share(batch) for batch in batches])
+        counted = shares > 0  # a run whose rows all weigh nothing adds nothing
+        if not counted.any():
+            return float("nan")  # 0/0, as one run over all rows gives
+        return float(np.dot(np.array(losses)[counted], shares[counted]) / shares.sum())
 
     def predict(self, data: Mapping[str, np.ndarray]) -> np.ndarray:
         """The model's prediction (the output the loss is computed on) for ``data``
         (prepared with ``graph="predict", with_label=False``) at the live state."""
         prediction = self.program.manifest["roles"]["prediction"]
-        return self._run("predict", [prediction], data)[0]
+        batches = self._batches(data, "X")
+        results = [self._run("predict", [prediction], batch)[0] for batch in batches]
+        return results[0] if len(results) == 1 else np.concatenate(results)
 
     def _run(self, graph: str, outputs: list[str], data: Mapping[str, np.ndarray]) -> list:
         live = self.ring.live()
@@ -364,6 +442,11 @@ class Engine:
             return self.session(graph).run(outputs, {**data, **state})
         except Exception as exc:  # onnxruntime's errors derive from Exception only
             raise evaluation_error(graph, exc) from None
+
+
+def _rows(data: Mapping[str, np.ndarray]) -> int:
+    """The number of rows of a batch's arrays."""
+    return len(next(iter(data.values())))
 
 
 def _class_count(manifest: Mapping[str, Any]) -> int | None:

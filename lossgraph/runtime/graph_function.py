@@ -31,7 +31,9 @@ Two backends build the graphs behind it, with the same public behaviour:
 
 ``ai.onnx.ml`` linear operators (``LinearRegressor``, ...) are first lowered to standard
 ops (:mod:`lossgraph.passes.lower_ml`), so their coefficients become the weights
-``coef`` and ``intercept``.
+``coef`` and ``intercept``. A model exported with a fixed batch (torch's default export)
+has it freed (:class:`~lossgraph.passes.GeneralizeBatch`), or is refused with why and how
+to export it again: a function takes batches of any size.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import onnx
 
 from .. import training_build
 from ..analysis import default_weights
+from ..data import converted, declared
 from ..errors import (
     InternalError,
     InvalidDataError,
@@ -59,6 +62,7 @@ from ..graphs import FLOAT_TYPES, np_dtype
 from ..models import ModelLike, as_model
 from ..options import names
 from ..passes.contract import Pipeline
+from ..passes.fixed_batch import GeneralizeBatch, fixed_batch
 from ..passes.gradient import BACKENDS, Gradient
 from ..passes.lower_ml import LowerMlOps
 from ..passes.plan import Plan, Planned, PlanRunner
@@ -69,7 +73,13 @@ from ..passes.weights import WeightsToInputs
 from ..surgery import GradientHalves, split_gradient
 from ..validation import check_trainable_model
 from .separate_step import HalvesRunner
-from .session import checked_providers, cpu_device, create_session, ortvalue
+from .session import (
+    checked_providers,
+    cpu_device,
+    create_session,
+    onnxruntime_module,
+    ortvalue,
+)
 
 __all__ = ["GraphFunction", "GraphFunctionCall", "device_providers"]
 
@@ -90,8 +100,7 @@ def device_providers(device: Any) -> list[str] | None:
     if kind == "cpu":
         return None
     if kind in ("cuda", "gpu"):
-        import onnxruntime
-
+        onnxruntime = onnxruntime_module()
         if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
             raise ProviderError(
                 f"device={device!r} needs onnxruntime's CUDAExecutionProvider, which this "
@@ -142,6 +151,8 @@ class GraphFunction:
         given = as_model(onnx_model)
         check_trainable_model(given)
         model = LowerMlOps()(given).model
+        if fixed_batch(model) is not None:  # torch's default export: free it, or say why not
+            model = GeneralizeBatch(strict=True)(model).model
         self.onnx_model = model
         self.graph_builder_config = graph_builder_config
         self.weights_to_train = (_configured_weights(weights_to_train, graph_builder_config)
@@ -601,14 +612,15 @@ class GraphFunctionCall:
 
     def _array(self, name: str, value: Any, what: str, shaped: bool = True) -> np.ndarray:
         """``value`` as a contiguous array of ``name``'s declared dtype (and shape when
-        ``shaped``)."""
+        ``shaped``): numbers of another dtype converted as the Trainer converts them
+        (:func:`lossgraph.data.converted`: float64 for float32 cast, overflow refused)."""
         array = np.asarray(value.numpy() if hasattr(value, "numpy") and not
                            isinstance(value, np.ndarray) else value)
+        dtype, shape = self.owner._declared[name]
+        of = "output" if name in self.owner.output_names else "input"
+        array = converted(array, dtype, f"{what} {name!r}", declared(name, dtype, shape, of))
         if not array.flags.c_contiguous:  # (not ascontiguousarray: it makes 0-d arrays 1-d)
             array = array.copy(order="C")
-        dtype, shape = self.owner._declared[name]
-        if array.dtype != dtype:
-            raise InvalidDataError(f"{what} {name!r} is {array.dtype}; it must be {dtype}.")
         if shaped and shape is not None and (len(shape) != array.ndim or any(
                 d is not None and d != n for d, n in zip(shape, array.shape))):
             expected = ", ".join("?" if d is None else str(d) for d in shape)

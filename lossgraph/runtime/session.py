@@ -22,21 +22,23 @@ from ..errors import (
 )
 from ..target import check_loads, release_target
 from ..training_build import available as training_build_available
+from ..training_build import import_onnxruntime
 
 __all__ = ["check_loadable", "checked_providers", "create_session", "cpu_device",
-           "installed_runtime", "ortvalue",
+           "installed_runtime", "onnxruntime_module", "ortvalue",
            "quiet_session_options", "training_build_available", "evaluation_error"]
 
 
-def _onnxruntime():
+def onnxruntime_module():
+    """The onnxruntime module (imported without the training build's torch-based Python
+    package, :func:`lossgraph.training_build.import_onnxruntime`), or a clear error."""
     try:
-        import onnxruntime
+        return import_onnxruntime()
     except ImportError as exc:
         raise RuntimeUnavailableError(
             "Training needs onnxruntime: pip install 'lossgraph[runtime]' (current onnxruntime) "
             "or 'lossgraph[training]' (onnxruntime-training 1.19.2), not both."
         ) from exc
-    return onnxruntime
 
 
 def checked_providers(providers: Any) -> list | None:
@@ -49,7 +51,7 @@ def checked_providers(providers: Any) -> list | None:
         raise UnsupportedOptionError(
             f"providers={providers!r} must be a list of onnxruntime execution provider names, "
             "e.g. ['CPUExecutionProvider'].")
-    available = _onnxruntime().get_available_providers()
+    available = onnxruntime_module().get_available_providers()
     for provider in listed:
         name = provider[0] if isinstance(provider, tuple) and provider else provider
         if name not in available:
@@ -62,7 +64,7 @@ def checked_providers(providers: Any) -> list | None:
 def quiet_session_options(**settings: Any):
     """onnxruntime ``SessionOptions`` logging errors only, with ``settings`` set on them
     (e.g. ``intra_op_num_threads=1``)."""
-    options = _onnxruntime().SessionOptions()
+    options = onnxruntime_module().SessionOptions()
     options.log_severity_level = 3
     for key, value in settings.items():
         if not hasattr(options, key):
@@ -73,7 +75,7 @@ def quiet_session_options(**settings: Any):
 
 def installed_runtime() -> str:
     """The installed onnxruntime, as messages name it: ``"onnxruntime-training 1.19.2"``."""
-    onnxruntime = _onnxruntime()
+    onnxruntime = onnxruntime_module()
     kind = "onnxruntime-training" if training_build_available() else "onnxruntime"
     return f"{kind} {onnxruntime.__version__}"
 
@@ -82,7 +84,7 @@ def check_loadable(model: onnx.ModelProto, what: str) -> None:
     """An UnsupportedModelError, before any work, when the installed onnxruntime cannot
     load ``model`` (named ``what``): its IR version or opset is newer than it reads.
     Releases newer than those measured (:mod:`lossgraph.target`) are not checked."""
-    runtime = release_target(_onnxruntime().__version__, training_build_available())
+    runtime = release_target(onnxruntime_module().__version__, training_build_available())
     if runtime is not None:
         check_loads(model, runtime, what, installed_runtime())
 
@@ -92,7 +94,7 @@ def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = Non
     """An InferenceSession for ``model`` (CPU by default), quiet unless told otherwise;
     a model the installed onnxruntime cannot load (named ``graph`` in messages) is a
     lossgraph error, never onnxruntime's."""
-    onnxruntime = _onnxruntime()
+    onnxruntime = onnxruntime_module()
     check_loadable(model, f"The {graph!r} graph")
     options = quiet_session_options() if session_options is None else session_options
     try:
@@ -107,14 +109,14 @@ def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = Non
 
 def cpu_device():
     """The CPU device, for OrtValues."""
-    from onnxruntime.capi import _pybind_state as C
+    C = onnxruntime_module().capi._pybind_state
 
     return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
 def ortvalue(array: np.ndarray, device=None):
     """An OrtValue aliasing ``array``'s memory: the caller keeps ``array`` alive meanwhile."""
-    from onnxruntime.capi import _pybind_state as C
+    C = onnxruntime_module().capi._pybind_state
 
     return C.OrtValue.ortvalue_from_numpy(array, device or cpu_device())
 

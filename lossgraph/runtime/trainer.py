@@ -41,6 +41,7 @@ from ..errors import (
     ValidationLossWarning,
 )
 from ..options import count, flag
+from ..passes.fixed_batch import rows
 from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
 from .engine import Engine
@@ -86,7 +87,7 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None, epochs: int = 1,
-            batch_size: int = 32, shuffle: bool = True, random_state: Any = None,
+            batch_size: int | None = None, shuffle: bool = True, random_state: Any = None,
             validation_data: tuple | None = None, callbacks: Iterable[Callback] | None = None,
             progress: bool | None = None, warm_start: bool = False,
             epoch_learning_rate: Callable[[int], float] | None = None) -> Trainer:
@@ -102,9 +103,14 @@ class Trainer:
         epoch (``epochs_``, 0 for the first), gives the learning rate of every update of
         that epoch instead of the optimizer's schedule (a per-epoch schedule, as
         scikit-learn's MLP takes). Every argument is checked before the state changes.
+
+        ``batch_size`` is 32 by default. A model exported with a fixed batch that compile
+        kept (:attr:`Engine.fixed_batch`) trains in batches of exactly that size (the
+        default then, and the only one): each epoch's remaining rows are left out, as
+        torch's ``DataLoader(drop_last=True)`` does (shuffled, other rows each epoch).
         """
         epochs = count("epochs", epochs, 0)
-        batch_size = count("batch_size", batch_size, 1)
+        batch_size = self.batch_size(batch_size)
         shuffle, warm_start = flag("shuffle", shuffle), flag("warm_start", warm_start)
         progress = None if progress is None else flag("progress", progress)
         seed = checks.random_state(random_state)
@@ -119,6 +125,9 @@ class Trainer:
                 f"A one-shot iterator of batches cannot be replayed for {epochs} epochs: pass a "
                 "function that returns a new iterator (or a list).")
         data = None if streaming else self.engine.prepare(X, y, sample_weight)
+        if data is not None and self.engine.fixed_batch is not None and \
+                len(next(iter(data.values()))) < batch_size:
+            self.engine.check_batch(data, "X")  # not even one batch of the fixed size
         held_out = None
         if validation_data is not None:
             if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
@@ -128,6 +137,7 @@ class Trainer:
                 raise InvalidDataError(
                     f"validation_data must be a tuple (X, y) or (X, y, sample_weight); got {got}.")
             held_out = self.engine.prepare(*validation_data, what="validation_data ")
+            self.engine.check_rows(held_out, "validation_data")
         if not warm_start:
             self.reset()
         if self._rng is None:
@@ -157,6 +167,22 @@ class Trainer:
                 bar.close()
         return self
 
+    def batch_size(self, batch_size: int | None = None) -> int:
+        """The rows a step of ``fit(batch_size=batch_size)`` takes: ``batch_size``, by
+        default 32 or the batch a model exported with a fixed batch keeps (then the only
+        one it takes)."""
+        fixed = self.engine.fixed_batch
+        if batch_size is None:
+            return fixed or 32
+        batch_size = count("batch_size", batch_size, 1)
+        if fixed is not None and batch_size != fixed:
+            detail = self.program.manifest["batch"]["detail"]
+            raise UnsupportedOptionError(
+                f"batch_size={batch_size}, but the model's batch is fixed at {rows(fixed)}: "
+                f"it trains in batches of exactly {rows(fixed)} ({detail}). Leave batch_size out, "
+                "or export the model with a free batch axis (lossgraph inspect shows how).")
+        return batch_size
+
     @staticmethod
     def _progress_bar(progress: bool | None, epochs: int):
         if progress is None:
@@ -172,6 +198,8 @@ class Trainer:
         rows = len(next(iter(data.values())))
         order = self._rng.permutation(rows) if shuffle else None
         full = rows // batch_size
+        if self.engine.fixed_batch is not None:
+            rows = full * batch_size  # the last, short batch is left out (drop_last)
         losses, sizes = [], []
         if self.engine.runs_epochs and full > 0:
             losses.append(self._fused_epoch(data, order, full, batch_size, epoch))
@@ -181,11 +209,11 @@ class Trainer:
             start = 0
         if start < rows:
             if order is None:
-                rest = {name: array[start:] for name, array in data.items()}
+                rest = {name: array[start:rows] for name, array in data.items()}
             else:  # one gather per epoch, then views
-                rest = {name: array[order[start:]] for name, array in data.items()}
+                rest = {name: array[order[start:rows]] for name, array in data.items()}
             batch_losses, batch_sizes = self._steps(rest, batch_size, epoch, start // batch_size,
-                                                    None if order is None else order[start:])
+                                                    None if order is None else order[start:rows])
             losses.append(batch_losses)
             sizes.append(batch_sizes)
         return np.concatenate(losses), np.concatenate(sizes)
@@ -254,6 +282,7 @@ class Trainer:
                     f"Batch {index} is not an (X, y) or (X, y, sample_weight) tuple: pass an "
                     "iterable of such tuples, or X and y as arrays.")
             data = self.engine.prepare(*item, what=f"batch {index} ")
+            self.engine.check_batch(data, f"Batch {index}")
             rows = len(next(iter(data.values())))  # streamed batches may differ in size
             batch_losses, batch_sizes = self._steps(data, rows, epoch, index, None,
                                                     specialize=False)
@@ -320,7 +349,8 @@ class Trainer:
 
     def evaluate(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The loss on ``(X, y)`` with the current weights (lower is better; layers in
-        inference mode)."""
+        inference mode). For a model whose batch is fixed, ``X`` holds a multiple of that
+        many rows, run that many a time, their losses averaged as one mean."""
         return self.engine.evaluate(self.engine.prepare(X, y, sample_weight))
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
@@ -330,7 +360,8 @@ class Trainer:
         return self.evaluate(X, y, sample_weight)
 
     def predict(self, X: Any) -> np.ndarray:
-        """The model's prediction (the output the loss is computed on) for ``X``."""
+        """The model's prediction (the output the loss is computed on) for ``X`` (for a
+        model whose batch is fixed, a multiple of that many rows, run that many a time)."""
         return self.engine.predict(self.engine.prepare(X, graph="predict", with_label=False))
 
     def to_inference_model(self) -> onnx.ModelProto:

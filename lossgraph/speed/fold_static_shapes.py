@@ -24,9 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..graphs import known_shapes
 from ..passes.contract import Pass, PassResult
-from .scopes import main_and_scan_bodies
+from .scopes import static_scopes
 
 __all__ = ["FoldStaticShapes"]
 
@@ -41,11 +40,8 @@ class FoldStaticShapes(Pass[None]):
     def call(self, model: onnx.ModelProto) -> PassResult:
         changed, folded = False, True
         while folded:
-            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
             folded = False
-            for graph, shaped in main_and_scan_bodies(model, inferred):
-                static = {name: shape for name, shape in known_shapes(shaped).items()
-                          if None not in shape}
+            for graph, static in static_scopes(model):
                 folded |= _fold(graph, static)
             changed |= folded
         return PassResult(model, changed=changed)

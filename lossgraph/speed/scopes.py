@@ -11,11 +11,18 @@ from collections.abc import Callable
 
 import onnx
 
-from ..graphs import ForwardFacts, all_graphs, known_shapes, opset_version, subgraphs
+from ..graphs import (
+    ForwardFacts,
+    all_graphs,
+    infer_shapes_with_data,
+    known_shapes,
+    opset_version,
+    subgraphs,
+)
 from ..names import NameAuthority
 from ..passes.contract import PassResult
 
-__all__ = ["main_and_scan_bodies", "rewrite_typed_scopes", "typed_scopes"]
+__all__ = ["main_and_scan_bodies", "rewrite_typed_scopes", "static_scopes", "typed_scopes"]
 
 #: rewrites one graph in place, given its shapes and element types, the model's name
 #: authority and opset; True if it changed anything
@@ -32,6 +39,18 @@ def main_and_scan_bodies(model: onnx.ModelProto, inferred: onnx.ModelProto
               for node, shaped in zip(model.graph.node, inferred.graph.node)
               if node.op_type == "Scan"]
     return [*bodies, (model.graph, inferred.graph)]
+
+
+def static_scopes(model: onnx.ModelProto) -> list[tuple[onnx.GraphProto, dict[str, list[int]]]]:
+    """``(graph, the static shapes of its values)`` for each graph of
+    :func:`main_and_scan_bodies`, from shape inference with data propagation, which
+    resolves shapes computed from ``Shape`` values
+    (:func:`~lossgraph.graphs.infer_shapes_with_data`: an epoch graph's packed weights
+    cost it nothing)."""
+    inferred = infer_shapes_with_data(model)
+    return [(graph, {name: shape for name, shape in known_shapes(shaped).items()
+                     if None not in shape})
+            for graph, shaped in main_and_scan_bodies(model, inferred)]
 
 
 def typed_scopes(model: onnx.ModelProto, symbolic: bool = False

@@ -30,7 +30,7 @@ from ..target import active_target, loading_target, use_target
 from .fold_static_shapes import FoldStaticShapes
 from .split_row_products import SplitRowProducts
 
-__all__ = ["SpecializeBatch"]
+__all__ = ["SpecializeBatch", "set_leading_dims"]
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,10 @@ class SpecializeBatch(Pass[Reports | None]):
             for scan in scans:
                 scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
                 body_inputs = next(subgraphs(scan)).input  # a Scan holds one graph: its body
-                fixed |= bool(_fix_leading_dim(body_inputs[len(body_inputs) - scanned:],
+                fixed |= bool(set_leading_dims(body_inputs[len(body_inputs) - scanned:],
                                                self.batch))
         else:
-            names = _fix_leading_dim(model.graph.input, self.batch)
+            names = set_leading_dims(model.graph.input, self.batch)
             fixed = names is not None
             _fix_named_dims(model.graph, (names or set()) - {""}, self.batch)
         try:
@@ -83,18 +83,28 @@ class SpecializeBatch(Pass[Reports | None]):
         return PassResult(folded.model, folded.report or None, fixed or folded.changed)
 
 
-def _fix_leading_dim(values: Iterable[onnx.ValueInfoProto], batch: int) -> set[str] | None:
-    """Give every value of symbolic leading dimension (a batch, not a scalar or a weight)
-    the leading dimension ``batch``; the names of the dimensions fixed (``""`` for an
-    unnamed one), or None when there was none."""
+def set_leading_dims(values: Iterable[onnx.ValueInfoProto], size: int | str,
+                     fixed: int | None = None) -> set[str] | None:
+    """Give every value whose leading dimension is symbolic (a batch, not a scalar or a
+    weight), or is the number ``fixed``, the leading dimension ``size`` (a number, or a
+    name); the names of the symbolic dimensions replaced (``""`` for an unnamed one), or
+    None when no dimension was replaced. :class:`SpecializeBatch` fixes a free batch with
+    it, :class:`~lossgraph.passes.fixed_batch.GeneralizeBatch` frees a fixed one."""
     names: set[str] = set()
+    replaced = False
     for value in values:
         dims = value.type.tensor_type.shape.dim
-        if dims and not dims[0].HasField("dim_value"):
+        if not dims or (dims[0].HasField("dim_value") and dims[0].dim_value != fixed):
+            continue
+        if not dims[0].HasField("dim_value"):
             names.add(dims[0].dim_param)
-            dims[0].Clear()
-            dims[0].dim_value = batch
-    return names or None
+        dims[0].Clear()
+        if isinstance(size, str):
+            dims[0].dim_param = size
+        else:
+            dims[0].dim_value = size
+        replaced = True
+    return names if replaced else None
 
 
 def _fix_named_dims(graph: onnx.GraphProto, names: set[str], batch: int) -> None:

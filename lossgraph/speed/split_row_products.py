@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import onnx
 
 from ..builder import GraphBuilder
-from ..graphs import attribute_values, is_default_domain, known_shapes, opset_version
+from ..graphs import attribute_values, is_default_domain, opset_version
 from ..names import NameAuthority
 from ..passes.contract import Pass, PassResult
-from .scopes import main_and_scan_bodies
+from .scopes import static_scopes
 
 __all__ = ["SPLIT_PARTS", "SPLIT_PART_ROWS", "SPLIT_ROWS", "SplitRowProducts",
            "gradient_product_parts", "row_product_parts"]
@@ -77,14 +77,13 @@ class SplitRowProducts(Pass[None]):
     parts (module doc)."""
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        # data_prop: a row of ones built from a constant shape (SumRowsByProduct) has one
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        # data propagation: a row of ones built from a constant shape (SumRowsByProduct)
+        # has a static shape
+        scopes = static_scopes(model)
         names = NameAuthority.for_model(model)
         opset = opset_version(model) or onnx.defs.onnx_opset_version()
         changed = False
-        for graph, shaped in main_and_scan_bodies(model, inferred):
-            static = {name: shape for name, shape in known_shapes(shaped).items()
-                      if None not in shape}
+        for graph, static in scopes:
             changed |= _split(graph, static, names, opset)
         return PassResult(model, changed=changed)
 

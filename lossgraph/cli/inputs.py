@@ -1,0 +1,55 @@
+"""The files a command reads and the options it can check alone, checked before any work
+and before numpy, onnx or onnxruntime are imported: a missing path or a bad count is said
+at once (the functions that take them check them again, with the same messages)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import (
+    InvalidDataError,
+    InvalidModelError,
+    InvalidProgramError,
+    UnsupportedOptionError,
+)
+from ..options import count
+from ..paths import CHECKPOINT, PROGRAM, data_source, model_file, saved_folder
+from .parser import TABLE_SUFFIXES
+
+__all__ = ["check_inputs"]
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse, before any import of the heavy packages, input paths that hold nothing of
+    what the command reads (the readers check what the files hold), and the training
+    counts."""
+    if args.command == "inspect" and Path(args.model).is_dir():
+        raise InvalidModelError(
+            f"{args.model!r} is a folder; lossgraph inspect reads an ONNX model file (a "
+            "program folder keeps its inference model as inference.onnx).")
+    if getattr(args, "model", None) is not None:
+        model_file(args.model)
+    if args.command == "train":
+        if args.resume is None and args.program is None:
+            raise UnsupportedOptionError(
+                "Name the program folder to train (lossgraph train PROGRAM --data ...), or a "
+                "checkpoint to continue with --resume CHECKPOINT.")
+        count("epochs", args.epochs, 0)  # Trainer.fit's checks
+        if args.batch_size is not None:  # None: the Trainer's default, or a kept batch
+            count("batch_size", args.batch_size, 1)
+        if args.program is not None:
+            saved_folder(args.program, PROGRAM)
+        if args.resume is not None:
+            saved_folder(args.resume, CHECKPOINT)
+        suffix = Path(args.data).suffix.lower()
+        if suffix == ".npy":
+            raise InvalidDataError(
+                f"{args.data!r} is one .npy array; --data takes an .npz file, a folder of .npy "
+                "files (X.npy, y.npy, ...), a .csv or a .parquet file.")
+        data_source(args.data, table=suffix in TABLE_SUFFIXES)
+    if args.command == "export" and not Path(args.source).exists():
+        raise InvalidProgramError(
+            f"There is nothing at {args.source!r}: lossgraph export takes a checkpoint folder "
+            "(lossgraph train --checkpoint), a program folder (lossgraph compile) or an .onnx "
+            "model.")

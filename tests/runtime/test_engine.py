@@ -1,0 +1,110 @@
+"""The training engine (lossgraph/runtime/engine.py), held to its documented contract through
+its public methods only: a step writes the next state beside the live one, ``apply`` makes
+it live, ``step_back`` returns once; every fusion mode's step is plain SGD's update."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support.linear import COEF, INTERCEPT, linear_data, linear_program
+
+from lossgraph.errors import UnsupportedOptionError
+from lossgraph.optim import SGD
+from lossgraph.runtime import Engine, Trainer
+
+RATE = 0.05
+
+
+def sgd_step(coef: np.ndarray, intercept: np.ndarray, X: np.ndarray, y: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, float]:
+    """One step of SGD on the mean squared error of ``X @ coef + intercept``, in numpy: the
+    next weights and the loss at the given ones."""
+    residual = X @ coef.ravel() + intercept.ravel() - y
+    loss = float(np.mean(residual ** 2))
+    grad_coef = 2 * X.T @ residual / len(y)
+    grad_intercept = 2 * residual.mean()
+    return (coef - RATE * grad_coef.reshape(coef.shape),
+            intercept - RATE * grad_intercept, loss)
+
+
+@pytest.mark.parametrize("fuse", ["separate", "step", "epoch"])
+def test_a_step_is_pending_until_applied_and_is_sgds_update(fuse):
+    engine = Engine(linear_program(fuse, SGD(RATE)))
+    X, y = linear_data(8, seed=0)
+    data = engine.prepare(X, y)
+    before = engine.state
+    loss = engine.step(data, step=1, rate=RATE)
+    pending = engine.state
+    assert all(np.array_equal(pending[n], before[n]) for n in before), \
+        "a step must leave the live state as it was until apply"
+    engine.apply(1, "batch 0")
+    after = engine.state
+    coef, intercept, expected_loss = sgd_step(before["coef"], before["intercept"], X, y)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    np.testing.assert_allclose(after["coef"], coef, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(after["intercept"], intercept, rtol=1e-5, atol=1e-6)
+    assert engine.evaluate(data) == pytest.approx(
+        float(np.mean((X @ coef.ravel() + intercept.ravel() - y) ** 2)), rel=1e-5)
+
+
+def test_step_back_returns_to_the_state_before_the_last_applied_run_once():
+    engine = Engine(linear_program("step", SGD(RATE)))
+    data = engine.prepare(*linear_data(8, seed=1))
+    assert engine.step_back() is None  # nothing applied yet
+    start = engine.state
+    engine.step(data, step=1, rate=RATE)
+    engine.apply(1, "epoch 0, batch 0")
+    first = engine.state
+    engine.step(data, step=2, rate=RATE)
+    engine.apply(1, "epoch 0, batch 1")
+    assert engine.step_back() == (1, "epoch 0, batch 1")
+    assert all(np.array_equal(engine.state[n], first[n]) for n in first)
+    assert engine.step_back() is None, "the state before is kept for one step back only"
+    engine.reset()
+    assert all(np.array_equal(engine.state[n], start[n]) for n in start)
+
+
+def test_an_epoch_run_is_its_steps_one_after_the_other():
+    X, y = linear_data(12, seed=2)
+    stepped = Engine(linear_program("epoch", SGD(RATE)))
+    for t, rows in enumerate((slice(0, 4), slice(4, 8), slice(8, 12)), start=1):
+        stepped.step(stepped.prepare(X[rows], y[rows]), step=t, rate=RATE, full=4)
+        stepped.apply(1, f"batch {t}")
+    fused = Engine(linear_program("epoch", SGD(RATE)))
+    assert fused.runs_epochs
+    losses = fused.epoch(fused.prepare(X, y), None, 3, 4, first_step=1,
+                         rates=np.full(3, RATE, np.float32))
+    fused.apply(3, "epoch 0")
+    assert len(losses) == 3
+    for name, value in stepped.state.items():
+        np.testing.assert_allclose(fused.state[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mode_without_an_epoch_graph_refuses_an_epoch_run_by_name():
+    engine = Engine(linear_program("step", SGD(RATE)))
+    assert not engine.runs_epochs
+    with pytest.raises(UnsupportedOptionError, match="fuse='epoch'"):
+        engine.epoch(engine.prepare(*linear_data(4, seed=3)), None, 1, 4, first_step=1,
+                     rates=np.full(1, RATE, np.float32))
+
+
+def test_the_trainer_trains_what_the_engine_steps():
+    """The Trainer is a loop over the engine: one epoch of full-batch SGD is one engine
+    step, to the bit."""
+    X, y = linear_data(8, seed=4)
+    program = linear_program("step", SGD(RATE))
+    trainer = Trainer(program).fit(X, y, epochs=1, batch_size=8, shuffle=False,
+                                   progress=False)
+    engine = Engine(program)
+    engine.step(engine.prepare(X, y), step=1, rate=RATE, full=8)
+    engine.apply(1, "epoch 0")
+    for name, value in engine.state.items():
+        assert np.array_equal(trainer.state[name], value), name
+
+
+def test_predict_reads_the_live_weights():
+    engine = Engine(linear_program("step", SGD(RATE)))
+    X, _ = linear_data(5, seed=5)
+    prediction = engine.predict(engine.prepare(X, graph="predict", with_label=False))
+    np.testing.assert_allclose(np.ravel(prediction), X @ np.array(COEF) + INTERCEPT,
+                               rtol=1e-5, atol=1e-6)

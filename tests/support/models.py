@@ -1,0 +1,119 @@
+"""Small test models, written in ONNX text syntax and read by ``onnx.parser``.
+
+    model("(double[3, 4] x, double[4] w) => (double[3, 4] y)", "y = Mul(x, w)", opset=18)
+
+is the model of the graph ``g (double[3, 4] x, double[4] w) => (double[3, 4] y) { y = Mul(x, w) }``
+importing ai.onnx at opset 18 (and any ``domains={"ai.onnx.ml": 3}``), at the lowest IR
+version that opset allows. :func:`model_of_graph` wraps a ``GraphProto`` built otherwise
+(``onnx.helper``) the same way; :func:`parse_model` reads a whole model's text, scalars
+included; :func:`signature` writes a signature from example arrays.
+:data:`UNSORTED` is a model whose weights' alphabetical order differs from their graph
+order, read in ``If`` branches; :data:`NET` a dense layer whose weights' order differs too;
+:data:`ROUNDED` a model whose weights reach its output only through ops of zero gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx
+from onnx import helper
+
+#: The element type of an array as ONNX text spells it.
+TEXT_TYPE = {np.dtype(np.float64): "double", np.dtype(np.float32): "float",
+             np.dtype(bool): "bool", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32"}
+
+
+def ir_version(opset: int) -> int:
+    """The lowest IR version the checker accepts with ai.onnx ``opset`` (10 from opset 21)."""
+    return 10 if opset >= 21 else 8
+
+
+def model_of_graph(graph: onnx.GraphProto, *, opset: int = 18,
+                   domains: Mapping[str, int] | None = None) -> onnx.ModelProto:
+    """``graph`` as a model importing ai.onnx ``opset`` first, then each of ``domains``."""
+    imports = [helper.make_opsetid("", opset),
+               *(helper.make_opsetid(name, version) for name, version in (domains or {}).items())]
+    return helper.make_model(graph, ir_version=ir_version(opset), opset_imports=imports)
+
+
+def model(signature: str, body: str, *, opset: int = 18,
+          domains: Mapping[str, int] | None = None) -> onnx.ModelProto:
+    """The model of graph ``g signature { body }`` (ONNX text syntax).
+
+    ``signature`` is ``(inputs) => (outputs)``, optionally followed by initializers
+    ``<double k = {2}>``; ``body`` is the nodes, one ``y = Op <attr = 1> (x)`` each.
+    """
+    return model_of_graph(onnx.parser.parse_graph(f"g {signature} {{ {body} }}"),
+                          opset=opset, domains=domains)
+
+
+def parse_model(text: str) -> onnx.ModelProto:
+    """A whole model in ONNX text syntax, its ``double[]`` values given the scalar shape the
+    parser leaves out."""
+    parsed = onnx.parser.parse_model(text)
+    for value in (*parsed.graph.input, *parsed.graph.output):
+        if not value.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.shape.SetInParent()
+    return parsed
+
+
+def dims(shape: Iterable[int | str]) -> str:
+    """``3, 4`` for shape (3, 4), as written between the brackets of ``double[3, 4]``."""
+    return ", ".join(str(d) for d in shape)
+
+
+def declaration(name: str, array: np.ndarray) -> str:
+    """``double[3, 4] x`` for an input ``x`` shaped and typed like ``array``."""
+    kind = TEXT_TYPE[array.dtype]
+    return f"{kind} {name}" if array.ndim == 0 else f"{kind}[{dims(array.shape)}] {name}"
+
+
+def signature(inputs: Mapping[str, np.ndarray], outputs: str) -> str:
+    """``(double[3, 4] x, ...) => (outputs)``: the inputs declared like their example arrays."""
+    return f"({', '.join(declaration(k, v) for k, v in inputs.items())}) => ({outputs})"
+
+
+# Weights named so that alphabetical order (a_bias, z_weight) differs from graph order.
+UNSORTED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    net (float[N, 3] x, bool flag) => (float[N, 2] y)
+    <float[3, 2] z_weight = {1, 2, 3, 4, 5, 6}, float[2] a_bias = {0.5, -0.5}>
+    {
+        h = MatMul(x, z_weight)
+        y = If(flag) <
+            then_branch = g1 () => (float[N, 2] t) { t = Add(h, a_bias) },
+            else_branch = g2 () => (float[N, 2] e) { e = Sub(h, a_bias) }
+        >
+    }
+"""
+
+
+#: A dense layer of two outputs whose weights' alphabetical order (a_bias, z_weight) differs
+#: from their graph order, the command-line tests' model (tests/cli/conftest.py's model_file).
+NET = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    net (float[N, 3] x) => (float[N, 2] y)
+    <float[3, 2] z_weight = {1, 2, 3, 4, 5, 6}, float[2] a_bias = {0.5, -0.5}>
+    { h = MatMul(x, z_weight)
+      y = Add(h, a_bias) }
+"""
+
+
+#: Weights w and v reach y only through Round and Sign, whose gradient is zero wherever it
+#: exists: training can never change them (b learns).
+ROUNDED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 2] x) => (float[N, 1] y)
+    <float[2, 1] w = {1, 2}, float[2, 1] v = {3, 4}, float[1] b = {0.5}>
+    {
+        h = MatMul(x, w)
+        r = Round(h)
+        k = MatMul(x, v)
+        s = Sign(k)
+        t = Add(r, s)
+        u = Add(t, h)
+        y = Add(t, b)
+    }
+"""

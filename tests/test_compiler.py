@@ -1,0 +1,53 @@
+"""The compiler (lossgraph/compiler.py): describe_plan prints every graph a program will hold and
+the pipeline that builds it, as compile_program builds them."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from support.environment import GOLDEN_MODELS
+
+import lossgraph
+
+
+@pytest.fixture
+def linear() -> onnx.ModelProto:
+    return onnx.load(GOLDEN_MODELS / "hand_linear.onnx")
+
+
+def test_describe_plan_prints_every_graph_of_a_separate_program(linear):
+    """Every graph separate mode emits has a declared plan: the model's gradient from the
+    forward model, the loss, update and penalty graphs from their builders' options."""
+    text = lossgraph.describe_plan(linear, fuse="separate", penalty={"W": 0.1},
+                                   optimizer=lossgraph.optim.Momentum(0.05))
+    lines = dict(line.split(" = ", 1) for line in text.splitlines())
+    assert [name.strip() for name in lines] == ["evaluate", "predict", "gradient", "loss",
+                                                "update", "penalty"]
+    assert lines["gradient"].endswith("-> Gradient(weights=('W', 'B'), outputs=('Y',)) -> "
+                                      "SumRowsByProduct -> SumRowsByProduct -> "
+                                      "WidenScalarConstants")
+    assert lines["loss    "] == "LossGraph(loss='squared_error') -> WidenScalarConstants"
+    assert lines["update  "] == ("UpdateGraph(optimizer=Momentum(learning_rate=0.05)) -> "
+                                 "WidenScalarConstants")
+    assert lines["penalty "] == "PenaltyGraph(penalty={'W': 0.1}) -> WidenScalarConstants"
+
+
+def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
+    text = lossgraph.describe_plan(linear, fuse="epoch", weights=["W"])
+    lines = {name.strip(): passes for name, passes in
+             (line.split(" = ", 1) for line in text.splitlines())}
+    assert list(lines) == ["evaluate", "predict", "train_step", "train_epoch_ordered",
+                           "train_epoch"]
+    assert lines["train_epoch"].startswith("loss model -> WeightsToInputs(weights=('W',)) -> "
+                                           "StabilizeNumerics -> Gradient(weights=('W',)) -> "
+                                           "FoldBatchIntoProducts -> SumRowsByProduct -> "
+                                           "ConcatScatteredSlabs -> UnfoldConvWeightGradients "
+                                           "-> PackWeights(")
+    assert lines["train_epoch"].endswith("-> EpochGraph -> WidenScalarConstants")
+    assert lines["train_epoch_ordered"].endswith(
+        "-> EpochGraph(shuffle=False) -> WidenScalarConstants")
+    assert "-> StepGraph(optimizer=SGD) ->" in lines["train_step"]  # options off default only
+    momentum = lossgraph.describe_plan(linear, optimizer=lossgraph.optim.Momentum(0.05))
+    assert "StepGraph(optimizer=Momentum(learning_rate=0.05))" in momentum
+    program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
+    assert list(program.graphs) == list(lines)

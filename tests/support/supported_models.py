@@ -27,8 +27,8 @@ logits, SGD), trains one epoch of :data:`STEPS` batches in order, and compares i
 loss, and every trained tensor, within the family's tolerance beyond torch's own float32
 rounding). The outcome is one of :data:`STATUSES`.
 
-``python tests/supported_models.py`` runs the catalogue, records the outcomes in
-``tests/supported_models.json`` and writes the page from them;
+``python tests/support/supported_models.py`` runs the catalogue, records the outcomes in
+``tests/support/supported_models.json`` and writes the page from them;
 ``tests/test_supported_models.py`` holds the page to the record and runs a representative
 part of the catalogue again.
 """
@@ -52,9 +52,11 @@ from typing import Any
 
 import numpy as np
 import onnx
-from model_sources import library
 
-ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # run as a script: lossgraph and support from the checkout
+    sys.path[:0] = [str(Path(__file__).resolve().parents[n]) for n in (2, 1)]
+from support.environment import ROOT, model_library  # noqa: E402
+
 RECORD = Path(__file__).resolve().with_name("supported_models.json")
 PAGE = ROOT / "docs" / "supported_models.md"
 
@@ -113,10 +115,10 @@ AUDIO = Family("audio transformer", 1e-4)
 
 @dataclass(frozen=True)
 class Architecture:
-    """One row of the catalogue: a model from ``source`` (a key of
-    :data:`model_sources.LIBRARIES`), ``build(library)`` making it (a ``torch.nn.Module``
-    whose ``forward`` takes the inputs by position and returns the logits), and
-    ``inputs(rows, seed)`` its example inputs by name (axis 0 the batch)."""
+    """One row of the catalogue: a model from ``source`` (one of
+    :data:`support.environment.MODEL_LIBRARIES`), ``build(library)`` making it (a
+    ``torch.nn.Module`` whose ``forward`` takes the inputs by position and returns the
+    logits), and ``inputs(rows, seed)`` its example inputs by name (axis 0 the batch)."""
 
     name: str
     source: str
@@ -132,6 +134,8 @@ class Architecture:
     #: trained as its constructor made it (equal norms and zero biases), not like a
     #: checkpoint (:func:`like_a_checkpoint`)
     fresh: bool = False
+    #: compile_program's untie, where not its default
+    untie: str | None = None
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -340,6 +344,8 @@ def _transformers() -> list[Architecture]:
         text("bert", bert, f"BertForSequenceClassification(BertConfig({small}))"),
         text("bert-fresh", bert, "the same, trained as its config made it (equal "
                                   "LayerNorm weights, zero biases)", fresh=True),
+        text("bert-fresh-untied", bert, "bert-fresh, compiled with untie=\"auto\"",
+             fresh=True, untie="auto"),
         text("distilbert", distilbert,
              "DistilBertForSequenceClassification(DistilBertConfig(dim=32, n_layers=2))"),
         text("roberta", roberta, f"RobertaForSequenceClassification(RobertaConfig({small}))"),
@@ -449,7 +455,7 @@ def build(architecture: Architecture) -> Any:
     import torch
 
     torch.manual_seed(0)
-    net = architecture.build(library(architecture.source))
+    net = architecture.build(model_library(architecture.source))
     no_dropout(net)
     if not architecture.fresh:
         like_a_checkpoint(net, architecture.inputs)
@@ -605,9 +611,11 @@ def frozen_weights(model: onnx.ModelProto, reference: Reference) -> list[str]:
 
 
 def train_lossgraph(model: onnx.ModelProto, fuse: str, X: dict[str, np.ndarray],
-                    y: np.ndarray, rows: int, frozen: list[str]) -> Trained:
+                    y: np.ndarray, rows: int, frozen: list[str],
+                    untie: str | None = None) -> Trained:
     """One epoch of :data:`STEPS` batches of ``rows`` rows, in order, trained by lossgraph,
-    the ``frozen`` initializers left out of the weights."""
+    the ``frozen`` initializers left out of the weights, ``untie`` given to
+    compile_program."""
     import lossgraph
     from lossgraph.errors import LossgraphWarning
     from lossgraph.optim import SGD
@@ -618,7 +626,8 @@ def train_lossgraph(model: onnx.ModelProto, fuse: str, X: dict[str, np.ndarray],
         warnings.simplefilter("always", LossgraphWarning)
         program = lossgraph.compile_program(model, weights, loss="multiclass_log_loss",
                                             loss_options={"from_logits": True},
-                                            optimizer=SGD(LEARNING_RATE), fuse=fuse)
+                                            optimizer=SGD(LEARNING_RATE), fuse=fuse,
+                                            untie=untie)
         trainer = lossgraph.Trainer(program)
         trainer.fit(X, y, epochs=1, batch_size=rows, shuffle=False, progress=False)
     warned = sorted({w.category.__name__ for w in caught
@@ -838,7 +847,7 @@ class Case:
         X, y, reference = self._references[exporter]
         try:
             trained = train_lossgraph(model, fuse, X, y, ROWS,
-                                      frozen_weights(model, reference))
+                                      frozen_weights(model, reference), self.architecture.untie)
         except LossgraphError as error:
             return Outcome(NAMED_ERROR, describe(error))
         except Exception as error:  # a defect: recorded, and the suite fails unless KNOWN
@@ -848,33 +857,29 @@ class Case:
 
 # -- the record and the page ------------------------------------------------------------------
 
-_NO_WARNING = ("lossgraph trains the export without a word: a warning naming the changed "
-               "weights, and compile_program(untie=...), are being added on another branch "
-               "(issue 26 part 6).")
-
 #: What is known of the cases that are not equal to torch, by (source/name, exporter), or
-#: ("*", exporter) for every architecture: why, and where it is being fixed. Every defect
+#: ("*", exporter) for every architecture: why, and what to do. Every defect
 #: (:func:`is_defect`) must be here; tests/test_supported_models.py fails on an entry whose
 #: cases are all equal to torch.
 KNOWN: dict[tuple[str, str], str] = {
     ("*", "legacy-folded"): "torch's default do_constant_folding=True folds computations of "
-    "parameters alone into constants (Swin's relative-position bias gathered from its "
-    "table, a weight-normed convolution's weight) and stores a tied embedding again, "
-    "transposed, for the output projection (GPT-2, T5): export with "
-    "do_constant_folding=False to train. " + _NO_WARNING,
+    "parameters alone into initializers of their own (Swin's relative-position bias "
+    "gathered from its table, a weight-normed convolution's weight) and stores a tied "
+    "embedding again, transposed, for the output projection (GPT-2, T5). lossgraph trains "
+    "those initializers as the export has them, without a warning: nothing in the export "
+    "says they were computed from parameters. Export with do_constant_folding=False to "
+    "train.",
     ("*", "dynamo-optimized"): "torch's default optimize=True folds each inference-mode "
-    "BatchNorm into the Conv before it, folds computations of parameters alone into "
-    "constants (Swin, weight norm), stores a tied embedding twice (GPT-2) and merges "
-    "initializers of equal values (a fresh BERT): export with optimize=False to train. "
-    + _NO_WARNING,
+    "BatchNorm into the Conv before it, folds computations of parameters alone (Swin's "
+    "tables, weight norm), stores a tied embedding twice (GPT-2) and merges initializers of "
+    "equal values (a fresh BERT). lossgraph warns of merged initializers "
+    "(TiedWeightWarning); the others it trains as the export has them, without a warning. "
+    "Export with optimize=False to train.",
     ("transformers/bert-fresh", "legacy"): "the legacy exporter merges initializers of equal "
     "values (a fresh model's LayerNorm ones and zero biases) into one, even with folding "
-    "off; lossgraph trains the shared weight as one tied weight, unlike torch. "
-    + _NO_WARNING,
-    ("torchvision/shufflenet_v2", "legacy"): "the legacy export computes the channel split "
-    "of x.chunk(2, dim=1) from Shape, so the following grouped Conv's channel count is "
-    "unknown to shape inference; being fixed on another branch (issue 26 part 6).",
-    ("torchvision/shufflenet_v2", "legacy-folded"): "as with the legacy exporter.",
+    "off: lossgraph warns (TiedWeightWarning) and trains the shared initializer as one "
+    "tied weight; compile_program(untie=\"auto\") gives each layer its own copy, equal to "
+    "torch (the bert-fresh-untied row).",
     ("transformers/t5", "dynamo"): "torch 2.13's dynamo exporter fails decomposing T5's "
     "attention output reshape with a dynamic sequence axis (a torch defect); the legacy "
     "export trains equal to torch.",
@@ -932,8 +937,9 @@ def is_defect(status: str) -> bool:
 HEADER = """\
 # Supported models
 
-<!-- Generated by `python tests/supported_models.py` (which runs every case and records the
-     outcomes in tests/supported_models.json); do not edit. -->
+<!-- Generated by `PYTHONPATH=. python tests/support/supported_models.py` (which runs
+     every case and records the outcomes in tests/support/supported_models.json); do not
+     edit. -->
 
 The architectures people fine-tune, built from torchvision, timm and transformers with
 random weights (nothing is downloaded), exported by both torch exporters and trained by
@@ -947,10 +953,11 @@ lossgraph in each fusion mode, against torch trained the same way.
 before it) or store a tied embedding twice (GPT-2, T5): lossgraph then trains the export,
 which is not training the module.
 
-`python tests/supported_models.py` runs the whole catalogue (about 10 minutes of CPU) and
-writes this page; `tests/test_supported_models.py` (marked `torch` and `slow`, skipped
-where a library is missing) holds the page to the record and runs a representative part of
-the catalogue again, failing when a case's outcome is not the recorded one.
+`PYTHONPATH=. python tests/support/supported_models.py` runs the whole catalogue (about
+15 minutes of CPU) and writes this page (`--render` writes it from the record alone);
+`tests/test_supported_models.py` (marked `torch` and `slow`, skipped where a library is
+missing) holds the page to the record and runs a representative part of the catalogue
+again, failing when a case's outcome is not the recorded one.
 
 How each case runs:
 
@@ -1056,8 +1063,7 @@ def render(record: dict[str, Any]) -> str:
         lines += [f'{number}. <a id="note-{number}"></a>{_cell_text(text)}'
                   for text, number in notes.items()]
     lines += ["", "## What is known", "",
-              "Why the cases that are not equal to torch are so, and where they are being "
-              "fixed:", ""]
+              "Why the cases that are not equal to torch are so, and what to do:", ""]
     lines += [f"- **{exporter}, {'every model' if name == '*' else name}**: {text}"
               for (name, exporter), text in KNOWN.items()]
     return "\n".join(lines) + "\n"
@@ -1102,5 +1108,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

@@ -391,7 +391,8 @@ class Outcome:
 
 def no_dropout(net: Any) -> None:
     """Every dropout of ``net`` (torch's, torchvision's stochastic depth, timm's drop path)
-    set to drop nothing, in place; an unknown random layer is an error."""
+    set to drop nothing, in place (a random layer left on shows as a difference from
+    torch)."""
     import torch
 
     for layer in net.modules():

@@ -3,9 +3,9 @@
 The public surface (docs/concepts.md gives its vocabulary):
 
 - passes, each a model in and a model out: :func:`add_loss_output`, :func:`gradient`,
-  :func:`lower_ml_ops`, :func:`alphabetize_initializers`, :func:`stabilize_numerics`,
-  :func:`strip_training`, :func:`straight_through_quantization` (their pass classes, and
-  the pipeline machinery, in :mod:`lossgraph.passes`)
+  :func:`convert_opset`, :func:`lower_ml_ops`, :func:`alphabetize_initializers`,
+  :func:`stabilize_numerics`, :func:`strip_training`, :func:`straight_through_quantization`
+  (their pass classes, and the pipeline machinery, in :mod:`lossgraph.passes`)
 - gradients: :func:`grad_rule` (register a rule), :func:`supported_ops`
 - training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer` (on the
   engine :class:`Engine`), optimizers in :mod:`lossgraph.optim`, fusion modes in
@@ -38,6 +38,7 @@ _HOMES = {
     "add_loss_output": ".passes",
     "alphabetize_initializers": ".passes",
     "compile_program": ".compiler",
+    "convert_opset": ".passes",
     "describe_plan": ".compiler",
     "get_roles": ".roles",
     "grad_rule": ".autodiff",

@@ -2,9 +2,20 @@
 
 The loss model comes first::
 
-    loss model      = LowerMlOps -> AddLossOutput(loss, penalty, ...)   (or the model's own loss)
-    inference model = LowerMlOps -> StripTraining     (no loss; BatchNormalization and Dropout
-                                                       in inference mode)
+    loss model      = ConvertOpset -> LowerMlOps -> (weights) -> ZipMapToTensor
+                      -> AddLossOutput(loss, ...)     (or the model's own loss; ZipMapToTensor
+                                                       where the model has a ZipMap)
+    inference model = ConvertOpset -> LowerMlOps -> (weights) -> StripTraining     (no loss;
+                      BatchNormalization and Dropout in inference mode; a ZipMap kept)
+    (weights)       = ConstantsToInitializers (Constant nodes named in weights)
+                      -> UntieWeights (untie=...), where asked
+
+``ConvertOpset`` moves the model to an opset the target loads (:mod:`lossgraph.opsets`);
+``loss="auto"``, the default, is the loss that fits what the trained output holds
+(:mod:`lossgraph.predictions`: a log loss for a classifier's probabilities, ``squared_error``
+for values), the output a ZipMap's tensor where the model has one (``predict`` then gives
+that tensor too). What compile decided is kept in ``TrainingProgram.notes``
+(:class:`CompileNotes`) and printed by ``describe_plan`` with the pipelines above.
 
 A model whose inputs fix the batch size (torch's default export) gets ``GeneralizeBatch``
 right after ``LowerMlOps`` (``fixed_batch="auto"`` or ``"generalize"``): its batch freed
@@ -18,7 +29,7 @@ runs (``print(describe_plan(...))``)::
 
     evaluate            = WeightsToInputs -> InferenceMode -> StabilizeNumerics
                           -> WidenScalarConstants
-    predict             = WeightsToInputs -> WidenScalarConstants           (no loss)
+    predict             = (ZipMapToTensor) -> WeightsToInputs -> WidenScalarConstants
     train_step          = WeightsToInputs -> StabilizeNumerics -> Gradient -> (speed)
                           -> StepGraph -> WidenScalarConstants
     train_epoch         = WeightsToInputs -> StabilizeNumerics -> Gradient -> (speed)
@@ -74,17 +85,20 @@ from .graphs import weights_dtype
 from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
+from .opsets import OpsetMove
 from .options import names
-from .passes.contract import Pipeline
+from .passes.contract import Pass, Pipeline
 from .passes.fixed_batch import BatchReport, GeneralizeBatch, export_advice, fixed_batch, rows
-from .passes.loss import AddLossOutput
+from .passes.loss import AddLossOutput, LossChoice, choose_loss
 from .passes.lower_ml import LowerMlOps
+from .passes.opset import ConvertOpset
 from .passes.plan import Plan, Planned, PlanRunner
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
 from .passes.untie import UntieWeights
 from .passes.weights import ConstantsToInitializers
+from .passes.zipmap import ZipMapToTensor, zipped_outputs
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
 from .target import Target, use_target
@@ -97,7 +111,7 @@ from .validation import (
     warn_tied,
 )
 
-__all__ = ["compile_program", "plan", "describe_plan"]
+__all__ = ["compile_program", "plan", "describe_plan", "trained_weights", "CompileNotes"]
 
 
 def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
@@ -107,7 +121,8 @@ def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
     graphs = {
         "evaluate": Planned("loss model", Pipeline((context.lift, InferenceMode(),
                                                     *context.stabilize, context.widen))),
-        "predict": Planned("inference model", Pipeline((context.lift, context.widen))),
+        "predict": Planned("inference model", Pipeline((*context.tensor_outputs, context.lift,
+                                                        context.widen))),
     }
     return Plan({**graphs, **mode.plan(context)})
 
@@ -115,22 +130,21 @@ def plan(context: PlanContext, fuse: str | FuseMode) -> Plan:
 def describe_plan(model: ModelLike, **options: Any) -> str:
     """What :func:`compile_program` would run on ``model`` with ``options`` (its keyword
     arguments but ``target``), as text: the loss model is built, nothing else runs."""
-    unknown = sorted(set(options) - set(_DEFAULTS))
-    if unknown:
-        raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
-    front = _front(model, {**_DEFAULTS, **options}, stacklevel=3)
-    planned = plan(front.context, front.mode)
-    if front.batch is None:
-        return str(planned)
-    width = max(len(name) for name in planned)
-    return f"{'model':<{width}} = {_batch_step(front.batch)}\n{planned}"
+    return _front(model, _options(options), stacklevel=3).describe()
+
+
+def trained_weights(model: ModelLike, **options: Any) -> list[str]:
+    """The weights :func:`compile_program` trains on ``model`` with ``options`` (its
+    keyword arguments but ``target``): ``weights``, or by default those of the loss model
+    it builds."""
+    return list(_front(model, _options(options), stacklevel=3).context.weights)
 
 
 @renamed_keywords(trainable="weights", gradient="backend")
 def compile_program(
     model: ModelLike,
     weights: Sequence[str] | str | None = None,
-    loss: str | None = "squared_error",
+    loss: str | None = "auto",
     loss_options: Mapping[str, Any] | None = None,
     penalty: Mapping[str, Any] | None = None,
     optimizer: Any = None,
@@ -154,8 +168,12 @@ def compile_program(
             differentiate (:func:`lossgraph.analysis.default_weights`). A name may be the
             output of a ``Constant`` node: it becomes an initializer and trains
             (:class:`~lossgraph.passes.ConstantsToInitializers`).
-        loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows, or
-            ``None`` when the model carries its loss already.
+        loss: the loss function, a name :func:`~lossgraph.add_loss_output` knows; by
+            default ``"auto"``, the loss that fits what the trained output holds (a log loss
+            for a classifier's probabilities, ``squared_error`` for values, see
+            :mod:`lossgraph.predictions`); or ``None`` when the model carries its loss
+            already. A loss that does not fit the output is an error naming the one that
+            does.
         loss_options: further arguments of ``add_loss_output`` (``weight_name``,
             ``output_index``, ``reduction``, options of the loss such as ``delta``).
         penalty: ``{weight: {"l1": a, "l2": b}}`` or ``{weight: b}``, added to the loss
@@ -198,18 +216,66 @@ _DEFAULTS: dict[str, Any] = {name: p.default for name, p in
                              if name not in ("model", "target")}
 
 
+def _options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """compile_program's options: ``options`` (checked names) over the defaults."""
+    unknown = sorted(set(options) - set(_DEFAULTS))
+    if unknown:
+        raise UnsupportedOptionError(f"compile_program has no option {unknown[0]!r}.")
+    return {**_DEFAULTS, **options}
+
+
+@dataclass(frozen=True)
+class CompileNotes:
+    """What compile decided about the model it was given: how its ``ai.onnx`` opset was
+    moved to the target's (:class:`~lossgraph.opsets.OpsetMove`), which ZipMap outputs it
+    trains through the tensors they zip (``{output: tensor}``), and the output and loss it
+    trains (:class:`~lossgraph.passes.loss.LossChoice`; None for a model carrying its
+    loss)."""
+
+    opset: OpsetMove
+    zipmaps: Mapping[str, str]
+    loss: LossChoice | None
+
+    def lines(self) -> list[str]:
+        """The notes as sentences, one per decision worth telling."""
+        said = []
+        if self.opset.direction != "kept" or self.opset.imported:
+            said.append(str(self.opset))
+        said.extend(f"output {output!r} is a ZipMap of {tensor!r}: trained and predicted as "
+                    "that tensor, the ZipMap kept in the exported model"
+                    for output, tensor in self.zipmaps.items())
+        if self.loss is not None:
+            said.append(f"trains output {self.loss}")
+        return said
+
+
 @dataclass(frozen=True)
 class _Front:
     """What compile starts from: the models its graphs are planned from, by name (the loss
-    model, the model without a loss in training mode and in inference mode), the mode and
-    the context it plans with."""
+    model, the model without a loss in training mode and in inference mode), the passes
+    that made each from the model given, the mode and the context it plans with, and what
+    it decided (:class:`CompileNotes`)."""
 
     starts: dict[str, onnx.ModelProto]
+    made_by: dict[str, Pipeline]
     mode: FuseMode
     context: PlanContext
     #: each untied initializer -> its copies (UntieWeights)
     untied: dict[str, list[str]]
+    notes: CompileNotes
     batch: BatchReport | None = None
+
+    def describe(self) -> str:
+        """The plan as text: what compile did with a fixed batch (the first line, where the
+        model has one), the pipelines of the start models the plan uses, then the plan."""
+        planned = plan(self.context, self.mode)
+        used = [name for name in self.made_by
+                if any(p.start == name for p in planned.values())]
+        width = max(len(name) for name in (*used, *planned))
+        batch = [] if self.batch is None else [f"{'model':<{width}} = {_batch_step(self.batch)}"]
+        starts = [f"{name:<{width}} = model -> {self.made_by[name]}" for name in used]
+        graphs = [f"{name:<{width}} = {planned[name]}" for name in planned]
+        return "\n".join([*batch, *starts, *graphs])
 
 
 def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Front:
@@ -221,10 +287,18 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                               options["fuse"], options["fixed_batch"], options["untie"])
     given = as_model(model)
     check_trainable_model(given)
-    freed, batch = _free_batch(LowerMlOps()(given).model, checked.fixed_batch, stacklevel + 1)
-    source, untied = _weights_made(freed, checked.weights, checked.untie)
+    lowering = Pipeline((ConvertOpset(), LowerMlOps()))
+    lowered = lowering(given)
+    freed, batch, freeing = _free_batch(lowered.model, checked.fixed_batch, stacklevel + 1)
+    source, untied, weighting = _weights_made(freed, checked.weights, checked.untie)
+    lowering = lowering.then(*freeing, *weighting)
+    zipmaps = zipped_outputs(source)
+    # the outputs a loss reads: a ZipMap's tensor, not its list of maps
+    tensors = Pipeline((ZipMapToTensor(),) if zipmaps else ())
+    trainable = tensors.run(source, checked=True).model if zipmaps else source
     loss, penalty = options["loss"], _with_copies(options["penalty"], untied)
     carried = get_roles(source).get("loss")
+    choice = None
     if loss is None:
         if not carried:
             raise UnsupportedModelError(
@@ -232,7 +306,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                 "pass a loss name (e.g. loss='squared_error'), or build the loss with "
                 "lossgraph.add_loss_output.")
         check_loss_roles(source)
-        loss_model = source
+        loss_model, adding = source, Pipeline()
     elif carried:
         raise UnsupportedModelError(
             f"The model carries a loss already ({carried!r}, recorded by add_loss_output): "
@@ -242,8 +316,11 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                           if k in _OUTPUT_FIELDS}
         score_options = {k: v for k, v in checked.loss_options.items()
                          if k not in _OUTPUT_FIELDS}
-        loss_model = AddLossOutput(loss, penalty=penalty, options=score_options,
-                                   **output_options)(source).model
+        choice = choose_loss(trainable, loss, output_options.get("output_index"), score_options)
+        adding = Pipeline((AddLossOutput(choice.loss, penalty=penalty,
+                                         options=dict(choice.options),
+                                         **{**output_options, "output_index": choice.output}),))
+        loss_model = adding.run(trainable, checked=True).model
     if checked.weights == []:
         names("weights", [], candidates=trainable_initializers(loss_model))
     # never around a weight no gradient (or part of one) would reach: that is an error
@@ -267,29 +344,39 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
         weights_dtype({w: np.empty(0, helper.tensor_dtype_to_np_dtype(types[w]))
                        for w in weights}, "compile_program")
     mode = fuse_mode(checked.fuse)
+    loss_options = {**checked.loss_options, **(choice.options if choice else {})}
     context = PlanContext(tuple(weights), checked.optimizer, checked.backend, tuple(buffers),
-                          holds_splits(loss_model), get_roles(loss_model), loss,
-                          checked.loss_options, penalty)
+                          holds_splits(loss_model), get_roles(loss_model),
+                          choice.loss if choice else None, loss_options, penalty,
+                          zipmaps=bool(zipmaps))
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
-    stripped = StripTraining()(source)
+    stripping = Pipeline((StripTraining(),))
+    stripped = stripping.run(source, checked=True)
     inference = stripped.model if stripped.changed else source  # unchanged: one prefix run
+    made_by = {"loss model": lowering.then(*tensors.passes, *adding.passes),
+               "inference model": lowering.then(*stripping.passes),
+               "forward model": lowering.then(*tensors.passes)}
+    notes = CompileNotes(lowered.report.of(ConvertOpset), zipmaps, choice)
     return _Front({"loss model": loss_model, "inference model": inference,
-                   "forward model": source}, mode, context, untied, batch)
+                   "forward model": trainable}, made_by, mode, context, untied,
+                  notes, batch)
 
 
 def _free_batch(model: onnx.ModelProto, choice: str, stacklevel: int
-                ) -> tuple[onnx.ModelProto, BatchReport | None]:
+                ) -> tuple[onnx.ModelProto, BatchReport | None, tuple[Pass, ...]]:
     """``model`` with its fixed batch freed where the graph proves it (``fixed_batch=``
-    ``choice``), and what was done; a model whose batch is free comes back as it is. A
-    batch kept by ``"auto"`` is a FixedBatchWarning (``stacklevel``: the user's frame)."""
+    ``choice``), what was done, and the pass that ran; a model whose batch is free comes
+    back as it is. A batch kept by ``"auto"`` is a FixedBatchWarning (``stacklevel``: the
+    user's frame)."""
     batch = fixed_batch(model)
     if batch is None:
-        return model, None
+        return model, None, ()
     if choice == "keep":
-        return model, BatchReport(batch, False, reason=_KEPT)
+        return model, BatchReport(batch, False, reason=_KEPT), ()
+    generalize = GeneralizeBatch(strict=choice == "generalize")
     try:
-        result = GeneralizeBatch(strict=choice == "generalize")(model)
+        result = generalize.run(model, checked=True)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(
             f"{exc} Or compile with fixed_batch='auto' (the default) to train it in batches "
@@ -302,7 +389,7 @@ def _free_batch(model: onnx.ModelProto, choice: str, stacklevel: int
             f"exactly {rows(batch)}, and each epoch's remaining rows are left out (as torch's "
             f"DataLoader(drop_last=True)). {export_advice(model)}", FixedBatchWarning,
             stacklevel=stacklevel)
-    return result.model, report
+    return result.model, report, (generalize,)
 
 
 def _batch_step(report: BatchReport) -> str:
@@ -325,19 +412,23 @@ def _batch_record(report: BatchReport, context: PlanContext) -> dict[str, Any]:
 
 
 def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
-                  untie: str | list[str] | None) -> tuple[onnx.ModelProto, dict[str, list[str]]]:
+                  untie: str | list[str] | None
+                  ) -> tuple[onnx.ModelProto, dict[str, list[str]], tuple[Pass, ...]]:
     """``model`` with the ``Constant`` nodes ``weights`` names made initializers, and the
     initializers ``untie`` names (``"auto"``: every tied one) untied; the copies made of
-    each."""
+    each, and the passes that ran."""
     outputs = {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.output}
     constants = [w for w in weights or () if w in outputs]
+    ran: list[Pass] = []
     if constants:
-        model = ConstantsToInitializers(constants)(model).model
+        ran.append(ConstantsToInitializers(constants))
+        model = ran[-1].run(model, checked=True).model
     names = [t.name for t in tied_initializers(model)] if untie == "auto" else untie
     if not names:
-        return model, {}
-    result = UntieWeights(names)(model)
-    return result.model, result.report
+        return model, {}, tuple(ran)
+    ran.append(UntieWeights(names))
+    result = ran[-1].run(model, checked=True)
+    return result.model, result.report, tuple(ran)
 
 
 def _with_copies(by_weight: Mapping[str, Any] | None, untied: Mapping[str, list[str]]
@@ -373,4 +464,5 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context))
-    return TrainingProgram(graphs, manifest, state, front.starts["inference model"])
+    return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
+                           notes=front.notes)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,9 @@ class TrainingProgram:
     manifest: dict[str, Any]
     state: dict[str, np.ndarray]
     inference_model: onnx.ModelProto
+    #: what compile decided about the model (:class:`lossgraph.compiler.CompileNotes`: the
+    #: opset, ZipMaps, the output and loss trained); None for a program loaded from a folder
+    notes: Any = field(default=None, compare=False, repr=False)
 
     # -- what the manifest says -------------------------------------------------------
     @property

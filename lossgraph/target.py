@@ -26,7 +26,8 @@ from .graphs import all_graphs, canonical_domain, opset_version
 
 __all__ = ["Target", "DEFAULT_TARGET", "LATEST", "TARGETS", "active_target", "check_loads",
            "check_ops", "check_opset", "check_opset_option", "finalize", "loading_target",
-           "release_target", "resolve_target", "target_for", "use_target"]
+           "newer_targets_hint", "release_target", "resolve_target", "target_for",
+           "use_target"]
 
 #: The oldest ai.onnx opset lossgraph reads (its gradient rules are proven from 13).
 MIN_OPSET = 13
@@ -261,7 +262,8 @@ def check_loads(model: onnx.ModelProto, runtime: Target, what: str, installed: s
              f"'onnxruntime>={loaders[0].split('-')[1]}' in an environment without the training "
              "build: pip install 'lossgraph[runtime]')" if loaders else
              "no measured onnxruntime release loads it")
-    convert = (f" (from a model at ai.onnx opset {runtime.max_opset} or older)"
+    convert = (f" (which lowers a newer model to ai.onnx opset {runtime.max_opset} where its "
+               "ops mean the same there)"
                if version is not None and version > runtime.max_opset else "")
     raise UnsupportedModelError(
         f"{what} is {' and '.join(too_new)}, newer than the installed {installed} "
@@ -281,17 +283,21 @@ def use_target(target: Target | str | None) -> Iterator[Target]:
         _ACTIVE.reset(token)
 
 
-def _newer_targets_hint(version: int) -> str:
-    """How to emit for the runtimes that load ai.onnx ``version``, or "" when none does."""
+def newer_targets_hint(version: int) -> str:
+    """How to emit for the runtimes that load ai.onnx ``version``, and which runtimes those
+    are, or "" when none does."""
     name = next((name for name, target in TARGETS.items() if target.supports(version)), None)
     if name is None:
         return ""
     legacy = TARGETS["onnxruntime"]
     also = (f" or target='onnxruntime' ({legacy.description}, IR {legacy.ir_version})"
             if version > DEFAULT_TARGET.max_opset and legacy.supports(version) else "")
+    runs = (f" Its graphs run on {TARGETS[name].description}, not on onnxruntime's training "
+            f"build (onnxruntime-training 1.19 loads opsets up to {DEFAULT_TARGET.max_opset})."
+            if version > DEFAULT_TARGET.max_opset else "")
     return (f" Or emit for a target that loads opset {version}: compile_program(..., "
             f"target='{name}'){also}, or with lossgraph.target.use_target('{name}'): ... "
-            f"(on the command line: --target {name}; docs/reference/targets.md).")
+            f"(on the command line: --target {name}; docs/reference/targets.md).{runs}")
 
 
 #: The versions of the other domains onnx defines (or onnxruntime adds) that onnxruntime
@@ -326,13 +332,13 @@ def check_opset(model: onnx.ModelProto, target: Target | None = None) -> int:
             "model.opset_import.append(onnx.helper.make_opsetid('', 17))."
         )
     if not target.supports(version):
-        suggested = min(max(version, target.min_opset), target.max_opset)
         raise UnsupportedModelError(
             f"The model uses ai.onnx opset {version}; lossgraph emits models for "
             f"{target}, which needs opset {target.min_opset} to {target.max_opset}. "
-            "Convert it first, e.g. "
-            f"onnx.version_converter.convert_version(model, {suggested})."
-            + (_newer_targets_hint(version) if version > target.max_opset else "")
+            "Convert it first with lossgraph.convert_opset(model) (every pass and "
+            "compile_program do so with the model they are given), which moves it there "
+            "where its ops keep their meaning."
+            + (newer_targets_hint(version) if version > target.max_opset else "")
         )
     return version
 
@@ -400,7 +406,7 @@ def check_ops(model: onnx.ModelProto, target: Target | None = None) -> None:
                         f"{_node_label(node, body)} is ai.onnx {node.op_type}, defined "
                         f"in opset {since}; {target} loads opsets up to "
                         f"{target.max_opset}, so the model would fail to load there."
-                        + _newer_targets_hint(since))
+                        + newer_targets_hint(since))
             elif (domain == "com.microsoft" and not target.training
                   and target.microsoft_ops is not None
                   and node.op_type not in target.microsoft_ops):
@@ -412,7 +418,7 @@ def check_ops(model: onnx.ModelProto, target: Target | None = None) -> None:
     if model_version is not None and model_version > target.max_opset:
         raise UnsupportedModelError(
             f"The model imports ai.onnx opset {model_version}; {target} loads opsets up "
-            f"to {target.max_opset}." + _newer_targets_hint(model_version))
+            f"to {target.max_opset}." + newer_targets_hint(model_version))
 
 
 def _node_graphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:

@@ -36,7 +36,7 @@ from .optim import Optimizer, as_optimizer
 from .options import choice, names
 from .passes.fixed_batch import FIXED_BATCH_CHOICES, export_advice, fixed_batch, rows
 from .passes.gradient import BACKENDS
-from .passes.loss import OUTPUT_OPTIONS, resolve_score
+from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
 from .penalties import parse_penalty
 from .roles import get_roles
 
@@ -119,14 +119,19 @@ def _loss_options(loss: Any, options: Any) -> dict[str, Any]:
             where = "penalty=" if key == "penalty" else "loss="
             raise UnsupportedOptionError(
                 f"loss_options holds {key!r}: pass it to compile itself as {where}...")
-    score, _ = resolve_score(loss, {}, option="loss")
-    valid = [*OUTPUT_OPTIONS, *score.options]
+    if loss == AUTO:  # the options of the loss it picks are checked once it is picked
+        valid = [*OUTPUT_OPTIONS, *dict.fromkeys(k for s in SCORES.values() for k in s.options)]
+    else:
+        score, _ = resolve_score(loss, {}, option="loss")
+        valid = [*OUTPUT_OPTIONS, *score.options]
     unknown = [k for k in options if k not in valid]
     if unknown:
         raise UnsupportedOptionError(
             f"loss_options has no key {unknown[0]!r} for loss={loss!r}."
             + suggest(str(unknown[0]), valid, "keys"))
-    resolve_score(loss, {k: v for k, v in options.items() if k in score.options}, option="loss")
+    if loss != AUTO:
+        resolve_score(loss, {k: v for k, v in options.items() if k in score.options},
+                      option="loss")
     if options.get("reduction") == "none":
         raise UnsupportedOptionError(
             "loss_options={'reduction': 'none'} gives a loss per row; training needs one number "

@@ -27,6 +27,7 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 from support.catalogue import Row, assert_listed, message_of, print_table
 from support.linear import LINEAR, linear_data
+from support.models import changed_op_model, image_scaler
 
 import lossgraph
 from lossgraph.errors import (
@@ -424,18 +425,39 @@ CASES: list[Case] = [
     Case("model-scalar-input", "a data input without a batch axis",
          lambda c: lossgraph.compile_program(linear(("float[N, 4] x)", "float[N, 4] x, float t)"))),
          UnsupportedModelError, "Input 't' is a scalar"),
-    Case("model-zipmap", "a skl2onnx classifier with its default ZipMap output",
-         lambda c: lossgraph.compile_program(zipmap_classifier(), loss="multiclass_log_loss"),
-         UnsupportedModelError, "options={'zipmap': False}"),
+    Case("model-zipmap", "add_loss_output on a skl2onnx classifier with its default ZipMap",
+         lambda c: lossgraph.add_loss_output(zipmap_classifier(), "multiclass_log_loss"),
+         UnsupportedModelError, "lossgraph.passes.ZipMapToTensor()"),
+    Case("loss-squared-error-on-probabilities", "loss='squared_error' on a softmax output",
+         lambda c: lossgraph.compile_program(parse(CLASSIFIER), loss="squared_error"),
+         UnsupportedOptionError, "Use loss='multiclass_log_loss'"),
+    Case("loss-log-loss-on-values", "loss='binary_log_loss' on a regression's MatMul output",
+         lambda c: lossgraph.compile_program(linear(), loss="binary_log_loss"),
+         UnsupportedOptionError, "for a regression loss='squared_error'"),
+    Case("loss-logits-on-probabilities", "loss='logistic' on a sigmoid output",
+         lambda c: lossgraph.compile_program(parse(BINARY), loss="logistic"),
+         UnsupportedOptionError, "Use loss='binary_log_loss'"),
     Case("model-tree-ensemble", "an ai.onnx.ml TreeEnsembleRegressor",
          lambda c: lossgraph.compile_program(tree_ensemble()), UnsupportedModelError,
          "Node 'tree' is an ai.onnx.ml TreeEnsembleRegressor"),
-    Case("model-opset-too-old", "ai.onnx opset 9",
-         lambda c: lossgraph.compile_program(linear(('"" : 18', '"" : 9'))), UnsupportedModelError,
-         "opset 9"),
-    Case("model-opset-too-new-for-default", "ai.onnx opset 23 for the default target",
-         lambda c: lossgraph.compile_program(linear(('"" : 18', '"" : 23'))), UnsupportedModelError,
-         "target='onnxruntime'"),
+    Case("model-opset-too-old", "ai.onnx opset 7 with ImageScaler, an op onnx removed",
+         lambda c: lossgraph.compile_program(image_scaler()), UnsupportedModelError,
+         "opset 13 has no ImageScaler"),
+    Case("model-opset-meaning-changed", "AveragePool with ceil_mode=1 at opset 22, for the "
+                                        "default target (opset 21)",
+         lambda c: lossgraph.compile_program(changed_op_model("pool")), UnsupportedModelError,
+         "opset 22 changed it: with ceil_mode=1"),
+    Case("model-opset-new-op", "Swish (an op of opset 24) for the default target",
+         lambda c: lossgraph.compile_program(changed_op_model("swish")), UnsupportedModelError,
+         "Swish is an op of opset 24, which opset 21 does not have"),
+    Case("model-opset-new-type", "a Cast to float4e2m1 (a type of opset 23) for the default "
+                                 "target",
+         lambda c: lossgraph.compile_program(changed_op_model("fp4")), UnsupportedModelError,
+         "is tensor(float4e2m1), which opset 21's Cast does not take"),
+    Case("model-opset-new-attribute", "SpaceToDepth with mode='CRD' (an attribute of opset 28) "
+                                      "for the default target",
+         lambda c: lossgraph.compile_program(changed_op_model("crd")), UnsupportedModelError,
+         "it sets mode='CRD'"),
     Case("model-opset-too-new", "ai.onnx opset 29, newer than any target",
          lambda c: lossgraph.compile_program(linear(('"" : 18', '"" : 29')),
                                              target="onnxruntime-latest"),
@@ -758,7 +780,8 @@ CASES: list[Case] = [
          lambda c: c.program(with_graph(lambda m: m.opset_import.append(
              helper.make_opsetid("ai.onnx.ml", 26)))),
          UnsupportedModelError, "version 26 of the domain 'ai.onnx.ml'"),
-    Case("model-opset-imported-twice", "ai.onnx imported as opsets 18 and 13",
+    Case("model-opset-imported-twice", "ai.onnx imported as opsets 18 and 13 (Add changed "
+                                       "in between)",
          lambda c: c.program(with_graph(lambda m: m.opset_import.append(
              helper.make_opsetid("", 13)))),
          InvalidModelError, "imports the domain 'ai.onnx' twice, as opsets 18 and 13"),
@@ -987,8 +1010,8 @@ def test_opsets_are_checked_at_compile_time_not_when_loading(tmp_path):
     path = tmp_path / "old.onnx"
     onnx.save(linear(('"" : 18', '"" : 9')), path)
     assert lossgraph.models.as_model(path).opset_import[0].version == 9
-    with pytest.raises(UnsupportedModelError, match="opset 9"):
-        lossgraph.compile_program(path)
+    program = lossgraph.compile_program(path)  # raised to the target's oldest by compile
+    assert str(program.notes.opset) == "ai.onnx opset 9 raised to 13 by onnx's version converter"
 
 
 def test_compile_with_the_ort_backend_needs_the_training_build_before_reading_the_model(

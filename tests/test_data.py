@@ -161,6 +161,7 @@ def test_text_complex_and_object_arrays_are_still_refused(values, error, fragmen
         trainer.fit(values, Y, **FIT)
 
 
+#: Class scores (logits), trained with multiclass_log_loss from_logits.
 CLASSIFIER = """
     <ir_version: 8, opset_import: ["" : 18]>
     clf (float[N, 4] x) => (float[N, 3] y)
@@ -173,7 +174,8 @@ CLASSIFIER = """
 
 def test_class_labels_stay_whole_numbers():
     program = lossgraph.compile_program(onnx.parser.parse_model(CLASSIFIER), optimizer=SGD(0.1),
-                                        loss="multiclass_log_loss")
+                                        loss="multiclass_log_loss",
+                                        loss_options={"from_logits": True})
     labels = np.arange(len(X)) % 3
     reference = lossgraph.Trainer(program).fit(X.astype(np.float64), labels, **FIT)
     for given in (labels.astype(np.int32), labels.astype(np.uint8), labels.tolist(),

@@ -27,7 +27,6 @@ from support.models import model
 from support.torch_steps import assert_sgd_steps_like_torch
 
 import lossgraph
-from lossgraph.errors import UnsupportedModelError
 from lossgraph.graphs import ForwardFacts
 from lossgraph.optim import SGD
 from lossgraph.runtime.session import create_session
@@ -206,11 +205,14 @@ def test_expand_of_an_input_of_one_symbolic_dim(rng):
                         ort=False)
 
 
-def test_expand_before_opset_13_names_the_opset_it_needs(rng):
-    """Summing over axes picked at run time takes ReduceSum's axes input (opset 13)."""
+def test_expand_before_opset_13_is_raised_to_the_opset_its_gradient_needs(rng):
+    """Summing over axes picked at run time takes ReduceSum's axes input (opset 13): the
+    gradient pass raises an opset 12 model to opset 13 (ConvertOpset, the pass contract)
+    first. Checked against finite differences only: onnxruntime's own Expand_Grad fails
+    on the opset 12 model at this broadcast ("cannot be reshaped")."""
     net = model(EXPAND, "y = Expand(x, s)", opset=12)
-    with pytest.raises(UnsupportedModelError, match="opset 13"):
-        check_gradients(net, {"x": _rand(rng, 1, 4), "s": np.array([2, 3, 4])}, wrt=["x"])
+    check_gradients(net, {"x": _rand(rng, 1, 4), "s": np.array([2, 3, 4])}, wrt=["x"],
+                    ort=False)
 
 
 @pytest.mark.parametrize("a_batch, b_batch", [(1, 2), (2, 1), (2, 2)])

@@ -70,15 +70,18 @@ def test_a_graph_function_frees_the_batch_or_says_how_to_export_again():
 def test_describe_plan_shows_what_compile_does_with_the_batch():
     freed = lossgraph.describe_plan(flatten_to_linear(2))
     assert freed.splitlines()[0] == (
-        "model      = given model -> GeneralizeBatch: its fixed batch of 2 rows freed "
+        "model           = given model -> GeneralizeBatch: its fixed batch of 2 rows freed "
         "(Reshape 'h' [2, 6] -> [-1, 6])")
+    # then the start models, GeneralizeBatch among the passes that made them
+    assert freed.splitlines()[1].startswith(
+        "loss model      = model -> ConvertOpset -> LowerMlOps -> GeneralizeBatch -> ")
     with pytest.warns(FixedBatchWarning, match="cannot prove"):
         kept = lossgraph.describe_plan(per_row_constant())
     assert kept.splitlines()[0].startswith(
-        "model      = given model -> GeneralizeBatch: its fixed batch of 2 rows kept: it "
+        "model           = given model -> GeneralizeBatch: its fixed batch of 2 rows kept: it "
         "trains in batches of exactly 2 rows (")
     assert lossgraph.describe_plan(flatten_to_linear(2), fixed_batch="keep").splitlines()[0] \
-        == ("model      = given model: its fixed batch of 2 rows kept: it trains in batches "
+        == ("model           = given model: its fixed batch of 2 rows kept: it trains in batches "
             "of exactly 2 rows (fixed_batch='keep')")
     free = parse("""g (float[N, 2] x) => (float[N, 2] y) <float[2] w = {1, 2}>
                     { y = Mul(x, w) }""")

@@ -175,7 +175,8 @@ def test_torchs_default_export_of_a_cnn_trains_like_torch(exports, source, fuse)
 def test_the_default_export_is_freed_where_the_batch_is_baked(exports):
     """What compile does, as describe_plan prints it: dynamo's flatten and view targets
     read the batch from the data; the legacy exporter's Flatten holds no batch."""
-    lines = {source: lossgraph.describe_plan(path, loss="multiclass_log_loss").splitlines()[0]
+    lines = {source: lossgraph.describe_plan(path, loss="multiclass_log_loss",
+                                             loss_options={"from_logits": True}).splitlines()[0]
              for source, path in exports.items()}
     assert lines["CNN default"].endswith("freed (Reshape 'node_view' [2, 48] -> [-1, 48])")
     assert lines["ViewCNN default"].endswith("freed (Reshape 'node_view' [2, -1] -> [-1, 48])")

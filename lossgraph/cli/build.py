@@ -7,15 +7,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..analysis import default_weights
-from ..compiler import compile_program
+from ..compiler import compile_program, trained_weights
 from ..errors import (
     RuntimeUnavailableError,
     UnsupportedOptionError,
 )
 from ..optim import SGD, Adam, AdamW, Momentum, Optimizer, optimizer_from_dict
-from ..passes.loss import add_loss_output
-from ..passes.lower_ml import lower_ml_ops
 from ..target import use_target
 
 EXIT_OK = 0
@@ -76,8 +73,7 @@ def _penalty(args: argparse.Namespace, loss: str | None,
     weights = args.weights
     if not weights:  # the weights compile_program trains by default: those of the loss model
         with use_target(args.target):
-            weights = default_weights(add_loss_output(lower_ml_ops(args.model), loss,
-                                                      **loss_options))
+            weights = trained_weights(args.model, loss=loss, loss_options=loss_options)
     return {w: {"l1": l1 or 0.0, "l2": l2 or 0.0} for w in weights}
 
 
@@ -109,6 +105,8 @@ def _compile(args: argparse.Namespace) -> int:
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
         target=args.target, fixed_batch=args.fixed_batch, untie=untie)
     program.save(args.output)
+    for note in program.notes.lines():
+        print(f"{args.output}: {note}")
     print(f"{args.output}: {', '.join(sorted(program.graphs))}; trains "
           f"{', '.join(program.weights)} with {type(program.optimizer).__name__} "
           f"(learning rate {program.optimizer.learning_rate:g})")

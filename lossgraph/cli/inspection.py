@@ -34,8 +34,12 @@ from ..graphs import (
     subgraphs,
 )
 from ..models import as_model
+from ..opsets import OpsetMove
 from ..passes.fixed_batch import GeneralizeBatch, export_calls, rows
+from ..passes.loss import AUTO, choose_loss
 from ..passes.lower_ml import LOWERED_OPS, lower_ml_ops
+from ..passes.opset import ConvertOpset
+from ..passes.zipmap import ZipMapToTensor, zipped_outputs
 from ..roles import get_roles
 from .parser import ML_DOMAIN, _one_line
 
@@ -115,6 +119,10 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
     model = as_model(path)
     graph = model.graph
     try:
+        moved: dict[str, Any] = _opset_report(ConvertOpset()(model).report)
+    except LossgraphError as exc:  # compile fails the same way
+        moved = {"error": _one_line(str(exc))}
+    try:
         lowered = lower_ml_ops(model)
     except InvalidModelError:  # not valid ONNX: nothing more can be told about it
         raise
@@ -122,10 +130,14 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         lowered, lowering = model, _one_line(str(exc))
     else:
         lowering = None
+    zipmaps = zipped_outputs(lowered) if lowering is None else {}
+    if zipmaps:  # what compile trains: the tensor a ZipMap zips
+        lowered = ZipMapToTensor()(lowered).model
     given = {t.name for t in graph.initializer}
     facts = ForwardFacts.of(lowered)
     roles = get_roles(lowered)
     targets = [roles["loss"]] if roles.get("loss") else [o.name for o in lowered.graph.output]
+    training = _training_output(lowered) if lowering is None and not roles.get("loss") else None
     candidates = trainable_initializers(lowered)
     blocked = [{"name": b.name, "kind": b.kind, "partial": b.partial,
                 "path": [_label(p) if isinstance(p, onnx.NodeProto) else p for p in b.path]}
@@ -182,6 +194,9 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         "ir_version": model.ir_version,
         "producer": {"name": model.producer_name, "version": model.producer_version},
         "opsets": {op.domain or "ai.onnx": op.version for op in model.opset_import},
+        "opset": moved,
+        "zipmaps": [{"output": output, "tensor": tensor} for output, tensor in zipmaps.items()],
+        "training_output": training,
         "inputs": _values(graph.input, given),
         "outputs": _values(graph.output, set()),
         "initializers": initializers,
@@ -197,6 +212,23 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         "missing_gradient_rules": missing,
         "fixed_batch": _fixed_batch(lowered),
     }
+
+
+def _opset_report(move: OpsetMove) -> dict[str, Any]:
+    """What compile does with the model's ai.onnx opset, for inspect's report."""
+    return {"from": move.source, "to": move.result, "action": move.direction,
+            "imported": list(move.imported), "text": str(move)}
+
+
+def _training_output(model: onnx.ModelProto) -> dict[str, Any]:
+    """The output compile trains by default (``--loss auto``) and its loss, or the error
+    that choice meets."""
+    try:
+        choice = choose_loss(model, AUTO)
+    except LossgraphError as exc:
+        return {"error": _one_line(str(exc))}
+    return {"name": choice.output, "holds": choice.kind.kind, "evidence": choice.kind.evidence,
+            "loss": choice.loss, "loss_options": dict(choice.options), "text": str(choice)}
 
 
 def _fixed_batch(model: onnx.ModelProto) -> dict[str, Any] | None:
@@ -275,6 +307,12 @@ def format_inspection(report: Mapping[str, Any]) -> str:
     opsets = ", ".join(f"{domain} {version}" for domain, version in report["opsets"].items())
     parts = [f"{report['file']}: ONNX IR version {report['ir_version']}, {producer}, opsets "
              f"{opsets}"]
+    opset = report["opset"]
+    if "error" in opset:
+        parts.append(f"its ai.onnx opset is not one the target loads (compile fails the same "
+                     f"way): {opset['error']}")
+    elif opset["action"] != "kept" or opset["imported"]:
+        parts.append(f"compile: {opset['text']}")
     for key in ("inputs", "outputs"):
         parts.append(f"\n{key}\n" + _table(
             ("name", "type", "shape"),
@@ -298,6 +336,17 @@ def format_inspection(report: Mapping[str, Any]) -> str:
         parts.append(title + "\n" + _table(header, rows))
     else:
         parts.append("\ninitializers: none")
+    for zipmap in report["zipmaps"]:
+        parts.append(f"output {zipmap['output']!r} is a ZipMap of {zipmap['tensor']!r} (a list of "
+                     "{class: probability} maps, which no loss reads): compile trains and "
+                     f"predicts {zipmap['tensor']!r} instead, and the exported model keeps the "
+                     "ZipMap")
+    training = report["training_output"]
+    if training and "error" in training:
+        parts.append(f"training output: none by default (compile fails the same way unless "
+                     f"--loss or --loss-option output_index=... say): {training['error']}")
+    elif training:
+        parts.append(f"training output (compile's default, --loss auto): {training['text']}")
     if report["lowering_error"]:
         parts.append(f"the ai.onnx.ml ops cannot be lowered into standard ops (compile fails "
                      f"the same way): {report['lowering_error']}")

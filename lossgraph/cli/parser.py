@@ -252,9 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(alone: every initializer several layers read as their own, as "
                             "lossgraph inspect lists them; torch's exporters merge equal "
                             "values, such as a fresh model's LayerNorm scales)")
-    build.add_argument("--loss", default="squared_error",
-                       help="the loss function (default: squared_error), or 'none' when the "
-                            "model carries its loss")
+    build.add_argument("--loss", default="auto",
+                       help="the loss function (default: auto, the loss that fits the trained "
+                            "output: a log loss for a classifier's probabilities or scores, "
+                            "squared_error for values), or 'none' when the model carries its "
+                            "loss")
     build.add_argument("--loss-option", action="append", default=[], metavar="KEY=VALUE",
                        type=_key_value,
                        help="an option of the loss, e.g. delta=1.5, or of add-loss, e.g. "

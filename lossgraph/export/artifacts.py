@@ -289,9 +289,9 @@ def _check_opset(model: onnx.ModelProto) -> None:
         raise UnsupportedModelError(
             f"The model uses ai.onnx opset {version}; onnxruntime's training artifacts run on "
             f"onnxruntime-training 1.19 (the last training build), which loads opsets "
-            f"{DEFAULT_TARGET.min_opset} to {DEFAULT_TARGET.max_opset}. Convert the model "
-            "first, e.g. onnx.version_converter.convert_version(model, "
-            f"{DEFAULT_TARGET.max_opset}).")
+            f"{DEFAULT_TARGET.min_opset} to {DEFAULT_TARGET.max_opset}. Compile the model "
+            "for the default target (compile_program(model) moves it to those opsets where "
+            "its ops keep their meaning), or pass the model itself to to_ort_artifacts.")
 
 
 def _check_float32(model: onnx.ModelProto, weights: list[str]) -> None:

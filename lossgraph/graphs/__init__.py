@@ -12,7 +12,7 @@
 Every name is importable from ``lossgraph.graphs`` itself.
 """
 
-from .facts import LONG_VECTOR, ForwardFacts, infer_shapes_with_data
+from .facts import LONG_VECTOR, ForwardFacts, all_value_types, infer_shapes_with_data
 from .index import GraphIndex, shortest_path
 from .queries import (
     all_graphs,
@@ -41,8 +41,9 @@ from .types import (
 from .weights import stored_tensors, without_weight_data
 
 __all__ = [
-    "FLOAT_TYPES", "Shape", "ForwardFacts", "GraphIndex", "attribute_values",
-    "attribute_value", "constant_value", "subgraphs", "all_graphs", "names_in_graph", "values_read",
+    "FLOAT_TYPES", "Shape", "ForwardFacts", "all_value_types", "GraphIndex", "attribute_values",
+    "attribute_value", "constant_value", "subgraphs", "all_graphs", "names_in_graph",
+    "values_read",
     "outer_references", "stored_tensors", "without_weight_data",
     "shortest_path", "elem_type_name", "np_dtype", "weights_dtype", "opset_version",
     "initializer_arrays", "rename_values", "known_shapes", "is_default_domain",

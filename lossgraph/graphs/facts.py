@@ -19,7 +19,7 @@ from .queries import all_graphs, attribute_value, constant_value, initializer_ar
 from .types import Shape, is_default_domain, is_onnx_op, np_dtype, opset_version
 from .weights import without_weight_data
 
-__all__ = ["ForwardFacts", "LONG_VECTOR", "infer_shapes_with_data"]
+__all__ = ["ForwardFacts", "LONG_VECTOR", "all_value_types", "infer_shapes_with_data"]
 
 
 @dataclass(frozen=True)
@@ -681,3 +681,22 @@ def _loop_ranks(node: onnx.NodeProto, known: Mapping[str, onnx.TypeProto]
         elif _rank(inner) is not None:  # a scan output: the iterations stacked
             ranks[out] = (inner.tensor_type.elem_type, _rank(inner) + 1)
     return {out: found for out, found in ranks.items() if out}
+
+
+def all_value_types(model: onnx.ModelProto, data_prop: bool = False
+                    ) -> dict[str, onnx.TypeProto]:
+    """The type of every value of every graph of ``model`` (subgraphs included) that shape
+    inference finds; the declared ones where inference fails (an invalid body)."""
+    light, _ = without_weight_data(model)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, data_prop=data_prop)
+    except Exception:  # noqa: BLE001  onnx raises several kinds; the types stay as declared
+        inferred = light
+    types: dict[str, onnx.TypeProto] = {}
+    for graph in all_graphs(inferred.graph):
+        for value in (*graph.input, *graph.output, *graph.value_info):
+            types.setdefault(value.name, value.type)
+        for tensor in graph.initializer:
+            types.setdefault(tensor.name, helper.make_tensor_type_proto(
+                tensor.data_type, list(tensor.dims)))
+    return types

@@ -39,6 +39,7 @@ from ..passes.running_stats import RunningStatistics
 from ..passes.sequences import SequencesToTensors
 from ..passes.stabilize import StabilizeNumerics
 from ..passes.weights import WeightsToInputs
+from ..passes.zipmap import ZipMapToTensor
 from ..signature import Signature
 from ..speed import (
     ConcatScatteredSlabs,
@@ -67,11 +68,19 @@ class PlanContext:
     loss: str | None = None
     loss_options: Mapping[str, Any] = field(default_factory=dict)
     penalty: Any = None
+    #: the inference model has ZipMap outputs, which predict gives as the tensors they zip
+    zipmaps: bool = False
 
     @property
     def lift(self) -> WeightsToInputs:
         """The weights and buffers as graph inputs (every graph's first pass)."""
         return WeightsToInputs((*self.weights, *self.buffers))
+
+    @property
+    def tensor_outputs(self) -> tuple[Pass, ...]:
+        """The inference model's ZipMaps replaced by the tensors they zip, where it has some
+        (``predict`` returns what the loss was computed on)."""
+        return (ZipMapToTensor(),) if self.zipmaps else ()
 
     @property
     def widen(self) -> WidenScalarConstants:

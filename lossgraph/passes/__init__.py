@@ -3,9 +3,13 @@
 Every pass is a :class:`~lossgraph.passes.contract.Pass` (pure, checked, deterministic;
 it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 
+- :class:`ConvertOpset`: the model at an ``ai.onnx`` opset the target loads, where its ops
+  keep their meaning (every pass does so with the model it is given)
 - :class:`LowerMlOps`: ``ai.onnx.ml`` linear models into standard ops
 - :class:`GeneralizeBatch`: a fixed-batch export (torch's default) freed to take any
   number of rows, where the graph proves which shape constants hold the batch
+- :class:`ZipMapToTensor`: a classifier's ZipMap output replaced by the probability tensor
+  it zips, which the loss reads
 - :class:`AddLossOutput`: a scalar loss (and penalty) as the first output;
   :class:`RemoveLossOutput` undoes it (the inference model inside a loss model)
 - :class:`ConstantsToInitializers`: ``Constant`` nodes named as weights become initializers
@@ -43,6 +47,7 @@ from .fuse import EpochGraph, PackWeights, StepGraph
 from .gradient import Gradient, gradient
 from .loss import AddLossOutput, RemoveLossOutput, add_loss_output
 from .lower_ml import LowerMlOps, lower_ml_ops
+from .opset import ConvertOpset, convert_opset
 from .quantization import StraightThroughQuantization, straight_through_quantization
 from .rename import AlphabetizeInitializers, alphabetize_initializers
 from .running_stats import RunningStatistics
@@ -51,12 +56,13 @@ from .stabilize import StabilizeNumerics, stabilize_numerics
 from .strip import InferenceMode, StripTraining, strip_training
 from .untie import UntieWeights
 from .weights import ConstantsToInitializers, WeightsToInputs
+from .zipmap import ZipMapToTensor
 
-__all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers", "EpochGraph",
-           "ExpandFunctions", "GeneralizeBatch", "Gradient", "InferenceMode", "LowerMlOps",
-           "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput", "Reports",
-           "Requirement", "RunningStatistics", "SequencesToTensors", "StabilizeNumerics",
-           "StepGraph", "StraightThroughQuantization", "StripTraining", "UntieWeights",
-           "WeightsToInputs", "add_loss_output", "alphabetize_initializers", "gradient",
-           "lower_ml_ops", "stabilize_numerics", "straight_through_quantization",
-           "strip_training"]
+__all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers", "ConvertOpset",
+           "EpochGraph", "ExpandFunctions", "GeneralizeBatch", "Gradient", "InferenceMode",
+           "LowerMlOps", "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput",
+           "Reports", "Requirement", "RunningStatistics", "SequencesToTensors",
+           "StabilizeNumerics", "StepGraph", "StraightThroughQuantization", "StripTraining",
+           "UntieWeights", "WeightsToInputs", "ZipMapToTensor", "add_loss_output",
+           "alphabetize_initializers", "convert_opset", "gradient", "lower_ml_ops",
+           "stabilize_numerics", "straight_through_quantization", "strip_training"]

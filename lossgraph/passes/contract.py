@@ -14,8 +14,12 @@ A pass is an object built with its options and called on a model
   ``onnx_graphsurgeon.Graph``;
 - **pure**: the pass works on a private copy, the caller's model is never mutated;
 - **honest about bad input**: a model that fails ``onnx.checker`` (full check) is
-  rejected with :class:`~lossgraph.errors.InvalidModelError` before any work, and so is
-  an opset the active target (:func:`lossgraph.target.use_target`) cannot load;
+  rejected with :class:`~lossgraph.errors.InvalidModelError` before any work;
+- **at the target's opset**: a model given at an ``ai.onnx`` opset the active target
+  (:func:`lossgraph.target.use_target`) does not load is moved to one it loads where its
+  ops keep their meaning (:func:`lossgraph.opsets.to_target`, the pass
+  :class:`~lossgraph.passes.ConvertOpset`), and refused with an
+  :class:`~lossgraph.errors.UnsupportedModelError` naming the node otherwise;
 - **valid and loadable**: the result gets a deliberate IR version and opset list and
   must pass the full checker, including strict shape inference
   (:func:`lossgraph.models.check_emitted`); failing that is a lossgraph bug.
@@ -49,6 +53,7 @@ import onnx
 
 from ..errors import InternalError, UnsupportedModelError
 from ..models import ModelLike, as_model, check_emitted, check_model
+from ..opsets import to_target
 from ..options import names
 from ..target import check_opset
 
@@ -87,6 +92,8 @@ class Pass(abc.ABC, Generic[R]):
 
     #: What the input must be besides a valid model, checked before :meth:`call`.
     requires: ClassVar[tuple[Requirement, ...]] = ()
+    #: True for the pass that moves a model between opsets itself (and reports it).
+    converts_opset: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -102,7 +109,9 @@ class Pass(abc.ABC, Generic[R]):
         working = as_model(model)
         if not checked:
             check_model(working, f"The model given to {self.name}")
-            check_opset(working)
+            if not self.converts_opset:
+                to_target(working)
+                check_opset(working)
         for requirement in self.requires:
             problem = requirement.problem(working)
             if problem:

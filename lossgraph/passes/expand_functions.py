@@ -52,6 +52,7 @@ from ..graphs import (
     FLOAT_TYPES,
     ForwardFacts,
     all_graphs,
+    all_value_types,
     canonical_domain,
     outer_references,
     subgraphs,
@@ -266,22 +267,6 @@ class _Expansion:
     counts: Counter = field(default_factory=Counter)
 
 
-def _all_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    """The type of every value shape inference finds, subgraphs included."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # an invalid body: its types stay unknown
-        inferred = model
-    types: dict[str, onnx.TypeProto] = {}
-    for graph in all_graphs(inferred.graph):
-        for value in (*graph.input, *graph.output, *graph.value_info):
-            types.setdefault(value.name, value.type)
-        for tensor in graph.initializer:
-            types.setdefault(tensor.name, helper.make_tensor_type_proto(
-                tensor.data_type, list(tensor.dims)))
-    return types
-
-
 def _may_carry_gradient(node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto],
                         relevant: set[str] | None) -> bool:
     """Whether a gradient may flow through ``node``: an output on the way from the
@@ -331,7 +316,7 @@ def _expand(model: onnx.ModelProto, names: NameAuthority, select: Selector,
         work = result.model
         if not any(select(n, opsets) for g in all_graphs(work.graph) for n in g.node):
             break
-        known = types if depth == 0 and types is not None else _all_types(work)
+        known = types if depth == 0 and types is not None else all_value_types(work, data_prop=True)
         relevant = None
         if paths is not None:
             relevant = (influenced_values(work, paths[0], known)

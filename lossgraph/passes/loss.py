@@ -21,6 +21,14 @@ with these loss functions (``d = p - y``):
     logistic              max(s, 0) - y s + log(1 + exp(-|s|))    (s a raw score)
     multiclass_log_loss   -log p[y]   (or -log_softmax(z)[y] with from_logits=True)
 
+and ``auto``, the loss that fits what the output holds (:mod:`lossgraph.predictions`:
+a log loss for class probabilities, ``logistic`` or ``multiclass_log_loss`` with
+``from_logits=True`` for class scores, ``squared_error`` for values), which is
+:func:`~lossgraph.compile_program`'s default; a loss that does not fit the output
+(squared error on class probabilities, a log loss of probabilities on unbounded values)
+is an :class:`~lossgraph.errors.UnsupportedOptionError` naming the one that does
+(:func:`choose_loss`),
+
 so that ``reduction="mean"`` equals scikit-learn's ``mean_squared_error``,
 ``mean_absolute_error`` and ``log_loss`` (sample weights included): ``log_loss`` is
 ``binary_log_loss`` for two classes given the probability of the second, and
@@ -83,13 +91,15 @@ from ..models import ModelLike
 from ..names import NameAuthority
 from ..options import flag, non_negative
 from ..penalties import parse_penalty, penalty_terms
+from ..predictions import OutputKind, default_loss, mismatch, output_kind
 from ..roles import get_roles, set_roles
 from ..speed.sum_rows import SumRowsByProduct  # (the module: speed/__init__ imports passes)
 from .contract import Pass, PassResult, Pipeline
 from .gradient import Gradient
 
 __all__ = ["AddLossOutput", "RemoveLossOutput", "add_loss_output", "SCORES", "resolve_score",
-           "OUTPUT_OPTIONS", "REDUCTIONS", "loss_graph", "program_loss_graph"]
+           "OUTPUT_OPTIONS", "REDUCTIONS", "loss_graph", "program_loss_graph", "AUTO",
+           "LossChoice", "choose_loss", "canonical_loss"]
 
 
 @dataclass(frozen=True)
@@ -251,6 +261,8 @@ SCORES: dict[str, Score] = {
                                  {"eps": None, "from_logits": False, "ignore_index": None},
                                  False, per_position=True),
 }
+#: The loss that fits what the output holds (:func:`choose_loss`).
+AUTO = "auto"
 _ALIASES = {"l2": "squared_error", "l1": "absolute_error"}
 #: Score names of the previous release (deprecated).
 _RENAMED = {"log": "binary_log_loss", "cross_entropy": "multiclass_log_loss"}
@@ -311,6 +323,53 @@ def resolve_score(score_name: str, options: Mapping[str, Any],
     if resolved.get("eps") is not None and not resolved["eps"] < 0.5:
         raise UnsupportedOptionError(f"Option eps={resolved['eps']!r} must be below 0.5.")
     return score, resolved
+
+
+def canonical_loss(name: str) -> str:
+    """A loss name as :data:`SCORES` spells it (aliases and previous names resolved)."""
+    name = _RENAMED.get(name, name)
+    return _ALIASES.get(name, name)
+
+
+@dataclass(frozen=True)
+class LossChoice:
+    """The loss ``loss`` (with the score's ``options``) on the output ``output``, which
+    holds ``kind``; ``picked``: chosen by ``loss="auto"``."""
+
+    output: str
+    kind: OutputKind
+    loss: str
+    options: Mapping[str, Any]
+    picked: bool
+
+    def __str__(self) -> str:
+        spelled = "".join(f", {k}={v!r}" for k, v in self.options.items()
+                          if SCORES[self.loss].options.get(k) != v)
+        how = " (loss='auto' picks it for them)" if self.picked else ""
+        return f"{self.output!r}, {self.kind}, with loss {self.loss}{spelled}{how}"
+
+
+def choose_loss(model: onnx.ModelProto, loss: str, output_index: int | str | None = None,
+                options: Mapping[str, Any] | None = None) -> LossChoice:
+    """The output the loss is computed on (``output_index``'s, else the only output or
+    the only float one) and the loss: ``loss``, or for :data:`AUTO` the one that fits
+    what the output holds (:func:`lossgraph.predictions.default_loss`), its options
+    completed with ``options``; a loss that does not fit the output is an
+    :class:`UnsupportedOptionError` naming the one that does."""
+    output = _select_output(model.graph, output_index)
+    kind = output_kind(model, output.name)
+    given = dict(options or {})
+    if loss == AUTO:
+        name, defaults = default_loss(kind)
+        chosen = {**defaults, **given}
+    else:
+        name, chosen = canonical_loss(loss), given
+    problem = mismatch(kind, name, chosen)
+    if problem:
+        other = "" if output_index is not None else (
+            " (or name the output to train with output_index=...)")
+        raise UnsupportedOptionError(f"{problem}{other}.")
+    return LossChoice(output.name, kind, name, chosen, loss == AUTO)
 
 
 def _label_value(what: str, value: Any, where: str) -> int:
@@ -374,9 +433,10 @@ def _not_a_tensor(graph: onnx.GraphProto, output: onnx.ValueInfoProto) -> Unsupp
     if producer is not None and producer.op_type == "ZipMap":
         return UnsupportedModelError(
             f"Output {output.name!r} comes from a ZipMap node ({producer.name or 'unnamed'}): "
-            "a list of {class: probability} dicts, not a tensor a loss can use. Convert the "
-            "classifier with skl2onnx.to_onnx(estimator, X, options={'zipmap': False}) to get "
-            "a probability tensor.")
+            "a list of {class: probability} dicts, not a tensor a loss can use. "
+            "compile_program trains on the tensor it zips by itself; here, replace the ZipMap "
+            "first with lossgraph.passes.ZipMapToTensor(), or convert the classifier with "
+            "skl2onnx.to_onnx(estimator, X, options={'zipmap': False}).")
     kind = (output.type.WhichOneof("value") or "value of unknown type").removesuffix("_type")
     return UnsupportedModelError(
         f"Output {output.name!r} is a {kind}, not a tensor: a loss needs a float tensor output "
@@ -392,7 +452,7 @@ class AddLossOutput(Pass[dict[str, str]]):
     those of :func:`add_loss_output`, the score's own in ``options``). The report is
     the roles recorded (:mod:`lossgraph.roles`)."""
 
-    loss: str = "squared_error"
+    loss: str = AUTO
     loss_name: str | None = None
     label_name: str | None = None
     weight_name: str | None = None
@@ -474,7 +534,8 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
             f"The model already has a loss output ({get_roles(model)['loss']!r}); "
             "add_loss_output works on inference models."
         )
-    score, options = resolve_score(score_name, kwargs)
+    if score_name != AUTO:
+        resolve_score(score_name, kwargs)  # the options, checked before the model is read
     for option, value in (("loss_name", loss_name), ("label_name", label_name),
                           ("weight_name", weight_name)):
         if value is not None and not isinstance(value, str):
@@ -500,6 +561,8 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
         raise ShapeMismatchError(
             f"Output {prediction.name!r} is a scalar; the loss needs a batch axis first."
         )
+    choice = choose_loss(model, score_name, output_index, kwargs)
+    score, options = resolve_score(choice.loss, choice.options)
 
     names = NameAuthority.for_model(model)
     loss = names.claim(loss_name, "loss name") if loss_name else names.fresh("loss")

@@ -339,12 +339,14 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
 
 
 def _linear_regression(path: Path, X: np.ndarray) -> None:
-    """A scikit-learn LinearRegression fitted to other targets, converted by skl2onnx."""
+    """A scikit-learn LinearRegression fitted to other targets, converted by skl2onnx with
+    its defaults, as docs/reference/cli.md says (skl2onnx 1.20: ai.onnx opset 22, listed
+    twice, which compile lowers to the default target's 21)."""
     from skl2onnx import to_onnx
     from sklearn.linear_model import LinearRegression
 
     start = LinearRegression().fit(X, X @ np.array([0.2, 0.1, -0.3]) + 1.0)
-    path.write_bytes(to_onnx(start, X[:1], target_opset=18).SerializeToString())
+    path.write_bytes(to_onnx(start, X[:1]).SerializeToString())
 
 
 @needs_skl2onnx
@@ -432,7 +434,15 @@ def test_the_walkthrough_in_the_docs_runs(tmp_path, monkeypatch, capsys):
             at = argv.index("--plot")
             argv = argv[:at] + argv[at + 2:]
         assert main(argv) == 0, (argv, capsys.readouterr().err)
-    assert "30 in all with those of ckpt" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "30 in all with those of ckpt" in said
+    # what the page shows inspect and compile say of skl2onnx's default export
+    page = CLI_PAGE.read_text()
+    for line in ("compile: ai.onnx opset 22 lowered to 21: none of its ai.onnx ops changed in "
+                 "between", "training output (compile's default, --loss auto): 'variable', "
+                 "values (made by the Gemm node 'LinearRegressor/Gemm'), with loss squared_error",
+                 "program: ai.onnx opset 22 lowered to 21"):
+        assert line in said and line in page, line
     assert (tmp_path / "deployed.onnx").read_bytes() == (tmp_path / "trained.onnx").read_bytes()
     assert json.loads((tmp_path / "history.json").read_text())["epochs"] == 30
 

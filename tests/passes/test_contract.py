@@ -35,6 +35,7 @@ from lossgraph.passes import (
     AddLossOutput,
     AlphabetizeInitializers,
     ConstantsToInitializers,
+    ConvertOpset,
     EpochGraph,
     GeneralizeBatch,
     Gradient,
@@ -55,6 +56,7 @@ from lossgraph.passes.running_stats import RunningStatistics
 from lossgraph.passes.sequences import SequencesToTensors
 from lossgraph.passes.stabilize import StabilizeNumerics
 from lossgraph.passes.strip import InferenceMode
+from lossgraph.passes.zipmap import ZipMapToTensor
 from lossgraph.penalties import penalty_graph
 from lossgraph.speed import (
     ConcatScatteredSlabs,
@@ -100,6 +102,22 @@ WEIGHTS = {"coef": np.ones((3, 1), np.float32), "bias": np.zeros(1, np.float32)}
 #: optimization passes, the standalone graphs, and compile_program in every fusion mode.
 PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], Any]]] = {
     "LowerMlOps": (lambda: golden("skl_logistic_multiclass"), LowerMlOps()),
+    "ConvertOpset (lowered, skl2onnx's duplicate entry)": (lambda: onnx.parser.parse_model(
+        """<ir_version: 10, opset_import: ["" : 22, "" : 22]> g (float[N, 1, 4, 4] x)
+        => (float[N, 1, 2, 2] y) <float[1, 1, 3, 3] k = {1, 0, 1, 0, 1, 0, 1, 0, 1}> {
+            c = Conv <pads = [1, 1, 1, 1]> (x, k)  s = Softplus(c)
+            y = MaxPool <kernel_shape = [2, 2], strides = [2, 2]> (s) }"""), ConvertOpset()),
+    "ConvertOpset (raised)": (lambda: onnx.parser.parse_model(
+        """<ir_version: 8, opset_import: ["" : 9]> g (float[N, 3] x) => (float[N, 3] y,
+        float[N] s) { y = Softmax <axis = 1> (x)  s = ReduceSum <axes = [1], keepdims = 0> (y)
+        }"""), ConvertOpset()),
+    "ZipMapToTensor": (lambda: onnx.parser.parse_model(
+        """<ir_version: 8, opset_import: ["" : 18, "ai.onnx.ml" : 3]>
+        clf (float[N, 4] x) => (int64[N] label, seq(map(int64, float)) probabilities)
+        <float[4, 2] coef = {1, 2, 3, 4, 5, 6, 7, 8}> { z = MatMul(x, coef)
+        p = Softmax <axis = 1> (z)  label = ArgMax <axis = 1, keepdims = 0> (p)
+        probabilities = ai.onnx.ml.ZipMap <classlabels_int64s = [0, 1]> (p) }"""),
+        ZipMapToTensor()),
     "GeneralizeBatch": (lambda: onnx.parser.parse_model("""
         <ir_version: 8, opset_import: ["" : 18]>
         g (float[2, 4] x) => (float[2, 3] y)

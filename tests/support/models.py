@@ -9,7 +9,9 @@ version that opset allows. :func:`model_of_graph` wraps a ``GraphProto`` built o
 included; :func:`signature` writes a signature from example arrays.
 :data:`UNSORTED` is a model whose weights' alphabetical order differs from their graph
 order, read in ``If`` branches; :data:`NET` a dense layer whose weights' order differs too;
-:data:`ROUNDED` a model whose weights reach its output only through ops of zero gradient.
+:data:`ROUNDED` a model whose weights reach its output only through ops of zero gradient;
+:data:`CHANGED_OPS` (:func:`changed_op_model`) models whose ops changed meaning or arrived
+after opset 21; :func:`image_scaler` one at opset 7 with an op onnx removed.
 """
 
 from __future__ import annotations
@@ -117,3 +119,41 @@ ROUNDED = """
         y = Add(t, b)
     }
 """
+
+
+#: Models whose ops changed after opset 21, by what each shows, as ``(opset, signature,
+#: body)`` for :func:`model`; each trains its weight ``w`` behind the changed op (which no
+#: gradient passes). ``pool``: AveragePool with ceil_mode=1, whose meaning opset 22 changed;
+#: ``swish``: Swish, an op of opset 24; ``fp4``: a Cast through float4e2m1, a type of opset
+#: 23; ``crd``: SpaceToDepth's mode, an attribute of opset 28, not at its default.
+CHANGED_OPS: dict[str, tuple[int, str, str]] = {
+    "pool": (22, "(float[N, 1, 5, 5] x) => (float[N, 1] y) <float[9, 1] w = {1, 2, 3, 4, 5, 6, "
+                 "7, 8, 9}>",
+             "p = AveragePool <kernel_shape = [2, 2], strides = [2, 2], ceil_mode = 1> (x) "
+             "f = Flatten(p)  y = MatMul(f, w)"),
+    "swish": (24, "(float[N, 4] x) => (float[N, 1] y) <float[4, 1] w = {1, 2, 3, 4}>",
+              "s = Swish(x)  y = MatMul(s, w)"),
+    "fp4": (23, "(float[N, 4] x) => (float[N, 1] y) <float[4, 1] w = {1, 2, 3, 4}>",
+            "c = Cast <to = 23> (x)  d = Cast <to = 1> (c)  y = MatMul(d, w)"),
+    "crd": (28, "(float[N, 4, 2, 2] x) => (float[N, 1] y) <float[16, 1] w = {1, 2, 3, 4, 5, 6, "
+                "7, 8, 9, 10, 11, 12, 13, 14, 15, 16}>",
+            "s = SpaceToDepth <blocksize = 2, mode = \"CRD\"> (x)  f = Flatten(s)  "
+            "y = MatMul(f, w)"),
+}
+
+
+def changed_op_model(kind: str, opset: int | None = None) -> onnx.ModelProto:
+    """The model of :data:`CHANGED_OPS` ``kind``, at its opset or at ``opset``."""
+    version, signature_text, body = CHANGED_OPS[kind]
+    return model(signature_text, body, opset=opset or version)
+
+
+def image_scaler() -> onnx.ModelProto:
+    """An opset 7 model with ImageScaler, an experimental op onnx removed at opset 10."""
+    node = helper.make_node("ImageScaler", ["x"], ["s"], name="scale", scale=2.0)
+    product = helper.make_node("MatMul", ["s", "w"], ["y"])
+    graph = helper.make_graph(
+        [node, product], "old", [helper.make_tensor_value_info("x", 1, ["N", 1, 1, 4])],
+        [helper.make_tensor_value_info("y", 1, ["N", 1, 1, 1])],
+        [helper.make_tensor("w", 1, [4, 1], [1.0, 2.0, 3.0, 4.0])])
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 7)])

@@ -17,6 +17,9 @@
 - ``estimators``: data, models and numpy references of the onnxcustom estimators' tests;
 - ``catalogue``: the bad-input tables of docs/reference/errors.md
   (``PYTHONPATH=. python tests/support/catalogue.py`` rewrites them);
+- ``supported_models``: the supported-models catalogue behind docs/supported_models.md
+  (``PYTHONPATH=. python tests/support/supported_models.py`` runs it and writes the record
+  and the page; tests/test_supported_models.py);
 - ``fuzzing``: the fuzzer's examples, property and sandbox process (tests/test_fuzz.py;
   ``python tests/support/fuzzing.py FAMILY EXAMPLES SEED`` explores outside pytest);
 - ``node_audit``: the ONNX backend node tests as a gradient audit

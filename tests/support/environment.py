@@ -70,6 +70,20 @@ def __getattr__(name: str) -> bool:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: The libraries the supported-models suite builds its models from.
+MODEL_LIBRARIES = ("torchvision", "timm", "transformers")
+
+
+@functools.cache
+def model_library(name: str) -> Any | None:
+    """torchvision, timm or transformers (:data:`MODEL_LIBRARIES`), or None where it or
+    torch is not installed (the suite's cases of it skip). CI's PyPI torchvision imports
+    beside the CPU torch through .ci/torchvision_cpu.py's start-up hook."""
+    if name not in MODEL_LIBRARIES:
+        raise KeyError(f"no model library {name!r}: one of {MODEL_LIBRARIES}")
+    return _import_or_none(name) if has("torch") else None
+
+
 def newer_runtime() -> contextlib.AbstractContextManager:
     """The onnxruntime target (the opsets of onnxruntime 1.20 and later), or a skip where
     the runtime is the training build, which loads opsets up to 21 only."""

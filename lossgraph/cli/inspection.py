@@ -360,32 +360,26 @@ def format_inspection(report: Mapping[str, Any]) -> str:
     else:
         parts.append("trainable candidates: none (no float initializer reaches an output "
                      "differentiably)")
-    if report["tied"]:
-        parts.append(
-            "\ninitializers several layers read as their own (torch's exporters merge equal "
-            "values, such as a fresh model's LayerNorm scales and zero biases): compile trains "
-            "each as one weight those layers share, and warns; compile --untie gives each layer "
-            "its own copy\n" + _table(
-                ("initializer", "layers", "read by"),
-                ((t["name"], len(t["readers"]), _readers_text(t["readers"]))
-                 for t in report["tied"])))
-    if report["constants"]:
-        parts.append(
-            "\nfloat constants that feed a product like a weight (an exporter may have folded "
-            "a parameter into one): not trainable: a constant; compile --weights NAME makes "
-            "it an initializer and trains it\n" + _table(
-                ("constant", "type", "shape", "values", "feeds"),
-                ((c["name"], c["dtype"], _shape_text(c["shape"]), c["size"], c["feeds"])
-                 for c in report["constants"])))
-    if report["blocked"]:
-        parts.append(
-            "\nweights whose effect on the outputs passes values lossgraph does not "
-            "differentiate (sequences, optionals): compile chooses no default weights around "
-            "them; name the weights to train with --weights\n" + _table(
-                ("weight", "gradient", "path"),
-                ((b["name"], "partial" if b["partial"] else "none",
-                  f"{_short_path(b['path'], len(b['path']) - 2)} ({b['kind']})")
-                 for b in report["blocked"])))
+    sections = (
+        ("tied", "initializers several layers read as their own (torch's exporters merge "
+         "equal values, such as a fresh model's LayerNorm scales and zero biases): compile "
+         "trains each as one weight those layers share, and warns; compile --untie gives each "
+         "layer its own copy", ("initializer", "layers", "read by"),
+         lambda t: (t["name"], len(t["readers"]), _readers_text(t["readers"]))),
+        ("constants", "float constants that feed a product like a weight (an exporter may "
+         "have folded a parameter into one): not trainable: a constant; compile --weights "
+         "NAME makes it an initializer and trains it",
+         ("constant", "type", "shape", "values", "feeds"),
+         lambda c: (c["name"], c["dtype"], _shape_text(c["shape"]), c["size"], c["feeds"])),
+        ("blocked", "weights whose effect on the outputs passes values lossgraph does not "
+         "differentiate (sequences, optionals): compile chooses no default weights around "
+         "them; name the weights to train with --weights", ("weight", "gradient", "path"),
+         lambda b: (b["name"], "partial" if b["partial"] else "none",
+                    f"{_short_path(b['path'], len(b['path']) - 2)} ({b['kind']})")),
+    )
+    for key, heading, columns, row in sections:
+        if report[key]:
+            parts.append(f"\n{heading}\n" + _table(columns, (row(x) for x in report[key])))
     nodes = sum(op["count"] for op in report["ops"])
     parts.append(f"\nops ({nodes} node{'s' * (nodes != 1)})\n" + _table(
         ("op", "count", "gradient rule"),

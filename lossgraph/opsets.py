@@ -372,16 +372,13 @@ def to_target(model: onnx.ModelProto, target: Target | None = None) -> OpsetMove
     version = min(max(source, target.min_opset), target.max_opset)
     if version == source and len(imported) == 1:
         return OpsetMove(source, source)
-    if version < source:
-        advice = (f"Export the model at ai.onnx opset {version} or older (skl2onnx: "
-                  f"to_onnx(..., target_opset={version}); torch: torch.onnx.export(..., "
-                  f"opset_version={version})).")
-        return to_opset(model, version, advice, newer_targets_hint(source).strip())
-    else:
-        advice = (f"Export the model at ai.onnx opset {version} or newer (skl2onnx: "
-                  f"to_onnx(..., target_opset={version}); torch: torch.onnx.export(..., "
-                  f"opset_version={version})).")
-    return to_opset(model, version, advice)
+    lowering = version < source
+    advice = (f"Export the model at ai.onnx opset {version} or "
+              f"{'older' if lowering else 'newer'} (skl2onnx: to_onnx(..., "
+              f"target_opset={version}); torch: torch.onnx.export(..., "
+              f"opset_version={version})).")
+    return to_opset(model, version, advice,
+                    newer_targets_hint(source).strip() if lowering else "")
 
 
 # -- lowering -----------------------------------------------------------------------------

@@ -8,7 +8,8 @@ The public surface (docs/concepts.md gives its vocabulary):
   (their pass classes, and the pipeline machinery, in :mod:`lossgraph.passes`)
 - gradients: :func:`grad_rule` (register a rule), :func:`supported_ops`
 - training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer` (on the
-  engine :class:`Engine`), optimizers in :mod:`lossgraph.optim`, fusion modes in
+  engine :class:`Engine`; :class:`EarlyStopping`, metrics in :mod:`lossgraph.runtime.metrics`),
+  optimizers in :mod:`lossgraph.optim`, fusion modes in
   :mod:`lossgraph.modes`; :func:`describe_plan` shows what compiling runs
 - analyses: :func:`trainable_initializers`, :func:`get_roles`
 - errors: :class:`LossgraphError` and its subclasses in :mod:`lossgraph.errors`
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _HOMES = {
+    "EarlyStopping": ".runtime.early_stopping",
     "Engine": ".runtime.engine",
     "LossgraphError": ".errors",
     "Trainer": ".runtime.trainer",

@@ -3,7 +3,9 @@ the Trainer built on it.
 
 - :class:`~lossgraph.runtime.engine.Engine`: a program's graphs over one live state
   (sessions, buffers, the rate and step scalars; prepare, step, apply, evaluate);
-- :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style.
+- :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style;
+- :mod:`~lossgraph.runtime.metrics` (scores computed by a graph over the predictions) and
+  :class:`~lossgraph.runtime.early_stopping.EarlyStopping`, which the Trainer's fit takes.
 
 The names are loaded on first use: the fusion modes (:mod:`lossgraph.modes`), which the
 engine runs, build on this package's lower modules (the ring, sessions, the separate step).
@@ -15,7 +17,9 @@ from ..lazy import lazy_names
 
 #: Public name -> the module of this package that defines it.
 _HOMES = {
+    "EarlyStopping": ".early_stopping",
     "Engine": ".engine",
+    "Metrics": ".metrics",
     "Trainer": ".trainer",
     "create_session": ".session",
     "training_build_available": ".session",

@@ -1,0 +1,154 @@
+"""Early stopping: end a fit when the monitored value stops improving, keep the best state.
+
+    trainer.fit(X, y, epochs=100, validation_fraction=0.1,
+                early_stopping=EarlyStopping(monitor="validation_loss", patience=5))
+    trainer.early_stopping_.best_epoch, trainer.early_stopping_.stopped_epoch
+
+After every epoch the fit's logs hold ``loss``, ``validation_loss`` and each metric
+(``accuracy``, ``validation_accuracy``, ...); ``monitor`` names one. An epoch improves
+when its value beats the best so far by more than ``min_delta`` (lower is better for
+losses, MAE, RMSE and log loss; higher for accuracy, F1 and R2: ``mode="auto"`` infers it,
+``"min"`` or ``"max"`` says it); a NaN never improves. After ``patience`` epochs in a row
+without improvement the fit stops (Keras's ``EarlyStopping``). With ``restore_best``, the
+fit ends on the state (weights, optimizer states, buffers) of the best epoch, as Hugging
+Face's ``load_best_model_at_end`` does, whether it stopped early or ran its epochs; the
+counters (``steps_``, ``epochs_``) and the history keep what ran.
+
+The record (:class:`StoppingRecord`: best value, best epoch, epochs without improvement,
+the best state) is the trainer's ``early_stopping_``: a checkpoint keeps it, and a
+``fit(..., warm_start=True)`` with the same monitor goes on counting from it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidProgramError, UnknownNameError, UnsupportedOptionError, suggest
+from ..options import choice, count, flag, non_negative
+from .metrics import METRICS, greater_is_better
+
+__all__ = ["EarlyStopping", "StoppingRecord"]
+
+_VALIDATION = "validation_"
+
+
+@dataclass(frozen=True)
+class EarlyStopping:
+    """Stop a fit after ``patience`` epochs in a row whose ``monitor`` does not improve on
+    the best by more than ``min_delta`` (module docstring); every value is checked here."""
+
+    monitor: str = "validation_loss"
+    patience: int = 5
+    min_delta: float = 0.0
+    restore_best: bool = True
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.monitor, str):
+            raise UnsupportedOptionError(
+                f"EarlyStopping(monitor={self.monitor!r}) must name a value of the fit's logs: "
+                "'validation_loss', 'loss', or a metric such as 'validation_accuracy'.")
+        count("EarlyStopping patience", self.patience, 1)
+        non_negative("EarlyStopping min_delta", self.min_delta)
+        flag("EarlyStopping restore_best", self.restore_best)
+        choice("EarlyStopping mode", self.mode, ("auto", "min", "max"))
+
+    @property
+    def maximize(self) -> bool:
+        """Whether a larger monitored value is better."""
+        if self.mode != "auto":
+            return self.mode == "max"
+        name = self.monitor.removeprefix(_VALIDATION)
+        return name != "loss" and greater_is_better(name)
+
+    def check(self, metrics: tuple[str, ...], validation: bool) -> None:
+        """The fit's logs will hold ``monitor``: its ``metrics``, and with ``validation``
+        data the ``validation_`` ones; else an error before any work."""
+        available = ["loss", *metrics]
+        if validation:
+            available += [_VALIDATION + name for name in available]
+        if self.monitor in available:
+            return
+        name = self.monitor.removeprefix(_VALIDATION).removeprefix("val_")
+        if self.monitor.startswith(("val_", _VALIDATION)) and not validation and (
+                name == "loss" or name in metrics):
+            raise UnsupportedOptionError(
+                f"EarlyStopping(monitor={self.monitor!r}) watches validation data, but the fit "
+                "has none: pass validation_fraction=0.1 (or validation_data), or monitor "
+                "'loss'.")
+        known = name in METRICS or name.endswith("_accuracy")
+        if known and name not in metrics:
+            raise UnsupportedOptionError(
+                f"EarlyStopping(monitor={self.monitor!r}) watches the metric {name!r}, which "
+                f"the fit does not compute: pass metrics=[{name!r}].")
+        raise UnknownNameError(f"EarlyStopping(monitor={self.monitor!r}) is not in the fit's "
+                               "logs." + suggest(self.monitor, available, "values"))
+
+
+@dataclass
+class StoppingRecord:
+    """What early stopping knows so far: the monitored value, its best value and epoch,
+    the epochs since (``wait``), the epoch training stopped after (None: it did not), and
+    the state of the best epoch (kept when the rule restores it)."""
+
+    monitor: str
+    best: float | None = None
+    best_epoch: int | None = None
+    wait: int = 0
+    stopped_epoch: int | None = None
+    best_state: dict[str, np.ndarray] | None = field(default=None, repr=False)
+
+    def update(self, rule: EarlyStopping, epoch: int, logs: Mapping[str, float],
+               state: Callable[[], dict[str, np.ndarray]]) -> bool:
+        """Count ``epoch`` (``logs`` its values; ``state()`` a copy of its state): whether
+        training stops now."""
+        value = float(logs[rule.monitor])
+        better = not math.isnan(value) and (
+            self.best is None
+            or (value > self.best + rule.min_delta if rule.maximize
+                else value < self.best - rule.min_delta))
+        if better:
+            self.best, self.best_epoch, self.wait = value, epoch, 0
+            if rule.restore_best:
+                self.best_state = state()
+            return False
+        self.wait += 1
+        if self.wait >= rule.patience:
+            self.stopped_epoch = epoch
+            return True
+        return False
+
+    def best_to_restore(self, rule: EarlyStopping, last_epoch: int
+                        ) -> dict[str, np.ndarray] | None:
+        """The best epoch's state when the rule restores it and it is not the last one's."""
+        if rule.restore_best and self.best_epoch is not None and self.best_epoch != last_epoch:
+            return self.best_state
+        return None
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON record a checkpoint keeps (the best state is stored beside it)."""
+        return {"monitor": self.monitor, "best": self.best, "best_epoch": self.best_epoch,
+                "wait": self.wait, "stopped_epoch": self.stopped_epoch}
+
+    @classmethod
+    def from_record(cls, record: Any, best_state: dict[str, np.ndarray] | None, at: str
+                    ) -> StoppingRecord:
+        """The record :meth:`to_record` wrote, checked (an InvalidProgramError names ``at``)."""
+        def number(key: str, kind: type) -> Any:
+            value = record.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise InvalidProgramError(f"{at}: early_stopping {key!r} is {value!r}.")
+            return value
+
+        if not isinstance(record, dict) or not isinstance(record.get("monitor"), str):
+            raise InvalidProgramError(f"{at}: 'early_stopping' is not an early-stopping record.")
+        wait = number("wait", numbers.Integral)
+        return cls(record["monitor"], number("best", numbers.Real),
+                   number("best_epoch", numbers.Integral), wait or 0,
+                   number("stopped_epoch", numbers.Integral), best_state)

@@ -9,14 +9,17 @@ After every epoch the fit's logs hold ``loss``, ``validation_loss`` and each met
 when its value beats the best so far by more than ``min_delta`` (lower is better for
 losses, MAE, RMSE and log loss; higher for accuracy, F1 and R2: ``mode="auto"`` infers it,
 ``"min"`` or ``"max"`` says it); a NaN never improves. After ``patience`` epochs in a row
-without improvement the fit stops (Keras's ``EarlyStopping``). With ``restore_best``, the
-fit ends on the state (weights, optimizer states, buffers) of the best epoch, as Hugging
-Face's ``load_best_model_at_end`` does, whether it stopped early or ran its epochs; the
-counters (``steps_``, ``epochs_``) and the history keep what ran.
+without improvement the fit stops (Keras's ``EarlyStopping``) and, with ``restore_best``,
+ends on the state (weights, optimizer states, buffers) of the best epoch; the counters
+(``steps_``, ``epochs_``) and the history keep what ran. A fit that runs out of epochs
+before the rule stops it keeps its last state, so that a checkpoint of it resumes exactly
+as the uninterrupted fit goes on (the best state so far is ``early_stopping_.best_state``,
+for ``set_state``).
 
 The record (:class:`StoppingRecord`: best value, best epoch, epochs without improvement,
 the best state) is the trainer's ``early_stopping_``: a checkpoint keeps it, and a
-``fit(..., warm_start=True)`` with the same monitor goes on counting from it.
+``fit(..., warm_start=True)`` with the same monitor goes on counting from it (after a stop,
+it counts afresh).
 """
 
 from __future__ import annotations
@@ -124,10 +127,9 @@ class StoppingRecord:
             return True
         return False
 
-    def best_to_restore(self, rule: EarlyStopping, last_epoch: int
-                        ) -> dict[str, np.ndarray] | None:
-        """The best epoch's state when the rule restores it and it is not the last one's."""
-        if rule.restore_best and self.best_epoch is not None and self.best_epoch != last_epoch:
+    def best_to_restore(self, rule: EarlyStopping) -> dict[str, np.ndarray] | None:
+        """The best epoch's state when the rule stopped the fit and restores it."""
+        if rule.restore_best and self.stopped_epoch is not None:
             return self.best_state
         return None
 

@@ -190,8 +190,9 @@ class Trainer:
             early_stopping.check(metrics.names if data is not None else (), held_out is not None)
         if not warm_start:
             self.reset()
-        if early_stopping is None or self.early_stopping_ is None or \
-                self.early_stopping_.monitor != early_stopping.monitor:
+        record = self.early_stopping_  # a warm start goes on counting, unless it stopped
+        if early_stopping is None or record is None or record.stopped_epoch is not None \
+                or record.monitor != early_stopping.monitor:
             self.early_stopping_ = (None if early_stopping is None else
                                     StoppingRecord(early_stopping.monitor))
         if self._rng is None:
@@ -225,7 +226,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
         if early_stopping is not None:
-            best = self.early_stopping_.best_to_restore(early_stopping, self.epochs_ - 1)
+            best = self.early_stopping_.best_to_restore(early_stopping)
             if best is not None:
                 self.set_state(best)
         return self

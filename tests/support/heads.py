@@ -46,9 +46,12 @@ def head_model(head: str, seed: int = 0) -> onnx.ModelProto:
         }}""")
 
 
-def head_program(head: str, **options) -> lossgraph.TrainingProgram:
-    """``head_model(head)`` compiled with its loss (options: compile_program's)."""
+def head_program(head: str, weighted: bool = False, **options) -> lossgraph.TrainingProgram:
+    """``head_model(head)`` compiled with its loss (with a ``sample_weight`` input when
+    ``weighted``; options: compile_program's)."""
     _, _, loss, loss_options = HEADS[head]
+    if weighted:
+        loss_options = {**loss_options, "weight_name": "sample_weight"}
     return lossgraph.compile_program(head_model(head), loss=loss, loss_options=loss_options,
                                      **options)
 

@@ -36,6 +36,13 @@ def check_inputs(args: argparse.Namespace) -> None:
                 "Name the program folder to train (lossgraph train PROGRAM --data ...), or a "
                 "checkpoint to continue with --resume CHECKPOINT.")
         count("epochs", args.epochs, 0)  # Trainer.fit's checks
+        if args.early_stopping_patience is not None:
+            count("--early-stopping-patience", args.early_stopping_patience, 1)
+            if args.early_stopping_monitor.startswith("validation_") and \
+                    args.validation_split is None:
+                raise UnsupportedOptionError(
+                    f"--early-stopping-monitor {args.early_stopping_monitor} watches validation "
+                    "rows: pass --validation-split F, or monitor loss.")
         if args.batch_size is not None:  # None: the Trainer's default, or a kept batch
             count("batch_size", args.batch_size, 1)
         if args.program is not None:

@@ -51,6 +51,9 @@ examples:
       --history history.json --plot loss.png
   lossgraph train --resume ckpt/ --data train.csv --epochs 5 -o trained.onnx \\
       --checkpoint ckpt/      # 5 more epochs from the checkpoint
+  lossgraph train program/ --data train.npz --epochs 100 --validation-split 0.1 \\
+      --metrics accuracy top_5_accuracy --early-stopping-patience 5 \\
+      --early-stopping-monitor validation_accuracy -o trained.onnx --history history.json
 
 data: an .npz file or a folder of .npy files (arrays X, y and optionally sample_weight,
 or those --features, --label, --sample-weight name), or a .csv (a header row, then
@@ -332,6 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write the losses of every epoch here, as JSON")
     train.add_argument("--plot", metavar="FILE",
                        help="also draw the loss curve into this PNG (needs matplotlib)")
+    train.add_argument("--metrics", nargs="+", metavar="NAME",
+                       help="also compute these after every epoch, on the training and "
+                            "validation rows: accuracy, top_<k>_accuracy, f1, log_loss, mae, "
+                            "rmse, r2")
+    train.add_argument("--early-stopping-patience", type=int, metavar="N",
+                       help="stop after N epochs in a row without improvement of the "
+                            "monitored value, and keep the best epoch's weights")
+    train.add_argument("--early-stopping-monitor", metavar="NAME", default="validation_loss",
+                       help="the value early stopping watches (default: validation_loss, "
+                            "which needs --validation-split; loss, or a metric such as "
+                            "validation_accuracy)")
+    train.add_argument("--early-stopping-min-delta", type=float, default=0.0, metavar="D",
+                       help="an improvement is a change by more than D (default: 0)")
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="show a progress bar (default: when stderr is a terminal)")
 

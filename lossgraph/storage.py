@@ -42,10 +42,10 @@ from .graphs import all_graphs, stored_tensors
 from .manifest import check_manifest
 from .models import non_text_field
 from .paths import (
+    BEST_STATE_FILE,
     CHECKPOINT,
     CHECKPOINT_FOLDER,
     CHECKPOINT_FORMAT,
-    BEST_STATE_FILE,
     INFERENCE_FILE,
     MANIFEST_FILE,
     PROGRAM,

@@ -36,11 +36,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
+from sklearn import metrics as sklearn_metrics
 from sklearn.base import clone, is_classifier, is_regressor
 from sklearn.datasets import make_regression
 from sklearn.exceptions import ConvergenceWarning as SklearnConvergenceWarning
 from sklearn.linear_model import LinearRegression, LogisticRegression, SGDRegressor
-from sklearn import metrics as sklearn_metrics
 from sklearn.model_selection import GridSearchCV
 from sklearn.neural_network import MLPClassifier, MLPRegressor
 from support.estimators import (

@@ -88,7 +88,7 @@ def split_rows(rows: int, fraction: float, seed: int | None,
     if counts.min() < 2 or min(held, rows - held) < len(counts):
         raise InvalidDataError(
             f"validation_fraction={fraction:g} cannot keep each of the {len(counts)} classes on "
-            f"both sides of {rows} rows (a class has {counts.min()} rows; {held} held out): "
+            f"both sides of {rows} rows (the rarest has {counts.min()}, {held} are held out): "
             "pass validation_data, or more rows.")
     members = np.split(np.argsort(index, kind="stable"), np.cumsum(counts)[:-1])
     kept = _approximate_mode(counts, rows - held, rng)

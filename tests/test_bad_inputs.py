@@ -753,7 +753,7 @@ CASES: list[Case] = [
     Case("validation-fraction-class-too-rare", "validation_fraction with a class of one row",
          lambda c: c.fit(y=with_value(np.zeros(len(X), np.int64), 3, 1), model=parse(BINARY),
                          compile_options={"loss": "binary_log_loss"}, validation_fraction=0.1),
-         InvalidDataError, "a class has 1 rows"),
+         InvalidDataError, "the rarest has 1, 21 are held out"),
     Case("early-stopping-not-an-object", "early_stopping=5",
          lambda c: c.fit(early_stopping=5), UnsupportedOptionError,
          "must be an EarlyStopping(...)"),

@@ -777,6 +777,10 @@ CASES: list[Case] = [
          lambda c: c.fit(validation_fraction=0.1,
                          early_stopping=lossgraph.EarlyStopping("validation_mae")),
          UnsupportedOptionError, "the fit does not compute: pass metrics=['mae']"),
+    Case("early-stopping-training-metric-of-batches", "EarlyStopping('mae') over streamed batches",
+         lambda c: c.fit([(X[:100], Y[:100]), (X[100:], Y[100:])], None, metrics=["mae"],
+                         early_stopping=lossgraph.EarlyStopping("mae")),
+         UnsupportedOptionError, "which a fit over streamed batches does not compute"),
     Case("compat-n-iter-no-change-zero", "OrtGradientForwardBackwardOptimizer(n_iter_no_change=0)",
          lambda c: lossgraph.OrtGradientForwardBackwardOptimizer(
              linear(), n_iter_no_change=0, tol=0.01).fit(X, Y), UnsupportedOptionError,

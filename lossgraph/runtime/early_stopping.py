@@ -70,15 +70,22 @@ class EarlyStopping:
         name = self.monitor.removeprefix(_VALIDATION)
         return name != "loss" and greater_is_better(name)
 
-    def check(self, metrics: tuple[str, ...], validation: bool) -> None:
-        """The fit's logs will hold ``monitor``: its ``metrics``, and with ``validation``
-        data the ``validation_`` ones; else an error before any work."""
-        available = ["loss", *metrics]
+    def check(self, metrics: tuple[str, ...], validation: bool, streamed: bool = False
+              ) -> None:
+        """The fit's logs will hold ``monitor``: its ``metrics`` (of the training rows unless
+        they are ``streamed``), and with ``validation`` data the ``validation_`` ones; else
+        an error before any work."""
+        available = ["loss", *(() if streamed else metrics)]
         if validation:
-            available += [_VALIDATION + name for name in available]
+            available += [_VALIDATION + name for name in ("loss", *metrics)]
         if self.monitor in available:
             return
         name = self.monitor.removeprefix(_VALIDATION).removeprefix("val_")
+        if streamed and self.monitor in metrics:
+            raise UnsupportedOptionError(
+                f"EarlyStopping(monitor={self.monitor!r}) watches a metric of the training "
+                "rows, which a fit over streamed batches does not compute: monitor "
+                f"'validation_{name}' (with validation_data) or 'loss'.")
         if self.monitor.startswith(("val_", _VALIDATION)) and not validation and (
                 name == "loss" or name in metrics):
             raise UnsupportedOptionError(

@@ -187,7 +187,7 @@ class Trainer:
             if not isinstance(early_stopping, EarlyStopping):
                 raise UnsupportedOptionError(
                     f"early_stopping={early_stopping!r} must be an EarlyStopping(...), or None.")
-            early_stopping.check(metrics.names if data is not None else (), held_out is not None)
+            early_stopping.check(metrics.names, held_out is not None, streamed=data is None)
         if not warm_start:
             self.reset()
         record = self.early_stopping_  # a warm start goes on counting, unless it stopped
@@ -498,8 +498,8 @@ class Trainer:
                          **{k: list(v) for k, v in progress.get("metrics", {}).items()}}
         self._rng = progress["rng"]
         record = progress.get("early_stopping")
-        if isinstance(record, Mapping):  # a checkpoint's
-            record = StoppingRecord.from_record(dict(record), progress.get("best_state"),
+        if record is not None and not isinstance(record, StoppingRecord):  # a checkpoint's
+            record = StoppingRecord.from_record(record, progress.get("best_state"),
                                                 "the checkpoint's trainer.json")
         self.early_stopping_ = copy.deepcopy(record)
 

@@ -13,7 +13,7 @@ import pickle
 
 import numpy as np
 import pytest
-from support.heads import head_data, head_program
+from support.heads import head_data, head_model, head_program
 
 import lossgraph
 from lossgraph.runtime.metrics import greater_is_better
@@ -142,3 +142,18 @@ def test_a_fit_logs_its_metrics_on_training_and_validation_data(tmp_path):
 def test_which_metrics_are_better_larger():
     assert [greater_is_better(n) for n in ("accuracy", "top_5_accuracy", "f1", "r2")] == [True] * 4
     assert [greater_is_better(n) for n in ("mae", "rmse", "log_loss")] == [False] * 3
+
+
+def test_rows_whose_label_the_loss_ignores_are_left_out():
+    """A label equal to the loss's ignore_index leaves its row out of every metric."""
+    program = lossgraph.compile_program(head_model("softmax"), loss="multiclass_log_loss",
+                                        loss_options={"ignore_index": -100})
+    trainer = lossgraph.Trainer(program)
+    X, y = head_data("softmax", rows=30)
+    ignored = y.copy()
+    ignored[::4] = -100
+    kept = ignored != -100
+    scores = trainer.evaluate(X, ignored, metrics=["accuracy", "top_2_accuracy", "log_loss"])
+    expected = trainer.evaluate(X[kept], y[kept], metrics=["accuracy", "top_2_accuracy",
+                                                           "log_loss"])
+    assert scores == pytest.approx(expected, rel=1e-12)

@@ -867,15 +867,18 @@ KNOWN: dict[tuple[str, str], str] = {
     "parameters alone into initializers of their own (Swin's relative-position bias "
     "gathered from its table, a weight-normed convolution's weight) and stores a tied "
     "embedding again, transposed, for the output projection (GPT-2, T5). lossgraph trains "
-    "those initializers as the export has them, without a warning: nothing in the export "
-    "says they were computed from parameters. Export with do_constant_folding=False to "
-    "train.",
+    "those initializers as the export has them and warns (FoldedWeightWarning: an "
+    "initializer the exporter named onnx::<Op>_<n> that is no transposed Linear weight, a "
+    "tensor stored twice). Export with do_constant_folding=False to train the module's "
+    "parameters.",
     ("*", "dynamo-optimized"): "torch's default optimize=True folds each inference-mode "
     "BatchNorm into the Conv before it, folds computations of parameters alone (Swin's "
-    "tables, weight norm), stores a tied embedding twice (GPT-2) and merges initializers of "
-    "equal values (a fresh BERT). lossgraph warns of merged initializers "
-    "(TiedWeightWarning); the others it trains as the export has them, without a warning. "
-    "Export with optimize=False to train.",
+    "tables, weight norm), removes zero biases, stores a tied embedding twice (GPT-2) and "
+    "merges initializers of equal values (a fresh BERT). lossgraph trains the export as it "
+    "is and warns: FoldedWeightWarning for what the export's records say the optimizer "
+    "folded or dropped (its rewrite rules, the parameters its graph signature names) and "
+    "for a tensor stored twice, TiedWeightWarning for merged initializers. Export with "
+    "optimize=False to train the module's parameters.",
     ("transformers/bert-fresh", "legacy"): "the legacy exporter merges initializers of equal "
     "values (a fresh model's LayerNorm ones and zero biases) into one, even with folding "
     "off: lossgraph warns (TiedWeightWarning) and trains the shared initializer as one "

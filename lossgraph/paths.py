@@ -27,6 +27,7 @@ from .errors import InvalidDataError, InvalidModelError, InvalidProgramError
 from .fileio import FolderKind
 
 __all__ = ["model_file", "data_source", "saved_folder", "is_plain", "is_checkpoint_record",
+           "checkpoint_record",
            "PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "PROGRAM", "CHECKPOINT", "MANIFEST_FILE",
            "STATE_FILE", "INFERENCE_FILE", "TRAINER_FILE", "PROGRAM_SUBFOLDER",
            "CHECKPOINT_FORMAT"]
@@ -122,9 +123,15 @@ def _program_entries(folder: Path) -> set[str] | None:
     return {name for name in owned if not (folder / name).is_symlink()}
 
 
-def _checkpoint_entries(folder: Path) -> set[str] | None:
+def checkpoint_record(folder: Path) -> dict[str, Any] | None:
+    """The record (``trainer.json``) of a checkpoint folder lossgraph wrote, read alone and
+    unchecked (the program is not read); None when ``folder`` holds none."""
     record = _json_object(folder / TRAINER_FILE)
-    if record is None or not is_checkpoint_record(record):
+    return record if record is not None and is_checkpoint_record(record) else None
+
+
+def _checkpoint_entries(folder: Path) -> set[str] | None:
+    if checkpoint_record(folder) is None:
         return None
     program = folder / PROGRAM_SUBFOLDER
     entries = _program_entries(program) if program.is_dir() and not program.is_symlink() else None

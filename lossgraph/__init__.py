@@ -46,7 +46,7 @@ _HOMES = {
     "get_roles": ".roles",
     "grad_rule": ".autodiff",
     "gradient": ".passes",
-    "latest_checkpoint": ".runtime.checkpoints",
+    "latest_checkpoint": ".paths",
     "lower_ml_ops": ".passes",
     "optim": ".optim",
     "stabilize_numerics": ".passes",

@@ -24,7 +24,7 @@ _HOMES = {
     "TensorBoard": ".callbacks",
     "Trainer": ".trainer",
     "create_session": ".session",
-    "latest_checkpoint": ".checkpoints",
+    "latest_checkpoint": "..paths",
     "training_build_available": ".session",
 }
 

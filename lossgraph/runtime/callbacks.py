@@ -44,6 +44,7 @@ import numpy as np
 from ..errors import RuntimeUnavailableError, UnknownNameError, UnsupportedOptionError, suggest
 from ..fileio import check_file_target, ensure_folder
 from ..options import choice, flag
+from ..paths import LOG_COLUMNS, is_csv_log
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -225,20 +226,6 @@ class Monitor:
 # -- loggers -------------------------------------------------------------------------------
 
 
-#: The first columns of the rows a CSVLogger writes, by what a row is.
-_FIRST_COLUMNS = {"epoch": ("epoch", "steps"), "step": ("step",)}
-
-
-def _is_log(path: Path) -> bool:
-    """Whether ``path`` holds a log a CSVLogger wrote (its header row starts as one)."""
-    try:
-        with open(path, newline="") as stream:
-            header = next(csv.reader(stream), [])
-    except (OSError, UnicodeDecodeError, csv.Error):
-        return False
-    return any(tuple(header[:len(first)]) == first for first in _FIRST_COLUMNS.values())
-
-
 class CSVLogger(Callback):
     """One CSV row per epoch (``per="epoch"``: ``epoch, steps`` and the epoch logs, as
     Keras's CSVLogger) or per step (``per="step"``: ``step`` and the step logs), each row
@@ -248,10 +235,10 @@ class CSVLogger(Callback):
 
     def __init__(self, path: str | os.PathLike, per: str = "epoch", append: bool = False,
                  overwrite: bool = False) -> None:
-        self.per = choice("per", per, tuple(_FIRST_COLUMNS))
+        self.per = choice("per", per, tuple(LOG_COLUMNS))
         self.append = flag("append", append)
         self.overwrite = flag("overwrite", overwrite)
-        self.path = check_file_target(path, _is_log, overwrite or append)
+        self.path = check_file_target(path, is_csv_log, overwrite or append)
         self._stream: io.TextIOBase | None = None
         self._writer: csv.DictWriter | None = None
 
@@ -260,7 +247,7 @@ class CSVLogger(Callback):
         return self.per == "step"
 
     def on_train_begin(self, trainer: Trainer, logs: dict) -> None:
-        check_file_target(self.path, _is_log, self.overwrite or self.append)
+        check_file_target(self.path, is_csv_log, self.overwrite or self.append)
         exists = self.append and self.path.exists() and self.path.stat().st_size > 0
         self._stream = open(self.path, "a" if exists else "w", newline="")  # noqa: SIM115
         self._writer = None
@@ -274,7 +261,7 @@ class CSVLogger(Callback):
 
     def _write(self, row: dict) -> None:
         if self._writer is None:
-            self._start(list(row))
+            self._start(list(row))  # LOG_COLUMNS[self.per] first
             self._writer.writeheader()
         self._writer.writerow({k: repr(v) if isinstance(v, float) else v
                                for k, v in row.items()})

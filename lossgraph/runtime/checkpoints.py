@@ -2,7 +2,7 @@
 keep_best=True, monitor="val_loss")``.
 
     trainer.fit(X, y, epochs=20, validation_data=(Xv, yv), checkpoint_dir="ckpt")
-    trainer = Trainer.load_checkpoint(latest_checkpoint("ckpt"))   # later, or elsewhere
+    trainer = Trainer.load_checkpoint(latest_checkpoint("ckpt"))   # lossgraph.paths
     trainer.fit(X, y, epochs=10, validation_data=(Xv, yv), checkpoint_dir="ckpt",
                 warm_start=True)                                   # continues it exactly
 
@@ -24,47 +24,19 @@ the two (resume from the latest, or choose another folder).
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import UnsafeWriteError, UnsupportedOptionError
 from ..fileio import ensure_folder, remove_directory
 from ..options import count, flag
-from ..paths import CHECKPOINT_FOLDER, checkpoint_record
+from ..paths import CHECKPOINT_FOLDER, checkpoint_record, saved_checkpoints
 from .callbacks import Callback, Monitor
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["Checkpoints", "saved_checkpoints", "latest_checkpoint"]
-
-_NAME = re.compile(r"checkpoint-(\d+)")
-
-
-def saved_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
-    """lossgraph's checkpoints in ``folder`` (``checkpoint-<steps>`` folders it recognises,
-    holding nothing else), as ``(steps, path)`` by step."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = []
-    for entry in folder.iterdir():
-        match = _NAME.fullmatch(entry.name)
-        if match and not entry.is_symlink() and entry.is_dir() and \
-                CHECKPOINT_FOLDER.entries(entry) is not None and \
-                set(os.listdir(entry)) <= CHECKPOINT_FOLDER.entries(entry):
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
-def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
-    """The checkpoint of the most steps among lossgraph's in ``folder`` (``fit(...,
-    checkpoint_dir=folder)`` wrote them), for :meth:`Trainer.load_checkpoint`; None when
-    there is none."""
-    saved = saved_checkpoints(folder)
-    return saved[-1][1] if saved else None
-
+__all__ = ["Checkpoints"]
 
 class Checkpoints(Callback):
     """Saves the trainer into ``folder`` every ``every`` epochs and at the end of the fit,

@@ -13,8 +13,7 @@ import lossgraph
 from lossgraph.errors import UnsafeWriteError
 from lossgraph.fileio import remove_directory
 from lossgraph.optim import Adam
-from lossgraph.paths import CHECKPOINT_FOLDER
-from lossgraph.runtime.checkpoints import latest_checkpoint, saved_checkpoints
+from lossgraph.paths import CHECKPOINT_FOLDER, latest_checkpoint, saved_checkpoints
 
 
 @pytest.fixture(scope="module")

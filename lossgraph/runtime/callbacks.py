@@ -226,6 +226,12 @@ class Monitor:
 # -- loggers -------------------------------------------------------------------------------
 
 
+#: The hook that writes a CSVLogger's row, by what a row is.
+_ROW_HOOKS = {"epoch": "on_epoch_end", "step": "on_step_end"}
+#: Step logs that say where a step is, not what it measured (not plotted).
+_POSITION = frozenset({"epoch", "batch"})
+
+
 class CSVLogger(Callback):
     """One CSV row per epoch (``per="epoch"``: ``epoch, steps`` and the epoch logs, as
     Keras's CSVLogger) or per step (``per="step"``: ``step`` and the step logs), each row
@@ -236,6 +242,8 @@ class CSVLogger(Callback):
     def __init__(self, path: str | os.PathLike, per: str = "epoch", append: bool = False,
                  overwrite: bool = False) -> None:
         self.per = choice("per", per, tuple(LOG_COLUMNS))
+        #: the hook that writes a row
+        self.hook = _ROW_HOOKS[self.per]
         self.append = flag("append", append)
         self.overwrite = flag("overwrite", overwrite)
         self.path = check_file_target(path, is_csv_log, overwrite or append)
@@ -244,7 +252,7 @@ class CSVLogger(Callback):
 
     @property
     def watches_steps(self) -> bool:
-        return self.per == "step"
+        return self.hook == "on_step_end"
 
     def on_train_begin(self, trainer: Trainer, logs: dict) -> None:
         check_file_target(self.path, is_csv_log, self.overwrite or self.append)
@@ -261,18 +269,18 @@ class CSVLogger(Callback):
 
     def _write(self, row: dict) -> None:
         if self._writer is None:
-            self._start(list(row))  # LOG_COLUMNS[self.per] first
+            self._start(list(row))  # LOG_COLUMNS[self.per], then the logs
             self._writer.writeheader()
         self._writer.writerow({k: repr(v) if isinstance(v, float) else v
                                for k, v in row.items()})
         self._stream.flush()
 
     def on_step_end(self, trainer: Trainer, step: int, logs: dict) -> None:
-        if self.per == "step":
+        if self.hook == "on_step_end":
             self._write({"step": step, **logs})
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, logs: dict) -> None:
-        if self.per == "epoch":
+        if self.hook == "on_epoch_end":
             self._write({"epoch": epoch, "steps": trainer.steps_, **logs})
 
     def on_train_end(self, trainer: Trainer, logs: dict) -> None:
@@ -313,7 +321,7 @@ class TensorBoard(Callback):
     def _scalars(self, prefix: str, number: int, logs: Mapping[str, Any]) -> None:
         event, summary = self._types[0], self._types[1]
         values = [summary.Value(tag=f"{prefix}/{name}", simple_value=float(value))
-                  for name, value in logs.items() if name not in ("epoch", "batch")]
+                  for name, value in logs.items() if name not in _POSITION]
         self._writer.add_event(event(wall_time=time.time(), step=number,
                                      summary=summary(value=values)))
 

@@ -129,6 +129,11 @@ class Loop:
         """Whether a callback has a step hook (else nothing per step is built)."""
         return bool(self._stepping)
 
+    @property
+    def counts_steps(self) -> bool:
+        """Whether :meth:`step_done` has anything to do: a step hook, or a budget."""
+        return self.watches_steps or self.last_step is not None
+
     def steps_left(self, steps: int) -> int | None:
         """Updates the budget allows after ``steps`` (None: no budget)."""
         return None if self.last_step is None else max(0, self.last_step - steps)

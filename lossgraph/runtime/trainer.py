@@ -260,20 +260,22 @@ class Trainer:
         losses = np.empty(batches)
         sizes = np.empty(batches, np.int64)
         full = batch_size if specialize else None
-        done = 0
-        while done < batches and not self._loop.stopping:
-            lo, hi = done * batch_size, min(rows, (done + 1) * batch_size)
+        loop, index = self._loop, 0
+        counted = loop.counts_steps  # else no per-step call at all
+        while index < batches and not loop.stopping:
+            lo, hi = index * batch_size, min(rows, (index + 1) * batch_size)
             batch = {name: array[lo:hi] for name, array in data.items()}
             number, rate = self.steps_ + 1, self.learning_rate(self.steps_ + 1)
             loss = self.engine.step(batch, step=number, rate=rate, full=full)
             if not math.isfinite(loss):
                 rows_used = np.arange(lo, hi) if order is None else order[lo:hi]
-                self._diverged(epoch, first + done, loss, batch, rows_used)
-            self._apply(1, epoch, first + done)
-            losses[done], sizes[done] = loss, hi - lo
-            done += 1
-            self._loop.step_done(self, number, epoch, first + done - 1, loss, rate)
-        return losses[:done], sizes[:done]
+                self._diverged(epoch, first + index, loss, batch, rows_used)
+            self._apply(1, epoch, first + index)
+            losses[index], sizes[index] = loss, hi - lo
+            if counted:
+                loop.step_done(self, number, epoch, first + index, loss, rate)
+            index += 1
+        return losses[:index], sizes[:index]
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update ``step`` (counted from 1) as the fit runs it: the

@@ -630,6 +630,11 @@ CASES: list[Case] = [
          "validation_data", lambda c: c.fit(checkpoint_dir=c.tmp / "ck"),
          UnsupportedOptionError, "monitor='val_loss' is a validation value, but fit has no "
          "validation_data"),
+    Case("monitor-unknown", "monitor='val_los' (misspelt)",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", monitor="val_los",
+                         validation_data=(X, Y)), UnknownNameError,
+         "monitor='val_los': the epoch logs hold no 'validation_los', only 'loss', "
+         "'validation_loss'. Did you mean 'validation_loss'?"),
     Case("monitor-empty", "monitor=''", lambda c: c.fit(checkpoint_dir=c.tmp / "ck", monitor=""),
          UnsupportedOptionError, "monitor='' must name a value of the epoch logs"),
     Case("checkpoint-options-without-folder", "keep_last=5 without checkpoint_dir",

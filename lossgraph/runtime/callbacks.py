@@ -35,7 +35,7 @@ import math
 import os
 import reprlib
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -203,21 +203,18 @@ class Monitor:
             mode = "max" if any(w in self.key.split("_") for w in _HIGHER_IS_BETTER) else "min"
         self.mode = mode
 
-    def check(self, validation: bool) -> None:
-        """Refuse, before any work, a validation value when the fit has no validation data."""
-        if self.key.startswith(_PREFIX) and not validation:
+    def check(self, keys: Sequence[str]) -> None:
+        """Refuse, before any work, a value the epoch logs will not hold (``keys``)."""
+        if self.key in keys:
+            return
+        if self.key.startswith(_PREFIX) and self.key[len(_PREFIX):] in keys:
             raise UnsupportedOptionError(
-                f"monitor={self.name!r} is a validation value, but fit has no validation_data: "
-                "pass validation_data=(X, y), monitor='loss' (the training loss), or "
-                "keep_best=False.")
-
-    def value(self, logs: Mapping[str, Any]) -> float:
-        """The monitored value of ``logs``; an UnknownNameError when they lack it."""
-        if self.key not in logs:
-            raise UnknownNameError(
-                f"monitor={self.name!r}: the epoch logs have no {self.key!r}; they have "
-                f"{sorted(logs)}." + suggest(self.key, list(logs), "values"))
-        return float(logs[self.key])
+                f"monitor={self.name!r} is a validation value, but fit has no "
+                "validation_data: pass validation_data=(X, y), monitor='loss' (the training "
+                "loss), or keep_best=False.")
+        raise UnknownNameError(
+            f"monitor={self.name!r}: the epoch logs hold no {self.key!r}, only "
+            f"{', '.join(map(repr, keys))}." + suggest(self.key, list(keys), "values"))
 
     def better(self, value: float, best: float | None) -> bool:
         """Whether ``value`` improves on ``best`` (None: nothing yet); NaN never does."""

@@ -24,6 +24,7 @@ the two (resume from the latest, or choose another folder).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,11 +57,12 @@ class Checkpoints(Callback):
         self.monitor = Monitor(monitor)
         self._saved_at: int | None = None
 
-    def check(self, first_step: int, validation: bool) -> None:
-        """Before any work: the monitored value exists, the folder is one (made when
-        missing), and no checkpoint there is past ``first_step`` (another run's)."""
+    def check(self, first_step: int, keys: Sequence[str]) -> None:
+        """Before any work: the epoch logs will hold the monitored value (``keys``), the
+        folder is one (made when missing), and no checkpoint there is past ``first_step``
+        (another run's)."""
         if self.keep_best:
-            self.monitor.check(validation)
+            self.monitor.check(keys)
         ensure_folder(self.folder)
         later = [path.name for steps, path in saved_checkpoints(self.folder)
                  if steps > first_step]

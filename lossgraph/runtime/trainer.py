@@ -160,7 +160,8 @@ class Trainer:
             held_out = self.engine.prepare(*validation_data, what="validation_data ")
             self.engine.check_rows(held_out, "validation_data")
         if checkpoints is not None:
-            checkpoints.check(self.steps_ if warm_start else 0, held_out is not None)
+            logged = ["loss", *(["validation_loss"] if held_out is not None else [])]  # below
+            checkpoints.check(self.steps_ if warm_start else 0, logged)
             callbacks.append(checkpoints)
         if not warm_start:
             self.reset()

@@ -44,13 +44,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
-
 from .errors import UnsupportedOptionError, suggest
 from .options import count, finite, non_negative
 
 __all__ = ["Schedule", "Constant", "Linear", "Cosine", "Polynomial", "InverseSqrt", "StepDecay",
-           "OneCycle", "SCHEDULES", "schedule_from_dict", "schedule_named", "initial_rate"]
+           "OneCycle", "SCHEDULES", "SCHEDULE_NAMES", "schedule_from_dict", "schedule_named"]
 
 
 def check_step(step: Any) -> int:
@@ -65,8 +63,8 @@ def check_step(step: Any) -> int:
 class Schedule(abc.ABC):
     """The learning rate of every update (module docstring)."""
 
-    #: the field holding the rate the schedule scales (peak, rate, max_rate)
-    _peak: ClassVar[str] = "peak"
+    #: the argument holding the rate the schedule scales (peak, rate, max_rate)
+    peak_argument: ClassVar[str] = "peak"
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -82,7 +80,8 @@ class Schedule(abc.ABC):
     def _check(self) -> None:
         """The checks of this schedule's arguments beyond their types (a subclass adds its
         own)."""
-        non_negative(f"{type(self).__name__}: {self._peak}", getattr(self, self._peak))
+        name = self.peak_argument
+        non_negative(f"{type(self).__name__}: {name}", getattr(self, name))
 
     @abc.abstractmethod
     def _value(self, s: int) -> float:
@@ -91,10 +90,6 @@ class Schedule(abc.ABC):
     def __call__(self, step: int) -> float:
         """The learning rate of update ``step`` (1-based)."""
         return float(self._value(check_step(step) - 1))
-
-    def rates(self, first: int, count: int) -> np.ndarray:
-        """The rates of updates ``first`` to ``first + count - 1`` (float64)."""
-        return np.array([self(t) for t in range(first, first + count)], np.float64)
 
     def to_dict(self) -> dict[str, Any]:
         """``{"type": <class name>, <argument>: value, ...}``, for the manifest."""
@@ -145,7 +140,7 @@ class _Decay(Schedule):
 class Constant(Schedule):
     """``rate``, after a linear warmup from 0 over ``warmup_steps`` updates."""
 
-    _peak: ClassVar[str] = "rate"
+    peak_argument: ClassVar[str] = "rate"
     rate: float
     warmup_steps: int = 0
 
@@ -227,7 +222,7 @@ class InverseSqrt(Schedule):
 class StepDecay(Schedule):
     """``rate``, multiplied by ``gamma`` every ``step_size`` updates (torch's StepLR)."""
 
-    _peak: ClassVar[str] = "rate"
+    peak_argument: ClassVar[str] = "rate"
     rate: float
     step_size: int
     gamma: float
@@ -248,7 +243,7 @@ class OneCycle(Schedule):
     ``max_rate / div_factor`` up to ``max_rate`` over ``pct_start`` of ``total_steps``, then
     down to ``max_rate / (div_factor final_div_factor)``."""
 
-    _peak: ClassVar[str] = "max_rate"
+    peak_argument: ClassVar[str] = "max_rate"
     max_rate: float
     total_steps: int
     pct_start: float = 0.3
@@ -334,8 +329,3 @@ def _build(cls: type[Schedule], arguments: Mapping[str, Any]) -> Schedule:
         raise UnsupportedOptionError(
             f"{cls.__name__} needs {', '.join(missing)} (its arguments: {listed}).")
     return cls(**arguments)
-
-
-def initial_rate(learning_rate: float | Schedule) -> float:
-    """The rate of the first update of ``learning_rate`` (a number or a schedule)."""
-    return learning_rate(1) if isinstance(learning_rate, Schedule) else float(learning_rate)

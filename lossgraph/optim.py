@@ -93,7 +93,7 @@ class Optimizer(abc.ABC):
         if not isinstance(self.learning_rate, (Schedule, numbers.Real)):
             raise UnsupportedOptionError(
                 f"{type(self).__name__}: learning_rate={reprlib.repr(self.learning_rate)} must "
-                "be a number or a lossgraph.schedules schedule, e.g. Linear(1e-3, "
+                "be a finite number >= 0 or a lossgraph.schedules schedule, e.g. Linear(1e-3, "
                 "total_steps=1000, warmup_steps=100).")
         if not isinstance(self.learning_rate, Schedule):
             _non_negative(type(self).__name__, "learning_rate", self.learning_rate)
@@ -352,10 +352,10 @@ class AdamW(Adam):
     exclude_from_weight_decay: str | tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        _non_negative("AdamW", "weight_decay", self.weight_decay)
         object.__setattr__(self, "exclude_from_weight_decay", weight_patterns(
             "AdamW: exclude_from_weight_decay", self.exclude_from_weight_decay))
+        super().__post_init__()
+        _non_negative("AdamW", "weight_decay", self.weight_decay)
 
     @property
     def same_for_every_weight(self) -> bool:

@@ -131,7 +131,7 @@ def weight_patterns(option: str, value: Any) -> str | tuple[str, ...]:
         raise UnsupportedOptionError(
             f"{option}={reprlib.repr(value)} must be 'auto' (biases and normalization scales "
             "and shifts, found from the graph) or a list of weight names or regular "
-            f"expressions, e.g. {option}=['bias', 'norm'].")
+            "expressions, e.g. ['bias', 'norm'].")
     return tuple(listed)
 
 

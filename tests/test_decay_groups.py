@@ -16,8 +16,6 @@ from lossgraph.optim import SGD, Adam, AdamW, update_graph
 from lossgraph.penalties import Penalty
 from lossgraph.schedules import Linear
 
-pytestmark = pytest.mark.torch
-
 
 @pytest.fixture(scope="module")
 def exported():
@@ -42,6 +40,7 @@ def grouped(net, excluded: list[str], optimizer, **options):
                       {"params": [named[n] for n in excluded], "weight_decay": 0.0}], **options)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
 def test_adamw_excluding_auto_equals_torch_adamw_with_two_groups(exported, fuse, tmp_path):
     import copy
@@ -62,6 +61,7 @@ def test_adamw_excluding_auto_equals_torch_adamw_with_two_groups(exported, fuse,
                             steps=4)
 
 
+@pytest.mark.torch
 def test_the_epoch_graph_updates_decay_groups_weight_by_weight_as_the_steps_do(exported):
     _, model, _ = exported
     optimizer = AdamW(Linear(0.05, total_steps=8, warmup_steps=2), weight_decay=0.5,
@@ -75,6 +75,7 @@ def test_the_epoch_graph_updates_decay_groups_weight_by_weight_as_the_steps_do(e
         np.testing.assert_allclose(states[1][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+@pytest.mark.torch
 def test_an_excluded_weight_takes_adams_step_and_the_others_adamws(exported):
     net, model, excluded = exported
     X = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
@@ -93,6 +94,7 @@ def test_an_excluded_weight_takes_adams_step_and_the_others_adamws(exported):
         np.testing.assert_allclose(grouped_[name], like[name], rtol=1e-6, err_msg=name)
 
 
+@pytest.mark.torch
 def test_a_penalty_excluding_auto_equals_torch_with_the_penalty_on_the_decay_group(exported):
     import copy
 

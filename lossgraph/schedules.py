@@ -99,6 +99,12 @@ class Schedule(abc.ABC):
         """The linear warmup's factor while ``s < warmup_steps``; None after it."""
         return s / max(1, warmup_steps) if s < warmup_steps else None
 
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            if getattr(self, name) <= 0:
+                raise UnsupportedOptionError(
+                    f"{type(self).__name__}: {name}={getattr(self, name)!r} must be > 0.")
+
     def _within(self, name: str, value: float, low: float, high: float,
                 closed: bool = True) -> None:
         if not (low <= value <= high if closed else low < value < high):
@@ -113,9 +119,8 @@ class _Decay(Schedule):
 
     def _check(self) -> None:
         super()._check()
+        self._positive("total_steps")
         name = type(self).__name__
-        if self.total_steps < 1:
-            raise UnsupportedOptionError(f"{name}: total_steps={self.total_steps} must be >= 1.")
         if self.warmup_steps > self.total_steps:
             raise UnsupportedOptionError(
                 f"{name}: warmup_steps={self.warmup_steps} exceeds total_steps="
@@ -175,8 +180,7 @@ class Cosine(_Decay):
 
     def _check(self) -> None:
         super()._check()
-        if self.cycles <= 0:
-            raise UnsupportedOptionError(f"Cosine: cycles={self.cycles!r} must be > 0.")
+        self._positive("cycles")
 
     def _decay(self, s: int) -> float:
         return 0.5 * (1.0 + math.cos(math.pi * self.cycles * 2.0 * self._progress(s)))
@@ -195,8 +199,7 @@ class Polynomial(_Decay):
 
     def _check(self) -> None:
         super()._check()
-        if self.power <= 0:
-            raise UnsupportedOptionError(f"Polynomial: power={self.power!r} must be > 0.")
+        self._positive("power")
 
     def _decay(self, s: int) -> float:
         return 0.0 if s > self.total_steps else (1.0 - self._progress(s)) ** self.power
@@ -229,8 +232,7 @@ class StepDecay(Schedule):
 
     def _check(self) -> None:
         super()._check()
-        if self.step_size < 1:
-            raise UnsupportedOptionError(f"StepDecay: step_size={self.step_size} must be >= 1.")
+        self._positive("step_size")
         non_negative("StepDecay: gamma", self.gamma)
 
     def _value(self, s: int) -> float:
@@ -252,14 +254,8 @@ class OneCycle(Schedule):
 
     def _check(self) -> None:
         super()._check()
-        if self.total_steps < 1:
-            raise UnsupportedOptionError(
-                f"OneCycle: total_steps={self.total_steps} must be >= 1.")
+        self._positive("total_steps", "div_factor", "final_div_factor")
         self._within("pct_start", self.pct_start, 0.0, 1.0, closed=False)
-        for name in ("div_factor", "final_div_factor"):
-            if getattr(self, name) <= 0:
-                raise UnsupportedOptionError(
-                    f"OneCycle: {name}={getattr(self, name)!r} must be > 0.")
 
     def _value(self, s: int) -> float:
         if s > self.total_steps:

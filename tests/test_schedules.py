@@ -134,7 +134,7 @@ def test_a_number_is_still_a_constant_rate_in_the_same_dict_as_before():
 
 def torch_linear_run(X, y, steps: int, batch: int, weight_decay: float):
     """The linear model trained in torch by AdamW with transformers' linear warmup: the loss
-    of each step and the weights after the last."""
+    of each step and the weights after each."""
     import torch
     from transformers import get_linear_schedule_with_warmup
 
@@ -145,7 +145,7 @@ def torch_linear_run(X, y, steps: int, batch: int, weight_decay: float):
         net.bias.fill_(INTERCEPT)
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, 3, steps)
-    losses = []
+    losses, weights = [], []
     for step in range(steps):
         rows = slice(step * batch % len(X), step * batch % len(X) + batch)
         optimizer.zero_grad()
@@ -155,7 +155,9 @@ def torch_linear_run(X, y, steps: int, batch: int, weight_decay: float):
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
-    return losses, {"coef": net.weight.detach().numpy().T, "intercept": net.bias.detach().numpy()}
+        weights.append({"coef": net.weight.detach().numpy().T.copy(),
+                        "intercept": net.bias.detach().numpy().copy()})
+    return losses, weights
 
 
 @pytest.mark.torch
@@ -178,7 +180,8 @@ def test_adamw_with_a_linear_warmup_trains_like_torch_step_for_step_and_after_lo
                         warm_start=epoch > 0)
             expected = np.mean(losses[epoch * 4:(epoch + 1) * 4])
             assert trainer.train_losses_[-1] == pytest.approx(expected, rel=1e-5)
-        for name, value in weights.items():
-            np.testing.assert_allclose(trainer.state[name], value, rtol=1e-5, atol=1e-6)
-    moved = np.abs(weights["coef"].ravel() - np.array(COEF)).max()
+            for name, value in weights[epoch * 4 + 3].items():
+                np.testing.assert_allclose(trainer.state[name], value, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name} after epoch {epoch}")
+    moved = np.abs(weights[-1]["coef"].ravel() - np.array(COEF)).max()
     assert moved > 0.05, "training hardly moved the weights"

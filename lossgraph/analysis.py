@@ -2,7 +2,8 @@
 values are differentiable, which initializers are trainable, blocked (their gradient would
 pass a sequence) or stuck (their gradient is zero everywhere), which an exporter tied
 (:func:`tied_initializers`), froze into constants (:func:`constant_weights`) or computed
-from the module's parameters (:func:`folded_weights`)."""
+from the module's parameters (:func:`folded_weights`), which are biases and normalization
+scales and shifts, left out of weight decay (:func:`no_decay_weights`)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,15 @@ from .graphs import (
     subgraphs,
 )
 from .models import ModelLike, as_model, check_model
+from .options import select_weights
 from .roles import get_roles
 
 __all__ = ["trainable_initializers", "blocked_initializers", "blocked_weights", "default_weights",
            "differentiable_values", "influenced_values", "GradientBlock", "gradient_block",
            "BlockedWeight", "StaticSplit", "static_splits", "StuckWeight", "stuck_weights",
            "TiedWeight", "tied_initializers", "layer_readers", "ConstantWeight",
-           "constant_weights", "LARGE_CONSTANT", "FoldedWeight", "folded_weights"]
+           "constant_weights", "LARGE_CONSTANT", "FoldedWeight", "folded_weights",
+           "no_decay_weights", "excluded_from_decay"]
 
 #: Kinds of values that hold tensors without being one, as messages name them.
 _CONTAINERS = {"sequence_type": "a sequence", "optional_type": "an optional",
@@ -886,3 +889,92 @@ def _legacy_folds(model: onnx.ModelProto, candidates: Sequence[str]) -> list[Fol
                 name, f"computed at export by torch's constant folding, read by a "
                 f"{match.group(1)}: no parameter of the module"))
     return found
+
+
+# -- weights left out of weight decay ----------------------------------------------------
+
+#: Where an op reads a bias or a normalization's scale or shift: (op type, input positions).
+_NO_DECAY_INPUTS = {"Gemm": (2,), "Conv": (2,), "ConvTranspose": (2,), "RNN": (3,),
+                    "GRU": (3,), "LSTM": (3,), "LayerNormalization": (1, 2),
+                    "BatchNormalization": (1, 2), "InstanceNormalization": (1, 2),
+                    "GroupNormalization": (1, 2)}
+#: Products whose output an Add of a weight biases (torch's Linear: MatMul then Add).
+_PRODUCTS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum")
+
+
+def no_decay_weights(model: ModelLike, weights: Sequence[str]) -> list[str]:
+    """The ``weights`` that are biases or normalization scales and shifts, in their order:
+    what Hugging Face's Trainer leaves out of weight decay (every bias, every LayerNorm
+    weight), found from the main graph's ops rather than the names:
+
+    - the bias input of Gemm (C), Conv and ConvTranspose (B), RNN, GRU and LSTM (B);
+    - a weight added to the output of a MatMul, Gemm, Conv, ConvTranspose or Einsum (a
+      Linear layer as torch exports it);
+    - the scale and shift of LayerNormalization, BatchNormalization, InstanceNormalization
+      and GroupNormalization;
+    - the scale and shift of a layer norm written out in ops, as torch's exporter writes it
+      below opset 17: ``Div(Sub(x, ReduceMean(x)), Sqrt(...))``, then ``Mul`` by the scale,
+      then ``Add`` of the shift.
+
+    Each weight may be read through ops that only lay it out (Identity, Reshape, Cast,
+    Unsqueeze, ...).
+    """
+    graph = as_model(model).graph
+    index = GraphIndex(graph.node)
+    wanted = set(weights)
+
+    def weight_of(value: str) -> str | None:
+        """The weight ``value`` lays out, or None."""
+        seen = set()
+        while value not in wanted:
+            node = index.producer(value)
+            if node is None or value in seen or not is_default_domain(node.domain) \
+                    or node.op_type not in _LAYOUT_OPS:
+                return None
+            seen.add(value)
+            value = node.input[0]
+        return value
+
+    def made_by(value: str, *op_types: str) -> onnx.NodeProto | None:
+        node = index.producer(value)
+        return node if node is not None and is_default_domain(node.domain) \
+            and node.op_type in op_types else None
+
+    found: set[str] = set()
+    for node in graph.node:
+        if not is_default_domain(node.domain):
+            continue
+        found.update(weight_of(node.input[p]) for p in _NO_DECAY_INPUTS.get(node.op_type, ())
+                     if p < len(node.input) and node.input[p])
+        if node.op_type == "Add":
+            for this, other in ((0, 1), (1, 0)):
+                if made_by(node.input[other], *_PRODUCTS):
+                    found.add(weight_of(node.input[this]))
+        if node.op_type == "Div" and _normalizes(node, made_by):
+            for scaling in index.readers(node.output[0]):
+                if is_onnx_op(scaling, "Mul"):
+                    scales = [weight_of(i) for i in scaling.input if i != node.output[0]]
+                    if any(scales):
+                        found.update(scales)
+                        found.update(weight_of(i) for shifting in index.readers(
+                            scaling.output[0]) if is_onnx_op(shifting, "Add")
+                            for i in shifting.input if i != scaling.output[0])
+    return [w for w in weights if w in found]
+
+
+def _normalizes(node: onnx.NodeProto, made_by: Callable[..., onnx.NodeProto | None]) -> bool:
+    """Whether the Div ``node`` is a layer norm's ``(x - mean(x)) / sqrt(var + eps)``."""
+    centred = made_by(node.input[0], "Sub")
+    return centred is not None and made_by(centred.input[1], "ReduceMean") is not None \
+        and made_by(node.input[1], "Sqrt") is not None
+
+
+def excluded_from_decay(model: ModelLike, weights: Sequence[str], patterns: str | Sequence[str],
+                        option: str) -> list[str]:
+    """The ``weights`` an ``exclude_from_weight_decay`` option (``option``, for the message)
+    selects: :func:`no_decay_weights` for ``"auto"``, else those its names and regular
+    expressions select (:func:`lossgraph.options.select_weights`: one that selects none is
+    an error listing the weights)."""
+    if patterns == "auto":
+        return no_decay_weights(model, weights)
+    return select_weights(option, patterns, weights)

@@ -38,7 +38,7 @@ from .options import choice, names
 from .passes.fixed_batch import FIXED_BATCH_CHOICES, export_advice, fixed_batch, rows
 from .passes.gradient import BACKENDS
 from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
-from .penalties import parse_penalty
+from .penalties import Penalty, parse_penalty
 from .roles import get_roles
 
 __all__ = ["CompileOptions", "compile_options", "check_trainable_model", "check_learnable",
@@ -76,7 +76,8 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
     if backend == "ort":
         training_build.bindings("backend='ort'")  # before any work, not after the loss
     options = _loss_options(loss, loss_options)
-    parse_penalty(penalty)
+    if not isinstance(penalty, Penalty):  # resolved once the trained weights are known
+        parse_penalty(penalty)
     if loss is None and penalty:
         raise UnsupportedOptionError(
             "penalty= needs lossgraph to add the loss; with loss=None the model carries its "

@@ -45,7 +45,10 @@ from lossgraph.errors import (
     UnsupportedModelError,
     UnsupportedOptionError,
 )
-from lossgraph.optim import SGD, Adam, Momentum
+from lossgraph.export import to_ort_artifacts
+from lossgraph.optim import SGD, Adam, AdamW, Momentum, update_graph
+from lossgraph.penalties import Penalty
+from lossgraph.schedules import Cosine, Linear, OneCycle
 
 X, Y = linear_data(205, seed=11)
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
@@ -889,6 +892,66 @@ CASES: list[Case] = [
            UnsupportedModelError, fragment)
       for mode, fragment in (("step", "For batches of 10 rows, the model's shapes contradict"),
                              ("separate", "computes its output 'y' of shape (40, 1)"))],
+    # -- schedules and decay groups ----------------------------------------------------------
+    Case("schedule-warmup-past-total", "Linear(0.1, total_steps=10, warmup_steps=20)",
+         lambda c: c.program(optimizer=AdamW(Linear(0.1, total_steps=10, warmup_steps=20))),
+         UnsupportedOptionError, "warmup_steps=20 exceeds total_steps=10"),
+    Case("schedule-end-above-peak", "Cosine(0.01, 100, end=0.1)",
+         lambda c: c.program(optimizer=SGD(Cosine(0.01, 100, end=0.1))), UnsupportedOptionError,
+         "Cosine: end=0.1 must lie in [0, 0.01]"),
+    Case("schedule-steps-not-an-integer", "Linear(0.1, total_steps=10.5)",
+         lambda c: c.program(optimizer=SGD(Linear(0.1, total_steps=10.5))),
+         UnsupportedOptionError, "Linear: total_steps=10.5 must be an integer >= 0"),
+    Case("schedule-one-cycle-pct-start", "OneCycle(0.1, 100, pct_start=1.0)",
+         lambda c: c.program(optimizer=SGD(OneCycle(0.1, 100, pct_start=1.0))),
+         UnsupportedOptionError, "OneCycle: pct_start=1.0 must lie in (0, 1)"),
+    Case("schedule-dict-missing-argument",
+         "optimizer={'type': 'AdamW', 'learning_rate': {'type': 'Linear', 'peak': 0.001}}",
+         lambda c: c.program(optimizer={"type": "AdamW", "learning_rate": {
+             "type": "Linear", "peak": 0.001}}), UnsupportedOptionError,
+         "Linear needs total_steps"),
+    Case("schedule-dict-unknown-type", "learning_rate={'type': 'Cosin', 'peak': 0.1}",
+         lambda c: c.program(optimizer={"type": "SGD", "learning_rate": {
+             "type": "Cosin", "peak": 0.1}}), UnsupportedOptionError, "Did you mean 'Cosine'"),
+    Case("schedule-learning-rate-a-string", "AdamW(learning_rate='1e-3')",
+         lambda c: c.program(optimizer=AdamW("1e-3")), UnsupportedOptionError,
+         "must be a finite number >= 0 or a lossgraph.schedules schedule"),
+    Case("schedule-and-sgd-invscaling",
+         "SGD(Linear(0.1, 100), learning_rate_schedule='invscaling')",
+         lambda c: c.program(optimizer=SGD(Linear(0.1, 100),
+                                           learning_rate_schedule="invscaling")),
+         UnsupportedOptionError, "learning_rate is a schedule (Linear)"),
+    Case("schedule-one-cycle-past-its-steps", "OneCycle(total_steps=5) trained for 21 steps",
+         lambda c: c.fit(compile_options={"optimizer": SGD(OneCycle(0.01, 5))}),
+         UnsupportedOptionError, "has no rate for update 7", trains=True),
+    Case("decay-exclusion-matches-nothing", "AdamW(exclude_from_weight_decay=['bias'])",
+         lambda c: c.program(optimizer=AdamW(exclude_from_weight_decay=["bias"])),
+         UnknownNameError, "holds 'bias', which names no trained weight"),
+    Case("decay-exclusion-not-names", "AdamW(exclude_from_weight_decay=3)",
+         lambda c: c.program(optimizer=AdamW(exclude_from_weight_decay=3)),
+         UnsupportedOptionError, "exclude_from_weight_decay=3 must be 'auto'"),
+    Case("decay-exclusion-bad-expression", "AdamW(exclude_from_weight_decay=['coef('])",
+         lambda c: c.program(optimizer=AdamW(exclude_from_weight_decay=["coef("])),
+         UnsupportedOptionError, "'coef(' is neither a weight's name nor a regular expression"),
+    Case("decay-auto-without-a-graph", "update_graph(AdamW(exclude_from_weight_decay='auto'))",
+         lambda c: update_graph(AdamW(exclude_from_weight_decay="auto"),
+                                {"w": np.ones(2, np.float32)}),
+         UnsupportedOptionError, "compile_program resolves it"),
+    Case("penalty-every-weight-negative", "Penalty(l2=-0.1)",
+         lambda c: c.program(penalty=Penalty(l2=-0.1)), UnsupportedOptionError,
+         "Penalty: l2=-0.1 must be a finite number >= 0"),
+    Case("penalty-every-weight-in-add-loss-output", "add_loss_output(model, penalty=Penalty())",
+         lambda c: lossgraph.add_loss_output(linear(), penalty=Penalty(l2=0.1)),
+         UnsupportedOptionError, "applies to every trained weight"),
+    Case("artifacts-with-a-schedule", "to_ort_artifacts(optimizer=AdamW(Linear(...)))",
+         lambda c: to_ort_artifacts(linear(), c.tmp / "a",
+                                    optimizer=AdamW(Linear(1e-3, total_steps=100))),
+         UnsupportedOptionError, "cannot be exported to onnxruntime's training artifacts"),
+    Case("artifacts-with-decay-groups",
+         "to_ort_artifacts(optimizer=AdamW(exclude_from_weight_decay='auto'))",
+         lambda c: to_ort_artifacts(linear(), c.tmp / "a",
+                                    optimizer=AdamW(exclude_from_weight_decay="auto")),
+         UnsupportedOptionError, "one AdamWOptimizer op with one weight_decay"),
     # -- divergence --------------------------------------------------------------------------
     *[Case(f"diverge-{mode}", f"a loss overflowing at epoch 1, batch 3 (fuse={mode!r})",
            lambda c, m=mode: diverge(c, m), ConvergenceError, "epoch 1, batch 3", trains=True)

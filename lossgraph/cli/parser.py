@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from .. import __version__
 from ..options import FIXED_BATCH_CHOICES
+from ..schedules import SCHEDULE_NAMES
 
 EXIT_OK = 0
 
@@ -41,6 +42,10 @@ examples:
       --loss-option delta=0.5 --weight-name sample_weight
   lossgraph compile model.onnx -o program/ \\
       --optimizer '{"type": "AdamW", "learning_rate": 0.001, "weight_decay": 0.05}'
+  lossgraph compile model.onnx -o program/ --optimizer adamw --learning-rate 5e-5 \\
+      --schedule linear --warmup-steps 100 --total-steps 1000 --exclude-from-weight-decay
+  lossgraph compile model.onnx -o program/ --schedule cosine --total-steps 1000 \\
+      --schedule-option end=1e-5 --schedule-option cycles=1
   lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
   lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
     "train": """\
@@ -273,6 +278,24 @@ def build_parser() -> argparse.ArgumentParser:
                             "momentum and nesterov, 0.001 for adam and adamw)")
     build.add_argument("--momentum", type=float, metavar="M",
                        help="the momentum of --optimizer momentum or nesterov (default: 0.9)")
+    build.add_argument("--schedule", choices=list(SCHEDULE_NAMES), metavar="NAME",
+                       help="change the learning rate every step: "
+                            f"{', '.join(SCHEDULE_NAMES)} (lossgraph.schedules; the learning "
+                            "rate is its peak; default: a constant rate)")
+    build.add_argument("--warmup-steps", type=int, metavar="N",
+                       help="the schedule's linear warmup from 0, in steps (default: 0)")
+    build.add_argument("--total-steps", type=int, metavar="N",
+                       help="the steps the schedule decays over (linear, cosine, polynomial, "
+                            "one_cycle)")
+    build.add_argument("--schedule-option", action="append", default=[], metavar="KEY=VALUE",
+                       type=_key_value,
+                       help="another argument of the schedule, e.g. end=1e-5, cycles=1, "
+                            "power=2, step_size=100, gamma=0.5, pct_start=0.3 (repeat for "
+                            "several)")
+    build.add_argument("--exclude-from-weight-decay", nargs="*", metavar="NAME",
+                       help="weights adamw's decay and --penalty-l1/--penalty-l2 leave out: "
+                            "names or regular expressions; alone: every bias and "
+                            "normalization scale and shift, found from the graph")
     build.add_argument("--penalty-l1", type=float, metavar="A",
                        help="add A * sum|w| to the loss for every trained weight w")
     build.add_argument("--penalty-l2", type=float, metavar="B",

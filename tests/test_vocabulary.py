@@ -146,7 +146,10 @@ FLAG_PARAMETERS = {
         "--weights": "weights", "--loss": "loss", "--loss-option": "loss_options",
         "--weight-name": "loss_options", "--penalty": "penalty", "--penalty-l1": "penalty",
         "--penalty-l2": "penalty", "--optimizer": "optimizer", "--learning-rate": "optimizer",
-        "--momentum": "optimizer", "--backend": "backend", "--fuse": "fuse",
+        "--momentum": "optimizer", "--schedule": "optimizer", "--warmup-steps": "optimizer",
+        "--total-steps": "optimizer", "--schedule-option": "optimizer",
+        # AdamW's and the penalty's (Penalty) exclude_from_weight_decay
+        "--exclude-from-weight-decay": "optimizer", "--backend": "backend", "--fuse": "fuse",
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
         "--output": None, "--format": None}),
 }

@@ -3,11 +3,13 @@
     train_step          = loss model -> WeightsToInputs -> [RunningStatistics]
                           -> [SequencesToTensors] -> StabilizeNumerics -> Gradient -> (speed)
                           -> StepGraph -> WidenScalarConstants
-    train_epoch_ordered = loss model -> ... -> Gradient -> (speed) -> PackWeights -> StepGraph
+    train_epoch_ordered = loss model -> ... -> Gradient -> (speed) -> [PackWeights] -> StepGraph
                           -> EpochGraph(shuffle=False) -> WidenScalarConstants
     train_epoch         = ... -> EpochGraph -> WidenScalarConstants
 
-(speed: :attr:`~lossgraph.modes.PlanContext.speed`). A step runs ``train_step`` over the
+(speed: :attr:`~lossgraph.modes.PlanContext.speed`; PackWeights where the optimizer updates
+every weight alike, :attr:`~lossgraph.optim.Optimizer.same_for_every_weight`: not an AdamW
+with decay groups). A step runs ``train_step`` over the
 engine's state buffers; an epoch mode runs every full batch of an epoch in one run of
 ``train_epoch`` (or ``train_epoch_ordered`` without shuffling), and a last, smaller batch
 with ``train_step``.
@@ -63,7 +65,10 @@ class EpochMode(FuseMode):
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
         step = StepGraph(context.optimizer)
-        packed = (*_differentiated(context), PackWeights(context.optimizer), step)
+        # weights laid end to end update as one where the update is the same for all
+        packing = (PackWeights(context.optimizer),) if context.optimizer.same_for_every_weight \
+            else ()
+        packed = (*_differentiated(context), *packing, step)
         return {
             "train_step": Planned("loss model", Pipeline((*_differentiated(context), step,
                                                           context.widen))),

@@ -5,10 +5,12 @@
     trainer.early_stopping_.best_epoch, trainer.early_stopping_.stopped_epoch
 
 After every epoch the fit's logs hold ``loss``, ``validation_loss`` and each metric
-(``accuracy``, ``validation_accuracy``, ...); ``monitor`` names one. An epoch improves
-when its value beats the best so far by more than ``min_delta`` (lower is better for
-losses, MAE, RMSE and log loss; higher for accuracy, F1 and R2: ``mode="auto"`` infers it,
-``"min"`` or ``"max"`` says it); a NaN never improves. After ``patience`` epochs in a row
+(``accuracy``, ``validation_accuracy``, ...); ``monitor`` names one (Keras's ``val_``
+prefix reads as ``validation_``, as everywhere a fit monitors a value:
+:class:`~lossgraph.runtime.callbacks.Monitor`). An epoch improves when its value beats the
+best so far by more than ``min_delta`` (lower is better for losses, MAE, RMSE and log
+loss; higher for accuracy, F1 and R2: ``mode="auto"`` infers it, ``"min"`` or ``"max"``
+says it); a NaN never improves. After ``patience`` epochs in a row
 without improvement the fit stops (Keras's ``EarlyStopping``) and, with ``restore_best``,
 ends on the state (weights, optimizer states, buffers) of the best epoch; the counters
 (``steps_``, ``epochs_``) and the history keep what ran. A fit that runs out of epochs
@@ -33,8 +35,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidProgramError, UnknownNameError, UnsupportedOptionError, suggest
-from ..options import choice, count, flag, non_negative
-from .metrics import METRICS, greater_is_better
+from ..options import count, flag, non_negative
+from .callbacks import Monitor
+from .metrics import METRICS
 
 __all__ = ["EarlyStopping", "StoppingRecord"]
 
@@ -53,22 +56,25 @@ class EarlyStopping:
     mode: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.monitor, str):
-            raise UnsupportedOptionError(
-                f"EarlyStopping(monitor={self.monitor!r}) must name a value of the fit's logs: "
-                "'validation_loss', 'loss', or a metric such as 'validation_accuracy'.")
+        Monitor(self.monitor, self.mode)  # the name and mode, checked
         count("EarlyStopping patience", self.patience, 1)
         non_negative("EarlyStopping min_delta", self.min_delta)
         flag("EarlyStopping restore_best", self.restore_best)
-        choice("EarlyStopping mode", self.mode, ("auto", "min", "max"))
+
+    @property
+    def watched(self) -> Monitor:
+        """The value of the logs ``monitor`` names (``key``) and which way is better."""
+        return Monitor(self.monitor, self.mode)
+
+    @property
+    def key(self) -> str:
+        """The logs' name of the monitored value (``val_loss`` is ``validation_loss``)."""
+        return self.watched.key
 
     @property
     def maximize(self) -> bool:
         """Whether a larger monitored value is better."""
-        if self.mode != "auto":
-            return self.mode == "max"
-        name = self.monitor.removeprefix(_VALIDATION)
-        return name != "loss" and greater_is_better(name)
+        return self.watched.mode == "max"
 
     def check(self, metrics: tuple[str, ...], validation: bool, streamed: bool = False
               ) -> None:
@@ -78,16 +84,16 @@ class EarlyStopping:
         available = ["loss", *(() if streamed else metrics)]
         if validation:
             available += [_VALIDATION + name for name in ("loss", *metrics)]
-        if self.monitor in available:
+        key = self.key
+        if key in available:
             return
-        name = self.monitor.removeprefix(_VALIDATION).removeprefix("val_")
-        if streamed and self.monitor in metrics:
+        name = key.removeprefix(_VALIDATION)
+        if streamed and key in metrics:
             raise UnsupportedOptionError(
                 f"EarlyStopping(monitor={self.monitor!r}) watches a metric of the training "
                 "rows, which a fit over streamed batches does not compute: monitor "
                 f"'validation_{name}' (with validation_data) or 'loss'.")
-        if self.monitor.startswith(("val_", _VALIDATION)) and not validation and (
-                name == "loss" or name in metrics):
+        if key.startswith(_VALIDATION) and not validation and (name == "loss" or name in metrics):
             raise UnsupportedOptionError(
                 f"EarlyStopping(monitor={self.monitor!r}) watches validation data, but the fit "
                 "has none: pass validation_fraction=0.1 (or validation_data), or monitor "
@@ -98,7 +104,7 @@ class EarlyStopping:
                 f"EarlyStopping(monitor={self.monitor!r}) watches the metric {name!r}, which "
                 f"the fit does not compute: pass metrics=[{name!r}].")
         raise UnknownNameError(f"EarlyStopping(monitor={self.monitor!r}) is not in the fit's "
-                               "logs." + suggest(self.monitor, available, "values"))
+                               "logs." + suggest(key, available, "values"))
 
 
 @dataclass
@@ -118,7 +124,7 @@ class StoppingRecord:
                state: Callable[[], dict[str, np.ndarray]]) -> bool:
         """Count ``epoch`` (``logs`` its values; ``state()`` a copy of its state): whether
         training stops now."""
-        value = float(logs[rule.monitor])
+        value = float(logs[rule.key])
         better = not math.isnan(value) and (
             self.best is None
             or (value > self.best + rule.min_delta if rule.maximize

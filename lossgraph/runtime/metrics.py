@@ -43,25 +43,19 @@ from ..errors import UnknownNameError, UnsupportedOptionError, suggest
 from ..names import NameAuthority
 from ..predictions import PROBABILITIES, UNKNOWN, output_kind
 
-__all__ = ["METRICS", "Metrics", "metric_graph", "metric_names", "greater_is_better"]
+__all__ = ["METRICS", "Metrics", "metric_graph", "metric_names"]
 
-#: The metrics by name: whether a larger value is better, and whether they score class
-#: labels (else regression targets). ``top_<k>_accuracy`` (k >= 1) is the one family.
-METRICS: dict[str, tuple[bool, bool]] = {
-    "accuracy": (True, True), "f1": (True, True), "log_loss": (False, True),
-    "mae": (False, False), "rmse": (False, False), "r2": (True, False)}
+#: The metrics by name: whether they score class labels (else regression targets).
+#: ``top_<k>_accuracy`` (k >= 1) is the one family. Which way is better is the monitor's
+#: rule (:class:`~lossgraph.runtime.callbacks.Monitor`: accuracies, F1 and R2 higher).
+METRICS: dict[str, bool] = {"accuracy": True, "f1": True, "log_loss": True, "mae": False,
+                            "rmse": False, "r2": False}
 _TOP_K = re.compile(r"top_([1-9][0-9]*)_accuracy")
 _OPSET = 18
 
 
 def _family(name: str) -> str:
     return "top_k_accuracy" if _TOP_K.fullmatch(name) else name
-
-
-def greater_is_better(name: str) -> bool:
-    """Whether a larger value of metric ``name`` is better (loss-like metrics: smaller)."""
-    family = _family(name)
-    return family == "top_k_accuracy" or METRICS[family][0]
 
 
 def metric_names(value: Any) -> tuple[str, ...]:
@@ -110,7 +104,7 @@ def _check(names: Sequence[str], spec: _Spec) -> None:
     classes = spec.label_type == TensorProto.INT64
     for name in names:
         family = _family(name)
-        for_classes = family == "top_k_accuracy" or METRICS[family][1]
+        for_classes = family == "top_k_accuracy" or METRICS[family]
         what = f"metric {name!r}"
         if for_classes and not classes:
             raise UnsupportedOptionError(

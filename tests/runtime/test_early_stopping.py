@@ -63,6 +63,9 @@ def test_the_rule_on_a_hand_computed_sequence():
     accuracy = [0.5, 0.6, 0.55, 0.58, 0.61]
     assert run(StoppingRecord("accuracy"), EarlyStopping("accuracy", patience=3), accuracy) is None
     assert run(StoppingRecord("accuracy"), EarlyStopping("accuracy", 2, mode="min"), accuracy) == 2
+    # Keras's val_ spelling reads the logs' validation_ value, as fit(monitor=...) does
+    assert EarlyStopping("val_accuracy").key == "validation_accuracy"
+    assert EarlyStopping("val_accuracy").maximize and not EarlyStopping("val_loss").maximize
 
 
 def _data():

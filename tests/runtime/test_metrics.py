@@ -16,7 +16,7 @@ import pytest
 from support.heads import head_data, head_model, head_program
 
 import lossgraph
-from lossgraph.runtime.metrics import greater_is_better
+from lossgraph.runtime.callbacks import Monitor
 
 sklearn_metrics = pytest.importorskip("sklearn.metrics")
 
@@ -140,8 +140,11 @@ def test_a_fit_logs_its_metrics_on_training_and_validation_data(tmp_path):
 
 
 def test_which_metrics_are_better_larger():
-    assert [greater_is_better(n) for n in ("accuracy", "top_5_accuracy", "f1", "r2")] == [True] * 4
-    assert [greater_is_better(n) for n in ("mae", "rmse", "log_loss")] == [False] * 3
+    """The monitor's rule (early stopping, the best checkpoint) reads every metric right."""
+    larger = ("accuracy", "top_5_accuracy", "f1", "r2", "validation_accuracy", "val_r2")
+    assert [Monitor(n).mode for n in larger] == ["max"] * len(larger)
+    smaller = ("mae", "rmse", "log_loss", "validation_log_loss", "loss")
+    assert [Monitor(n).mode for n in smaller] == ["min"] * len(smaller)
 
 
 def test_rows_whose_label_the_loss_ignores_are_left_out():

@@ -141,13 +141,20 @@ class _Renamed(argparse.Action):
 
 
 def _key_value(text: str) -> tuple[str, object]:
-    """An argument type: ``KEY=VALUE``, the value read as a bool, a number or a string."""
+    """An argument type: ``KEY=VALUE``, the value read as a bool, a number, a JSON list
+    (``class_weight=[1, 2.5]``) or a string."""
     key, equals, value = text.partition("=")
     if not equals or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. delta=1.5)")
     lowered = value.lower()
     if lowered in ("true", "false"):
         return key, lowered == "true"
+    if value.lstrip().startswith("["):
+        try:
+            return key, json.loads(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {value!r} is not a JSON list (e.g. {key}=[1, 2.5])") from None
     try:
         return key, float(value)
     except ValueError:

@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..builder import GraphBuilder
 from ..deprecation import warn_renamed
@@ -272,7 +272,7 @@ def _multiclass_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping
         return b.Neg(picked, hint="multiclass_log_loss")
     # torch's label smoothing e: (1 - e) w[y] (-log p[y]) + e / C sum_c w[c] (-log p[c])
     every = (b.reduce("ReduceSum", log_p, [classes], keepdims=0) if weights is None else
-             b.MatMul(log_p, b.const(weights, p.dtype, "class_weight")))
+             b.MatMul(log_p, _class_weight(b, weights, p.dtype)))
     count = p.dims[-1].dim_value or len(weights or ())
     if count:
         spread = b.Mul(every, b.const(smoothing / count, p.dtype, "label_smoothing_share"))
@@ -283,11 +283,18 @@ def _multiclass_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping
     return b.Neg(b.Add(kept, spread), hint="multiclass_log_loss")
 
 
+def _class_weight(b: GraphBuilder, weights: list[float], dtype: np.dtype) -> str:
+    """The class weights as a ``Constant`` node, not an initializer: a float initializer
+    that reaches the loss would be taken for a weight to train."""
+    return b.memo(("class_weight",), lambda: b.Constant(
+        value=numpy_helper.from_array(np.asarray(weights, dtype)), hint="class_weight"))
+
+
 def _label_weight(b: GraphBuilder, label: str, weights: list[float], dtype: np.dtype) -> str:
     """``class_weight[label]`` at each position (emitted once, for the score and the mean's
     divisor)."""
     return b.memo(("label_weight", label), lambda: b.Gather(
-        b.const(weights, dtype, "class_weight"), label, axis=0, hint="label_weight"))
+        _class_weight(b, weights, dtype), label, axis=0, hint="label_weight"))
 
 
 SCORES: dict[str, Score] = {

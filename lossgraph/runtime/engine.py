@@ -35,7 +35,6 @@ import onnx
 from ..data import CheckedArrays, as_array, check_values
 from ..errors import (
     InvalidDataError,
-    InvalidProgramError,
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedOptionError,

@@ -271,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--weight-name", metavar="NAME",
                        help="add a per-row sample-weight input of this name (lossgraph train "
                             "--sample-weight feeds it)")
+    build.add_argument("--class-weight-labels", nargs="+", metavar=("DATA", "NAME"),
+                       help="with --loss-option class_weight=balanced: the data file whose "
+                            "labels weigh the classes, as scikit-learn's balanced weights "
+                            "(computed now and kept in the program), and the label column or "
+                            "array (default: y, else label)")
     build.add_argument("--optimizer", type=_optimizer_spec, default="sgd",
                        metavar="NAME|JSON",
                        help=f"{'|'.join(OPTIMIZER_NAMES)} (default: sgd), or the JSON form, "

@@ -1062,6 +1062,33 @@ def test_training_with_pos_weight_equals_torch(rng, fuse, tmp_path):
 # -- what the program records, and the Trainer's checks ------------------------------------
 
 
+@pytest.mark.torch
+def test_a_kept_batch_evaluates_in_runs_as_one_mean_over_the_class_weights(rng):
+    """A model exported with a batch of 2 evaluates 2 rows a run; the runs' means combine
+    by the class weights of their labels into torch's mean over every row."""
+    import torch
+
+    model = onnx.parser.parse_model(f"""
+        <ir_version: 8, opset_import: ["" : 18]>
+        clf (float[2, {FEATURES}] x) => (float[2, {CLASSES}] logits)
+        <float[{FEATURES}, {CLASSES}] W = {{{", ".join(["0.3", "-0.2", "0.1"] * CLASSES)}}},
+         float[{CLASSES}] b = {{0.1, 0.2, -0.1, 0}}> {{
+            s = MatMul(x, W)
+            logits = Add(s, b)
+        }}""")
+    options = {"ignore_index": IGNORE, "label_smoothing": 0.1, "class_weight": CLASS_WEIGHT}
+    trainer = lossgraph.Trainer(lossgraph.compile_program(
+        model, loss="multiclass_log_loss", fixed_batch="keep",
+        loss_options={"from_logits": True, **options}))
+    X = rng.normal(size=(6, FEATURES)).astype(np.float32)
+    y = np.array([1, 0, IGNORE, 3, 2, 1])
+    logits = torch.from_numpy(X) @ torch.from_numpy(trainer.state["W"]) + torch.from_numpy(
+        trainer.state["b"])
+    assert trainer.evaluate(X, y) == pytest.approx(
+        torch_cross_entropy(logits, y, **options).item(), rel=1e-6)
+
+
+
 def test_the_class_weights_are_recorded_and_read_back():
     model = add_loss_output(token_model(), "multiclass_log_loss", from_logits=True,
                             class_weight=np.array(CLASS_WEIGHT), label_smoothing=0.1)
@@ -1170,6 +1197,37 @@ def test_the_command_line_takes_class_weights_as_a_json_list(tmp_path):
                  "-o", str(tmp_path / "program")]) == 0
     program = lossgraph.TrainingProgram.load(tmp_path / "program")
     assert read_json(program.graphs["evaluate"], LOSS_KEY) == {"class_weight": CLASS_WEIGHT}
+
+
+@pytest.mark.parametrize("source", ["csv", "npz"])
+def test_the_command_line_weighs_classes_by_the_labels_of_a_data_file(tmp_path, rng, source):
+    """``class_weight=balanced`` with ``--class-weight-labels DATA [NAME]``: the weights of
+    balanced_class_weight(labels) are computed at compile and kept in the program."""
+    from lossgraph.cli import main
+
+    onnx.save(token_model(), tmp_path / "tokens.onnx")
+    labels = token_labels(rng, (20, LENGTH))
+    if source == "csv":
+        data = tmp_path / "labels.csv"
+        data.write_text("tag\n" + "\n".join(map(str, labels.ravel())) + "\n")
+        flag = [str(data), "tag"]
+    else:
+        data = tmp_path / "data.npz"
+        np.savez(data, X=np.zeros(1), y=labels)
+        flag = [str(data)]
+    assert main(["compile", str(tmp_path / "tokens.onnx"), "--loss", "multiclass_log_loss",
+                 "--loss-option", "from_logits=true", "--loss-option", "ignore_index=-100",
+                 "--loss-option", "class_weight=balanced", "--class-weight-labels", *flag,
+                 "-o", str(tmp_path / "program")]) == 0
+    weights = lossgraph.balanced_class_weight(labels, ignore_index=IGNORE)
+    lossgraph.compile_program(token_model(), loss="multiclass_log_loss", loss_options={
+        "from_logits": True, "ignore_index": IGNORE, "class_weight": weights,
+    }).save(tmp_path / "expected")
+    for path in (tmp_path / "expected").iterdir():  # the same program, byte for byte
+        assert (tmp_path / "program" / path.name).read_bytes() == path.read_bytes(), path.name
+    program = lossgraph.TrainingProgram.load(tmp_path / "program")
+    assert read_json(program.graphs["evaluate"], LOSS_KEY) == {"ignore_index": IGNORE,
+                                                               "class_weight": weights}
 
 
 def test_data_parallel_refuses_a_mean_divided_by_class_weights():

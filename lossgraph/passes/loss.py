@@ -48,11 +48,22 @@ other loss), so that the mean is the sum over the counted positions divided by t
 ignore_index=k)``. ``sum`` and ``none`` keep the per-row losses ``l_i``: torch's
 ``reduction="sum"`` over positions is ``d1 * ... * dk`` times lossgraph's.
 
+``multiclass_log_loss`` takes torch's ``label_smoothing=e`` and ``class_weight=c`` (one
+weight per class): a position scores ``(1 - e) c[y] (-log p[y]) + e / C sum_k c[k] (-log
+p[k])`` and counts ``c[y]`` (``f_i`` is the mean of row ``i``'s counts), so that the mean
+divides by the weights of the labels counted, ``CrossEntropyLoss(weight=c,
+label_smoothing=e, ignore_index=k)``; sample weights multiply the class weights
+(scikit-learn's rule). :func:`balanced_class_weight` gives scikit-learn's ``"balanced"``
+weights of training labels, computed before compiling so that the program holds numbers.
+``binary_log_loss`` and ``logistic`` take ``pos_weight=c``, the positive term multiplied by
+``c`` and the mean left plain, ``BCEWithLogitsLoss(pos_weight=c)``.
+
 The result's inputs are the original inputs, the label, then the weight; its
 outputs are the loss (a scalar of the prediction's float type), then the original
 outputs. The roles of these tensors are recorded in the metadata
-(:mod:`lossgraph.roles`); an ``ignore_index`` under ``lossgraph.loss`` (the Trainer
-accepts that label).
+(:mod:`lossgraph.roles`); an ``ignore_index`` and a ``class_weight`` under
+``lossgraph.loss`` (:func:`read_loss_record`: the Trainer accepts that label, and weighs
+batch means by those weights).
 """
 
 from __future__ import annotations
@@ -631,7 +642,8 @@ def add_loss_output(
             penalty).
         score_name: onnxcustom's name of ``loss`` (either may be given, not both).
         **options: options of the loss function (``l1_weight``, ``l2_weight``, ``delta``,
-            ``eps``, ``from_logits``, ``ignore_index``).
+            ``eps``, ``from_logits``, ``ignore_index``, ``label_smoothing``,
+            ``class_weight``, ``pos_weight``).
     """
     if loss is None:
         warn_renamed("add_loss_output(loss=None)", "loss='squared_error' (None means a model "

@@ -886,8 +886,8 @@ def label_shares(y: np.ndarray, ignore_index: int | None, class_weight: list | N
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("shape", [(ROWS,), (ROWS, LENGTH)])
-@pytest.mark.parametrize("ignore_index", [None, IGNORE])
+@pytest.mark.parametrize(("shape", "ignore_index"), [((ROWS,), None), ((ROWS,), IGNORE),
+                                                     ((ROWS, LENGTH), IGNORE)])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("class_weight", [None, CLASS_WEIGHT])
 @pytest.mark.parametrize("from_logits", [True, False])
@@ -953,8 +953,7 @@ def test_sample_weights_multiply_the_class_weights(rng, label_smoothing, reducti
 @pytest.mark.torch
 @pytest.mark.parametrize("loss", ["logistic", "binary_log_loss"])
 @pytest.mark.parametrize("pos_weight", [None, 3.0, 0.5])
-@pytest.mark.parametrize("shape", ["N", "N, 1"])
-@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize(("shape", "weighted"), [("N", False), ("N, 1", True)])
 def test_pos_weight_equals_torchs_bce_with_logits(rng, loss, pos_weight, shape, weighted):
     """torch's BCEWithLogitsLoss(pos_weight=c): c y softplus(-s) + (1 - y) softplus(s), a
     plain mean (pos_weight is not normalised); of the sigmoid's probability for

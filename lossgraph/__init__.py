@@ -32,9 +32,12 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _HOMES = {
+    "CSVLogger": ".runtime.callbacks",
+    "Callback": ".runtime.callbacks",
     "Engine": ".runtime.engine",
     "LossgraphError": ".errors",
     "Trainer": ".runtime.trainer",
+    "TensorBoard": ".runtime.callbacks",
     "TrainingProgram": ".program",
     "add_loss_output": ".passes",
     "alphabetize_initializers": ".passes",
@@ -45,6 +48,7 @@ _HOMES = {
     "get_roles": ".roles",
     "grad_rule": ".autodiff",
     "gradient": ".passes",
+    "latest_checkpoint": ".paths",
     "lower_ml_ops": ".passes",
     "optim": ".optim",
     "stabilize_numerics": ".passes",

@@ -108,6 +108,7 @@ from .validation import (
     check_trainable_model,
     compile_options,
     no_weights_error,
+    warn_folded,
     warn_tied,
 )
 
@@ -332,6 +333,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     check_learnable(loss_model, weights)
     if checked.untie is None:
         warn_tied(loss_model, weights)
+    warn_folded(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:

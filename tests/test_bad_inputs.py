@@ -41,6 +41,7 @@ from lossgraph.errors import (
     RuntimeUnavailableError,
     ShapeMismatchError,
     UnknownNameError,
+    UnsafeWriteError,
     UnsupportedModelError,
     UnsupportedOptionError,
 )
@@ -302,6 +303,13 @@ class Case:
     error: type[LossgraphError]
     fragment: str
     trains: bool = False  # a divergence case: trains until the bad step, on purpose
+
+
+def _other_run(c: Context) -> Path:
+    """A checkpoint_dir another fit (of another trainer) saved into."""
+    lossgraph.Trainer(c.program()).fit(X, Y, batch_size=50, progress=False,
+                                       checkpoint_dir=c.tmp / "run", keep_best=False)
+    return c.tmp / "run"
 
 
 def with_value(array: np.ndarray, row: int, value: float, column: int | None = None):
@@ -622,6 +630,50 @@ CASES: list[Case] = [
          "callbacks[1]=1 is not callable"),
     Case("callbacks-not-a-list", "callbacks=3", lambda c: c.fit(callbacks=3),
          UnsupportedOptionError, "callbacks=3 must be a list"),
+    *[Case(f"max-steps-{label}", f"max_steps={value!r}",
+           lambda c, v=value: c.fit(max_steps=v), UnsupportedOptionError, f"max_steps={value!r}")
+      for label, value in [("negative", -1), ("float", 2.5)]],
+    Case("max-steps-one-shot-iterator", "max_steps=20 over a one-shot iterator of batches",
+         lambda c: c.fit(iter([(X[:10], Y[:10])]), None, max_steps=20), InvalidDataError,
+         "cannot be replayed for max_steps=20 over epochs"),
+    Case("checkpoint-every-zero", "checkpoint_every=0",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", checkpoint_every=0, keep_best=False),
+         UnsupportedOptionError, "checkpoint_every=0 must be >= 1"),
+    Case("keep-last-zero", "keep_last=0",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", keep_last=0, keep_best=False),
+         UnsupportedOptionError, "keep_last=0 must be >= 1"),
+    Case("keep-best-not-bool", "keep_best='yes'",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", keep_best="yes"),
+         UnsupportedOptionError, "keep_best='yes' must be True or False"),
+    Case("keep-best-without-validation", "keep_best=True (monitor 'val_loss') without "
+         "validation_data", lambda c: c.fit(checkpoint_dir=c.tmp / "ck"),
+         UnsupportedOptionError, "monitor='val_loss' is a validation value, but fit has no "
+         "validation_data"),
+    Case("monitor-unknown", "monitor='val_los' (misspelt)",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", monitor="val_los",
+                         validation_data=(X, Y)), UnknownNameError,
+         "monitor='val_los': the epoch logs hold no 'validation_los', only 'loss', "
+         "'validation_loss'. Did you mean 'validation_loss'?"),
+    Case("monitor-empty", "monitor=''", lambda c: c.fit(checkpoint_dir=c.tmp / "ck", monitor=""),
+         UnsupportedOptionError, "monitor='' must name a value of the epoch logs"),
+    Case("checkpoint-options-without-folder", "keep_last=5 without checkpoint_dir",
+         lambda c: c.fit(keep_last=5), UnsupportedOptionError,
+         "keep_last=5 without checkpoint_dir"),
+    Case("checkpoint-dir-not-a-path", "checkpoint_dir=3",
+         lambda c: c.fit(checkpoint_dir=3), UnsupportedOptionError,
+         "checkpoint_dir=3 must be a path"),
+    Case("checkpoint-dir-a-file", "checkpoint_dir naming a file",
+         lambda c: c.fit(checkpoint_dir=c.file("ck", b"x"), keep_best=False), UnsafeWriteError,
+         "is not a folder"),
+    Case("checkpoint-dir-of-another-run", "a checkpoint_dir holding a later run's checkpoints",
+         lambda c: c.fit(checkpoint_dir=_other_run(c), keep_best=False), UnsafeWriteError,
+         "past step 0 this fit starts from: another run's checkpoints"),
+    Case("csv-logger-unknown-per", "CSVLogger(path, per='batch')",
+         lambda c: lossgraph.CSVLogger(c.tmp / "log.csv", per="batch"),
+         UnsupportedOptionError, "per='batch'"),
+    Case("csv-logger-over-a-users-file", "CSVLogger over a CSV file lossgraph did not write",
+         lambda c: lossgraph.CSVLogger(c.file("mine.csv", b"a,b\n1,2\n")), UnsafeWriteError,
+         "exists and was not written by lossgraph"),
     Case("trainer-of-a-model", "Trainer(model) instead of Trainer(program)",
          lambda c: lossgraph.Trainer(linear()), UnsupportedOptionError,
          "Trainer(lossgraph.compile_program(model))"),

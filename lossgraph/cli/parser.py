@@ -325,7 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "present and the program takes sample weights)")
     train.add_argument("--validation-split", type=_fraction, metavar="F",
                        help="hold out the last fraction F of the rows as validation data")
-    train.add_argument("--epochs", type=int, default=1, help="epochs to train (default: 1)")
+    train.add_argument("--epochs", type=int, default=None,
+                       help="epochs to train (default: 1, or as many as --max-steps takes)")
+    train.add_argument("--max-steps", type=int, default=None, metavar="N",
+                       help="stop after N updates, mid-epoch too (with --epochs, whichever "
+                            "comes first)")
     train.add_argument("--batch-size", type=int, default=None,
                        help="rows a step (default: 32, or the batch a model exported with a "
                             "fixed batch keeps)")
@@ -335,11 +339,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seed of the shuffling (ignored with --resume: the checkpoint's "
                             "generator goes on)")
     train.add_argument("--resume", metavar="CHECKPOINT",
-                       help="continue this checkpoint folder (lossgraph train --checkpoint) "
-                            "for --epochs more epochs")
+                       help="continue this checkpoint folder (lossgraph train --checkpoint), "
+                            "or the latest in a --checkpoint-dir, for --epochs more epochs")
     output_file(train, "the trained inference model (.onnx)")
     train.add_argument("--checkpoint", metavar="FOLDER",
                        help="also save a checkpoint folder here, to --resume or export")
+    train.add_argument("--checkpoint-dir", metavar="FOLDER",
+                       help="save a checkpoint FOLDER/checkpoint-<steps> every "
+                            "--checkpoint-every epochs and at the end, keeping the last "
+                            "--keep-last and, with --validation-split, the one of the best "
+                            "validation loss")
+    train.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                       help="epochs between checkpoints in --checkpoint-dir (default: 1)")
+    train.add_argument("--keep-last", type=int, default=None, metavar="K",
+                       help="checkpoints of --checkpoint-dir kept besides the best "
+                            "(default: 3)")
+    train.add_argument("--log-csv", metavar="FILE",
+                       help="also write the logs here as CSV, a row per epoch (or step, "
+                            "--log-per step) as training goes")
+    train.add_argument("--log-per", choices=["epoch", "step"], default="epoch",
+                       help="a --log-csv row per epoch (default) or per update")
     train.add_argument("--history", metavar="FILE",
                        help="also write the losses of every epoch here, as JSON")
     train.add_argument("--plot", metavar="FILE",

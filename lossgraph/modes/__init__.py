@@ -70,6 +70,9 @@ class PlanContext:
     penalty: Any = None
     #: the inference model has ZipMap outputs, which predict gives as the tensors they zip
     zipmaps: bool = False
+    #: the micro-batches of one update a fit takes by default (compile's
+    #: ``accumulation_steps``); above 1 the fused modes build the graphs that accumulate
+    accumulation_steps: int = 1
 
     @property
     def lift(self) -> WeightsToInputs:

@@ -250,7 +250,10 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     # the step counter is carried only where the update reads it (Adam)
     counts_steps = mapping[signature.step] in values_read(body)
     counted = [signature.step] if counts_steps else []
-    scanned = [*signature.data, signature.learning_rate]
+    # per update: a group's gradient scales (lossgraph.passes.accumulate), its learning rate
+    per_update = [*([signature.gradient_scale] if signature.gradient_scale else []),
+                  signature.learning_rate]
+    scanned = [*signature.data, *per_update]
     outputs = {v.name: v for v in body.output}
     new_body_inputs = [inputs[mapping[n]] for n in [*carried, *counted, *scanned]]
     new_body_outputs = [outputs[mapping[signature.new[n]]] for n in carried]
@@ -285,6 +288,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
             shape.append(b.Slice(b.Shape(name), b.ints([1]), b.ints([rank])))
         batched.append(b.Reshape(rows, b.Concat(*shape, axis=0), hint=f"{name}_batches"))
     losses = names.fresh("losses")
+    scales = names.fresh("gradient_scales") if signature.gradient_scale else None
     if signature.unpacked:
         flat = b.ints([-1], hint="flat")
         scan_in = [b.Concat(*(b.Reshape(m, flat) for m in signature.members(c)), axis=0,
@@ -295,9 +299,12 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     else:
         scan_in, scan_out = carried, [signature.new[n] for n in carried]
     steps_in, steps_out = ([outer.step], [names.fresh("step_final")]) if counts_steps else ([], [])
-    b.op("Scan", *scan_in, *steps_in, *batched, learning_rates,
-         outputs=[*scan_out, *steps_out, losses],
-         body=body, num_scan_inputs=len(batched) + 1)
+    grouped = names.fresh("losses_by_group") if scales else losses
+    b.op("Scan", *scan_in, *steps_in, *batched, *([scales] if scales else []), learning_rates,
+         outputs=[*scan_out, *steps_out, grouped],
+         body=body, num_scan_inputs=len(batched) + len(per_update))
+    if scales:  # a group's step gives the losses of its micro-batches: one vector of all
+        b.op("Reshape", grouped, b.ints([-1], hint="flat"), outputs=[losses])
     if signature.unpacked:
         shapes = [signature.shapes[w] for w in outer.weights]
         for packed, out in zip(packable, scan_out):
@@ -308,10 +315,14 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     new_inputs = [_all_rows(helper.make_value_info(n, outer_types[n])) for n in signature.data]
     if shuffle:
         new_inputs.append(helper.make_tensor_value_info(permutation, TensorProto.INT64, ["rows"]))
+    if scales:
+        new_inputs.append(helper.make_tensor_value_info(scales, dtype_code,
+                                                        ["batches", "micro_batches"]))
     new_inputs.append(helper.make_tensor_value_info(learning_rates, dtype_code, ["batches"]))
     new_inputs += [helper.make_value_info(n, outer_types[n])
                    for n in [outer.step, *outer_carried]]
-    outputs = [helper.make_tensor_value_info(losses, dtype_code, ["batches"])]
+    outputs = [helper.make_tensor_value_info(losses, dtype_code,
+                                             ["micro_batches" if scales else "batches"])]
     outputs += [helper.make_value_info(outer.new[n], outer_types[n]) for n in outer_carried]
     del graph.node[:]
     del graph.initializer[:]
@@ -324,6 +335,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     signature = copy.deepcopy(outer)
     signature.permutation, signature.learning_rates, signature.losses = (
         permutation, learning_rates, losses)
+    signature.gradient_scale = scales
     return signature
 
 

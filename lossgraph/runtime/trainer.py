@@ -90,7 +90,8 @@ class Trainer:
             batch_size: int | None = None, shuffle: bool = True, random_state: Any = None,
             validation_data: tuple | None = None, callbacks: Iterable[Callback] | None = None,
             progress: bool | None = None, warm_start: bool = False,
-            epoch_learning_rate: Callable[[int], float] | None = None) -> Trainer:
+            epoch_learning_rate: Callable[[int], float] | None = None,
+            accumulation_steps: int | None = None) -> Trainer:
         """Train for ``epochs`` epochs of minibatch updates; returns ``self``.
 
         ``X`` is an array (or a dict of arrays by feature input name; a list, or an object
@@ -108,6 +109,17 @@ class Trainer:
         kept (:attr:`Engine.fixed_batch`) trains in batches of exactly that size (the
         default then, and the only one): each epoch's remaining rows are left out, as
         torch's ``DataLoader(drop_last=True)`` does (shuffled, other rows each epoch).
+
+        ``accumulation_steps=k`` makes one update of every ``k`` batches (micro-batches):
+        the gradient of the mean loss over their rows (weighted by ``sample_weight``), as
+        one step at a batch of ``k * batch_size`` rows takes, to float rounding; by default
+        the program's (``compile_program(accumulation_steps=...)``, which ``k > 1``
+        needs). An epoch's last group may hold fewer micro-batches (and its last one fewer
+        rows): it is one update all the same, its gradient the mean over the rows it holds,
+        as Hugging Face's Trainer does at the end of an epoch. The learning-rate schedule
+        and the step count (``steps_``, Adam's bias correction) advance per update;
+        running statistics (BatchNormalization in training mode) per micro-batch, as in
+        torch. With an iterable of batches, every ``k`` batches it yields are one update.
         """
         epochs = count("epochs", epochs, 0)
         batch_size = self.batch_size(batch_size)
@@ -119,6 +131,7 @@ class Trainer:
             raise UnsupportedOptionError(
                 f"epoch_learning_rate={epoch_learning_rate!r} must be a function of the epoch "
                 "returning the learning rate, or None.")
+        accumulation = self.engine.accumulation_steps(accumulation_steps)
         streaming = _streaming(X, y, sample_weight)
         if streaming and epochs > 1 and not callable(X) and iter(X) is X:
             raise InvalidDataError(
@@ -148,9 +161,10 @@ class Trainer:
             for _ in range(epochs):
                 epoch = self.epochs_
                 if streaming:
-                    losses, sizes = self._stream_epoch(X, epoch)
+                    losses, sizes = self._stream_epoch(X, epoch, accumulation)
                 else:
-                    losses, sizes = self._array_epoch(data, batch_size, shuffle, epoch)
+                    losses, sizes = self._array_epoch(data, batch_size, shuffle, epoch,
+                                                      accumulation)
                 self.epochs_ += 1
                 logs = {"loss": float(np.dot(losses, sizes) / np.sum(sizes))}
                 self.train_losses_.append(logs["loss"])
@@ -194,17 +208,18 @@ class Trainer:
         return tqdm(total=epochs, desc="lossgraph", unit="epoch")
 
     def _array_epoch(self, data: dict[str, np.ndarray], batch_size: int, shuffle: bool,
-                     epoch: int) -> tuple[np.ndarray, np.ndarray]:
+                     epoch: int, accumulation: int) -> tuple[np.ndarray, np.ndarray]:
         rows = len(next(iter(data.values())))
         order = self._rng.permutation(rows) if shuffle else None
         full = rows // batch_size
         if self.engine.fixed_batch is not None:
             rows = full * batch_size  # the last, short batch is left out (drop_last)
+        fused = full - full % accumulation  # the micro-batches of the full groups
         losses, sizes = [], []
-        if self.engine.runs_epochs and full > 0:
-            losses.append(self._fused_epoch(data, order, full, batch_size, epoch))
-            sizes.append(np.full(full, batch_size))
-            start = full * batch_size
+        if self.engine.runs_epochs and fused > 0:
+            losses.append(self._fused_epoch(data, order, fused, batch_size, epoch, accumulation))
+            sizes.append(np.full(fused, batch_size))
+            start = fused * batch_size
         else:
             start = 0
         if start < rows:
@@ -213,32 +228,46 @@ class Trainer:
             else:  # one gather per epoch, then views
                 rest = {name: array[order[start:rows]] for name, array in data.items()}
             batch_losses, batch_sizes = self._steps(rest, batch_size, epoch, start // batch_size,
-                                                    None if order is None else order[start:rows])
+                                                    None if order is None else order[start:rows],
+                                                    accumulation)
             losses.append(batch_losses)
             sizes.append(batch_sizes)
         return np.concatenate(losses), np.concatenate(sizes)
 
     def _steps(self, data: dict[str, np.ndarray], batch_size: int, epoch: int, first: int,
-               order: np.ndarray | None,
+               order: np.ndarray | None, accumulation: int,
                specialize: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Minibatch steps over ``data`` (already in epoch order), whose full batches run
-        graphs specialized to ``batch_size`` when ``specialize``."""
+        """Minibatch updates over ``data`` (already in epoch order), one per
+        ``accumulation`` batches, whose full batches run graphs specialized to
+        ``batch_size`` when ``specialize``."""
         rows = len(next(iter(data.values())))
-        batches = math.ceil(rows / batch_size)
-        losses = np.empty(batches)
-        sizes = np.empty(batches, np.int64)
+        bounds = [(lo, min(rows, lo + batch_size)) for lo in range(0, rows, batch_size)]
+        losses = np.empty(len(bounds))
+        sizes = np.array([hi - lo for lo, hi in bounds], np.int64)
         full = batch_size if specialize else None
-        for index in range(batches):
-            lo, hi = index * batch_size, min(rows, (index + 1) * batch_size)
-            batch = {name: array[lo:hi] for name, array in data.items()}
-            number = self.steps_ + 1
-            loss = self.engine.step(batch, step=number, rate=self.learning_rate(number), full=full)
-            if not math.isfinite(loss):
-                rows_used = np.arange(lo, hi) if order is None else order[lo:hi]
-                self._diverged(epoch, first + index, loss, batch, rows_used)
-            self._apply(1, epoch, first + index)
-            losses[index], sizes[index] = loss, hi - lo
+        for start in range(0, len(bounds), accumulation):
+            group = bounds[start:start + accumulation]
+            batches = [{name: array[lo:hi] for name, array in data.items()} for lo, hi in group]
+            losses[start:start + len(group)] = self._update(
+                batches, epoch, first + start, full,
+                lambda index: (np.arange(*group[index]) if order is None
+                               else order[slice(*group[index])]))
         return losses, sizes
+
+    def _update(self, batches: list[dict[str, np.ndarray]], epoch: int, first: int,
+                full: int | None, rows: Callable[[int], np.ndarray]) -> np.ndarray:
+        """One update from the micro-batches ``batches``, the epoch's from batch ``first``
+        on (``rows(i)``: the rows of the data in batch ``i``, for messages): their losses."""
+        number = self.steps_ + 1
+        losses = self.engine.accumulate(batches, step=number, rate=self.learning_rate(number),
+                                        full=full)
+        bad = np.flatnonzero(~np.isfinite(losses))
+        if bad.size:
+            index = int(bad[0])
+            self._diverged(epoch, first + index, float(losses[index]), batches[index],
+                           rows(index))
+        self._apply(1, epoch, first)
+        return losses
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update ``step`` (counted from 1) as the fit runs it: the
@@ -254,13 +283,15 @@ class Trainer:
         return float(rate)
 
     def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,
-                     batch_size: int, epoch: int) -> np.ndarray:
-        """All full batches of an epoch in one run of the epoch graph."""
+                     batch_size: int, epoch: int, accumulation: int) -> np.ndarray:
+        """All full batches of an epoch (whole groups of ``accumulation``) in one run of
+        the epoch graph."""
         first = self.steps_ + 1
-        rates = (self._optimizer.schedules(first, full) if self._epoch_rate is None else
-                 np.full(full, self.learning_rate(first)))
+        updates = full // accumulation
+        rates = (self._optimizer.schedules(first, updates) if self._epoch_rate is None else
+                 np.full(updates, self.learning_rate(first)))
         losses = self.engine.epoch(data, order, full, batch_size, first_step=first,
-                                   rates=rates)
+                                   rates=rates, accumulation_steps=accumulation)
         bad = np.flatnonzero(~np.isfinite(losses))
         if bad.size:
             index = int(bad[0])
@@ -268,14 +299,23 @@ class Trainer:
                          else order[index * batch_size:(index + 1) * batch_size])
             batch = {name: array[rows_used] for name, array in data.items()}
             self._diverged(epoch, index, float(losses[index]), batch, rows_used,
-                           first_of_run=index == 0)
-        self._apply(full, epoch, 0)
+                           first_of_run=index < accumulation)
+        self._apply(updates, epoch, 0)
         return losses.astype(np.float64)
 
-    def _stream_epoch(self, batches: Any, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """One pass over an iterable of (X, y[, w]) batches."""
+    def _stream_epoch(self, batches: Any, epoch: int, accumulation: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over an iterable of (X, y[, w]) batches, one update per
+        ``accumulation`` of them (and one for those left at the end)."""
         source = batches() if callable(batches) else batches
         losses, sizes = [], []
+        group: list[dict[str, np.ndarray]] = []
+
+        def update(first: int) -> None:
+            losses.append(self._update(group, epoch, first, None,
+                                       lambda index: np.arange(_rows(group[index]))))
+            sizes.append([_rows(batch) for batch in group])  # they may differ in size
+
         for index, item in enumerate(source):
             if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
                 raise InvalidDataError(
@@ -283,11 +323,12 @@ class Trainer:
                     "iterable of such tuples, or X and y as arrays.")
             data = self.engine.prepare(*item, what=f"batch {index} ")
             self.engine.check_batch(data, f"Batch {index}")
-            rows = len(next(iter(data.values())))  # streamed batches may differ in size
-            batch_losses, batch_sizes = self._steps(data, rows, epoch, index, None,
-                                                    specialize=False)
-            losses.append(batch_losses)
-            sizes.append(batch_sizes)
+            group.append(data)
+            if len(group) == accumulation:
+                update(index + 1 - len(group))
+                group = []
+        if group:
+            update(index + 1 - len(group))
         if not losses:
             raise InvalidDataError("The iterable of batches was empty.")
         return np.concatenate(losses), np.concatenate(sizes)
@@ -420,6 +461,11 @@ class Trainer:
         self.__init__(saved["program"], saved["providers"])
         self.set_state(saved["state"])
         self.restore_progress(saved["progress"])
+
+
+def _rows(data: Mapping[str, np.ndarray]) -> int:
+    """The number of rows of a batch's arrays."""
+    return len(next(iter(data.values())))
 
 
 def _is_data(X: Any) -> bool:

@@ -59,10 +59,14 @@ class SpecializeBatch(Pass[Reports | None]):
                  if node.op_type == "Scan" and rates and node.input[-1] == rates]
         if scans:  # an epoch graph: the Scan's batches get the static size
             fixed = False
+            # the Scan's last inputs are per update: the learning rate, and before it a
+            # group's gradient scales where it accumulates (lossgraph.passes.accumulate)
+            per_update = 2 if signature.get("gradient_scale") else 1
             for scan in scans:
                 scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
                 body_inputs = next(subgraphs(scan)).input  # a Scan holds one graph: its body
-                fixed |= bool(set_leading_dims(body_inputs[len(body_inputs) - scanned:],
+                end = len(body_inputs) - per_update
+                fixed |= bool(set_leading_dims(body_inputs[end + per_update - scanned:end],
                                                self.batch))
         else:
             names = set_leading_dims(model.graph.input, self.batch)

@@ -148,7 +148,7 @@ FLAG_PARAMETERS = {
         "--penalty-l2": "penalty", "--optimizer": "optimizer", "--learning-rate": "optimizer",
         "--momentum": "optimizer", "--backend": "backend", "--fuse": "fuse",
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
-        "--output": None, "--format": None}),
+        "--accumulation-steps": "accumulation_steps", "--output": None, "--format": None}),
 }
 
 

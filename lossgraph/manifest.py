@@ -32,10 +32,12 @@ the key trains and exports the program all the same).
 A program compiled with ``accumulation_steps=k > 1`` has one more key,
 ``"accumulation": {"steps": k, "loss_reduction": "mean" | "sum"}``: the micro-batches of
 one update a fit takes by default, and how its loss reduces rows (how the gradients of
-micro-batches combine into the gradient of their rows' loss). Its fused modes hold the graphs that accumulate gradients (``train_accumulate``,
-``train_step_accumulated`` and, for ``fuse="epoch"``, ``train_epoch_accumulated`` and
-``train_epoch_ordered_accumulated``), whose inputs and outputs have the roles
-``gradient_sum``, ``new_gradient_sum``, ``gradient_scale`` and ``gradient_scales``.
+micro-batches combine into the gradient of their rows' loss). Its fused modes hold the
+graphs that accumulate gradients (``train_accumulate``, ``train_step_accumulated`` and,
+for ``fuse="epoch"``, ``train_epoch_accumulated`` and ``train_epoch_ordered_accumulated``),
+whose inputs and outputs have the roles
+``gradient_sum``, ``new_gradient_sum``, ``gradient_scale`` and ``gradient_scales``; the
+format stays (a lossgraph that does not know the key trains one batch per update).
 
 :func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything

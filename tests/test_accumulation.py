@@ -10,7 +10,7 @@ from support.linear import linear_data, linear_model
 
 import lossgraph
 from lossgraph.optim import SGD, Adam
-from lossgraph.passes import AccumulateGradients, GroupGradients
+from lossgraph.passes import GroupGradients, SumGradients
 
 MODES = ("step", "epoch", "separate")
 OPTIMIZERS = {"sgd": SGD(0.05), "adam": Adam(0.05)}
@@ -142,7 +142,7 @@ def test_the_accumulating_graphs_run_in_onnxruntime(run_model):
     for name in weights:
         np.testing.assert_allclose(outputs[f"{name}_grad_sum_new"], 0.5 + 0.25 * expected[name],
                                    rtol=1e-5, err_msg=name)
-    assert AccumulateGradients.__name__ in str(lossgraph.describe_plan(
+    assert SumGradients.__name__ in str(lossgraph.describe_plan(
         linear_model(), loss="squared_error", accumulation_steps=2))
     assert GroupGradients.__name__ in str(lossgraph.describe_plan(
         linear_model(), loss="squared_error", fuse="epoch", accumulation_steps=2))

@@ -82,7 +82,8 @@ def _train(args: argparse.Namespace) -> int:
         data, validation = _split(data, args.validation_split)
     before = len(trainer.train_losses_), len(trainer.validation_losses_)  # a checkpoint's
     trainer.fit(**data, epochs=args.epochs, batch_size=args.batch_size,
-                accumulation_steps=args.accumulation_steps, shuffle=not args.no_shuffle, random_state=args.random_state,
+                accumulation_steps=args.accumulation_steps, shuffle=not args.no_shuffle,
+                random_state=args.random_state,
                 validation_data=validation, progress=args.progress,
                 warm_start=args.resume is not None)
     train_losses, validation_losses = trainer.train_losses_, trainer.validation_losses_

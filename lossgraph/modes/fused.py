@@ -15,9 +15,9 @@ with ``train_step``.
 Compiled with ``accumulation_steps`` above 1, both modes also hold the graphs that
 accumulate gradients over the micro-batches of one update (:mod:`lossgraph.passes.accumulate`)::
 
-    train_accumulate                = ... -> Gradient -> (speed) -> AccumulateGradients
-    train_step_accumulated          = ... -> AccumulateGradients -> StepGraph
-    train_epoch_accumulated         = ... -> PackWeights -> AccumulateGradients
+    train_accumulate                = ... -> Gradient -> (speed) -> SumGradients
+    train_step_accumulated          = ... -> SumGradients -> StepGraph
+    train_epoch_accumulated         = ... -> PackWeights -> SumGradients
                                       -> GroupGradients -> StepGraph -> EpochGraph
     train_epoch_ordered_accumulated = ... -> EpochGraph(shuffle=False)
 
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InternalError
-from ..passes.accumulate import AccumulateGradients, GroupGradients
+from ..passes.accumulate import GroupGradients, SumGradients
 from ..passes.contract import Pipeline
 from ..passes.fuse import EpochGraph, PackWeights, StepGraph
 from ..passes.gradient import Gradient
@@ -56,7 +56,7 @@ def _accumulating(context: PlanContext, packed: bool) -> dict[str, Planned]:
     program is compiled to (``packed``: an epoch mode's, with its epoch graphs)."""
     if context.accumulation_steps == 1:
         return {}
-    accumulate = (*_differentiated(context), AccumulateGradients())
+    accumulate = (*_differentiated(context), SumGradients())
     step = StepGraph(context.optimizer)
     graphs = {
         "train_accumulate": Planned("loss model", Pipeline((*accumulate, context.widen))),
@@ -65,7 +65,7 @@ def _accumulating(context: PlanContext, packed: bool) -> dict[str, Planned]:
     }
     if packed:
         group = (*_differentiated(context), PackWeights(context.optimizer),
-                 AccumulateGradients(), GroupGradients(), step)
+                 SumGradients(), GroupGradients(), step)
         graphs.update({name: Planned("loss model", Pipeline((*group, EpochGraph(shuffle),
                                                              context.widen)))
                        for name, shuffle in (("train_epoch_ordered_accumulated", False),
@@ -74,7 +74,7 @@ def _accumulating(context: PlanContext, packed: bool) -> dict[str, Planned]:
 
 
 #: The accumulating graphs, and the pass whose signature tells each one's names.
-_ACCUMULATING = {"train_accumulate": AccumulateGradients, "train_step_accumulated": StepGraph,
+_ACCUMULATING = {"train_accumulate": SumGradients, "train_step_accumulated": StepGraph,
                  "train_epoch_accumulated": EpochGraph,
                  "train_epoch_ordered_accumulated": EpochGraph}
 
@@ -86,7 +86,7 @@ def _accumulating_roles(compiling: Compiling, signature: Signature) -> dict[str,
     for name, kind in _ACCUMULATING.items():
         if name in compiling.built:
             own = compiling.built[name].report.of(kind)
-            updates = kind is not AccumulateGradients
+            updates = kind is not SumGradients
             if _state_names(own, updates) != _state_names(signature, updates):
                 raise InternalError(f"The {name!r} graph names the program's state otherwise "
                                     "than its training graphs.")

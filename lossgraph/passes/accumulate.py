@@ -1,6 +1,6 @@
 """Gradient accumulation: several micro-batches, one update.
 
-``AccumulateGradients`` adds a micro-batch's gradient, scaled, to a running sum the graph
+``SumGradients`` adds a micro-batch's gradient, scaled, to a running sum the graph
 reads (each weight's, or the flat one of :class:`~lossgraph.passes.fuse.PackWeights`)::
 
     (..., <w>_grad_sum..., gradient_scale) -> (loss, <w>_grad_sum_new..., <buffer>_new...)
@@ -39,11 +39,11 @@ from ..signature import Signature
 from .contract import Pass, PassResult
 from .fuse import GRADIENT_MODEL, _all_rows
 
-__all__ = ["AccumulateGradients", "GroupGradients"]
+__all__ = ["SumGradients", "GroupGradients"]
 
 
 @dataclass(frozen=True)
-class AccumulateGradients(Pass[Signature]):
+class SumGradients(Pass[Signature]):
     """Each gradient added, scaled, to a running sum the graph reads (module doc); reports
     and records the signature whose gradients are the new sums."""
 
@@ -79,7 +79,7 @@ class AccumulateGradients(Pass[Signature]):
 
 @dataclass(frozen=True)
 class GroupGradients(Pass[Signature]):
-    """An accumulating model (:class:`AccumulateGradients`) as the gradient model of a
+    """An accumulating model (:class:`SumGradients`) as the gradient model of a
     group of micro-batches, a Scan over them (module doc); reports and records its
     signature."""
 

@@ -191,11 +191,10 @@ class Engine:
             outputs: dict[str, str | Block] = {self._new[name]: name for name in inputs.values()
                                                if self._new[name] in produced}
             roles = {v["role"]: v["name"] for v in (*entry["inputs"], *entry["outputs"])}
-            fixed_in = {**({roles["step"]: self._step} if "step" in roles else {}),
-                        **(bound or {})}
+            scalars = {"step": self._step, "learning_rate": self._rate}  # where it reads them
+            fixed_in = {roles[role]: value for role, value in scalars.items() if role in roles}
+            fixed_in.update(bound or {})
             fixed_out = dict(bound_outputs or {})
-            if "learning_rate" in roles:
-                fixed_in[roles["learning_rate"]] = self._rate
             if "loss" in roles:
                 fixed_out[roles["loss"]] = self._loss
             self._runners[key] = GraphRunner(self.session(graph, batch), self.ring, inputs,

@@ -250,8 +250,8 @@ class Trainer:
             batches = [{name: array[lo:hi] for name, array in data.items()} for lo, hi in group]
             losses[start:start + len(group)] = self._update(
                 batches, epoch, first + start, full,
-                lambda index: (np.arange(*group[index]) if order is None
-                               else order[slice(*group[index])]))
+                lambda index, group=group: (np.arange(*group[index]) if order is None
+                                            else order[slice(*group[index])]))
         return losses, sizes
 
     def _update(self, batches: list[dict[str, np.ndarray]], epoch: int, first: int,

@@ -143,10 +143,16 @@ class Assembled:
 
 
 class Stepper(Protocol):
-    """A mode's runtime step on an engine: one update on a batch, its loss returned and
-    the next state left in the engine's following buffer set."""
+    """A mode's runtime step on an engine: one update on a batch (or on several
+    micro-batches), its loss returned and the next state left in the engine's following
+    buffer set."""
 
     def step(self, batch: Mapping[str, np.ndarray], full: int | None) -> float: ...
+
+    def accumulate(self, batches: Sequence[Mapping[str, np.ndarray]], scales: np.ndarray,
+                   full: int | None) -> np.ndarray:
+        """One update from micro-batches whose gradients add up with the factors
+        ``scales``, buffers updated by each in turn: their losses."""
 
 
 class FuseMode(abc.ABC):

@@ -187,7 +187,7 @@ class FusedSteps:
                                            sums.reading(index), sums.writing(index))
                 runner.run(batch)
                 losses[index] = engine.loss
-                carry()
+                carry()  # the next micro-batch reads the buffers this one wrote
         return losses
 
 

@@ -33,13 +33,23 @@ import onnx
 from onnx import helper
 
 from ..builder import GraphBuilder
-from ..graphs import opset_version, rename_values
+from ..graphs import opset_version
 from ..names import NameAuthority
 from ..signature import Signature
 from .contract import Pass, PassResult
-from .fuse import GRADIENT_MODEL, _all_rows
+from .fuse import GRADIENT_MODEL, all_rows, scan_body
 
 __all__ = ["SumGradients", "GroupGradients"]
+
+
+def _start(model: onnx.ModelProto
+           ) -> tuple[Signature, NameAuthority, dict[str, onnx.TypeProto], int]:
+    """What both passes start from: the model's signature, its names, its inputs' types and
+    the weights' element type."""
+    signature = Signature.of(model)
+    types = {v.name: v.type for v in model.graph.input}
+    return (signature, NameAuthority.for_model(model), types,
+            types[signature.weights[0]].tensor_type.elem_type)
 
 
 @dataclass(frozen=True)
@@ -50,11 +60,8 @@ class SumGradients(Pass[Signature]):
     requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        signature = Signature.of(model)
+        signature, names, types, dtype = _start(model)
         graph = model.graph
-        names = NameAuthority.for_model(model)
-        types = {v.name: v.type for v in graph.input}
-        dtype = types[signature.weights[0]].tensor_type.elem_type
         scale = names.fresh("gradient_scale")
         graph.input.append(helper.make_tensor_value_info(scale, dtype, []))
         b = GraphBuilder(names, opset_version(model) or 13, prefix="accumulate/")
@@ -86,22 +93,11 @@ class GroupGradients(Pass[Signature]):
     requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        micro = Signature.of(model)
+        micro, names, types, dtype = _start(model)
         graph = model.graph
-        names = NameAuthority.for_model(model)
-        types = {v.name: v.type for v in graph.input}
-        dtype = types[micro.weights[0]].tensor_type.elem_type
         # the body: the accumulating graph, reading the weights from the group's graph
-        body = onnx.GraphProto()
-        body.CopyFrom(graph)
+        body, mapping = scan_body(graph, names, "micro_batch", "micro_batch", micro.weights)
         body.name = "micro_batch"
-        outer = set(micro.weights)
-        local = {v.name for v in (*body.input, *body.output, *body.value_info)} - outer
-        local |= {t.name for t in body.initializer} | {o for n in body.node for o in n.output}
-        mapping = {name: names.fresh(f"{name}_in_micro_batch") for name in sorted(local) if name}
-        rename_values(body, mapping)
-        for node in body.node:
-            node.name = names.fresh(f"micro_batch/{node.name or node.op_type}")
         inputs = {v.name: v for v in body.input}
         outputs = {v.name: v for v in body.output}
         sums = [micro.gradient_sums[w] for w in micro.weights]
@@ -135,7 +131,7 @@ class GroupGradients(Pass[Signature]):
         losses = names.fresh("micro_batch_losses")
         b.op("Scan", *starts, *micro.buffers, *batched, scales,
              outputs=[*totals, *news, losses], body=body, num_scan_inputs=len(scanned))
-        new_inputs = [_all_rows(helper.make_value_info(n, types[n])) for n in micro.data]
+        new_inputs = [all_rows(helper.make_value_info(n, types[n])) for n in micro.data]
         new_inputs.append(helper.make_tensor_value_info(scales, dtype, ["micro_batches"]))
         new_inputs += [helper.make_value_info(n, types[n]) for n in (*micro.weights,
                                                                       *micro.buffers)]

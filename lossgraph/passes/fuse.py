@@ -38,6 +38,7 @@ are the per-weight ones either way; buffers are carried as they are, never packe
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,15 +236,8 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     outer = signature.unpacked or signature  # the epoch graph's inputs and outputs
     names = NameAuthority([*names_in_graph(step.graph), *outer.weights, *outer.state_names,
                            *outer.buffers, *outer.new.values(), outer.step])
-    body = onnx.GraphProto()
-    body.CopyFrom(step.graph)
-    # The body reads nothing from outside: give every body value its own name.
-    local = {v.name for v in (*body.input, *body.output, *body.value_info)}
-    local |= {t.name for t in body.initializer} | {o for n in body.node for o in n.output}
-    mapping = {name: names.fresh(f"{name}_in_step") for name in sorted(local) if name}
-    rename_values(body, mapping)
-    for node in body.node:
-        node.name = names.fresh(f"scan/{node.name or node.op_type}")
+    # The body reads nothing from outside: every body value gets its own name.
+    body, mapping = scan_body(step.graph, names, "step", "scan")
     inputs = {v.name: v for v in body.input}
     packable = [*signature.weights, *signature.state_names]
     carried = [*packable, *signature.buffers]  # buffers: never packed
@@ -312,7 +306,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
 
     dtype_code = outer_types[outer.weights[0]].tensor_type.elem_type
     outer_carried = [*outer.weights, *outer.state_names, *outer.buffers]
-    new_inputs = [_all_rows(helper.make_value_info(n, outer_types[n])) for n in signature.data]
+    new_inputs = [all_rows(helper.make_value_info(n, outer_types[n])) for n in signature.data]
     if shuffle:
         new_inputs.append(helper.make_tensor_value_info(permutation, TensorProto.INT64, ["rows"]))
     if scales:
@@ -339,7 +333,23 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     return signature
 
 
-def _all_rows(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+def scan_body(graph: onnx.GraphProto, names: NameAuthority, name: str, prefix: str,
+              outer: Collection[str] = ()) -> tuple[onnx.GraphProto, dict[str, str]]:
+    """A copy of ``graph`` to be a Scan's body: every value it defines, but the ``outer``
+    ones it reads from the enclosing graph, renamed ``<value>_in_<name>`` and every node
+    ``<prefix>/<node>``, fresh in ``names``; the renaming."""
+    body = onnx.GraphProto()
+    body.CopyFrom(graph)
+    local = {v.name for v in (*body.input, *body.output, *body.value_info)} - set(outer)
+    local |= {t.name for t in body.initializer} | {o for n in body.node for o in n.output}
+    mapping = {value: names.fresh(f"{value}_in_{name}") for value in sorted(local) if value}
+    rename_values(body, mapping)
+    for node in body.node:
+        node.name = names.fresh(f"{prefix}/{node.name or node.op_type}")
+    return body, mapping
+
+
+def all_rows(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     """A data input of the epoch graph: every row of the epoch, whose number a step graph
     of a fixed batch (a model exported with one, passes/fixed_batch.py) does not fix."""
     dims = value.type.tensor_type.shape.dim

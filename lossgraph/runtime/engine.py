@@ -3,6 +3,7 @@
     engine = Engine(program)                      # sessions made on first use
     data = engine.prepare(X, y)                   # checked input arrays by name
     loss = engine.step(batch, step=t, rate=lr)    # one update; its result pending
+    losses = engine.accumulate([b1, b2], step=t, rate=lr)   # one update of micro-batches
     engine.apply(1, "epoch 0, batch 3")           # the pending state becomes the live one
     engine.evaluate(data), engine.predict(data)
 
@@ -14,7 +15,7 @@ its fusion mode's (:mod:`lossgraph.modes`). The training loop, schedules, counte
 callbacks and checkpoints are its callers': :class:`~lossgraph.runtime.trainer.Trainer`,
 the data-parallel :class:`~lossgraph.parallel.Replica`.
 
-Contract: :meth:`step` (and :meth:`epoch`, :meth:`update`) read the live state and write
+Contract: :meth:`step` (and :meth:`accumulate`, :meth:`epoch`) read the live state and write
 the next one into the following buffer set, never the live one; :meth:`apply` makes it
 live and keeps the state it replaced, which :meth:`step_back` returns to once (a loss is
 that of the state a step reads, so after a non-finite loss the state before the last
@@ -345,7 +346,7 @@ class Engine:
         if self.fixed_batch is not None and batch_size != self.fixed_batch:
             self.check_batch({"": np.empty(batch_size)}, "Each batch of the epoch")
         self._step[()] = first_step
-        if accumulation_steps == 1:
+        if self.accumulation_steps(accumulation_steps) == 1:
             return self._stepper.epoch(data, order, batches, batch_size, rates)
         used = slice(0, batches * batch_size)
         shares = self._row_shares(data)[used if order is None else order[used]]
@@ -459,6 +460,7 @@ class Engine:
         all their rows, as one batch of them gives (:meth:`gradient_scales`); buffers
         updated by each micro-batch in turn. The loss of each at the live state; the next
         state is pending (:meth:`apply`). One micro-batch is a :meth:`step`."""
+        self.accumulation_steps(len(batches))  # a program compiled to accumulate, or an error
         for index, batch in enumerate(batches):
             self.check_batch(batch, f"Micro-batch {index}")
         if len(batches) == 1:

@@ -241,10 +241,9 @@ class FusedEpochs(FusedSteps):
         batches, their gradients added with those factors."""
         engine = self.engine
         graph = "train_epoch" if order is not None else "train_epoch_ordered"
-        size = batch_size
         if scales is not None:
-            graph, size = f"{graph}_accumulated", batch_size * scales.shape[1]
-        runner = engine.runner(graph, size)
+            graph = f"{graph}_accumulated"
+        runner = engine.runner(graph, batch_size)
         losses = np.empty(batches, engine.dtype)
         runner.bind_output(engine.program.io(graph, "losses")[0], losses)
         feeds = {engine.program.io(graph, "learning_rates")[0]: rates.astype(engine.dtype)}

@@ -169,7 +169,9 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
                 "mean", "sum"):
             raise _fail(where, "accumulation loss_reduction must be 'mean' or 'sum'")
     graphs = _field(manifest, "graphs", dict, where)
-    missing = [name for name in REQUIRED_GRAPHS[fuse] if name not in graphs]
+    required = [*REQUIRED_GRAPHS[fuse],
+                *(MODES[fuse].accumulating if "accumulation" in manifest else ())]
+    missing = [name for name in required if name not in graphs]
     if missing:
         raise _fail(where, f"a fuse={fuse!r} program needs the graphs {', '.join(missing)}")
     for name, entry in graphs.items():

@@ -5,8 +5,9 @@ streamed batches), and to torch accumulating ``loss / k`` over ``k`` backward pa
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
-from support.linear import linear_data, linear_model
+from support.linear import linear_data, linear_model, linear_text
 
 import lossgraph
 from lossgraph.optim import SGD, Adam
@@ -89,6 +90,22 @@ def test_streamed_batches_accumulate_as_arrays_do(data):
                                             progress=False)
     assert streamed.steps_ == arrays.steps_ == 6
     _assert_same_state(streamed, arrays, "streamed")
+
+
+def test_a_fixed_batch_trains_at_k_times_its_size(data):
+    """A model whose exported batch of 2 the program keeps, 3 micro-batches an update: the
+    weights of the same model, free of its batch, at batches of 6."""
+    X, y, _ = data
+    fixed = onnx.parser.parse_model(linear_text().replace(
+        "float[N, 4] x) => (float[N, 1] y)", "float[2, 4] x) => (float[2, 1] y)"))
+    options = {"loss": "squared_error", "optimizer": Adam(0.05), "fuse": "epoch"}
+    program = lossgraph.compile_program(fixed, fixed_batch="keep", accumulation_steps=3,
+                                        **options)
+    ours = lossgraph.Trainer(program).fit(X, y, epochs=2, random_state=0, progress=False)
+    theirs = lossgraph.Trainer(lossgraph.compile_program(linear_model(), **options)).fit(
+        X, y, epochs=2, batch_size=6, random_state=0, progress=False)
+    assert ours.steps_ == theirs.steps_ == 28
+    _assert_same_state(ours, theirs, "a fixed batch")
 
 
 @pytest.mark.torch

@@ -164,6 +164,9 @@ class FuseMode(abc.ABC):
     graphs: ClassVar[tuple[str, ...]]
     #: the graphs a program may lack (``penalty`` without a penalty)
     optional: ClassVar[tuple[str, ...]] = ()
+    #: the graphs a program compiled to accumulate gradients holds besides
+    #: (:mod:`lossgraph.passes.accumulate`; none where the stepper sums gradients itself)
+    accumulating: ClassVar[tuple[str, ...]] = ()
     #: whether it runs the full batches of an epoch as one graph
     runs_epochs: ClassVar[bool] = False
     #: whether its graphs output the weights' gradients (data-parallel training)

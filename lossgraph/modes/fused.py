@@ -77,6 +77,7 @@ def _accumulating(context: PlanContext, packed: bool) -> dict[str, Planned]:
 _ACCUMULATING = {"train_accumulate": SumGradients, "train_step_accumulated": StepGraph,
                  "train_epoch_accumulated": EpochGraph,
                  "train_epoch_ordered_accumulated": EpochGraph}
+_STEPS, _EPOCHS = tuple(_ACCUMULATING)[:2], tuple(_ACCUMULATING)[2:]
 
 
 def _accumulating_roles(compiling: Compiling, signature: Signature) -> dict[str, dict[str, str]]:
@@ -110,6 +111,7 @@ class StepMode(FuseMode):
 
     name = "step"
     graphs = ("train_step",)
+    accumulating = _STEPS
     summary = "one graph per minibatch step (update included)"
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
@@ -130,6 +132,7 @@ class EpochMode(FuseMode):
 
     name = "epoch"
     graphs = ("train_step", "train_epoch", "train_epoch_ordered")
+    accumulating = _STEPS + _EPOCHS
     runs_epochs = True
     summary = "one graph per epoch (a Scan over the full batches)"
 

@@ -8,7 +8,8 @@ The public surface (docs/concepts.md gives its vocabulary):
   (their pass classes, and the pipeline machinery, in :mod:`lossgraph.passes`)
 - gradients: :func:`grad_rule` (register a rule), :func:`supported_ops`
 - training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer` (on the
-  engine :class:`Engine`), optimizers in :mod:`lossgraph.optim`, fusion modes in
+  engine :class:`Engine`), optimizers in :mod:`lossgraph.optim` (their learning-rate
+  schedules in :mod:`lossgraph.schedules`), fusion modes in
   :mod:`lossgraph.modes`; :func:`describe_plan` shows what compiling runs
 - analyses: :func:`trainable_initializers`, :func:`get_roles`
 - errors: :class:`LossgraphError` and its subclasses in :mod:`lossgraph.errors`
@@ -31,9 +32,12 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _HOMES = {
+    "CSVLogger": ".runtime.callbacks",
+    "Callback": ".runtime.callbacks",
     "Engine": ".runtime.engine",
     "LossgraphError": ".errors",
     "Trainer": ".runtime.trainer",
+    "TensorBoard": ".runtime.callbacks",
     "TrainingProgram": ".program",
     "add_loss_output": ".passes",
     "alphabetize_initializers": ".passes",
@@ -43,8 +47,10 @@ _HOMES = {
     "get_roles": ".roles",
     "grad_rule": ".autodiff",
     "gradient": ".passes",
+    "latest_checkpoint": ".paths",
     "lower_ml_ops": ".passes",
     "optim": ".optim",
+    "schedules": ".schedules",
     "stabilize_numerics": ".passes",
     "straight_through_quantization": ".passes",
     "strip_training": ".passes",

@@ -68,6 +68,7 @@ graphs and the signature they record (:mod:`lossgraph.manifest`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Mapping, Sequence
@@ -78,7 +79,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .analysis import default_weights, tied_initializers, trainable_initializers
+from .analysis import (
+    default_weights,
+    excluded_from_decay,
+    tied_initializers,
+    trainable_initializers,
+)
 from .deprecation import renamed_keywords
 from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
 from .graphs import weights_dtype
@@ -86,6 +92,7 @@ from .manifest import build_manifest
 from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .opsets import OpsetMove
+from .optim import AdamW
 from .options import names
 from .passes.contract import Pass, Pipeline
 from .passes.fixed_batch import BatchReport, GeneralizeBatch, export_advice, fixed_batch, rows
@@ -99,6 +106,7 @@ from .passes.strip import InferenceMode, StripTraining
 from .passes.untie import UntieWeights
 from .passes.weights import ConstantsToInitializers
 from .passes.zipmap import ZipMapToTensor, zipped_outputs
+from .penalties import Penalty
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
 from .target import Target, use_target
@@ -108,6 +116,7 @@ from .validation import (
     check_trainable_model,
     compile_options,
     no_weights_error,
+    warn_folded,
     warn_tied,
 )
 
@@ -325,9 +334,13 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
         score_options = {k: v for k, v in checked.loss_options.items()
                          if k not in _OUTPUT_FIELDS}
         choice = choose_loss(trainable, loss, output_options.get("output_index"), score_options)
-        adding = Pipeline((AddLossOutput(choice.loss, penalty=penalty,
-                                         options=dict(choice.options),
-                                         **{**output_options, "output_index": choice.output}),))
+
+        def adding_penalty(penalty: Mapping[str, Any] | None) -> Pipeline:
+            return Pipeline((AddLossOutput(choice.loss, penalty=penalty,
+                                           options=dict(choice.options),
+                                           **{**output_options, "output_index": choice.output}),))
+        # a Penalty on every trained weight: added once they are known
+        adding = adding_penalty(None if isinstance(penalty, Penalty) else penalty)
         loss_model = adding.run(trainable, checked=True).model
     if checked.weights == []:
         names("weights", [], candidates=trainable_initializers(loss_model))
@@ -336,10 +349,20 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
         or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
+    if isinstance(penalty, Penalty):
+        penalty = penalty.by_weight(weights, _excluded(
+            penalty.exclude_from_weight_decay, loss_model, weights, untied, "Penalty"))
+        adding = adding_penalty(penalty)
+        loss_model = adding.run(trainable, checked=True).model
+    optimizer = checked.optimizer
+    if isinstance(optimizer, AdamW) and optimizer.exclude_from_weight_decay:
+        optimizer = dataclasses.replace(optimizer, exclude_from_weight_decay=tuple(_excluded(
+            optimizer.exclude_from_weight_decay, loss_model, weights, untied, "AdamW")))
     check_penalized(penalty, weights)
     check_learnable(loss_model, weights)
     if checked.untie is None:
         warn_tied(loss_model, weights)
+    warn_folded(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:
@@ -353,7 +376,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                        for w in weights}, "compile_program")
     mode = fuse_mode(checked.fuse)
     loss_options = {**checked.loss_options, **(choice.options if choice else {})}
-    context = PlanContext(tuple(weights), checked.optimizer, checked.backend, tuple(buffers),
+    context = PlanContext(tuple(weights), optimizer, checked.backend, tuple(buffers),
                           holds_splits(loss_model), get_roles(loss_model),
                           choice.loss if choice else None, loss_options, penalty,
                           zipmaps=bool(zipmaps),
@@ -458,6 +481,15 @@ def _with_copies(by_weight: Mapping[str, Any] | None, untied: Mapping[str, list[
         return by_weight
     return {name: value for weight, value in by_weight.items()
             for name in (weight, *untied.get(weight, ()))}
+
+
+def _excluded(patterns: str | Sequence[str], model: onnx.ModelProto, weights: Sequence[str],
+              untied: Mapping[str, list[str]], owner: str) -> list[str]:
+    """The trained ``weights`` an ``exclude_from_weight_decay`` of ``owner`` selects in
+    ``model``, each untied weight's copies with it."""
+    excluded = excluded_from_decay(model, weights, patterns,
+                                   f"{owner}: exclude_from_weight_decay")
+    return [w for w in _with_copies(dict.fromkeys(excluded), untied) if w in weights]
 
 
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")

@@ -10,8 +10,9 @@ import pytest
 from support.linear import linear_data, linear_model, linear_text
 
 import lossgraph
-from lossgraph.optim import SGD, Adam
+from lossgraph.optim import SGD, Adam, AdamW
 from lossgraph.passes import GroupGradients, SumGradients
+from lossgraph.schedules import Linear
 
 MODES = ("step", "epoch", "separate")
 OPTIMIZERS = {"sgd": SGD(0.05), "adam": Adam(0.05)}
@@ -33,7 +34,7 @@ def _program(fuse: str, optimizer: str, weighted: bool, reduction: str = "mean",
                                                else {})}
     return lossgraph.compile_program(linear_model(), loss="squared_error",
                                      loss_options=loss_options,
-                                     optimizer=OPTIMIZERS[optimizer], fuse=fuse,
+                                     optimizer=OPTIMIZERS.get(optimizer, SCHEDULED), fuse=fuse,
                                      accumulation_steps=STEPS, **options)
 
 
@@ -43,9 +44,15 @@ def _assert_same_state(ours: lossgraph.Trainer, theirs: lossgraph.Trainer, what:
                                    err_msg=f"{name} ({what})")
 
 
+#: AdamW with decay groups (each weight updated apart, no packed epoch) and a warmup then
+#: a linear decay: the schedule is per update, not per micro-batch
+SCHEDULED = AdamW(Linear(0.05, total_steps=6, warmup_steps=2), weight_decay=0.1,
+                  exclude_from_weight_decay="intercept")
+
+
 @pytest.mark.parametrize("fuse", MODES)
-@pytest.mark.parametrize(("optimizer", "weighted"), [("sgd", False), ("adam", True)],
-                         ids=["sgd", "adam-sample_weight"])
+@pytest.mark.parametrize(("optimizer", "weighted"), [("sgd", False), ("scheduled", True)],
+                         ids=["sgd", "adamw-schedule-decay-groups-sample_weight"])
 def test_accumulating_micro_batches_equals_one_larger_batch(data, fuse, optimizer, weighted,
                                                             tmp_path):
     X, y, weights = data
@@ -79,6 +86,24 @@ def test_a_summed_loss_adds_the_micro_batches_gradients(data):
                                             shuffle=False, progress=False,
                                             accumulation_steps=1)
     _assert_same_state(ours, theirs, "reduction='sum'")
+
+
+@pytest.mark.parametrize("fuse", ("step", "epoch"))
+def test_max_steps_and_step_callbacks_count_updates(data, fuse):
+    X, y, _ = data
+
+    class Steps(lossgraph.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, trainer, step, logs):
+            self.seen.append((step, logs["batch"]))
+
+    steps = Steps()
+    trainer = lossgraph.Trainer(_program(fuse, "sgd", False)).fit(
+        X, y, batch_size=BATCH, max_steps=2, shuffle=False, callbacks=[steps], progress=False)
+    assert trainer.steps_ == 2
+    assert steps.seen == [(1, 0), (2, STEPS)]  # each update from its first micro-batch
 
 
 def test_streamed_batches_accumulate_as_arrays_do(data):

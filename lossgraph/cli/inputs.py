@@ -14,7 +14,7 @@ from ..errors import (
     UnsupportedOptionError,
 )
 from ..options import count
-from ..paths import CHECKPOINT, PROGRAM, data_source, model_file, saved_folder
+from ..paths import PROGRAM, data_source, model_file, resumed_checkpoint, saved_folder
 from .parser import TABLE_SUFFIXES
 
 __all__ = ["check_inputs"]
@@ -35,7 +35,23 @@ def check_inputs(args: argparse.Namespace) -> None:
             raise UnsupportedOptionError(
                 "Name the program folder to train (lossgraph train PROGRAM --data ...), or a "
                 "checkpoint to continue with --resume CHECKPOINT.")
-        count("epochs", args.epochs, 0)  # Trainer.fit's checks
+        if args.epochs is not None:  # Trainer.fit's checks
+            count("epochs", args.epochs, 0)
+        if args.max_steps is not None:
+            count("max_steps", args.max_steps, 0)
+        if args.checkpoint_dir is None:
+            given = [option for option, value in (("--checkpoint-every", args.checkpoint_every),
+                                                  ("--keep-last", args.keep_last))
+                     if value is not None]
+            if given:
+                raise UnsupportedOptionError(
+                    f"{' and '.join(given)} without --checkpoint-dir: they rotate the "
+                    "checkpoints saved into --checkpoint-dir. Name that folder, or leave them "
+                    "out.")
+        if args.checkpoint_every is not None:
+            count("checkpoint_every", args.checkpoint_every, 1)
+        if args.keep_last is not None:
+            count("keep_last", args.keep_last, 1)
         if args.batch_size is not None:  # None: the Trainer's default, or a kept batch
             count("batch_size", args.batch_size, 1)
         if args.accumulation_steps is not None:  # None: the program's
@@ -43,7 +59,7 @@ def check_inputs(args: argparse.Namespace) -> None:
         if args.program is not None:
             saved_folder(args.program, PROGRAM)
         if args.resume is not None:
-            saved_folder(args.resume, CHECKPOINT)
+            resumed_checkpoint(args.resume)
         suffix = Path(args.data).suffix.lower()
         if suffix == ".npy":
             raise InvalidDataError(

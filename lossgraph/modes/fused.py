@@ -3,11 +3,13 @@
     train_step          = loss model -> WeightsToInputs -> [RunningStatistics]
                           -> [SequencesToTensors] -> StabilizeNumerics -> Gradient -> (speed)
                           -> StepGraph -> WidenScalarConstants
-    train_epoch_ordered = loss model -> ... -> Gradient -> (speed) -> PackWeights -> StepGraph
+    train_epoch_ordered = loss model -> ... -> Gradient -> (speed) -> [PackWeights] -> StepGraph
                           -> EpochGraph(shuffle=False) -> WidenScalarConstants
     train_epoch         = ... -> EpochGraph -> WidenScalarConstants
 
-(speed: :attr:`~lossgraph.modes.PlanContext.speed`). A step runs ``train_step`` over the
+(speed: :attr:`~lossgraph.modes.PlanContext.speed`; PackWeights where the optimizer updates
+every weight alike, :attr:`~lossgraph.optim.Optimizer.same_for_every_weight`: not an AdamW
+with decay groups). A step runs ``train_step`` over the
 engine's state buffers; an epoch mode runs every full batch of an epoch in one run of
 ``train_epoch`` (or ``train_epoch_ordered`` without shuffling), and a last, smaller batch
 with ``train_step``.
@@ -17,7 +19,7 @@ accumulate gradients over the micro-batches of one update (:mod:`lossgraph.passe
 
     train_accumulate                = ... -> Gradient -> (speed) -> SumGradients
     train_step_accumulated          = ... -> SumGradients -> StepGraph
-    train_epoch_accumulated         = ... -> PackWeights -> SumGradients
+    train_epoch_accumulated         = ... -> [PackWeights] -> SumGradients
                                       -> GroupGradients -> StepGraph -> EpochGraph
     train_epoch_ordered_accumulated = ... -> EpochGraph(shuffle=False)
 
@@ -51,9 +53,15 @@ def _differentiated(context: PlanContext) -> tuple:
             Gradient(context.weights, backend=context.backend), *context.speed)
 
 
-def _accumulating(context: PlanContext, packed: bool) -> dict[str, Planned]:
+def _packing(context: PlanContext) -> tuple[PackWeights, ...]:
+    """An epoch graph's weights laid end to end, to update as one, where the update is the
+    same for all (not an AdamW with decay groups)."""
+    return (PackWeights(context.optimizer),) if context.optimizer.same_for_every_weight else ()
+
+
+def _accumulating(context: PlanContext, epochs: bool) -> dict[str, Planned]:
     """The graphs that accumulate gradients over micro-batches (module doc), where the
-    program is compiled to (``packed``: an epoch mode's, with its epoch graphs)."""
+    program is compiled to (``epochs``: an epoch mode's, with its epoch graphs)."""
     if context.accumulation_steps == 1:
         return {}
     accumulate = (*_differentiated(context), SumGradients())
@@ -63,9 +71,9 @@ def _accumulating(context: PlanContext, packed: bool) -> dict[str, Planned]:
         "train_step_accumulated": Planned("loss model", Pipeline((*accumulate, step,
                                                                   context.widen))),
     }
-    if packed:
-        group = (*_differentiated(context), PackWeights(context.optimizer),
-                 SumGradients(), GroupGradients(), step)
+    if epochs:
+        group = (*_differentiated(context), *_packing(context), SumGradients(),
+                 GroupGradients(), step)
         graphs.update({name: Planned("loss model", Pipeline((*group, EpochGraph(shuffle),
                                                              context.widen)))
                        for name, shuffle in (("train_epoch_ordered_accumulated", False),
@@ -117,7 +125,7 @@ class StepMode(FuseMode):
     def plan(self, context: PlanContext) -> dict[str, Planned]:
         return {"train_step": Planned("loss model", Pipeline((
             *_differentiated(context), StepGraph(context.optimizer), context.widen))),
-            **_accumulating(context, packed=False)}
+            **_accumulating(context, epochs=False)}
 
     def assemble(self, compiling: Compiling) -> Assembled:
         signature = compiling.built["train_step"].report.of(StepGraph)
@@ -138,14 +146,15 @@ class EpochMode(FuseMode):
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
         step = StepGraph(context.optimizer)
-        packed = (*_differentiated(context), PackWeights(context.optimizer), step)
+        # weights laid end to end update as one where the update is the same for all
+        packed = (*_differentiated(context), *_packing(context), step)
         return {
             "train_step": Planned("loss model", Pipeline((*_differentiated(context), step,
                                                           context.widen))),
             **{name: Planned("loss model", Pipeline((*packed, EpochGraph(shuffle),
                                                      context.widen)))
                for name, shuffle in (("train_epoch_ordered", False), ("train_epoch", True))},
-            **_accumulating(context, packed=True),
+            **_accumulating(context, epochs=True),
         }
 
     def assemble(self, compiling: Compiling) -> Assembled:

@@ -47,6 +47,7 @@ from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
 from ..deprecation import renamed_keywords
+from ..errors import UnsupportedOptionError
 from ..graphs import names_in_graph, np_dtype, opset_version, rename_values, values_read
 from ..metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json
 from ..names import NameAuthority
@@ -118,6 +119,11 @@ class PackWeights(Pass[Signature]):
     requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
+        if not self.optimizer.same_for_every_weight:
+            raise UnsupportedOptionError(
+                f"PackWeights: {self.optimizer!r} updates some weights differently from others "
+                "(decay groups), so one update of the packed vector would be wrong: leave the "
+                "weights apart.")
         unpacked, names = name_update(model, Signature.of_gradient_model(model), self.optimizer)
         packed = _pack(model, unpacked, names)
         packed.record(model)

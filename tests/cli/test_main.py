@@ -164,6 +164,12 @@ def _checkpoint(tmp_path) -> str:
     return str(tmp_path / "ckpt")
 
 
+def _checkpoint_dir(tmp_path) -> str:
+    assert main(["train", _program(tmp_path), "--data", _data(tmp_path), "-o",
+                 str(tmp_path / "first.onnx"), "--checkpoint-dir", str(tmp_path / "ckpts")]) == 0
+    return str(tmp_path / "ckpts")
+
+
 JUNK = b"this is not an ONNX model\n"
 
 
@@ -233,6 +239,17 @@ BAD_COMMANDS = {
                                              "ort-artifacts", "--optimizer", "nesterov"],
     "artifacts over a program": lambda t: ["compile", _model(t), "-o", _program(t), "--format",
                                            "ort-artifacts"],
+    "schedule option without a schedule": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                     "--warmup-steps", "10"],
+    "schedule without its total steps": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                   "--schedule", "cosine"],
+    "unknown schedule": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--schedule",
+                                   "cosin"],
+    "decay exclusion for sgd": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                          "--exclude-from-weight-decay"],
+    "decay exclusion matching no weight": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                     "--optimizer", "adamw",
+                                                     "--exclude-from-weight-decay", "z_bias"],
     "score option without =": lambda t: ["add-loss", f"{t}/m.onnx", "-o", f"{t}/o.onnx",
                                          "--loss-option", "delta"],
     "unknown target": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--target", "mars"],
@@ -321,6 +338,24 @@ BAD_COMMANDS = {
     "plot over the user's file": lambda t: ["train", _program(t), "--data", _data(t),
                                             "-o", f"{t}/o.onnx", "--plot",
                                             _file(t, "curve.png", b"\x89PNG\r\n\x1a\n")],
+    "max steps negative": lambda t: ["train", _program(t), "--data", _data(t), "--max-steps",
+                                     "-1", "-o", f"{t}/o.onnx"],
+    "checkpoint every zero": lambda t: ["train", _program(t), "--data", _data(t),
+                                        "--checkpoint-dir", f"{t}/ckpts", "--checkpoint-every",
+                                        "0", "-o", f"{t}/o.onnx"],
+    "keep last zero": lambda t: ["train", _program(t), "--data", _data(t), "--checkpoint-dir",
+                                 f"{t}/ckpts", "--keep-last", "0", "-o", f"{t}/o.onnx"],
+    "keep last without a checkpoint dir": lambda t: ["train", _program(t), "--data", _data(t),
+                                                     "--keep-last", "2", "-o", f"{t}/o.onnx"],
+    "checkpoint dir a file": lambda t: ["train", _program(t), "--data", _data(t),
+                                        "--checkpoint-dir", _file(t, "c", b"x"), "-o",
+                                        f"{t}/o.onnx"],
+    "checkpoint dir of another run": lambda t: ["train", _program(t), "--data", _data(t),
+                                                "--checkpoint-dir", _checkpoint_dir(t), "-o",
+                                                f"{t}/o.onnx"],
+    "csv log over the user's file": lambda t: ["train", _program(t), "--data", _data(t),
+                                               "-o", f"{t}/o.onnx", "--log-csv",
+                                               _file(t, "log.csv", b"a,b\n1,2\n")],
     "two outputs at one path": lambda t: ["train", _program(t), "--data", _data(t),
                                           "-o", f"{t}/o.onnx", "--history", f"{t}/o.onnx"],
     "export a missing folder": lambda t: ["export", f"{t}/ckpt", "-o", f"{t}/o.onnx"],

@@ -11,7 +11,8 @@ The public surface (docs/concepts.md gives its vocabulary):
   engine :class:`Engine`), optimizers in :mod:`lossgraph.optim` (their learning-rate
   schedules in :mod:`lossgraph.schedules`), fusion modes in
   :mod:`lossgraph.modes`; :func:`describe_plan` shows what compiling runs
-- analyses: :func:`trainable_initializers`, :func:`get_roles`
+- analyses: :func:`trainable_initializers`, :func:`get_roles`; the class weights of
+  training labels: :func:`balanced_class_weight`
 - errors: :class:`LossgraphError` and its subclasses in :mod:`lossgraph.errors`
 - onnxcustom's classes (:mod:`lossgraph.compat`): :class:`OrtGradientOptimizer`,
   :class:`OrtGradientForwardBackwardOptimizer`, :class:`OrtGradientForwardBackward`, the
@@ -41,6 +42,7 @@ _HOMES = {
     "TrainingProgram": ".program",
     "add_loss_output": ".passes",
     "alphabetize_initializers": ".passes",
+    "balanced_class_weight": ".passes.loss",
     "compile_program": ".compiler",
     "convert_opset": ".passes",
     "describe_plan": ".compiler",

@@ -144,7 +144,8 @@ FLAG_PARAMETERS = {
         "--backend": "backend", "--output": None, "--force": None}),
     "compile": (lossgraph.compile_program, {
         "--weights": "weights", "--loss": "loss", "--loss-option": "loss_options",
-        "--weight-name": "loss_options", "--penalty": "penalty", "--penalty-l1": "penalty",
+        "--weight-name": "loss_options", "--class-weight-labels": "loss_options",
+        "--penalty": "penalty", "--penalty-l1": "penalty",
         "--penalty-l2": "penalty", "--optimizer": "optimizer", "--learning-rate": "optimizer",
         "--momentum": "optimizer", "--schedule": "optimizer", "--warmup-steps": "optimizer",
         "--total-steps": "optimizer", "--schedule-option": "optimizer",

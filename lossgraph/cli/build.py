@@ -96,6 +96,21 @@ def _loss_options(args: argparse.Namespace) -> dict[str, Any]:
             raise UnsupportedOptionError(
                 "--weight-name and --loss-option weight_name=... disagree: give it once.")
         options["weight_name"] = args.weight_name
+    balanced = options.get("class_weight") == "balanced"
+    if balanced != bool(args.class_weight_labels):
+        raise UnsupportedOptionError(
+            "--loss-option class_weight=balanced weighs the classes by the training labels: "
+            "name them with --class-weight-labels DATA [NAME]." if balanced else
+            "--class-weight-labels goes with --loss-option class_weight=balanced (the labels "
+            "it reads weigh the classes).")
+    if balanced:
+        from ..passes.loss import balanced_class_weight
+        from .data import class_labels
+
+        path, *name = args.class_weight_labels
+        options["class_weight"] = balanced_class_weight(
+            class_labels(path, name[0] if name else None),
+            ignore_index=options.get("ignore_index"))
     return options
 
 

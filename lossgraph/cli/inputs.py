@@ -60,14 +60,26 @@ def check_inputs(args: argparse.Namespace) -> None:
             saved_folder(args.program, PROGRAM)
         if args.resume is not None:
             resumed_checkpoint(args.resume)
-        suffix = Path(args.data).suffix.lower()
-        if suffix == ".npy":
-            raise InvalidDataError(
-                f"{args.data!r} is one .npy array; --data takes an .npz file, a folder of .npy "
-                "files (X.npy, y.npy, ...), a .csv or a .parquet file.")
-        data_source(args.data, table=suffix in TABLE_SUFFIXES)
+        _data_file(args.data, "--data")
+    if args.command == "compile" and args.class_weight_labels:
+        if len(args.class_weight_labels) > 2:
+            raise UnsupportedOptionError(
+                f"--class-weight-labels takes a data file and optionally the label's name, not "
+                f"{len(args.class_weight_labels)} values.")
+        _data_file(args.class_weight_labels[0], "--class-weight-labels")
     if args.command == "export" and not Path(args.source).exists():
         raise InvalidProgramError(
             f"There is nothing at {args.source!r}: lossgraph export takes a checkpoint folder "
             "(lossgraph train --checkpoint), a program folder (lossgraph compile) or an .onnx "
             "model.")
+
+
+def _data_file(path: str, flag: str) -> None:
+    """A data file or folder that ``flag`` names: an .npz file, a folder of .npy files, a
+    .csv or a .parquet file."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".npy":
+        raise InvalidDataError(
+            f"{path!r} is one .npy array; {flag} takes an .npz file, a folder of .npy files "
+            "(X.npy, y.npy, ...), a .csv or a .parquet file.")
+    data_source(path, table=suffix in TABLE_SUFFIXES)

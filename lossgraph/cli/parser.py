@@ -146,13 +146,20 @@ class _Renamed(argparse.Action):
 
 
 def _key_value(text: str) -> tuple[str, object]:
-    """An argument type: ``KEY=VALUE``, the value read as a bool, a number or a string."""
+    """An argument type: ``KEY=VALUE``, the value read as a bool, a number, a JSON list
+    (``class_weight=[1, 2.5]``) or a string."""
     key, equals, value = text.partition("=")
     if not equals or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. delta=1.5)")
     lowered = value.lower()
     if lowered in ("true", "false"):
         return key, lowered == "true"
+    if value.lstrip().startswith("["):
+        try:
+            return key, json.loads(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {value!r} is not a JSON list (e.g. {key}=[1, 2.5])") from None
     try:
         return key, float(value)
     except ValueError:
@@ -269,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--weight-name", metavar="NAME",
                        help="add a per-row sample-weight input of this name (lossgraph train "
                             "--sample-weight feeds it)")
+    build.add_argument("--class-weight-labels", nargs="+", metavar=("DATA", "NAME"),
+                       help="with --loss-option class_weight=balanced: the data file whose "
+                            "labels weigh the classes, as scikit-learn's balanced weights "
+                            "(computed now and kept in the program), and the label column or "
+                            "array (default: y, else label)")
     build.add_argument("--optimizer", type=_optimizer_spec, default="sgd",
                        metavar="NAME|JSON",
                        help=f"{'|'.join(OPTIMIZER_NAMES)} (default: sgd), or the JSON form, "

@@ -36,16 +36,15 @@ import onnx
 from ..data import CheckedArrays, as_array, check_values
 from ..errors import (
     InvalidDataError,
-    InvalidProgramError,
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedOptionError,
     suggest,
 )
-from ..metadata import LOSS_KEY, read_json
 from ..modes import fuse_mode
 from ..options import count
 from ..passes.fixed_batch import rows
+from ..passes.loss import position_weights, read_loss_record
 from ..program import TrainingProgram
 from ..speed import SpecializeBatch
 from .packed import PackedUpdate
@@ -79,10 +78,14 @@ class Engine:
         #: the label and sample-weight inputs' names (None: no sample weights)
         self.label: str = roles["label"]
         self.sample_weight: str | None = roles.get("sample_weight")
-        #: how many classes integer labels index (None: not static, or no class labels)
-        self.classes = _class_count(manifest)
+        record = read_loss_record(program.graphs["evaluate"])
         #: the label value the loss ignores (its ignore_index), or None
-        self.ignored_label = _ignored_label(program)
+        self.ignored_label: int | None = record["ignore_index"]
+        #: the loss's weight of each class (its class_weight), or None
+        self.class_weight: list[float] | None = record["class_weight"]
+        #: how many classes integer labels index (None: not static, or no class labels)
+        self.classes = _class_count(manifest) or (
+            len(self.class_weight) if self.class_weight else None)
         batch = manifest.get("batch")
         #: the rows every run takes, for a model exported with a fixed batch that compile
         #: kept (None: any number of rows)
@@ -295,14 +298,19 @@ class Engine:
                 "the rows (shuffle=True), use larger batches, or drop rows of weight zero. The "
                 f"weights are those before {restored}.")
         labels = data.get(self.label)
-        if self.ignored_label is not None and labels is not None:
-            counted = (labels != self.ignored_label).reshape(len(labels), -1).sum(axis=1)
+        shares = None if labels is None else position_weights(labels, self.ignored_label,
+                                                              self.class_weight)
+        if shares is not None:
+            counted = shares.reshape(len(labels), -1).sum(axis=1)
             if not np.any(counted * data.get(self.sample_weight, 1)):
+                why = " or ".join(
+                    [*([f"{self.ignored_label} (the loss's ignore_index)"]
+                       if self.ignored_label is not None else []),
+                     *(["of a class of weight zero"] if self.class_weight else [])])
                 return InvalidDataError(
-                    f"No label of {where} counts: each is {self.ignored_label} (the loss's "
-                    "ignore_index) or in a row of weight zero, so its mean loss is 0/0. Shuffle "
-                    "the rows (shuffle=True), use larger batches, or drop such rows. The "
-                    f"weights are those before {restored}.")
+                    f"No label of {where} counts: each is {why} or in a row of weight zero, so "
+                    "its mean loss is 0/0. Shuffle the rows (shuffle=True), use larger "
+                    f"batches, or drop such rows. The weights are those before {restored}.")
         return None
 
     # -- training ----------------------------------------------------------------------
@@ -406,22 +414,22 @@ class Engine:
 
     def _share(self, batch: Mapping[str, np.ndarray]) -> float:
         """The denominator of a batch's mean loss, by which batch losses average into the
-        loss of all their rows: the sample weights (or rows), times the fraction of each
-        row's labels that count (its ignore_index)."""
+        loss of all their rows: the sample weights (or rows), times each row's mean share
+        of its labels (0 for an ignore_index, the class's weight for a class_weight)."""
         return float(np.sum(self._row_shares(batch)))
 
     def _row_shares(self, data: Mapping[str, np.ndarray]) -> np.ndarray:
-        """Each row's part of :meth:`_share`: its sample weight (or 1), times the fraction
-        of its labels that count; without sample weights, the number of its labels that
-        count."""
+        """Each row's part of :meth:`_share`: its sample weight (or 1), times its labels'
+        mean share; without sample weights, the sum of its labels' shares."""
         rows = _rows(data)
         weights = data[self.sample_weight] if self.sample_weight else np.ones(rows)
-        if self.ignored_label is None:
+        shares = position_weights(data[self.label], self.ignored_label, self.class_weight)
+        if shares is None:
             return weights
-        counted = (data[self.label] != self.ignored_label).reshape(rows, -1)
+        shares = shares.reshape(rows, -1)
         if self.sample_weight is None:
-            return counted.sum(axis=1)
-        return weights * counted.mean(axis=1)
+            return shares.sum(axis=1)
+        return weights * shares.mean(axis=1)
 
     # -- accumulation ------------------------------------------------------------------
     def accumulation_steps(self, steps: int | None) -> int:
@@ -533,18 +541,3 @@ def _class_count(manifest: Mapping[str, Any]) -> int | None:
     elif len(shape) == 1 or shape[1] == 1:
         return 2
     return shape[-1] if isinstance(shape[-1], int) else None
-
-
-def _ignored_label(program: TrainingProgram) -> int | None:
-    """The label value the loss ignores (its ``ignore_index``), recorded by add_loss_output
-    in the loss model and so in the evaluate graph; None when it has none."""
-    record = read_json(program.graphs["evaluate"], LOSS_KEY)
-    if record is None:
-        return None
-    ignored = record.get("ignore_index") if isinstance(record, dict) else None
-    if not isinstance(record, dict) or isinstance(ignored, bool) or not isinstance(
-            ignored, (int, type(None))):
-        raise InvalidProgramError(
-            f"The evaluate graph's metadata {LOSS_KEY!r} must be a JSON object such as "
-            f'{{"ignore_index": -100}}, not {record!r}: compile the model again.')
-    return ignored

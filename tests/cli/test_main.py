@@ -253,6 +253,19 @@ BAD_COMMANDS = {
     "score option without =": lambda t: ["add-loss", f"{t}/m.onnx", "-o", f"{t}/o.onnx",
                                          "--loss-option", "delta"],
     "unknown target": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--target", "mars"],
+    "class weights not a JSON list": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                "--loss-option", "class_weight=[1, 2"],
+    "balanced class weights without labels": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                        "--loss-option",
+                                                        "class_weight=balanced"],
+    "class weight labels without balanced": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                       "--class-weight-labels", _data(t)],
+    "class weight labels not whole numbers": lambda t: [
+        "compile", _model(t), "-o", f"{t}/p", "--loss-option", "class_weight=balanced",
+        "--class-weight-labels", _file(t, "d.csv", b"a,y\n1,0.5\n2,1\n")],
+    "class weight labels of a missing file": lambda t: [
+        "compile", _model(t), "-o", f"{t}/p", "--loss-option", "class_weight=balanced",
+        "--class-weight-labels", f"{t}/none.csv"],
     # penalties in the wrong form
     "penalty not JSON": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--penalty",
                                    "z_weight=0.1"],

@@ -81,11 +81,12 @@ def _accumulating(context: PlanContext, epochs: bool) -> dict[str, Planned]:
     return graphs
 
 
-#: The accumulating graphs, and the pass whose signature tells each one's names.
-_ACCUMULATING = {"train_accumulate": SumGradients, "train_step_accumulated": StepGraph,
-                 "train_epoch_accumulated": EpochGraph,
-                 "train_epoch_ordered_accumulated": EpochGraph}
-_STEPS, _EPOCHS = tuple(_ACCUMULATING)[:2], tuple(_ACCUMULATING)[2:]
+#: The accumulating graphs of a step and of an epoch mode (module doc).
+_STEPS = ("train_accumulate", "train_step_accumulated")
+_EPOCHS = ("train_epoch_accumulated", "train_epoch_ordered_accumulated")
+#: The pass whose signature tells each accumulating graph's names.
+_ACCUMULATING = dict(zip((*_STEPS, *_EPOCHS), (SumGradients, StepGraph, EpochGraph,
+                                                EpochGraph)))
 
 
 def _accumulating_roles(compiling: Compiling, signature: Signature) -> dict[str, dict[str, str]]:

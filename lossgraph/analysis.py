@@ -877,14 +877,17 @@ def _literal_list(text: str) -> list[str]:
 def _legacy_folds(model: onnx.ModelProto, candidates: Sequence[str]) -> list[FoldedWeight]:
     """Candidates torch's legacy exporter computed by constant folding: it names them
     ``onnx::<Op>_<n>`` after their reader (a weight norm's ``onnx::Conv_12``, a gathered
-    position table's ``onnx::Add_34``), where it names parameters after the module."""
-    sizes = {t.name: math.prod(t.dims) for t in model.graph.initializer
-             if t.data_type in FLOAT_TYPES}
+    position table's ``onnx::Add_34``), where it names parameters after the module. A
+    vector (one dimension above 1: a scale reshaped to broadcast) or a transposed ``Linear``
+    weight is a parameter laid out otherwise, which trains as the parameter does."""
+    dims = {t.name: tuple(t.dims) for t in model.graph.initializer
+            if t.data_type in FLOAT_TYPES}
     found = []
     for name in candidates:
         match = re.fullmatch(r"onnx::(\w+?)_\d+", name)
-        if match and match.group(1) not in _LAYOUT_FOLDS \
-                and sizes.get(name, 0) >= LARGE_CONSTANT:
+        shape = dims.get(name, ())
+        if match and match.group(1) not in _LAYOUT_FOLDS and \
+                math.prod(shape) >= LARGE_CONSTANT and sum(d > 1 for d in shape) > 1:
             found.append(FoldedWeight(
                 name, f"computed at export by torch's constant folding, read by a "
                 f"{match.group(1)}: no parameter of the module"))

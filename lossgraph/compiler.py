@@ -162,6 +162,7 @@ def compile_program(
     target: Target | str | None = None,
     fixed_batch: str = "auto",
     untie: Sequence[str] | str | bool | None = None,
+    accumulation_steps: int = 1,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -211,10 +212,16 @@ def compile_program(
             manifest's ``untied`` maps each initializer to its copies, and the inference
             model keeps them apart. Without it, training a tied weight warns
             (``TiedWeightWarning``).
+        accumulation_steps: the micro-batches of one update a fit takes by default
+            (:meth:`~lossgraph.runtime.trainer.Trainer.fit`'s ``accumulation_steps``); above
+            1 the program holds the graphs that accumulate gradients
+            (:mod:`lossgraph.passes.accumulate`) and records how its loss reduces rows, and
+            a fit may then take any number of micro-batches per update.
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
-               "fixed_batch": fixed_batch, "untie": untie}
+               "fixed_batch": fixed_batch, "untie": untie,
+               "accumulation_steps": accumulation_steps}
     with use_target(target):
         return _compile(model, options)
 
@@ -293,7 +300,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     user's frame from here, for a warning."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
-                              options["fuse"], options["fixed_batch"], options["untie"])
+                              options["fuse"], options["fixed_batch"], options["untie"],
+                              options["accumulation_steps"])
     given = as_model(model)
     check_trainable_model(given)
     lowering = Pipeline((ConvertOpset(), LowerMlOps()))
@@ -371,7 +379,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     context = PlanContext(tuple(weights), optimizer, checked.backend, tuple(buffers),
                           holds_splits(loss_model), get_roles(loss_model),
                           choice.loss if choice else None, loss_options, penalty,
-                          zipmaps=bool(zipmaps))
+                          zipmaps=bool(zipmaps),
+                          accumulation_steps=checked.accumulation_steps)
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripping = Pipeline((StripTraining(),))
@@ -432,6 +441,16 @@ def _batch_record(report: BatchReport, context: PlanContext) -> dict[str, Any]:
     reduction = context.loss_options.get("reduction", "mean") if context.loss else None
     return {"size": report.batch, "fixed": not report.freed, "detail": report.describe(),
             "loss_reduction": reduction}
+
+
+def _accumulation_record(context: PlanContext) -> dict[str, Any] | None:
+    """The manifest's record of a program compiled to accumulate gradients: the
+    micro-batches of an update by default, and how its loss reduces rows (so how the
+    gradients of micro-batches combine); None for the others."""
+    if context.accumulation_steps == 1:
+        return None
+    return {"steps": context.accumulation_steps,
+            "loss_reduction": context.loss_options.get("reduction", "mean")}
 
 
 def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
@@ -495,6 +514,7 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     graphs = {name: result.model for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
-                              front.batch and _batch_record(front.batch, context))
+                              front.batch and _batch_record(front.batch, context),
+                              _accumulation_record(context))
     return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
                            notes=front.notes)

@@ -34,7 +34,7 @@ from .graphs import FLOAT_TYPES, elem_type_name
 from .manifest import FUSE_MODES
 from .models import check_declared_outputs
 from .optim import Optimizer, as_optimizer
-from .options import choice, names
+from .options import choice, count, names
 from .passes.fixed_batch import FIXED_BATCH_CHOICES, export_advice, fixed_batch, rows
 from .passes.gradient import BACKENDS
 from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
@@ -64,11 +64,13 @@ class CompileOptions:
     fixed_batch: str = "auto"
     #: None (nothing untied), "auto" (every tied initializer) or the initializers' names
     untie: str | list[str] | None = None
+    #: the micro-batches of one update (above 1: the graphs that accumulate are built)
+    accumulation_steps: int = 1
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
-                    untie: Any = None) -> CompileOptions:
+                    untie: Any = None, accumulation_steps: Any = 1) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
     fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
@@ -82,9 +84,16 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
         raise UnsupportedOptionError(
             "penalty= needs lossgraph to add the loss; with loss=None the model carries its "
             "own. Add the penalty when building it: add_loss_output(..., penalty=...).")
+    accumulation_steps = count("accumulation_steps", accumulation_steps, 1)
+    if loss is None and accumulation_steps > 1:
+        raise UnsupportedOptionError(
+            f"accumulation_steps={accumulation_steps} needs lossgraph to add the loss: how "
+            "micro-batches' gradients combine into their rows' gradient depends on how the loss "
+            "reduces rows, which a model carrying its own loss (loss=None) does not record. "
+            "Compile the inference model with a loss name, or train at the larger batch.")
     return CompileOptions(names("weights", weights, allow_empty=True), options,
                           as_optimizer(optimizer), backend, fuse, fixed_batch,
-                          _untie(untie))
+                          _untie(untie), accumulation_steps)
 
 
 def _untie(untie: Any) -> str | list[str] | None:

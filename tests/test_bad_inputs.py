@@ -613,7 +613,21 @@ CASES: list[Case] = [
          "untie names 'coef', which one layer reads: there is nothing to untie"),
     Case("untie-not-a-name", "untie=3", lambda c: c.program(untie=3), UnsupportedOptionError,
          "untie=3 must be 'auto'"),
+    *[Case(f"accumulation-steps-{label}", f"compile_program(accumulation_steps={value!r})",
+           lambda c, v=value: c.program(accumulation_steps=v), UnsupportedOptionError,
+           f"accumulation_steps={value!r}")
+      for label, value in [("zero", 0), ("float", 2.5), ("bool", True)]],
+    Case("accumulation-own-loss", "accumulation_steps=4 with loss=None (the model's own loss)",
+         lambda c: c.program(lossgraph.add_loss_output(linear(), "squared_error"), loss=None,
+                             accumulation_steps=4), UnsupportedOptionError,
+         "accumulation_steps=4 needs lossgraph to add the loss"),
     # -- fit options -------------------------------------------------------------------------
+    Case("fit-accumulation-steps-zero", "fit(accumulation_steps=0)",
+         lambda c: c.fit(accumulation_steps=0, compile_options={"accumulation_steps": 2}),
+         UnsupportedOptionError, "accumulation_steps=0 must be >= 1"),
+    Case("fit-accumulation-not-compiled", "fit(accumulation_steps=4), compiled without",
+         lambda c: c.fit(accumulation_steps=4), UnsupportedOptionError,
+         "compile it with accumulation_steps"),
     *[Case(f"batch-size-{label}", f"batch_size={value!r}",
            lambda c, v=value: c.fit(batch_size=v), UnsupportedOptionError,
            f"batch_size={value!r}")

@@ -97,11 +97,15 @@ def test_what_the_dynamo_exporters_optimizer_folded_is_found_from_its_records():
     assert "parametrizations.weight.original0" in found["proj.weight"]
 
 
-def test_the_legacy_exporters_folded_values_are_found_but_a_transposed_linear_weight():
-    model = _model({"onnx::Conv_12": RNG.normal(size=(4, 4)),
-                    "onnx::MatMul_7": RNG.normal(size=(4, 4))},
+def test_the_legacy_exporters_folded_values_are_found_but_parameters_laid_out_otherwise():
+    """A transposed Linear weight (``onnx::MatMul_<n>``) and a scale reshaped to broadcast
+    (one dimension above 1) are parameters laid out otherwise: not reported."""
+    model = _model({"onnx::Conv_12": RNG.normal(size=(4, 16)),
+                    "onnx::Mul_3": RNG.normal(size=(1, 16)),
+                    "onnx::MatMul_7": RNG.normal(size=(16, 4))},
                    [helper.make_node("MatMul", ["x", "onnx::Conv_12"], ["h"]),
-                    helper.make_node("MatMul", ["h", "onnx::MatMul_7"], ["y"])])
+                    helper.make_node("Mul", ["h", "onnx::Mul_3"], ["g"]),
+                    helper.make_node("MatMul", ["g", "onnx::MatMul_7"], ["y"])])
     assert [f.name for f in folded_weights(model)] == ["onnx::Conv_12"]
     model.producer_name = "skl2onnx"  # the names mean something only in torch's exports
     assert folded_weights(model) == []

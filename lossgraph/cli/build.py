@@ -142,7 +142,9 @@ def _compile(args: argparse.Namespace) -> int:
     untie = None if args.untie is None else args.untie or "auto"  # --untie alone: "auto"
     if args.format == "ort-artifacts":
         given = [option for option, value in (("--fuse", args.fuse), ("--backend", args.backend),
-                                              ("--target", args.target)) if value]
+                                              ("--target", args.target),
+                                              ("--accumulation-steps",
+                                               args.accumulation_steps != 1)) if value]
         if given:
             raise UnsupportedOptionError(
                 f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --format "
@@ -160,7 +162,8 @@ def _compile(args: argparse.Namespace) -> int:
     program = compile_program(
         args.model, weights=args.weights, loss=loss, loss_options=loss_options, penalty=penalty,
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
-        target=args.target, fixed_batch=args.fixed_batch, untie=untie)
+        target=args.target, fixed_batch=args.fixed_batch, untie=untie,
+        accumulation_steps=args.accumulation_steps)
     program.save(args.output)
     for note in program.notes.lines():
         print(f"{args.output}: {note}")

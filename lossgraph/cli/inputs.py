@@ -61,6 +61,8 @@ def check_inputs(args: argparse.Namespace) -> None:
                     "rows: pass --validation-split F, or monitor loss.")
         if args.batch_size is not None:  # None: the Trainer's default, or a kept batch
             count("batch_size", args.batch_size, 1)
+        if args.accumulation_steps is not None:  # None: the program's
+            count("accumulation_steps", args.accumulation_steps, 1)
         if args.program is not None:
             saved_folder(args.program, PROGRAM)
         if args.resume is not None:

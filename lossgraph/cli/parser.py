@@ -335,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "default): auto frees it where the graph proves which constants "
                             "hold it, else trains batches of exactly that size (default); "
                             "generalize frees it or fails; keep trains at that size")
+    build.add_argument("--accumulation-steps", type=int, default=1, metavar="K",
+                       help="micro-batches of one update a training takes by default; above 1 "
+                            "the program holds the graphs that accumulate gradients, and "
+                            "lossgraph train --accumulation-steps may then take any K "
+                            "(default: 1)")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")
@@ -359,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=None,
                        help="rows a step (default: 32, or the batch a model exported with a "
                             "fixed batch keeps)")
+    train.add_argument("--accumulation-steps", type=int, default=None, metavar="K",
+                       help="one update every K batches (micro-batches), with the gradient of "
+                            "the mean loss over their rows, as a batch K times larger; the "
+                            "program must be compiled with --accumulation-steps (default: the "
+                            "program's, 1 if it has none)")
     train.add_argument("--no-shuffle", action="store_true",
                        help="visit the rows in order (default: shuffled every epoch)")
     train.add_argument("--random-state", type=int, default=None, metavar="SEED",

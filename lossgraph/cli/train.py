@@ -118,7 +118,8 @@ def _train(args: argparse.Namespace) -> int:
     stopping = None if args.early_stopping_patience is None else EarlyStopping(
         args.early_stopping_monitor, args.early_stopping_patience, args.early_stopping_min_delta)
     trainer.fit(**data, epochs=args.epochs, batch_size=args.batch_size,
-                shuffle=not args.no_shuffle, random_state=args.random_state,
+                accumulation_steps=args.accumulation_steps, shuffle=not args.no_shuffle,
+                random_state=args.random_state,
                 validation_data=validation, progress=args.progress,
                 warm_start=args.resume is not None, max_steps=args.max_steps,
                 callbacks=_callbacks(args), **_checkpoint_options(args, validation is not None),

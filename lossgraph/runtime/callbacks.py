@@ -155,14 +155,17 @@ class Loop:
             self.stopping = True
 
     def steps_done(self, trainer: Trainer, first_step: int, epoch: int, first_batch: int,
-                   losses: np.ndarray, rates: np.ndarray, **values: np.ndarray) -> None:
-        """A run of ``len(losses)`` updates from ``first_step`` (the epoch graph's): each
-        step's hooks in order, with its values."""
+                   losses: np.ndarray, rates: np.ndarray, batches_per_step: int = 1,
+                   **values: np.ndarray) -> None:
+        """A run of ``len(losses)`` updates from ``first_step`` (the epoch graph's), each of
+        ``batches_per_step`` batches (gradient accumulation): each step's hooks in order,
+        with its values."""
         if not self._stepping:
             self.step_done(trainer, first_step + len(losses) - 1, epoch, 0, 0.0, 0.0)
             return
         for index, (loss, rate) in enumerate(zip(losses.tolist(), rates.tolist())):
-            self.step_done(trainer, first_step + index, epoch, first_batch + index, loss, rate,
+            self.step_done(trainer, first_step + index, epoch,
+                           first_batch + index * batches_per_step, loss, rate,
                            **{k: v[index] for k, v in values.items()})
 
     def epoch_done(self, trainer: Trainer, epoch: int, logs: dict) -> None:

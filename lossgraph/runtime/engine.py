@@ -3,6 +3,7 @@
     engine = Engine(program)                      # sessions made on first use
     data = engine.prepare(X, y)                   # checked input arrays by name
     loss = engine.step(batch, step=t, rate=lr)    # one update; its result pending
+    losses = engine.accumulate([b1, b2], step=t, rate=lr)   # one update of micro-batches
     engine.apply(1, "epoch 0, batch 3")           # the pending state becomes the live one
     engine.evaluate(data), engine.predict(data)
 
@@ -14,7 +15,7 @@ its fusion mode's (:mod:`lossgraph.modes`). The training loop, schedules, counte
 callbacks and checkpoints are its callers': :class:`~lossgraph.runtime.trainer.Trainer`,
 the data-parallel :class:`~lossgraph.parallel.Replica`.
 
-Contract: :meth:`step` (and :meth:`epoch`, :meth:`update`) read the live state and write
+Contract: :meth:`step` (and :meth:`accumulate`, :meth:`epoch`) read the live state and write
 the next one into the following buffer set, never the live one; :meth:`apply` makes it
 live and keeps the state it replaced, which :meth:`step_back` returns to once (a loss is
 that of the state a step reads, so after a non-finite loss the state before the last
@@ -41,6 +42,7 @@ from ..errors import (
     suggest,
 )
 from ..modes import fuse_mode
+from ..options import count
 from ..passes.fixed_batch import rows
 from ..passes.loss import position_weights, read_loss_record
 from ..program import TrainingProgram
@@ -175,23 +177,28 @@ class Engine:
         return create_session(model, self.providers, self.session_options, graph)
 
     def runner(self, graph: str | PackedUpdate, batch: int | None = None,
-               bound: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
+               bound: Mapping[str, np.ndarray] | None = None,
+               bound_outputs: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
         """The runner of ``graph`` (or of the packed update) over the state ring
         (specialized to ``batch``), with the learning rate, the step and the arrays
-        ``bound`` (by input name) bound once."""
+        ``bound`` (by input name) bound once, and its outputs ``bound_outputs`` written
+        into the arrays given (one runner per set of arrays)."""
         if isinstance(graph, PackedUpdate):
             return self._packed_runner(graph, bound or {})
-        key = (graph, batch, tuple(bound or ()))
+        arrays = {**(bound or {}), **(bound_outputs or {})}
+        key = (graph, batch, tuple((name, id(array)) for name, array in arrays.items()))
         if key not in self._runners:
             entry = self.program.manifest["graphs"][graph]
             inputs: dict[str, str | Block] = {v["name"]: v["name"] for v in entry["inputs"]
                                               if v["role"] in ("weight", "state", "buffer")}
-            outputs: dict[str, str | Block] = {self._new[name]: name for name in inputs.values()}
+            produced = {v["name"] for v in entry["outputs"]}
+            outputs: dict[str, str | Block] = {self._new[name]: name for name in inputs.values()
+                                               if self._new[name] in produced}
             roles = {v["role"]: v["name"] for v in (*entry["inputs"], *entry["outputs"])}
-            fixed_in = {roles["step"]: self._step, **(bound or {})}
-            fixed_out = {}
-            if "learning_rate" in roles:
-                fixed_in[roles["learning_rate"]] = self._rate
+            scalars = {"step": self._step, "learning_rate": self._rate}  # where it reads them
+            fixed_in = {roles[role]: value for role, value in scalars.items() if role in roles}
+            fixed_in.update(bound or {})
+            fixed_out = dict(bound_outputs or {})
             if "loss" in roles:
                 fixed_out[roles["loss"]] = self._loss
             self._runners[key] = GraphRunner(self.session(graph, batch), self.ring, inputs,
@@ -333,10 +340,13 @@ class Engine:
         return self._stepper.step(batch, full)
 
     def epoch(self, data: Mapping[str, np.ndarray], order: np.ndarray | None, batches: int,
-              batch_size: int, *, first_step: int, rates: np.ndarray) -> np.ndarray:
+              batch_size: int, *, first_step: int, rates: np.ndarray,
+              accumulation_steps: int = 1) -> np.ndarray:
         """``batches`` updates on the full batches of ``data`` in one run (where
         :attr:`runs_epochs`), the first of update number ``first_step``, one learning rate
-        each: their losses; the next state is pending."""
+        each: their losses; the next state is pending. With ``accumulation_steps=k``, the
+        ``batches`` full batches are micro-batches, every ``k`` one update (as
+        :meth:`accumulate`), and ``rates`` has one rate per update."""
         if not self.runs_epochs:
             raise UnsupportedOptionError(
                 f"A fuse={self.program.fuse!r} program runs no epoch graph: compile with "
@@ -344,7 +354,13 @@ class Engine:
         if self.fixed_batch is not None and batch_size != self.fixed_batch:
             self.check_batch({"": np.empty(batch_size)}, "Each batch of the epoch")
         self._step[()] = first_step
-        return self._stepper.epoch(data, order, batches, batch_size, rates)
+        if self.accumulation_steps(accumulation_steps) == 1:
+            return self._stepper.epoch(data, order, batches, batch_size, rates)
+        used = slice(0, batches * batch_size)
+        shares = self._row_shares(data)[used if order is None else order[used]]
+        scales = self.gradient_scales(
+            shares.reshape(-1, accumulation_steps, batch_size).sum(axis=-1))
+        return self._stepper.epoch(data, order, batches, batch_size, rates, scales)
 
     def apply(self, steps: int, where: str) -> None:
         """Make the pending state live: a run of ``steps`` updates, ``where`` (for
@@ -400,15 +416,66 @@ class Engine:
         """The denominator of a batch's mean loss, by which batch losses average into the
         loss of all their rows: the sample weights (or rows), times each row's mean share
         of its labels (0 for an ignore_index, the class's weight for a class_weight)."""
-        rows = _rows(batch)
-        weights = batch[self.sample_weight] if self.sample_weight else np.ones(rows)
-        shares = position_weights(batch[self.label], self.ignored_label, self.class_weight)
+        return float(np.sum(self._row_shares(batch)))
+
+    def _row_shares(self, data: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Each row's part of :meth:`_share`: its sample weight (or 1), times its labels'
+        mean share; without sample weights, the sum of its labels' shares."""
+        rows = _rows(data)
+        weights = data[self.sample_weight] if self.sample_weight else np.ones(rows)
+        shares = position_weights(data[self.label], self.ignored_label, self.class_weight)
         if shares is None:
-            return float(np.sum(weights))
+            return weights
         shares = shares.reshape(rows, -1)
         if self.sample_weight is None:
-            return float(shares.sum())
-        return float(np.dot(weights, shares.mean(axis=1)))
+            return shares.sum(axis=1)
+        return weights * shares.mean(axis=1)
+
+    # -- accumulation ------------------------------------------------------------------
+    def accumulation_steps(self, steps: int | None) -> int:
+        """The micro-batches of one update a fit with ``accumulation_steps=steps`` takes:
+        ``steps``, by default the program's (1 where it was compiled without); more than
+        1 needs a program compiled to accumulate (an error saying how, otherwise)."""
+        record = self.program.manifest.get("accumulation")
+        if steps is None:
+            return record["steps"] if record else 1
+        steps = count("accumulation_steps", steps, 1)
+        if steps > 1 and record is None:
+            raise UnsupportedOptionError(
+                f"accumulation_steps={steps}, but the program was compiled without gradient "
+                "accumulation: compile it with accumulation_steps (any value above 1: "
+                f"compile_program(..., accumulation_steps={steps}), or lossgraph compile "
+                f"--accumulation-steps {steps}); it then builds the graphs that accumulate and "
+                "records how the loss reduces rows.")
+        return steps
+
+    def gradient_scales(self, shares: np.ndarray) -> np.ndarray:
+        """The factor of each micro-batch's gradient in its update's (the last axis of
+        ``shares``, the micro-batches' :meth:`_share`): its share of the update's rows for
+        a mean loss, so that the sum is the gradient of the mean over all of them; 1 for a
+        summed loss. An update whose rows all weigh nothing gets zeros (its losses are
+        0/0 already)."""
+        if self.program.manifest["accumulation"]["loss_reduction"] == "sum":
+            return np.ones_like(shares, dtype=self.dtype)
+        total = shares.sum(axis=-1, keepdims=True)
+        scales = np.divide(shares, total, out=np.zeros(shares.shape), where=total > 0)
+        return scales.astype(self.dtype)
+
+    def accumulate(self, batches: Sequence[Mapping[str, np.ndarray]], *, step: int,
+                   rate: float, full: int | None = None) -> np.ndarray:
+        """One update from the micro-batches ``batches`` (checked arrays by input name) as
+        update number ``step`` with learning rate ``rate``: the gradient of the loss over
+        all their rows, as one batch of them gives (:meth:`gradient_scales`); buffers
+        updated by each micro-batch in turn. The loss of each at the live state; the next
+        state is pending (:meth:`apply`). One micro-batch is a :meth:`step`."""
+        self.accumulation_steps(len(batches))  # a program compiled to accumulate, or an error
+        for index, batch in enumerate(batches):
+            self.check_batch(batch, f"Micro-batch {index}")
+        if len(batches) == 1:
+            return np.array([self.step(batches[0], step=step, rate=rate, full=full)])
+        scales = self.gradient_scales(np.array([self._share(batch) for batch in batches]))
+        self.set_scalars(step, rate)
+        return self._stepper.accumulate(batches, scales, full)
 
     # -- evaluation --------------------------------------------------------------------
     def evaluate(self, data: Mapping[str, np.ndarray]) -> float:

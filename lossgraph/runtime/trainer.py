@@ -124,8 +124,8 @@ class Trainer:
             epoch_learning_rate: Callable[[int], float] | None = None,
             max_steps: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
             checkpoint_every: int = 1, keep_last: int | None = 3, keep_best: bool = True,
-            monitor: str = "val_loss", metrics: Sequence[str] | None = None,
-            validation_fraction: float | None = None,
+            monitor: str = "val_loss", accumulation_steps: int | None = None,
+            metrics: Sequence[str] | None = None, validation_fraction: float | None = None,
             early_stopping: EarlyStopping | None = None) -> Trainer:
         """Train for ``epochs`` epochs of minibatch updates (1 by default), or ``max_steps``
         updates, whichever ends first; returns ``self``.
@@ -151,6 +151,17 @@ class Trainer:
         default then, and the only one): each epoch's remaining rows are left out, as
         torch's ``DataLoader(drop_last=True)`` does (shuffled, other rows each epoch).
 
+        ``accumulation_steps=k`` makes one update of every ``k`` batches (micro-batches):
+        the gradient of the mean loss over their rows (weighted by ``sample_weight``), as
+        one step at a batch of ``k * batch_size`` rows takes, to float rounding; by default
+        the program's (``compile_program(accumulation_steps=...)``, which ``k > 1``
+        needs). An epoch's last group may hold fewer micro-batches (and its last one fewer
+        rows): it is one update all the same, its gradient the mean over the rows it holds,
+        as Hugging Face's Trainer does at the end of an epoch. The learning-rate schedule,
+        the step count (``steps_``, Adam's bias correction), ``max_steps`` and the step
+        callbacks count updates (a step's ``loss``: its micro-batches' mean by rows);
+        running statistics (BatchNormalization in training mode) move per micro-batch, as
+        in torch. With an iterable of batches, every ``k`` batches it yields are one update.
         ``metrics`` (:mod:`lossgraph.runtime.metrics`) are computed after every epoch over
         the training data (arrays; not streamed batches) and the validation data, in the
         logs and ``history_``. ``validation_fraction`` holds out that share of the rows
@@ -174,6 +185,7 @@ class Trainer:
             raise UnsupportedOptionError(
                 f"epoch_learning_rate={epoch_learning_rate!r} must be a function of the epoch "
                 "returning the learning rate, or None.")
+        accumulation = self.engine.accumulation_steps(accumulation_steps)
         streaming = _streaming(X, y, sample_weight)
         if streaming and epochs not in (0, 1) and not callable(X) and iter(X) is X:
             several = f"{epochs} epochs" if epochs else f"max_steps={max_steps} over epochs"
@@ -234,9 +246,10 @@ class Trainer:
                     break
                 epoch = self.epochs_
                 if streaming:
-                    losses, sizes = self._stream_epoch(X, epoch)
+                    losses, sizes = self._stream_epoch(X, epoch, accumulation)
                 else:
-                    losses, sizes = self._array_epoch(data, batch_size, shuffle, epoch)
+                    losses, sizes = self._array_epoch(data, batch_size, shuffle, epoch,
+                                                      accumulation)
                 self.epochs_ += 1
                 logs = {"loss": float(np.dot(losses, sizes) / np.sum(sizes))}
                 if data is not None:
@@ -305,17 +318,18 @@ class Trainer:
         return tqdm(total=epochs, desc="lossgraph", unit="epoch")
 
     def _array_epoch(self, data: dict[str, np.ndarray], batch_size: int, shuffle: bool,
-                     epoch: int) -> tuple[np.ndarray, np.ndarray]:
+                     epoch: int, accumulation: int) -> tuple[np.ndarray, np.ndarray]:
         rows = len(next(iter(data.values())))
         order = self._rng.permutation(rows) if shuffle else None
         full = rows // batch_size
         if self.engine.fixed_batch is not None:
             rows = full * batch_size  # the last, short batch is left out (drop_last)
+        updates = full // accumulation  # the epoch graph runs whole groups, any count of them
         losses, sizes = [], []
-        if self.engine.runs_epochs and full > 0:
+        if self.engine.runs_epochs and updates > 0:
             left = self._loop.steps_left(self.steps_)
-            run = full if left is None else min(full, left)  # the epoch graph runs any count
-            losses.append(self._fused_epoch(data, order, run, batch_size, epoch))
+            run = (updates if left is None else min(updates, left)) * accumulation
+            losses.append(self._fused_epoch(data, order, run, batch_size, epoch, accumulation))
             sizes.append(np.full(run, batch_size))
             start = run * batch_size
         else:
@@ -326,37 +340,52 @@ class Trainer:
             else:  # one gather per epoch, then views
                 rest = {name: array[order[start:rows]] for name, array in data.items()}
             batch_losses, batch_sizes = self._steps(rest, batch_size, epoch, start // batch_size,
-                                                    None if order is None else order[start:rows])
+                                                    None if order is None else order[start:rows],
+                                                    accumulation)
             losses.append(batch_losses)
             sizes.append(batch_sizes)
         return np.concatenate(losses), np.concatenate(sizes)
 
     def _steps(self, data: dict[str, np.ndarray], batch_size: int, epoch: int, first: int,
-               order: np.ndarray | None,
+               order: np.ndarray | None, accumulation: int,
                specialize: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Minibatch steps over ``data`` (already in epoch order), whose full batches run
-        graphs specialized to ``batch_size`` when ``specialize``."""
+        """Minibatch updates over ``data`` (already in epoch order), one per
+        ``accumulation`` batches, whose full batches run graphs specialized to
+        ``batch_size`` when ``specialize``."""
         rows = len(next(iter(data.values())))
-        batches = math.ceil(rows / batch_size)
-        losses = np.empty(batches)
-        sizes = np.empty(batches, np.int64)
+        bounds = [(lo, min(rows, lo + batch_size)) for lo in range(0, rows, batch_size)]
+        losses = np.empty(len(bounds))
+        sizes = np.array([hi - lo for lo, hi in bounds], np.int64)
         full = batch_size if specialize else None
-        loop, index = self._loop, 0
-        counted = loop.counts_steps  # else no per-step call at all
-        while index < batches and not loop.stopping:
-            lo, hi = index * batch_size, min(rows, (index + 1) * batch_size)
-            batch = {name: array[lo:hi] for name, array in data.items()}
-            number, rate = self.steps_ + 1, self.learning_rate(self.steps_ + 1)
-            loss = self.engine.step(batch, step=number, rate=rate, full=full)
-            if not math.isfinite(loss):
-                rows_used = np.arange(lo, hi) if order is None else order[lo:hi]
-                self._diverged(epoch, first + index, loss, batch, rows_used)
-            self._apply(1, epoch, first + index)
-            losses[index], sizes[index] = loss, hi - lo
-            if counted:
-                loop.step_done(self, number, epoch, first + index, loss, rate)
-            index += 1
-        return losses[:index], sizes[:index]
+        done = 0
+        while done < len(bounds) and not self._loop.stopping:
+            group = bounds[done:done + accumulation]
+            batches = [{name: array[lo:hi] for name, array in data.items()} for lo, hi in group]
+            losses[done:done + len(group)] = self._update(
+                batches, epoch, first + done, full,
+                lambda index, group=group: (np.arange(*group[index]) if order is None
+                                            else order[slice(*group[index])]))
+            done += len(group)
+        return losses[:done], sizes[:done]
+
+    def _update(self, batches: list[dict[str, np.ndarray]], epoch: int, first: int,
+                full: int | None, rows: Callable[[int], np.ndarray]) -> np.ndarray:
+        """One update from the micro-batches ``batches``, the epoch's from batch ``first``
+        on (``rows(i)``: the rows of the data in batch ``i``, for messages): their losses.
+        The step hooks see the update, its loss the micro-batches' mean by rows."""
+        number, rate = self.steps_ + 1, self.learning_rate(self.steps_ + 1)
+        losses = self.engine.accumulate(batches, step=number, rate=rate, full=full)
+        bad = np.flatnonzero(~np.isfinite(losses))
+        if bad.size:
+            index = int(bad[0])
+            self._diverged(epoch, first + index, float(losses[index]), batches[index],
+                           rows(index))
+        self._apply(1, epoch, first)
+        if self._loop.counts_steps:
+            loss = losses[0] if len(losses) == 1 else np.average(
+                losses, weights=[_rows(batch) for batch in batches])
+            self._loop.step_done(self, number, epoch, first, loss, rate)
+        return losses
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update ``step`` (counted from 1) as the fit runs it: the
@@ -372,13 +401,15 @@ class Trainer:
         return float(rate)
 
     def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,
-                     batch_size: int, epoch: int) -> np.ndarray:
-        """All full batches of an epoch in one run of the epoch graph."""
+                     batch_size: int, epoch: int, accumulation: int) -> np.ndarray:
+        """All full batches of an epoch (whole groups of ``accumulation``) in one run of
+        the epoch graph."""
         first = self.steps_ + 1
-        rates = (self._optimizer.schedules(first, full) if self._epoch_rate is None else
-                 np.full(full, self.learning_rate(first)))
+        updates = full // accumulation
+        rates = (self._optimizer.schedules(first, updates) if self._epoch_rate is None else
+                 np.full(updates, self.learning_rate(first)))
         losses = self.engine.epoch(data, order, full, batch_size, first_step=first,
-                                   rates=rates)
+                                   rates=rates, accumulation_steps=accumulation)
         bad = np.flatnonzero(~np.isfinite(losses))
         if bad.size:
             index = int(bad[0])
@@ -386,16 +417,27 @@ class Trainer:
                          else order[index * batch_size:(index + 1) * batch_size])
             batch = {name: array[rows_used] for name, array in data.items()}
             self._diverged(epoch, index, float(losses[index]), batch, rows_used,
-                           first_of_run=index == 0)
-        self._apply(full, epoch, 0)
+                           first_of_run=index < accumulation)
+        self._apply(updates, epoch, 0)
         losses = losses.astype(np.float64)
-        self._loop.steps_done(self, first, epoch, 0, losses, rates)
+        self._loop.steps_done(self, first, epoch, 0,
+                              losses.reshape(updates, accumulation).mean(axis=1), rates,
+                              batches_per_step=accumulation)
         return losses
 
-    def _stream_epoch(self, batches: Any, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """One pass over an iterable of (X, y[, w]) batches."""
+    def _stream_epoch(self, batches: Any, epoch: int, accumulation: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over an iterable of (X, y[, w]) batches, one update per
+        ``accumulation`` of them (and one for those left at the end)."""
         source = batches() if callable(batches) else batches
         losses, sizes = [], []
+        group: list[dict[str, np.ndarray]] = []
+
+        def update(first: int) -> None:
+            losses.append(self._update(group, epoch, first, None,
+                                       lambda index: np.arange(_rows(group[index]))))
+            sizes.append([_rows(batch) for batch in group])  # they may differ in size
+
         for index, item in enumerate(source):
             if self._loop.stopping:
                 break
@@ -405,11 +447,12 @@ class Trainer:
                     "iterable of such tuples, or X and y as arrays.")
             data = self.engine.prepare(*item, what=f"batch {index} ")
             self.engine.check_batch(data, f"Batch {index}")
-            rows = len(next(iter(data.values())))  # streamed batches may differ in size
-            batch_losses, batch_sizes = self._steps(data, rows, epoch, index, None,
-                                                    specialize=False)
-            losses.append(batch_losses)
-            sizes.append(batch_sizes)
+            group.append(data)
+            if len(group) == accumulation:
+                update(index + 1 - len(group))
+                group = []
+        if group and not self._loop.stopping:
+            update(index + 1 - len(group))
         if not losses:
             raise InvalidDataError("The iterable of batches was empty.")
         return np.concatenate(losses), np.concatenate(sizes)
@@ -580,6 +623,11 @@ def _checkpoints(folder: str | os.PathLike | None, every: int, keep_last: int | 
                 "leave them out.")
         return None
     return Checkpoints(folder, every, keep_last, keep_best, monitor)
+
+
+def _rows(data: Mapping[str, np.ndarray]) -> int:
+    """The number of rows of a batch's arrays."""
+    return len(next(iter(data.values())))
 
 
 def _is_data(X: Any) -> bool:

@@ -24,6 +24,7 @@ import pytest
 from support.catalogue import Row, assert_listed, message_of, print_table, slug
 from support.cli import (
     export_has,
+    initializers,
     installed,
     needs_skl2onnx,
     ok,
@@ -88,6 +89,25 @@ def test_compile_then_train_from_the_shell(model_file, tmp_path, run_model, rng)
     prediction = run_model(onnx.load(trained), {"x": X})["y"]
     assert np.mean((prediction - y) ** 2) < 0.05
     assert (tmp_path / "ckpt" / "trainer.json").exists()
+
+
+def test_accumulation_from_the_shell_equals_a_larger_batch(model_file, tmp_path, rng):
+    """compile --accumulation-steps 4, train at batch 5: the weights of batch 20."""
+    X = rng.normal(size=(50, 3)).astype(np.float32)
+    y = np.stack([X @ [1.0, 2.0, -1.0], X @ [0.5, 0.0, 1.0]], axis=1).astype(np.float32)
+    np.savez(tmp_path / "train.npz", X=X, y=y)
+    program = str(tmp_path / "program")
+    assert main(["compile", str(model_file), "-o", program, "--optimizer", "adam",
+                 "--accumulation-steps", "4"]) == 0
+    trained = {}
+    for batch, steps in (("5", "4"), ("20", "1")):
+        out = tmp_path / f"trained-{batch}.onnx"
+        assert main(["train", program, "--data", str(tmp_path / "train.npz"), "--epochs", "2",
+                     "--batch-size", batch, "--accumulation-steps", steps, "--no-shuffle",
+                     "-o", str(out)]) == 0
+        trained[batch] = initializers(out)
+    for name, value in trained["20"].items():
+        np.testing.assert_allclose(trained["5"][name], value, rtol=1e-5, atol=1e-6)
 
 
 # -- every bad input: exit status 2, one line on stderr, no traceback, nothing written -------
@@ -185,6 +205,10 @@ BAD_COMMANDS = {
                                       "ten", "-o", f"{t}/o.onnx"],
     "batch size zero": lambda t: ["train", _program(t), "--data", _data(t), "--batch-size",
                                   "0", "-o", f"{t}/o.onnx"],
+    "accumulation steps zero": lambda t: ["train", _program(t), "--data", _data(t),
+                                          "--accumulation-steps", "0", "-o", f"{t}/o.onnx"],
+    "accumulation not compiled": lambda t: ["train", _program(t), "--data", _data(t),
+                                            "--accumulation-steps", "4", "-o", f"{t}/o.onnx"],
     "unknown fuse": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--fuse", "turbo"],
     "unknown optimizer": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--optimizer",
                                     '{"type": "Nope"}'],

@@ -45,6 +45,8 @@ def test_a_program_holds_each_weight_once_and_gives_its_inference_model_back_who
     assert apart == {"coef", "intercept"}
     assert all(not t.raw_data for t in kept.graph.initializer if t.name in apart)
     assert held.inference_model.SerializeToString() == model.SerializeToString()
+    for graph in program.graphs.values():  # nor does a session of a training graph
+        assert not apart & {t.name for t in graph.graph.initializer}
     trainer = lossgraph.Trainer(held).fit(*data, epochs=1, progress=False)
     trained = lossgraph.TrainingProgram(program.graphs, program.manifest, trainer.state, model)
     assert trained._inference[1] == frozenset()

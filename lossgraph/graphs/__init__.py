@@ -38,13 +38,13 @@ from .types import (
     opset_version,
     weights_dtype,
 )
-from .weights import stored_tensors, without_weight_data
+from .weights import held_apart, put_back, stored_tensors, without_weight_data
 
 __all__ = [
     "FLOAT_TYPES", "Shape", "ForwardFacts", "all_value_types", "GraphIndex", "attribute_values",
     "attribute_value", "constant_value", "subgraphs", "all_graphs", "names_in_graph",
     "values_read",
-    "outer_references", "stored_tensors", "without_weight_data",
+    "outer_references", "stored_tensors", "without_weight_data", "held_apart", "put_back",
     "shortest_path", "elem_type_name", "np_dtype", "weights_dtype", "opset_version",
     "initializer_arrays", "rename_values", "known_shapes", "is_default_domain",
     "canonical_domain", "is_onnx_op", "infer_shapes_with_data", "LONG_VECTOR",

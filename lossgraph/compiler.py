@@ -153,6 +153,8 @@ def compile_program(
     target: Target | str | None = None,
     fixed_batch: str = "auto",
     untie: Sequence[str] | str | bool | None = None,
+    max_grad_norm: float | None = None,
+    ema_decay: float | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -202,10 +204,21 @@ def compile_program(
             manifest's ``untied`` maps each initializer to its copies, and the inference
             model keeps them apart. Without it, training a tied weight warns
             (``TiedWeightWarning``).
+        max_grad_norm: clip the gradients the optimizer receives (the loss's plus the
+            penalty's) to this global norm, as ``torch.nn.utils.clip_grad_norm_`` does after
+            ``backward()``; the training graphs output the norm before clipping
+            (``Trainer.grad_norms_``). None (default): no clipping.
+        ema_decay: keep an exponential moving average of each weight, ``e = d e + (1 - d)
+            w`` after each update (the first update copies the weights), as
+            ``torch.optim.swa_utils.AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(d))``:
+            one more state per weight, which ``evaluate``, ``predict`` and
+            ``to_inference_model`` use with ``ema=True``. None (default): no average.
+            See :mod:`lossgraph.update_options`.
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
-               "fixed_batch": fixed_batch, "untie": untie}
+               "fixed_batch": fixed_batch, "untie": untie, "max_grad_norm": max_grad_norm,
+               "ema_decay": ema_decay}
     with use_target(target):
         return _compile(model, options)
 
@@ -284,7 +297,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     user's frame from here, for a warning."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
-                              options["fuse"], options["fixed_batch"], options["untie"])
+                              options["fuse"], options["fixed_batch"], options["untie"],
+                              options["max_grad_norm"], options["ema_decay"])
     given = as_model(model)
     check_trainable_model(given)
     lowering = Pipeline((ConvertOpset(), LowerMlOps()))
@@ -348,7 +362,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     context = PlanContext(tuple(weights), checked.optimizer, checked.backend, tuple(buffers),
                           holds_splits(loss_model), get_roles(loss_model),
                           choice.loss if choice else None, loss_options, penalty,
-                          zipmaps=bool(zipmaps))
+                          zipmaps=bool(zipmaps), update_options=checked.update)
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripping = Pipeline((StripTraining(),))
@@ -456,13 +470,14 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     lifted = compiling.lifted  # weights and buffers
     state = {w: lifted[w] for w in context.weights}
     for weight in context.weights:
-        for name, value in zip(signature.states[weight],
-                               optimizer.initial_state(lifted[weight])):
+        for name, value in zip(signature.states[weight], context.update_options.initial_state(
+                optimizer, lifted[weight])):
             state[name] = value
     state.update((b, lifted[b]) for b in context.buffers)
     graphs = {name: result.model for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
-                              front.batch and _batch_record(front.batch, context))
+                              front.batch and _batch_record(front.batch, context),
+                              context.update_options)
     return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
                            notes=front.notes)

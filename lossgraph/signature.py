@@ -43,6 +43,10 @@ class Signature:
     # state the graph updates without gradients or optimizer: training-mode
     # BatchNormalization's running statistics (lossgraph.passes.running_stats), never packed
     buffers: list[str] = field(default_factory=list)
+    # the gradients' global norm where the update clips them (lossgraph.update_options):
+    # a step's scalar output, and an epoch graph's one per update
+    grad_norm: str | None = None
+    grad_norms: str | None = None
 
     @classmethod
     def of_gradient_model(cls, model: onnx.ModelProto) -> Signature:
@@ -85,7 +89,8 @@ class Signature:
         write_json(model, SIGNATURE_KEY, self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        """The signature as JSON-ready data; without buffers, as recorded before buffers."""
+        """The signature as JSON-ready data; without buffers or norms, as recorded before
+        them."""
         return _without_empty_buffers(dataclasses.asdict(self))
 
     @classmethod
@@ -114,8 +119,9 @@ class Signature:
 
 
 def _without_empty_buffers(record: dict[str, Any]) -> dict[str, Any]:
-    if not record.get("buffers"):
-        record.pop("buffers", None)
+    for key in ("buffers", "grad_norm", "grad_norms"):
+        if not record.get(key):
+            record.pop(key, None)
     if record.get("unpacked"):
         record["unpacked"] = _without_empty_buffers(record["unpacked"])
     return record

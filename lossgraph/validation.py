@@ -39,6 +39,7 @@ from .passes.gradient import BACKENDS
 from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
 from .penalties import parse_penalty
 from .roles import get_roles
+from .update_options import UpdateOptions
 
 __all__ = ["CompileOptions", "compile_options", "check_trainable_model", "check_learnable",
            "no_weights_error", "check_penalized", "warn_tied"]
@@ -63,11 +64,14 @@ class CompileOptions:
     fixed_batch: str = "auto"
     #: None (nothing untied), "auto" (every tied initializer) or the initializers' names
     untie: str | list[str] | None = None
+    #: gradient clipping and an EMA of the weights around the optimizer's update
+    update: UpdateOptions = UpdateOptions()
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
-                    untie: Any = None) -> CompileOptions:
+                    untie: Any = None, max_grad_norm: Any = None,
+                    ema_decay: Any = None) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
     fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
@@ -82,7 +86,7 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
             "own. Add the penalty when building it: add_loss_output(..., penalty=...).")
     return CompileOptions(names("weights", weights, allow_empty=True), options,
                           as_optimizer(optimizer), backend, fuse, fixed_batch,
-                          _untie(untie))
+                          _untie(untie), UpdateOptions(max_grad_norm, ema_decay))
 
 
 def _untie(untie: Any) -> str | list[str] | None:

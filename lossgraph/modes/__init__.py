@@ -48,6 +48,7 @@ from ..speed import (
     UnfoldConvWeightGradients,
     WidenScalarConstants,
 )
+from ..update_options import UpdateOptions
 
 __all__ = ["FuseMode", "PlanContext", "Compiling", "Assembled", "Stepper", "MODES",
            "fuse_mode"]
@@ -70,6 +71,8 @@ class PlanContext:
     penalty: Any = None
     #: the inference model has ZipMap outputs, which predict gives as the tensors they zip
     zipmaps: bool = False
+    #: gradient clipping and an EMA of the weights, around the optimizer's update
+    update_options: UpdateOptions = field(default_factory=UpdateOptions)
 
     @property
     def lift(self) -> WeightsToInputs:

@@ -44,7 +44,8 @@ class StepMode(FuseMode):
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
         return {"train_step": Planned("loss model", Pipeline((
-            *_differentiated(context), StepGraph(context.optimizer), context.widen)))}
+            *_differentiated(context), StepGraph(context.optimizer, context.update_options),
+            context.widen)))}
 
     def assemble(self, compiling: Compiling) -> Assembled:
         return Assembled(compiling.built["train_step"].report.of(StepGraph))
@@ -62,8 +63,9 @@ class EpochMode(FuseMode):
     summary = "one graph per epoch (a Scan over the full batches)"
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
-        step = StepGraph(context.optimizer)
-        packed = (*_differentiated(context), PackWeights(context.optimizer), step)
+        step = StepGraph(context.optimizer, context.update_options)
+        packed = (*_differentiated(context),
+                  PackWeights(context.optimizer, context.update_options), step)
         return {
             "train_step": Planned("loss model", Pipeline((*_differentiated(context), step,
                                                           context.widen))),
@@ -106,6 +108,9 @@ class FusedEpochs(FusedSteps):
         runner = engine.runner(graph, batch_size)
         losses = np.empty(batches, engine.dtype)
         runner.bind_output(engine.program.io(graph, "losses")[0], losses)
+        for norms in engine.program.io(graph, "grad_norms"):  # where the update clips
+            engine.grad_norms = np.empty(batches, engine.dtype)
+            runner.bind_output(norms, engine.grad_norms)
         feeds = {engine.program.io(graph, "learning_rates")[0]: rates.astype(engine.dtype)}
         if order is None:
             feeds.update({name: array[:batches * batch_size] for name, array in data.items()})

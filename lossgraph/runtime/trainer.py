@@ -72,6 +72,9 @@ class Trainer:
         self.epochs_ = 0
         self.train_losses_: list[float] = []
         self.validation_losses_: list[float] = []
+        #: the gradients' global norm (before clipping) of every update since the last
+        #: reset, where the program clips them (``max_grad_norm``); not kept in checkpoints
+        self.grad_norms_: list[float] = []
         self._rng: np.random.Generator | None = None
         self._epoch_rate: Callable[[int], float] | None = None
 
@@ -237,6 +240,8 @@ class Trainer:
                 rows_used = np.arange(lo, hi) if order is None else order[lo:hi]
                 self._diverged(epoch, first + index, loss, batch, rows_used)
             self._apply(1, epoch, first + index)
+            if self.engine.clips:
+                self.grad_norms_.append(self.engine.grad_norm)
             losses[index], sizes[index] = loss, hi - lo
         return losses, sizes
 
@@ -270,6 +275,8 @@ class Trainer:
             self._diverged(epoch, index, float(losses[index]), batch, rows_used,
                            first_of_run=index == 0)
         self._apply(full, epoch, 0)
+        if self.engine.clips:
+            self.grad_norms_.extend(self.engine.grad_norms.tolist())
         return losses.astype(np.float64)
 
     def _stream_epoch(self, batches: Any, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -347,11 +354,13 @@ class Trainer:
                 ValidationLossWarning, stacklevel=4)
         return loss
 
-    def evaluate(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+    def evaluate(self, X: Any, y: Any, sample_weight: Any = None, *, ema: bool = False
+                 ) -> float:
         """The loss on ``(X, y)`` with the current weights (lower is better; layers in
-        inference mode). For a model whose batch is fixed, ``X`` holds a multiple of that
-        many rows, run that many a time, their losses averaged as one mean."""
-        return self.engine.evaluate(self.engine.prepare(X, y, sample_weight))
+        inference mode), or with their averages where ``ema=True`` (a program compiled
+        with ``ema_decay``). For a model whose batch is fixed, ``X`` holds a multiple of
+        that many rows, run that many a time, their losses averaged as one mean."""
+        return self.engine.evaluate(self.engine.prepare(X, y, sample_weight), ema)
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The previous release's name of :meth:`evaluate`: a loss, lower is better, unlike
@@ -359,14 +368,17 @@ class Trainer:
         warn_renamed("Trainer.score", "Trainer.evaluate (a loss: lower is better)")
         return self.evaluate(X, y, sample_weight)
 
-    def predict(self, X: Any) -> np.ndarray:
+    def predict(self, X: Any, *, ema: bool = False) -> np.ndarray:
         """The model's prediction (the output the loss is computed on) for ``X`` (for a
-        model whose batch is fixed, a multiple of that many rows, run that many a time)."""
-        return self.engine.predict(self.engine.prepare(X, graph="predict", with_label=False))
+        model whose batch is fixed, a multiple of that many rows, run that many a time);
+        with ``ema=True``, by the weights' averages."""
+        return self.engine.predict(self.engine.prepare(X, graph="predict", with_label=False),
+                                   ema)
 
-    def to_inference_model(self) -> onnx.ModelProto:
-        """The original inference model with the trained weights and buffers written back."""
-        return self.program.to_inference_model(self.engine.live())
+    def to_inference_model(self, *, ema: bool = False) -> onnx.ModelProto:
+        """The original inference model with the trained weights and buffers written back
+        (``ema=True``: the weights' averages)."""
+        return self.program.to_inference_model(self.engine.live(), ema=ema)
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike) -> Path:

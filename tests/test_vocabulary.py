@@ -148,6 +148,7 @@ FLAG_PARAMETERS = {
         "--penalty-l2": "penalty", "--optimizer": "optimizer", "--learning-rate": "optimizer",
         "--momentum": "optimizer", "--backend": "backend", "--fuse": "fuse",
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
+        "--max-grad-norm": "max_grad_norm", "--ema-decay": "ema_decay",
         "--output": None, "--format": None}),
 }
 

@@ -50,6 +50,11 @@ weight is never taken for a constant; never on the inference model: ``predict`` 
 exported model keep the user's ops. ``fuse="separate"``'s ``loss`` graph is lossgraph's own
 loss, written in stable forms already.
 
+``max_grad_norm`` and ``ema_decay`` (:mod:`lossgraph.update_options`) are options of
+``StepGraph``, ``PackWeights`` and ``fuse="separate"``'s ``UpdateGraph``: the gradients
+clipped by their global norm before the optimizer's update (the norm an output of every
+training graph) and an average of each weight after it (one more state per weight).
+
 A model whose BatchNormalization runs in training mode has **buffers**, the running
 statistics that training updates every step (:mod:`lossgraph.passes.running_stats`):
 ``WeightsToInputs`` lifts them with the weights in every graph, and every training

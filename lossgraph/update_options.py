@@ -115,15 +115,15 @@ class UpdateOptions:
         norm = None
         if self.clips:
             gradients, norm = self._clip(b, gradients, dtype)
-        count = len(optimizer.state_names(""))
         new = {}
         for weight, grad in gradients.items():
             own = list(states[weight])
+            average = own.pop() if self.averages else None  # the last state (state_names)
             new_weight, new_states = optimizer.emit_update(
-                b, weight, grad, own[:count], learning_rate, step, dtype)
-            if self.averages:
-                new_states = [*new_states, self._average(b, own[count], new_weight, step,
-                                                         weight, dtype)]
+                b, weight, grad, own, learning_rate, step, dtype)
+            if average is not None:
+                new_states = [*new_states, self._average(b, average, new_weight, step, weight,
+                                                         dtype)]
             new[weight] = [new_weight, *new_states]
         return new, norm
 

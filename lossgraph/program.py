@@ -72,8 +72,9 @@ class TrainingProgram:
 
     @property
     def optimizer_states(self) -> list[str]:
-        """The optimizer's state tensors (a velocity, Adam's moments), weight by weight;
-        ``state`` holds every live tensor: these, the weights and the buffers."""
+        """The optimizer's state tensors (a velocity, Adam's moments; with ``ema_decay``, each
+        weight's average after them: :attr:`ema_states`), weight by weight; ``state`` holds
+        every live tensor: these, the weights and the buffers."""
         return [s["name"] for w in self.manifest["weights"] for s in w["states"]]
 
     @property

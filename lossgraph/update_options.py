@@ -141,13 +141,18 @@ class UpdateOptions:
     def _average(self, b: GraphBuilder, ema: str, new_weight: str, step: str, weight: str,
                  dtype: Any) -> str:
         def decays() -> tuple[str, str]:
+            # keep = d, take = 1 - d after the first update; 0 and 1 at it. 1 - d is folded
+            # in float64 (1 - float32(d) would be off by up to 1e-5 of it for d = 0.999)
             elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
             one = b.const(1, np.int64, "one_step")
-            after_first = b.Cast(b.Min(b.Sub(step, one), one), to=elem_type,
-                                 hint="after_first_update")
-            keep = b.Mul(after_first, b.const(self.ema_decay, dtype, "ema_decay"),
-                         hint="ema_keep")
-            return keep, b.Sub(b.const(1.0, dtype, "one"), keep, hint="ema_take")
+            later = b.Min(b.Sub(step, one), one)
+            after_first = b.Cast(later, to=elem_type, hint="after_first_update")
+            at_first = b.Cast(b.Sub(one, later), to=elem_type, hint="at_first_update")
+            decay = b.const(self.ema_decay, dtype, "ema_decay")
+            keep = b.Mul(after_first, decay, hint="ema_keep")
+            take = b.Max(at_first, b.const(1.0 - self.ema_decay, dtype, "one_minus_ema_decay"),
+                         hint="ema_take")
+            return keep, take
 
         keep, take = b.memo(("ema", self.ema_decay, step), decays)
         return b.Add(b.Mul(ema, keep), b.Mul(new_weight, take), hint=f"{weight}_ema_new")

@@ -26,9 +26,9 @@ PENALTY = {"w1": {"l2": 0.05}}
 
 def mlp() -> onnx.ModelProto:
     """3 -> 4 (tanh) -> 2, the weights above."""
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["a"]), helper.make_node("Add", ["a", "b1"], ["z"]),
-             helper.make_node("Tanh", ["z"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["o"]),
-             helper.make_node("Add", ["o", "b2"], ["y"])]
+    nodes = [helper.make_node(op, inputs, [output]) for op, inputs, output in (
+        ("MatMul", ["x", "w1"], "a"), ("Add", ["a", "b1"], "z"), ("Tanh", ["z"], "h"),
+        ("MatMul", ["h", "w2"], "o"), ("Add", ["o", "b2"], "y"))]
     weights = [numpy_helper.from_array(v, n) for v, n in ((W1, "w1"), (B1, "b1"), (W2, "w2"),
                                                           (B2, "b2"))]
     graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", 1, ["N", 3])],

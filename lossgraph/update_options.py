@@ -6,20 +6,21 @@ and a weight ``w`` whose update gives ``w'``::
 
     clipping (max_grad_norm=c)   norm = sqrt(sum_i sum(g_i^2))                (a graph output)
                                  g_i <- g_i min(1, c / (norm + 1e-6))     before the update
-    averaging (ema_decay=d)      e' = d_t e + (1 - d_t) w'                    after the update
-                                 d_t = 0 at update 1 (e' = w'), d after it
+    averaging (ema_decay=d)      e' = e + (1 - d)(w' - e)                     after the update
+                                 e' = w' at update 1
 
 Clipping is ``torch.nn.utils.clip_grad_norm_(params, c)`` after ``loss.backward()``; the
 average is ``torch.optim.swa_utils.AveragedModel(model,
-multi_avg_fn=get_ema_multi_avg_fn(d))`` updated after every step, whose first update
-copies the weights (``d_t = 0`` at update 1). The EMA is one more state per weight
-(``<weight>_ema``, after the optimizer's states), carried, saved, checkpointed and reset
-like them; its value before the first update is the weight's. The graphs read the
-update number ``t`` (1-based) to know the first update, and output the norm where they
-clip (role ``grad_norm``; an epoch graph stacks one per update, ``grad_norms``). Both are
-emitted where the update is (:class:`~lossgraph.passes.fuse.StepGraph`,
-:func:`~lossgraph.optim.build_update`); on packed weights the norm is one reduction over
-the flat gradient.
+multi_avg_fn=get_ema_multi_avg_fn(d))`` updated after every step: its first update
+copies the weights, the next ones are ``torch.lerp(e, w', 1 - d)`` (the form written
+above, ``1 - d`` rounded once from float64, as torch passes it). The EMA is one more
+state per weight (``<weight>_ema``, after the optimizer's states), carried, saved,
+checkpointed and reset like them; its value before the first update is the weight's.
+The graphs read the update number ``t`` (1-based) to know the first update, and output
+the norm where they clip (role ``grad_norm``; an epoch graph stacks one per update,
+``grad_norms``). Both are emitted where the update is
+(:class:`~lossgraph.passes.fuse.StepGraph`, :func:`~lossgraph.optim.build_update`); on
+packed weights the norm is one reduction over the flat gradient.
 """
 
 from __future__ import annotations
@@ -140,22 +141,22 @@ class UpdateOptions:
 
     def _average(self, b: GraphBuilder, ema: str, new_weight: str, step: str, weight: str,
                  dtype: Any) -> str:
-        def decays() -> tuple[str, str]:
-            # keep = d, take = 1 - d after the first update; 0 and 1 at it. 1 - d is folded
-            # in float64 (1 - float32(d) would be off by up to 1e-5 of it for d = 0.999)
+        def scalars() -> tuple[str, str]:
+            # (0, 1) at the first update, (1, 1 - d) after it; 1 - d folded in float64, as
+            # torch passes it to lerp (1 - float32(d) is off by up to 1e-5 of it at 0.999)
             elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
             one = b.const(1, np.int64, "one_step")
             later = b.Min(b.Sub(step, one), one)
             after_first = b.Cast(later, to=elem_type, hint="after_first_update")
             at_first = b.Cast(b.Sub(one, later), to=elem_type, hint="at_first_update")
-            decay = b.const(self.ema_decay, dtype, "ema_decay")
-            keep = b.Mul(after_first, decay, hint="ema_keep")
             take = b.Max(at_first, b.const(1.0 - self.ema_decay, dtype, "one_minus_ema_decay"),
                          hint="ema_take")
-            return keep, take
+            return after_first, take
 
-        keep, take = b.memo(("ema", self.ema_decay, step), decays)
-        return b.Add(b.Mul(ema, keep), b.Mul(new_weight, take), hint=f"{weight}_ema_new")
+        after_first, take = b.memo(("ema", self.ema_decay, step), scalars)
+        # torch's lerp, e + (1 - d)(w' - e), from e = 0 at the first update: exactly w' then
+        kept = b.Mul(ema, after_first, hint=f"{weight}_ema_kept")
+        return b.Add(kept, b.Mul(b.Sub(new_weight, kept), take), hint=f"{weight}_ema_new")
 
 
 def _real(what: str, value: Any) -> float:

@@ -3,10 +3,10 @@
 ``compile_program(max_grad_norm=1.0)`` clips the gradients by their global norm before the
 update and ``ema_decay=0.999`` keeps an average of every weight after it
 (:mod:`lossgraph.update_options`): one sum of squares per weight (one in all, packed) and
-a multiply per weight, two multiplies and an add per weight. This benchmark times one
-epoch of ``--steps`` minibatch steps (momentum SGD, learning rate 0.01, mean squared
-error) with neither, each and both, side by side, in every fuse mode, and torch eager
-doing the same (``clip_grad_norm_`` after ``backward``, ``AveragedModel`` with
+a multiply per weight; a subtraction, two multiplies and an add per weight. This benchmark
+times one epoch of ``--steps`` minibatch steps (momentum SGD, learning rate 0.01, mean
+squared error) with neither, each and both, side by side, in every fuse mode, and torch
+eager doing the same (``clip_grad_norm_`` after ``backward``, ``AveragedModel`` with
 ``get_ema_multi_avg_fn`` updated after ``step``):
 
     mlp          Linear(100, 50), ReLU, Linear(50, 1): batch 100 (the design's MLP)

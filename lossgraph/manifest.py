@@ -180,7 +180,7 @@ def _check_update(manifest: Mapping[str, Any], where: str) -> None:
         try:
             options = UpdateOptions.from_dict(_field(manifest, "update", dict, where))
         except (TypeError, UnsupportedOptionError) as exc:
-            raise _fail(f"{where} update", str(exc)) from None
+            raise _fail(f"{where} update", str(exc).rstrip(".")) from None
         if options.averages != ("ema" in manifest):
             raise _fail(where, "'ema' lists each weight's average exactly when 'update' holds "
                                "ema_decay")

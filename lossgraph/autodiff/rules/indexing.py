@@ -209,6 +209,12 @@ def _sum_rows_by_one_hot(g, positions: str, depth: str, rows: str, like: str,
     return g.Reshape(g.Gemm(flat_hot, flat_rows, transA=1), shape)
 
 
+#: The number of values from which a Gather's gradient makes its zeros at each run: a
+#: table this large (a vocabulary's embeddings) would otherwise be folded into a constant
+#: onnxruntime keeps for the session's life (1 MiB of float32).
+_RUN_TIME_ZEROS = 1 << 18
+
+
 # ---------------------------------------------------------------------------- Gather
 @grad_rule("Gather", since=13, nondiff=(1,),
            notes="duplicate indices accumulate; ScatterElements(add) of the rows in order from "
@@ -228,8 +234,13 @@ def gather(g, node, dy):
     else:
         shape_t = g.Gather(g.Shape(x), g.ints(perm_x, hint="perm"), axis=0)
 
-    def zeros() -> str:  # a table of static shape (an embedding's): made at each run
-        return g.filled(shape_t, 0, x, hint="zeros", run_time=dy if shape is not None else None)
+    # zeros a runtime would store as a constant for the session's life (an embedding
+    # table's, of static shape and large) are made at each run; small ones stay foldable
+    # (the attention heads' slabs that ConcatScatteredSlabs turns into one Concat)
+    at_run_time = shape is not None and int(np.prod(shape)) >= _RUN_TIME_ZEROS
+
+    def zeros() -> str:
+        return g.filled(shape_t, 0, x, hint="zeros", run_time=dy if at_run_time else None)
 
     if g.opset >= 16 and _distinct(g, indices, [(g.shape(x) or [None] * rank)[axis]]):
         dx_t = g.ScatterND(zeros(), g.unsqueeze(idx, [q]), dy_t, reduction="add")

@@ -32,6 +32,7 @@ from .graphs import (
     outer_references,
     shortest_path,
     subgraphs,
+    tensor_array,
 )
 from .models import ModelLike, as_model, check_model
 from .roles import get_roles
@@ -312,7 +313,7 @@ def _constants(graph: onnx.GraphProto) -> Callable[[str], np.ndarray | None]:
 
     def value(name: str) -> np.ndarray | None:
         if name in tensors:
-            return numpy_helper.to_array(tensors[name])
+            return tensor_array(tensors[name])
         for attribute in nodes[name].attribute if name in nodes else ():
             if attribute.name == "value":
                 return numpy_helper.to_array(attribute.t)

@@ -81,8 +81,9 @@ from onnx import helper
 from .analysis import default_weights, tied_initializers, trainable_initializers
 from .deprecation import renamed_keywords
 from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
-from .graphs import weights_dtype
+from .graphs import HeldWeights, weights_dtype, with_weight_data
 from .manifest import build_manifest
+from .memory import release_free_memory
 from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .opsets import OpsetMove
@@ -263,6 +264,8 @@ class _Front:
     #: each untied initializer -> its copies (UntieWeights)
     untied: dict[str, list[str]]
     notes: CompileNotes
+    #: the data of the start models' large weights (light models point there)
+    held: HeldWeights
     batch: BatchReport | None = None
 
     def describe(self) -> str:
@@ -285,7 +288,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
                               options["fuse"], options["fixed_batch"], options["untie"])
-    given = as_model(model)
+    held = HeldWeights()  # the passes copy light models, the weights stay here
+    given = as_model(model, held)
     check_trainable_model(given)
     lowering = Pipeline((ConvertOpset(), LowerMlOps()))
     lowered = lowering(given)
@@ -360,7 +364,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     notes = CompileNotes(lowered.report.of(ConvertOpset), zipmaps, choice)
     return _Front({"loss model": loss_model, "inference model": inference,
                    "forward model": trainable}, made_by, mode, context, untied,
-                  notes, batch)
+                  notes, held, batch)
 
 
 def _free_batch(model: onnx.ModelProto, choice: str, stacklevel: int
@@ -460,9 +464,15 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
                                optimizer.initial_state(lifted[weight])):
             state[name] = value
     state.update((b, lifted[b]) for b in context.buffers)
-    graphs = {name: result.model for name, result in compiling.built.items()}
+    # the weights' data back where a graph keeps initializers (frozen weights, the
+    # inference model); the state's arrays are the store's
+    graphs = {name: with_weight_data(result.model) for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context))
-    return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
-                           notes=front.notes)
+    inference, held, notes = front.starts["inference model"], front.held, front.notes
+    del front, runner, compiling  # every intermediate model, before the inference model's data
+    program = TrainingProgram(graphs, manifest, state, with_weight_data(inference), notes=notes)
+    del held
+    release_free_memory()
+    return program

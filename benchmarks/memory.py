@@ -2,9 +2,11 @@
 
 Each cell runs in a fresh process (``--worker``), under an address-space cap
 (``RLIMIT_AS``, what ``prlimit --as`` sets) and killed once its resident set passes
-``--memory-limit``, so that one cell cannot take the machine down. A cell loads its model
-and data, imports what it runs, then takes its **baseline**: the resident set (``VmRSS``
-of /proc/self/status) with the peak reset to it (/proc/self/clear_refs). Its figure is the
+``--memory-limit``, so that one cell cannot take the machine down. A cell imports what it
+runs and warms it up on a one-weight model (one compile and step: lazy imports,
+onnxruntime's and autograd's first-use costs), loads its model and data, then takes its
+**baseline**: the resident set (``VmRSS`` of /proc/self/status) with the peak reset to it
+(/proc/self/clear_refs). Its figure is the
 peak resident set (``VmHWM``) above that baseline, so it counts protobuf's and
 onnxruntime's memory, which tracemalloc does not see, and not the model and data the user
 holds anyway. The columns:
@@ -234,6 +236,7 @@ def torch_cell(subject: Subject, quick: bool, threads: int | None = None) -> dic
 
     if threads:
         torch.set_num_threads(threads)
+    _torch_warm_up(torch)
     net, X, y = build(subject, quick)
     batch = subject.rows(quick)
     X, y = torch.from_numpy(X), torch.from_numpy(y)
@@ -254,6 +257,35 @@ def torch_cell(subject: Subject, quick: bool, threads: int | None = None) -> dic
     return _steps(step, _baseline())
 
 
+def _torch_warm_up(torch: Any) -> None:
+    """One SGD step of a one-weight layer: autograd's and the optimizer's first-use costs
+    paid before the baseline."""
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=LEARNING_RATE)
+    layer(torch.ones(4, 2)).pow(2).mean().backward()
+    optimizer.step()
+
+
+def _lossgraph_warm_up(fuse: str, options: Any) -> None:
+    """compile_program and one step of a linear model in the fuse mode ``fuse``: the
+    lazy imports (onnxruntime among them) paid before the baseline."""
+    from onnx import TensorProto, helper
+
+    import lossgraph
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["Y"])], "warm_up",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
+        [helper.make_tensor("W", TensorProto.FLOAT, [2, 1], [0.5, -0.5])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    program = lossgraph.compile_program(model, fuse=fuse)
+    lossgraph.Trainer(program, session_options=options).fit(
+        np.ones((4, 2), np.float32), np.ones((4, 1), np.float32), batch_size=4,
+        progress=False)
+
+
 def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
                    threads: int | None = None) -> dict[str, Any]:
     """compile_program of the export, then (but ``compile``) 3 steps of a Trainer
@@ -264,6 +296,8 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     from lossgraph.optim import SGD
     from lossgraph.runtime.session import quiet_session_options
 
+    options = quiet_session_options(**({"intra_op_num_threads": threads} if threads else {}))
+    _lossgraph_warm_up("step" if column == "compile" else column, options)
     model = onnx.load(folder / f"{subject.name}.onnx")
     data = np.load(folder / f"{subject.name}.npz")
     X, y, batch = data["X"], data["y"], subject.rows(quick)
@@ -280,7 +314,6 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
                 "compile_peak_mb": _memory("VmHWM") - base}
     if column == "compile":
         return {**compiled, "peak_mb": compiled["compile_peak_mb"]}
-    options = quiet_session_options(**({"intra_op_num_threads": threads} if threads else {}))
     trainer = lossgraph.Trainer(program, session_options=options)
     del program
 

@@ -51,10 +51,7 @@ import argparse
 import gc
 import io
 import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -202,17 +199,19 @@ def export(subject: Subject, quick: bool, folder: Path) -> dict[str, Any]:
 
 # -- one cell ---------------------------------------------------------------------------
 def _memory(field: str) -> float:
-    """``VmRSS`` or ``VmHWM`` of this process, MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """``VmRSS`` or ``VmHWM`` of this process, MiB (imported here: benchmarks.machine
+    imports lossgraph, which a worker takes from ``--checkout``)."""
+    from benchmarks.machine import process_memory_mb
+
+    return process_memory_mb(field)
 
 
 def _baseline() -> float:
     """The resident set now, the peak reset to it."""
+    from benchmarks.machine import reset_peak_memory
+
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
+    reset_peak_memory()
     return _memory("VmRSS")
 
 
@@ -351,39 +350,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 def run_worker(spec: dict[str, Any], limit_gib: float) -> dict[str, Any]:
     """:func:`worker` in a fresh interpreter, its address space capped and killed once its
     resident set passes ``limit_gib``; a failure is the cell's ``error``."""
-    cap = int((limit_gib + ADDRESS_HEADROOM_GIB) * 2**30)
+    from benchmarks.machine import run_capped_worker
 
-    def capped() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-    script = [sys.executable, "-m", "benchmarks.memory", "--worker", json.dumps(spec)]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen(script, stdout=out, stderr=err, text=True, cwd=ROOT,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                 preexec_fn=capped)
-        while child.poll() is None:
-            if _child_memory(child.pid) > limit_gib * 1024:
-                child.kill()
-                child.wait()
-                return {"error": f"over {limit_gib:g} GiB"}
-            time.sleep(0.02)
-        out.seek(0)
-        err.seek(0)
-        lines = out.read().strip().splitlines()
-        if child.returncode or not lines:
-            last = (err.read().strip().splitlines() or ["no output"])[-1]
-            return {"error": f"exited {child.returncode}: {last[:300]}"}
-    return json.loads(lines[-1])
-
-
-def _child_memory(pid: int) -> float:
-    """The resident set of process ``pid``, MiB (0 once it is gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0
-    return next((int(line.split()[1]) / 1024 for line in status.splitlines()
-                 if line.startswith("VmRSS:")), 0.0)
+    return run_capped_worker("benchmarks.memory", spec, limit_gib,
+                             address_gib=limit_gib + ADDRESS_HEADROOM_GIB)
 
 
 # -- the report -------------------------------------------------------------------------

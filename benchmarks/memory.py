@@ -51,6 +51,7 @@ import argparse
 import gc
 import io
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -178,7 +179,9 @@ def build(subject: Subject, quick: bool) -> tuple[Any, np.ndarray, np.ndarray]:
 
 
 def export(subject: Subject, quick: bool, folder: Path) -> dict[str, Any]:
-    """Write the export and the data of ``subject`` into ``folder``; its weights' size."""
+    """Write the export and the data of ``subject`` into ``folder``; the size of its weights
+    (torch's parameters) and of the export's initializers (GPT-2's also hold the output
+    layer's transpose of the token embedding, which the exporter folds)."""
     import onnx
     import torch
 
@@ -194,7 +197,10 @@ def export(subject: Subject, quick: bool, folder: Path) -> dict[str, Any]:
     onnx.save(model, folder / f"{subject.name}.onnx")
     np.savez(folder / f"{subject.name}.npz", X=X, y=y)
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
-    return {"weights_mb": weights / 2**20, "parameters": sum(p.numel() for p in net.parameters())}
+    stored = sum(math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                 for t in model.graph.initializer)
+    return {"weights_mb": weights / 2**20, "stored_mb": stored / 2**20,
+            "parameters": sum(p.numel() for p in net.parameters())}
 
 
 # -- one cell ---------------------------------------------------------------------------
@@ -368,7 +374,9 @@ def cell_text(cells: dict[str, Any], column: str, before: dict[str, Any] | None)
         return record.get("error", "-")
     text = _mib(record["peak_mb"])
     if column == "compile":
-        text += f" ({record['peak_mb'] / cells['weights_mb']:.2f}x the weights)"
+        text += f" ({record['peak_mb'] / cells['weights_mb']:.2f}x the weights"
+        stored = cells.get("stored_mb")
+        text += f", {record['peak_mb'] / stored:.2f}x stored)" if stored else ")"
     elif column != "torch" and "peak_mb" in cells.get("torch", {}):
         text += f" ({record['peak_mb'] / cells['torch']['peak_mb']:.2f}x)"
     was = (before or {}).get(column, {})

@@ -8,9 +8,11 @@ The public surface (docs/concepts.md gives its vocabulary):
   (their pass classes, and the pipeline machinery, in :mod:`lossgraph.passes`)
 - gradients: :func:`grad_rule` (register a rule), :func:`supported_ops`
 - training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer` (on the
-  engine :class:`Engine`), optimizers in :mod:`lossgraph.optim`, fusion modes in
+  engine :class:`Engine`), optimizers in :mod:`lossgraph.optim` (their learning-rate
+  schedules in :mod:`lossgraph.schedules`), fusion modes in
   :mod:`lossgraph.modes`; :func:`describe_plan` shows what compiling runs
-- analyses: :func:`trainable_initializers`, :func:`get_roles`
+- analyses: :func:`trainable_initializers`, :func:`get_roles`; the class weights of
+  training labels: :func:`balanced_class_weight`
 - errors: :class:`LossgraphError` and its subclasses in :mod:`lossgraph.errors`
 - onnxcustom's classes (:mod:`lossgraph.compat`): :class:`OrtGradientOptimizer`,
   :class:`OrtGradientForwardBackwardOptimizer`, :class:`OrtGradientForwardBackward`, the
@@ -31,20 +33,26 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _HOMES = {
+    "CSVLogger": ".runtime.callbacks",
+    "Callback": ".runtime.callbacks",
     "Engine": ".runtime.engine",
     "LossgraphError": ".errors",
     "Trainer": ".runtime.trainer",
+    "TensorBoard": ".runtime.callbacks",
     "TrainingProgram": ".program",
     "add_loss_output": ".passes",
     "alphabetize_initializers": ".passes",
+    "balanced_class_weight": ".passes.loss",
     "compile_program": ".compiler",
     "convert_opset": ".passes",
     "describe_plan": ".compiler",
     "get_roles": ".roles",
     "grad_rule": ".autodiff",
     "gradient": ".passes",
+    "latest_checkpoint": ".paths",
     "lower_ml_ops": ".passes",
     "optim": ".optim",
+    "schedules": ".schedules",
     "stabilize_numerics": ".passes",
     "straight_through_quantization": ".passes",
     "strip_training": ".passes",

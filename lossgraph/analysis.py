@@ -1,11 +1,14 @@
 """Analyses that read a model and answer a question about it, without changing it: which
 values are differentiable, which initializers are trainable, blocked (their gradient would
 pass a sequence) or stuck (their gradient is zero everywhere), which an exporter tied
-(:func:`tied_initializers`) or froze into constants (:func:`constant_weights`)."""
+(:func:`tied_initializers`), froze into constants (:func:`constant_weights`) or computed
+from the module's parameters (:func:`folded_weights`), which are biases and normalization
+scales and shifts, left out of weight decay (:func:`no_decay_weights`)."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,13 +38,15 @@ from .graphs import (
     tensor_array,
 )
 from .models import ModelLike, as_model, check_model
+from .options import select_weights
 from .roles import get_roles
 
 __all__ = ["trainable_initializers", "blocked_initializers", "blocked_weights", "default_weights",
            "differentiable_values", "influenced_values", "GradientBlock", "gradient_block",
            "BlockedWeight", "StaticSplit", "static_splits", "StuckWeight", "stuck_weights",
            "TiedWeight", "tied_initializers", "layer_readers", "ConstantWeight",
-           "constant_weights", "LARGE_CONSTANT"]
+           "constant_weights", "LARGE_CONSTANT", "FoldedWeight", "folded_weights",
+           "no_decay_weights", "excluded_from_decay"]
 
 #: Kinds of values that hold tensors without being one, as messages name them.
 _CONTAINERS = {"sequence_type": "a sequence", "optional_type": "an optional",
@@ -717,3 +722,263 @@ def _product_reading(index: GraphIndex, name: str) -> onnx.NodeProto | None:
                                         if p < len(node.input)):
                 return node
     return None
+
+
+# -- weights an exporter computed from the module's parameters ---------------------------
+
+#: Where torch's dynamo exporter records the module's parameters and buffers.
+TORCH_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
+#: Where onnxscript's optimizer (the dynamo exporter's ``optimize=True``) records the
+#: rewrite rules that made a node.
+_REWRITE_RULES = "pkg.onnxscript.rewriter.rule_name"
+#: Where torch's exporter records the module scopes a node came from, outermost first.
+_NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+#: The ops torch's legacy exporter names a transposed ``Linear`` weight after when it
+#: folds the transpose (``onnx::MatMul_123``): a layout of a parameter, trained as one.
+_LAYOUT_FOLDS = ("MatMul",)
+
+
+@dataclass(frozen=True)
+class FoldedWeight:
+    """A weight of the export that is not a parameter of the module it came from, or a
+    parameter the export dropped: torch's exporters fold computations of parameters alone
+    into initializers (a BatchNorm into the Conv before it, a weight norm, a table
+    gathered by constant indices), remove zero biases and store a tied tensor twice.
+    Training the export then trains another model than the module; exporting without
+    folding (``optimize=False``, ``do_constant_folding=False``) keeps the parameters.
+
+    ``name`` is the initializer (or, for a dropped parameter, the module's parameter);
+    ``how`` says what the exporter did.
+    """
+
+    name: str
+    how: str
+
+    def describe(self) -> str:
+        """``'conv1.weight' (BatchNorm 'bn1' folded in ...)``."""
+        return f"{self.name!r} ({self.how})"
+
+
+def folded_weights(model: ModelLike, candidates: Sequence[str] | None = None
+                   ) -> list[FoldedWeight]:
+    """The :class:`FoldedWeight` of ``model`` among ``candidates`` (default:
+    :func:`trainable_initializers`): a candidate that holds another initializer's values
+    (or their transpose), and in torch's exports what the export records it folded:
+    the dynamo exporter's optimizer rules (its graph signature names the parameters) and
+    the legacy exporter's folded values (initializers it names ``onnx::<Op>_<n>``, but a
+    transposed ``Linear`` weight)."""
+    model = as_model(model)
+    candidates = trainable_initializers(model) if candidates is None else list(candidates)
+    found = _copies(model, candidates)
+    signature = next((p.value for p in model.graph.metadata_props if p.key == TORCH_SIGNATURE),
+                     None)
+    if signature is not None:
+        found += _optimizer_folds(model, signature)
+    elif model.producer_name == "pytorch":
+        found += _legacy_folds(model, candidates)
+    seen: set[str] = set()
+    return [f for f in found if not (f.name in seen or seen.add(f.name))]
+
+
+def _float_values(tensor: onnx.TensorProto) -> np.ndarray | None:
+    """A float initializer's values of :data:`LARGE_CONSTANT` or more, not all equal (a
+    fresh model's zero biases are equal by design, not copies); else None."""
+    if tensor.data_type not in FLOAT_TYPES or math.prod(tensor.dims) < LARGE_CONSTANT \
+            or tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    values = numpy_helper.to_array(tensor)
+    flat = values.reshape(-1)
+    return None if bool(np.all(flat == flat[0])) else values
+
+
+def _copies(model: onnx.ModelProto, candidates: Sequence[str]) -> list[FoldedWeight]:
+    """Candidates holding the values of an earlier initializer, or their transpose (a tied
+    embedding stored again for the output projection). Tensors of one size are compared
+    by their sums first, one tensor's values in memory at a time beyond the pair."""
+    wanted = set(candidates)
+    tensors = {t.name: t for t in model.graph.initializer}
+    by_size: dict[tuple[int, int], list[onnx.TensorProto]] = {}
+    for tensor in model.graph.initializer:
+        by_size.setdefault((tensor.data_type, math.prod(tensor.dims)), []).append(tensor)
+    found = []
+    for group in by_size.values():
+        if len(group) < 2 or not any(t.name in wanted for t in group):
+            continue
+        sums: list[tuple[str, float]] = []
+        for tensor in group:
+            values = _float_values(tensor)
+            if values is None:
+                continue
+            total = float(np.sum(values, dtype=np.float64))
+            original = next((name for name, other in sums if tensor.name in wanted
+                             and math.isclose(other, total, rel_tol=1e-9, abs_tol=1e-9)
+                             and _same_or_transposed(numpy_helper.to_array(tensors[name]),
+                                                     values)), None)
+            if original is None:
+                sums.append((tensor.name, total))
+                continue
+            transposed = tuple(tensors[original].dims) != tuple(tensor.dims) or \
+                not np.array_equal(numpy_helper.to_array(tensors[original]), values)
+            found.append(FoldedWeight(
+                tensor.name, f"a copy of {original!r}{', transposed' * transposed}: the "
+                "export stores one tensor twice (a tied embedding and output projection), "
+                "and the copies train apart"))
+    return found
+
+
+def _same_or_transposed(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``b`` holds ``a``'s values, or (2-D) their transpose."""
+    if a.shape == b.shape and np.array_equal(a, b):
+        return True
+    return a.ndim == 2 and a.T.shape == b.shape and np.array_equal(a.T, b)
+
+
+def _optimizer_folds(model: onnx.ModelProto, signature: str) -> list[FoldedWeight]:
+    """What the dynamo exporter's optimizer recorded folding: a BatchNorm into the Conv
+    before it, a zero bias removed; and parametrized weights computed at export."""
+    parameters = re.findall(r"PARAMETER target='([^']+)'", signature)
+    present = {t.name for t in model.graph.initializer} | {i.name for i in model.graph.input}
+    dropped = [p for p in parameters if p not in present]
+    found = []
+    for node in model.graph.node:
+        meta = {p.key: p.value for p in node.metadata_props}
+        rules = [r.strip() for r in meta.get(_REWRITE_RULES, "").split(",") if r.strip()]
+        if not rules:
+            continue
+        scopes = _literal_list(meta.get(_NAME_SCOPES, ""))
+        module = next((s for s in reversed(scopes)
+                       if any(p.startswith(s + ".") for p in parameters)), None)
+        fused = [r for r in rules if r.startswith("Fuse")]
+        if fused and module:
+            for name in node.input[1:]:
+                if name in present and name not in {i.name for i in model.graph.input}:
+                    found.append(FoldedWeight(
+                        name, f"'{module}' folded in by torch's optimizer ({fused[0]})"))
+        elif module and any(r.startswith("RemoveOptionalBias") for r in rules):
+            found += [FoldedWeight(p, "a zero bias torch's optimizer removed "
+                                   f"({next(r for r in rules if r.startswith('RemoveOptional'))})"
+                                   ": the layer has no bias to train")
+                      for p in dropped if p.startswith(module + ".") and p.endswith("bias")]
+    parametrized: dict[str, list[str]] = {}
+    for p in dropped:
+        if ".parametrizations." in p:
+            owner, _, rest = p.partition(".parametrizations.")
+            parametrized.setdefault(f"{owner}.{rest.split('.')[0]}", []).append(p)
+    found += [FoldedWeight(weight, f"computed at export from its parametrization "
+                           f"({', '.join(map(repr, originals))}), which does not train")
+              for weight, originals in parametrized.items()]
+    return found
+
+
+def _literal_list(text: str) -> list[str]:
+    """``"['', 'layer1', 'layer1.0']"`` as a list of its strings."""
+    return re.findall(r"'([^']*)'", text)
+
+
+def _legacy_folds(model: onnx.ModelProto, candidates: Sequence[str]) -> list[FoldedWeight]:
+    """Candidates torch's legacy exporter computed by constant folding: it names them
+    ``onnx::<Op>_<n>`` after their reader (a weight norm's ``onnx::Conv_12``, a gathered
+    position table's ``onnx::Add_34``), where it names parameters after the module. A
+    vector (one dimension above 1: a scale reshaped to broadcast) or a transposed ``Linear``
+    weight is a parameter laid out otherwise, which trains as the parameter does."""
+    dims = {t.name: tuple(t.dims) for t in model.graph.initializer
+            if t.data_type in FLOAT_TYPES}
+    found = []
+    for name in candidates:
+        match = re.fullmatch(r"onnx::(\w+?)_\d+", name)
+        shape = dims.get(name, ())
+        if match and match.group(1) not in _LAYOUT_FOLDS and \
+                math.prod(shape) >= LARGE_CONSTANT and sum(d > 1 for d in shape) > 1:
+            found.append(FoldedWeight(
+                name, f"computed at export by torch's constant folding, read by a "
+                f"{match.group(1)}: no parameter of the module"))
+    return found
+
+
+# -- weights left out of weight decay ----------------------------------------------------
+
+#: Where an op reads a bias or a normalization's scale or shift: (op type, input positions).
+_NO_DECAY_INPUTS = {"Gemm": (2,), "Conv": (2,), "ConvTranspose": (2,), "RNN": (3,),
+                    "GRU": (3,), "LSTM": (3,), "LayerNormalization": (1, 2),
+                    "BatchNormalization": (1, 2), "InstanceNormalization": (1, 2),
+                    "GroupNormalization": (1, 2)}
+#: Products whose output an Add of a weight biases (torch's Linear: MatMul then Add).
+_PRODUCTS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum")
+
+
+def no_decay_weights(model: ModelLike, weights: Sequence[str]) -> list[str]:
+    """The ``weights`` that are biases or normalization scales and shifts, in their order:
+    what Hugging Face's Trainer leaves out of weight decay (every bias, every LayerNorm
+    weight), found from the main graph's ops rather than the names:
+
+    - the bias input of Gemm (C), Conv and ConvTranspose (B), RNN, GRU and LSTM (B);
+    - a weight added to the output of a MatMul, Gemm, Conv, ConvTranspose or Einsum (a
+      Linear layer as torch exports it);
+    - the scale and shift of LayerNormalization, BatchNormalization, InstanceNormalization
+      and GroupNormalization;
+    - the scale and shift of a layer norm written out in ops, as torch's exporter writes it
+      below opset 17: ``Div(Sub(x, ReduceMean(x)), Sqrt(...))``, then ``Mul`` by the scale,
+      then ``Add`` of the shift.
+
+    Each weight may be read through ops that only lay it out (Identity, Reshape, Cast,
+    Unsqueeze, ...).
+    """
+    graph = as_model(model).graph
+    index = GraphIndex(graph.node)
+    wanted = set(weights)
+
+    def weight_of(value: str) -> str | None:
+        """The weight ``value`` lays out, or None."""
+        seen = set()
+        while value not in wanted:
+            node = index.producer(value)
+            if node is None or value in seen or not is_default_domain(node.domain) \
+                    or node.op_type not in _LAYOUT_OPS:
+                return None
+            seen.add(value)
+            value = node.input[0]
+        return value
+
+    def made_by(value: str, *op_types: str) -> onnx.NodeProto | None:
+        node = index.producer(value)
+        return node if node is not None and is_default_domain(node.domain) \
+            and node.op_type in op_types else None
+
+    found: set[str] = set()
+    for node in graph.node:
+        if not is_default_domain(node.domain):
+            continue
+        found.update(weight_of(node.input[p]) for p in _NO_DECAY_INPUTS.get(node.op_type, ())
+                     if p < len(node.input) and node.input[p])
+        if node.op_type == "Add":
+            for this, other in ((0, 1), (1, 0)):
+                if made_by(node.input[other], *_PRODUCTS):
+                    found.add(weight_of(node.input[this]))
+        if node.op_type == "Div" and _normalizes(node, made_by):
+            for scaling in index.readers(node.output[0]):
+                if is_onnx_op(scaling, "Mul"):
+                    scales = [weight_of(i) for i in scaling.input if i != node.output[0]]
+                    if any(scales):
+                        found.update(scales)
+                        found.update(weight_of(i) for shifting in index.readers(
+                            scaling.output[0]) if is_onnx_op(shifting, "Add")
+                            for i in shifting.input if i != scaling.output[0])
+    return [w for w in weights if w in found]
+
+
+def _normalizes(node: onnx.NodeProto, made_by: Callable[..., onnx.NodeProto | None]) -> bool:
+    """Whether the Div ``node`` is a layer norm's ``(x - mean(x)) / sqrt(var + eps)``."""
+    centred = made_by(node.input[0], "Sub")
+    return centred is not None and made_by(centred.input[1], "ReduceMean") is not None \
+        and made_by(node.input[1], "Sqrt") is not None
+
+
+def excluded_from_decay(model: ModelLike, weights: Sequence[str], patterns: str | Sequence[str],
+                        option: str) -> list[str]:
+    """The ``weights`` an ``exclude_from_weight_decay`` option (``option``, for the message)
+    selects: :func:`no_decay_weights` for ``"auto"``, else those its names and regular
+    expressions select (:func:`lossgraph.options.select_weights`: one that selects none is
+    an error listing the weights)."""
+    if patterns == "auto":
+        return no_decay_weights(model, weights)
+    return select_weights(option, patterns, weights)

@@ -68,6 +68,7 @@ graphs and the signature they record (:mod:`lossgraph.manifest`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Mapping, Sequence
@@ -78,7 +79,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .analysis import default_weights, tied_initializers, trainable_initializers
+from .analysis import (
+    default_weights,
+    excluded_from_decay,
+    tied_initializers,
+    trainable_initializers,
+)
 from .deprecation import renamed_keywords
 from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
 from .graphs import HeldWeights, weights_dtype, with_weight_data
@@ -87,6 +93,7 @@ from .memory import release_free_memory
 from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .opsets import OpsetMove
+from .optim import AdamW
 from .options import names
 from .passes.contract import Pass, Pipeline
 from .passes.fixed_batch import BatchReport, GeneralizeBatch, export_advice, fixed_batch, rows
@@ -100,6 +107,7 @@ from .passes.strip import InferenceMode, StripTraining
 from .passes.untie import UntieWeights
 from .passes.weights import ConstantsToInitializers
 from .passes.zipmap import ZipMapToTensor, zipped_outputs
+from .penalties import Penalty
 from .program import TrainingProgram
 from .roles import check_loss_roles, get_roles
 from .target import Target, use_target
@@ -109,6 +117,7 @@ from .validation import (
     check_trainable_model,
     compile_options,
     no_weights_error,
+    warn_folded,
     warn_tied,
 )
 
@@ -154,6 +163,7 @@ def compile_program(
     target: Target | str | None = None,
     fixed_batch: str = "auto",
     untie: Sequence[str] | str | bool | None = None,
+    accumulation_steps: int = 1,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -203,10 +213,16 @@ def compile_program(
             manifest's ``untied`` maps each initializer to its copies, and the inference
             model keeps them apart. Without it, training a tied weight warns
             (``TiedWeightWarning``).
+        accumulation_steps: the micro-batches of one update a fit takes by default
+            (:meth:`~lossgraph.runtime.trainer.Trainer.fit`'s ``accumulation_steps``); above
+            1 the program holds the graphs that accumulate gradients
+            (:mod:`lossgraph.passes.accumulate`) and records how its loss reduces rows, and
+            a fit may then take any number of micro-batches per update.
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
-               "fixed_batch": fixed_batch, "untie": untie}
+               "fixed_batch": fixed_batch, "untie": untie,
+               "accumulation_steps": accumulation_steps}
     with use_target(target):
         return _compile(model, options)
 
@@ -287,7 +303,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     user's frame from here, for a warning."""
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
-                              options["fuse"], options["fixed_batch"], options["untie"])
+                              options["fuse"], options["fixed_batch"], options["untie"],
+                              options["accumulation_steps"])
     held = HeldWeights()  # the passes copy light models, the weights stay here
     given = as_model(model, held)
     check_trainable_model(given)
@@ -321,9 +338,13 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
         score_options = {k: v for k, v in checked.loss_options.items()
                          if k not in _OUTPUT_FIELDS}
         choice = choose_loss(trainable, loss, output_options.get("output_index"), score_options)
-        adding = Pipeline((AddLossOutput(choice.loss, penalty=penalty,
-                                         options=dict(choice.options),
-                                         **{**output_options, "output_index": choice.output}),))
+
+        def adding_penalty(penalty: Mapping[str, Any] | None) -> Pipeline:
+            return Pipeline((AddLossOutput(choice.loss, penalty=penalty,
+                                           options=dict(choice.options),
+                                           **{**output_options, "output_index": choice.output}),))
+        # a Penalty on every trained weight: added once they are known
+        adding = adding_penalty(None if isinstance(penalty, Penalty) else penalty)
         loss_model = adding.run(trainable, checked=True).model
     if checked.weights == []:
         names("weights", [], candidates=trainable_initializers(loss_model))
@@ -332,10 +353,20 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
         or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
+    if isinstance(penalty, Penalty):
+        penalty = penalty.by_weight(weights, _excluded(
+            penalty.exclude_from_weight_decay, loss_model, weights, untied, "Penalty"))
+        adding = adding_penalty(penalty)
+        loss_model = adding.run(trainable, checked=True).model
+    optimizer = checked.optimizer
+    if isinstance(optimizer, AdamW) and optimizer.exclude_from_weight_decay:
+        optimizer = dataclasses.replace(optimizer, exclude_from_weight_decay=tuple(_excluded(
+            optimizer.exclude_from_weight_decay, loss_model, weights, untied, "AdamW")))
     check_penalized(penalty, weights)
     check_learnable(loss_model, weights)
     if checked.untie is None:
         warn_tied(loss_model, weights)
+    warn_folded(loss_model, weights)
     buffers = buffer_names(loss_model)
     trained = [w for w in weights if w in buffers]
     if trained:
@@ -349,10 +380,11 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                        for w in weights}, "compile_program")
     mode = fuse_mode(checked.fuse)
     loss_options = {**checked.loss_options, **(choice.options if choice else {})}
-    context = PlanContext(tuple(weights), checked.optimizer, checked.backend, tuple(buffers),
+    context = PlanContext(tuple(weights), optimizer, checked.backend, tuple(buffers),
                           holds_splits(loss_model), get_roles(loss_model),
                           choice.loss if choice else None, loss_options, penalty,
-                          zipmaps=bool(zipmaps))
+                          zipmaps=bool(zipmaps),
+                          accumulation_steps=checked.accumulation_steps)
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripping = Pipeline((StripTraining(),))
@@ -415,6 +447,16 @@ def _batch_record(report: BatchReport, context: PlanContext) -> dict[str, Any]:
             "loss_reduction": reduction}
 
 
+def _accumulation_record(context: PlanContext) -> dict[str, Any] | None:
+    """The manifest's record of a program compiled to accumulate gradients: the
+    micro-batches of an update by default, and how its loss reduces rows (so how the
+    gradients of micro-batches combine); None for the others."""
+    if context.accumulation_steps == 1:
+        return None
+    return {"steps": context.accumulation_steps,
+            "loss_reduction": context.loss_options.get("reduction", "mean")}
+
+
 def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
                   untie: str | list[str] | None
                   ) -> tuple[onnx.ModelProto, dict[str, list[str]], tuple[Pass, ...]]:
@@ -445,6 +487,15 @@ def _with_copies(by_weight: Mapping[str, Any] | None, untied: Mapping[str, list[
             for name in (weight, *untied.get(weight, ()))}
 
 
+def _excluded(patterns: str | Sequence[str], model: onnx.ModelProto, weights: Sequence[str],
+              untied: Mapping[str, list[str]], owner: str) -> list[str]:
+    """The trained ``weights`` an ``exclude_from_weight_decay`` of ``owner`` selects in
+    ``model``, each untied weight's copies with it."""
+    excluded = excluded_from_decay(model, weights, patterns,
+                                   f"{owner}: exclude_from_weight_decay")
+    return [w for w in _with_copies(dict.fromkeys(excluded), untied) if w in weights]
+
+
 _OUTPUT_FIELDS = ("loss_name", "label_name", "weight_name", "output_index", "reduction")
 
 
@@ -469,7 +520,8 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     graphs = {name: with_weight_data(result.model) for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
-                              front.batch and _batch_record(front.batch, context))
+                              front.batch and _batch_record(front.batch, context),
+                              _accumulation_record(context))
     inference, held, notes = front.starts["inference model"], front.held, front.notes
     del front, runner, compiling  # every intermediate model, before the inference model's data
     program = TrainingProgram(graphs, manifest, state, with_weight_data(inference), notes=notes)

@@ -30,14 +30,14 @@ from __future__ import annotations
 import numbers
 import reprlib
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import DTypeMismatchError, InvalidDataError, ShapeMismatchError, UnsupportedOptionError
 
-__all__ = ["random_state", "callbacks", "as_array", "converted", "declared", "check_values",
+__all__ = ["random_state", "as_array", "converted", "declared", "check_values",
            "CheckedArrays"]
 
 #: Elements per block of the NaN check (256 KiB of float32, its mask 64 KiB).
@@ -54,25 +54,6 @@ def random_state(value: Any) -> int | np.random.Generator | None:
     raise UnsupportedOptionError(
         f"random_state={reprlib.repr(value)} must be None, an integer >= 0 or a "
         "numpy.random.Generator.")
-
-
-def callbacks(value: Any) -> list[Callable]:
-    """The callbacks as a list (a single callable is a list of one), each callable."""
-    if value is None:
-        return []
-    if callable(value):
-        return [value]
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise UnsupportedOptionError(
-            f"callbacks={reprlib.repr(value)} must be a list of functions "
-            "callback(trainer, epoch, logs).")
-    listed = list(value)
-    for index, callback in enumerate(listed):
-        if not callable(callback):
-            raise UnsupportedOptionError(
-                f"callbacks[{index}]={reprlib.repr(callback)} is not callable: each callback is "
-                "a function callback(trainer, epoch, logs).")
-    return listed
 
 
 def declared(name: str, dtype: Any, shape: Sequence[int | str | None] | None,

@@ -130,6 +130,12 @@ class TiedWeightWarning(LossgraphWarning):
     ``untie`` gives each layer its own copy."""
 
 
+class FoldedWeightWarning(LossgraphWarning):
+    """A weight of the export is not a parameter of the module it came from (the exporter
+    folded a BatchNorm into it, computed it from a parametrization, stored a tied tensor
+    twice) or the export dropped one: training trains another model than the module."""
+
+
 class EvaluationError(LossgraphError, RuntimeError):
     """Running a graph failed while training or predicting."""
 
@@ -151,5 +157,6 @@ __all__ = [
     "NoGradientError", "InvalidRuleError", "EvaluationError", "ProviderError", "NotFittedError",
     "LossgraphWarning", "LossgraphDeprecationWarning", "ConvergenceWarning",
     "ValidationLossWarning", "StuckWeightWarning", "TiedWeightWarning", "FixedBatchWarning",
+    "FoldedWeightWarning",
     "suggest",
 ]

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WRITTEN_BY_KEY", "FolderKind", "serialize", "written_by_lossgraph", "write_file",
            "save_model", "ensure_folder", "check_file_target", "check_folder_target",
-           "replace_directory"]
+           "replace_directory", "remove_directory"]
 
 _SHOWN = 5  # foreign entries named in an error message
 
@@ -294,6 +294,20 @@ def replace_directory(path: str | os.PathLike, kind: FolderKind) -> Iterator[Pat
     _fsync_folder(target.parent)
     if retired is not None:
         _discard_old(retired, kind)
+
+
+def remove_directory(path: str | os.PathLike, kind: FolderKind) -> bool:
+    """Delete the ``kind`` folder at ``path`` (a checkpoint that rotates out) when it is
+    recognisably lossgraph's and holds nothing else; otherwise leave it and return False
+    (a link, a file, an empty or foreign folder, one with a foreign entry)."""
+    folder = Path(path)
+    if folder.is_symlink() or not folder.is_dir() or kind.entries(folder) is None:
+        return False
+    if _foreign_entries(folder, kind):
+        return False
+    shutil.rmtree(folder)
+    _fsync_folder(folder.parent)
+    return True
 
 
 def _discard_old(folder: Path, kind: FolderKind) -> None:

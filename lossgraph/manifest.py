@@ -29,6 +29,16 @@ copies its layers read instead, all weights of their own. Its graphs and inferen
 hold the copies like any weight, so it needs no new format (a lossgraph that does not know
 the key trains and exports the program all the same).
 
+A program compiled with ``accumulation_steps=k > 1`` has one more key,
+``"accumulation": {"steps": k, "loss_reduction": "mean" | "sum"}``: the micro-batches of
+one update a fit takes by default, and how its loss reduces rows (how the gradients of
+micro-batches combine into the gradient of their rows' loss). Its fused modes hold the
+graphs that accumulate gradients (``train_accumulate``, ``train_step_accumulated`` and,
+for ``fuse="epoch"``, ``train_epoch_accumulated`` and ``train_epoch_ordered_accumulated``),
+whose inputs and outputs have the roles
+``gradient_sum``, ``new_gradient_sum``, ``gradient_scale`` and ``gradient_scales``; the
+format stays (a lossgraph that does not know the key trains one batch per update).
+
 :func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything
 trusts it, so a damaged one fails with the key at fault rather than a ``KeyError``
@@ -151,8 +161,17 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
             if "untied" in manifest else ():
         if not isinstance(copies, list) or not all(isinstance(c, str) for c in copies):
             raise _fail(f"{where} untied[{name!r}]", "expected a list of names")
+    if "accumulation" in manifest:
+        accumulation = _field(manifest, "accumulation", dict, where)
+        if _field(accumulation, "steps", int, f"{where} accumulation") < 1:
+            raise _fail(where, "accumulation steps must be >= 1")
+        if _field(accumulation, "loss_reduction", str, f"{where} accumulation") not in (
+                "mean", "sum"):
+            raise _fail(where, "accumulation loss_reduction must be 'mean' or 'sum'")
     graphs = _field(manifest, "graphs", dict, where)
-    missing = [name for name in REQUIRED_GRAPHS[fuse] if name not in graphs]
+    required = [*REQUIRED_GRAPHS[fuse],
+                *(MODES[fuse].accumulating if "accumulation" in manifest else ())]
+    missing = [name for name in required if name not in graphs]
     if missing:
         raise _fail(where, f"a fuse={fuse!r} program needs the graphs {', '.join(missing)}")
     for name, entry in graphs.items():
@@ -168,31 +187,17 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                    optimizer: Optimizer, fuse: str, roles: Mapping[str, str],
                    graph_roles: Mapping[str, Mapping[str, str]] | None = None,
                    untied: Mapping[str, list[str]] | None = None,
-                   batch: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   batch: Mapping[str, Any] | None = None,
+                   accumulation: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The program's description: graphs with the role of every input and output.
 
     Roles come from ``signature``; ``graph_roles`` gives, by graph, the roles of the names
     a graph's builder chose (the separate graphs'), which take precedence in that graph;
     ``untied`` the copies of each untied initializer (the key is left out without any).
-    ``batch`` is the record of a model exported with a fixed batch (module doc).
+    ``batch`` is the record of a model exported with a fixed batch, ``accumulation`` that
+    of a program compiled to accumulate gradients (module doc).
     """
-    role_of = {name: "feature" for name in signature.features}
-    role_of.update({signature.label: "label", signature.loss: "loss",
-                    signature.learning_rate: "learning_rate", signature.step: "step"})
-    if signature.sample_weight:
-        role_of[signature.sample_weight] = "sample_weight"
-    role_of.update({w: "weight" for w in signature.weights})
-    role_of.update({s: "state" for s in signature.state_names})
-    role_of.update({signature.new[w]: "new_weight" for w in signature.weights})
-    role_of.update({signature.new[s]: "new_state" for s in signature.state_names})
-    role_of.update({b: "buffer" for b in signature.buffers})
-    role_of.update({signature.new[b]: "new_buffer" for b in signature.buffers})
-    role_of.update({g: "gradient" for g in signature.gradients.values()})
-    for key, role in (("permutation", "permutation"), ("learning_rates", "learning_rates"),
-                      ("losses", "losses"), ("prediction", "prediction"),
-                      ("prediction_grad", "prediction_grad")):
-        if getattr(signature, key):
-            role_of[getattr(signature, key)] = role
+    role_of = signature.roles()
 
     def describe(values, own: Mapping[str, str]) -> list[dict[str, Any]]:
         described = []
@@ -222,6 +227,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
         manifest["batch"] = dict(batch)
     if untied:
         manifest["untied"] = {name: list(copies) for name, copies in untied.items()}
+    if accumulation:
+        manifest["accumulation"] = dict(accumulation)
     graph_roles = graph_roles or {}
     manifest["graphs"] = {name: {"file": f"{name}.onnx",
                                  "inputs": describe(g.graph.input, graph_roles.get(name, {})),

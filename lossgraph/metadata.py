@@ -2,8 +2,9 @@
 
     lossgraph.roles       {"loss": ..., "label": ..., "prediction": ...[, "sample_weight": ...]}
                           which tensor plays which role in a loss model (lossgraph.roles)
-    lossgraph.loss        {"ignore_index": k}: the label value the loss ignores, written by
-                          add_loss_output when it has one (the Trainer accepts that label)
+    lossgraph.loss        {"ignore_index": k, "class_weight": [...]}, each when set: the label
+                          value the loss ignores (the Trainer accepts it) and the weight of
+                          each class (batch means combine by them), written by add_loss_output
     lossgraph.gradients   {weight: gradient output}, written by the gradient pass
     lossgraph.signature   who is who among a training graph's inputs and outputs
                           (lossgraph.signature.Signature), written by the fusion passes

@@ -16,9 +16,10 @@ the new weight and the new state. The formulas (``m``, ``b1``, ``b2``, ``eps``,
     AdamW      w~ = w (1 - lr wd), then Adam's step on w~      (torch.optim.AdamW)
 
 The learning rate is a graph input so that a schedule can change it between
-steps: :meth:`Optimizer.schedule` gives its value for update ``t``. Only
-:class:`SGD` has schedules other than a constant, those of scikit-learn's
-``SGDRegressor`` (``_sgd_fast.pyx``):
+steps: :meth:`Optimizer.schedule` gives its value for update ``t``. Every optimizer's
+``learning_rate`` is a number or a :mod:`lossgraph.schedules` schedule (``Linear``,
+``Cosine``, ... with warmup: data, saved in :meth:`Optimizer.to_dict`). :class:`SGD` also
+has the schedules of scikit-learn's ``SGDRegressor`` (``_sgd_fast.pyx``):
 
     constant    lr_t = learning_rate
     invscaling  lr_t = eta0 / t^power_t                  (eta0 defaults to learning_rate)
@@ -52,7 +53,8 @@ from .builder import GraphBuilder, standalone_model
 from .errors import UnsupportedOptionError, suggest
 from .graphs import weights_dtype
 from .names import NameAuthority
-from .options import finite, non_negative
+from .options import finite, matching_weights, non_negative, weight_patterns
+from .schedules import Schedule, check_step, schedule_from_dict
 from .target import check_opset_option
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "optimizer_from_dict", "as_optimizer",
@@ -84,11 +86,17 @@ def _elem_type(dtype: Any) -> int:
 class Optimizer(abc.ABC):
     """A weight-update rule with constant hyper-parameters and per-weight state."""
 
-    learning_rate: float = 0.01
+    learning_rate: float | Schedule = 0.01
     _state_suffixes: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        _non_negative(type(self).__name__, "learning_rate", self.learning_rate)
+        if not isinstance(self.learning_rate, (Schedule, numbers.Real)):
+            raise UnsupportedOptionError(
+                f"{type(self).__name__}: learning_rate={reprlib.repr(self.learning_rate)} must "
+                "be a finite number >= 0 or a lossgraph.schedules schedule, e.g. Linear(1e-3, "
+                "total_steps=1000, warmup_steps=100).")
+        if not isinstance(self.learning_rate, Schedule):
+            _non_negative(type(self).__name__, "learning_rate", self.learning_rate)
         # Plain Python numbers (not numpy scalars), so that to_dict() is JSON-ready.
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -98,8 +106,11 @@ class Optimizer(abc.ABC):
                 object.__setattr__(self, field.name, float(value))
 
     def schedule(self, step: int) -> float:
-        """The learning rate for update number ``step`` (1-based); constant by default."""
-        _check_step(step)
+        """The learning rate for update number ``step`` (1-based): ``learning_rate``, or its
+        schedule's value at ``step``."""
+        if isinstance(self.learning_rate, Schedule):
+            return self.learning_rate(step)
+        check_step(step)
         return float(self.learning_rate)
 
     def schedules(self, first: int, count: int) -> np.ndarray:
@@ -111,6 +122,12 @@ class Optimizer(abc.ABC):
 
     @property
     def _constant_schedule(self) -> bool:
+        return not isinstance(self.learning_rate, Schedule)
+
+    @property
+    def same_for_every_weight(self) -> bool:
+        """Whether every weight takes the same elementwise update, so that weights laid end
+        to end in one vector update as one (:class:`~lossgraph.passes.PackWeights`)."""
         return True
 
     def state_names(self, weight: str) -> list[str]:
@@ -132,8 +149,13 @@ class Optimizer(abc.ABC):
         """
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"type": <class name>, <hyper-parameter>: value, ...}``, for the manifest."""
-        return {"type": type(self).__name__, **dataclasses.asdict(self)}
+        """``{"type": <class name>, <hyper-parameter>: value, ...}``, for the manifest (a
+        schedule as its own dict, :meth:`~lossgraph.schedules.Schedule.to_dict`)."""
+        described = {f.name: list(value) if isinstance(value, tuple) else value
+                     for f in dataclasses.fields(self) for value in [getattr(self, f.name)]}
+        if isinstance(self.learning_rate, Schedule):
+            described["learning_rate"] = self.learning_rate.to_dict()
+        return {"type": type(self).__name__, **described}
 
     def _check_states(self, states: Sequence[str]) -> None:
         if len(states) != len(self._state_suffixes):
@@ -141,13 +163,6 @@ class Optimizer(abc.ABC):
                 f"{type(self).__name__} keeps {len(self._state_suffixes)} state tensor(s) per "
                 f"weight ({', '.join(self._state_suffixes) or 'none'}); got {len(states)}."
             )
-
-
-def _check_step(step: int) -> None:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
-        raise UnsupportedOptionError(
-            f"step={step!r} must be an integer >= 1 (updates count from 1)."
-        )
 
 
 @dataclass(frozen=True)
@@ -159,7 +174,7 @@ class SGD(Optimizer):
     (``1 / (alpha (t0 + t - 1))``, see the module docstring).
     """
 
-    learning_rate: float = 0.01
+    learning_rate: float | Schedule = 0.01
     learning_rate_schedule: str = "constant"
     eta0: float | None = None
     power_t: float = 0.25
@@ -172,6 +187,12 @@ class SGD(Optimizer):
                 f"SGD: unknown learning_rate_schedule {self.learning_rate_schedule!r}."
                 + suggest(str(self.learning_rate_schedule), SCHEDULES, "schedules")
             )
+        if self.learning_rate_schedule != "constant" and isinstance(self.learning_rate,
+                                                                    Schedule):
+            raise UnsupportedOptionError(
+                f"SGD: learning_rate is a schedule ({type(self.learning_rate).__name__}) and "
+                f"learning_rate_schedule={self.learning_rate_schedule!r} is another: give one "
+                "(learning_rate_schedule='constant' follows the learning_rate schedule).")
         if self.eta0 is not None:
             _non_negative("SGD", "eta0", self.eta0)
         finite("SGD: power_t", self.power_t)
@@ -195,15 +216,14 @@ class SGD(Optimizer):
 
     @property
     def _constant_schedule(self) -> bool:
-        return self.learning_rate_schedule == "constant"
+        return self.learning_rate_schedule == "constant" and super()._constant_schedule
 
     def schedule(self, step: int) -> float:
-        _check_step(step)
         if self.learning_rate_schedule == "invscaling":
-            return self.initial_eta0 / float(step) ** self.power_t
+            return self.initial_eta0 / float(check_step(step)) ** self.power_t
         if self.learning_rate_schedule == "optimal":
-            return 1.0 / (self.alpha * (self.optimal_init + step - 1))
-        return float(self.learning_rate)
+            return 1.0 / (self.alpha * (self.optimal_init + check_step(step) - 1))
+        return super().schedule(step)
 
     def emit_update(self, b: GraphBuilder, weight: str, grad: str, states: Sequence[str],
                     learning_rate: str, step: str, dtype: Any) -> tuple[str, list[str]]:
@@ -219,7 +239,7 @@ class Momentum(Optimizer):
     State: ``<weight>_velocity``.
     """
 
-    learning_rate: float = 0.01
+    learning_rate: float | Schedule = 0.01
     momentum: float = 0.9
     nesterov: bool = False
     _state_suffixes: ClassVar[tuple[str, ...]] = ("velocity",)
@@ -262,7 +282,7 @@ class Adam(Optimizer):
     States: ``<weight>_m`` (first moment) and ``<weight>_v`` (second moment).
     """
 
-    learning_rate: float = 1e-3
+    learning_rate: float | Schedule = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
     epsilon: float = 1e-8
@@ -319,16 +339,46 @@ class Adam(Optimizer):
 
 @dataclass(frozen=True)
 class AdamW(Adam):
-    """AdamW, as ``torch.optim.AdamW``: ``w <- w (1 - lr wd)`` first, then Adam's step."""
+    """AdamW, as ``torch.optim.AdamW``: ``w <- w (1 - lr wd)`` first, then Adam's step.
+
+    ``exclude_from_weight_decay``: the weights that take Adam's step without the decay (torch's
+    second parameter group, ``weight_decay=0``): names or regular expressions
+    (:func:`lossgraph.options.matching_weights`), or ``"auto"``, every bias and normalization
+    scale and shift (:func:`lossgraph.analysis.no_decay_weights`), which
+    :func:`~lossgraph.compile_program` resolves from the graph into the names it records.
+    """
 
     weight_decay: float = 0.01
+    exclude_from_weight_decay: str | tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "exclude_from_weight_decay", weight_patterns(
+            "AdamW: exclude_from_weight_decay", self.exclude_from_weight_decay))
         super().__post_init__()
         _non_negative("AdamW", "weight_decay", self.weight_decay)
 
+    @property
+    def same_for_every_weight(self) -> bool:
+        return self.weight_decay == 0 or not self.exclude_from_weight_decay
+
+    def to_dict(self) -> dict[str, Any]:
+        described = super().to_dict()
+        if not self.exclude_from_weight_decay:  # as the previous release wrote AdamW
+            del described["exclude_from_weight_decay"]
+        return described
+
+    def decays(self, weight: str) -> bool:
+        """Whether ``weight`` takes the decay: ``exclude_from_weight_decay`` selects it not."""
+        excluded = self.exclude_from_weight_decay
+        if excluded == "auto":
+            raise UnsupportedOptionError(
+                "AdamW(exclude_from_weight_decay='auto') finds the biases and normalization "
+                "weights from the model's graph: compile_program resolves it. Without a graph "
+                "(update_graph), list the names or regular expressions to exclude.")
+        return not any(matching_weights(pattern, [weight]) for pattern in excluded)
+
     def _decayed(self, b: GraphBuilder, weight: str, learning_rate: str, dtype: Any) -> str:
-        if self.weight_decay == 0:
+        if self.weight_decay == 0 or not self.decays(weight):
             return weight
 
         def decay() -> str:
@@ -365,6 +415,8 @@ def optimizer_from_dict(d: Mapping[str, Any]) -> Optimizer:
         raise UnsupportedOptionError(
             f"{kind} has no option {unknown[0]!r} (its options: {', '.join(sorted(fields))})."
         )
+    if isinstance(options.get("learning_rate"), Mapping):  # a schedule's dict form
+        options["learning_rate"] = schedule_from_dict(options["learning_rate"])
     return cls(**options)
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 import reprlib
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .errors import UnsupportedOptionError, suggest
+from .errors import UnknownNameError, UnsupportedOptionError, suggest
 
 #: What compile does with a fixed batch (``compile_program(fixed_batch=...)``,
 #: :mod:`lossgraph.passes.fixed_batch`): free it where the graph proves it, else train at
@@ -27,7 +28,8 @@ from .errors import UnsupportedOptionError, suggest
 #: without importing onnx.
 FIXED_BATCH_CHOICES = ("auto", "generalize", "keep")
 
-__all__ = ["count", "flag", "choice", "finite", "non_negative", "names"]
+__all__ = ["count", "flag", "choice", "finite", "non_negative", "names", "weight_patterns",
+           "matching_weights", "select_weights"]
 
 
 def _is_bool(value: Any) -> bool:
@@ -113,3 +115,48 @@ def names(option: str, value: Any, *, allow_empty: bool = False,
     if repeated:
         raise UnsupportedOptionError(f"{option} names {repeated[0]!r} more than once: {listed}.")
     return listed
+
+
+def weight_patterns(option: str, value: Any) -> str | tuple[str, ...]:
+    """``"auto"``, or the names and regular expressions ``value`` lists (one string is a list
+    of one); None is ``()``. They are matched against the weights once these are known
+    (:func:`select_weights`)."""
+    if value is None:
+        return ()
+    if value == "auto":
+        return "auto"
+    listed = [value] if isinstance(value, str) else value
+    if isinstance(listed, Mapping) or not isinstance(listed, Iterable) or not all(
+            isinstance(item, str) for item in listed):
+        raise UnsupportedOptionError(
+            f"{option}={reprlib.repr(value)} must be 'auto' (biases and normalization scales "
+            "and shifts, found from the graph) or a list of weight names or regular "
+            "expressions, e.g. ['bias', 'norm'].")
+    return tuple(listed)
+
+
+def matching_weights(pattern: str, weights: Sequence[str]) -> list[str]:
+    """The weights ``pattern`` selects: the one it names, else every one whose name it
+    matches (``re.search``: ``"bias"`` selects ``fc1.bias`` and ``fc2.bias``)."""
+    if pattern in weights:
+        return [pattern]
+    try:
+        expression = re.compile(pattern)
+    except re.error as exc:
+        raise UnsupportedOptionError(
+            f"{pattern!r} is neither a weight's name nor a regular expression ({exc}).") from None
+    return [w for w in weights if expression.search(w)]
+
+
+def select_weights(option: str, patterns: Sequence[str], weights: Sequence[str]) -> list[str]:
+    """The weights any of ``patterns`` selects (:func:`matching_weights`), in ``weights``'
+    order; a pattern that selects none is an UnknownNameError listing the weights."""
+    selected: set[str] = set()
+    for pattern in patterns:
+        matched = matching_weights(pattern, weights)
+        if not matched:
+            raise UnknownNameError(
+                f"{option} holds {pattern!r}, which names no trained weight and matches none "
+                "as a regular expression." + suggest(pattern, weights, "trained weights"))
+        selected.update(matched)
+    return [w for w in weights if w in selected]

@@ -8,7 +8,8 @@ same messages, when they are called from Python:
 - :func:`data_source`: a data file, or a folder of ``.npy`` files
   (:func:`lossgraph.storage.read_arrays`, ``lossgraph train --data``);
 - :func:`saved_folder`: a program or checkpoint folder lossgraph wrote
-  (:mod:`lossgraph.storage`).
+  (:mod:`lossgraph.storage`); :func:`latest_checkpoint`, the latest of those a fit saved
+  into its ``checkpoint_dir``.
 
 It also holds the layout of those folders, which :mod:`lossgraph.storage` reads and writes
 and :mod:`lossgraph.fileio` protects: their file names and how each kind is recognised
@@ -17,8 +18,10 @@ and :mod:`lossgraph.fileio` protects: their file names and how each kind is reco
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,8 @@ from .errors import InvalidDataError, InvalidModelError, InvalidProgramError
 from .fileio import FolderKind
 
 __all__ = ["model_file", "data_source", "saved_folder", "is_plain", "is_checkpoint_record",
+           "checkpoint_record", "is_csv_log", "LOG_COLUMNS", "saved_checkpoints",
+           "latest_checkpoint", "resumed_checkpoint",
            "PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "PROGRAM", "CHECKPOINT", "MANIFEST_FILE",
            "STATE_FILE", "INFERENCE_FILE", "TRAINER_FILE", "PROGRAM_SUBFOLDER",
            "CHECKPOINT_FORMAT"]
@@ -122,9 +127,15 @@ def _program_entries(folder: Path) -> set[str] | None:
     return {name for name in owned if not (folder / name).is_symlink()}
 
 
-def _checkpoint_entries(folder: Path) -> set[str] | None:
+def checkpoint_record(folder: Path) -> dict[str, Any] | None:
+    """The record (``trainer.json``) of a checkpoint folder lossgraph wrote, read alone and
+    unchecked (the program is not read); None when ``folder`` holds none."""
     record = _json_object(folder / TRAINER_FILE)
-    if record is None or not is_checkpoint_record(record):
+    return record if record is not None and is_checkpoint_record(record) else None
+
+
+def _checkpoint_entries(folder: Path) -> set[str] | None:
+    if checkpoint_record(folder) is None:
         return None
     program = folder / PROGRAM_SUBFOLDER
     entries = _program_entries(program) if program.is_dir() and not program.is_symlink() else None
@@ -140,5 +151,60 @@ def is_checkpoint_record(record: Mapping[str, Any]) -> bool:
     return {"steps", "epochs", "rng"} <= set(record)  # written before checkpoints had a format
 
 
+#: The first columns of a CSV log's header (``lossgraph.CSVLogger``), by what a row is:
+#: what marks a log as lossgraph's, which it may replace.
+LOG_COLUMNS = {"epoch": ("epoch", "steps"), "step": ("step",)}
+
+
+def is_csv_log(path: Path) -> bool:
+    """Whether ``path`` holds a CSV log lossgraph wrote (its header row starts as one)."""
+    try:
+        with open(path, newline="") as stream:
+            header = next(csv.reader(stream), [])
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return False
+    return any(tuple(header[:len(first)]) == first for first in LOG_COLUMNS.values())
+
+
 PROGRAM_FOLDER = FolderKind("a lossgraph program folder", _program_entries)
 CHECKPOINT_FOLDER = FolderKind("a lossgraph checkpoint folder", _checkpoint_entries)
+
+
+#: The name of a checkpoint ``fit(..., checkpoint_dir=...)`` saves: its step count.
+_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+def saved_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
+    """lossgraph's checkpoints in ``folder`` (``checkpoint-<steps>`` folders it recognises,
+    holding nothing else), as ``(steps, path)`` by step."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in folder.iterdir():
+        match = _NAME.fullmatch(entry.name)
+        if not match or entry.is_symlink() or not entry.is_dir():
+            continue
+        owned = CHECKPOINT_FOLDER.entries(entry)
+        if owned is not None and set(os.listdir(entry)) <= owned:
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The checkpoint of the most steps among lossgraph's in ``folder`` (``fit(...,
+    checkpoint_dir=folder)`` wrote them), for :meth:`Trainer.load_checkpoint`; None when
+    there is none."""
+    saved = saved_checkpoints(folder)
+    return saved[-1][1] if saved else None
+
+
+def resumed_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint to resume: ``path`` itself, or the latest lossgraph saved into the
+    ``checkpoint_dir`` ``path`` names; else an InvalidProgramError (:func:`saved_folder`)."""
+    folder = Path(path)
+    if folder.is_dir() and not (folder / TRAINER_FILE).exists():
+        latest = latest_checkpoint(folder)
+        if latest is not None:
+            return latest
+    return saved_folder(folder, CHECKPOINT)

@@ -7,13 +7,15 @@ For a weight ``W`` with coefficients ``a`` (L1) and ``b`` (L2)::
 
 ``add_loss_output`` adds the terms to the loss (autodiff then derives their gradient);
 the standalone penalty graph of ``fuse="separate"`` emits both the terms and the
-gradient. Penalties are given as ``{weight: b}`` (L2) or ``{weight: {"l1": a, "l2": b}}``.
+gradient. Penalties are given as ``{weight: b}`` (L2) or ``{weight: {"l1": a, "l2": b}}``,
+or to ``compile_program`` as a :class:`Penalty` on every trained weight but those it
+excludes (biases and normalization weights with ``"auto"``).
 """
 
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +27,37 @@ from .builder import GraphBuilder, standalone_model
 from .errors import UnknownNameError, UnsupportedOptionError, suggest
 from .graphs import weights_dtype
 from .names import NameAuthority
-from .options import non_negative
+from .options import non_negative, weight_patterns
 
-__all__ = ["parse_penalty", "penalty_terms", "penalty_gradient", "penalty_graph", "build_penalty",
-           "BuiltPenalty"]
+__all__ = ["Penalty", "parse_penalty", "penalty_terms", "penalty_gradient", "penalty_graph",
+           "build_penalty", "BuiltPenalty"]
 
 _REDUCTIONS = (("l1", "ReduceL1"), ("l2", "ReduceSumSquare"))
+
+
+@dataclass(frozen=True)
+class Penalty:
+    """``l1 sum|W| + l2 sum W^2`` on every trained weight ``W`` but those
+    ``exclude_from_weight_decay`` selects: names or regular expressions
+    (:func:`lossgraph.options.matching_weights`), or ``"auto"``, every bias and normalization
+    scale and shift (:func:`lossgraph.analysis.no_decay_weights`), as ``AdamW`` takes them.
+    :func:`~lossgraph.compile_program` resolves it, once it knows the trained weights, into
+    the per-weight dict (:meth:`by_weight`)."""
+
+    l1: float = 0.0
+    l2: float = 0.0
+    exclude_from_weight_decay: str | tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for kind in ("l1", "l2"):
+            object.__setattr__(self, kind, non_negative(f"Penalty: {kind}", getattr(self, kind)))
+        object.__setattr__(self, "exclude_from_weight_decay", weight_patterns(
+            "Penalty: exclude_from_weight_decay", self.exclude_from_weight_decay))
+
+    def by_weight(self, weights: Sequence[str], excluded: Sequence[str]
+                  ) -> dict[str, dict[str, float]]:
+        """The dict form on ``weights`` but ``excluded``."""
+        return {w: {"l1": self.l1, "l2": self.l2} for w in weights if w not in excluded}
 
 
 def parse_penalty(penalty: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
@@ -38,10 +65,15 @@ def parse_penalty(penalty: Mapping[str, Any] | None) -> dict[str, dict[str, floa
 
     Coefficients must be finite and non-negative; unknown keys are errors.
     """
+    if isinstance(penalty, Penalty):
+        raise UnsupportedOptionError(
+            f"{penalty!r} applies to every trained weight, which compile_program knows: pass it "
+            "there, or give the penalty here by weight: {'coef': {'l1': 0.01, 'l2': 0.1}}.")
     if penalty is not None and not isinstance(penalty, Mapping):
         raise UnsupportedOptionError(
             f"penalty={reprlib.repr(penalty)} must be a dict by weight name: {{'coef': 0.1}} "
-            "(L2) or {'coef': {'l1': 0.01, 'l2': 0.1}}.")
+            "(L2) or {'coef': {'l1': 0.01, 'l2': 0.1}}; or, for compile_program, a Penalty "
+            "(l2=0.1) on every trained weight.")
     normalized: dict[str, dict[str, float]] = {}
     for name, spec in (penalty or {}).items():
         if not isinstance(name, str):

@@ -43,6 +43,11 @@ class Signature:
     # state the graph updates without gradients or optimizer: training-mode
     # BatchNormalization's running statistics (lossgraph.passes.running_stats), never packed
     buffers: list[str] = field(default_factory=list)
+    # gradient accumulation (lossgraph.passes.accumulate): weight -> the running sum of its
+    # gradient the graph reads, and the factor a micro-batch's gradient is added with
+    # (a vector of one per micro-batch in a group's and an epoch's graph)
+    gradient_sums: dict[str, str] = field(default_factory=dict)
+    gradient_scale: str | None = None
 
     @classmethod
     def of_gradient_model(cls, model: onnx.ModelProto) -> Signature:
@@ -85,13 +90,41 @@ class Signature:
         write_json(model, SIGNATURE_KEY, self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        """The signature as JSON-ready data; without buffers, as recorded before buffers."""
-        return _without_empty_buffers(dataclasses.asdict(self))
+        """The signature as JSON-ready data; without buffers or accumulation where it has
+        none, as recorded before them."""
+        return _without_empty(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> Signature:
         unpacked = record.get("unpacked")
         return cls(**{**record, "unpacked": cls.from_dict(unpacked) if unpacked else None})
+
+    def roles(self) -> dict[str, str]:
+        """The role of every input and output this signature names, by name (the
+        manifest's)."""
+        role_of = {name: "feature" for name in self.features}
+        role_of.update({self.label: "label", self.loss: "loss",
+                        self.learning_rate: "learning_rate", self.step: "step"})
+        if self.sample_weight:
+            role_of[self.sample_weight] = "sample_weight"
+        role_of.update({w: "weight" for w in self.weights})
+        role_of.update({s: "state" for s in self.state_names})
+        role_of.update({self.new[w]: "new_weight" for w in self.weights if w in self.new})
+        role_of.update({self.new[s]: "new_state" for s in self.state_names})
+        role_of.update({b: "buffer" for b in self.buffers})
+        role_of.update({self.new[b]: "new_buffer" for b in self.buffers})
+        gradient = "new_gradient_sum" if self.gradient_sums else "gradient"
+        role_of.update({g: gradient for g in self.gradients.values()})
+        for key, role in (("permutation", "permutation"), ("learning_rates", "learning_rates"),
+                          ("losses", "losses"), ("prediction", "prediction"),
+                          ("prediction_grad", "prediction_grad")):
+            if getattr(self, key):
+                role_of[getattr(self, key)] = role
+        role_of.update({s: "gradient_sum" for s in self.gradient_sums.values()})
+        if self.gradient_scale:
+            role_of[self.gradient_scale] = ("gradient_scales" if self.learning_rates
+                                            else "gradient_scale")
+        return role_of
 
     @property
     def data(self) -> list[str]:
@@ -113,9 +146,10 @@ class Signature:
         return [unpacked.states[w][index] for w in unpacked.weights]
 
 
-def _without_empty_buffers(record: dict[str, Any]) -> dict[str, Any]:
-    if not record.get("buffers"):
-        record.pop("buffers", None)
+def _without_empty(record: dict[str, Any]) -> dict[str, Any]:
+    for key in ("buffers", "gradient_sums", "gradient_scale"):
+        if not record.get(key):
+            record.pop(key, None)
     if record.get("unpacked"):
-        record["unpacked"] = _without_empty_buffers(record["unpacked"])
+        record["unpacked"] = _without_empty(record["unpacked"])
     return record

@@ -19,8 +19,9 @@ from typing import Any
 import onnx
 
 from . import training_build
-from .analysis import stuck_weights, tied_initializers
+from .analysis import folded_weights, stuck_weights, tied_initializers
 from .errors import (
+    FoldedWeightWarning,
     InvalidModelError,
     NoGradientError,
     StuckWeightWarning,
@@ -33,15 +34,15 @@ from .graphs import FLOAT_TYPES, elem_type_name
 from .manifest import FUSE_MODES
 from .models import check_declared_outputs
 from .optim import Optimizer, as_optimizer
-from .options import choice, names
+from .options import choice, count, names
 from .passes.fixed_batch import FIXED_BATCH_CHOICES, export_advice, fixed_batch, rows
 from .passes.gradient import BACKENDS
 from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
-from .penalties import parse_penalty
+from .penalties import Penalty, parse_penalty
 from .roles import get_roles
 
 __all__ = ["CompileOptions", "compile_options", "check_trainable_model", "check_learnable",
-           "no_weights_error", "check_penalized", "warn_tied"]
+           "no_weights_error", "check_penalized", "warn_tied", "warn_folded"]
 
 #: ai.onnx.ml operators that keep their parameters in attributes: nothing to train.
 _ATTRIBUTE_MODELS = ("TreeEnsembleRegressor", "TreeEnsembleClassifier", "TreeEnsemble",
@@ -63,11 +64,13 @@ class CompileOptions:
     fixed_batch: str = "auto"
     #: None (nothing untied), "auto" (every tied initializer) or the initializers' names
     untie: str | list[str] | None = None
+    #: the micro-batches of one update (above 1: the graphs that accumulate are built)
+    accumulation_steps: int = 1
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
-                    untie: Any = None) -> CompileOptions:
+                    untie: Any = None, accumulation_steps: Any = 1) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
     fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
@@ -75,14 +78,22 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
     if backend == "ort":
         training_build.bindings("backend='ort'")  # before any work, not after the loss
     options = _loss_options(loss, loss_options)
-    parse_penalty(penalty)
+    if not isinstance(penalty, Penalty):  # resolved once the trained weights are known
+        parse_penalty(penalty)
     if loss is None and penalty:
         raise UnsupportedOptionError(
             "penalty= needs lossgraph to add the loss; with loss=None the model carries its "
             "own. Add the penalty when building it: add_loss_output(..., penalty=...).")
+    accumulation_steps = count("accumulation_steps", accumulation_steps, 1)
+    if loss is None and accumulation_steps > 1:
+        raise UnsupportedOptionError(
+            f"accumulation_steps={accumulation_steps} needs lossgraph to add the loss: how "
+            "micro-batches' gradients combine into their rows' gradient depends on how the loss "
+            "reduces rows, which a model carrying its own loss (loss=None) does not record. "
+            "Compile the inference model with a loss name, or train at the larger batch.")
     return CompileOptions(names("weights", weights, allow_empty=True), options,
                           as_optimizer(optimizer), backend, fuse, fixed_batch,
-                          _untie(untie))
+                          _untie(untie), accumulation_steps)
 
 
 def _untie(untie: Any) -> str | list[str] | None:
@@ -253,6 +264,24 @@ def warn_tied(model: onnx.ModelProto, weights: Sequence[str]) -> None:
         "Compile with untie='auto' (lossgraph compile --untie) to give each layer its own copy, "
         f"or untie=[{tied[0].name!r}, ...] for some; if the layers share it on purpose, "
         "ignore this.", TiedWeightWarning, stacklevel=4)
+
+
+def warn_folded(model: onnx.ModelProto, weights: Sequence[str]) -> None:
+    """A FoldedWeightWarning naming the ``weights`` that are no parameter of the module the
+    model was exported from, and the parameters the export dropped
+    (:func:`~lossgraph.analysis.folded_weights`), and how to export the parameters."""
+    folded = folded_weights(model, weights)
+    if not folded:
+        return
+    shown = "".join(f"\n  {f.describe()}" for f in folded[:6])
+    more = f"\n  ... and {len(folded) - 6} more" if len(folded) > 6 else ""
+    warnings.warn(
+        f"The export's weights are not the module's parameters: {len(folded)} "
+        f"{'were' if len(folded) > 1 else 'was'} folded, copied or dropped by the exporter:"
+        f"{shown}{more}\nTraining them trains another model than the module. Export without "
+        "folding to train the module's parameters: torch.onnx.export(..., optimize=False) with "
+        "the dynamo exporter, do_constant_folding=False with the legacy one (dynamo=False); "
+        "to train the export as it is, ignore this.", FoldedWeightWarning, stacklevel=4)
 
 
 def no_weights_error(model: onnx.ModelProto) -> UnsupportedModelError:

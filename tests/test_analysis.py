@@ -97,3 +97,43 @@ def test_stuck_weights_reach_the_loss_only_through_zero_gradient_ops():
     assert stuck[0].describe() == "'w' -> [MatMul] -> 'h' -> [Round] -> 'r' -> ... -> 'loss'"
     live = onnx.parser.parse_model(ROUNDED.replace("y = Add(t, b)", "y = Add(u, b)"))
     assert [s.name for s in stuck_weights(add_loss_output(live), ["w", "v", "b"])] == ["v"]
+
+
+#: Every layer that holds a bias or a normalization's scale and shift, in one graph: a bias
+#: added after a MatMul, a LayerNormalization, a Gemm's C, and a layer norm written out in
+#: ops as torch's exporter writes it below opset 17 (scale g, shift s).
+NORMALIZED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 4] x) => (float[N, 2] y)
+    <float[4, 3] w1 = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, float[3] b1 = {1, 2, 3},
+     float[3] scale = {1, 1, 2}, float[3] shift = {0, 1, 0}, float[3, 2] w2 = {1, 2, 3, 4, 5, 6},
+     float[2] b2 = {1, 2}, float[2] g = {2, 3}, float[2] s = {1, 0}>
+    {
+        h = MatMul(x, w1)
+        biased = Add(h, b1)
+        normed = LayerNormalization(biased, scale, shift)
+        z = Gemm(normed, w2, b2)
+        axes = Constant<value = int64[1] {-1}>()
+        mean = ReduceMean(z, axes)
+        centred = Sub(z, mean)
+        two = Constant<value = float {2.0}>()
+        squared = Pow(centred, two)
+        variance = ReduceMean(squared, axes)
+        eps = Constant<value = float {1e-5}>()
+        shifted = Add(variance, eps)
+        deviation = Sqrt(shifted)
+        unit = Div(centred, deviation)
+        scaled = Mul(unit, g)
+        y = Add(scaled, s)
+    }
+"""
+
+
+def test_no_decay_weights_are_the_biases_and_normalization_weights_found_from_the_ops():
+    from lossgraph.analysis import no_decay_weights
+
+    model = onnx.parser.parse_model(NORMALIZED)
+    weights = trainable_initializers(model)
+    assert weights == ["w1", "b1", "scale", "shift", "w2", "b2", "g", "s"]
+    assert no_decay_weights(model, weights) == ["b1", "scale", "shift", "b2", "g", "s"]
+    assert no_decay_weights(model, ["w2", "b2"]) == ["b2"]  # among the weights given only

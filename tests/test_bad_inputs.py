@@ -41,10 +41,14 @@ from lossgraph.errors import (
     RuntimeUnavailableError,
     ShapeMismatchError,
     UnknownNameError,
+    UnsafeWriteError,
     UnsupportedModelError,
     UnsupportedOptionError,
 )
-from lossgraph.optim import SGD, Adam, Momentum
+from lossgraph.export import to_ort_artifacts
+from lossgraph.optim import SGD, Adam, AdamW, Momentum, update_graph
+from lossgraph.penalties import Penalty
+from lossgraph.schedules import Cosine, Linear, OneCycle
 
 X, Y = linear_data(205, seed=11)
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_models"
@@ -304,6 +308,13 @@ class Case:
     trains: bool = False  # a divergence case: trains until the bad step, on purpose
 
 
+def _other_run(c: Context) -> Path:
+    """A checkpoint_dir another fit (of another trainer) saved into."""
+    lossgraph.Trainer(c.program()).fit(X, Y, batch_size=50, progress=False,
+                                       checkpoint_dir=c.tmp / "run", keep_best=False)
+    return c.tmp / "run"
+
+
 def with_value(array: np.ndarray, row: int, value: float, column: int | None = None):
     copy = array.copy()
     if column is None:
@@ -509,6 +520,25 @@ CASES: list[Case] = [
     Case("loss-options-bad-value", "loss_options={'delta': 'wide'} for huber",
          lambda c: c.program(loss="huber", loss_options={"delta": "wide"}),
          UnsupportedOptionError, "delta='wide'"),
+    Case("loss-class-weight-negative", "loss_options={'class_weight': [1, -1, 1]}",
+         lambda c: c.program(parse(CLASSIFIER), loss_options={"class_weight": [1, -1, 1]}),
+         UnsupportedOptionError, "class_weight=[1, -1, 1] of loss='multiclass_log_loss' must"),
+    Case("loss-class-weight-wrong-length", "two class weights for three classes",
+         lambda c: c.program(parse(CLASSIFIER), loss_options={"class_weight": [1, 2]}),
+         UnsupportedOptionError, "class_weight has 2 weights but output 'p' has 3 classes"),
+    Case("loss-class-weight-balanced", "class_weight='balanced' (compile sees no labels)",
+         lambda c: c.program(parse(CLASSIFIER), loss_options={"class_weight": "balanced"}),
+         UnsupportedOptionError, "lossgraph.balanced_class_weight(y_train)"),
+    Case("loss-label-smoothing-one", "loss_options={'label_smoothing': 1.0}",
+         lambda c: c.program(parse(CLASSIFIER), loss_options={"label_smoothing": 1.0}),
+         UnsupportedOptionError, "label_smoothing=1.0 of loss='multiclass_log_loss' must be a "
+                                 "number in [0, 1)"),
+    Case("loss-pos-weight-negative", "loss_options={'pos_weight': -2} for a sigmoid output",
+         lambda c: c.program(parse(BINARY), loss_options={"pos_weight": -2}),
+         UnsupportedOptionError, "pos_weight=-2 of loss='binary_log_loss' must be a finite"),
+    Case("balanced-class-weight-missing-class", "balanced_class_weight([0, 2, 2]): no class 1",
+         lambda c: lossgraph.balanced_class_weight([0, 2, 2]), InvalidDataError,
+         "y holds no label of class 1"),
     Case("loss-options-without-loss", "loss_options with loss=None",
          lambda c: c.program(lossgraph.add_loss_output(linear()), loss=None,
                              loss_options={"reduction": "sum"}),
@@ -583,7 +613,21 @@ CASES: list[Case] = [
          "untie names 'coef', which one layer reads: there is nothing to untie"),
     Case("untie-not-a-name", "untie=3", lambda c: c.program(untie=3), UnsupportedOptionError,
          "untie=3 must be 'auto'"),
+    *[Case(f"accumulation-steps-{label}", f"compile_program(accumulation_steps={value!r})",
+           lambda c, v=value: c.program(accumulation_steps=v), UnsupportedOptionError,
+           f"accumulation_steps={value!r}")
+      for label, value in [("zero", 0), ("float", 2.5), ("bool", True)]],
+    Case("accumulation-own-loss", "accumulation_steps=4 with loss=None (the model's own loss)",
+         lambda c: c.program(lossgraph.add_loss_output(linear(), "squared_error"), loss=None,
+                             accumulation_steps=4), UnsupportedOptionError,
+         "accumulation_steps=4 needs lossgraph to add the loss"),
     # -- fit options -------------------------------------------------------------------------
+    Case("fit-accumulation-steps-zero", "fit(accumulation_steps=0)",
+         lambda c: c.fit(accumulation_steps=0, compile_options={"accumulation_steps": 2}),
+         UnsupportedOptionError, "accumulation_steps=0 must be >= 1"),
+    Case("fit-accumulation-not-compiled", "fit(accumulation_steps=4), compiled without",
+         lambda c: c.fit(accumulation_steps=4), UnsupportedOptionError,
+         "compile it with accumulation_steps"),
     *[Case(f"batch-size-{label}", f"batch_size={value!r}",
            lambda c, v=value: c.fit(batch_size=v), UnsupportedOptionError,
            f"batch_size={value!r}")
@@ -603,6 +647,50 @@ CASES: list[Case] = [
          "callbacks[1]=1 is not callable"),
     Case("callbacks-not-a-list", "callbacks=3", lambda c: c.fit(callbacks=3),
          UnsupportedOptionError, "callbacks=3 must be a list"),
+    *[Case(f"max-steps-{label}", f"max_steps={value!r}",
+           lambda c, v=value: c.fit(max_steps=v), UnsupportedOptionError, f"max_steps={value!r}")
+      for label, value in [("negative", -1), ("float", 2.5)]],
+    Case("max-steps-one-shot-iterator", "max_steps=20 over a one-shot iterator of batches",
+         lambda c: c.fit(iter([(X[:10], Y[:10])]), None, max_steps=20), InvalidDataError,
+         "cannot be replayed for max_steps=20 over epochs"),
+    Case("checkpoint-every-zero", "checkpoint_every=0",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", checkpoint_every=0, keep_best=False),
+         UnsupportedOptionError, "checkpoint_every=0 must be >= 1"),
+    Case("keep-last-zero", "keep_last=0",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", keep_last=0, keep_best=False),
+         UnsupportedOptionError, "keep_last=0 must be >= 1"),
+    Case("keep-best-not-bool", "keep_best='yes'",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", keep_best="yes"),
+         UnsupportedOptionError, "keep_best='yes' must be True or False"),
+    Case("keep-best-without-validation", "keep_best=True (monitor 'val_loss') without "
+         "validation_data", lambda c: c.fit(checkpoint_dir=c.tmp / "ck"),
+         UnsupportedOptionError, "monitor='val_loss' is a validation value, but fit has no "
+         "validation_data"),
+    Case("monitor-unknown", "monitor='val_los' (misspelt)",
+         lambda c: c.fit(checkpoint_dir=c.tmp / "ck", monitor="val_los",
+                         validation_data=(X, Y)), UnknownNameError,
+         "monitor='val_los': the epoch logs hold no 'validation_los', only 'loss', "
+         "'validation_loss'. Did you mean 'validation_loss'?"),
+    Case("monitor-empty", "monitor=''", lambda c: c.fit(checkpoint_dir=c.tmp / "ck", monitor=""),
+         UnsupportedOptionError, "monitor='' must name a value of the epoch logs"),
+    Case("checkpoint-options-without-folder", "keep_last=5 without checkpoint_dir",
+         lambda c: c.fit(keep_last=5), UnsupportedOptionError,
+         "keep_last=5 without checkpoint_dir"),
+    Case("checkpoint-dir-not-a-path", "checkpoint_dir=3",
+         lambda c: c.fit(checkpoint_dir=3), UnsupportedOptionError,
+         "checkpoint_dir=3 must be a path"),
+    Case("checkpoint-dir-a-file", "checkpoint_dir naming a file",
+         lambda c: c.fit(checkpoint_dir=c.file("ck", b"x"), keep_best=False), UnsafeWriteError,
+         "is not a folder"),
+    Case("checkpoint-dir-of-another-run", "a checkpoint_dir holding a later run's checkpoints",
+         lambda c: c.fit(checkpoint_dir=_other_run(c), keep_best=False), UnsafeWriteError,
+         "past step 0 this fit starts from: another run's checkpoints"),
+    Case("csv-logger-unknown-per", "CSVLogger(path, per='batch')",
+         lambda c: lossgraph.CSVLogger(c.tmp / "log.csv", per="batch"),
+         UnsupportedOptionError, "per='batch'"),
+    Case("csv-logger-over-a-users-file", "CSVLogger over a CSV file lossgraph did not write",
+         lambda c: lossgraph.CSVLogger(c.file("mine.csv", b"a,b\n1,2\n")), UnsafeWriteError,
+         "exists and was not written by lossgraph"),
     Case("trainer-of-a-model", "Trainer(model) instead of Trainer(program)",
          lambda c: lossgraph.Trainer(linear()), UnsupportedOptionError,
          "Trainer(lossgraph.compile_program(model))"),
@@ -837,6 +925,66 @@ CASES: list[Case] = [
            UnsupportedModelError, fragment)
       for mode, fragment in (("step", "For batches of 10 rows, the model's shapes contradict"),
                              ("separate", "computes its output 'y' of shape (40, 1)"))],
+    # -- schedules and decay groups ----------------------------------------------------------
+    Case("schedule-warmup-past-total", "Linear(0.1, total_steps=10, warmup_steps=20)",
+         lambda c: c.program(optimizer=AdamW(Linear(0.1, total_steps=10, warmup_steps=20))),
+         UnsupportedOptionError, "warmup_steps=20 exceeds total_steps=10"),
+    Case("schedule-end-above-peak", "Cosine(0.01, 100, end=0.1)",
+         lambda c: c.program(optimizer=SGD(Cosine(0.01, 100, end=0.1))), UnsupportedOptionError,
+         "Cosine: end=0.1 must lie in [0, 0.01]"),
+    Case("schedule-steps-not-an-integer", "Linear(0.1, total_steps=10.5)",
+         lambda c: c.program(optimizer=SGD(Linear(0.1, total_steps=10.5))),
+         UnsupportedOptionError, "Linear: total_steps=10.5 must be an integer >= 0"),
+    Case("schedule-one-cycle-pct-start", "OneCycle(0.1, 100, pct_start=1.0)",
+         lambda c: c.program(optimizer=SGD(OneCycle(0.1, 100, pct_start=1.0))),
+         UnsupportedOptionError, "OneCycle: pct_start=1.0 must lie in (0, 1)"),
+    Case("schedule-dict-missing-argument",
+         "optimizer={'type': 'AdamW', 'learning_rate': {'type': 'Linear', 'peak': 0.001}}",
+         lambda c: c.program(optimizer={"type": "AdamW", "learning_rate": {
+             "type": "Linear", "peak": 0.001}}), UnsupportedOptionError,
+         "Linear needs total_steps"),
+    Case("schedule-dict-unknown-type", "learning_rate={'type': 'Cosin', 'peak': 0.1}",
+         lambda c: c.program(optimizer={"type": "SGD", "learning_rate": {
+             "type": "Cosin", "peak": 0.1}}), UnsupportedOptionError, "Did you mean 'Cosine'"),
+    Case("schedule-learning-rate-a-string", "AdamW(learning_rate='1e-3')",
+         lambda c: c.program(optimizer=AdamW("1e-3")), UnsupportedOptionError,
+         "must be a finite number >= 0 or a lossgraph.schedules schedule"),
+    Case("schedule-and-sgd-invscaling",
+         "SGD(Linear(0.1, 100), learning_rate_schedule='invscaling')",
+         lambda c: c.program(optimizer=SGD(Linear(0.1, 100),
+                                           learning_rate_schedule="invscaling")),
+         UnsupportedOptionError, "learning_rate is a schedule (Linear)"),
+    Case("schedule-one-cycle-past-its-steps", "OneCycle(total_steps=5) trained for 21 steps",
+         lambda c: c.fit(compile_options={"optimizer": SGD(OneCycle(0.01, 5))}),
+         UnsupportedOptionError, "has no rate for update 7", trains=True),
+    Case("decay-exclusion-matches-nothing", "AdamW(exclude_from_weight_decay=['bias'])",
+         lambda c: c.program(optimizer=AdamW(exclude_from_weight_decay=["bias"])),
+         UnknownNameError, "holds 'bias', which names no trained weight"),
+    Case("decay-exclusion-not-names", "AdamW(exclude_from_weight_decay=3)",
+         lambda c: c.program(optimizer=AdamW(exclude_from_weight_decay=3)),
+         UnsupportedOptionError, "exclude_from_weight_decay=3 must be 'auto'"),
+    Case("decay-exclusion-bad-expression", "AdamW(exclude_from_weight_decay=['coef('])",
+         lambda c: c.program(optimizer=AdamW(exclude_from_weight_decay=["coef("])),
+         UnsupportedOptionError, "'coef(' is neither a weight's name nor a regular expression"),
+    Case("decay-auto-without-a-graph", "update_graph(AdamW(exclude_from_weight_decay='auto'))",
+         lambda c: update_graph(AdamW(exclude_from_weight_decay="auto"),
+                                {"w": np.ones(2, np.float32)}),
+         UnsupportedOptionError, "compile_program resolves it"),
+    Case("penalty-every-weight-negative", "Penalty(l2=-0.1)",
+         lambda c: c.program(penalty=Penalty(l2=-0.1)), UnsupportedOptionError,
+         "Penalty: l2=-0.1 must be a finite number >= 0"),
+    Case("penalty-every-weight-in-add-loss-output", "add_loss_output(model, penalty=Penalty())",
+         lambda c: lossgraph.add_loss_output(linear(), penalty=Penalty(l2=0.1)),
+         UnsupportedOptionError, "applies to every trained weight"),
+    Case("artifacts-with-a-schedule", "to_ort_artifacts(optimizer=AdamW(Linear(...)))",
+         lambda c: to_ort_artifacts(linear(), c.tmp / "a",
+                                    optimizer=AdamW(Linear(1e-3, total_steps=100))),
+         UnsupportedOptionError, "cannot be exported to onnxruntime's training artifacts"),
+    Case("artifacts-with-decay-groups",
+         "to_ort_artifacts(optimizer=AdamW(exclude_from_weight_decay='auto'))",
+         lambda c: to_ort_artifacts(linear(), c.tmp / "a",
+                                    optimizer=AdamW(exclude_from_weight_decay="auto")),
+         UnsupportedOptionError, "one AdamWOptimizer op with one weight_decay"),
     # -- divergence --------------------------------------------------------------------------
     *[Case(f"diverge-{mode}", f"a loss overflowing at epoch 1, batch 3 (fuse={mode!r})",
            lambda c, m=mode: diverge(c, m), ConvergenceError, "epoch 1, batch 3", trains=True)

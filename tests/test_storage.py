@@ -380,6 +380,11 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
                    "'graphs' must be dict"),
     "unknown fuse": (lambda f: _rewrite_manifest(f, lambda m: m.update(fuse="turbo")),
                      "fuse is 'turbo'"),
+    "accumulation steps zero": (lambda f: _rewrite_manifest(f, lambda m: m.update(
+        accumulation={"steps": 0, "loss_reduction": "mean"})), "accumulation steps must be >= 1"),
+    "accumulating graph missing": (lambda f: _rewrite_manifest(f, lambda m: m.update(
+        accumulation={"steps": 2, "loss_reduction": "mean"})),
+        "needs the graphs train_accumulate, train_step_accumulated"),
     "graph missing from manifest": (
         lambda f: _rewrite_manifest(f, lambda m: m["graphs"].pop("train_step")),
         "needs the graphs train_step"),

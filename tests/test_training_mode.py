@@ -231,6 +231,32 @@ def test_older_batch_normalization_forms_train_as_torch(opset):
                                atol=1e-5)
 
 
+@TORCH
+@pytest.mark.parametrize("fuse", MODES)
+def test_accumulation_updates_running_statistics_per_micro_batch_as_torch(fuse):
+    """Micro-batches of 4 rows, 2 per update (the last update one micro-batch): the running
+    statistics move with every micro-batch, the weights with every second, as torch's
+    accumulation (loss scaled by the micro-batch's share of its update's rows)."""
+    import torch
+    net = _net(torch, "mlp")
+    program = lossgraph.compile_program(_export(torch, net, "mlp"), optimizer=SGD(0.05),
+                                        fuse=fuse, accumulation_steps=2)
+    X, y = _data("mlp", rows=20)
+    trainer = lossgraph.Trainer(program).fit(X, y, epochs=1, batch_size=4, shuffle=False,
+                                             progress=False)
+    theirs = torch.optim.SGD(net.parameters(), lr=0.05)
+    tx, ty = torch.from_numpy(X), torch.from_numpy(y)
+    for group in range(0, 20, 8):
+        theirs.zero_grad()
+        rows = min(8, 20 - group)
+        for lo in range(group, group + rows, 4):
+            loss = ((net(tx[lo:lo + 4]) - ty[lo:lo + 4]) ** 2).mean()
+            (loss * 4 / rows).backward()
+        theirs.step()
+    assert trainer.steps_ == 3
+    _assert_state_equals_torch(trainer.state, net, "after an epoch of accumulation")
+
+
 # -- what the graphs are --------------------------------------------------------------------------
 
 BN_DROPOUT = """<ir_version: 10, opset_import: ["" : 17]>

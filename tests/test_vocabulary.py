@@ -144,11 +144,15 @@ FLAG_PARAMETERS = {
         "--backend": "backend", "--output": None, "--force": None}),
     "compile": (lossgraph.compile_program, {
         "--weights": "weights", "--loss": "loss", "--loss-option": "loss_options",
-        "--weight-name": "loss_options", "--penalty": "penalty", "--penalty-l1": "penalty",
+        "--weight-name": "loss_options", "--class-weight-labels": "loss_options",
+        "--penalty": "penalty", "--penalty-l1": "penalty",
         "--penalty-l2": "penalty", "--optimizer": "optimizer", "--learning-rate": "optimizer",
-        "--momentum": "optimizer", "--backend": "backend", "--fuse": "fuse",
+        "--momentum": "optimizer", "--schedule": "optimizer", "--warmup-steps": "optimizer",
+        "--total-steps": "optimizer", "--schedule-option": "optimizer",
+        # AdamW's and the penalty's (Penalty) exclude_from_weight_decay
+        "--exclude-from-weight-decay": "optimizer", "--backend": "backend", "--fuse": "fuse",
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
-        "--output": None, "--format": None}),
+        "--accumulation-steps": "accumulation_steps", "--output": None, "--format": None}),
 }
 
 
@@ -206,7 +210,7 @@ def test_import_lossgraph_exposes_a_curated_surface():
 
     public = {name for name in dir(lossgraph) if not name.startswith("_")
               and not inspect.ismodule(getattr(lossgraph, name))}
-    assert public == set(lossgraph.__all__) - {"optim", "__version__"}
+    assert public == set(lossgraph.__all__) - {"optim", "schedules", "__version__"}
     for helper in ("add_loss_output", "gradient", "lower_ml_ops", "alphabetize_initializers",
                    "stabilize_numerics", "strip_training", "straight_through_quantization"):
         assert getattr(lossgraph, helper) is getattr(lossgraph.passes, helper)

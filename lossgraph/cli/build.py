@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..compiler import compile_program, trained_weights
+from ..compiler import compile_program
 from ..errors import (
     RuntimeUnavailableError,
     UnsupportedOptionError,
 )
 from ..optim import SGD, Adam, AdamW, Momentum, Optimizer, optimizer_from_dict
-from ..target import use_target
+from ..penalties import Penalty
+from ..schedules import SCHEDULE_NAMES, Schedule, schedule_named
 
 EXIT_OK = 0
 
@@ -21,6 +23,48 @@ EXIT_OK = 0
 
 
 def _optimizer(args: argparse.Namespace) -> Optimizer:
+    """The optimizer of ``--optimizer`` with ``--learning-rate``, ``--momentum``, the
+    schedule's options and ``--exclude-from-weight-decay``."""
+    optimizer = _scheduled(_rule(args), args)
+    excluded = args.exclude_from_weight_decay
+    if excluded is None:
+        return optimizer
+    if isinstance(optimizer, AdamW):
+        return dataclasses.replace(optimizer, exclude_from_weight_decay=excluded or "auto")
+    if args.penalty_l1 is None and args.penalty_l2 is None:
+        raise UnsupportedOptionError(
+            f"--exclude-from-weight-decay goes with --optimizer adamw or --penalty-l1/"
+            f"--penalty-l2, which decay weights; {type(optimizer).__name__} does not.")
+    return optimizer
+
+
+def _scheduled(optimizer: Optimizer, args: argparse.Namespace) -> Optimizer:
+    """``optimizer`` with ``--schedule`` (its peak the optimizer's learning rate)."""
+    given = {"warmup_steps": args.warmup_steps, "total_steps": args.total_steps,
+             **dict(args.schedule_option)}
+    given = {key: value for key, value in given.items() if value is not None}
+    if args.schedule is None:
+        if given:
+            flags = ", ".join(f"--{key.replace('_', '-')}" if key in ("warmup_steps",
+                              "total_steps") else f"--schedule-option {key}=..."
+                              for key in given)
+            raise UnsupportedOptionError(
+                f"{flags} go{'es' if len(given) == 1 else ''} with --schedule NAME.")
+        return optimizer
+    if isinstance(optimizer.learning_rate, Schedule):
+        raise UnsupportedOptionError(
+            "The schedule is given twice, by --schedule and in --optimizer's JSON: give it "
+            "once.")
+    kind = SCHEDULE_NAMES[args.schedule]
+    integers = {f.name for f in dataclasses.fields(kind) if f.type == "int"}
+    given = {key: int(value) if key in integers and isinstance(value, float) and
+             value.is_integer() else value for key, value in given.items()}
+    schedule = schedule_named(args.schedule,
+                              **{kind.peak_argument: optimizer.learning_rate, **given})
+    return dataclasses.replace(optimizer, learning_rate=schedule)
+
+
+def _rule(args: argparse.Namespace) -> Optimizer:
     """The optimizer of ``--optimizer`` with ``--learning-rate`` and ``--momentum``."""
     spec, rate, momentum = args.optimizer, args.learning_rate, args.momentum
     if not isinstance(spec, str):  # the JSON form
@@ -52,12 +96,27 @@ def _loss_options(args: argparse.Namespace) -> dict[str, Any]:
             raise UnsupportedOptionError(
                 "--weight-name and --loss-option weight_name=... disagree: give it once.")
         options["weight_name"] = args.weight_name
+    balanced = options.get("class_weight") == "balanced"
+    if balanced != bool(args.class_weight_labels):
+        raise UnsupportedOptionError(
+            "--loss-option class_weight=balanced weighs the classes by the training labels: "
+            "name them with --class-weight-labels DATA [NAME]." if balanced else
+            "--class-weight-labels goes with --loss-option class_weight=balanced (the labels "
+            "it reads weigh the classes).")
+    if balanced:
+        from ..passes.loss import balanced_class_weight
+        from .data import class_labels
+
+        path, *name = args.class_weight_labels
+        options["class_weight"] = balanced_class_weight(
+            class_labels(path, name[0] if name else None),
+            ignore_index=options.get("ignore_index"))
     return options
 
 
-def _penalty(args: argparse.Namespace, loss: str | None,
-             loss_options: Mapping[str, Any]) -> Any:
-    """``--penalty``'s JSON, or ``--penalty-l1/--penalty-l2`` on every trained weight."""
+def _penalty(args: argparse.Namespace, loss: str | None) -> Any:
+    """``--penalty``'s JSON, or ``--penalty-l1/--penalty-l2`` on every trained weight but
+    those ``--exclude-from-weight-decay`` leaves out."""
     l1, l2 = args.penalty_l1, args.penalty_l2
     if l1 is None and l2 is None:
         return args.penalty
@@ -70,22 +129,22 @@ def _penalty(args: argparse.Namespace, loss: str | None,
             "--penalty-l1/--penalty-l2 need lossgraph to add the loss; with --loss none the "
             "model carries its own: add the penalty when building it (lossgraph add-loss "
             "--penalty).")
-    weights = args.weights
-    if not weights:  # the weights compile_program trains by default: those of the loss model
-        with use_target(args.target):
-            weights = trained_weights(args.model, loss=loss, loss_options=loss_options)
-    return {w: {"l1": l1 or 0.0, "l2": l2 or 0.0} for w in weights}
+    excluded = args.exclude_from_weight_decay
+    return Penalty(l1 or 0.0, l2 or 0.0,
+                   () if excluded is None else excluded or "auto")
 
 
 def _compile(args: argparse.Namespace) -> int:
     loss = None if args.loss == "none" else args.loss
     loss_options = _loss_options(args)
     optimizer = _optimizer(args)
-    penalty = _penalty(args, loss, loss_options)
+    penalty = _penalty(args, loss)
     untie = None if args.untie is None else args.untie or "auto"  # --untie alone: "auto"
     if args.format == "ort-artifacts":
         given = [option for option, value in (("--fuse", args.fuse), ("--backend", args.backend),
-                                              ("--target", args.target)) if value]
+                                              ("--target", args.target),
+                                              ("--accumulation-steps",
+                                               args.accumulation_steps != 1)) if value]
         if given:
             raise UnsupportedOptionError(
                 f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --format "
@@ -97,22 +156,29 @@ def _compile(args: argparse.Namespace) -> int:
                                    weights=args.weights, loss=loss, loss_options=loss_options,
                                    penalty=penalty, fixed_batch=args.fixed_batch, untie=untie)
         print(f"{args.output}: {', '.join(Path(path).name for path in written)}; trains with "
-              f"{type(optimizer).__name__} (learning rate {optimizer.learning_rate:g}: "
+              f"{type(optimizer).__name__} (learning rate {_rate(optimizer)}: "
               "onnxruntime's Optimizer starts at 0.001, set_learning_rate sets it)")
         return EXIT_OK
     program = compile_program(
         args.model, weights=args.weights, loss=loss, loss_options=loss_options, penalty=penalty,
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
-        target=args.target, fixed_batch=args.fixed_batch, untie=untie)
+        target=args.target, fixed_batch=args.fixed_batch, untie=untie,
+        accumulation_steps=args.accumulation_steps)
     program.save(args.output)
     for note in program.notes.lines():
         print(f"{args.output}: {note}")
     print(f"{args.output}: {', '.join(sorted(program.graphs))}; trains "
           f"{', '.join(program.weights)} with {type(program.optimizer).__name__} "
-          f"(learning rate {program.optimizer.learning_rate:g})")
+          f"(learning rate {_rate(program.optimizer)})")
     if "batch" in program.manifest:
         print(f"the model: {program.manifest['batch']['detail']}")
     return EXIT_OK
+
+
+def _rate(optimizer: Optimizer) -> str:
+    """The learning rate as the summary line shows it: a number, or its schedule."""
+    rate = optimizer.learning_rate
+    return repr(rate) if isinstance(rate, Schedule) else f"{rate:g}"
 
 
 def _export_function(name: str) -> Callable[..., Any]:

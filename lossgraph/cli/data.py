@@ -267,6 +267,33 @@ def _table_data(path: str, args: argparse.Namespace,
     return data
 
 
+def class_labels(path: str, name: str | None) -> np.ndarray:
+    """The class labels of a data file (.npz, a folder of .npy files, .csv, .parquet): the
+    column or array ``name`` (default: y, else label), as int64."""
+    suffix = Path(path).suffix.lower()
+    if suffix in TABLE_SUFFIXES:
+        source, what = data_source(path, table=True), "column"
+        parquet = suffix != ".csv"
+        available = _parquet_columns(source) if parquet else _csv_columns(source)
+        chosen = name or _default_label(available, path, what)[0]
+        _known([chosen], available, path, what)
+        read = (_read_parquet(source, [chosen]) if parquet else
+                _read_csv(source, available, [chosen]))
+        values = read[chosen]
+    else:
+        arrays, what = read_arrays(path), "array"
+        chosen = name or _default_label(sorted(arrays), path, what)[0]
+        _known([chosen], sorted(arrays), path, what)
+        values = arrays[chosen]
+    if values.dtype.kind not in "iuf" or (values.dtype.kind == "f" and not (
+            np.isfinite(values).all() and (values == np.round(values)).all())):
+        raise InvalidDataError(
+            f"The {what} {chosen!r} of {path!r} holds {values.dtype} values that are not all "
+            "whole numbers: class labels are class indices 0, 1, ... (name the label with "
+            "--class-weight-labels DATA NAME).")
+    return values.astype(np.int64)
+
+
 def _training_data(path: str, args: argparse.Namespace,
                    program: TrainingProgram) -> dict[str, Any]:
     """The data of ``--data``, by the names ``Trainer.fit`` takes them."""

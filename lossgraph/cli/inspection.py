@@ -13,6 +13,7 @@ from ..analysis import (
     blocked_initializers,
     constant_weights,
     differentiable_values,
+    folded_weights,
     influenced_values,
     tied_initializers,
     trainable_initializers,
@@ -179,6 +180,7 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
 
     tied = [{"name": t.name, "readers": [_label(n) for n, _ in t.readers]}
             for t in tied_initializers(lowered, candidates)]
+    folded = [{"name": f.name, "how": f.how} for f in folded_weights(lowered, candidates)]
     constants = [{"name": c.name, "node": c.node.name, "dtype": elem_type_name(c.elem_type),
                   "shape": list(c.dims), "size": int(np.prod(c.dims, dtype=np.int64)),
                   "feeds": _label(c.reader)} for c in constant_weights(lowered)]
@@ -202,6 +204,7 @@ def inspect_model(path: str | os.PathLike) -> dict[str, Any]:
         "initializers": initializers,
         "trainable": candidates,
         "tied": tied,
+        "folded": folded,
         "constants": constants,
         "blocked": blocked,
         "lowered_ops": sorted({n.op_type for n in graph.node
@@ -366,6 +369,11 @@ def format_inspection(report: Mapping[str, Any]) -> str:
          "trains each as one weight those layers share, and warns; compile --untie gives each "
          "layer its own copy", ("initializer", "layers", "read by"),
          lambda t: (t["name"], len(t["readers"]), _readers_text(t["readers"]))),
+        ("folded", "weights that are not the module's parameters (torch's exporter folded a "
+         "BatchNorm or a parametrization into them, copied a tied tensor, or dropped a zero "
+         "bias): compile trains the export as it is, and warns; export with optimize=False "
+         "(dynamo) or do_constant_folding=False (legacy) to train the module's parameters",
+         ("weight", "what the exporter did"), lambda f: (f["name"], f["how"])),
         ("constants", "float constants that feed a product like a weight (an exporter may "
          "have folded a parameter into one): not trainable: a constant; compile --weights "
          "NAME makes it an initializer and trains it",

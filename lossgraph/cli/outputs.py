@@ -7,9 +7,9 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import RuntimeUnavailableError, UnsupportedOptionError
+from ..errors import RuntimeUnavailableError, UnsafeWriteError, UnsupportedOptionError
 from ..fileio import check_file_target, check_folder_target
-from ..paths import CHECKPOINT_FOLDER, PROGRAM_FOLDER
+from ..paths import CHECKPOINT_FOLDER, PROGRAM_FOLDER, is_csv_log
 from .parser import PNG_SIGNATURE
 
 EXIT_OK = 0
@@ -65,6 +65,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.command != "train":
         return
     named = {"--data": args.data, "-o": args.output, "--checkpoint": args.checkpoint,
+             "--checkpoint-dir": args.checkpoint_dir, "--log-csv": args.log_csv,
              "--history": args.history, "--plot": args.plot}
     seen: dict[str, str] = {}
     for option, path in named.items():
@@ -78,6 +79,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
         seen[key] = option
     if args.checkpoint:
         check_folder_target(args.checkpoint, CHECKPOINT_FOLDER)
+    if args.checkpoint_dir and (os.path.lexists(args.checkpoint_dir)
+                                and not os.path.isdir(args.checkpoint_dir)):
+        raise UnsafeWriteError(
+            f"--checkpoint-dir {args.checkpoint_dir!r} is not a folder; lossgraph saves its "
+            "checkpoints into a folder there. Choose another path.")
+    if args.log_csv:
+        check_file_target(args.log_csv, is_csv_log, overwrite=args.force)
     if args.history:
         check_file_target(args.history, _is_history, overwrite=args.force)
     if args.plot:

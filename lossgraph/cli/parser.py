@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from .. import __version__
 from ..options import FIXED_BATCH_CHOICES
+from ..schedules import SCHEDULE_NAMES
 
 EXIT_OK = 0
 
@@ -41,6 +42,10 @@ examples:
       --loss-option delta=0.5 --weight-name sample_weight
   lossgraph compile model.onnx -o program/ \\
       --optimizer '{"type": "AdamW", "learning_rate": 0.001, "weight_decay": 0.05}'
+  lossgraph compile model.onnx -o program/ --optimizer adamw --learning-rate 5e-5 \\
+      --schedule linear --warmup-steps 100 --total-steps 1000 --exclude-from-weight-decay
+  lossgraph compile model.onnx -o program/ --schedule cosine --total-steps 1000 \\
+      --schedule-option end=1e-5 --schedule-option cycles=1
   lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
   lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
     "train": """\
@@ -141,13 +146,20 @@ class _Renamed(argparse.Action):
 
 
 def _key_value(text: str) -> tuple[str, object]:
-    """An argument type: ``KEY=VALUE``, the value read as a bool, a number or a string."""
+    """An argument type: ``KEY=VALUE``, the value read as a bool, a number, a JSON list
+    (``class_weight=[1, 2.5]``) or a string."""
     key, equals, value = text.partition("=")
     if not equals or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. delta=1.5)")
     lowered = value.lower()
     if lowered in ("true", "false"):
         return key, lowered == "true"
+    if value.lstrip().startswith("["):
+        try:
+            return key, json.loads(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {value!r} is not a JSON list (e.g. {key}=[1, 2.5])") from None
     try:
         return key, float(value)
     except ValueError:
@@ -264,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--weight-name", metavar="NAME",
                        help="add a per-row sample-weight input of this name (lossgraph train "
                             "--sample-weight feeds it)")
+    build.add_argument("--class-weight-labels", nargs="+", metavar=("DATA", "NAME"),
+                       help="with --loss-option class_weight=balanced: the data file whose "
+                            "labels weigh the classes, as scikit-learn's balanced weights "
+                            "(computed now and kept in the program), and the label column or "
+                            "array (default: y, else label)")
     build.add_argument("--optimizer", type=_optimizer_spec, default="sgd",
                        metavar="NAME|JSON",
                        help=f"{'|'.join(OPTIMIZER_NAMES)} (default: sgd), or the JSON form, "
@@ -273,6 +290,24 @@ def build_parser() -> argparse.ArgumentParser:
                             "momentum and nesterov, 0.001 for adam and adamw)")
     build.add_argument("--momentum", type=float, metavar="M",
                        help="the momentum of --optimizer momentum or nesterov (default: 0.9)")
+    build.add_argument("--schedule", choices=list(SCHEDULE_NAMES), metavar="NAME",
+                       help="change the learning rate every step: "
+                            f"{', '.join(SCHEDULE_NAMES)} (lossgraph.schedules; the learning "
+                            "rate is its peak; default: a constant rate)")
+    build.add_argument("--warmup-steps", type=int, metavar="N",
+                       help="the schedule's linear warmup from 0, in steps (default: 0)")
+    build.add_argument("--total-steps", type=int, metavar="N",
+                       help="the steps the schedule decays over (linear, cosine, polynomial, "
+                            "one_cycle)")
+    build.add_argument("--schedule-option", action="append", default=[], metavar="KEY=VALUE",
+                       type=_key_value,
+                       help="another argument of the schedule, e.g. end=1e-5, cycles=1, "
+                            "power=2, step_size=100, gamma=0.5, pct_start=0.3 (repeat for "
+                            "several)")
+    build.add_argument("--exclude-from-weight-decay", nargs="*", metavar="NAME",
+                       help="weights adamw's decay and --penalty-l1/--penalty-l2 leave out: "
+                            "names or regular expressions; alone: every bias and "
+                            "normalization scale and shift, found from the graph")
     build.add_argument("--penalty-l1", type=float, metavar="A",
                        help="add A * sum|w| to the loss for every trained weight w")
     build.add_argument("--penalty-l2", type=float, metavar="B",
@@ -297,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "default): auto frees it where the graph proves which constants "
                             "hold it, else trains batches of exactly that size (default); "
                             "generalize frees it or fails; keep trains at that size")
+    build.add_argument("--accumulation-steps", type=int, default=1, metavar="K",
+                       help="micro-batches of one update a training takes by default; above 1 "
+                            "the program holds the graphs that accumulate gradients, and "
+                            "lossgraph train --accumulation-steps may then take any K "
+                            "(default: 1)")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")
@@ -313,21 +353,45 @@ def build_parser() -> argparse.ArgumentParser:
                             "present and the program takes sample weights)")
     train.add_argument("--validation-split", type=_fraction, metavar="F",
                        help="hold out the last fraction F of the rows as validation data")
-    train.add_argument("--epochs", type=int, default=1, help="epochs to train (default: 1)")
+    train.add_argument("--epochs", type=int, default=None,
+                       help="epochs to train (default: 1, or as many as --max-steps takes)")
+    train.add_argument("--max-steps", type=int, default=None, metavar="N",
+                       help="stop after N updates, mid-epoch too (with --epochs, whichever "
+                            "comes first)")
     train.add_argument("--batch-size", type=int, default=None,
                        help="rows a step (default: 32, or the batch a model exported with a "
                             "fixed batch keeps)")
+    train.add_argument("--accumulation-steps", type=int, default=None, metavar="K",
+                       help="one update every K batches (micro-batches), with the gradient of "
+                            "the mean loss over their rows, as a batch K times larger; the "
+                            "program must be compiled with --accumulation-steps (default: the "
+                            "program's, 1 if it has none)")
     train.add_argument("--no-shuffle", action="store_true",
                        help="visit the rows in order (default: shuffled every epoch)")
     train.add_argument("--random-state", type=int, default=None, metavar="SEED",
                        help="seed of the shuffling (ignored with --resume: the checkpoint's "
                             "generator goes on)")
     train.add_argument("--resume", metavar="CHECKPOINT",
-                       help="continue this checkpoint folder (lossgraph train --checkpoint) "
-                            "for --epochs more epochs")
+                       help="continue this checkpoint folder (lossgraph train --checkpoint), "
+                            "or the latest in a --checkpoint-dir, for --epochs more epochs")
     output_file(train, "the trained inference model (.onnx)")
     train.add_argument("--checkpoint", metavar="FOLDER",
                        help="also save a checkpoint folder here, to --resume or export")
+    train.add_argument("--checkpoint-dir", metavar="FOLDER",
+                       help="save a checkpoint FOLDER/checkpoint-<steps> every "
+                            "--checkpoint-every epochs and at the end, keeping the last "
+                            "--keep-last and, with --validation-split, the one of the best "
+                            "validation loss")
+    train.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                       help="epochs between checkpoints in --checkpoint-dir (default: 1)")
+    train.add_argument("--keep-last", type=int, default=None, metavar="K",
+                       help="checkpoints of --checkpoint-dir kept besides the best "
+                            "(default: 3)")
+    train.add_argument("--log-csv", metavar="FILE",
+                       help="also write the logs here as CSV, a row per epoch (or step, "
+                            "--log-per step) as training goes")
+    train.add_argument("--log-per", choices=["epoch", "step"], default="epoch",
+                       help="a --log-csv row per epoch (default) or per update")
     train.add_argument("--history", metavar="FILE",
                        help="also write the losses of every epoch here, as JSON")
     train.add_argument("--plot", metavar="FILE",

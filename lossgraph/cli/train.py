@@ -14,6 +14,7 @@ from ..errors import (
     UnsupportedOptionError,
 )
 from ..fileio import write_file
+from ..paths import latest_checkpoint, resumed_checkpoint
 from ..program import TrainingProgram
 from ..runtime.trainer import Trainer
 from .build import _export_function
@@ -64,7 +65,7 @@ def _trainer_and_data(args: argparse.Namespace) -> tuple[Trainer, dict]:
         program = TrainingProgram.load(args.program)
         data = _training_data(args.data, args, program)
         return Trainer(program), data
-    trainer = Trainer.load_checkpoint(args.resume)
+    trainer = Trainer.load_checkpoint(resumed_checkpoint(args.resume))
     if args.program is not None:
         program = TrainingProgram.load(args.program)
         if program.manifest != trainer.program.manifest:
@@ -75,19 +76,43 @@ def _trainer_and_data(args: argparse.Namespace) -> tuple[Trainer, dict]:
     return trainer, _training_data(args.data, args, trainer.program)
 
 
+def _callbacks(args: argparse.Namespace) -> list:
+    """The loggers the options ask for (``--log-csv``)."""
+    if args.log_csv is None:
+        return []
+    from ..runtime.callbacks import CSVLogger
+
+    return [CSVLogger(args.log_csv, per=args.log_per, overwrite=args.force)]
+
+
+def _checkpoint_options(args: argparse.Namespace, validation: bool) -> dict:
+    """fit's checkpoint options from ``--checkpoint-dir``, ``--checkpoint-every`` and
+    ``--keep-last``: the best by validation loss kept where there is a validation split."""
+    if args.checkpoint_dir is None:
+        return {}
+    return {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every or 1,
+            "keep_last": args.keep_last or 3, "keep_best": validation}
+
+
 def _train(args: argparse.Namespace) -> int:
     trainer, data = _trainer_and_data(args)
     validation = None
     if args.validation_split is not None:
         data, validation = _split(data, args.validation_split)
     before = len(trainer.train_losses_), len(trainer.validation_losses_)  # a checkpoint's
+    steps = trainer.steps_
     trainer.fit(**data, epochs=args.epochs, batch_size=args.batch_size,
-                shuffle=not args.no_shuffle, random_state=args.random_state,
+                accumulation_steps=args.accumulation_steps, shuffle=not args.no_shuffle,
+                random_state=args.random_state,
                 validation_data=validation, progress=args.progress,
-                warm_start=args.resume is not None)
+                warm_start=args.resume is not None, max_steps=args.max_steps,
+                callbacks=_callbacks(args), **_checkpoint_options(args, validation is not None))
     train_losses, validation_losses = trainer.train_losses_, trainer.validation_losses_
-    print(f"trained {args.epochs}{' more' if args.resume else ''} epoch"
-          f"{'s' * (args.epochs != 1)} on {_rows(data['y'])} rows"
+    epochs = len(train_losses) - before[0]
+    print(f"trained {epochs}{' more' if args.resume else ''} epoch"
+          f"{'s' * (epochs != 1)}"
+          + (f" ({trainer.steps_ - steps} steps)" if args.max_steps is not None else "")
+          + f" on {_rows(data['y'])} rows"
           + (f" ({_rows(validation[1])} held out for validation)" if validation else "")
           + (f", {trainer.epochs_} in all with those of {args.resume}" if args.resume else ""))
     span = f" {before[0] + 1}-{len(train_losses)}" if args.resume else ""
@@ -112,6 +137,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.checkpoint:
         trainer.save_checkpoint(args.checkpoint)
         written.append(args.checkpoint)
+    latest = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    if latest is not None:
+        written.append(str(latest))
+    if args.log_csv:
+        written.append(args.log_csv)
     if history is not None:
         write_file(args.history, history.encode(), _is_history, overwrite=args.force)
         written.append(args.history)

@@ -73,6 +73,7 @@ from ..passes.gradient import Gradient
 from ..passes.plan import GraphSource, Plan, Planned, PlanRunner
 from ..passes.strip import InferenceMode
 from ..program import TrainingProgram
+from ..schedules import Schedule
 from ..speed import SumRowsByProduct, WidenScalarConstants
 from ..target import DEFAULT_TARGET, use_target
 from .ort_checkpoint import (
@@ -254,6 +255,19 @@ def ort_optimizer(optimizer: Optimizer) -> tuple[str, dict[str, Any]]:
     decay) is ``AdamWOptimizer`` in torch's mode (``adam_mode=0``: the decay first, the
     bias corrections applied to the moments). Other optimizers have no op in the format.
     """
+    if isinstance(optimizer.learning_rate, Schedule):
+        raise UnsupportedOptionError(
+            f"learning_rate={optimizer.learning_rate!r} cannot be exported to onnxruntime's "
+            "training artifacts: their checkpoint holds one initial learning rate, and their "
+            "runner sets each step's (onnxruntime.training.api.Optimizer.set_learning_rate, "
+            "or its LinearLRScheduler for a linear warmup and decay to 0). Export with the "
+            "schedule's rate as a number and set each step's rate to schedule(step) yourself.")
+    if isinstance(optimizer, AdamW) and not optimizer.same_for_every_weight:
+        raise UnsupportedOptionError(
+            f"AdamW(exclude_from_weight_decay={list(optimizer.exclude_from_weight_decay)!r}) "
+            "cannot be exported to onnxruntime's training artifacts: their optimizer graph is "
+            "one AdamWOptimizer op with one weight_decay for every weight. Export AdamW without "
+            "exclusions, or train with lossgraph.Trainer, which runs decay groups.")
     if isinstance(optimizer, SGD):
         if optimizer.learning_rate_schedule != "constant":
             raise UnsupportedOptionError(

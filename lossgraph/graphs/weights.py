@@ -47,9 +47,10 @@ def without_weight_data(model: onnx.ModelProto, min_bytes: int = _WEIGHT_MIN_BYT
     report; so is every tensor of a model of IR version 3, which must list its
     initializers as inputs. A held weight of a nested graph (a frozen weight in an epoch
     graph's Scan body) becomes an input of the main graph, which the nested graph reads
-    from its outer scope (names are unique across graphs). ``model`` itself is returned when nothing is set aside; it is
-    never changed. ``min_bytes``: the size from which a weight is set aside (a caller that
-    infers shapes many times sets aside smaller ones too).
+    from its outer scope (names are unique across graphs). ``model`` itself is returned
+    when nothing is set aside; it is never changed. ``min_bytes``: the size from which a
+    weight is set aside (a caller that infers shapes many times sets aside smaller ones
+    too).
     """
     graph = model.graph
     if model.ir_version < 4:

@@ -70,6 +70,9 @@ class PlanContext:
     penalty: Any = None
     #: the inference model has ZipMap outputs, which predict gives as the tensors they zip
     zipmaps: bool = False
+    #: the micro-batches of one update a fit takes by default (compile's
+    #: ``accumulation_steps``); above 1 the fused modes build the graphs that accumulate
+    accumulation_steps: int = 1
 
     @property
     def lift(self) -> WeightsToInputs:
@@ -140,10 +143,16 @@ class Assembled:
 
 
 class Stepper(Protocol):
-    """A mode's runtime step on an engine: one update on a batch, its loss returned and
-    the next state left in the engine's following buffer set."""
+    """A mode's runtime step on an engine: one update on a batch (or on several
+    micro-batches), its loss returned and the next state left in the engine's following
+    buffer set."""
 
     def step(self, batch: Mapping[str, np.ndarray], full: int | None) -> float: ...
+
+    def accumulate(self, batches: Sequence[Mapping[str, np.ndarray]], scales: np.ndarray,
+                   full: int | None) -> np.ndarray:
+        """One update from micro-batches whose gradients add up with the factors
+        ``scales``, buffers updated by each in turn: their losses."""
 
 
 class FuseMode(abc.ABC):
@@ -155,6 +164,9 @@ class FuseMode(abc.ABC):
     graphs: ClassVar[tuple[str, ...]]
     #: the graphs a program may lack (``penalty`` without a penalty)
     optional: ClassVar[tuple[str, ...]] = ()
+    #: the graphs a program compiled to accumulate gradients holds besides
+    #: (:mod:`lossgraph.passes.accumulate`; none where the stepper sums gradients itself)
+    accumulating: ClassVar[tuple[str, ...]] = ()
     #: whether it runs the full batches of an epoch as one graph
     runs_epochs: ClassVar[bool] = False
     #: whether its graphs output the weights' gradients (data-parallel training)

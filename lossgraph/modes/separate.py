@@ -31,7 +31,7 @@ with the update of every weight at once where the state lies packed
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +173,7 @@ class SeparateSteps:
         self.engine = engine
         self.program = program if program is not None else engine.program
         self._steps: dict[int | None, SeparateStep] = {}
+        self._sums: dict[str, np.ndarray] | None = None  # accumulated gradients
 
     def _of(self, rows: int, full: int | None) -> SeparateStep:
         size = rows if rows == full else None
@@ -186,6 +187,29 @@ class SeparateSteps:
 
     def step(self, batch: Mapping[str, np.ndarray], full: int | None) -> float:
         return self._of(len(next(iter(batch.values()))), full).run(batch)
+
+    def accumulate(self, batches: Sequence[Mapping[str, np.ndarray]], scales: np.ndarray,
+                   full: int | None) -> np.ndarray:
+        """One update from ``batches``, micro-batches whose gradients add up with the
+        factors ``scales`` (here, in arrays shaped like the weights): the gradient graph on
+        each, the penalty and the update once; their losses (the penalty included)."""
+        engine = self.engine
+        if self._sums is None:
+            self._sums = {w: np.empty_like(self.program.state[w]) for w in self.program.weights}
+        sums, losses = self._sums, np.empty(len(batches))
+        with engine.ring.chaining(self.program.buffers) as carry:
+            for index, (batch, scale) in enumerate(zip(batches, scales)):
+                losses[index], gradients = self.gradients(batch, full)
+                for weight, total in sums.items():
+                    gradient = gradients[weight]
+                    gradient = gradient if isinstance(gradient, np.ndarray) else gradient.numpy()
+                    if index == 0:
+                        np.multiply(gradient, scale, out=total)
+                    else:
+                        total += gradient * scale
+                carry()
+            penalty = self.update(sums)
+        return losses + penalty
 
     def gradients(self, batch: Mapping[str, np.ndarray], full: int | None
                   ) -> tuple[float, dict[str, Any]]:

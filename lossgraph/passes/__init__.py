@@ -30,6 +30,8 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 - :class:`Gradient`: gradients or vector-Jacobian products
 - :class:`PackWeights`, :class:`StepGraph`, :class:`EpochGraph`: fusion with the
   optimizer's update
+- :class:`SumGradients`, :class:`GroupGradients`: gradient accumulation, a running
+  sum of scaled micro-batch gradients, and a Scan of it over a group of micro-batches
 - :class:`StripTraining`: nothing of training left (loss, roles, BatchNormalization and
   Dropout in training mode), for the inference export; :class:`InferenceMode` the layers'
   part alone, for eval graphs
@@ -40,6 +42,7 @@ Each pass a user runs alone also has a function form, the model in and the model
 (:func:`add_loss_output`, :func:`gradient`, ...), importable from ``lossgraph`` itself.
 """
 
+from .accumulate import GroupGradients, SumGradients
 from .contract import Pass, PassResult, Pipeline, Reports, Requirement
 from .expand_functions import ExpandFunctions
 from .fixed_batch import GeneralizeBatch
@@ -59,10 +62,12 @@ from .weights import ConstantsToInitializers, WeightsToInputs
 from .zipmap import ZipMapToTensor
 
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers", "ConvertOpset",
-           "EpochGraph", "ExpandFunctions", "GeneralizeBatch", "Gradient", "InferenceMode",
+           "EpochGraph", "ExpandFunctions", "GeneralizeBatch", "Gradient", "GroupGradients",
+           "InferenceMode",
            "LowerMlOps", "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput",
            "Reports", "Requirement", "RunningStatistics", "SequencesToTensors",
            "StabilizeNumerics", "StepGraph", "StraightThroughQuantization", "StripTraining",
+           "SumGradients",
            "UntieWeights", "WeightsToInputs", "ZipMapToTensor", "add_loss_output",
            "alphabetize_initializers", "convert_opset", "gradient", "lower_ml_ops",
            "stabilize_numerics", "straight_through_quantization", "strip_training"]

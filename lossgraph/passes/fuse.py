@@ -38,6 +38,7 @@ are the per-weight ones either way; buffers are carried as they are, never packe
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,7 @@ from onnx import TensorProto, helper
 
 from ..builder import GraphBuilder
 from ..deprecation import renamed_keywords
+from ..errors import UnsupportedOptionError
 from ..graphs import names_in_graph, np_dtype, opset_version, rename_values, values_read
 from ..metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json
 from ..names import NameAuthority
@@ -117,6 +119,11 @@ class PackWeights(Pass[Signature]):
     requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
+        if not self.optimizer.same_for_every_weight:
+            raise UnsupportedOptionError(
+                f"PackWeights: {self.optimizer!r} updates some weights differently from others "
+                "(decay groups), so one update of the packed vector would be wrong: leave the "
+                "weights apart.")
         unpacked, names = name_update(model, Signature.of_gradient_model(model), self.optimizer)
         packed = _pack(model, unpacked, names)
         packed.record(model)
@@ -235,22 +242,18 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     outer = signature.unpacked or signature  # the epoch graph's inputs and outputs
     names = NameAuthority([*names_in_graph(step.graph), *outer.weights, *outer.state_names,
                            *outer.buffers, *outer.new.values(), outer.step])
-    body = onnx.GraphProto()
-    body.CopyFrom(step.graph)
-    # The body reads nothing from outside: give every body value its own name.
-    local = {v.name for v in (*body.input, *body.output, *body.value_info)}
-    local |= {t.name for t in body.initializer} | {o for n in body.node for o in n.output}
-    mapping = {name: names.fresh(f"{name}_in_step") for name in sorted(local) if name}
-    rename_values(body, mapping)
-    for node in body.node:
-        node.name = names.fresh(f"scan/{node.name or node.op_type}")
+    # The body reads nothing from outside: every body value gets its own name.
+    body, mapping = scan_body(step.graph, names, "step", "scan")
     inputs = {v.name: v for v in body.input}
     packable = [*signature.weights, *signature.state_names]
     carried = [*packable, *signature.buffers]  # buffers: never packed
     # the step counter is carried only where the update reads it (Adam)
     counts_steps = mapping[signature.step] in values_read(body)
     counted = [signature.step] if counts_steps else []
-    scanned = [*signature.data, signature.learning_rate]
+    # per update: a group's gradient scales (lossgraph.passes.accumulate), its learning rate
+    per_update = [*([signature.gradient_scale] if signature.gradient_scale else []),
+                  signature.learning_rate]
+    scanned = [*signature.data, *per_update]
     outputs = {v.name: v for v in body.output}
     new_body_inputs = [inputs[mapping[n]] for n in [*carried, *counted, *scanned]]
     new_body_outputs = [outputs[mapping[signature.new[n]]] for n in carried]
@@ -285,6 +288,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
             shape.append(b.Slice(b.Shape(name), b.ints([1]), b.ints([rank])))
         batched.append(b.Reshape(rows, b.Concat(*shape, axis=0), hint=f"{name}_batches"))
     losses = names.fresh("losses")
+    scales = names.fresh("gradient_scales") if signature.gradient_scale else None
     if signature.unpacked:
         flat = b.ints([-1], hint="flat")
         scan_in = [b.Concat(*(b.Reshape(m, flat) for m in signature.members(c)), axis=0,
@@ -295,9 +299,12 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     else:
         scan_in, scan_out = carried, [signature.new[n] for n in carried]
     steps_in, steps_out = ([outer.step], [names.fresh("step_final")]) if counts_steps else ([], [])
-    b.op("Scan", *scan_in, *steps_in, *batched, learning_rates,
-         outputs=[*scan_out, *steps_out, losses],
-         body=body, num_scan_inputs=len(batched) + 1)
+    grouped = names.fresh("losses_by_group") if scales else losses
+    b.op("Scan", *scan_in, *steps_in, *batched, *([scales] if scales else []), learning_rates,
+         outputs=[*scan_out, *steps_out, grouped],
+         body=body, num_scan_inputs=len(batched) + len(per_update))
+    if scales:  # a group's step gives the losses of its micro-batches: one vector of all
+        b.op("Reshape", grouped, b.ints([-1], hint="flat"), outputs=[losses])
     if signature.unpacked:
         shapes = [signature.shapes[w] for w in outer.weights]
         for packed, out in zip(packable, scan_out):
@@ -305,13 +312,17 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
 
     dtype_code = outer_types[outer.weights[0]].tensor_type.elem_type
     outer_carried = [*outer.weights, *outer.state_names, *outer.buffers]
-    new_inputs = [_all_rows(helper.make_value_info(n, outer_types[n])) for n in signature.data]
+    new_inputs = [all_rows(helper.make_value_info(n, outer_types[n])) for n in signature.data]
     if shuffle:
         new_inputs.append(helper.make_tensor_value_info(permutation, TensorProto.INT64, ["rows"]))
+    if scales:
+        new_inputs.append(helper.make_tensor_value_info(scales, dtype_code,
+                                                        ["batches", "micro_batches"]))
     new_inputs.append(helper.make_tensor_value_info(learning_rates, dtype_code, ["batches"]))
     new_inputs += [helper.make_value_info(n, outer_types[n])
                    for n in [outer.step, *outer_carried]]
-    outputs = [helper.make_tensor_value_info(losses, dtype_code, ["batches"])]
+    outputs = [helper.make_tensor_value_info(losses, dtype_code,
+                                             ["micro_batches" if scales else "batches"])]
     outputs += [helper.make_value_info(outer.new[n], outer_types[n]) for n in outer_carried]
     del graph.node[:]
     del graph.initializer[:]
@@ -324,10 +335,27 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     signature = copy.deepcopy(outer)
     signature.permutation, signature.learning_rates, signature.losses = (
         permutation, learning_rates, losses)
+    signature.gradient_scale = scales
     return signature
 
 
-def _all_rows(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+def scan_body(graph: onnx.GraphProto, names: NameAuthority, name: str, prefix: str,
+              outer: Collection[str] = ()) -> tuple[onnx.GraphProto, dict[str, str]]:
+    """A copy of ``graph`` to be a Scan's body: every value it defines, but the ``outer``
+    ones it reads from the enclosing graph, renamed ``<value>_in_<name>`` and every node
+    ``<prefix>/<node>``, fresh in ``names``; the renaming."""
+    body = onnx.GraphProto()
+    body.CopyFrom(graph)
+    local = {v.name for v in (*body.input, *body.output, *body.value_info)} - set(outer)
+    local |= {t.name for t in body.initializer} | {o for n in body.node for o in n.output}
+    mapping = {value: names.fresh(f"{value}_in_{name}") for value in sorted(local) if value}
+    rename_values(body, mapping)
+    for node in body.node:
+        node.name = names.fresh(f"{prefix}/{node.name or node.op_type}")
+    return body, mapping
+
+
+def all_rows(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     """A data input of the epoch graph: every row of the epoch, whose number a step graph
     of a fixed batch (a model exported with one, passes/fixed_batch.py) does not fix."""
     dims = value.type.tensor_type.shape.dim

@@ -48,11 +48,22 @@ other loss), so that the mean is the sum over the counted positions divided by t
 ignore_index=k)``. ``sum`` and ``none`` keep the per-row losses ``l_i``: torch's
 ``reduction="sum"`` over positions is ``d1 * ... * dk`` times lossgraph's.
 
+``multiclass_log_loss`` takes torch's ``label_smoothing=e`` and ``class_weight=c`` (one
+weight per class): a position scores ``(1 - e) c[y] (-log p[y]) + e / C sum_k c[k] (-log
+p[k])`` and counts ``c[y]`` (``f_i`` is the mean of row ``i``'s counts), so that the mean
+divides by the weights of the labels counted, ``CrossEntropyLoss(weight=c,
+label_smoothing=e, ignore_index=k)``; sample weights multiply the class weights
+(scikit-learn's rule). :func:`balanced_class_weight` gives scikit-learn's ``"balanced"``
+weights of training labels, computed before compiling so that the program holds numbers.
+``binary_log_loss`` and ``logistic`` take ``pos_weight=c``, the positive term multiplied by
+``c`` and the mean left plain, ``BCEWithLogitsLoss(pos_weight=c)``.
+
 The result's inputs are the original inputs, the label, then the weight; its
 outputs are the loss (a scalar of the prediction's float type), then the original
 outputs. The roles of these tensors are recorded in the metadata
-(:mod:`lossgraph.roles`); an ``ignore_index`` under ``lossgraph.loss`` (the Trainer
-accepts that label).
+(:mod:`lossgraph.roles`); an ``ignore_index`` and a ``class_weight`` under
+``lossgraph.loss`` (:func:`read_loss_record`: the Trainer accepts that label, and weighs
+batch means by those weights).
 """
 
 from __future__ import annotations
@@ -66,12 +77,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..builder import GraphBuilder
 from ..deprecation import warn_renamed
 from ..errors import (
     DTypeMismatchError,
+    InvalidDataError,
+    InvalidProgramError,
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedModelError,
@@ -86,7 +99,7 @@ from ..graphs import (
     outer_references,
     subgraphs,
 )
-from ..metadata import LOSS_KEY, ROLES_KEY, remove_record, write_json
+from ..metadata import LOSS_KEY, ROLES_KEY, read_json, remove_record, write_json
 from ..models import ModelLike
 from ..names import NameAuthority
 from ..options import flag, non_negative
@@ -99,7 +112,8 @@ from .gradient import Gradient
 
 __all__ = ["AddLossOutput", "RemoveLossOutput", "add_loss_output", "SCORES", "resolve_score",
            "OUTPUT_OPTIONS", "REDUCTIONS", "loss_graph", "program_loss_graph", "AUTO",
-           "LossChoice", "choose_loss", "canonical_loss"]
+           "LossChoice", "choose_loss", "canonical_loss", "balanced_class_weight",
+           "position_weights", "read_loss_record"]
 
 
 @dataclass(frozen=True)
@@ -199,7 +213,10 @@ def _binary_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str
                 b.const(1 - eps, p.dtype, "one_minus_eps"))
     y = b.Cast(label, to=p.elem_type)
     one = b.const(1, p.dtype, "one")
-    log_likelihood = b.Add(b.Mul(y, b.Log(p1)), b.Mul(b.Sub(one, y), b.Log(b.Sub(one, p1))))
+    positive = y if o["pos_weight"] is None else b.Mul(
+        y, b.const(o["pos_weight"], p.dtype, "pos_weight"))
+    log_likelihood = b.Add(b.Mul(positive, b.Log(p1)),
+                           b.Mul(b.Sub(one, y), b.Log(b.Sub(one, p1))))
     return b.Neg(log_likelihood, hint="log_loss")
 
 
@@ -224,7 +241,14 @@ def _logistic(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any])
     a = b.Abs(s)
     half = b.const(0.5, p.dtype, "half")
     softplus = b.Add(b.Add(b.Mul(s, half), b.Mul(a, half)), b.Log(b.Add(one, b.Exp(b.Neg(a)))))
-    return b.Sub(softplus, b.Mul(y, s), hint="logistic_loss")
+    if o["pos_weight"] is None:
+        return b.Sub(softplus, b.Mul(y, s), hint="logistic_loss")
+    # torch's pos_weight c: c y softplus(-s) + (1 - y) softplus(s)
+    #                     = (1 + (c - 1) y) softplus(s) - c y s    (softplus(-s) = softplus(s) - s)
+    c = o["pos_weight"]
+    scale = b.Add(one, b.Mul(y, b.const(c - 1, p.dtype, "pos_weight_minus_one")))
+    return b.Sub(b.Mul(scale, softplus), b.Mul(b.Mul(y, b.const(c, p.dtype, "pos_weight")), s),
+                 hint="logistic_loss")
 
 
 def _multiclass_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping[str, Any]) -> str:
@@ -245,8 +269,43 @@ def _multiclass_log_loss(b: GraphBuilder, p: _Prediction, label: str, o: Mapping
         clipped = b.Clip(p.name, b.const(eps, p.dtype, "eps"),
                          b.const(1 - eps, p.dtype, "one_minus_eps"))
         log_p = b.Log(clipped)
-    picked = b.GatherElements(log_p, b.unsqueeze(label, [classes]), axis=classes)
-    return b.Neg(b.squeeze(picked, [classes]), hint="multiclass_log_loss")
+    picked = b.squeeze(b.GatherElements(log_p, b.unsqueeze(label, [classes]), axis=classes),
+                       [classes])
+    weights, smoothing = o["class_weight"], o["label_smoothing"]
+    if weights is not None:
+        count = p.dims[-1].dim_value
+        if count and count != len(weights):
+            raise UnsupportedOptionError(
+                f"class_weight has {len(weights)} weights but output {p.name!r} has {count} "
+                f"classes ({_shape_text(p.dims)}): give one weight per class.")
+        picked = b.Mul(picked, _label_weight(b, label, weights, p.dtype))
+    if not smoothing:
+        return b.Neg(picked, hint="multiclass_log_loss")
+    # torch's label smoothing e: (1 - e) w[y] (-log p[y]) + e / C sum_c w[c] (-log p[c])
+    every = (b.reduce("ReduceSum", log_p, [classes], keepdims=0) if weights is None else
+             b.MatMul(log_p, _class_weight(b, weights, p.dtype)))
+    count = p.dims[-1].dim_value or len(weights or ())
+    if count:
+        spread = b.Mul(every, b.const(smoothing / count, p.dtype, "label_smoothing_share"))
+    else:  # the number of classes known at run time only
+        count_value = b.squeeze(b.Cast(b.dims(log_p, classes, classes + 1), to=p.elem_type), [0])
+        spread = b.Div(b.Mul(every, b.const(smoothing, p.dtype, "label_smoothing")), count_value)
+    kept = b.Mul(picked, b.const(1 - smoothing, p.dtype, "one_minus_label_smoothing"))
+    return b.Neg(b.Add(kept, spread), hint="multiclass_log_loss")
+
+
+def _class_weight(b: GraphBuilder, weights: list[float], dtype: np.dtype) -> str:
+    """The class weights as a ``Constant`` node, not an initializer: a float initializer
+    that reaches the loss would be taken for a weight to train."""
+    return b.memo(("class_weight",), lambda: b.Constant(
+        value=numpy_helper.from_array(np.asarray(weights, dtype)), hint="class_weight"))
+
+
+def _label_weight(b: GraphBuilder, label: str, weights: list[float], dtype: np.dtype) -> str:
+    """``class_weight[label]`` at each position (emitted once, for the score and the mean's
+    divisor)."""
+    return b.memo(("label_weight", label), lambda: b.Gather(
+        _class_weight(b, weights, dtype), label, axis=0, hint="label_weight"))
 
 
 SCORES: dict[str, Score] = {
@@ -255,10 +314,11 @@ SCORES: dict[str, Score] = {
     "absolute_error": Score(_absolute, False, {}, True),
     "elastic": Score(_elastic, False, {"l1_weight": 0.5, "l2_weight": 0.5}, True),
     "huber": Score(_huber, False, {"delta": 1.0}, True),
-    "binary_log_loss": Score(_binary_log_loss, True, {"eps": None}, False),
-    "logistic": Score(_logistic, True, {}, False),
+    "binary_log_loss": Score(_binary_log_loss, True, {"eps": None, "pos_weight": None}, False),
+    "logistic": Score(_logistic, True, {"pos_weight": None}, False),
     "multiclass_log_loss": Score(_multiclass_log_loss, True,
-                                 {"eps": None, "from_logits": False, "ignore_index": None},
+                                 {"eps": None, "from_logits": False, "ignore_index": None,
+                                  "label_smoothing": 0.0, "class_weight": None},
                                  False, per_position=True),
 }
 #: The loss that fits what the output holds (:func:`choose_loss`).
@@ -266,7 +326,7 @@ AUTO = "auto"
 _ALIASES = {"l2": "squared_error", "l1": "absolute_error"}
 #: Score names of the previous release (deprecated).
 _RENAMED = {"log": "binary_log_loss", "cross_entropy": "multiclass_log_loss"}
-_NON_NEGATIVE_OPTIONS = ("l1_weight", "l2_weight", "delta", "eps")
+_NON_NEGATIVE_OPTIONS = ("l1_weight", "l2_weight", "delta", "eps", "pos_weight")
 _BOOL_OPTIONS = ("from_logits",)
 _INT64 = np.iinfo(np.int64)
 #: How the per-row losses become the loss output.
@@ -318,6 +378,10 @@ def resolve_score(score_name: str, options: Mapping[str, Any],
     if resolved.get("ignore_index") is not None:
         resolved["ignore_index"] = _label_value("Option ignore_index", resolved["ignore_index"],
                                                 where)
+    if "label_smoothing" in resolved:
+        resolved["label_smoothing"] = _smoothing(resolved["label_smoothing"], where)
+    if resolved.get("class_weight") is not None:
+        resolved["class_weight"] = _class_weights(resolved["class_weight"], where)
     if canonical == "huber" and resolved["delta"] == 0:
         raise UnsupportedOptionError(f"Option delta of {option}='huber' must be > 0.")
     if resolved.get("eps") is not None and not resolved["eps"] < 0.5:
@@ -384,6 +448,76 @@ def _label_value(what: str, value: Any, where: str) -> int:
             f"{what}={reprlib.repr(value)}{where} must be an int64 label value, e.g. -100 "
             "(torch's ignore_index), or None.")
     return int(value)
+
+
+def _smoothing(value: Any, where: str) -> float:
+    """``label_smoothing``: a number in [0, 1) (1 would leave no trace of the label)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+            or not 0 <= value < 1:
+        raise UnsupportedOptionError(
+            f"Option label_smoothing={reprlib.repr(value)}{where} must be a number in [0, 1), "
+            "e.g. 0.1 (torch's CrossEntropyLoss(label_smoothing=0.1)); 0 smooths nothing.")
+    return float(value)
+
+
+def _class_weights(value: Any, where: str) -> list[float]:
+    """``class_weight``: one finite weight >= 0 per class, not all zero, as a list (JSON, for
+    the metadata record)."""
+    if isinstance(value, str) and value == "balanced":
+        raise UnsupportedOptionError(
+            f"Option class_weight='balanced'{where} needs the training labels, which compile "
+            "does not see: pass class_weight=lossgraph.balanced_class_weight(y_train) "
+            "(scikit-learn's n_samples / (n_classes * bincount(y)), computed now and kept in "
+            "the program).")
+    array = None
+    if not isinstance(value, (str, bytes, Mapping)):
+        try:
+            array = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            array = None
+    if array is None or array.ndim != 1 or len(array) < 2 or not np.isfinite(array).all() \
+            or (array < 0).any() or not array.any():
+        raise UnsupportedOptionError(
+            f"Option class_weight={reprlib.repr(value)}{where} must be a list of one weight per "
+            "class, each a finite number >= 0 and not all zero (torch's CrossEntropyLoss "
+            "weight=), e.g. [1.0, 2.5, 0.5], or lossgraph.balanced_class_weight(y_train).")
+    return [float(w) for w in array]
+
+
+def balanced_class_weight(y: Any, classes: int | None = None,
+                          ignore_index: int | None = None) -> list[float]:
+    """scikit-learn's ``class_weight="balanced"`` of the class labels ``y``:
+    ``n_samples / (n_classes * bincount(y))``, for
+    ``loss_options={"class_weight": balanced_class_weight(y_train)}``.
+
+    ``classes`` is the model's number of classes (default: the largest label + 1); every
+    class must occur in ``y``, as scikit-learn requires. Labels equal to ``ignore_index``
+    (token labels, torch's ``-100``) are not counted.
+    """
+    labels = np.asarray(y)
+    if labels.dtype.kind not in "iu" or labels.size == 0:
+        raise InvalidDataError(
+            f"balanced_class_weight needs integer class labels, not an array of "
+            f"{labels.size} {labels.dtype} values: encode labels as class indices first (e.g. "
+            "sklearn.preprocessing.LabelEncoder).")
+    labels = labels.reshape(-1)
+    if ignore_index is not None:
+        labels = labels[labels != ignore_index]
+    if labels.size == 0 or labels.min() < 0:
+        problem = "no label" if labels.size == 0 else f"the label {int(labels.min())}"
+        raise InvalidDataError(
+            f"balanced_class_weight: y holds {problem} to count; labels must be class indices "
+            "0, 1, ... (pass ignore_index= for a label the loss ignores).")
+    count = int(labels.max()) + 1 if classes is None else classes
+    counts = np.bincount(labels, minlength=count)
+    missing = np.flatnonzero(counts == 0)
+    if len(counts) > count or missing.size:
+        problem = (f"the label {int(labels.max())}, beyond the {count} classes"
+                   if len(counts) > count else f"no label of class {int(missing[0])}")
+        raise InvalidDataError(
+            f"balanced_class_weight: y holds {problem}; every class must occur, as scikit-learn "
+            "requires. Pass classes= (the model's number of classes), or weights of your own.")
+    return [float(w) for w in labels.size / (count * counts)]
 
 
 def _select_output(graph: onnx.GraphProto, output_index: int | str | None) -> onnx.ValueInfoProto:
@@ -508,7 +642,8 @@ def add_loss_output(
             penalty).
         score_name: onnxcustom's name of ``loss`` (either may be given, not both).
         **options: options of the loss function (``l1_weight``, ``l2_weight``, ``delta``,
-            ``eps``, ``from_logits``, ``ignore_index``).
+            ``eps``, ``from_logits``, ``ignore_index``, ``label_smoothing``,
+            ``class_weight``, ``pos_weight``).
     """
     if loss is None:
         warn_renamed("add_loss_output(loss=None)", "loss='squared_error' (None means a model "
@@ -583,12 +718,17 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
     per_item = score.build(b, prediction, scored_label, options)
     if counted is not None:
         per_item = b.Mul(per_item, counted, hint="counted_loss")
+    share = counted  # a position's share of the mean (None: 1 each)
+    class_weight = options.get("class_weight")
+    if class_weight is not None:  # torch divides by the weights of the labels counted
+        label_weight = _label_weight(b, scored_label, class_weight, prediction.dtype)
+        share = label_weight if counted is None else b.Mul(counted, label_weight, hint="share")
     if weight is None and reduction == "mean":  # one reduction over rows and positions
-        if counted is None:
+        if share is None:
             total = b.reduce("ReduceMean", per_item, keepdims=0)
         else:
             total = b.Div(b.reduce("ReduceSum", per_item, keepdims=0),
-                          b.reduce("ReduceSum", counted, keepdims=0))
+                          b.reduce("ReduceSum", share, keepdims=0))
     else:
         per_row = _row_mean(b, per_item, positions, "row_loss")
         if reduction == "none":
@@ -598,9 +738,9 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
         else:
             total = b.reduce("ReduceSum", b.Mul(per_row, weight), keepdims=0)
             if reduction == "mean":
-                share = weight if counted is None else b.Mul(
-                    weight, _row_mean(b, counted, positions, "row_share"))  # w_i f_i
-                total = b.Div(total, b.reduce("ReduceSum", share, keepdims=0))
+                row_share = weight if share is None else b.Mul(
+                    weight, _row_mean(b, share, positions, "row_share"))  # w_i f_i
+                total = b.Div(total, b.reduce("ReduceSum", row_share, keepdims=0))
     for term in _penalty_terms(b, graph, penalties, prediction):
         total = b.Add(total, term)
     b.rename(total, loss)
@@ -630,9 +770,44 @@ def _add_loss(model: onnx.ModelProto, score_name: str, loss_name: str | None,
     if weight is not None:
         roles["sample_weight"] = weight
     set_roles(model, roles)
-    if ignored is not None:
-        write_json(model, LOSS_KEY, {"ignore_index": ignored})
+    record = {key: options[key] for key in ("ignore_index", "class_weight")
+              if options.get(key) is not None}
+    if record:
+        write_json(model, LOSS_KEY, record)
     return roles
+
+
+def read_loss_record(model: onnx.ModelProto) -> dict[str, Any]:
+    """What the Trainer must know of a loss model's labels, as :class:`AddLossOutput`
+    recorded it: ``ignore_index`` (the label value the loss ignores) and ``class_weight``
+    (one weight per class), each None when the loss has none."""
+    record = read_json(model, LOSS_KEY)
+    if record is None:
+        return {"ignore_index": None, "class_weight": None}
+    ignored = record.get("ignore_index") if isinstance(record, dict) else None
+    weights = record.get("class_weight") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or isinstance(ignored, bool) or not isinstance(
+            ignored, (int, type(None))) or not (weights is None or (
+                isinstance(weights, list) and all(isinstance(w, (int, float))
+                                                  and not isinstance(w, bool) for w in weights))):
+        raise InvalidProgramError(
+            f"The model's metadata {LOSS_KEY!r} must be a JSON object such as "
+            f'{{"ignore_index": -100, "class_weight": [1.0, 2.0]}}, not {record!r}: compile '
+            "the model again.")
+    return {"ignore_index": ignored, "class_weight": weights}
+
+
+def position_weights(labels: np.ndarray, ignore_index: int | None,
+                     class_weight: list[float] | None) -> np.ndarray | None:
+    """Each label position's share of the mean loss, as the loss graph weighs it: 0 where
+    the label is ``ignore_index``, else its class's weight (1 without ``class_weight``);
+    None when every position counts 1. For batch means combined over several runs."""
+    if ignore_index is None and class_weight is None:
+        return None
+    kept = labels != ignore_index if ignore_index is not None else np.ones(labels.shape, bool)
+    if class_weight is None:
+        return kept.astype(np.float64)
+    return np.where(kept, np.asarray(class_weight)[np.where(kept, labels, 0)], 0.0)
 
 
 def _row_mean(b: GraphBuilder, values: str, positions: list[int], hint: str) -> str:
@@ -725,19 +900,21 @@ def program_loss_graph(prediction: onnx.ValueInfoProto, label: str, loss: str,
     label is named ``label``. ``reduction`` replaces the options' reduction: the
     data-parallel step (:mod:`lossgraph.parallel`) needs the gradient of the loss summed
     over the rows where the program's loss is their mean, which it divides by the rows'
-    total weight. A mean over the positions an ``ignore_index`` leaves is not that (its
-    divisor counts positions): an UnsupportedOptionError."""
+    total weight. A mean over the positions an ``ignore_index`` leaves, or weighted by a
+    ``class_weight``, is not that (its divisor counts positions, or sums their classes'
+    weights): an UnsupportedOptionError."""
     own = {k: v for k, v in options.items() if k not in ("output_index", "label_name")}
     output_options = {k: own.pop(k) for k in ("loss_name", "weight_name", "reduction")
                       if k in own}
     if reduction is not None:
-        if (own.get("ignore_index") is not None and reduction == "sum"
-                and output_options.get("reduction", "mean") == "mean"):
+        divisor = [f"{key}={own[key]!r}" for key in ("ignore_index", "class_weight")
+                   if own.get(key) is not None]
+        if divisor and reduction == "sum" and output_options.get("reduction", "mean") == "mean":
             raise UnsupportedOptionError(
-                f"loss={loss!r} with ignore_index={own['ignore_index']!r} and reduction='mean' "
-                "averages over the positions whose label is not ignored, counted over the "
-                "whole batch; the data-parallel step divides summed gradients by the rows' "
-                "total weight, so it would not compute that mean. Train in one process "
+                f"loss={loss!r} with {' and '.join(divisor)} and reduction='mean' divides by "
+                "the labels that count (their number, or the sum of their classes' weights) "
+                "over the whole batch; the data-parallel step divides summed gradients by the "
+                "rows' total weight, so it would not compute that mean. Train in one process "
                 "(lossgraph.Trainer), or compile with loss_options reduction='sum' (the "
                 "learning rate then scales with the batch).")
         output_options["reduction"] = reduction

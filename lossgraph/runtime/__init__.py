@@ -3,7 +3,10 @@ the Trainer built on it.
 
 - :class:`~lossgraph.runtime.engine.Engine`: a program's graphs over one live state
   (sessions, buffers, the rate and step scalars; prepare, step, apply, evaluate);
-- :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style.
+- :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style;
+- :class:`~lossgraph.runtime.callbacks.Callback` and the loggers (``CSVLogger``,
+  ``TensorBoard``) it calls; :func:`~lossgraph.runtime.checkpoints.latest_checkpoint` of
+  the checkpoints it rotates.
 
 The names are loaded on first use: the fusion modes (:mod:`lossgraph.modes`), which the
 engine runs, build on this package's lower modules (the ring, sessions, the separate step).
@@ -15,9 +18,13 @@ from ..lazy import lazy_names
 
 #: Public name -> the module of this package that defines it.
 _HOMES = {
+    "CSVLogger": ".callbacks",
+    "Callback": ".callbacks",
     "Engine": ".engine",
+    "TensorBoard": ".callbacks",
     "Trainer": ".trainer",
     "create_session": ".session",
+    "latest_checkpoint": "..paths",
     "training_build_available": ".session",
 }
 

@@ -3,6 +3,7 @@
     engine = Engine(program)                      # sessions made on first use
     data = engine.prepare(X, y)                   # checked input arrays by name
     loss = engine.step(batch, step=t, rate=lr)    # one update; its result pending
+    losses = engine.accumulate([b1, b2], step=t, rate=lr)   # one update of micro-batches
     engine.apply(1, "epoch 0, batch 3")           # the pending state becomes the live one
     engine.evaluate(data), engine.predict(data)
 
@@ -14,7 +15,7 @@ its fusion mode's (:mod:`lossgraph.modes`). The training loop, schedules, counte
 callbacks and checkpoints are its callers': :class:`~lossgraph.runtime.trainer.Trainer`,
 the data-parallel :class:`~lossgraph.parallel.Replica`.
 
-Contract: :meth:`step` (and :meth:`epoch`, :meth:`update`) read the live state and write
+Contract: :meth:`step` (and :meth:`accumulate`, :meth:`epoch`) read the live state and write
 the next one into the following buffer set, never the live one; :meth:`apply` makes it
 live and keeps the state it replaced, which :meth:`step_back` returns to once (a loss is
 that of the state a step reads, so after a non-finite loss the state before the last
@@ -35,15 +36,15 @@ import onnx
 from ..data import CheckedArrays, as_array, check_values
 from ..errors import (
     InvalidDataError,
-    InvalidProgramError,
     ShapeMismatchError,
     UnknownNameError,
     UnsupportedOptionError,
     suggest,
 )
-from ..metadata import LOSS_KEY, read_json
 from ..modes import fuse_mode
+from ..options import count
 from ..passes.fixed_batch import rows
+from ..passes.loss import position_weights, read_loss_record
 from ..program import TrainingProgram
 from ..speed import SpecializeBatch
 from .packed import PackedUpdate
@@ -77,10 +78,14 @@ class Engine:
         #: the label and sample-weight inputs' names (None: no sample weights)
         self.label: str = roles["label"]
         self.sample_weight: str | None = roles.get("sample_weight")
-        #: how many classes integer labels index (None: not static, or no class labels)
-        self.classes = _class_count(manifest)
+        record = read_loss_record(program.graphs["evaluate"])
         #: the label value the loss ignores (its ignore_index), or None
-        self.ignored_label = _ignored_label(program)
+        self.ignored_label: int | None = record["ignore_index"]
+        #: the loss's weight of each class (its class_weight), or None
+        self.class_weight: list[float] | None = record["class_weight"]
+        #: how many classes integer labels index (None: not static, or no class labels)
+        self.classes = _class_count(manifest) or (
+            len(self.class_weight) if self.class_weight else None)
         batch = manifest.get("batch")
         #: the rows every run takes, for a model exported with a fixed batch that compile
         #: kept (None: any number of rows)
@@ -172,23 +177,28 @@ class Engine:
         return create_session(model, self.providers, self.session_options, graph)
 
     def runner(self, graph: str | PackedUpdate, batch: int | None = None,
-               bound: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
+               bound: Mapping[str, np.ndarray] | None = None,
+               bound_outputs: Mapping[str, np.ndarray] | None = None) -> GraphRunner:
         """The runner of ``graph`` (or of the packed update) over the state ring
         (specialized to ``batch``), with the learning rate, the step and the arrays
-        ``bound`` (by input name) bound once."""
+        ``bound`` (by input name) bound once, and its outputs ``bound_outputs`` written
+        into the arrays given (one runner per set of arrays)."""
         if isinstance(graph, PackedUpdate):
             return self._packed_runner(graph, bound or {})
-        key = (graph, batch, tuple(bound or ()))
+        arrays = {**(bound or {}), **(bound_outputs or {})}
+        key = (graph, batch, tuple((name, id(array)) for name, array in arrays.items()))
         if key not in self._runners:
             entry = self.program.manifest["graphs"][graph]
             inputs: dict[str, str | Block] = {v["name"]: v["name"] for v in entry["inputs"]
                                               if v["role"] in ("weight", "state", "buffer")}
-            outputs: dict[str, str | Block] = {self._new[name]: name for name in inputs.values()}
+            produced = {v["name"] for v in entry["outputs"]}
+            outputs: dict[str, str | Block] = {self._new[name]: name for name in inputs.values()
+                                               if self._new[name] in produced}
             roles = {v["role"]: v["name"] for v in (*entry["inputs"], *entry["outputs"])}
-            fixed_in = {roles["step"]: self._step, **(bound or {})}
-            fixed_out = {}
-            if "learning_rate" in roles:
-                fixed_in[roles["learning_rate"]] = self._rate
+            scalars = {"step": self._step, "learning_rate": self._rate}  # where it reads them
+            fixed_in = {roles[role]: value for role, value in scalars.items() if role in roles}
+            fixed_in.update(bound or {})
+            fixed_out = dict(bound_outputs or {})
             if "loss" in roles:
                 fixed_out[roles["loss"]] = self._loss
             self._runners[key] = GraphRunner(self.session(graph, batch), self.ring, inputs,
@@ -288,14 +298,19 @@ class Engine:
                 "the rows (shuffle=True), use larger batches, or drop rows of weight zero. The "
                 f"weights are those before {restored}.")
         labels = data.get(self.label)
-        if self.ignored_label is not None and labels is not None:
-            counted = (labels != self.ignored_label).reshape(len(labels), -1).sum(axis=1)
+        shares = None if labels is None else position_weights(labels, self.ignored_label,
+                                                              self.class_weight)
+        if shares is not None:
+            counted = shares.reshape(len(labels), -1).sum(axis=1)
             if not np.any(counted * data.get(self.sample_weight, 1)):
+                why = " or ".join(
+                    [*([f"{self.ignored_label} (the loss's ignore_index)"]
+                       if self.ignored_label is not None else []),
+                     *(["of a class of weight zero"] if self.class_weight else [])])
                 return InvalidDataError(
-                    f"No label of {where} counts: each is {self.ignored_label} (the loss's "
-                    "ignore_index) or in a row of weight zero, so its mean loss is 0/0. Shuffle "
-                    "the rows (shuffle=True), use larger batches, or drop such rows. The "
-                    f"weights are those before {restored}.")
+                    f"No label of {where} counts: each is {why} or in a row of weight zero, so "
+                    "its mean loss is 0/0. Shuffle the rows (shuffle=True), use larger "
+                    f"batches, or drop such rows. The weights are those before {restored}.")
         return None
 
     # -- training ----------------------------------------------------------------------
@@ -325,10 +340,13 @@ class Engine:
         return self._stepper.step(batch, full)
 
     def epoch(self, data: Mapping[str, np.ndarray], order: np.ndarray | None, batches: int,
-              batch_size: int, *, first_step: int, rates: np.ndarray) -> np.ndarray:
+              batch_size: int, *, first_step: int, rates: np.ndarray,
+              accumulation_steps: int = 1) -> np.ndarray:
         """``batches`` updates on the full batches of ``data`` in one run (where
         :attr:`runs_epochs`), the first of update number ``first_step``, one learning rate
-        each: their losses; the next state is pending."""
+        each: their losses; the next state is pending. With ``accumulation_steps=k``, the
+        ``batches`` full batches are micro-batches, every ``k`` one update (as
+        :meth:`accumulate`), and ``rates`` has one rate per update."""
         if not self.runs_epochs:
             raise UnsupportedOptionError(
                 f"A fuse={self.program.fuse!r} program runs no epoch graph: compile with "
@@ -336,7 +354,13 @@ class Engine:
         if self.fixed_batch is not None and batch_size != self.fixed_batch:
             self.check_batch({"": np.empty(batch_size)}, "Each batch of the epoch")
         self._step[()] = first_step
-        return self._stepper.epoch(data, order, batches, batch_size, rates)
+        if self.accumulation_steps(accumulation_steps) == 1:
+            return self._stepper.epoch(data, order, batches, batch_size, rates)
+        used = slice(0, batches * batch_size)
+        shares = self._row_shares(data)[used if order is None else order[used]]
+        scales = self.gradient_scales(
+            shares.reshape(-1, accumulation_steps, batch_size).sum(axis=-1))
+        return self._stepper.epoch(data, order, batches, batch_size, rates, scales)
 
     def apply(self, steps: int, where: str) -> None:
         """Make the pending state live: a run of ``steps`` updates, ``where`` (for
@@ -390,16 +414,68 @@ class Engine:
 
     def _share(self, batch: Mapping[str, np.ndarray]) -> float:
         """The denominator of a batch's mean loss, by which batch losses average into the
-        loss of all their rows: the sample weights (or rows), times the fraction of each
-        row's labels that count (its ignore_index)."""
-        rows = _rows(batch)
-        weights = batch[self.sample_weight] if self.sample_weight else np.ones(rows)
-        if self.ignored_label is None:
-            return float(np.sum(weights))
-        counted = (batch[self.label] != self.ignored_label).reshape(rows, -1)
+        loss of all their rows: the sample weights (or rows), times each row's mean share
+        of its labels (0 for an ignore_index, the class's weight for a class_weight)."""
+        return float(np.sum(self._row_shares(batch)))
+
+    def _row_shares(self, data: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Each row's part of :meth:`_share`: its sample weight (or 1), times its labels'
+        mean share; without sample weights, the sum of its labels' shares."""
+        rows = _rows(data)
+        weights = data[self.sample_weight] if self.sample_weight else np.ones(rows)
+        shares = position_weights(data[self.label], self.ignored_label, self.class_weight)
+        if shares is None:
+            return weights
+        shares = shares.reshape(rows, -1)
         if self.sample_weight is None:
-            return float(counted.sum())
-        return float(np.dot(weights, counted.mean(axis=1)))
+            return shares.sum(axis=1)
+        return weights * shares.mean(axis=1)
+
+    # -- accumulation ------------------------------------------------------------------
+    def accumulation_steps(self, steps: int | None) -> int:
+        """The micro-batches of one update a fit with ``accumulation_steps=steps`` takes:
+        ``steps``, by default the program's (1 where it was compiled without); more than
+        1 needs a program compiled to accumulate (an error saying how, otherwise)."""
+        record = self.program.manifest.get("accumulation")
+        if steps is None:
+            return record["steps"] if record else 1
+        steps = count("accumulation_steps", steps, 1)
+        if steps > 1 and record is None:
+            raise UnsupportedOptionError(
+                f"accumulation_steps={steps}, but the program was compiled without gradient "
+                "accumulation: compile it with accumulation_steps (any value above 1: "
+                f"compile_program(..., accumulation_steps={steps}), or lossgraph compile "
+                f"--accumulation-steps {steps}); it then builds the graphs that accumulate and "
+                "records how the loss reduces rows.")
+        return steps
+
+    def gradient_scales(self, shares: np.ndarray) -> np.ndarray:
+        """The factor of each micro-batch's gradient in its update's (the last axis of
+        ``shares``, the micro-batches' :meth:`_share`): its share of the update's rows for
+        a mean loss, so that the sum is the gradient of the mean over all of them; 1 for a
+        summed loss. An update whose rows all weigh nothing gets zeros (its losses are
+        0/0 already)."""
+        if self.program.manifest["accumulation"]["loss_reduction"] == "sum":
+            return np.ones_like(shares, dtype=self.dtype)
+        total = shares.sum(axis=-1, keepdims=True)
+        scales = np.divide(shares, total, out=np.zeros(shares.shape), where=total > 0)
+        return scales.astype(self.dtype)
+
+    def accumulate(self, batches: Sequence[Mapping[str, np.ndarray]], *, step: int,
+                   rate: float, full: int | None = None) -> np.ndarray:
+        """One update from the micro-batches ``batches`` (checked arrays by input name) as
+        update number ``step`` with learning rate ``rate``: the gradient of the loss over
+        all their rows, as one batch of them gives (:meth:`gradient_scales`); buffers
+        updated by each micro-batch in turn. The loss of each at the live state; the next
+        state is pending (:meth:`apply`). One micro-batch is a :meth:`step`."""
+        self.accumulation_steps(len(batches))  # a program compiled to accumulate, or an error
+        for index, batch in enumerate(batches):
+            self.check_batch(batch, f"Micro-batch {index}")
+        if len(batches) == 1:
+            return np.array([self.step(batches[0], step=step, rate=rate, full=full)])
+        scales = self.gradient_scales(np.array([self._share(batch) for batch in batches]))
+        self.set_scalars(step, rate)
+        return self._stepper.accumulate(batches, scales, full)
 
     # -- evaluation --------------------------------------------------------------------
     def evaluate(self, data: Mapping[str, np.ndarray]) -> float:
@@ -465,18 +541,3 @@ def _class_count(manifest: Mapping[str, Any]) -> int | None:
     elif len(shape) == 1 or shape[1] == 1:
         return 2
     return shape[-1] if isinstance(shape[-1], int) else None
-
-
-def _ignored_label(program: TrainingProgram) -> int | None:
-    """The label value the loss ignores (its ``ignore_index``), recorded by add_loss_output
-    in the loss model and so in the evaluate graph; None when it has none."""
-    record = read_json(program.graphs["evaluate"], LOSS_KEY)
-    if record is None:
-        return None
-    ignored = record.get("ignore_index") if isinstance(record, dict) else None
-    if not isinstance(record, dict) or isinstance(ignored, bool) or not isinstance(
-            ignored, (int, type(None))):
-        raise InvalidProgramError(
-            f"The evaluate graph's metadata {LOSS_KEY!r} must be a JSON object such as "
-            f'{{"ignore_index": -100}}, not {record!r}: compile the model again.')
-    return ignored

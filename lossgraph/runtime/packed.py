@@ -53,10 +53,11 @@ def packed_update(update: onnx.ModelProto, optimizer: Optimizer,
     ``compile_program`` builds it (:func:`update_graph`, then WidenScalarConstants).
 
     None where ``update`` is not the graph :func:`update_graph` builds (a hand-edited
-    program: only its own graph may run) or the weights are not of one float type.
+    program: only its own graph may run), the weights are not of one float type, or the
+    optimizer updates some weights differently (decay groups).
     """
     dtypes = {np.asarray(value).dtype for value in weights.values()}
-    if len(dtypes) != 1:
+    if len(dtypes) != 1 or not optimizer.same_for_every_weight:
         return None
     built = build_update(optimizer, weights)
     if WidenScalarConstants()(built.model).model.graph.SerializeToString() != \

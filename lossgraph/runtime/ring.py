@@ -21,7 +21,8 @@ Every OrtValue here aliases a numpy array that this module keeps alive.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,30 @@ class StateRing:
         self.current = (self.current - 1) % self.SETS
         self._kept = False
         return True
+
+    @contextmanager
+    def chaining(self, names: Sequence[str]) -> Iterator[Callable[[], None]]:
+        """State tensors ``names`` (buffers: running statistics) updated by every run of a
+        group while the rest waits for its last run (the micro-batches of one update).
+
+        Each run writes their next values into the following set; the function yielded
+        copies them into the live set, for the next run to read. On leaving, the live set
+        holds the values it held on entering (the group's last run wrote its own into the
+        following set), so a group that fails changes nothing the caller sees.
+        """
+        live = self.live()
+        following = dict(zip(self.names, self.arrays[self.following(self.current)]))
+        saved = [live[name].copy() for name in names]
+
+        def carry() -> None:
+            for name in names:
+                live[name][...] = following[name]
+
+        try:
+            yield carry
+        finally:
+            for name, array in zip(names, saved):
+                live[name][...] = array
 
     def load(self, state: Mapping[str, np.ndarray]) -> None:
         """Copy ``state`` into the live arrays (no earlier state is kept then)."""

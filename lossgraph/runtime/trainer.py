@@ -20,6 +20,7 @@ or an :class:`~lossgraph.errors.InvalidDataError` when the batch itself is at fa
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
@@ -44,11 +45,14 @@ from ..options import count, flag
 from ..passes.fixed_batch import rows
 from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
+from .callbacks import Callback, Loop, as_callbacks
+from .checkpoints import Checkpoints
 from .engine import Engine
 
 __all__ = ["Trainer"]
 
-Callback = Callable[["Trainer", int, dict], Any]
+#: What ``fit(callbacks=...)`` takes: Callback objects, or epoch functions.
+CallbackLike = Callback | Callable[["Trainer", int, dict], Any]
 
 
 class Trainer:
@@ -74,6 +78,7 @@ class Trainer:
         self.validation_losses_: list[float] = []
         self._rng: np.random.Generator | None = None
         self._epoch_rate: Callable[[int], float] | None = None
+        self._loop = Loop([])
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -86,44 +91,73 @@ class Trainer:
         self.engine.set_state(state)
 
     # -- training ----------------------------------------------------------------------
-    def fit(self, X: Any, y: Any = None, sample_weight: Any = None, epochs: int = 1,
+    def fit(self, X: Any, y: Any = None, sample_weight: Any = None, epochs: int | None = None,
             batch_size: int | None = None, shuffle: bool = True, random_state: Any = None,
-            validation_data: tuple | None = None, callbacks: Iterable[Callback] | None = None,
+            validation_data: tuple | None = None,
+            callbacks: CallbackLike | Iterable[CallbackLike] | None = None,
             progress: bool | None = None, warm_start: bool = False,
-            epoch_learning_rate: Callable[[int], float] | None = None) -> Trainer:
-        """Train for ``epochs`` epochs of minibatch updates; returns ``self``.
+            epoch_learning_rate: Callable[[int], float] | None = None,
+            max_steps: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
+            checkpoint_every: int = 1, keep_last: int | None = 3, keep_best: bool = True,
+            monitor: str = "val_loss", accumulation_steps: int | None = None) -> Trainer:
+        """Train for ``epochs`` epochs of minibatch updates (1 by default), or ``max_steps``
+        updates, whichever ends first; returns ``self``.
 
         ``X`` is an array (or a dict of arrays by feature input name; a list, or an object
         with ``to_numpy()`` or ``__array__`` such as a pandas DataFrame, is read as one),
         or an iterable of ``(X, y[, sample_weight])`` batches (a callable returning one, for
         several epochs). ``warm_start=True`` continues from the current state, step count
         and shuffling generator; otherwise training restarts from the program's state.
-        Each callback is called as ``callback(trainer, epoch, logs)`` after every epoch;
-        one returning ``True`` stops training. ``epoch_learning_rate``, a function of the
-        epoch (``epochs_``, 0 for the first), gives the learning rate of every update of
-        that epoch instead of the optimizer's schedule (a per-epoch schedule, as
-        scikit-learn's MLP takes). Every argument is checked before the state changes.
+        ``callbacks`` are :class:`~lossgraph.runtime.callbacks.Callback` objects (hooks after
+        every step and epoch) or functions ``callback(trainer, epoch, logs)`` called after
+        every epoch; one returning ``True`` stops training. ``max_steps`` counts this fit's
+        updates and stops at exactly the last, mid-epoch too (that epoch then ends there).
+        ``checkpoint_dir`` saves a checkpoint there every ``checkpoint_every`` epochs and at
+        the end, keeping the last ``keep_last`` and, with ``keep_best``, the best by
+        ``monitor`` (:mod:`lossgraph.runtime.checkpoints`). ``epoch_learning_rate``, a
+        function of the epoch (``epochs_``, 0 for the first), gives the learning rate of
+        every update of that epoch instead of the optimizer's schedule (a per-epoch
+        schedule, as scikit-learn's MLP takes). Every argument is checked before the state changes.
 
         ``batch_size`` is 32 by default. A model exported with a fixed batch that compile
         kept (:attr:`Engine.fixed_batch`) trains in batches of exactly that size (the
         default then, and the only one): each epoch's remaining rows are left out, as
         torch's ``DataLoader(drop_last=True)`` does (shuffled, other rows each epoch).
+
+        ``accumulation_steps=k`` makes one update of every ``k`` batches (micro-batches):
+        the gradient of the mean loss over their rows (weighted by ``sample_weight``), as
+        one step at a batch of ``k * batch_size`` rows takes, to float rounding; by default
+        the program's (``compile_program(accumulation_steps=...)``, which ``k > 1``
+        needs). An epoch's last group may hold fewer micro-batches (and its last one fewer
+        rows): it is one update all the same, its gradient the mean over the rows it holds,
+        as Hugging Face's Trainer does at the end of an epoch. The learning-rate schedule,
+        the step count (``steps_``, Adam's bias correction), ``max_steps`` and the step
+        callbacks count updates (a step's ``loss``: its micro-batches' mean by rows);
+        running statistics (BatchNormalization in training mode) move per micro-batch, as
+        in torch. With an iterable of batches, every ``k`` batches it yields are one update.
         """
-        epochs = count("epochs", epochs, 0)
+        epochs = None if epochs is None else count("epochs", epochs, 0)
+        max_steps = None if max_steps is None else count("max_steps", max_steps, 0)
+        if epochs is None and max_steps is None:
+            epochs = 1
         batch_size = self.batch_size(batch_size)
         shuffle, warm_start = flag("shuffle", shuffle), flag("warm_start", warm_start)
         progress = None if progress is None else flag("progress", progress)
         seed = checks.random_state(random_state)
-        callbacks = checks.callbacks(callbacks)
+        callbacks = as_callbacks(callbacks)
+        checkpoints = _checkpoints(checkpoint_dir, checkpoint_every, keep_last, keep_best,
+                                   monitor)
         if epoch_learning_rate is not None and not callable(epoch_learning_rate):
             raise UnsupportedOptionError(
                 f"epoch_learning_rate={epoch_learning_rate!r} must be a function of the epoch "
                 "returning the learning rate, or None.")
+        accumulation = self.engine.accumulation_steps(accumulation_steps)
         streaming = _streaming(X, y, sample_weight)
-        if streaming and epochs > 1 and not callable(X) and iter(X) is X:
+        if streaming and epochs not in (0, 1) and not callable(X) and iter(X) is X:
+            several = f"{epochs} epochs" if epochs else f"max_steps={max_steps} over epochs"
             raise InvalidDataError(
-                f"A one-shot iterator of batches cannot be replayed for {epochs} epochs: pass a "
-                "function that returns a new iterator (or a list).")
+                f"A one-shot iterator of batches cannot be replayed for {several}: pass a "
+                "function that returns a new iterator (or a list), or epochs=1.")
         data = None if streaming else self.engine.prepare(X, y, sample_weight)
         if data is not None and self.engine.fixed_batch is not None and \
                 len(next(iter(data.values()))) < batch_size:
@@ -138,19 +172,28 @@ class Trainer:
                     f"validation_data must be a tuple (X, y) or (X, y, sample_weight); got {got}.")
             held_out = self.engine.prepare(*validation_data, what="validation_data ")
             self.engine.check_rows(held_out, "validation_data")
+        if checkpoints is not None:
+            logged = ["loss", *(["validation_loss"] if held_out is not None else [])]  # below
+            checkpoints.check(self.steps_ if warm_start else 0, logged)
+            callbacks.append(checkpoints)
         if not warm_start:
             self.reset()
         if self._rng is None:
             self._rng = np.random.default_rng(seed)
         self._epoch_rate = epoch_learning_rate
+        self._loop = loop = Loop(callbacks, None if max_steps is None else self.steps_ + max_steps)
+        loop.train_begin(self)
         bar = self._progress_bar(progress, epochs)
         try:
-            for _ in range(epochs):
+            for _ in range(epochs) if epochs is not None else itertools.count():
+                if loop.steps_left(self.steps_) == 0:
+                    break
                 epoch = self.epochs_
                 if streaming:
-                    losses, sizes = self._stream_epoch(X, epoch)
+                    losses, sizes = self._stream_epoch(X, epoch, accumulation)
                 else:
-                    losses, sizes = self._array_epoch(data, batch_size, shuffle, epoch)
+                    losses, sizes = self._array_epoch(data, batch_size, shuffle, epoch,
+                                                      accumulation)
                 self.epochs_ += 1
                 logs = {"loss": float(np.dot(losses, sizes) / np.sum(sizes))}
                 self.train_losses_.append(logs["loss"])
@@ -160,11 +203,13 @@ class Trainer:
                 if bar is not None:
                     bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items()}, refresh=False)
                     bar.update(1)
-                if any(callback(self, epoch, logs) is True for callback in callbacks):
+                loop.epoch_done(self, epoch, logs)
+                if loop.stopping:
                     break
         finally:
             if bar is not None:
                 bar.close()
+        loop.train_end(self)
         return self
 
     def batch_size(self, batch_size: int | None = None) -> int:
@@ -184,7 +229,7 @@ class Trainer:
         return batch_size
 
     @staticmethod
-    def _progress_bar(progress: bool | None, epochs: int):
+    def _progress_bar(progress: bool | None, epochs: int | None):
         if progress is None:
             progress = sys.stderr.isatty()
         if not progress:
@@ -194,51 +239,74 @@ class Trainer:
         return tqdm(total=epochs, desc="lossgraph", unit="epoch")
 
     def _array_epoch(self, data: dict[str, np.ndarray], batch_size: int, shuffle: bool,
-                     epoch: int) -> tuple[np.ndarray, np.ndarray]:
+                     epoch: int, accumulation: int) -> tuple[np.ndarray, np.ndarray]:
         rows = len(next(iter(data.values())))
         order = self._rng.permutation(rows) if shuffle else None
         full = rows // batch_size
         if self.engine.fixed_batch is not None:
             rows = full * batch_size  # the last, short batch is left out (drop_last)
+        updates = full // accumulation  # the epoch graph runs whole groups, any count of them
         losses, sizes = [], []
-        if self.engine.runs_epochs and full > 0:
-            losses.append(self._fused_epoch(data, order, full, batch_size, epoch))
-            sizes.append(np.full(full, batch_size))
-            start = full * batch_size
+        if self.engine.runs_epochs and updates > 0:
+            left = self._loop.steps_left(self.steps_)
+            run = (updates if left is None else min(updates, left)) * accumulation
+            losses.append(self._fused_epoch(data, order, run, batch_size, epoch, accumulation))
+            sizes.append(np.full(run, batch_size))
+            start = run * batch_size
         else:
             start = 0
-        if start < rows:
+        if start < rows and not self._loop.stopping:
             if order is None:
                 rest = {name: array[start:rows] for name, array in data.items()}
             else:  # one gather per epoch, then views
                 rest = {name: array[order[start:rows]] for name, array in data.items()}
             batch_losses, batch_sizes = self._steps(rest, batch_size, epoch, start // batch_size,
-                                                    None if order is None else order[start:rows])
+                                                    None if order is None else order[start:rows],
+                                                    accumulation)
             losses.append(batch_losses)
             sizes.append(batch_sizes)
         return np.concatenate(losses), np.concatenate(sizes)
 
     def _steps(self, data: dict[str, np.ndarray], batch_size: int, epoch: int, first: int,
-               order: np.ndarray | None,
+               order: np.ndarray | None, accumulation: int,
                specialize: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """Minibatch steps over ``data`` (already in epoch order), whose full batches run
-        graphs specialized to ``batch_size`` when ``specialize``."""
+        """Minibatch updates over ``data`` (already in epoch order), one per
+        ``accumulation`` batches, whose full batches run graphs specialized to
+        ``batch_size`` when ``specialize``."""
         rows = len(next(iter(data.values())))
-        batches = math.ceil(rows / batch_size)
-        losses = np.empty(batches)
-        sizes = np.empty(batches, np.int64)
+        bounds = [(lo, min(rows, lo + batch_size)) for lo in range(0, rows, batch_size)]
+        losses = np.empty(len(bounds))
+        sizes = np.array([hi - lo for lo, hi in bounds], np.int64)
         full = batch_size if specialize else None
-        for index in range(batches):
-            lo, hi = index * batch_size, min(rows, (index + 1) * batch_size)
-            batch = {name: array[lo:hi] for name, array in data.items()}
-            number = self.steps_ + 1
-            loss = self.engine.step(batch, step=number, rate=self.learning_rate(number), full=full)
-            if not math.isfinite(loss):
-                rows_used = np.arange(lo, hi) if order is None else order[lo:hi]
-                self._diverged(epoch, first + index, loss, batch, rows_used)
-            self._apply(1, epoch, first + index)
-            losses[index], sizes[index] = loss, hi - lo
-        return losses, sizes
+        done = 0
+        while done < len(bounds) and not self._loop.stopping:
+            group = bounds[done:done + accumulation]
+            batches = [{name: array[lo:hi] for name, array in data.items()} for lo, hi in group]
+            losses[done:done + len(group)] = self._update(
+                batches, epoch, first + done, full,
+                lambda index, group=group: (np.arange(*group[index]) if order is None
+                                            else order[slice(*group[index])]))
+            done += len(group)
+        return losses[:done], sizes[:done]
+
+    def _update(self, batches: list[dict[str, np.ndarray]], epoch: int, first: int,
+                full: int | None, rows: Callable[[int], np.ndarray]) -> np.ndarray:
+        """One update from the micro-batches ``batches``, the epoch's from batch ``first``
+        on (``rows(i)``: the rows of the data in batch ``i``, for messages): their losses.
+        The step hooks see the update, its loss the micro-batches' mean by rows."""
+        number, rate = self.steps_ + 1, self.learning_rate(self.steps_ + 1)
+        losses = self.engine.accumulate(batches, step=number, rate=rate, full=full)
+        bad = np.flatnonzero(~np.isfinite(losses))
+        if bad.size:
+            index = int(bad[0])
+            self._diverged(epoch, first + index, float(losses[index]), batches[index],
+                           rows(index))
+        self._apply(1, epoch, first)
+        if self._loop.counts_steps:
+            loss = losses[0] if len(losses) == 1 else np.average(
+                losses, weights=[_rows(batch) for batch in batches])
+            self._loop.step_done(self, number, epoch, first, loss, rate)
+        return losses
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of update ``step`` (counted from 1) as the fit runs it: the
@@ -254,13 +322,15 @@ class Trainer:
         return float(rate)
 
     def _fused_epoch(self, data: dict[str, np.ndarray], order: np.ndarray | None, full: int,
-                     batch_size: int, epoch: int) -> np.ndarray:
-        """All full batches of an epoch in one run of the epoch graph."""
+                     batch_size: int, epoch: int, accumulation: int) -> np.ndarray:
+        """All full batches of an epoch (whole groups of ``accumulation``) in one run of
+        the epoch graph."""
         first = self.steps_ + 1
-        rates = (self._optimizer.schedules(first, full) if self._epoch_rate is None else
-                 np.full(full, self.learning_rate(first)))
+        updates = full // accumulation
+        rates = (self._optimizer.schedules(first, updates) if self._epoch_rate is None else
+                 np.full(updates, self.learning_rate(first)))
         losses = self.engine.epoch(data, order, full, batch_size, first_step=first,
-                                   rates=rates)
+                                   rates=rates, accumulation_steps=accumulation)
         bad = np.flatnonzero(~np.isfinite(losses))
         if bad.size:
             index = int(bad[0])
@@ -268,26 +338,42 @@ class Trainer:
                          else order[index * batch_size:(index + 1) * batch_size])
             batch = {name: array[rows_used] for name, array in data.items()}
             self._diverged(epoch, index, float(losses[index]), batch, rows_used,
-                           first_of_run=index == 0)
-        self._apply(full, epoch, 0)
-        return losses.astype(np.float64)
+                           first_of_run=index < accumulation)
+        self._apply(updates, epoch, 0)
+        losses = losses.astype(np.float64)
+        self._loop.steps_done(self, first, epoch, 0,
+                              losses.reshape(updates, accumulation).mean(axis=1), rates,
+                              batches_per_step=accumulation)
+        return losses
 
-    def _stream_epoch(self, batches: Any, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """One pass over an iterable of (X, y[, w]) batches."""
+    def _stream_epoch(self, batches: Any, epoch: int, accumulation: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """One pass over an iterable of (X, y[, w]) batches, one update per
+        ``accumulation`` of them (and one for those left at the end)."""
         source = batches() if callable(batches) else batches
         losses, sizes = [], []
+        group: list[dict[str, np.ndarray]] = []
+
+        def update(first: int) -> None:
+            losses.append(self._update(group, epoch, first, None,
+                                       lambda index: np.arange(_rows(group[index]))))
+            sizes.append([_rows(batch) for batch in group])  # they may differ in size
+
         for index, item in enumerate(source):
+            if self._loop.stopping:
+                break
             if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
                 raise InvalidDataError(
                     f"Batch {index} is not an (X, y) or (X, y, sample_weight) tuple: pass an "
                     "iterable of such tuples, or X and y as arrays.")
             data = self.engine.prepare(*item, what=f"batch {index} ")
             self.engine.check_batch(data, f"Batch {index}")
-            rows = len(next(iter(data.values())))  # streamed batches may differ in size
-            batch_losses, batch_sizes = self._steps(data, rows, epoch, index, None,
-                                                    specialize=False)
-            losses.append(batch_losses)
-            sizes.append(batch_sizes)
+            group.append(data)
+            if len(group) == accumulation:
+                update(index + 1 - len(group))
+                group = []
+        if group and not self._loop.stopping:
+            update(index + 1 - len(group))
         if not losses:
             raise InvalidDataError("The iterable of batches was empty.")
         return np.concatenate(losses), np.concatenate(sizes)
@@ -369,8 +455,10 @@ class Trainer:
         return self.program.to_inference_model(self.engine.live())
 
     # -- checkpoints -------------------------------------------------------------------
-    def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Write the program, state, counters, losses and shuffling generator, atomically.
+    def save_checkpoint(self, path: str | os.PathLike, logs: Mapping[str, Any] | None = None
+                        ) -> Path:
+        """Write the program, state, counters, losses and shuffling generator, atomically,
+        and ``logs`` (an epoch's, which rotating checkpoints compare) in its record.
 
         ``path`` must be new, empty, or a checkpoint folder lossgraph wrote (holding
         nothing else); anything else is an :class:`~lossgraph.errors.UnsafeWriteError`.
@@ -379,8 +467,9 @@ class Trainer:
                                   self.program.inference_model)
         progress = self.progress()
         rng = progress["rng"]
+        extra = {} if logs is None else {"logs": dict(logs)}
         return save_checkpoint(path, program, {
-            **progress, "rng": None if rng is None else rng.bit_generator.state})
+            **progress, "rng": None if rng is None else rng.bit_generator.state, **extra})
 
     @classmethod
     def load_checkpoint(cls, path: str | os.PathLike, providers: Sequence[str] | None = None,
@@ -420,6 +509,29 @@ class Trainer:
         self.__init__(saved["program"], saved["providers"])
         self.set_state(saved["state"])
         self.restore_progress(saved["progress"])
+
+
+def _checkpoints(folder: str | os.PathLike | None, every: int, keep_last: int | None,
+                 keep_best: bool, monitor: str) -> Checkpoints | None:
+    """fit's checkpoint options as a :class:`Checkpoints` callback (None without a folder,
+    where the other options have nothing to act on)."""
+    if folder is None:
+        given = [f"{name}={value!r}" for name, value, default in (
+            ("checkpoint_every", every, 1), ("keep_last", keep_last, 3),
+            ("keep_best", keep_best, True), ("monitor", monitor, "val_loss"))
+            if value != default or type(value) is not type(default)]
+        if given:
+            raise UnsupportedOptionError(
+                f"{', '.join(given)} without checkpoint_dir: these options rotate the "
+                "checkpoints fit saves into checkpoint_dir. Pass checkpoint_dir=FOLDER, or "
+                "leave them out.")
+        return None
+    return Checkpoints(folder, every, keep_last, keep_best, monitor)
+
+
+def _rows(data: Mapping[str, np.ndarray]) -> int:
+    """The number of rows of a batch's arrays."""
+    return len(next(iter(data.values())))
 
 
 def _is_data(X: Any) -> bool:

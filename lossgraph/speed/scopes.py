@@ -1,4 +1,5 @@
-"""The graphs of a model the speed rewrites work in: the main graph and each Scan body.
+"""The graphs of a model the speed rewrites work in: the main graph and each Scan body
+(for the static shapes a fit's batch size gives, the Scans' bodies inside those too).
 
 An epoch graph runs its training step as a ``Scan`` body, so a rewrite for onnxruntime
 must reach into it; other subgraphs (``If`` branches, ``Loop`` bodies) run rarely and
@@ -30,15 +31,26 @@ ScopeRewrite = Callable[[onnx.GraphProto, dict[str, list], dict[str, int], NameA
                         bool]
 
 
-def main_and_scan_bodies(model: onnx.ModelProto, inferred: onnx.ModelProto
-                         ) -> list[tuple[onnx.GraphProto, onnx.GraphProto]]:
+def main_and_scan_bodies(model: onnx.ModelProto, inferred: onnx.ModelProto,
+                         nested: bool = False) -> list[tuple[onnx.GraphProto, onnx.GraphProto]]:
     """``(graph, the same graph in inferred)`` for the body of each Scan of ``model`` and
     its main graph, in that order (rewriting the main graph's node list copies the bodies
-    its nodes hold); ``inferred`` is ``model`` after shape inference."""
-    bodies = [(next(subgraphs(node)), next(subgraphs(shaped)))  # a Scan holds one graph
-              for node, shaped in zip(model.graph.node, inferred.graph.node)
-              if node.op_type == "Scan"]
-    return [*bodies, (model.graph, inferred.graph)]
+    its nodes hold); ``inferred`` is ``model`` after shape inference. With ``nested``, the
+    bodies of the Scans in those bodies too, before them (an epoch graph that accumulates
+    gradients runs its micro-batches in a Scan in the Scan over updates)."""
+    return [*_bodies(model.graph, inferred.graph, nested), (model.graph, inferred.graph)]
+
+
+def _bodies(graph: onnx.GraphProto, inferred: onnx.GraphProto, nested: bool
+            ) -> list[tuple[onnx.GraphProto, onnx.GraphProto]]:
+    found = []
+    for node, shaped in zip(graph.node, inferred.node):
+        if node.op_type == "Scan":
+            body, shaped_body = next(subgraphs(node)), next(subgraphs(shaped))  # one graph
+            if nested:
+                found += _bodies(body, shaped_body, nested)
+            found.append((body, shaped_body))
+    return found
 
 
 def static_scopes(model: onnx.ModelProto) -> list[tuple[onnx.GraphProto, dict[str, list[int]]]]:
@@ -50,7 +62,7 @@ def static_scopes(model: onnx.ModelProto) -> list[tuple[onnx.GraphProto, dict[st
     inferred = infer_shapes_with_data(model)
     return [(graph, {name: shape for name, shape in known_shapes(shaped).items()
                      if None not in shape})
-            for graph, shaped in main_and_scan_bodies(model, inferred)]
+            for graph, shaped in main_and_scan_bodies(model, inferred, nested=True)]
 
 
 def typed_scopes(model: onnx.ModelProto, symbolic: bool = False

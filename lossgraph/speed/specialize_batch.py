@@ -3,7 +3,9 @@
     SpecializeBatch(batch) = fix the batch size -> FoldStaticShapes -> SplitRowProducts
 
     batch input  x[N, ...]  ->  x[batch, ...]    (the scanned inputs of an epoch graph's
-                                                 Scan, which its signature names; any other
+                                                 Scan, which its signature names, or where it
+                                                 accumulates gradients those of the Scan over
+                                                 each update's micro-batches; any other
                                                  graph's own data inputs)
 
 A program's ``train_step`` and ``train_epoch`` graphs serve every batch size: a step
@@ -60,10 +62,10 @@ class SpecializeBatch(Pass[Reports | None]):
         if scans:  # an epoch graph: the Scan's batches get the static size
             fixed = False
             for scan in scans:
-                scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
-                body_inputs = next(subgraphs(scan)).input  # a Scan holds one graph: its body
-                fixed |= bool(set_leading_dims(body_inputs[len(body_inputs) - scanned:],
-                                               self.batch))
+                if signature.get("gradient_scale"):  # a Scan over updates, each a Scan over
+                    # micro-batches (lossgraph.passes.accumulate): theirs get the size
+                    scan = next(n for n in next(subgraphs(scan)).node if n.op_type == "Scan")
+                fixed |= bool(set_leading_dims(_scanned_rows(scan), self.batch))
         else:
             names = set_leading_dims(model.graph.input, self.batch)
             fixed = names is not None
@@ -81,6 +83,15 @@ class SpecializeBatch(Pass[Reports | None]):
                 "not compute. lossgraph trains models that map each input row to an output "
                 "row: fix the model's graph or its declared output shapes.") from None
         return PassResult(folded.model, folded.report or None, fixed or folded.changed)
+
+
+def _scanned_rows(scan: onnx.NodeProto) -> list[onnx.ValueInfoProto]:
+    """The body inputs a Scan hands a batch of rows: its scanned inputs but the last, one
+    value per batch (the learning rate of an epoch's update, the gradient scale of a
+    group's micro-batch)."""
+    scanned = next(a.i for a in scan.attribute if a.name == "num_scan_inputs")
+    inputs = next(subgraphs(scan)).input  # a Scan holds one graph: its body
+    return list(inputs[len(inputs) - scanned:len(inputs) - 1])
 
 
 def set_leading_dims(values: Iterable[onnx.ValueInfoProto], size: int | str,

@@ -10,6 +10,7 @@ from support.cli import export_has
 from lossgraph import compile_program
 from lossgraph.cli import main
 from lossgraph.optim import SGD, Adam, AdamW, Momentum
+from lossgraph.schedules import Linear, StepDecay
 
 PENALTY_BOTH = {"l1": 0.01, "l2": 0.1}
 
@@ -31,6 +32,18 @@ FLAG_FORMS = {
     "penalty on the trained weight": (["--weights", "z_weight", "--penalty-l2", "0.1"],
                                       {"weights": ["z_weight"],
                                        "penalty": {"z_weight": {"l1": 0.0, "l2": 0.1}}}),
+    "schedule with a warmup": (["--optimizer", "adamw", "--learning-rate", "0.01", "--schedule",
+                                "linear", "--warmup-steps", "2", "--total-steps", "10"],
+                               {"optimizer": AdamW(Linear(0.01, 10, warmup_steps=2))}),
+    "schedule options": (["--schedule", "step_decay", "--schedule-option", "step_size=3",
+                          "--schedule-option", "gamma=0.5"],
+                         {"optimizer": SGD(StepDecay(0.01, step_size=3, gamma=0.5))}),
+    "decay groups found from the graph": (["--optimizer", "adamw",
+                                           "--exclude-from-weight-decay"],
+                                          {"optimizer": AdamW(exclude_from_weight_decay="auto")}),
+    "penalty on every weight but one": (["--penalty-l2", "0.1", "--exclude-from-weight-decay",
+                                         "bias"],
+                                        {"penalty": {"z_weight": {"l1": 0.0, "l2": 0.1}}}),
     "sample weight": (["--weight-name", "w", "--loss", "huber", "--loss-option", "delta=0.5"],
                       {"loss": "huber", "loss_options": {"weight_name": "w", "delta": 0.5}}),
     "fuse, backend, target": (["--fuse", "epoch", "--backend", "onnx", "--target",

@@ -24,6 +24,7 @@ import pytest
 from support.catalogue import Row, assert_listed, message_of, print_table, slug
 from support.cli import (
     export_has,
+    initializers,
     installed,
     needs_skl2onnx,
     ok,
@@ -90,6 +91,25 @@ def test_compile_then_train_from_the_shell(model_file, tmp_path, run_model, rng)
     assert (tmp_path / "ckpt" / "trainer.json").exists()
 
 
+def test_accumulation_from_the_shell_equals_a_larger_batch(model_file, tmp_path, rng):
+    """compile --accumulation-steps 4, train at batch 5: the weights of batch 20."""
+    X = rng.normal(size=(50, 3)).astype(np.float32)
+    y = np.stack([X @ [1.0, 2.0, -1.0], X @ [0.5, 0.0, 1.0]], axis=1).astype(np.float32)
+    np.savez(tmp_path / "train.npz", X=X, y=y)
+    program = str(tmp_path / "program")
+    assert main(["compile", str(model_file), "-o", program, "--optimizer", "adam",
+                 "--accumulation-steps", "4"]) == 0
+    trained = {}
+    for batch, steps in (("5", "4"), ("20", "1")):
+        out = tmp_path / f"trained-{batch}.onnx"
+        assert main(["train", program, "--data", str(tmp_path / "train.npz"), "--epochs", "2",
+                     "--batch-size", batch, "--accumulation-steps", steps, "--no-shuffle",
+                     "-o", str(out)]) == 0
+        trained[batch] = initializers(out)
+    for name, value in trained["20"].items():
+        np.testing.assert_allclose(trained["5"][name], value, rtol=1e-5, atol=1e-6)
+
+
 # -- every bad input: exit status 2, one line on stderr, no traceback, nothing written -------
 
 
@@ -144,6 +164,12 @@ def _checkpoint(tmp_path) -> str:
     return str(tmp_path / "ckpt")
 
 
+def _checkpoint_dir(tmp_path) -> str:
+    assert main(["train", _program(tmp_path), "--data", _data(tmp_path), "-o",
+                 str(tmp_path / "first.onnx"), "--checkpoint-dir", str(tmp_path / "ckpts")]) == 0
+    return str(tmp_path / "ckpts")
+
+
 JUNK = b"this is not an ONNX model\n"
 
 
@@ -179,6 +205,10 @@ BAD_COMMANDS = {
                                       "ten", "-o", f"{t}/o.onnx"],
     "batch size zero": lambda t: ["train", _program(t), "--data", _data(t), "--batch-size",
                                   "0", "-o", f"{t}/o.onnx"],
+    "accumulation steps zero": lambda t: ["train", _program(t), "--data", _data(t),
+                                          "--accumulation-steps", "0", "-o", f"{t}/o.onnx"],
+    "accumulation not compiled": lambda t: ["train", _program(t), "--data", _data(t),
+                                            "--accumulation-steps", "4", "-o", f"{t}/o.onnx"],
     "unknown fuse": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--fuse", "turbo"],
     "unknown optimizer": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--optimizer",
                                     '{"type": "Nope"}'],
@@ -209,9 +239,33 @@ BAD_COMMANDS = {
                                              "ort-artifacts", "--optimizer", "nesterov"],
     "artifacts over a program": lambda t: ["compile", _model(t), "-o", _program(t), "--format",
                                            "ort-artifacts"],
+    "schedule option without a schedule": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                     "--warmup-steps", "10"],
+    "schedule without its total steps": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                   "--schedule", "cosine"],
+    "unknown schedule": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--schedule",
+                                   "cosin"],
+    "decay exclusion for sgd": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                          "--exclude-from-weight-decay"],
+    "decay exclusion matching no weight": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                     "--optimizer", "adamw",
+                                                     "--exclude-from-weight-decay", "z_bias"],
     "score option without =": lambda t: ["add-loss", f"{t}/m.onnx", "-o", f"{t}/o.onnx",
                                          "--loss-option", "delta"],
     "unknown target": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--target", "mars"],
+    "class weights not a JSON list": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                "--loss-option", "class_weight=[1, 2"],
+    "balanced class weights without labels": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                        "--loss-option",
+                                                        "class_weight=balanced"],
+    "class weight labels without balanced": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                       "--class-weight-labels", _data(t)],
+    "class weight labels not whole numbers": lambda t: [
+        "compile", _model(t), "-o", f"{t}/p", "--loss-option", "class_weight=balanced",
+        "--class-weight-labels", _file(t, "d.csv", b"a,y\n1,0.5\n2,1\n")],
+    "class weight labels of a missing file": lambda t: [
+        "compile", _model(t), "-o", f"{t}/p", "--loss-option", "class_weight=balanced",
+        "--class-weight-labels", f"{t}/none.csv"],
     # penalties in the wrong form
     "penalty not JSON": lambda t: ["compile", f"{t}/m.onnx", "-o", f"{t}/p", "--penalty",
                                    "z_weight=0.1"],
@@ -297,6 +351,24 @@ BAD_COMMANDS = {
     "plot over the user's file": lambda t: ["train", _program(t), "--data", _data(t),
                                             "-o", f"{t}/o.onnx", "--plot",
                                             _file(t, "curve.png", b"\x89PNG\r\n\x1a\n")],
+    "max steps negative": lambda t: ["train", _program(t), "--data", _data(t), "--max-steps",
+                                     "-1", "-o", f"{t}/o.onnx"],
+    "checkpoint every zero": lambda t: ["train", _program(t), "--data", _data(t),
+                                        "--checkpoint-dir", f"{t}/ckpts", "--checkpoint-every",
+                                        "0", "-o", f"{t}/o.onnx"],
+    "keep last zero": lambda t: ["train", _program(t), "--data", _data(t), "--checkpoint-dir",
+                                 f"{t}/ckpts", "--keep-last", "0", "-o", f"{t}/o.onnx"],
+    "keep last without a checkpoint dir": lambda t: ["train", _program(t), "--data", _data(t),
+                                                     "--keep-last", "2", "-o", f"{t}/o.onnx"],
+    "checkpoint dir a file": lambda t: ["train", _program(t), "--data", _data(t),
+                                        "--checkpoint-dir", _file(t, "c", b"x"), "-o",
+                                        f"{t}/o.onnx"],
+    "checkpoint dir of another run": lambda t: ["train", _program(t), "--data", _data(t),
+                                                "--checkpoint-dir", _checkpoint_dir(t), "-o",
+                                                f"{t}/o.onnx"],
+    "csv log over the user's file": lambda t: ["train", _program(t), "--data", _data(t),
+                                               "-o", f"{t}/o.onnx", "--log-csv",
+                                               _file(t, "log.csv", b"a,b\n1,2\n")],
     "two outputs at one path": lambda t: ["train", _program(t), "--data", _data(t),
                                           "-o", f"{t}/o.onnx", "--history", f"{t}/o.onnx"],
     "export a missing folder": lambda t: ["export", f"{t}/ckpt", "-o", f"{t}/o.onnx"],

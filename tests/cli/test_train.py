@@ -1,7 +1,11 @@
 """lossgraph train (lossgraph/cli/train.py): resuming a checkpoint continues like one longer
-run; the loss curve is a PNG; the progress bar on request."""
+run; rotating checkpoints, a CSV log and max_steps; the loss curve is a PNG; the progress
+bar on request."""
 
 from __future__ import annotations
+
+import csv
+import os
 
 import numpy as np
 import pytest
@@ -33,6 +37,31 @@ def test_resuming_a_checkpoint_continues_like_one_longer_run(model_file, tmp_pat
     once, twice = initializers(tmp_path / "once.onnx"), initializers(tmp_path / "twice.onnx")
     for name, value in once.items():
         np.testing.assert_array_equal(twice[name], value, err_msg=name)
+
+
+def test_rotating_checkpoints_a_csv_log_and_max_steps_from_the_shell(model_file, tmp_path):
+    """--checkpoint-dir keeps the last --keep-last; --resume of that folder continues its
+    latest like one longer run; --log-csv writes a row per step; --max-steps stops there."""
+    X, y = two_output_data()
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    program, data, ckpts = str(tmp_path / "program"), str(tmp_path / "d.npz"), tmp_path / "ck"
+    assert main(["compile", str(model_file), "-o", program, "--optimizer", "adam"]) == 0
+    common = ["--data", data, "--batch-size", "16", "--random-state", "3"]  # 4 steps an epoch
+    assert main(["train", program, *common, "--epochs", "5", "-o", str(tmp_path / "a.onnx")]) == 0
+    assert main(["train", program, *common, "--epochs", "3", "-o", str(tmp_path / "b.onnx"),
+                 "--checkpoint-dir", str(ckpts), "--keep-last", "2", "--log-csv",
+                 str(tmp_path / "log.csv"), "--log-per", "step"]) == 0
+    assert sorted(os.listdir(ckpts)) == ["checkpoint-12", "checkpoint-8"]
+    with open(tmp_path / "log.csv", newline="") as stream:
+        assert [row["step"] for row in csv.DictReader(stream)] == [str(s) for s in range(1, 13)]
+    assert main(["train", "--resume", str(ckpts), *common[:4], "--epochs", "2", "-o",
+                 str(tmp_path / "c.onnx")]) == 0
+    straight, resumed = initializers(tmp_path / "a.onnx"), initializers(tmp_path / "c.onnx")
+    for name, value in straight.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+    assert main(["train", program, *common, "--max-steps", "6", "--checkpoint-dir",
+                 str(tmp_path / "short"), "-o", str(tmp_path / "d.onnx")]) == 0
+    assert sorted(os.listdir(tmp_path / "short")) == ["checkpoint-4", "checkpoint-6"]
 
 
 @pytest.mark.skipif(not installed("matplotlib"), reason="needs matplotlib (pip install matplotlib)")

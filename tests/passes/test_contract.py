@@ -39,6 +39,7 @@ from lossgraph.passes import (
     EpochGraph,
     GeneralizeBatch,
     Gradient,
+    GroupGradients,
     LowerMlOps,
     PackWeights,
     Pass,
@@ -47,6 +48,7 @@ from lossgraph.passes import (
     RemoveLossOutput,
     StepGraph,
     StripTraining,
+    SumGradients,
     UntieWeights,
     WeightsToInputs,
 )
@@ -209,6 +211,9 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
     "Gradient (ort backend)": (lambda: with_loss("hand_linear"), Gradient(backend="ort")),
     "StepGraph": (lambda: with_gradients("skl_mlp_regressor"), StepGraph(Adam(0.01))),
     "PackWeights": (lambda: with_gradients("skl_mlp_regressor"), PackWeights(Momentum(0.01))),
+    "SumGradients": (lambda: with_gradients("skl_mlp_regressor"), SumGradients()),
+    "GroupGradients": (lambda: SumGradients()(PackWeights(Adam(0.01))(
+        with_gradients("hand_linear")).model).model, GroupGradients()),
     "EpochGraph": (lambda: StepGraph(Momentum(0.01, nesterov=True))(
         PackWeights(Momentum(0.01, nesterov=True))(with_gradients("hand_linear")).model).model,
         EpochGraph()),
@@ -301,6 +306,7 @@ def test_every_pass_is_pure_valid_and_deterministic(name):
 @pytest.mark.parametrize(("step", "given", "missing"), [
     (StepGraph(SGD()), lambda: golden("hand_linear"), "records no loss"),
     (PackWeights(SGD()), lambda: with_loss("hand_linear"), "records no gradients"),
+    (SumGradients(), lambda: with_loss("hand_linear"), "records no gradients"),
     (AccumulateGradients(), lambda: with_loss("hand_linear"), "records no gradients"),
     (EpochGraph(), lambda: with_gradients("hand_linear"), "no step graph signature"),
     (EpochGraph(), lambda: compiled("epoch")(golden("hand_linear")).graphs["train_epoch"],

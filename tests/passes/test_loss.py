@@ -1,7 +1,8 @@
 """add_loss_output (lossgraph/passes/loss.py): values against scikit-learn, structure, options
 and errors; the token-level cross entropy (multiclass_log_loss over a sequence's positions,
 with ignore_index) against torch's F.cross_entropy, in training, in the Trainer's label
-check, on the command line and data-parallel.
+check, on the command line and data-parallel; label smoothing, class weights and pos_weight
+against torch's CrossEntropyLoss and BCEWithLogitsLoss.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lossgraph.errors import (
     DTypeMismatchError,
     InvalidDataError,
     InvalidModelError,
+    InvalidProgramError,
     LossgraphError,
     NameCollisionError,
     ShapeMismatchError,
@@ -32,6 +34,7 @@ from lossgraph.errors import (
 from lossgraph.metadata import LOSS_KEY, read_json
 from lossgraph.optim import AdamW
 from lossgraph.passes import RemoveLossOutput
+from lossgraph.passes.loss import read_loss_record
 
 DTYPES = {"float": np.float32, "double": np.float64}
 
@@ -850,6 +853,388 @@ def test_data_parallel_token_loss_equals_one_process(rng, options):
     for name in parallel.program.weights:
         np.testing.assert_allclose(replicas[0].trainer.state[name], trainer.state[name],
                                    rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# ==========================================================================================
+# Label smoothing and class weights (multiclass_log_loss), pos_weight (binary_log_loss,
+# logistic): torch's CrossEntropyLoss(weight=, label_smoothing=, ignore_index=) and
+# BCEWithLogitsLoss(pos_weight=), the mean divided by the weights of the labels counted.
+# Sample weights multiply the class weights (scikit-learn's rule).
+# ==========================================================================================
+
+CLASS_WEIGHT = [0.5, 2.0, 1.0, 0.25]
+
+
+def torch_cross_entropy(logits, y, reduction="mean", **options):
+    """torch's cross entropy over the flattened positions, classes on the last axis."""
+    import torch
+
+    weight = options.pop("class_weight", None)
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.as_tensor(y).reshape(-1),
+        weight=None if weight is None else torch.tensor(weight, dtype=logits.dtype),
+        ignore_index=options.pop("ignore_index", None) or IGNORE, reduction=reduction,
+        **options)
+    return loss if reduction == "mean" else loss.reshape(y.shape)
+
+
+def label_shares(y: np.ndarray, ignore_index: int | None, class_weight: list | None):
+    """The weight of each label position in the mean: 0 if ignored, else its class's."""
+    counted = np.ones(y.shape) if ignore_index is None else (y != ignore_index)
+    weights = np.ones(CLASSES) if class_weight is None else np.asarray(class_weight)
+    return counted * weights[np.where(counted, y, 0)]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("shape", "ignore_index"), [((ROWS,), None), ((ROWS,), IGNORE),
+                                                     ((ROWS, LENGTH), IGNORE)])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("class_weight", [None, CLASS_WEIGHT])
+@pytest.mark.parametrize("from_logits", [True, False])
+def test_loss_and_gradient_equal_torchs_cross_entropy(rng, shape, ignore_index,
+                                                      label_smoothing, class_weight,
+                                                      from_logits):
+    """On random logits, the loss and its gradient with respect to them, against torch's
+    autograd of CrossEntropyLoss; with ``from_logits=False`` the model ends in a Softmax
+    and the loss takes its probabilities."""
+    import torch
+
+    z = rng.normal(size=(*shape, CLASSES)) * 2
+    y = token_labels(rng, shape) if ignore_index else rng.integers(0, CLASSES, shape)
+    options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing,
+               "class_weight": class_weight}
+    dims = ", ".join(["N", *(f"d{i}" for i in range(1, len(shape))), str(CLASSES)])
+    base = token_identity(dims)
+    if not from_logits:
+        base.graph.node[0].CopyFrom(onnx.helper.make_node("Softmax", ["x"], ["y"], axis=-1))
+    model = add_loss_output(base, "multiclass_log_loss", from_logits=from_logits,
+                            **{k: v for k, v in options.items() if v})
+    logits = torch.tensor(z, requires_grad=True)
+    theirs = torch_cross_entropy(logits, y, **options)
+    theirs.backward()
+    R = float(cotangent((), np.float64))
+    np.testing.assert_allclose(token_loss(model, x=z, label=y), theirs.item(), rtol=1e-12)
+    check_gradients(model, {"x": z, "label": y}, wrt=["x"],
+                    reference={"x": R * logits.grad.numpy()}, ort=False)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_sample_weights_multiply_the_class_weights(rng, label_smoothing, reduction):
+    """Each position weighs its row's sample weight times its class's weight: the mean is
+    sum_i w_i mean_t l_it / sum_i w_i mean_t c[y_it] (torch's reduction='none' per
+    position), as one mean with scikit-learn's sample_weight * class_weight."""
+    import torch
+
+    z, y = rng.normal(size=(ROWS, LENGTH, CLASSES)), token_labels(rng, (ROWS, LENGTH))
+    w = rng.uniform(0.2, 2, ROWS)
+    options = {"ignore_index": IGNORE, "label_smoothing": label_smoothing,
+               "class_weight": CLASS_WEIGHT}
+    model = add_loss_output(token_identity(f"N, T, {CLASSES}"), "multiclass_log_loss",
+                            from_logits=True, weight_name="w", reduction=reduction, **options)
+    per_position = torch_cross_entropy(torch.from_numpy(z), y, "none", **options).numpy()
+    rows = w * per_position.mean(axis=1)
+    expected = {"none": rows, "sum": rows.sum(),
+                "mean": rows.sum() / (w * label_shares(y, IGNORE, CLASS_WEIGHT).mean(1)).sum()}
+    np.testing.assert_allclose(token_loss(model, x=z, label=y, w=w), expected[reduction],
+                               rtol=1e-12)
+    if reduction == "mean" and not label_smoothing:  # one label a row: scikit-learn's log_loss
+        p = np.exp(z[:, 0]) / np.exp(z[:, 0]).sum(-1, keepdims=True)
+        rows_model = add_loss_output(token_identity(f"N, {CLASSES}"), "multiclass_log_loss",
+                                     weight_name="w", class_weight=CLASS_WEIGHT)
+        label = y[:, 0]
+        theirs = log_loss(label, p, sample_weight=w * np.asarray(CLASS_WEIGHT)[label],
+                          labels=range(CLASSES))
+        np.testing.assert_allclose(token_loss(rows_model, x=p, label=label, w=w), theirs,
+                                   rtol=1e-10)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("loss", ["logistic", "binary_log_loss"])
+@pytest.mark.parametrize("pos_weight", [None, 3.0, 0.5])
+@pytest.mark.parametrize(("shape", "weighted"), [("N", False), ("N, 1", True)])
+def test_pos_weight_equals_torchs_bce_with_logits(rng, loss, pos_weight, shape, weighted):
+    """torch's BCEWithLogitsLoss(pos_weight=c): c y softplus(-s) + (1 - y) softplus(s), a
+    plain mean (pos_weight is not normalised); of the sigmoid's probability for
+    binary_log_loss. Sample weights weigh rows as everywhere."""
+    import torch
+
+    s = rng.normal(size=(9, 1) if shape == "N, 1" else 9) * 3
+    y = rng.integers(0, 2, 9)
+    w = rng.uniform(0.2, 2, 9)
+    given = torch.tensor(s, requires_grad=True)
+    per_row = torch.nn.functional.binary_cross_entropy_with_logits(
+        given.reshape(-1), torch.from_numpy(y).double(), reduction="none",
+        pos_weight=None if pos_weight is None else torch.tensor(pos_weight).double())
+    row_weight = torch.from_numpy(w if weighted else np.ones(9))
+    theirs = (row_weight * per_row).sum() / row_weight.sum()
+    theirs.backward()
+    probability = 1 / (1 + np.exp(-s))
+    model = add_loss_output(token_identity(shape), loss, weight_name="w" if weighted else None,
+                            **({} if pos_weight is None else {"pos_weight": pos_weight}))
+    x = s if loss == "logistic" else probability
+    inputs = {"x": x, "label": y, **({"w": w} if weighted else {})}
+    np.testing.assert_allclose(token_loss(model, **inputs), theirs.item(), rtol=1e-10)
+    grad = given.grad.numpy() if loss == "logistic" else (
+        given.grad.numpy() / (probability * (1 - probability)))  # dL/dp = dL/ds / p (1 - p)
+    check_gradients(model, inputs, wrt=["x"], reference={"x": float(cotangent(
+        (), np.float64)) * grad}, ort=False)
+
+
+# -- training: every fuse mode, a saved and loaded program, like torch -----------------------
+
+
+def torch_steps(program, X, y, batch, loss_fn):
+    """torch AdamW steps on ``loss_fn(logits, y)`` from the program's initial weights, each
+    batch in order: the losses and the weights reached."""
+    import torch
+
+    params = {k: torch.tensor(v, requires_grad=True) for k, v in program.state.items()
+              if k in program.weights}
+    optimizer = torch.optim.AdamW(params.values(), lr=0.05, betas=(0.8, 0.99), eps=1e-6,
+                                  weight_decay=0.05)
+    losses = []
+    for lo in range(0, len(X), batch):
+        optimizer.zero_grad()
+        logits = torch.from_numpy(X[lo:lo + batch]) @ params["W"] + params["b"]
+        loss = loss_fn(logits, y[lo:lo + batch])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy() for k, v in params.items()}
+
+
+def trained_alike(program, X, y, batch, loss_fn, tmp_path):
+    """The program, and the same saved and loaded, train as torch does step for step."""
+    losses, theirs = torch_steps(program, X, y, batch, loss_fn)
+    program.save(tmp_path / "program")
+    for trained in (program, lossgraph.TrainingProgram.load(tmp_path / "program")):
+        trainer = lossgraph.Trainer(trained).fit(X, y, epochs=1, batch_size=batch,
+                                                 shuffle=False, progress=False)
+        for name, value in theirs.items():
+            np.testing.assert_allclose(trainer.state[name], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=name)
+        assert trainer.train_losses_ == [pytest.approx(np.mean(losses), rel=1e-5)]
+    assert max(np.abs(theirs[n] - program.state[n]).max() for n in theirs) > 0.05
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_training_with_smoothing_and_class_weights_equals_torch(rng, fuse, tmp_path):
+    options = {"ignore_index": IGNORE, "label_smoothing": 0.1, "class_weight": CLASS_WEIGHT}
+    program = lossgraph.compile_program(
+        token_model(), loss="multiclass_log_loss", fuse=fuse,
+        loss_options={"from_logits": True, **options},
+        optimizer=AdamW(0.05, beta1=0.8, beta2=0.99, epsilon=1e-6, weight_decay=0.05))
+    X = rng.normal(size=(12, LENGTH, FEATURES)).astype(np.float32)
+    y = token_labels(rng, (12, LENGTH), ignored=0.4)
+    trained_alike(program, X, y, 4, lambda z, y: torch_cross_entropy(z, y, **options), tmp_path)
+
+
+def logit_model() -> onnx.ModelProto:
+    """``s = x @ W + b``: one raw score per row."""
+    return onnx.parser.parse_model(f"""
+        <ir_version: 8, opset_import: ["" : 18]>
+        logit (float[N, {FEATURES}] x) => (float[N, 1] s)
+        <float[{FEATURES}, 1] W = {{0.3, -0.2, 0.1}}, float[1] b = {{0.1}}> {{
+            h = MatMul(x, W)
+            s = Add(h, b)
+        }}""")
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_training_with_pos_weight_equals_torch(rng, fuse, tmp_path):
+    import torch
+
+    program = lossgraph.compile_program(
+        logit_model(), loss="logistic", loss_options={"pos_weight": 3.0}, fuse=fuse,
+        optimizer=AdamW(0.05, beta1=0.8, beta2=0.99, epsilon=1e-6, weight_decay=0.05))
+    X = rng.normal(size=(12, FEATURES)).astype(np.float32)
+    y = rng.integers(0, 2, 12)
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor([3.0]))
+    trained_alike(program, X, y, 4,
+                  lambda s, y: loss_fn(s, torch.from_numpy(y[:, None]).float()), tmp_path)
+
+
+# -- what the program records, and the Trainer's checks ------------------------------------
+
+
+@pytest.mark.torch
+def test_a_kept_batch_evaluates_in_runs_as_one_mean_over_the_class_weights(rng):
+    """A model exported with a batch of 2 evaluates 2 rows a run; the runs' means combine
+    by the class weights of their labels into torch's mean over every row."""
+    import torch
+
+    model = onnx.parser.parse_model(f"""
+        <ir_version: 8, opset_import: ["" : 18]>
+        clf (float[2, {FEATURES}] x) => (float[2, {CLASSES}] logits)
+        <float[{FEATURES}, {CLASSES}] W = {{{", ".join(["0.3", "-0.2", "0.1"] * CLASSES)}}},
+         float[{CLASSES}] b = {{0.1, 0.2, -0.1, 0}}> {{
+            s = MatMul(x, W)
+            logits = Add(s, b)
+        }}""")
+    options = {"ignore_index": IGNORE, "label_smoothing": 0.1, "class_weight": CLASS_WEIGHT}
+    trainer = lossgraph.Trainer(lossgraph.compile_program(
+        model, loss="multiclass_log_loss", fixed_batch="keep",
+        loss_options={"from_logits": True, **options}))
+    X = rng.normal(size=(6, FEATURES)).astype(np.float32)
+    y = np.array([1, 0, IGNORE, 3, 2, 1])
+    logits = torch.from_numpy(X) @ torch.from_numpy(trainer.state["W"]) + torch.from_numpy(
+        trainer.state["b"])
+    assert trainer.evaluate(X, y) == pytest.approx(
+        torch_cross_entropy(logits, y, **options).item(), rel=1e-6)
+
+
+
+def test_the_class_weights_are_recorded_and_read_back():
+    model = add_loss_output(token_model(), "multiclass_log_loss", from_logits=True,
+                            class_weight=np.array(CLASS_WEIGHT), label_smoothing=0.1)
+    assert read_json(model, LOSS_KEY) == {"class_weight": CLASS_WEIGHT}
+    assert read_loss_record(model) == {"ignore_index": None, "class_weight": CLASS_WEIGHT}
+    plain = add_loss_output(token_model(), "multiclass_log_loss", from_logits=True,
+                            label_smoothing=0.1)
+    assert read_json(plain, LOSS_KEY) is None
+
+
+@pytest.mark.parametrize("record", ['{"class_weight": "balanced"}', '{"class_weight": [1, true]}',
+                                    '[1, 2]', '{"ignore_index": 1.5}'])
+def test_a_loss_record_edited_by_hand_is_an_invalid_program(record):
+    model = add_loss_output(token_model(), "multiclass_log_loss", from_logits=True,
+                            class_weight=CLASS_WEIGHT)
+    onnx.helper.set_model_props(model, {LOSS_KEY: record})
+    with pytest.raises(InvalidProgramError, match="must be a JSON object such as"):
+        read_loss_record(model)
+
+
+@pytest.mark.parametrize("fuse", ["step", "epoch"])
+def test_a_batch_whose_labels_all_weigh_zero_is_named(rng, fuse):
+    trainer = lossgraph.Trainer(lossgraph.compile_program(
+        token_model(), loss="multiclass_log_loss", fuse=fuse,
+        loss_options={"from_logits": True, "class_weight": [0.0, 1.0, 1.0, 1.0]}))
+    X = rng.normal(size=(8, LENGTH, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, (8, LENGTH))
+    y[4:] = 0
+    with pytest.raises(InvalidDataError, match="No label of epoch 0, batch 1 counts: each is of "
+                                               "a class of weight zero"):
+        trainer.fit(X, y, batch_size=4, shuffle=False, progress=False)
+
+
+def test_without_a_static_class_count_labels_are_checked_against_the_class_weights(rng):
+    """A model whose number of classes is not static: the class weights give it."""
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        open (float[N, C] x) => (float[N, C] y) <float[1] scale = {1.0}> {
+            y = Mul(x, scale)
+        }""")
+    trainer = lossgraph.Trainer(lossgraph.compile_program(
+        model, loss="multiclass_log_loss", loss_options={"from_logits": True,
+                                                         "class_weight": [1, 2]}))
+    assert trainer.engine.classes == 2
+    X = rng.normal(size=(4, 2)).astype(np.float32)
+    with pytest.raises(InvalidDataError, match="class label 2 at row 3, but the model's "
+                                               r"classes are 0\.\.1"):
+        trainer.fit(X, np.array([0, 1, 1, 2]), progress=False)
+
+
+@pytest.mark.parametrize(("options", "pattern"), [
+    ({"label_smoothing": -0.1}, r"label_smoothing=-0\.1 .* must be a number in \[0, 1\)"),
+    ({"label_smoothing": True}, r"label_smoothing=True"),
+    ({"class_weight": [1, 2, float("nan"), 1]}, r"class_weight=\[1, 2, nan, 1\]"),
+    ({"class_weight": [0, 0, 0, 0]}, r"not all zero"),
+    ({"class_weight": {0: 2.0}}, r"must be a list of one weight per class"),
+    ({"class_weight": [1.0]}, r"class_weight=\[1\.0\]"),
+    ({"class_weight": [1, 2, 3]}, r"class_weight has 3 weights but output 'logits' has 4"),
+])
+def test_bad_smoothing_and_class_weights_are_option_errors(options, pattern):
+    with pytest.raises(UnsupportedOptionError, match=pattern):
+        add_loss_output(token_model(), "multiclass_log_loss", from_logits=True, **options)
+
+
+def test_pos_weight_is_for_the_binary_losses_and_class_weight_for_the_multiclass_one():
+    with pytest.raises(UnsupportedOptionError, match="takes no option 'pos_weight'"):
+        add_loss_output(token_model(), "multiclass_log_loss", pos_weight=2.0)
+    with pytest.raises(UnsupportedOptionError, match="takes no option 'class_weight'"):
+        add_loss_output(logit_model(), "logistic", class_weight=[1, 2])
+    with pytest.raises(UnsupportedOptionError, match=r"pos_weight=inf .* finite number >= 0"):
+        add_loss_output(logit_model(), "logistic", pos_weight=float("inf"))
+
+
+def test_balanced_class_weight_equals_scikit_learns(rng):
+    from sklearn.utils.class_weight import compute_class_weight
+
+    y = rng.integers(0, CLASSES, 50)
+    np.testing.assert_allclose(lossgraph.balanced_class_weight(y), compute_class_weight(
+        "balanced", classes=np.arange(CLASSES), y=y), rtol=1e-15)
+    tokens = token_labels(rng, (20, LENGTH))
+    counted = tokens[tokens != IGNORE]
+    np.testing.assert_allclose(
+        lossgraph.balanced_class_weight(tokens, classes=CLASSES, ignore_index=IGNORE),
+        compute_class_weight("balanced", classes=np.arange(CLASSES), y=counted), rtol=1e-15)
+
+
+@pytest.mark.parametrize(("y", "options", "pattern"), [
+    ([0, 1, 3], {}, "no label of class 2"),
+    ([0, 1, 3], {"classes": 3}, "the label 3, beyond the 3 classes"),
+    ([0.0, 1.0], {}, "needs integer class labels"),
+    ([-1, 0, 1], {}, "the label -1"),
+    ([IGNORE, IGNORE], {"ignore_index": IGNORE}, "no label to count"),
+])
+def test_balanced_class_weight_refuses_labels_it_cannot_weigh(y, options, pattern):
+    with pytest.raises(InvalidDataError, match=pattern):
+        lossgraph.balanced_class_weight(np.array(y), **options)
+
+
+def test_the_command_line_takes_class_weights_as_a_json_list(tmp_path):
+    from lossgraph.cli import main
+
+    onnx.save(token_model(), tmp_path / "tokens.onnx")
+    assert main(["compile", str(tmp_path / "tokens.onnx"), "--loss", "multiclass_log_loss",
+                 "--loss-option", "from_logits=true", "--loss-option", "label_smoothing=0.1",
+                 "--loss-option", f"class_weight={CLASS_WEIGHT}",
+                 "-o", str(tmp_path / "program")]) == 0
+    program = lossgraph.TrainingProgram.load(tmp_path / "program")
+    assert read_json(program.graphs["evaluate"], LOSS_KEY) == {"class_weight": CLASS_WEIGHT}
+
+
+@pytest.mark.parametrize("source", ["csv", "npz"])
+def test_the_command_line_weighs_classes_by_the_labels_of_a_data_file(tmp_path, rng, source):
+    """``class_weight=balanced`` with ``--class-weight-labels DATA [NAME]``: the weights of
+    balanced_class_weight(labels) are computed at compile and kept in the program."""
+    from lossgraph.cli import main
+
+    onnx.save(token_model(), tmp_path / "tokens.onnx")
+    labels = token_labels(rng, (20, LENGTH))
+    if source == "csv":
+        data = tmp_path / "labels.csv"
+        data.write_text("tag\n" + "\n".join(map(str, labels.ravel())) + "\n")
+        flag = [str(data), "tag"]
+    else:
+        data = tmp_path / "data.npz"
+        np.savez(data, X=np.zeros(1), y=labels)
+        flag = [str(data)]
+    assert main(["compile", str(tmp_path / "tokens.onnx"), "--loss", "multiclass_log_loss",
+                 "--loss-option", "from_logits=true", "--loss-option", "ignore_index=-100",
+                 "--loss-option", "class_weight=balanced", "--class-weight-labels", *flag,
+                 "-o", str(tmp_path / "program")]) == 0
+    weights = lossgraph.balanced_class_weight(labels, ignore_index=IGNORE)
+    lossgraph.compile_program(token_model(), loss="multiclass_log_loss", loss_options={
+        "from_logits": True, "ignore_index": IGNORE, "class_weight": weights,
+    }).save(tmp_path / "expected")
+    for path in (tmp_path / "expected").iterdir():  # the same program, byte for byte
+        assert (tmp_path / "program" / path.name).read_bytes() == path.read_bytes(), path.name
+    program = lossgraph.TrainingProgram.load(tmp_path / "program")
+    assert read_json(program.graphs["evaluate"], LOSS_KEY) == {"ignore_index": IGNORE,
+                                                               "class_weight": weights}
+
+
+def test_data_parallel_refuses_a_mean_divided_by_class_weights():
+    from lossgraph.parallel import ParallelProgram
+
+    with pytest.raises(UnsupportedOptionError, match="class_weight=.* data-parallel step"):
+        ParallelProgram.compile(token_model(), loss="multiclass_log_loss",
+                                loss_options={"from_logits": True, "class_weight": CLASS_WEIGHT})
 
 
 # -- the separate mode's loss graph (program_loss_graph) -----------------------------------

@@ -867,15 +867,18 @@ KNOWN: dict[tuple[str, str], str] = {
     "parameters alone into initializers of their own (Swin's relative-position bias "
     "gathered from its table, a weight-normed convolution's weight) and stores a tied "
     "embedding again, transposed, for the output projection (GPT-2, T5). lossgraph trains "
-    "those initializers as the export has them, without a warning: nothing in the export "
-    "says they were computed from parameters. Export with do_constant_folding=False to "
-    "train.",
+    "those initializers as the export has them and warns (FoldedWeightWarning: an "
+    "initializer the exporter named onnx::<Op>_<n> that is no transposed Linear weight, a "
+    "tensor stored twice). Export with do_constant_folding=False to train the module's "
+    "parameters.",
     ("*", "dynamo-optimized"): "torch's default optimize=True folds each inference-mode "
     "BatchNorm into the Conv before it, folds computations of parameters alone (Swin's "
-    "tables, weight norm), stores a tied embedding twice (GPT-2) and merges initializers of "
-    "equal values (a fresh BERT). lossgraph warns of merged initializers "
-    "(TiedWeightWarning); the others it trains as the export has them, without a warning. "
-    "Export with optimize=False to train.",
+    "tables, weight norm), removes zero biases, stores a tied embedding twice (GPT-2) and "
+    "merges initializers of equal values (a fresh BERT). lossgraph trains the export as it "
+    "is and warns: FoldedWeightWarning for what the export's records say the optimizer "
+    "folded or dropped (its rewrite rules, the parameters its graph signature names) and "
+    "for a tensor stored twice, TiedWeightWarning for merged initializers. Export with "
+    "optimize=False to train the module's parameters.",
     ("transformers/bert-fresh", "legacy"): "the legacy exporter merges initializers of equal "
     "values (a fresh model's LayerNorm ones and zero biases) into one, even with folding "
     "off: lossgraph warns (TiedWeightWarning) and trains the shared initializer as one "
@@ -1071,26 +1074,34 @@ def render(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the catalogue (or ``--only`` some architectures), record the outcomes and write
-    the page."""
+    """Run the catalogue (or ``--only`` some architectures, ``--exporters`` some exporters),
+    record the outcomes and write the page."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated architecture names: run these, keep "
                                        "the other records")
+    parser.add_argument("--exporters", help="comma-separated exporter names (" + ", ".join(
+        e.name for e in EXPORTERS) + "): run their cases, keep the other records")
     parser.add_argument("--render", action="store_true",
                         help="write the page from the record, running nothing")
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
+    exporters = set(args.exporters.split(",")) if args.exporters else None
+
+    def selected(architecture: Architecture, exporter: Exporter) -> bool:
+        return ((only is None or architecture.name in only)
+                and (exporters is None or exporter.name in exporters))
+
     record = load_record() if RECORD.exists() else {"cases": {}}
     if not args.render:
         started = time.process_time()
-        kept = {key: value for key, value in record["cases"].items()
-                if only is not None and key in {case_key(*c) for c in cases()}}
+        kept = {case_key(*c): record["cases"][case_key(*c)] for c in cases()
+                if not selected(c[0], c[1]) and case_key(*c) in record["cases"]}
         record = {"versions": versions(), "cases": kept}
         for architecture in catalogue():
-            if only and architecture.name not in only:
-                continue
             case = Case(architecture)
             for exporter, fuse in columns():
+                if not selected(architecture, exporter):
+                    continue
                 start = time.process_time()
                 outcome = case.run(exporter, fuse)
                 record["cases"][case_key(architecture, exporter, fuse)] = outcome.as_record()

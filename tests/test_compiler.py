@@ -4,6 +4,7 @@ a large weight's data held apart."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -68,15 +69,16 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
     assert list(program.graphs) == list(lines)[2:]
 
 
-@pytest.mark.parametrize(("fuse", "weights"), [
-    ("step", None), ("separate", None), ("epoch", None),
-    ("epoch", ["S"]),  # W frozen: an initializer of the epoch's Scan body
+@pytest.mark.parametrize(("fuse", "weights", "copied"), [
+    ("step", None, True),  # C a copy of W: compile warns it is one (read from the store)
+    ("separate", None, False), ("epoch", None, False),
+    ("epoch", ["S"], False),  # W frozen: an initializer of the epoch's Scan body
 ])
-def test_compile_passes_never_copy_a_large_weights_data(monkeypatch, fuse, weights):
+def test_compile_passes_never_copy_a_large_weights_data(monkeypatch, fuse, weights, copied):
     """Every pass of compile works on a light model (the large weight's data held apart,
-    lossgraph.graphs.HeldWeights), and the program is byte for byte the one compiled
-    with every weight's data in its models."""
-    model = large_weights_model()
+    lossgraph.graphs.HeldWeights), and the program (and what compile warns) is byte for
+    byte the one compiled with every weight's data in its models."""
+    model = large_weights_model(copied=copied)
     seen: list[str] = []
     run = Pass.run
 
@@ -88,11 +90,18 @@ def test_compile_passes_never_copy_a_large_weights_data(monkeypatch, fuse, weigh
         return result
 
     monkeypatch.setattr(Pass, "run", recording)
-    program = lossgraph.compile_program(model, fuse=fuse, weights=weights)
+    with warnings.catch_warnings(record=True) as light_warnings:
+        warnings.simplefilter("always")
+        program = lossgraph.compile_program(model, fuse=fuse, weights=weights)
     assert seen == []
     monkeypatch.setattr(Pass, "run", run)
     monkeypatch.setattr(compiler, "HeldWeights", lambda: HeldWeights(min_bytes=1 << 62))
-    whole = lossgraph.compile_program(model, fuse=fuse, weights=weights)
+    with warnings.catch_warnings(record=True) as whole_warnings:
+        warnings.simplefilter("always")
+        whole = lossgraph.compile_program(model, fuse=fuse, weights=weights)
+    told = [str(w.message) for w in light_warnings]
+    assert told == [str(w.message) for w in whole_warnings]
+    assert any("a copy of 'W'" in message for message in told) == copied
     for graph in whole.graphs:
         assert program.graphs[graph].SerializeToString() == \
             whole.graphs[graph].SerializeToString()

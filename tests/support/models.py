@@ -166,9 +166,11 @@ def image_scaler() -> onnx.ModelProto:
 BIG, SMALL = (256, 128), (128, 4)
 
 
-def large_weights_model(big: onnx.TensorProto | None = None) -> onnx.ModelProto:
+def large_weights_model(big: onnx.TensorProto | None = None, copied: bool = False
+                        ) -> onnx.ModelProto:
     """``y = Reshape(x @ W, shape) @ S``: a large weight ``W`` (or ``big``), a small one
-    ``S`` and an int64 constant that shape inference reads."""
+    ``S`` and an int64 constant that shape inference reads; ``copied``: ``x @ W + x @ C``,
+    ``C`` a copy of ``W`` (what ``lossgraph.analysis.folded_weights`` reports)."""
     from onnx import TensorProto, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -178,6 +180,11 @@ def large_weights_model(big: onnx.TensorProto | None = None) -> onnx.ModelProto:
     nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
              helper.make_node("Reshape", ["h", "shape"], ["r"]),  # reads its constant
              helper.make_node("MatMul", ["r", "S"], ["y"])]
+    if copied:
+        weights.append(numpy_helper.from_array(numpy_helper.to_array(weights[0]), "C"))
+        nodes[:1] = [helper.make_node("MatMul", ["x", "W"], ["w"]),
+                     helper.make_node("MatMul", ["x", "C"], ["c"]),
+                     helper.make_node("Add", ["w", "c"], ["h"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, ["N", BIG[0]])], [helper.make_tensor_value_info(
             "y", TensorProto.FLOAT, ["N", 4])], weights)

@@ -436,10 +436,13 @@ def plot(cells: dict[str, dict[str, Any]], columns: list[str], path: str,
         if before:
             was = [before.get(name, {}).get(c, {}).get("peak_mb", 0) for c in columns]
             axis.bar(positions - width / 2, was, width, color="lightgray", hatch="//",
-                     edgecolor="gray", label="before")
-        axis.bar(positions + (width / 2 if before else 0), now, width,
-                 color=["tab:orange" if c == "torch" else "tab:blue" for c in columns],
-                 label="now" if before else None)
+                     edgecolor="gray", label="lossgraph before")
+        for torch_column, color, label in ((True, "tab:orange", "torch eager"),
+                                           (False, "tab:blue", "lossgraph now" if before
+                                            else "lossgraph")):
+            shown = [i for i, c in enumerate(columns) if (c == "torch") == torch_column]
+            axis.bar(positions[shown] + (width / 2 if before else 0),
+                     [now[i] for i in shown], width, color=color, label=label)
         axis.axhline(row["weights_mb"], color="black", linestyle=":", label="weights")
         axis.set_xticks(positions, [c if c != "compile" else "compile\nalone" for c in columns],
                         fontsize=8)

@@ -426,7 +426,7 @@ def test_memory_cells_train_what_they_say_and_the_report_shows_every_column(tmp_
     bench.report({"cnn": row}, list(bench.COLUMNS))
     printed = capsys.readouterr().out
     assert all(bench.COLUMNS[c] in printed for c in bench.COLUMNS)
-    assert "| cnn (" in printed and "x the weights)" in printed
+    assert "| cnn (" in printed and "x the weights, " in printed and "x stored)" in printed
     foreign = tmp_path / "notes.json"
     foreign.write_text("{}")
     with pytest.raises(SystemExit):

@@ -9,7 +9,8 @@ The public surface (docs/concepts.md gives its vocabulary):
 - gradients: :func:`grad_rule` (register a rule), :func:`supported_ops`
 - training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer` (on the
   engine :class:`Engine`), optimizers in :mod:`lossgraph.optim` (their learning-rate
-  schedules in :mod:`lossgraph.schedules`), fusion modes in
+  schedules in :mod:`lossgraph.schedules`); :class:`EarlyStopping`, metrics in
+  :mod:`lossgraph.runtime.metrics`, fusion modes in
   :mod:`lossgraph.modes`; :func:`describe_plan` shows what compiling runs
 - analyses: :func:`trainable_initializers`, :func:`get_roles`; the class weights of
   training labels: :func:`balanced_class_weight`
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "CSVLogger": ".runtime.callbacks",
     "Callback": ".runtime.callbacks",
+    "EarlyStopping": ".runtime.early_stopping",
     "Engine": ".runtime.engine",
     "LossgraphError": ".errors",
     "Trainer": ".runtime.trainer",

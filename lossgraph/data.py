@@ -38,7 +38,7 @@ import numpy as np
 from .errors import DTypeMismatchError, InvalidDataError, ShapeMismatchError, UnsupportedOptionError
 
 __all__ = ["random_state", "as_array", "converted", "declared", "check_values",
-           "CheckedArrays"]
+           "CheckedArrays", "validation_fraction", "split_rows"]
 
 #: Elements per block of the NaN check (256 KiB of float32, its mask 64 KiB).
 _FINITE_BLOCK = 1 << 16
@@ -54,6 +54,68 @@ def random_state(value: Any) -> int | np.random.Generator | None:
     raise UnsupportedOptionError(
         f"random_state={reprlib.repr(value)} must be None, an integer >= 0 or a "
         "numpy.random.Generator.")
+
+
+def validation_fraction(value: Any) -> float | None:
+    """The share of rows held out for validation: None, or a number in (0, 1)."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) \
+            and 0 < value < 1:
+        return float(value)
+    raise UnsupportedOptionError(
+        f"validation_fraction={reprlib.repr(value)} must be a number between 0 and 1 (the "
+        "share of rows held out, e.g. 0.1), or None.")
+
+
+def split_rows(rows: int, fraction: float, seed: int | None,
+               classes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The rows kept for training and those held out for validation: ``ceil(fraction *
+    rows)`` held out at random, the rows scikit-learn's ``ShuffleSplit(test_size=fraction,
+    random_state=seed)`` holds out, or with class labels ``classes``
+    ``StratifiedShuffleSplit``'s (each class in proportion), which its estimators'
+    ``validation_fraction`` uses (``seed`` None: unseeded)."""
+    held = int(np.ceil(fraction * rows))
+    if not 0 < held < rows:
+        raise InvalidDataError(
+            f"validation_fraction={fraction:g} of {rows} rows holds out {held}: choose a "
+            "fraction that keeps at least one row on each side.")
+    rng = np.random.RandomState(seed)
+    if classes is None:
+        order = rng.permutation(rows)
+        return order[held:], order[:held]
+    _, index, counts = np.unique(classes, return_inverse=True, return_counts=True)
+    if counts.min() < 2 or min(held, rows - held) < len(counts):
+        raise InvalidDataError(
+            f"validation_fraction={fraction:g} cannot keep each of the {len(counts)} classes on "
+            f"both sides of {rows} rows (the rarest has {counts.min()}, {held} are held out): "
+            "pass validation_data, or more rows.")
+    members = np.split(np.argsort(index, kind="stable"), np.cumsum(counts)[:-1])
+    kept = _approximate_mode(counts, rows - held, rng)
+    out = _approximate_mode(counts - kept, held, rng)
+    train, validation = [], []
+    for rows_of_class, k, o in zip(members, kept, out):
+        shuffled = rows_of_class.take(rng.permutation(len(rows_of_class)))
+        train.extend(shuffled[:k])
+        validation.extend(shuffled[k:k + o])
+    return rng.permutation(train), rng.permutation(validation)
+
+
+def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of ``draws`` rows each class gives: its share rounded down, the rest to the
+    largest remainders (ties drawn at random), as scikit-learn's stratified split counts."""
+    continuous = counts / counts.sum() * draws
+    floored = np.floor(continuous)
+    missing = int(draws - floored.sum())
+    remainder = continuous - floored
+    for value in np.sort(np.unique(remainder))[::-1]:
+        if missing <= 0:
+            break
+        (tied,) = np.where(remainder == value)
+        chosen = rng.choice(tied, size=min(len(tied), missing), replace=False)
+        floored[chosen] += 1
+        missing -= len(chosen)
+    return floored.astype(int)
 
 
 def declared(name: str, dtype: Any, shape: Sequence[int | str | None] | None,

@@ -33,13 +33,15 @@ __all__ = ["model_file", "data_source", "saved_folder", "is_plain", "is_checkpoi
            "checkpoint_record", "is_csv_log", "LOG_COLUMNS", "saved_checkpoints",
            "latest_checkpoint", "resumed_checkpoint",
            "PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "PROGRAM", "CHECKPOINT", "MANIFEST_FILE",
-           "STATE_FILE", "INFERENCE_FILE", "TRAINER_FILE", "PROGRAM_SUBFOLDER",
+           "STATE_FILE", "INFERENCE_FILE", "TRAINER_FILE", "BEST_STATE_FILE", "PROGRAM_SUBFOLDER",
            "CHECKPOINT_FORMAT"]
 
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "state.npz"
 INFERENCE_FILE = "inference.onnx"
 TRAINER_FILE = "trainer.json"
+#: A checkpoint's state of the best epoch so far (early stopping), when it keeps one.
+BEST_STATE_FILE = "best_state.npz"
 PROGRAM_SUBFOLDER = "program"
 CHECKPOINT_FORMAT = "lossgraph-checkpoint/1"
 
@@ -135,13 +137,16 @@ def checkpoint_record(folder: Path) -> dict[str, Any] | None:
 
 
 def _checkpoint_entries(folder: Path) -> set[str] | None:
-    if checkpoint_record(folder) is None:
+    record = checkpoint_record(folder)
+    if record is None:
         return None
     program = folder / PROGRAM_SUBFOLDER
     entries = _program_entries(program) if program.is_dir() and not program.is_symlink() else None
+    own = {TRAINER_FILE} | ({BEST_STATE_FILE} if "best_state" in record
+                            and not (folder / BEST_STATE_FILE).is_symlink() else set())
     if entries is not None and set(os.listdir(program)) <= entries:
-        return {TRAINER_FILE, PROGRAM_SUBFOLDER}
-    return {TRAINER_FILE}
+        return own | {PROGRAM_SUBFOLDER}
+    return own
 
 
 def is_checkpoint_record(record: Mapping[str, Any]) -> bool:

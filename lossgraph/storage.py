@@ -8,8 +8,9 @@ A **program folder** (``TrainingProgram.save``, ``lossgraph compile -o``) holds:
     inference.onnx    the inference model the weights and buffers are written back into
 
 A **checkpoint folder** (``Trainer.save_checkpoint``) holds ``trainer.json`` (counters,
-losses, the shuffling generator) and a program folder ``program/`` with the state
-reached.
+losses and metrics, the shuffling generator, early stopping's record), a program folder
+``program/`` with the state reached and, when early stopping keeps one, ``best_state.npz``
+(the best epoch's state, its checksum in ``trainer.json``).
 
 Writing goes through :mod:`lossgraph.fileio` (atomic, never over foreign files).
 Reading trusts nothing: every file must be a plain name inside the folder (no ``..``,
@@ -41,6 +42,7 @@ from .graphs import all_graphs, stored_tensors
 from .manifest import check_manifest
 from .models import non_text_field
 from .paths import (
+    BEST_STATE_FILE,
     CHECKPOINT,
     CHECKPOINT_FOLDER,
     CHECKPOINT_FORMAT,
@@ -131,14 +133,20 @@ def save_program(path: str | os.PathLike, program: Program) -> Path:
     return Path(path)
 
 
-def save_checkpoint(path: str | os.PathLike, program: Program,
-                    record: Mapping[str, Any]) -> Path:
-    """Write a checkpoint folder: ``program`` (with the reached state) and ``record``."""
+def save_checkpoint(path: str | os.PathLike, program: Program, record: Mapping[str, Any],
+                    best_state: Mapping[str, np.ndarray] | None = None) -> Path:
+    """Write a checkpoint folder: ``program`` (with the reached state), ``record`` and the
+    ``best_state`` of early stopping, if any."""
+    record = {"format": CHECKPOINT_FORMAT, **record}
     with replace_directory(path, CHECKPOINT_FOLDER) as staging:
         os.mkdir(staging / PROGRAM_SUBFOLDER, 0o777)
         _write_program(staging / PROGRAM_SUBFOLDER, program)
-        (staging / TRAINER_FILE).write_text(
-            json.dumps({"format": CHECKPOINT_FORMAT, **record}, indent=2) + "\n")
+        if best_state is not None:
+            arrays = io.BytesIO()
+            np.savez(arrays, **best_state)
+            (staging / BEST_STATE_FILE).write_bytes(arrays.getvalue())
+            record["best_state"] = _checksum(arrays.getvalue())
+        (staging / TRAINER_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return Path(path)
 
 
@@ -378,7 +386,9 @@ def _losses(record: Mapping[str, Any], key: str, at: str) -> list[float]:
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[ProgramParts, dict[str, Any]]:
     """Read and check a checkpoint folder: its program, and its record with ``steps``,
-    ``epochs``, ``train_losses``, ``validation_losses`` and ``rng`` (a Generator or None)."""
+    ``epochs``, ``train_losses``, ``validation_losses``, ``metrics`` (lists by name),
+    ``rng`` (a Generator or None), ``early_stopping`` (its record or None) and
+    ``best_state`` (arrays by name, or None)."""
     folder = saved_folder(path, CHECKPOINT)
     at = str(folder / TRAINER_FILE)
     record = _read_json(folder, TRAINER_FILE, "lossgraph checkpoint folder")
@@ -397,6 +407,16 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ProgramParts, dict[str, An
                "train_losses": _losses(record, "train_losses", at),
                "validation_losses": _losses(record, "validation_losses", at),
                "rng": _generator(record.get("rng"), at)}
+    metrics = record.get("metrics", {})
+    if not isinstance(metrics, dict):
+        raise InvalidProgramError(f"{at}: 'metrics' must be a dict of lists of numbers.")
+    checked["metrics"] = {str(name): _losses(metrics, name, at) for name in metrics}
+    checked["early_stopping"] = record.get("early_stopping")
+    checked["best_state"] = None
+    if "best_state" in record:
+        checksums = {BEST_STATE_FILE: record["best_state"]}
+        data = _verified_bytes(folder, BEST_STATE_FILE, checksums, at)
+        checked["best_state"] = _read_state(data, folder / BEST_STATE_FILE)
     return program, checked
 
 

@@ -391,6 +391,15 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "bad dtype": (lambda f: _rewrite_manifest(
         f, lambda m: m["graphs"]["evaluate"]["inputs"][0].update(dtype="floaty")),
         "'floaty' is not a numpy dtype"),
+    "update option unknown": (lambda f: _rewrite_manifest(
+        f, lambda m: m.update(update={"clip": 1.0})), "Unknown update option 'clip'"),
+    "update option out of range": (lambda f: _rewrite_manifest(
+        f, lambda m: m.update(update={"max_grad_norm": -1.0})), "max_grad_norm=-1.0 must be"),
+    "averages not listed": (lambda f: _rewrite_manifest(
+        f, lambda m: m.update(update={"ema_decay": 0.9})),
+        "'ema' lists each weight's average exactly when 'update' holds ema_decay"),
+    "average not a state": (lambda f: _rewrite_manifest(f, lambda m: m.update(
+        update={"ema_decay": 0.9}, ema={"coef": "coef"})), "each weight maps to its last"),
     "graph file missing": (lambda f: (f / "train_step.onnx").unlink(),
                            "has no file 'train_step.onnx'"),
     "graph truncated": (lambda f: _truncate(f, "train_step.onnx"), "checksum"),
@@ -483,6 +492,15 @@ CHECKPOINT_DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
                            "'train_losses' must be a list of numbers"),
     "bad generator": (lambda f: _rewrite_record(f, rng={"bit_generator": "Nope"}),
                       "'rng' is not the state"),
+    "metrics not numbers": (lambda f: _rewrite_record(f, metrics={"accuracy": ["high"]}),
+                            "'accuracy' must be a list of numbers"),
+    "not an early-stopping record": (lambda f: _rewrite_record(f, early_stopping=[3]),
+                                     "'early_stopping' is not an early-stopping record"),
+    "best state missing": (lambda f: _rewrite_record(f, best_state="0" * 64),
+                           "has no file 'best_state.npz'"),
+    "best state damaged": (lambda f: (_rewrite_record(f, best_state="0" * 64),
+                                      (f / "best_state.npz").write_bytes(b"PK")),
+                           "does not match the checksum"),
     "program missing": (lambda f: _remove_tree(f / "program"),
                         "There is no lossgraph program folder"),
     "program damaged": (lambda f: (f / "program" / "manifest.json").write_text("["),

@@ -52,6 +52,13 @@ def check_inputs(args: argparse.Namespace) -> None:
             count("checkpoint_every", args.checkpoint_every, 1)
         if args.keep_last is not None:
             count("keep_last", args.keep_last, 1)
+        if args.early_stopping_patience is not None:
+            count("--early-stopping-patience", args.early_stopping_patience, 1)
+            if args.early_stopping_monitor.startswith(("validation_", "val_")) and \
+                    args.validation_split is None:
+                raise UnsupportedOptionError(
+                    f"--early-stopping-monitor {args.early_stopping_monitor} watches validation "
+                    "rows: pass --validation-split F, or monitor loss.")
         if args.batch_size is not None:  # None: the Trainer's default, or a kept batch
             count("batch_size", args.batch_size, 1)
         if args.accumulation_steps is not None:  # None: the program's

@@ -56,6 +56,9 @@ examples:
       --history history.json --plot loss.png
   lossgraph train --resume ckpt/ --data train.csv --epochs 5 -o trained.onnx \\
       --checkpoint ckpt/      # 5 more epochs from the checkpoint
+  lossgraph train program/ --data train.npz --epochs 100 --validation-split 0.1 \\
+      --metrics accuracy top_5_accuracy --early-stopping-patience 5 \\
+      --early-stopping-monitor validation_accuracy -o trained.onnx --history history.json
 
 data: an .npz file or a folder of .npy files (arrays X, y and optionally sample_weight,
 or those --features, --label, --sample-weight name), or a .csv (a header row, then
@@ -327,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the runtimes the graphs must load in: a target name (default, "
                             "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "
                             "see docs/reference/targets.md")
+    build.add_argument("--max-grad-norm", type=float, metavar="C",
+                       help="clip the gradients to this global norm before each update, as "
+                            "torch.nn.utils.clip_grad_norm_ (default: no clipping)")
+    build.add_argument("--ema-decay", type=float, metavar="D",
+                       help="keep an exponential moving average of the weights, "
+                            "e = D e + (1 - D) w after each update (e.g. 0.999); train and "
+                            "export --ema write it (default: none)")
     build.add_argument("--fixed-batch", default="auto", choices=list(FIXED_BATCH_CHOICES),
                        help="a model whose inputs fix the batch size (torch.onnx.export's "
                             "default): auto frees it where the graph proves which constants "
@@ -396,8 +406,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write the losses of every epoch here, as JSON")
     train.add_argument("--plot", metavar="FILE",
                        help="also draw the loss curve into this PNG (needs matplotlib)")
+    train.add_argument("--metrics", nargs="+", metavar="NAME",
+                       help="also compute these after every epoch, on the training and "
+                            "validation rows: accuracy, top_<k>_accuracy, f1, log_loss, mae, "
+                            "rmse, r2")
+    train.add_argument("--early-stopping-patience", type=int, metavar="N",
+                       help="stop after N epochs in a row without improvement of the "
+                            "monitored value, and keep the best epoch's weights")
+    train.add_argument("--early-stopping-monitor", metavar="NAME", default="validation_loss",
+                       help="the value early stopping watches (default: validation_loss, "
+                            "which needs --validation-split; loss, or a metric such as "
+                            "validation_accuracy)")
+    train.add_argument("--early-stopping-min-delta", type=float, default=0.0, metavar="D",
+                       help="an improvement is a change by more than D (default: 0)")
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="show a progress bar (default: when stderr is a terminal)")
+    train.add_argument("--ema", action="store_true",
+                       help="write the weights' moving average (a program compiled with "
+                            "--ema-decay) instead of the last weights")
 
     export = command("export", "write the inference model of a checkpoint or program folder, "
                                "with its weights and nothing of training left")
@@ -410,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--target", default=None,
                         help="the runtimes the model must load in: a target name (default: "
                              "default) or ir<IR>-opset<N>; see docs/reference/targets.md")
+    export.add_argument("--ema", action="store_true",
+                        help="write the weights' moving average (a program or checkpoint "
+                             "compiled with --ema-decay) instead of the weights")
 
     add_loss = command("add-loss", "append a scalar loss output")
     add_loss.add_argument("model", help="input ONNX file")

@@ -6,7 +6,7 @@ import argparse
 import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .. import __version__
@@ -16,6 +16,7 @@ from ..errors import (
 from ..fileio import write_file
 from ..paths import latest_checkpoint, resumed_checkpoint
 from ..program import TrainingProgram
+from ..runtime.early_stopping import EarlyStopping
 from ..runtime.trainer import Trainer
 from .build import _export_function
 from .data import _rows, _split, _training_data
@@ -28,11 +29,14 @@ EXIT_OK = 0
 
 
 def loss_curve_png(train_losses: Sequence[float], validation_losses: Sequence[float],
-                   title: str = "") -> bytes:
-    """The loss by epoch drawn as a PNG (marked as lossgraph's); validation losses are
-    drawn against the last epochs when there are fewer of them."""
-    figure = _figure_class()(figsize=(6.4, 4.0), dpi=100)
-    axes = figure.add_subplot()
+                   title: str = "", metrics: Mapping[str, Sequence[float]] | None = None
+                   ) -> bytes:
+    """The loss by epoch drawn as a PNG (marked as lossgraph's), and below it each metric
+    by epoch when there are some; a series with fewer values than epochs is drawn against
+    the last epochs."""
+    metrics = metrics or {}
+    figure = _figure_class()(figsize=(6.4, 6.4 if metrics else 4.0), dpi=100)
+    axes = figure.add_subplot(2 if metrics else 1, 1, 1)
     count = len(train_losses)
     marker = "o" if count <= 40 else None
     axes.plot(range(1, count + 1), train_losses, marker=marker, markersize=3,
@@ -52,6 +56,16 @@ def loss_curve_png(train_losses: Sequence[float], validation_losses: Sequence[fl
     axes.set_title(title or "loss by epoch")
     axes.grid(alpha=0.3)
     axes.legend()
+    if metrics:
+        below = figure.add_subplot(2, 1, 2, sharex=axes)
+        for name, values in metrics.items():
+            first = count - len(values) + 1
+            below.plot(range(first, first + len(values)), values, marker=marker, markersize=3,
+                       label=name)
+        below.set_xlabel("epoch")
+        below.set_ylabel("metric")
+        below.grid(alpha=0.3)
+        below.legend()
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", metadata={"Software": f"lossgraph {__version__}"})
@@ -96,19 +110,25 @@ def _checkpoint_options(args: argparse.Namespace, validation: bool) -> dict:
 
 def _train(args: argparse.Namespace) -> int:
     trainer, data = _trainer_and_data(args)
+    if args.ema:  # a program that keeps no average: the error before any training
+        trainer.program.model_state(ema=True)
     validation = None
     if args.validation_split is not None:
         data, validation = _split(data, args.validation_split)
     before = len(trainer.train_losses_), len(trainer.validation_losses_)  # a checkpoint's
     steps = trainer.steps_
+    stopping = None if args.early_stopping_patience is None else EarlyStopping(
+        args.early_stopping_monitor, args.early_stopping_patience, args.early_stopping_min_delta)
     trainer.fit(**data, epochs=args.epochs, batch_size=args.batch_size,
                 accumulation_steps=args.accumulation_steps, shuffle=not args.no_shuffle,
                 random_state=args.random_state,
                 validation_data=validation, progress=args.progress,
                 warm_start=args.resume is not None, max_steps=args.max_steps,
-                callbacks=_callbacks(args), **_checkpoint_options(args, validation is not None))
+                callbacks=_callbacks(args), **_checkpoint_options(args, validation is not None),
+                metrics=args.metrics, early_stopping=stopping)
+    metrics = {k: v for k, v in trainer.history_.items() if k not in ("loss", "validation_loss")}
     train_losses, validation_losses = trainer.train_losses_, trainer.validation_losses_
-    epochs = len(train_losses) - before[0]
+    epochs = len(train_losses) - before[0]  # fewer than --epochs after early stopping
     print(f"trained {epochs}{' more' if args.resume else ''} epoch"
           f"{'s' * (epochs != 1)}"
           + (f" ({trainer.steps_ - steps} steps)" if args.max_steps is not None else "")
@@ -121,18 +141,32 @@ def _train(args: argparse.Namespace) -> int:
     if len(validation_losses) > before[1]:
         print(f"validation losses by epoch{span}: "
               f"{', '.join(f'{v:.6g}' for v in validation_losses[before[1]:])}")
+    if metrics:
+        print("metrics after the last epoch: "
+              + ", ".join(f"{k} {v[-1]:.6g}" for k, v in metrics.items()))
+    record = trainer.early_stopping_
+    if record is not None and record.stopped_epoch is not None:
+        kept = (" and keeps the best epoch's weights" if stopping.restore_best else "")
+        print(f"early stopping: no improvement of {record.monitor} for {stopping.patience} "
+              f"epochs, stopped after epoch {record.stopped_epoch + 1}; the best was epoch "
+              f"{record.best_epoch + 1} ({record.monitor} {record.best:.6g}){kept}")
     # everything but the model is rendered before the first write
     history = None
     if args.history:
         history = json.dumps({
             "format": HISTORY_FORMAT, "epochs": trainer.epochs_, "steps": trainer.steps_,
             "train_loss": list(train_losses), "validation_loss": list(validation_losses),
+            "metrics": metrics,
+            "early_stopping": None if record is None else record.to_record(),
             "batch_size": trainer.batch_size(args.batch_size), "data": args.data,
             "validation_split": args.validation_split,
-            "program": args.program, "resumed_from": args.resume}, indent=2) + "\n"
+            "program": args.program, "resumed_from": args.resume,
+            **({"grad_norm": list(trainer.grad_norms_)} if trainer.engine.clips else {})},
+            indent=2) + "\n"
     plot = loss_curve_png(train_losses, validation_losses,
-                          f"lossgraph: {Path(args.data).name}") if args.plot else None
-    _export_function("save_inference_model")(trainer, args.output, overwrite=args.force)
+                          f"lossgraph: {Path(args.data).name}", metrics) if args.plot else None
+    _export_function("save_inference_model")(trainer, args.output, overwrite=args.force,
+                                             ema=args.ema)
     written = [f"{args.output}{_external_note(args.output)}"]
     if args.checkpoint:
         trainer.save_checkpoint(args.checkpoint)

@@ -38,6 +38,7 @@ import onnx
 
 from ..analysis import default_weights
 from ..compiler import compile_program
+from ..data import split_rows, validation_fraction
 from ..errors import (
     ConvergenceError,
     ConvergenceWarning,
@@ -52,7 +53,7 @@ from ..errors import (
 )
 from ..fileio import check_file_target, save_model, serialize
 from ..models import ModelLike, as_model
-from ..options import count, flag, names
+from ..options import count, flag, names, non_negative
 from ..passes.loss import loss_graph
 from ..passes.lower_ml import lower_ml_ops
 from ..program import TrainingProgram, with_weights
@@ -180,7 +181,8 @@ class _TrainingEstimator(BaseEstimator):
     shuffling generator, the losses)."""
 
     #: Attributes a fit sets; pickled with the parameters.
-    _FITTED = ("train_losses_", "validation_losses_", "trained_coef_")
+    _FITTED = ("train_losses_", "validation_losses_", "trained_coef_", "n_iter_",
+               "best_loss_", "best_validation_score_", "validation_scores_")
 
     # -- compiling ---------------------------------------------------------------------
     def _program(self) -> TrainingProgram:
@@ -235,6 +237,17 @@ class _TrainingEstimator(BaseEstimator):
             raise UnsupportedOptionError(
                 f"validation_every={every!r} must be a number > 0: a fraction of max_iter "
                 "(below 1) or a number of epochs.")
+        flag("early_stopping", self.early_stopping)
+        count("n_iter_no_change", self.n_iter_no_change, 1)
+        if self.tol is not None:
+            non_negative("tol", self.tol)
+        if self.early_stopping:
+            validation_fraction(self.validation_fraction)
+            if self.tol is None:
+                raise UnsupportedOptionError(
+                    "early_stopping=True stops when the validation score improves by less "
+                    "than tol for n_iter_no_change epochs: give tol a number (scikit-learn's "
+                    "MLP default is 1e-4).")
 
     def _validation_period(self) -> int:
         """Epochs between two validation losses: ``validation_every`` epochs, or that
@@ -302,6 +315,13 @@ class _TrainingEstimator(BaseEstimator):
             raise UnsupportedOptionError("Pass both X_val and y_val, or neither.")
         rate = self._rate
         callbacks = [self._rescale_velocities(rate)]
+        held_out = None
+        if self.early_stopping and epochs > 1:  # partial_fit does not stop (scikit-learn's)
+            X, y, sample_weight, held_out = self._hold_out(trainer, X, y, sample_weight)
+        stopping = _NoImprovement(self, held_out) if self.tol is not None and epochs > 1 \
+            else None
+        if stopping is not None:
+            callbacks.append(stopping)
         if getattr(self, "enable_logging", False):
             callbacks.append(self._log_epoch(rate))
         validation: list[float] = []
@@ -351,11 +371,36 @@ class _TrainingEstimator(BaseEstimator):
                            "weights are those at the end of the last epoch that left them "
                            "finite (the starting weights when none did).")
             warnings.warn(message, ConvergenceWarning, stacklevel=3)
+        if stopping is not None:
+            stopping.finish(trainer)
         self._record(trainer, X_val, validation)
         return self
 
+    def _hold_out(self, trainer: Trainer, X: Any, y: Any, sample_weight: Any) -> tuple:
+        """``validation_fraction`` of the rows held out for early stopping, as scikit-learn's
+        SGD estimators split them (``StratifiedShuffleSplit`` for a classifier, else
+        ``ShuffleSplit``, seeded by ``random_state``): ``(X, y, sample_weight)`` of the rows
+        trained on, and ``(X, y, sample_weight)`` of the held-out ones."""
+        data = trainer.engine.prepare(X, y, sample_weight)
+        labels = data[trainer.engine.label]
+        seed = self.random_state
+        if isinstance(seed, np.random.Generator):
+            seed = int(seed.integers(2**32))
+        train, held = split_rows(len(labels), self.validation_fraction, seed,
+                                 labels if self._is_classifier() else None)
+        weights = None if sample_weight is None else data[trainer.engine.sample_weight]
+
+        def rows(index: np.ndarray) -> tuple:
+            features = {k: v[index] for k, v in data.items()
+                        if k not in (trainer.engine.label, trainer.engine.sample_weight)}
+            X_part = next(iter(features.values())) if len(features) == 1 else features
+            return X_part, labels[index], None if weights is None else weights[index]
+
+        return (*rows(train), rows(held))
+
     def _record(self, trainer: Trainer, X_val: Any, validation: list[float]) -> None:
         """The fitted attributes, from the trainer after a fit (a stopped one included)."""
+        self.n_iter_ = trainer.epochs_
         self.train_losses_ = list(trainer.train_losses_)
         self.validation_losses_ = None if X_val is None else (
             list(getattr(self, "validation_losses_", None) or []) * bool(self.warm_start)
@@ -476,6 +521,9 @@ class OrtGradientOptimizer(_TrainingEstimator):
     fraction of ``max_iter`` below 1) spaces the validation losses; ``saved_gradient``,
     a file path, receives the training-step graph; ``verbose > 0`` shows a progress bar
     with the running loss. ``random_state`` (lossgraph's addition) seeds the shuffling.
+    ``tol``, ``n_iter_no_change``, ``early_stopping`` and ``validation_fraction`` stop
+    training as scikit-learn's MLP does (:class:`_NoImprovement`); ``tol=None``, the
+    default, trains ``max_iter`` epochs as onnxcustom did.
     """
 
     _COMPILE_PARAMS = ("model_onnx", "weights_to_train", "loss_output_name", "learning_rate",
@@ -489,7 +537,9 @@ class OrtGradientOptimizer(_TrainingEstimator):
                  learning_rate: Any = "SGD", device: str = "cpu", warm_start: bool = False,
                  verbose: int = 0, validation_every: float = 0.1,
                  saved_gradient: str | os.PathLike | None = None,
-                 sample_weight_name: str = "weight", random_state: Any = None) -> None:
+                 sample_weight_name: str = "weight", random_state: Any = None,
+                 early_stopping: bool = False, validation_fraction: float = 0.1,
+                 n_iter_no_change: int = 10, tol: float | None = None) -> None:
         self._keep_params(locals())
 
     def _loss_model(self) -> onnx.ModelProto:
@@ -569,7 +619,9 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
                  verbose: int = 0, validation_every: float = 0.1,
                  learning_loss: Any = "square_error", enable_logging: bool = False,
                  weight_name: str | None = None, learning_penalty: Any = None,
-                 exc: bool = True, random_state: Any = None) -> None:
+                 exc: bool = True, random_state: Any = None, early_stopping: bool = False,
+                 validation_fraction: float = 0.1, n_iter_no_change: int = 10,
+                 tol: float | None = None) -> None:
         self._keep_params(locals())
 
     @property
@@ -698,6 +750,53 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         paths = _map(graphs, path)
         _map(paths, lambda _, p: check_file_target(p))
         return _map(graphs, lambda key, graph: str(save_model(graph, _get(paths, key))))
+
+
+class _NoImprovement:
+    """scikit-learn's MLP stopping rule, a callback of the estimator's fit.
+
+    After every epoch: with ``early_stopping``, the validation score of the held-out rows
+    (R2 for a regressor, accuracy for a classifier, scikit-learn's ``score``; a metric graph,
+    :mod:`lossgraph.runtime.metrics`) is recorded in ``validation_scores_``; an epoch whose
+    score is below the best plus ``tol`` counts as one without improvement (another resets
+    the count), and a score above the best becomes the best, its state kept. Without
+    ``early_stopping`` the training loss does the same, an epoch counting when its loss is
+    above the best minus ``tol``. Training stops when the count exceeds ``n_iter_no_change``;
+    with ``early_stopping`` the weights are then the best epoch's. ``n_iter_`` counts the
+    epochs run.
+    """
+
+    def __init__(self, estimator: _TrainingEstimator, held_out: tuple | None) -> None:
+        self.estimator, self.held_out = estimator, held_out
+        self.metric = "accuracy" if estimator._is_classifier() else "r2"
+        self.count = 0
+        self.best_state: dict[str, np.ndarray] | None = None
+        if held_out is None:
+            estimator.best_loss_ = math.inf
+        else:
+            estimator.best_validation_score_ = -math.inf
+            estimator.validation_scores_ = []
+
+    def __call__(self, trainer: Trainer, epoch: int, logs: dict) -> bool:
+        est, tol = self.estimator, self.estimator.tol
+        if self.held_out is None:
+            loss = logs["loss"]
+            self.count = self.count + 1 if loss > est.best_loss_ - tol else 0
+            est.best_loss_ = min(est.best_loss_, loss)
+        else:
+            X, y, w = self.held_out
+            score = trainer.evaluate(X, y, w, metrics=[self.metric])[self.metric]
+            est.validation_scores_.append(score)
+            self.count = self.count + 1 if score < est.best_validation_score_ + tol else 0
+            if score > est.best_validation_score_:
+                est.best_validation_score_ = score
+                self.best_state = trainer.state
+        return self.count > est.n_iter_no_change
+
+    def finish(self, trainer: Trainer) -> None:
+        """The best epoch's weights, with ``early_stopping`` (scikit-learn's MLP)."""
+        if self.best_state is not None:
+            trainer.set_state(self.best_state)
 
 
 def _row_weights(sample_weight: Any) -> Any:

@@ -40,14 +40,20 @@ from .types import (
     opset_version,
     weights_dtype,
 )
-from .weights import stored_tensors, with_weight_data, without_weight_data
+from .weights import (
+    held_apart,
+    put_back,
+    stored_tensors,
+    with_weight_data,
+    without_weight_data,
+)
 
 __all__ = [
     "FLOAT_TYPES", "Shape", "ForwardFacts", "all_value_types", "GraphIndex", "attribute_values",
     "attribute_value", "constant_value", "subgraphs", "all_graphs", "names_in_graph",
     "values_read",
     "outer_references", "stored_tensors", "with_weight_data", "without_weight_data",
-    "HeldWeights", "is_held", "tensor_array",
+    "HeldWeights", "is_held", "tensor_array", "held_apart", "put_back",
     "shortest_path", "elem_type_name", "np_dtype", "weights_dtype", "opset_version",
     "initializer_arrays", "rename_values", "known_shapes", "is_default_domain",
     "canonical_domain", "is_onnx_op", "infer_shapes_with_data", "LONG_VECTOR",

@@ -1,18 +1,21 @@
-"""A model's weights apart from its graph: every tensor it stores, and the model without
-its large weights' data for onnx's checker and shape inference.
+"""A model's weights apart from its graph: every tensor it stores, the model without its
+large weights' data for onnx's checker and shape inference, and the model without the
+data of the weights a program holds anyway (:func:`held_apart`, :func:`put_back`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+import numpy as np
 import onnx
 from onnx import helper
 
 from .held import HOLD_MIN_BYTES, copy_fields, held_tensors, is_held, well_formed_weight
 from .queries import all_graphs
 
-__all__ = ["stored_tensors", "with_weight_data", "without_weight_data"]
+__all__ = ["stored_tensors", "with_weight_data", "without_weight_data", "held_apart",
+           "put_back"]
 
 
 def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -86,3 +89,52 @@ def with_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
     for tensor, store, key in list(held_tensors(stored_tensors(whole))):
         store.put_back(tensor, key)
     return whole
+
+
+def held_apart(model: onnx.ModelProto, values: Mapping[str, np.ndarray]
+               ) -> tuple[onnx.ModelProto, frozenset[str]]:
+    """A copy of ``model`` without the data of the main graph's initializers that ``values``
+    holds byte for byte (raw data only), and their names: :func:`put_back` restores the
+    model exactly from ``values``. A program keeps its inference model so, since its state
+    holds the weights (one copy of each, not two). The copy is made tensor by tensor, never
+    the whole model at once."""
+    graph = model.graph
+    light = onnx.ModelProto()
+    copy_fields(model, light, skip="graph")
+    copy_fields(graph, light.graph, skip="initializer")
+    apart = set()
+    for tensor in graph.initializer:
+        kept = light.graph.initializer.add()
+        if _holds(tensor, values.get(tensor.name)):
+            copy_fields(tensor, kept, skip="raw_data")
+            apart.add(tensor.name)
+        else:
+            kept.CopyFrom(tensor)
+    return light, frozenset(apart)
+
+
+def put_back(model: onnx.ModelProto, values: Mapping[str, np.ndarray], names: frozenset[str]
+             ) -> onnx.ModelProto:
+    """A copy of ``model`` (from :func:`held_apart`) with the data of its initializers
+    ``names`` taken from ``values``: the model :func:`held_apart` was given, to the byte."""
+    whole = onnx.ModelProto()
+    copy_fields(model, whole, skip="graph")
+    copy_fields(model.graph, whole.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        restored = whole.graph.initializer.add()
+        restored.CopyFrom(tensor)
+        if tensor.name in names:
+            restored.raw_data = np.ascontiguousarray(values[tensor.name]).tobytes()
+    return whole
+
+
+def _holds(tensor: onnx.TensorProto, value: np.ndarray | None) -> bool:
+    """Whether ``value`` is ``tensor``'s data, byte for byte, held as raw data."""
+    if value is None or not tensor.HasField("raw_data") or tuple(tensor.dims) != value.shape:
+        return False
+    if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type != \
+            helper.np_dtype_to_tensor_dtype(value.dtype):
+        return False
+    return len(tensor.raw_data) == value.nbytes and \
+        np.array_equal(np.frombuffer(tensor.raw_data, np.uint8),
+                       np.ascontiguousarray(value).reshape(-1).view(np.uint8))

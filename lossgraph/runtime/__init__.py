@@ -6,7 +6,9 @@ the Trainer built on it.
 - :class:`~lossgraph.runtime.trainer.Trainer`: the training loop, scikit-learn style;
 - :class:`~lossgraph.runtime.callbacks.Callback` and the loggers (``CSVLogger``,
   ``TensorBoard``) it calls; :func:`~lossgraph.runtime.checkpoints.latest_checkpoint` of
-  the checkpoints it rotates.
+  the checkpoints it rotates;
+- :mod:`~lossgraph.runtime.metrics` (scores computed by a graph over the predictions) and
+  :class:`~lossgraph.runtime.early_stopping.EarlyStopping`, which the Trainer's fit takes.
 
 The names are loaded on first use: the fusion modes (:mod:`lossgraph.modes`), which the
 engine runs, build on this package's lower modules (the ring, sessions, the separate step).
@@ -20,7 +22,9 @@ from ..lazy import lazy_names
 _HOMES = {
     "CSVLogger": ".callbacks",
     "Callback": ".callbacks",
+    "EarlyStopping": ".early_stopping",
     "Engine": ".engine",
+    "Metrics": ".metrics",
     "TensorBoard": ".callbacks",
     "Trainer": ".trainer",
     "create_session": ".session",

@@ -20,6 +20,7 @@ or an :class:`~lossgraph.errors.InvalidDataError` when the batch itself is at fa
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import numbers
@@ -47,7 +48,9 @@ from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
 from .callbacks import Callback, Loop, as_callbacks
 from .checkpoints import Checkpoints
+from .early_stopping import EarlyStopping, StoppingRecord
 from .engine import Engine
+from .metrics import Metrics
 
 __all__ = ["Trainer"]
 
@@ -74,11 +77,36 @@ class Trainer:
         self.engine.reset()
         self.steps_ = 0
         self.epochs_ = 0
-        self.train_losses_: list[float] = []
-        self.validation_losses_: list[float] = []
+        #: every epoch's logs by name: ``loss``, ``validation_loss``, each metric and its
+        #: ``validation_`` twin (a name first logged later has fewer values: the last epochs')
+        self.history_: dict[str, list[float]] = {"loss": [], "validation_loss": []}
+        #: what early stopping knows so far (None: the fit had none)
+        self.early_stopping_: StoppingRecord | None = None
+        #: the gradients' global norm (before clipping) of every update since the last
+        #: reset, where the program clips them (``max_grad_norm``); not kept in checkpoints
+        self.grad_norms_: list[float] = []
         self._rng: np.random.Generator | None = None
         self._epoch_rate: Callable[[int], float] | None = None
         self._loop = Loop([])
+
+    @property
+    def train_losses_(self) -> list[float]:
+        """The mean training loss of every epoch (``history_["loss"]``)."""
+        return self.history_["loss"]
+
+    @train_losses_.setter
+    def train_losses_(self, losses: Iterable[float]) -> None:
+        self.history_["loss"] = list(losses)
+
+    @property
+    def validation_losses_(self) -> list[float]:
+        """The validation loss of every epoch that had validation data
+        (``history_["validation_loss"]``)."""
+        return self.history_["validation_loss"]
+
+    @validation_losses_.setter
+    def validation_losses_(self, losses: Iterable[float]) -> None:
+        self.history_["validation_loss"] = list(losses)
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -99,7 +127,9 @@ class Trainer:
             epoch_learning_rate: Callable[[int], float] | None = None,
             max_steps: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
             checkpoint_every: int = 1, keep_last: int | None = 3, keep_best: bool = True,
-            monitor: str = "val_loss", accumulation_steps: int | None = None) -> Trainer:
+            monitor: str = "val_loss", accumulation_steps: int | None = None,
+            metrics: Sequence[str] | None = None, validation_fraction: float | None = None,
+            early_stopping: EarlyStopping | None = None) -> Trainer:
         """Train for ``epochs`` epochs of minibatch updates (1 by default), or ``max_steps``
         updates, whichever ends first; returns ``self``.
 
@@ -135,6 +165,13 @@ class Trainer:
         callbacks count updates (a step's ``loss``: its micro-batches' mean by rows);
         running statistics (BatchNormalization in training mode) move per micro-batch, as
         in torch. With an iterable of batches, every ``k`` batches it yields are one update.
+        ``metrics`` (:mod:`lossgraph.runtime.metrics`) are computed after every epoch over
+        the training data (arrays; not streamed batches) and the validation data, in the
+        logs and ``history_``. ``validation_fraction`` holds out that share of the rows
+        (arrays only) as validation data: the rows scikit-learn's ``ShuffleSplit`` (class
+        labels: ``StratifiedShuffleSplit``) holds out with ``random_state``.
+        ``early_stopping`` (:class:`~lossgraph.runtime.early_stopping.EarlyStopping`) stops
+        when its monitored value stops improving and restores the best epoch's state.
         """
         epochs = None if epochs is None else count("epochs", epochs, 0)
         max_steps = None if max_steps is None else count("max_steps", max_steps, 0)
@@ -162,7 +199,14 @@ class Trainer:
         if data is not None and self.engine.fixed_batch is not None and \
                 len(next(iter(data.values()))) < batch_size:
             self.engine.check_batch(data, "X")  # not even one batch of the fixed size
+        fraction = checks.validation_fraction(validation_fraction)
         held_out = None
+        if fraction is not None:
+            if validation_data is not None or data is None:
+                raise UnsupportedOptionError(
+                    f"validation_fraction={fraction:g} holds out rows of X, so it takes arrays "
+                    "and no validation_data: pass one or the other.")
+            data, held_out = self._hold_out(data, fraction, seed)
         if validation_data is not None:
             if not isinstance(validation_data, (tuple, list)) or len(validation_data) not in (2, 3):
                 got = (f"a {type(validation_data).__name__}"
@@ -172,12 +216,27 @@ class Trainer:
                     f"validation_data must be a tuple (X, y) or (X, y, sample_weight); got {got}.")
             held_out = self.engine.prepare(*validation_data, what="validation_data ")
             self.engine.check_rows(held_out, "validation_data")
+        metrics = Metrics(self.engine, () if metrics is None else metrics)
+        if metrics and data is not None and self.engine.fixed_batch is not None:
+            self.engine.check_rows(data, "X (its metrics are computed by prediction runs)")
+        if early_stopping is not None:
+            if not isinstance(early_stopping, EarlyStopping):
+                raise UnsupportedOptionError(
+                    f"early_stopping={early_stopping!r} must be an EarlyStopping(...), or None.")
+            early_stopping.check(metrics.names, held_out is not None, streamed=data is None)
         if checkpoints is not None:
-            logged = ["loss", *(["validation_loss"] if held_out is not None else [])]  # below
+            logged = ["loss", *(metrics.names if data is not None else ())]  # below
+            if held_out is not None:
+                logged += ["validation_loss", *(f"validation_{m}" for m in metrics.names)]
             checkpoints.check(self.steps_ if warm_start else 0, logged)
             callbacks.append(checkpoints)
         if not warm_start:
             self.reset()
+        record = self.early_stopping_  # a warm start goes on counting, unless it stopped
+        if early_stopping is None or record is None or record.stopped_epoch is not None \
+                or record.monitor != early_stopping.key:
+            self.early_stopping_ = (None if early_stopping is None else
+                                    StoppingRecord(early_stopping.key))
         if self._rng is None:
             self._rng = np.random.default_rng(seed)
         self._epoch_rate = epoch_learning_rate
@@ -196,21 +255,44 @@ class Trainer:
                                                       accumulation)
                 self.epochs_ += 1
                 logs = {"loss": float(np.dot(losses, sizes) / np.sum(sizes))}
-                self.train_losses_.append(logs["loss"])
+                if data is not None:
+                    logs.update(metrics(data))
                 if held_out is not None:
                     logs["validation_loss"] = self._validation_loss(held_out, epoch)
-                    self.validation_losses_.append(logs["validation_loss"])
+                    logs.update({f"validation_{k}": v for k, v in metrics(held_out).items()})
+                for name, value in logs.items():
+                    self.history_.setdefault(name, []).append(value)
                 if bar is not None:
                     bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items()}, refresh=False)
                     bar.update(1)
+                stop = early_stopping is not None and self.early_stopping_.update(
+                    early_stopping, epoch, logs, lambda: self.state)
                 loop.epoch_done(self, epoch, logs)
-                if loop.stopping:
+                if loop.stopping or stop:
                     break
         finally:
             if bar is not None:
                 bar.close()
+        if early_stopping is not None:
+            best = self.early_stopping_.best_to_restore(early_stopping)
+            if best is not None:
+                self.set_state(best)
         loop.train_end(self)
         return self
+
+    def _hold_out(self, data: dict[str, np.ndarray], fraction: float, seed: Any
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``data`` split into the rows trained on and those held out for validation
+        (:func:`lossgraph.data.split_rows`; a Generator ``seed`` gives an integer seed)."""
+        labels = data[self.engine.label]
+        classes = labels if labels.dtype.kind in "iu" and labels.ndim == 1 else None
+        if isinstance(seed, np.random.Generator):
+            seed = int(seed.integers(2**32))
+        train, validation = checks.split_rows(len(labels), fraction, seed, classes)
+        if self.engine.fixed_batch is not None:
+            self.engine.check_rows({"": validation}, f"validation_fraction={fraction:g}")
+        return ({name: array[train] for name, array in data.items()},
+                {name: array[validation] for name, array in data.items()})
 
     def batch_size(self, batch_size: int | None = None) -> int:
         """The rows a step of ``fit(batch_size=batch_size)`` takes: ``batch_size``, by
@@ -302,6 +384,8 @@ class Trainer:
             self._diverged(epoch, first + index, float(losses[index]), batches[index],
                            rows(index))
         self._apply(1, epoch, first)
+        if self.engine.clips:
+            self.grad_norms_.append(self.engine.grad_norm)
         if self._loop.counts_steps:
             loss = losses[0] if len(losses) == 1 else np.average(
                 losses, weights=[_rows(batch) for batch in batches])
@@ -340,6 +424,8 @@ class Trainer:
             self._diverged(epoch, index, float(losses[index]), batch, rows_used,
                            first_of_run=index < accumulation)
         self._apply(updates, epoch, 0)
+        if self.engine.clips:
+            self.grad_norms_.extend(self.engine.grad_norms.tolist())
         losses = losses.astype(np.float64)
         self._loop.steps_done(self, first, epoch, 0,
                               losses.reshape(updates, accumulation).mean(axis=1), rates,
@@ -433,11 +519,18 @@ class Trainer:
                 ValidationLossWarning, stacklevel=4)
         return loss
 
-    def evaluate(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+    def evaluate(self, X: Any, y: Any, sample_weight: Any = None,
+                 metrics: Sequence[str] | None = None, *, ema: bool = False
+                 ) -> float | dict[str, float]:
         """The loss on ``(X, y)`` with the current weights (lower is better; layers in
-        inference mode). For a model whose batch is fixed, ``X`` holds a multiple of that
-        many rows, run that many a time, their losses averaged as one mean."""
-        return self.engine.evaluate(self.engine.prepare(X, y, sample_weight))
+        inference mode), or with their averages where ``ema=True`` (a program compiled
+        with ``ema_decay``). For a model whose batch is fixed, ``X`` holds a multiple of
+        that many rows, run that many a time, their losses averaged as one mean. With
+        ``metrics`` (:mod:`lossgraph.runtime.metrics`), a dict: ``loss`` and each metric."""
+        scores = None if metrics is None else Metrics(self.engine, metrics)
+        data = self.engine.prepare(X, y, sample_weight)
+        loss = self.engine.evaluate(data, ema)
+        return loss if scores is None else {"loss": loss, **scores(data, ema)}
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The previous release's name of :meth:`evaluate`: a loss, lower is better, unlike
@@ -445,14 +538,17 @@ class Trainer:
         warn_renamed("Trainer.score", "Trainer.evaluate (a loss: lower is better)")
         return self.evaluate(X, y, sample_weight)
 
-    def predict(self, X: Any) -> np.ndarray:
+    def predict(self, X: Any, *, ema: bool = False) -> np.ndarray:
         """The model's prediction (the output the loss is computed on) for ``X`` (for a
-        model whose batch is fixed, a multiple of that many rows, run that many a time)."""
-        return self.engine.predict(self.engine.prepare(X, graph="predict", with_label=False))
+        model whose batch is fixed, a multiple of that many rows, run that many a time);
+        with ``ema=True``, by the weights' averages."""
+        return self.engine.predict(self.engine.prepare(X, graph="predict", with_label=False),
+                                   ema)
 
-    def to_inference_model(self) -> onnx.ModelProto:
-        """The original inference model with the trained weights and buffers written back."""
-        return self.program.to_inference_model(self.engine.live())
+    def to_inference_model(self, *, ema: bool = False) -> onnx.ModelProto:
+        """The original inference model with the trained weights and buffers written back
+        (``ema=True``: the weights' averages)."""
+        return self.program.to_inference_model(self.engine.live(), ema=ema)
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, logs: Mapping[str, Any] | None = None
@@ -466,10 +562,12 @@ class Trainer:
         program = TrainingProgram(self.program.graphs, self.program.manifest, self.state,
                                   self.program.inference_model)
         progress = self.progress()
-        rng = progress["rng"]
+        rng, record = progress["rng"], progress["early_stopping"]
         extra = {} if logs is None else {"logs": dict(logs)}
         return save_checkpoint(path, program, {
-            **progress, "rng": None if rng is None else rng.bit_generator.state, **extra})
+            **progress, "rng": None if rng is None else rng.bit_generator.state,
+            "early_stopping": None if record is None else record.to_record(), **extra},
+            None if record is None else record.best_state)
 
     @classmethod
     def load_checkpoint(cls, path: str | os.PathLike, providers: Sequence[str] | None = None,
@@ -485,17 +583,27 @@ class Trainer:
 
     def progress(self) -> dict[str, Any]:
         """What ``fit(warm_start=True)`` continues besides the state: the counters, the
-        losses and the shuffling generator (for :meth:`restore_progress`)."""
+        losses and metrics, the shuffling generator and early stopping's record (for
+        :meth:`restore_progress`)."""
+        losses = ("loss", "validation_loss")
         return {"steps": self.steps_, "epochs": self.epochs_,
                 "train_losses": list(self.train_losses_),
-                "validation_losses": list(self.validation_losses_), "rng": self._rng}
+                "validation_losses": list(self.validation_losses_),
+                "metrics": {k: list(v) for k, v in self.history_.items() if k not in losses},
+                "rng": self._rng, "early_stopping": self.early_stopping_}
 
     def restore_progress(self, progress: Mapping[str, Any]) -> None:
         """Continue from :meth:`progress` (another trainer's, or a checkpoint's)."""
         self.steps_, self.epochs_ = progress["steps"], progress["epochs"]
-        self.train_losses_ = list(progress["train_losses"])
-        self.validation_losses_ = list(progress["validation_losses"])
+        self.history_ = {"loss": list(progress["train_losses"]),
+                         "validation_loss": list(progress["validation_losses"]),
+                         **{k: list(v) for k, v in progress.get("metrics", {}).items()}}
         self._rng = progress["rng"]
+        record = progress.get("early_stopping")
+        if record is not None and not isinstance(record, StoppingRecord):  # a checkpoint's
+            record = StoppingRecord.from_record(record, progress.get("best_state"),
+                                                "the checkpoint's trainer.json")
+        self.early_stopping_ = copy.deepcopy(record)
 
     # -- pickling ----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

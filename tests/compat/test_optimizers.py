@@ -36,6 +36,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
+from sklearn import metrics as sklearn_metrics
 from sklearn.base import clone, is_classifier, is_regressor
 from sklearn.datasets import make_regression
 from sklearn.exceptions import ConvergenceWarning as SklearnConvergenceWarning
@@ -319,6 +320,65 @@ def test_mlp_regressor_sgd_equals_scikit_learn():
     assert_states_close(est.get_state(), mlp_state(mlp))
     # the losses are scikit-learn's too: mean 0.5 (p - y)^2 before each epoch's update
     np.testing.assert_allclose(est.train_losses_, mlp.loss_curve_[1:], rtol=1e-4)
+
+
+def test_tol_and_n_iter_no_change_stop_as_scikit_learns_mlp():
+    """Without early_stopping, the training loss: an epoch whose loss is above the best
+    minus tol counts, and training stops once the count exceeds n_iter_no_change, after the
+    epoch scikit-learn's MLPRegressor stops after, with its weights."""
+    X, y = regression()
+    mlp = sgd_mlp(MLPRegressor, (10,), len(X), learning_rate_init=0.01, tol=0.01,
+                  n_iter_no_change=2)
+    onx = start_and_continue(mlp, X, y, epochs=200)
+    est = FB(onx, learning_rate=constant(0.01), max_iter=200, batch_size=len(X),
+             random_state=0, tol=0.01, n_iter_no_change=2)
+    est.fit(X, y)
+    assert est.n_iter_ == len(mlp.loss_curve_) - 1 < 100  # the first epoch made the model
+    assert est.best_loss_ == pytest.approx(mlp.best_loss_, rel=1e-4)
+    assert_states_close(est.get_state(), mlp_state(mlp))
+
+
+def sklearn_no_improvement(scores: list[float], tol: float, n_iter_no_change: int
+                           ) -> tuple[int, int]:
+    """scikit-learn's MLP rule on validation scores: (epochs run, the best epoch)."""
+    best, best_epoch, count = -np.inf, 0, 0
+    for epoch, score in enumerate(scores):
+        count = count + 1 if score < best + tol else 0
+        if score > best:
+            best, best_epoch = score, epoch
+        if count > n_iter_no_change:
+            return epoch + 1, best_epoch
+    return len(scores), best_epoch
+
+
+@pytest.mark.parametrize("kind", ["regressor", "classifier"])
+def test_early_stopping_holds_out_scikit_learns_rows_and_keeps_the_best_weights(kind):
+    """early_stopping=True holds out validation_fraction of the rows (ShuffleSplit's, or
+    StratifiedShuffleSplit's for a classifier, seeded by random_state), scores them after
+    every epoch (R2, or accuracy: scikit-learn's score), stops by the MLP's rule and keeps
+    the best epoch's weights: those of a fit of that many epochs on the rows trained on."""
+    from lossgraph.data import split_rows
+
+    X, y = regression(rows=120, features=4, seed=1) if kind == "regressor" else \
+        classification(rows=120)
+    if kind == "regressor":
+        onx, options = linear_onnx(*START), {}
+    else:
+        onx = linear_onnx(np.zeros(10), 0.0)
+        options = {"learning_loss": NegLogLearningLoss()}
+    settings = dict(learning_rate=constant(0.05), batch_size=10, random_state=3, **options)
+    est = FB(onx, max_iter=60, early_stopping=True, validation_fraction=0.2, tol=0.01,
+             n_iter_no_change=2, **settings).fit(X, y)
+    train, held = split_rows(len(y), 0.2, 3, y if kind == "classifier" else None)
+    epochs, best = sklearn_no_improvement(est.validation_scores_, 0.01, 2)
+    assert est.n_iter_ == epochs < 60 and len(est.validation_scores_) == epochs
+    assert est.best_validation_score_ == max(est.validation_scores_)
+    reference = FB(onx, max_iter=best + 1, **settings).fit(X[train], y[train])
+    assert_states_close(est.get_state(), reference.get_state(), rtol=0, atol=0)
+    p = reference.predict(X[held])
+    expected = (sklearn_metrics.r2_score(y[held], p) if kind == "regressor" else
+                sklearn_metrics.accuracy_score(y[held], (p[:, 0] > 0).astype(int)))
+    assert est.best_validation_score_ == pytest.approx(expected, rel=1e-6)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,3 +81,24 @@ def test_a_model_with_large_weights_compiles_to_the_weights_it_was_given():
     for tensor in model.graph.initializer[:2]:
         np.testing.assert_array_equal(program.state[tensor.name],
                                       numpy_helper.to_array(tensor))
+
+
+def test_held_apart_sets_aside_exactly_the_data_the_values_hold_and_put_back_restores_it():
+    """A program keeps its inference model without the weights its state holds (issue 27):
+    only raw data equal to the value byte for byte is set aside (a value of another dtype,
+    shape or bits, -0.0 for 0.0 included, and data stored as float_data stay), and the
+    model comes back byte-identical."""
+    model = large_weights_model()
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    model.graph.initializer.append(helper.make_tensor("F", TensorProto.FLOAT, [2], [1.0, 2.0]))
+    values = {**weights, "S": -weights["S"], "shape": weights["shape"].astype(np.int32),
+              "F": np.array([1.0, 2.0], np.float32), "absent": np.zeros(3)}
+    signed = np.zeros(2, np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(signed, "Z"))
+    values["Z"] = -signed
+    light, apart = lossgraph.graphs.held_apart(model, values)
+    assert apart == {"W"}
+    assert not next(t for t in light.graph.initializer if t.name == "W").raw_data
+    assert light.ByteSize() < model.ByteSize() - weights["W"].nbytes
+    restored = lossgraph.graphs.put_back(light, values, apart)
+    assert restored.SerializeToString() == model.SerializeToString()

@@ -543,8 +543,9 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
                               front.batch and _batch_record(front.batch, context),
                               _accumulation_record(context), context.update_options)
     inference, held, notes = front.starts["inference model"], front.held, front.notes
-    del front, runner, compiling  # every intermediate model, before the inference model's data
-    program = TrainingProgram(graphs, manifest, state, with_weight_data(inference), notes=notes)
+    del front, runner, compiling  # every intermediate model
+    # light: the program keeps the weights its state holds (the store's arrays) once
+    program = TrainingProgram(graphs, manifest, state, inference, notes=notes)
     del held
     release_free_memory()
     return program

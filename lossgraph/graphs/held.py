@@ -30,7 +30,7 @@ from onnx import numpy_helper
 
 from ..errors import InternalError
 
-__all__ = ["HeldWeights", "held_tensors", "is_held", "tensor_array"]
+__all__ = ["HeldWeights", "held_in", "held_tensors", "is_held", "tensor_array"]
 
 #: Bytes per element of the floating-point types whose large tensors are set aside
 #: (:func:`lossgraph.graphs.without_weight_data`) or held.
@@ -114,18 +114,22 @@ class HeldWeights:
 
     def put_back(self, tensor: onnx.TensorProto, key: int) -> None:
         """Give ``tensor``, a light tensor of this store, its data back, in place."""
-        weight = self._weights[key]
+        self.unmark(tensor, key)
+        tensor.raw_data = self._weights[key].data
+
+    def unmark(self, tensor: onnx.TensorProto, key: int) -> None:
+        """Make ``tensor``, a light tensor of this store, the tensor it was without its
+        data (no pointer here), in place."""
         del tensor.external_data[:]
         tensor.ClearField("data_location")
-        if weight.located:
+        if self._weights[key].located:
             tensor.data_location = onnx.TensorProto.DEFAULT
-        tensor.raw_data = weight.data
 
     def __len__(self) -> int:
         return len(self._weights)
 
 
-def _held(tensor: onnx.TensorProto) -> tuple[HeldWeights, int] | None:
+def held_in(tensor: onnx.TensorProto) -> tuple[HeldWeights, int] | None:
     """The store and key ``tensor`` points to, or None when it is not light; an
     InternalError when its store is gone."""
     if tensor.data_location != onnx.TensorProto.EXTERNAL or len(tensor.external_data) != 1:
@@ -145,21 +149,21 @@ def _held(tensor: onnx.TensorProto) -> tuple[HeldWeights, int] | None:
 
 def is_held(tensor: onnx.TensorProto) -> bool:
     """Whether ``tensor`` is a light tensor (its data in a store)."""
-    return _held(tensor) is not None
+    return held_in(tensor) is not None
 
 
 def held_tensors(tensors: Iterator[onnx.TensorProto]
                  ) -> Iterator[tuple[onnx.TensorProto, HeldWeights, int]]:
     """The light ones of ``tensors``, each with its store and key."""
     for tensor in tensors:
-        found = _held(tensor)
+        found = held_in(tensor)
         if found is not None:
             yield tensor, *found
 
 
 def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     """``numpy_helper.to_array(tensor)``, a held weight's values read from its store."""
-    found = _held(tensor)
+    found = held_in(tensor)
     return numpy_helper.to_array(tensor) if found is None else found[0].array(found[1])
 
 

@@ -11,7 +11,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .held import HOLD_MIN_BYTES, copy_fields, held_tensors, is_held, well_formed_weight
+from .held import (
+    HOLD_MIN_BYTES,
+    copy_fields,
+    held_in,
+    held_tensors,
+    is_held,
+    well_formed_weight,
+)
 from .queries import all_graphs
 
 __all__ = ["stored_tensors", "with_weight_data", "without_weight_data", "held_apart",
@@ -97,7 +104,9 @@ def held_apart(model: onnx.ModelProto, values: Mapping[str, np.ndarray]
     holds byte for byte (raw data only), and their names: :func:`put_back` restores the
     model exactly from ``values``. A program keeps its inference model so, since its state
     holds the weights (one copy of each, not two). The copy is made tensor by tensor, never
-    the whole model at once."""
+    the whole model at once. A held weight (:class:`HeldWeights`, a light model of compile)
+    whose value is its store's array is set aside without reading its data; any other gets
+    its data back."""
     graph = model.graph
     light = onnx.ModelProto()
     copy_fields(model, light, skip="graph")
@@ -105,12 +114,20 @@ def held_apart(model: onnx.ModelProto, values: Mapping[str, np.ndarray]
     apart = set()
     for tensor in graph.initializer:
         kept = light.graph.initializer.add()
-        if _holds(tensor, values.get(tensor.name)):
+        found = held_in(tensor)
+        if found is not None and values.get(tensor.name) is found[0].array(found[1]):
+            copy_fields(tensor, kept, skip="raw_data")
+            found[0].unmark(kept, found[1])
+            apart.add(tensor.name)
+        elif found is not None:
+            kept.CopyFrom(tensor)
+            found[0].put_back(kept, found[1])
+        elif _holds(tensor, values.get(tensor.name)):
             copy_fields(tensor, kept, skip="raw_data")
             apart.add(tensor.name)
         else:
             kept.CopyFrom(tensor)
-    return light, frozenset(apart)
+    return with_weight_data(light), frozenset(apart)  # held weights of nested graphs
 
 
 def put_back(model: onnx.ModelProto, values: Mapping[str, np.ndarray], names: frozenset[str]

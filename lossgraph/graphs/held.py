@@ -186,13 +186,19 @@ def _nbytes(tensor: onnx.TensorProto) -> int:
 
 
 def copy_fields(source: Any, target: Any, skip: str) -> None:
-    """Copy every field set in protobuf message ``source`` into ``target`` but ``skip``."""
-    for descriptor, value in source.ListFields():
-        if descriptor.name == skip:
+    """Copy every field set in protobuf message ``source`` into ``target`` but ``skip``,
+    which is never read (``ListFields`` would hand out a copy of a tensor's data)."""
+    for descriptor in source.DESCRIPTOR.fields:
+        name = descriptor.name
+        # protobuf 7 has is_repeated, older ones label
+        repeated = descriptor.is_repeated if hasattr(descriptor, "is_repeated") \
+            else descriptor.label == descriptor.LABEL_REPEATED
+        if name == skip or (not repeated and not source.HasField(name)):
             continue
-        if isinstance(value, Message):
-            getattr(target, descriptor.name).CopyFrom(value)
-        elif isinstance(value, (str, bytes, int, float)):
-            setattr(target, descriptor.name, value)
-        else:  # a repeated field
-            getattr(target, descriptor.name).extend(value)
+        value = getattr(source, name)
+        if repeated:
+            getattr(target, name).extend(value)
+        elif isinstance(value, Message):
+            getattr(target, name).CopyFrom(value)
+        else:
+            setattr(target, name, value)

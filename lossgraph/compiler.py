@@ -92,8 +92,9 @@ from .analysis import (
 )
 from .deprecation import renamed_keywords
 from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
-from .graphs import weights_dtype
+from .graphs import HeldWeights, weights_dtype, with_weight_data
 from .manifest import build_manifest
+from .memory import release_free_memory
 from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .opsets import OpsetMove
@@ -297,6 +298,8 @@ class _Front:
     #: each untied initializer -> its copies (UntieWeights)
     untied: dict[str, list[str]]
     notes: CompileNotes
+    #: the data of the start models' large weights (light models point there)
+    held: HeldWeights
     batch: BatchReport | None = None
 
     def describe(self) -> str:
@@ -321,7 +324,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                               options["fuse"], options["fixed_batch"], options["untie"],
                               options["accumulation_steps"], options["max_grad_norm"],
                               options["ema_decay"])
-    given = as_model(model)
+    held = HeldWeights()  # the passes copy light models, the weights stay here
+    given = as_model(model, held)
     check_trainable_model(given)
     lowering = Pipeline((ConvertOpset(), LowerMlOps()))
     lowered = lowering(given)
@@ -412,7 +416,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     notes = CompileNotes(lowered.report.of(ConvertOpset), zipmaps, choice)
     return _Front({"loss model": loss_model, "inference model": inference,
                    "forward model": trainable}, made_by, mode, context, untied,
-                  notes, batch)
+                  notes, held, batch)
 
 
 def _free_batch(model: onnx.ModelProto, choice: str, stacklevel: int
@@ -531,10 +535,17 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
                 optimizer, lifted[weight])):
             state[name] = value
     state.update((b, lifted[b]) for b in context.buffers)
-    graphs = {name: result.model for name, result in compiling.built.items()}
+    # the weights' data back where a graph keeps initializers (frozen weights, the
+    # inference model); the state's arrays are the store's
+    graphs = {name: with_weight_data(result.model) for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context),
                               _accumulation_record(context), context.update_options)
-    return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
-                           notes=front.notes)
+    inference, held, notes = front.starts["inference model"], front.held, front.notes
+    del front, runner, compiling  # every intermediate model
+    # light: the program keeps the weights its state holds (the store's arrays) once
+    program = TrainingProgram(graphs, manifest, state, inference, notes=notes)
+    del held
+    release_free_memory()
+    return program

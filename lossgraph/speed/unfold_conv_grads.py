@@ -82,6 +82,8 @@ class _Match:
     strides: list[int]  # of the unfolding: the Conv's dilations
     dilations: list[int]  # of the unfolding: the Conv's strides
     pads: list[int]
+    outputs: int | None  # dy's channels O (None: unknown)
+    pixels: int  # dy's spatial size P
 
 
 def _is_swap(node: onnx.NodeProto | None) -> bool:
@@ -143,7 +145,8 @@ def _recognize(graph: onnx.GraphProto, conv: onnx.NodeProto, index: GraphIndex,
     if sizes != dy_shape[2:]:
         return None
     return _Match(reader, x, dy, int(x_shape[1]), kernel,  # type: ignore[arg-type]
-                  strides, dilations, pads)
+                  strides, dilations, pads, dy_shape[1],
+                  int(np.prod(dy_shape[2:])))  # type: ignore[arg-type]
 
 
 def _unfolded_gradient(g: GraphBuilder, m: _Match) -> str:
@@ -160,12 +163,26 @@ def _unfolded_gradient(g: GraphBuilder, m: _Match) -> str:
                           strides=m.strides if m.strides != [1] * n else None,
                           dilations=m.dilations if m.dilations != [1] * n else None,
                           pads=m.pads if any(m.pads) else None, hint="unfolded")
-    unfolded = g.Reshape(unfolded, g.ints([0, m.channels * elements, -1], "shape"))
-    rows = g.Transpose(g.Reshape(m.dy, g.ints([0, 0, -1], "shape")), perm=[0, 2, 1])
+    columns = m.channels * elements
+    unfolded = g.Reshape(unfolded, g.ints([0, columns, -1], "shape"))
+    dy = g.Reshape(m.dy, g.ints([0, 0, -1], "shape"))  # (N, O, P)
+    shape = g.ints([0, m.channels, *m.kernel], "shape")
+    if _one_product(m, columns):  # (O, N P) @ (C K, N P)^T
+        rows = g.Reshape(g.Transpose(dy, perm=[1, 0, 2]), g.ints([0, -1], "shape"))
+        taps = g.Reshape(g.Transpose(unfolded, perm=[1, 0, 2]), g.ints([0, -1], "shape"))
+        return g.Reshape(g.Gemm(rows, taps, transB=1, hint="unfolded_product"), shape)
+    rows = g.Transpose(dy, perm=[0, 2, 1])
     products = g.MatMul(unfolded, rows, hint="unfolded_products")  # (N, C K, O)
     total = g.reduce("ReduceSum", products, [0], keepdims=0, hint="unfolded_sum")
-    return g.Reshape(g.Transpose(total, perm=[1, 0]), g.ints([0, m.channels, *m.kernel],
-                                                             "shape"))
+    return g.Reshape(g.Transpose(total, perm=[1, 0]), shape)
+
+
+def _one_product(m: _Match, columns: int) -> bool:
+    """True when one product over all N P rows moves less than the batched products and
+    their sum: the former transposes the unfolded x and dy (N P (C K + O) values), the
+    latter writes and sums N products of C K x O (deep layers on few pixels: ResNet-18's
+    last blocks at 32x32 have P = 1, where the batched form spent a third of the step)."""
+    return m.outputs is not None and m.pixels * (columns + m.outputs) < columns * m.outputs
 
 
 def _rewrite(graph: onnx.GraphProto, shapes: dict[str, list[int | None]],

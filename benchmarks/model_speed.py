@@ -1,6 +1,6 @@
 """How fast does lossgraph train the networks people train, next to torch eager?
 
-Times minibatch SGD steps (learning rate 0.01, mean squared error, no momentum) of four
+Times minibatch SGD steps (learning rate 0.01, mean squared error, no momentum) of six
 torch networks, each trained by torch eager and, exported by torch's legacy exporter
 (opset 17, free batch axis), by ``lossgraph.compile_program(..., optimizer=SGD(0.01),
 fuse=mode)`` and ``Trainer.fit`` in the ``step`` and ``epoch`` fuse modes:
@@ -49,7 +49,7 @@ line under the table says whether onnxruntime's leaves room for the target.
 less disturbed by other processes on a busy machine than wall time.
 
 Run from the repository root:
-      python -m benchmarks.model_speed [--quick] [--workloads cnn,transformer,resnet,lstm]
+      python -m benchmarks.model_speed [--quick] [--workloads cnn,transformer,resnet,lstm,...]
           [--steps 20] [--repeat 7] [--threads 2] [--clock wall|cpu] [--json out.json]
 Without torch (onnxruntime 1.32's environment) it times the models saved by a run with
 ``--save-models DIR`` (``--models DIR``), lossgraph alone.
@@ -117,7 +117,8 @@ class Workload:
     quick: dict[str, int]
     #: exported with TrainingMode.TRAINING (BatchNormalization's batch statistics)
     training_mode: bool = False
-    #: issue 17's target for lossgraph's step, as a ratio to torch eager's (None: none)
+    #: the target for lossgraph's step (issue 17: TARGET, 27: RESNET18_TARGET), as a ratio
+    #: to torch eager's (None: none)
     target: float | None = None
     #: steps before the check (None: the warm-up epoch's): fewer where training is chaotic
     check_steps: int | None = None

@@ -16,7 +16,9 @@ x itself). Where dy has few pixels against the gradient's size, ``P (C K + O) < 
 one product over all ``N P`` rows instead::
 
     Reshape(Gemm(Reshape(Transpose(dy3, 1 0 2), [O, N P]),
-                 Reshape(Transpose(U, 1 0 2), [C K, N P]), transB=1), [O, C, k]) That pattern is what the Conv gradient rule emits for a weight gradient
+                 Reshape(Transpose(U, 1 0 2), [C K, N P]), transB=1), [O, C, k])
+
+The pattern is what the Conv gradient rule emits for a weight gradient
 (``dW = Conv(x^T, dy^T)`` with the forward's strides and dilations swapped, batch as
 channels): for every ``n`` and kernel offset ``a``, ``dW[o, c, a] = sum_(n, u) dy[n, o, u]
 x_pad[n, c, u s + a d]``, and ``U[n, (c, a), u] = x_pad[n, c, u s + a d]``.
@@ -37,8 +39,8 @@ and 1.24-1.55x for 7x7 kernels (the unfolded input grows with the kernel), hence
 limit. The one product over all rows: ResNet-18's step (batch 4, 32x32, one thread, CPU
 time) from 1.88x torch eager's to 0.94x, the batched products' ``ReduceSum`` and
 ``Transpose`` having taken 45 of its 107 ms; on the small CNN (P = 196) the batched form
-stays, which was faster there. The one-hot kernels are grouped (one group per channel): onnxruntime's NCHWc layout
-transformer takes an ungrouped Conv of constant kernels and makes the unfolding 3x slower
+stays, which was faster there. The one-hot kernels are grouped (one group per channel):
+onnxruntime's NCHWc layout transformer takes an ungrouped Conv of constant kernels and makes the unfolding 3x slower
 with its reordering.
 """
 

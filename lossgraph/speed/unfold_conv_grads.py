@@ -40,8 +40,8 @@ limit. The one product over all rows: ResNet-18's step (batch 4, 32x32, one thre
 time) from 1.88x torch eager's to 0.94x, the batched products' ``ReduceSum`` and
 ``Transpose`` having taken 45 of its 107 ms; on the small CNN (P = 196) the batched form
 stays, which was faster there. The one-hot kernels are grouped (one group per channel):
-onnxruntime's NCHWc layout transformer takes an ungrouped Conv of constant kernels and makes the unfolding 3x slower
-with its reordering.
+onnxruntime's NCHWc layout transformer takes an ungrouped Conv of constant kernels and
+makes the unfolding 3x slower with its reordering.
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ best, each for a measured reason (onnxruntime 1.19 and 1.31, CPU):
       Transpose(Conv(x^T, dy^T))  ->  sum_n unfold(x)[n] @ dy[n]^T      (kernels of <= 9 taps)
 
   a convolution's weight gradient as a batched product over the unfolded input (im2col by
-  a grouped Conv of one-hot kernels): onnxruntime runs the Conv as a GEMM as narrow as the
-  kernel, 1.5-4x slower for 3x3 and 1x1 kernels (slower unfolded for 5x5 and larger).
+  a grouped Conv of one-hot kernels), or as one ``Gemm`` over all rows where dy has few
+  pixels (deep layers): onnxruntime runs the Conv as a GEMM as narrow as the kernel,
+  1.5-4x slower for 3x3 and 1x1 kernels (slower unfolded for 5x5 and larger).
   ``compile`` applies it to every gradient.
 
 - :class:`FoldBatchIntoProducts` (``fold_batch_products``)::

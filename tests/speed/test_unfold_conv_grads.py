@@ -35,6 +35,11 @@ UNFOLDED = [
     ((2, 3, 10), (4, 3, 3), {"strides": [2], "pads": [1, 2], "dilations": [2]}),
     ((1, 2, 4, 5, 4), (3, 2, 2, 2, 2), {"pads": [1, 0, 1, 0, 1, 0]}),
     ((2, 3, 7, 7), (4, 3, 3, 3), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
+    # few pixels, many channels (ResNet-18's last blocks): one product over all rows
+    ((3, 8, 3, 3), (6, 8, 3, 3), {}),
+    ((2, 8, 4, 4), (9, 8, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    ((3, 16, 2, 2), (12, 16, 1, 1), {"strides": [2, 2]}),
+    ((2, 6, 3), (7, 6, 3), {"pads": [1, 0]}),
 ]
 
 
@@ -52,6 +57,25 @@ def test_unfolded_weight_gradient_equals_the_conv_form(rng, x_shape, w_shape, at
     got = create_session(result.model).run(["w_grad", "x_grad"], feeds)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[1], expected[1])  # the input gradient is untouched
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs, one_product", [
+    ((2, 3, 7, 6), (4, 3, 3, 3), {"pads": [1, 1, 1, 1]}, False),  # 42 pixels, 27 x 4 taps
+    ((3, 8, 3, 3), (6, 8, 3, 3), {}, True),                        # 1 pixel, 72 x 6
+    ((3, 16, 2, 2), (12, 16, 1, 1), {"strides": [2, 2]}, True),    # 1 pixel, 16 x 12
+])
+def test_the_form_moving_fewer_values_is_chosen(x_shape, w_shape, attrs, one_product):
+    """Batched products and their sum where dy has many pixels against the gradient's
+    size (a small CNN), one Gemm over all rows where it has few (a deep layer)."""
+    plain = _conv_gradient_model(x_shape, w_shape, attrs, free_batch=True)
+    rewritten = UnfoldConvWeightGradients()(plain).model
+
+    def count(graph: onnx.GraphProto, op_type: str) -> int:
+        return sum(n.op_type == op_type for n in graph.node)
+
+    assert count(rewritten.graph, "Gemm") == int(one_product)
+    assert count(rewritten.graph, "ReduceSum") - count(plain.graph, "ReduceSum") == int(
+        not one_product)
 
 
 @pytest.mark.torch

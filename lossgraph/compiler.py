@@ -100,6 +100,7 @@ from .passes.loss import AddLossOutput, LossChoice, choose_loss
 from .passes.lower_ml import LowerMlOps
 from .passes.opset import ConvertOpset
 from .passes.plan import Plan, Planned, PlanRunner
+from .passes.recompute import Recompute
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
@@ -163,6 +164,7 @@ def compile_program(
     fixed_batch: str = "auto",
     untie: Sequence[str] | str | bool | None = None,
     accumulation_steps: int = 1,
+    recompute: str | Sequence[str] = "none",
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -217,11 +219,19 @@ def compile_program(
             1 the program holds the graphs that accumulate gradients
             (:mod:`lossgraph.passes.accumulate`) and records how its loss reduces rows, and
             a fit may then take any number of micro-batches per update.
+        recompute: activations recomputed in the backward instead of kept, the graph form
+            of ``torch.utils.checkpoint`` (:class:`~lossgraph.passes.Recompute`): ``"none"``
+            (the default: every activation the backward reads is kept), ``"auto"``
+            (boundaries chosen among the forward graph's cuts, about the square root of
+            their number), or a list of forward tensor names, the boundaries kept (the
+            forward values between them that the backward reads are recomputed from them).
+            Outputs of random nodes (a Dropout in training mode) are kept, never drawn
+            again. What is kept and recomputed is the manifest's ``recompute``.
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
                "fixed_batch": fixed_batch, "untie": untie,
-               "accumulation_steps": accumulation_steps}
+               "accumulation_steps": accumulation_steps, "recompute": recompute}
     with use_target(target):
         return _compile(model, options)
 
@@ -301,7 +311,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
                               options["fuse"], options["fixed_batch"], options["untie"],
-                              options["accumulation_steps"])
+                              options["accumulation_steps"], options["recompute"])
     given = as_model(model)
     check_trainable_model(given)
     lowering = Pipeline((ConvertOpset(), LowerMlOps()))
@@ -380,7 +390,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                           holds_splits(loss_model), get_roles(loss_model),
                           choice.loss if choice else None, loss_options, penalty,
                           zipmaps=bool(zipmaps),
-                          accumulation_steps=checked.accumulation_steps)
+                          accumulation_steps=checked.accumulation_steps,
+                          recompute=checked.recompute)
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripping = Pipeline((StripTraining(),))
@@ -453,6 +464,14 @@ def _accumulation_record(context: PlanContext) -> dict[str, Any] | None:
             "loss_reduction": context.loss_options.get("reduction", "mean")}
 
 
+def _recompute_record(compiling: Compiling) -> dict[str, dict[str, list[str]]] | None:
+    """What each graph recomputes (:class:`~lossgraph.passes.recompute.RecomputePlan`), by
+    graph, where compile recomputes."""
+    plans = {name: built.report.of(Recompute).as_record()
+             for name, built in compiling.built.items() if Recompute in built.report}
+    return plans or None
+
+
 def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
                   untie: str | list[str] | None
                   ) -> tuple[onnx.ModelProto, dict[str, list[str]], tuple[Pass, ...]]:
@@ -515,6 +534,6 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context),
-                              _accumulation_record(context))
+                              _accumulation_record(context), _recompute_record(compiling))
     return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
                            notes=front.notes)

@@ -39,6 +39,11 @@ whose inputs and outputs have the roles
 ``gradient_sum``, ``new_gradient_sum``, ``gradient_scale`` and ``gradient_scales``; the
 format stays (a lossgraph that does not know the key trains one batch per update).
 
+A program compiled with ``recompute`` (:class:`~lossgraph.passes.Recompute`) has one more
+key, ``"recompute": {graph: {"boundaries": [...], "kept": [...], "recomputed": [...]}}``:
+by training graph, the boundaries, the forward values its backward reads kept, and those
+it recomputes. It tells, and changes nothing for a runner (the format stays).
+
 :func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything
 trusts it, so a damaged one fails with the key at fault rather than a ``KeyError``
@@ -188,14 +193,16 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                    graph_roles: Mapping[str, Mapping[str, str]] | None = None,
                    untied: Mapping[str, list[str]] | None = None,
                    batch: Mapping[str, Any] | None = None,
-                   accumulation: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   accumulation: Mapping[str, Any] | None = None,
+                   recompute: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The program's description: graphs with the role of every input and output.
 
     Roles come from ``signature``; ``graph_roles`` gives, by graph, the roles of the names
     a graph's builder chose (the separate graphs'), which take precedence in that graph;
     ``untied`` the copies of each untied initializer (the key is left out without any).
     ``batch`` is the record of a model exported with a fixed batch, ``accumulation`` that
-    of a program compiled to accumulate gradients (module doc).
+    of a program compiled to accumulate gradients, ``recompute`` what each graph recomputes
+    (module doc).
     """
     role_of = signature.roles()
 
@@ -229,6 +236,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
         manifest["untied"] = {name: list(copies) for name, copies in untied.items()}
     if accumulation:
         manifest["accumulation"] = dict(accumulation)
+    if recompute:
+        manifest["recompute"] = {name: dict(plan) for name, plan in recompute.items()}
     graph_roles = graph_roles or {}
     manifest["graphs"] = {name: {"file": f"{name}.onnx",
                                  "inputs": describe(g.graph.input, graph_roles.get(name, {})),

@@ -38,6 +38,7 @@ from .options import choice, count, names
 from .passes.fixed_batch import FIXED_BATCH_CHOICES, export_advice, fixed_batch, rows
 from .passes.gradient import BACKENDS
 from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
+from .passes.recompute import recompute_choice
 from .penalties import Penalty, parse_penalty
 from .roles import get_roles
 
@@ -66,11 +67,14 @@ class CompileOptions:
     untie: str | list[str] | None = None
     #: the micro-batches of one update (above 1: the graphs that accumulate are built)
     accumulation_steps: int = 1
+    #: "none", "auto" or the boundaries (:func:`lossgraph.passes.recompute.recompute_choice`)
+    recompute: str | tuple[str, ...] = "none"
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
-                    untie: Any = None, accumulation_steps: Any = 1) -> CompileOptions:
+                    untie: Any = None, accumulation_steps: Any = 1,
+                    recompute: Any = "none") -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
     fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
@@ -93,7 +97,7 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
             "Compile the inference model with a loss name, or train at the larger batch.")
     return CompileOptions(names("weights", weights, allow_empty=True), options,
                           as_optimizer(optimizer), backend, fuse, fixed_batch,
-                          _untie(untie), accumulation_steps)
+                          _untie(untie), accumulation_steps, recompute_choice(recompute))
 
 
 def _untie(untie: Any) -> str | list[str] | None:

@@ -48,9 +48,11 @@ __all__ = ["StepMode", "EpochMode", "FusedSteps", "FusedEpochs", "GradientSums"]
 
 
 def _differentiated(context: PlanContext) -> tuple:
-    """A loss model's passes up to its gradient, speed rewrites included."""
+    """A loss model's passes up to its gradient, speed rewrites (and recomputation)
+    included."""
     return (context.lift, *context.update_buffers, *context.stabilize,
-            Gradient(context.weights, backend=context.backend), *context.speed)
+            Gradient(context.weights, backend=context.backend), *context.speed,
+            *context.recomputing)
 
 
 def _packing(context: PlanContext) -> tuple[PackWeights, ...]:
@@ -125,7 +127,8 @@ class StepMode(FuseMode):
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
         return {"train_step": Planned("loss model", Pipeline((
-            *_differentiated(context), StepGraph(context.optimizer), context.widen))),
+            *_differentiated(context), StepGraph(context.optimizer), *context.ordering,
+            context.widen))),
             **_accumulating(context, epochs=False)}
 
     def assemble(self, compiling: Compiling) -> Assembled:
@@ -146,11 +149,11 @@ class EpochMode(FuseMode):
     summary = "one graph per epoch (a Scan over the full batches)"
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
-        step = StepGraph(context.optimizer)
+        step = (StepGraph(context.optimizer), *context.ordering)
         # weights laid end to end update as one where the update is the same for all
-        packed = (*_differentiated(context), *_packing(context), step)
+        packed = (*_differentiated(context), *_packing(context), *step)
         return {
-            "train_step": Planned("loss model", Pipeline((*_differentiated(context), step,
+            "train_step": Planned("loss model", Pipeline((*_differentiated(context), *step,
                                                           context.widen))),
             **{name: Planned("loss model", Pipeline((*packed, EpochGraph(shuffle),
                                                      context.widen)))

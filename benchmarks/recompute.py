@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| cell | step peak (MiB) | vs torch | step (s) | vs torch | kept | recomputed |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        ratio = (f"{row['peak_mb'] / torch_row['peak_mb']:.2f}x", f"{row['step_s'] / torch_row['step_s']:.2f}x") \
-            if torch_row else ("", "")
+        ratio = ((f"{row['peak_mb'] / torch_row['peak_mb']:.2f}x",
+                  f"{row['step_s'] / torch_row['step_s']:.2f}x") if torch_row else ("", ""))
         print(f"| {row['cell']} | {row['peak_mb']:,.0f} | {ratio[0]} | {row['step_s']:.3f} | "
               f"{ratio[1]} | {row.get('kept') or ''} | {row.get('recomputed') or ''} |")
 

@@ -621,6 +621,14 @@ CASES: list[Case] = [
          lambda c: c.program(lossgraph.add_loss_output(linear(), "squared_error"), loss=None,
                              accumulation_steps=4), UnsupportedOptionError,
          "accumulation_steps=4 needs lossgraph to add the loss"),
+    *[Case(f"recompute-{label}", f"compile_program(recompute={value!r})",
+           lambda c, v=value: c.program(recompute=v), UnsupportedOptionError,
+           f"recompute={value!r}")
+      for label, value in [("not-a-choice", "all"), ("empty", []), ("twice", ["a", "a"]),
+                           ("not-a-name", [3])]],
+    Case("recompute-unknown-tensor", "recompute=['nowhere'] (no forward value)",
+         lambda c: c.program(recompute=["nowhere"]), UnknownNameError,
+         "recompute= names 'nowhere', which is not a value the forward computes"),
     # -- fit options -------------------------------------------------------------------------
     Case("fit-accumulation-steps-zero", "fit(accumulation_steps=0)",
          lambda c: c.fit(accumulation_steps=0, compile_options={"accumulation_steps": 2}),

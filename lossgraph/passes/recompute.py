@@ -143,42 +143,65 @@ class Recompute(Pass[RecomputePlan]):
                                                 name=names.fresh(f"{value}_fence")))
             return fences[value]
 
+        def recomputable(value: str) -> bool:
+            return value in producer and producer[value] in forward and value not in stop
+
+        def copy_of(node: onnx.NodeProto) -> None:
+            """Emit the copy of ``node``, whose recomputed inputs have their copies."""
+            inputs = [renamed.get(v, v) for v in node.input]
+            if inputs == list(node.input):  # every input kept: fence one activation
+                at = next((k for k, v in enumerate(inputs) if v in dependent
+                           and facts.elem_types.get(v) in _FENCEABLE), None)
+                if at is not None:
+                    inputs[at] = fence(inputs[at])
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.input[:] = inputs
+            copy.output[:] = [names.fresh(f"{o}_recomputed") if o else o for o in node.output]
+            if node.name:
+                copy.name = names.fresh(f"{node.name}_recomputed")
+            renamed.update((o, c) for o, c in zip(node.output, copy.output) if o)
+            emitted.append(copy)
+
         def recompute(value: str) -> str:
-            """The copy of ``value`` (its chain emitted first), or ``value`` if kept."""
-            if value in stop or value not in producer or producer[value] not in forward:
+            """The copy of ``value`` (its chain emitted first, depth first without
+            recursion: chains may be long), or ``value`` itself where it is kept."""
+            if not recomputable(value):
                 if value in dependent and value in producer and producer[value] in forward:
                     kept[value] = None
                 return value
-            if value not in renamed:
-                node = nodes[producer[value]]
-                inputs = [recompute(v) if v else v for v in node.input]
-                if inputs == list(node.input):  # every input kept: fence one activation
-                    at = next((k for k, v in enumerate(inputs) if v in dependent | data
-                               and facts.elem_types.get(v) in _FENCEABLE), None)
-                    if at is not None:
-                        inputs[at] = fence(inputs[at])
-                copy = onnx.NodeProto()
-                copy.CopyFrom(node)
-                copy.input[:] = inputs
-                copy.output[:] = [names.fresh(f"{o}_recomputed") if o else o
-                                  for o in node.output]
-                if node.name:
-                    copy.name = names.fresh(f"{node.name}_recomputed")
-                renamed.update(zip(node.output, copy.output))
-                emitted.append(copy)
+            stack = [producer[value]]
+            while stack:
+                node = nodes[stack[-1]]
+                if any(o in renamed for o in node.output):
+                    stack.pop()
+                    continue
+                waiting = [producer[v] for v in node.input
+                           if v and recomputable(v) and v not in renamed]
+                if waiting:
+                    stack.extend(waiting)
+                    continue
+                stack.pop()
+                for v in node.input:
+                    if v and not recomputable(v):
+                        recompute(v)  # noted as kept
+                copy_of(node)
             return renamed[value]
 
         rewritten: list[onnx.NodeProto] = []
         for i, node in enumerate(nodes):
             if i not in forward:
                 node.input[:] = [recompute(v) if v else v for v in node.input]
+                for value in set(_reads(node)) - set(node.input):  # a subgraph's outer reads
+                    if value in dependent and producer.get(value) in forward:
+                        kept[value] = None
                 rewritten.extend(emitted)
                 emitted.clear()
             rewritten.append(node)
         del graph.node[:]
         graph.node.extend(rewritten)
         order = {o: k for k, n in enumerate(nodes) for o in n.output}
-        recomputed = tuple(sorted((v for v in renamed if v), key=order.__getitem__))
+        recomputed = tuple(sorted(renamed, key=order.__getitem__))
         plan = RecomputePlan(boundaries, tuple(sorted(kept, key=order.__getitem__)),
                              recomputed)
         return PassResult(model, plan, changed=bool(renamed))

@@ -130,3 +130,19 @@ def test_updates_ordered_keeps_values():
 def test_needs_a_gradient_model():
     with pytest.raises(UnsupportedModelError, match="Recompute needs a gradient model"):
         Recompute(("h1",))(_tower())
+
+
+def test_onnxruntime_keeps_the_copies(tmp_path):
+    """The fences keep onnxruntime's common-subexpression elimination from merging the
+    copies back into the forward (which would keep the activations alive again)."""
+    import onnxruntime
+
+    program = compile_program(_tower(), loss="squared_error", recompute=["h1"])
+    options = onnxruntime.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.log_severity_level = 3
+    onnxruntime.InferenceSession(program.graphs["train_step"].SerializeToString(), options,
+                                 providers=["CPUExecutionProvider"])
+    optimized = onnx.load(tmp_path / "optimized.onnx")
+    computed = {o for n in optimized.graph.node for o in n.output}
+    assert {"a2", "a2_recomputed"} <= computed  # the forward's product and its copy

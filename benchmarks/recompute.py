@@ -21,6 +21,9 @@ steps 2 and 3 (torch: 2 and 3 as well). Cells:
 - ``layers``: ``recompute=[the output of each encoder layer]``, HF's
   ``gradient_checkpointing`` boundaries;
 - ``auto``: ``recompute="auto"``.
+
+``--session`` runs lossgraph's ``train_step`` graph in a plain onnxruntime session instead
+of the Trainer (its peak: the session and its runs, without the Trainer's state buffers).
 """
 
 from __future__ import annotations
@@ -91,8 +94,10 @@ def layer_outputs(model: Any) -> list[str]:
     return [last[k] for k in sorted(last)]
 
 
-def cell(name: str, size: str, tokens: int, batch: int, path: Path) -> dict[str, Any]:
-    """One cell, in this process (module docstring)."""
+def cell(name: str, size: str, tokens: int, batch: int, path: Path,
+         session: bool = False) -> dict[str, Any]:
+    """One cell, in this process (module docstring); ``session``: lossgraph's train_step
+    graph run in a plain onnxruntime session instead of the Trainer."""
     import numpy as np
     import onnx
     import torch
@@ -135,14 +140,33 @@ def cell(name: str, size: str, tokens: int, batch: int, path: Path) -> dict[str,
     compile_s = time.perf_counter() - start
     plan = program.manifest.get("recompute", {}).get("train_step")
     del model
-    reset_peak_memory()
-    trainer = lossgraph.Trainer(program)
-    for step in range(STEPS):
-        rows = slice(step * batch, (step + 1) * batch)
-        start = time.perf_counter()
-        trainer.fit(X[rows], y[rows], batch_size=batch, epochs=1, warm_start=step > 0,
-                    shuffle=False, progress=False)
-        times.append(time.perf_counter() - start)
+    if session:  # the train_step graph alone in a plain session: the activations' part
+        graph = program.graphs["train_step"].SerializeToString()
+        state = {**program.state, "learning_rate": np.array(0.01, np.float32),
+                 "step": np.array(1, np.int64)}
+        del program
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3
+        reset_peak_memory()
+        run = onnxruntime.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        feeds = [i.name for i in run.get_inputs()]
+        for step in range(STEPS):
+            rows = slice(step * batch, (step + 1) * batch)
+            given = {**state, "input_ids": X[rows], "label": y[rows]}
+            start = time.perf_counter()
+            run.run(None, {name: given[name] for name in feeds})
+            times.append(time.perf_counter() - start)
+    else:
+        reset_peak_memory()
+        trainer = lossgraph.Trainer(program)
+        for step in range(STEPS):
+            rows = slice(step * batch, (step + 1) * batch)
+            start = time.perf_counter()
+            trainer.fit(X[rows], y[rows], batch_size=batch, epochs=1, warm_start=step > 0,
+                        shuffle=False, progress=False)
+            times.append(time.perf_counter() - start)
     return {"cell": name, "peak_mb": process_memory_mb("VmHWM") - baseline,
             "step_s": statistics.median(times[1:]), "compile_s": compile_s,
             "kept": len(plan["kept"]) if plan else None,
@@ -156,12 +180,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--cells", default=",".join(CELLS))
+    parser.add_argument("--session", action="store_true",
+                        help="run lossgraph's train_step graph in a plain onnxruntime session "
+                             "(the activations' part of the peak), not the Trainer")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cell:
         print(json.dumps(cell(args.cell, args.size, args.tokens, args.batch,
-                              Path(args.model))))
+                              Path(args.model), args.session)))
         return
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "bert.onnx"
@@ -171,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
             done = subprocess.run(
                 [sys.executable, "-m", "benchmarks.recompute", "--cell", name, "--size",
                  args.size, "--tokens", str(args.tokens), "--batch", str(args.batch),
-                 "--model", str(path)], capture_output=True, text=True, check=False)
+                 "--model", str(path), *(["--session"] if args.session else [])],
+                capture_output=True, text=True, check=False)
             if done.returncode:
                 print(done.stderr[-2000:], file=sys.stderr)
                 continue
@@ -179,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(rows[-1]), file=sys.stderr)
     torch_row = next((r for r in rows if r["cell"] == "torch"), None)
     print(f"BERT {args.size}, batch {args.batch} x {args.tokens} tokens, float32, SGD, "
-          f"{STEPS} steps, fuse='step'")
+          f"{STEPS} steps, fuse='step'{', session alone' if args.session else ''}")
     print("| cell | step peak (MiB) | vs torch | step (s) | vs torch | kept | recomputed |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:

@@ -222,8 +222,8 @@ def compile_program(
         recompute: activations recomputed in the backward instead of kept, the graph form
             of ``torch.utils.checkpoint`` (:class:`~lossgraph.passes.Recompute`): ``"none"``
             (the default: every activation the backward reads is kept), ``"auto"``
-            (boundaries chosen among the forward graph's cuts, about the square root of
-            their number), or a list of forward tensor names, the boundaries kept (the
+            (boundaries chosen among the forward graph's cuts, about ``sqrt(n)`` segments of
+            equal activation size), or a list of forward tensor names, the boundaries kept (the
             forward values between them that the backward reads are recomputed from them).
             Outputs of random nodes (a Dropout in training mode) are kept, never drawn
             again. What is kept and recomputed is the manifest's ``recompute``.

@@ -23,8 +23,10 @@ node, keeping the forward activations alive.
 
 ``"auto"`` picks boundaries among the forward graph's **cuts** (float values every path of
 activations passes through: the residual stream between transformer layers, a
-``Sequential``'s layer outputs), about the square root of their number, evenly spaced
-(Chen et al., *Training Deep Nets with Sublinear Memory Cost*, 2016).
+``Sequential``'s layer outputs), greedily: a cut becomes a boundary once the activations
+the backward reads since the last one reach the budget ``total / sqrt(total / mean cut)``
+(sizes from the inferred shapes), Chen et al.'s rule (*Training Deep Nets with Sublinear
+Memory Cost*, 2016): about ``sqrt(n)`` segments of equal activation size.
 
 The report (:class:`RecomputePlan`) names the boundaries, the values kept for the
 backward and those recomputed; compile records it in the manifest (``recompute``).
@@ -52,6 +54,8 @@ __all__ = ["Recompute", "RecomputePlan", "RANDOM_OPS", "UpdatesInBackwardOrder",
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
                         "RandomUniformLike", "Bernoulli", "Multinomial"})
 
+_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
+                     onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 #: Element types ``Max`` takes (the fence reads a kept value through ``Max(v, v)``).
 _FENCEABLE = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                         onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
@@ -117,8 +121,9 @@ class Recompute(Pass[RecomputePlan]):
         constants = {t.name for t in graph.initializer}
         data = {i.name for i in graph.input} - constants - weights
         dependent = _dependent(nodes, forward, data)  # activations: computed from the data
+        facts = ForwardFacts.of(model)
         if self.boundaries == "auto":
-            boundaries = _auto_boundaries(model, nodes, forward, dependent)
+            boundaries = _auto_boundaries(nodes, forward, dependent, facts)
         else:
             boundaries = tuple(self.boundaries)
             _check_boundaries(boundaries, nodes, forward)
@@ -129,7 +134,6 @@ class Recompute(Pass[RecomputePlan]):
                     or any(a.g.node or a.graphs for a in node.attribute) \
                     or not any(o in dependent for o in node.output):
                 stop.update(o for o in node.output if o)
-        facts = ForwardFacts.of(model)
         names = NameAuthority.for_model(model)
         renamed: dict[str, str] = {}  # recomputed forward value -> its copy
         fences: dict[str, str] = {}
@@ -252,32 +256,50 @@ def _check_boundaries(boundaries: Sequence[str], nodes: Sequence[onnx.NodeProto]
                 + suggest(name, values, "forward values"))
 
 
-def _auto_boundaries(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto],
-                     forward: set[int], dependent: set[str]) -> tuple[str, ...]:
-    """About sqrt(n) of the forward's n cuts, evenly spaced (module docstring)."""
-    facts = ForwardFacts.of(model)
-    floats = {v for v in dependent if facts.elem_types.get(v) in (
-        onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-        onnx.TensorProto.BFLOAT16)}
+def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int],
+                     dependent: set[str], facts: ForwardFacts) -> tuple[str, ...]:
+    """Boundaries among the forward's cuts, greedily: a cut becomes one once the
+    activations the backward reads since the last boundary reach ``total / k``, with
+    ``k = sqrt(total / mean cut)`` (sizes from the inferred shapes, an unknown dimension
+    counted 1: every activation shares the batch), Chen et al.'s budget (module doc)."""
+    floats = {v for v in dependent if facts.elem_types.get(v) in _FLOATS}
     order = sorted(forward)
-    last_read: dict[str, int] = {}
-    for position, i in enumerate(order):
-        for v in _reads(nodes[i]):
-            last_read[v] = position
+    last_read: dict[str, int] = {}  # the last forward node reading each value
+    needed: set[str] = set()  # what the backward reads: the activations it keeps
+    for i, node in enumerate(nodes):
+        for v in _reads(node):
+            if i in forward:
+                last_read[v] = i
+            elif v in floats:
+                needed.add(v)
     live: set[str] = set()
-    cuts = []
-    for position, i in enumerate(order):
+    cuts = set()
+    for i in order:
         live.update(o for o in nodes[i].output if o in floats)
-        live = {v for v in live if last_read.get(v, -1) > position}
+        live = {v for v in live if last_read.get(v, -1) > i}
         if len(live) == 1 and next(iter(live)) in nodes[i].output:
-            cuts.append(next(iter(live)))
+            cuts.add(next(iter(live)))
     if not cuts:
         raise UnsupportedModelError(
             "recompute='auto' found no cut in the forward graph (a value every path of "
             "activations passes through) to keep: name the boundaries, recompute=[...].")
-    count = max(1, round(math.sqrt(len(cuts))))
-    step = len(cuts) / count
-    return tuple(cuts[min(len(cuts) - 1, int(step * (k + 1)) - 1)] for k in range(count))
+    total = sum(_size(facts, v) for v in needed) or 1
+    budget = total / max(1, round(math.sqrt(total / (sum(_size(facts, c) for c in cuts)
+                                                     / len(cuts)))))
+    boundaries, gathered = [], 0
+    for i in order:
+        gathered += sum(_size(facts, o) for o in nodes[i].output if o in needed)
+        cut = next((o for o in nodes[i].output if o in cuts), None)
+        if cut is not None and gathered >= budget:
+            boundaries.append(cut)
+            gathered = 0
+    return tuple(boundaries)
+
+
+def _size(facts: ForwardFacts, value: str) -> int:
+    """The elements of ``value``, an unknown dimension counted 1."""
+    return math.prod(d if isinstance(d, int) and d > 0 else 1
+                     for d in facts.shapes.get(value, ()))
 
 
 @dataclass(frozen=True)

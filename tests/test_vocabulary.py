@@ -152,7 +152,8 @@ FLAG_PARAMETERS = {
         # AdamW's and the penalty's (Penalty) exclude_from_weight_decay
         "--exclude-from-weight-decay": "optimizer", "--backend": "backend", "--fuse": "fuse",
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
-        "--accumulation-steps": "accumulation_steps", "--output": None, "--format": None}),
+        "--accumulation-steps": "accumulation_steps", "--recompute": "recompute",
+        "--output": None, "--format": None}),
 }
 
 

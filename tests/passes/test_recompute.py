@@ -146,3 +146,17 @@ def test_onnxruntime_keeps_the_copies(tmp_path):
     optimized = onnx.load(tmp_path / "optimized.onnx")
     computed = {o for n in optimized.graph.node for o in n.output}
     assert {"a2", "a2_recomputed"} <= computed  # the forward's product and its copy
+
+
+def test_accumulating_graphs_recompute_too():
+    X, y = _data()
+    trained = []
+    for recompute in ("none", ["h1"]):
+        program = compile_program(_tower(), loss="squared_error", recompute=recompute,
+                                  accumulation_steps=2)
+        trainer = Trainer(program).fit(X, y, batch_size=3, epochs=1, shuffle=False,
+                                       progress=False)
+        trained.append(trainer.state)
+    assert set(program.manifest["recompute"]) >= {"train_accumulate", "train_step_accumulated"}
+    for name, value in trained[0].items():
+        np.testing.assert_array_equal(trained[1][name], value, err_msg=name)

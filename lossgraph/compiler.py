@@ -106,6 +106,7 @@ from .passes.loss import AddLossOutput, LossChoice, choose_loss
 from .passes.lower_ml import LowerMlOps
 from .passes.opset import ConvertOpset
 from .passes.plan import Plan, Planned, PlanRunner
+from .passes.recompute import Recompute
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
@@ -171,6 +172,7 @@ def compile_program(
     accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
     ema_decay: float | None = None,
+    recompute: str | Sequence[str] = "none",
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -235,12 +237,20 @@ def compile_program(
             one more state per weight, which ``evaluate``, ``predict`` and
             ``to_inference_model`` use with ``ema=True``. None (default): no average.
             See :mod:`lossgraph.update_options`.
+        recompute: activations recomputed in the backward instead of kept, the graph form
+            of ``torch.utils.checkpoint`` (:class:`~lossgraph.passes.Recompute`): ``"none"``
+            (the default: every activation the backward reads is kept), ``"auto"``
+            (boundaries chosen among the forward graph's cuts, about ``sqrt(n)`` segments of
+            equal activation size), or a list of forward tensor names, the boundaries kept (the
+            forward values between them that the backward reads are recomputed from them).
+            Outputs of random nodes (a Dropout in training mode) are kept, never drawn
+            again. What is kept and recomputed is the manifest's ``recompute``.
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
                "fixed_batch": fixed_batch, "untie": untie,
                "accumulation_steps": accumulation_steps, "max_grad_norm": max_grad_norm,
-               "ema_decay": ema_decay}
+               "ema_decay": ema_decay, "recompute": recompute}
     with use_target(target):
         return _compile(model, options)
 
@@ -323,7 +333,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                               options["penalty"], options["optimizer"], options["backend"],
                               options["fuse"], options["fixed_batch"], options["untie"],
                               options["accumulation_steps"], options["max_grad_norm"],
-                              options["ema_decay"])
+                              options["ema_decay"], options["recompute"])
     held = HeldWeights()  # the passes copy light models, the weights stay here
     given = as_model(model, held)
     check_trainable_model(given)
@@ -404,7 +414,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                           choice.loss if choice else None, loss_options, penalty,
                           zipmaps=bool(zipmaps),
                           accumulation_steps=checked.accumulation_steps,
-                          update_options=checked.update)
+                          update_options=checked.update, recompute=checked.recompute)
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripping = Pipeline((StripTraining(),))
@@ -477,6 +487,14 @@ def _accumulation_record(context: PlanContext) -> dict[str, Any] | None:
             "loss_reduction": context.loss_options.get("reduction", "mean")}
 
 
+def _recompute_record(compiling: Compiling) -> dict[str, dict[str, list[str]]] | None:
+    """What each graph recomputes (:class:`~lossgraph.passes.recompute.RecomputePlan`), by
+    graph, where compile recomputes."""
+    plans = {name: built.report.of(Recompute).as_record()
+             for name, built in compiling.built.items() if Recompute in built.report}
+    return plans or None
+
+
 def _weights_made(model: onnx.ModelProto, weights: Sequence[str] | None,
                   untie: str | list[str] | None
                   ) -> tuple[onnx.ModelProto, dict[str, list[str]], tuple[Pass, ...]]:
@@ -541,7 +559,8 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context),
-                              _accumulation_record(context), context.update_options)
+                              _accumulation_record(context), context.update_options,
+                              _recompute_record(compiling))
     inference, held, notes = front.starts["inference model"], front.held, front.notes
     del front, runner, compiling  # every intermediate model
     # light: the program keeps the weights its state holds (the store's arrays) once

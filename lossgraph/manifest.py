@@ -46,6 +46,11 @@ state}``: the state of each weight that holds its average (its last state). Its 
 output the gradients' norm with the role ``grad_norm`` (an epoch graph: ``grad_norms``, one
 per update). The graphs compute both, so it needs no new format either.
 
+A program compiled with ``recompute`` (:class:`~lossgraph.passes.Recompute`) has one more
+key, ``"recompute": {graph: {"boundaries": [...], "kept": [...], "recomputed": [...]}}``:
+by training graph, the boundaries, the forward values its backward reads kept, and those
+it recomputes. It tells, and changes nothing for a runner (the format stays).
+
 :func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything
 trusts it, so a damaged one fails with the key at fault rather than a ``KeyError``
@@ -220,15 +225,17 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                    untied: Mapping[str, list[str]] | None = None,
                    batch: Mapping[str, Any] | None = None,
                    accumulation: Mapping[str, Any] | None = None,
-                   update: UpdateOptions | None = None) -> dict[str, Any]:
+                   update: UpdateOptions | None = None,
+                   recompute: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The program's description: graphs with the role of every input and output.
 
     Roles come from ``signature``; ``graph_roles`` gives, by graph, the roles of the names
     a graph's builder chose (the separate graphs'), which take precedence in that graph;
     ``untied`` the copies of each untied initializer (the key is left out without any).
     ``batch`` is the record of a model exported with a fixed batch, ``accumulation`` that
-    of a program compiled to accumulate gradients (module doc); ``update`` the clipping and
-    EMA around the optimizer's update (keys left out without).
+    of a program compiled to accumulate gradients, ``recompute`` what each graph recomputes
+    (module doc); ``update`` the clipping and EMA around the optimizer's update (keys left
+    out without).
     """
     role_of = signature.roles()
 
@@ -266,6 +273,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
         manifest["update"] = update.to_dict()
     if update and update.averages:
         manifest["ema"] = {w: signature.states[w][-1] for w in signature.weights}
+    if recompute:
+        manifest["recompute"] = {name: dict(plan) for name, plan in recompute.items()}
     graph_roles = graph_roles or {}
     manifest["graphs"] = {name: {"file": f"{name}.onnx",
                                  "inputs": describe(g.graph.input, graph_roles.get(name, {})),

@@ -38,6 +38,7 @@ from .options import choice, count, names
 from .passes.fixed_batch import FIXED_BATCH_CHOICES, export_advice, fixed_batch, rows
 from .passes.gradient import BACKENDS
 from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
+from .passes.recompute import recompute_choice
 from .penalties import Penalty, parse_penalty
 from .roles import get_roles
 from .update_options import UpdateOptions
@@ -69,12 +70,14 @@ class CompileOptions:
     accumulation_steps: int = 1
     #: gradient clipping and an EMA of the weights around the optimizer's update
     update: UpdateOptions = UpdateOptions()
+    #: "none", "auto" or the boundaries (:func:`lossgraph.passes.recompute.recompute_choice`)
+    recompute: str | tuple[str, ...] = "none"
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
                     untie: Any = None, accumulation_steps: Any = 1, max_grad_norm: Any = None,
-                    ema_decay: Any = None) -> CompileOptions:
+                    ema_decay: Any = None, recompute: Any = "none") -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
     fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
@@ -98,7 +101,7 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
     return CompileOptions(names("weights", weights, allow_empty=True), options,
                           as_optimizer(optimizer), backend, fuse, fixed_batch,
                           _untie(untie), accumulation_steps,
-                          UpdateOptions(max_grad_norm, ema_decay))
+                          UpdateOptions(max_grad_norm, ema_decay), recompute_choice(recompute))
 
 
 def _untie(untie: Any) -> str | list[str] | None:

@@ -647,6 +647,14 @@ CASES: list[Case] = [
     Case("ema-in-ort-artifacts", "to_ort_artifacts(model, folder, ema_decay=0.99)",
          lambda c: lossgraph.export.to_ort_artifacts(linear(), c.tmp / "a", ema_decay=0.99),
          UnsupportedOptionError, "cannot keep an EMA of the weights"),
+    *[Case(f"recompute-{label}", f"compile_program(recompute={value!r})",
+           lambda c, v=value: c.program(recompute=v), UnsupportedOptionError,
+           f"recompute={value!r}")
+      for label, value in [("not-a-choice", "all"), ("empty", []), ("twice", ["a", "a"]),
+                           ("not-a-name", [3])]],
+    Case("recompute-unknown-tensor", "recompute=['nowhere'] (no forward value)",
+         lambda c: c.program(recompute=["nowhere"]), UnknownNameError,
+         "recompute= names 'nowhere', which is not a value the forward computes"),
     # -- fit options -------------------------------------------------------------------------
     Case("fit-accumulation-steps-zero", "fit(accumulation_steps=0)",
          lambda c: c.fit(accumulation_steps=0, compile_options={"accumulation_steps": 2}),

@@ -134,6 +134,13 @@ def _penalty(args: argparse.Namespace, loss: str | None) -> Any:
                    () if excluded is None else excluded or "auto")
 
 
+def _recompute(tensors: list[str] | None) -> str | list[str]:
+    """``--recompute``: absent, "none"; alone or ``auto``, "auto"; else the boundaries."""
+    if tensors is None:
+        return "none"
+    return "auto" if tensors in ([], ["auto"]) else tensors
+
+
 def _compile(args: argparse.Namespace) -> int:
     loss = None if args.loss == "none" else args.loss
     loss_options = _loss_options(args)
@@ -144,7 +151,9 @@ def _compile(args: argparse.Namespace) -> int:
         given = [option for option, value in (("--fuse", args.fuse), ("--backend", args.backend),
                                               ("--target", args.target),
                                               ("--accumulation-steps",
-                                               args.accumulation_steps != 1)) if value]
+                                               args.accumulation_steps != 1),
+                                              ("--recompute", args.recompute is not None))
+                 if value]
         if given:
             raise UnsupportedOptionError(
                 f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --format "
@@ -165,7 +174,7 @@ def _compile(args: argparse.Namespace) -> int:
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
         target=args.target, fixed_batch=args.fixed_batch, untie=untie,
         accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
-        ema_decay=args.ema_decay)
+        ema_decay=args.ema_decay, recompute=_recompute(args.recompute))
     program.save(args.output)
     for note in program.notes.lines():
         print(f"{args.output}: {note}")

@@ -347,6 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "the program holds the graphs that accumulate gradients, and "
                             "lossgraph train --accumulation-steps may then take any K "
                             "(default: 1)")
+    build.add_argument("--recompute", nargs="*", default=None, metavar="TENSOR",
+                       help="recompute activations in the backward instead of keeping them: "
+                            "alone (or 'auto'), boundaries chosen among the forward graph's "
+                            "cuts; else the forward tensors kept, everything between them "
+                            "recomputed (default: every activation kept)")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")

@@ -35,6 +35,7 @@ from ..optim import Optimizer
 from ..options import choice
 from ..passes.contract import Pass, PassResult, Reports
 from ..passes.plan import Planned
+from ..passes.recompute import Recompute, UpdatesInBackwardOrder
 from ..passes.running_stats import RunningStatistics
 from ..passes.sequences import SequencesToTensors
 from ..passes.stabilize import StabilizeNumerics
@@ -76,6 +77,9 @@ class PlanContext:
     accumulation_steps: int = 1
     #: gradient clipping and an EMA of the weights, around the optimizer's update
     update_options: UpdateOptions = field(default_factory=UpdateOptions)
+    #: compile's ``recompute``: ``"none"``, ``"auto"`` or the boundaries
+    #: (:mod:`lossgraph.passes.recompute`), run on the fused modes' gradients
+    recompute: str | tuple[str, ...] = "none"
 
     @property
     def lift(self) -> WeightsToInputs:
@@ -111,6 +115,19 @@ class PlanContext:
         """The speed rewrites of a training graph's gradient (:mod:`lossgraph.speed`)."""
         return (FoldBatchIntoProducts(), SumRowsByProduct(), ConcatScatteredSlabs(),
                 UnfoldConvWeightGradients())
+
+    @property
+    def recomputing(self) -> tuple[Pass, ...]:
+        """Activations recomputed in the backward where compile asks
+        (:class:`~lossgraph.passes.Recompute`)."""
+        return () if self.recompute == "none" else (Recompute(self.recompute),)
+
+    @property
+    def ordering(self) -> tuple[Pass, ...]:
+        """Where compile recomputes, the updates (gradients) ordered so that onnxruntime
+        frees each layer's activations' gradients early
+        (:class:`~lossgraph.passes.recompute.UpdatesInBackwardOrder`)."""
+        return () if self.recompute == "none" else (UpdatesInBackwardOrder(),)
 
 
 @dataclass

@@ -48,9 +48,11 @@ __all__ = ["StepMode", "EpochMode", "FusedSteps", "FusedEpochs", "GradientSums"]
 
 
 def _differentiated(context: PlanContext) -> tuple:
-    """A loss model's passes up to its gradient, speed rewrites included."""
+    """A loss model's passes up to its gradient, speed rewrites (and recomputation)
+    included."""
     return (context.lift, *context.update_buffers, *context.stabilize,
-            Gradient(context.weights, backend=context.backend), *context.speed)
+            Gradient(context.weights, backend=context.backend), *context.speed,
+            *context.recomputing)
 
 
 def _packing(context: PlanContext) -> tuple[PackWeights, ...]:
@@ -60,9 +62,10 @@ def _packing(context: PlanContext) -> tuple[PackWeights, ...]:
             if context.optimizer.same_for_every_weight else ())
 
 
-def _step(context: PlanContext) -> StepGraph:
-    """The optimizer's update, with the clipping and EMA around it the program asks for."""
-    return StepGraph(context.optimizer, context.update_options)
+def _step(context: PlanContext) -> tuple:
+    """The optimizer's update, with the clipping and EMA around it the program asks for
+    (and, where compile recomputes, the updates in the backward's order)."""
+    return (StepGraph(context.optimizer, context.update_options), *context.ordering)
 
 
 def _accumulating(context: PlanContext, epochs: bool) -> dict[str, Planned]:
@@ -74,12 +77,12 @@ def _accumulating(context: PlanContext, epochs: bool) -> dict[str, Planned]:
     step = _step(context)
     graphs = {
         "train_accumulate": Planned("loss model", Pipeline((*accumulate, context.widen))),
-        "train_step_accumulated": Planned("loss model", Pipeline((*accumulate, step,
+        "train_step_accumulated": Planned("loss model", Pipeline((*accumulate, *step,
                                                                   context.widen))),
     }
     if epochs:
         group = (*_differentiated(context), *_packing(context), SumGradients(),
-                 GroupGradients(), step)
+                 GroupGradients(), *step)
         graphs.update({name: Planned("loss model", Pipeline((*group, EpochGraph(shuffle),
                                                              context.widen)))
                        for name, shuffle in (("train_epoch_ordered_accumulated", False),
@@ -131,7 +134,7 @@ class StepMode(FuseMode):
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
         return {"train_step": Planned("loss model", Pipeline((
-            *_differentiated(context), _step(context), context.widen))),
+            *_differentiated(context), *_step(context), context.widen))),
             **_accumulating(context, epochs=False)}
 
     def assemble(self, compiling: Compiling) -> Assembled:
@@ -154,9 +157,9 @@ class EpochMode(FuseMode):
     def plan(self, context: PlanContext) -> dict[str, Planned]:
         step = _step(context)
         # weights laid end to end update as one where the update is the same for all
-        packed = (*_differentiated(context), *_packing(context), step)
+        packed = (*_differentiated(context), *_packing(context), *step)
         return {
-            "train_step": Planned("loss model", Pipeline((*_differentiated(context), step,
+            "train_step": Planned("loss model", Pipeline((*_differentiated(context), *step,
                                                           context.widen))),
             **{name: Planned("loss model", Pipeline((*packed, EpochGraph(shuffle),
                                                      context.widen)))

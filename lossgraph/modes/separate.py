@@ -128,7 +128,8 @@ class SeparateMode(FuseMode):
             "gradient": Planned("forward model", Pipeline((
                 context.lift, *context.update_buffers, *context.stabilize,
                 Gradient(context.weights, outputs=(prediction,), backend=context.backend),
-                SumRowsByProduct(), SumRowsByProduct(), context.widen))),
+                SumRowsByProduct(), SumRowsByProduct(), *context.recomputing, *context.ordering,
+                context.widen))),
             "loss": Planned(LossGraph(str(context.loss), dict(context.loss_options),
                                       context.backend), widen),
             "update": Planned(UpdateGraph(context.optimizer, context.update_options), widen),

@@ -28,6 +28,8 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
   quantization (QuantizeLinear -> DequantizeLinear) differentiated with the straight-through
   estimator, for quantization-aware training
 - :class:`Gradient`: gradients or vector-Jacobian products
+- :class:`Recompute`: the backward reads kept values only (boundaries), the activations
+  between them recomputed, the graph form of ``torch.utils.checkpoint``
 - :class:`PackWeights`, :class:`StepGraph`, :class:`EpochGraph`: fusion with the
   optimizer's update
 - :class:`SumGradients`, :class:`GroupGradients`: gradient accumulation, a running
@@ -52,6 +54,7 @@ from .loss import AddLossOutput, RemoveLossOutput, add_loss_output
 from .lower_ml import LowerMlOps, lower_ml_ops
 from .opset import ConvertOpset, convert_opset
 from .quantization import StraightThroughQuantization, straight_through_quantization
+from .recompute import Recompute
 from .rename import AlphabetizeInitializers, alphabetize_initializers
 from .running_stats import RunningStatistics
 from .sequences import SequencesToTensors
@@ -64,6 +67,7 @@ from .zipmap import ZipMapToTensor
 __all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers", "ConvertOpset",
            "EpochGraph", "ExpandFunctions", "GeneralizeBatch", "Gradient", "GroupGradients",
            "InferenceMode",
+           "Recompute",
            "LowerMlOps", "PackWeights", "Pass", "PassResult", "Pipeline", "RemoveLossOutput",
            "Reports", "Requirement", "RunningStatistics", "SequencesToTensors",
            "StabilizeNumerics", "StepGraph", "StraightThroughQuantization", "StripTraining",

@@ -110,6 +110,17 @@ def test_accumulation_from_the_shell_equals_a_larger_batch(model_file, tmp_path,
         np.testing.assert_allclose(trained["5"][name], value, rtol=1e-5, atol=1e-6)
 
 
+def test_recompute_from_the_shell(model_file, tmp_path):
+    """compile --recompute (alone: auto; or tensors): the manifest records the plan."""
+    for extra in (["--recompute"], ["--recompute", "auto"]):
+        program = tmp_path / f"program{len(extra)}"
+        assert main(["compile", str(model_file), "-o", str(program), *extra]) == 0
+        plan = json.loads((program / "manifest.json").read_text())["recompute"]["train_step"]
+        assert plan["recomputed"] or plan["kept"]
+    assert main(["compile", str(model_file), "-o", str(tmp_path / "none")]) == 0
+    assert "recompute" not in json.loads((tmp_path / "none" / "manifest.json").read_text())
+
+
 # -- every bad input: exit status 2, one line on stderr, no traceback, nothing written -------
 
 

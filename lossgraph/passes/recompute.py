@@ -1,0 +1,349 @@
+"""Recompute: trade compute for memory, the graph-level form of ``torch.utils.checkpoint``.
+
+A gradient graph keeps every forward value its backward reads alive from the forward to
+the backward. :class:`Recompute` rewrites a gradient graph (the output of
+:class:`~lossgraph.passes.Gradient`) so that the backward reads only **kept** values:
+
+- the **boundaries** (checkpoints): forward values named by the user, or chosen by
+  ``"auto"`` (below);
+- what cannot or need not be recomputed: the graph's inputs and weights, values computed
+  from weights and constants alone (weight-sized, not activations), the outputs of nodes
+  that draw random numbers (``Dropout``, ``RandomNormal``, ..., which would draw other
+  values) and of nodes holding subgraphs (``If``, ``Loop``, ``Scan``).
+
+Every other forward value the backward reads is **recomputed**: the forward nodes between
+the kept values and it are copied into the backward (outputs renamed
+``<value>_recomputed``), each copy placed right before the first backward node that reads
+it, so that onnxruntime (whose memory planner frees a value after its last reader) frees
+the forward activations as soon as the forward is done with them, and holds one segment's
+activations at a time during the backward. A copy whose inputs are all kept reads one of
+them through ``Max(v, v)`` (``<value>_fenced``, the same value bit for bit): otherwise
+onnxruntime's common-subexpression elimination would merge the copy back into the forward
+node, keeping the forward activations alive.
+
+``"auto"`` picks boundaries among the forward graph's **cuts** (float values every path of
+activations passes through: the residual stream between transformer layers, a
+``Sequential``'s layer outputs), greedily: a cut becomes a boundary once the activations
+the backward reads since the last one reach the budget ``total / sqrt(total / mean cut)``
+(sizes from the inferred shapes), Chen et al.'s rule (*Training Deep Nets with Sublinear
+Memory Cost*, 2016): about ``sqrt(n)`` segments of equal activation size.
+
+The report (:class:`RecomputePlan`) names the boundaries, the values kept for the
+backward and those recomputed; compile records it in the manifest (``recompute``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import onnx
+from onnx import helper
+
+from ..errors import UnknownNameError, UnsupportedModelError, UnsupportedOptionError, suggest
+from ..graphs import ForwardFacts
+from ..metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json
+from ..names import NameAuthority
+from ..signature import Signature
+from .contract import Pass, PassResult, Requirement
+
+__all__ = ["Recompute", "RecomputePlan", "RANDOM_OPS", "UpdatesInBackwardOrder", "recompute_choice"]
+
+#: Ops whose outputs are drawn at random: never recomputed (a copy would draw again).
+RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                        "RandomUniformLike", "Bernoulli", "Multinomial"})
+
+_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
+                     onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+#: Element types ``Max`` takes (the fence reads a kept value through ``Max(v, v)``).
+_FENCEABLE = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
+                        onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                        onnx.TensorProto.INT32, onnx.TensorProto.INT64,
+                        onnx.TensorProto.UINT32, onnx.TensorProto.UINT64,
+                        onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
+                        onnx.TensorProto.INT16, onnx.TensorProto.UINT16})
+
+
+def recompute_choice(value: object) -> str | tuple[str, ...]:
+    """``compile_program``'s ``recompute=`` checked: ``"none"``, ``"auto"`` or a non-empty
+    list of forward tensor names (the boundaries), else an UnsupportedOptionError."""
+    if value in ("none", "auto"):
+        return value  # type: ignore[return-value]
+    if (isinstance(value, (list, tuple)) and value
+            and all(isinstance(v, str) and v for v in value)):
+        if len(set(value)) != len(value):
+            raise UnsupportedOptionError(
+                f"recompute={list(value)!r} names a tensor twice: name each boundary once.")
+        return tuple(value)
+    raise UnsupportedOptionError(
+        f"recompute={value!r} must be 'none' (keep every activation), 'auto' (boundaries "
+        "chosen among the forward graph's cuts) or a non-empty list of forward tensor names "
+        "(the boundaries kept; everything between them recomputed in the backward).")
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """What :class:`Recompute` did: the boundaries, the forward values the backward reads
+    kept (boundaries included), and those it recomputes, each in graph order."""
+
+    boundaries: tuple[str, ...]
+    kept: tuple[str, ...]
+    recomputed: tuple[str, ...]
+
+    def as_record(self) -> dict[str, list[str]]:
+        """The plan as the manifest records it."""
+        return {"boundaries": list(self.boundaries), "kept": list(self.kept),
+                "recomputed": list(self.recomputed)}
+
+
+def _gradient_model(model: onnx.ModelProto) -> str | None:
+    return None if read_json(model, GRADIENTS_KEY) else (
+        "a gradient model (the output of Gradient), which records its gradient outputs")
+
+
+@dataclass(frozen=True)
+class Recompute(Pass[RecomputePlan]):
+    """The backward of a gradient model reads kept values only, the rest recomputed
+    (module docstring). ``boundaries``: ``"auto"`` or forward tensor names."""
+
+    boundaries: str | tuple[str, ...] = "auto"
+    requires = (Requirement("a gradient model", _gradient_model),)
+
+    def call(self, model: onnx.ModelProto) -> PassResult[RecomputePlan]:
+        graph = model.graph
+        weights = set(read_json(model, GRADIENTS_KEY))
+        gradients = set(read_json(model, GRADIENTS_KEY).values())
+        nodes = list(graph.node)
+        producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+        forward = _ancestors(nodes, producer, [o.name for o in graph.output
+                                               if o.name not in gradients])
+        constants = {t.name for t in graph.initializer}
+        data = {i.name for i in graph.input} - constants - weights
+        dependent = _dependent(nodes, forward, data)  # activations: computed from the data
+        facts = ForwardFacts.of(model)
+        if self.boundaries == "auto":
+            boundaries = _auto_boundaries(nodes, forward, dependent, facts)
+        else:
+            boundaries = tuple(self.boundaries)
+            _check_boundaries(boundaries, nodes, forward)
+        stop = set(boundaries) | {i.name for i in graph.input} | constants
+        for i in forward:
+            node = nodes[i]
+            if (node.domain in ("", "ai.onnx") and node.op_type in RANDOM_OPS) \
+                    or any(a.g.node or a.graphs for a in node.attribute) \
+                    or not any(o in dependent for o in node.output):
+                stop.update(o for o in node.output if o)
+        names = NameAuthority.for_model(model)
+        renamed: dict[str, str] = {}  # recomputed forward value -> its copy
+        fences: dict[str, str] = {}
+        kept: dict[str, None] = {}
+        emitted: list[onnx.NodeProto] = []
+
+        def fence(value: str) -> str:
+            if value not in fences:
+                fences[value] = names.fresh(f"{value}_fenced")
+                emitted.append(helper.make_node("Max", [value, value], [fences[value]],
+                                                name=names.fresh(f"{value}_fence")))
+            return fences[value]
+
+        def recomputable(value: str) -> bool:
+            return value in producer and producer[value] in forward and value not in stop
+
+        def copy_of(node: onnx.NodeProto) -> None:
+            """Emit the copy of ``node``, whose recomputed inputs have their copies."""
+            inputs = [renamed.get(v, v) for v in node.input]
+            if inputs == list(node.input):  # every input kept: fence one activation
+                at = next((k for k, v in enumerate(inputs) if v in dependent
+                           and facts.elem_types.get(v) in _FENCEABLE), None)
+                if at is not None:
+                    inputs[at] = fence(inputs[at])
+            copy = onnx.NodeProto()
+            copy.CopyFrom(node)
+            copy.input[:] = inputs
+            copy.output[:] = [names.fresh(f"{o}_recomputed") if o else o for o in node.output]
+            if node.name:
+                copy.name = names.fresh(f"{node.name}_recomputed")
+            renamed.update((o, c) for o, c in zip(node.output, copy.output) if o)
+            emitted.append(copy)
+
+        def recompute(value: str) -> str:
+            """The copy of ``value`` (its chain emitted first, depth first without
+            recursion: chains may be long), or ``value`` itself where it is kept."""
+            if not recomputable(value):
+                if value in dependent and value in producer and producer[value] in forward:
+                    kept[value] = None
+                return value
+            stack = [producer[value]]
+            while stack:
+                node = nodes[stack[-1]]
+                if any(o in renamed for o in node.output):
+                    stack.pop()
+                    continue
+                waiting = [producer[v] for v in node.input
+                           if v and recomputable(v) and v not in renamed]
+                if waiting:
+                    stack.extend(waiting)
+                    continue
+                stack.pop()
+                for v in node.input:
+                    if v and not recomputable(v):
+                        recompute(v)  # noted as kept
+                copy_of(node)
+            return renamed[value]
+
+        rewritten: list[onnx.NodeProto] = []
+        for i, node in enumerate(nodes):
+            if i not in forward:
+                node.input[:] = [recompute(v) if v else v for v in node.input]
+                for value in set(_reads(node)) - set(node.input):  # a subgraph's outer reads
+                    if value in dependent and producer.get(value) in forward:
+                        kept[value] = None
+                rewritten.extend(emitted)
+                emitted.clear()
+            rewritten.append(node)
+        del graph.node[:]
+        graph.node.extend(rewritten)
+        order = {o: k for k, n in enumerate(nodes) for o in n.output}
+        recomputed = tuple(sorted(renamed, key=order.__getitem__))
+        plan = RecomputePlan(boundaries, tuple(sorted(kept, key=order.__getitem__)),
+                             recomputed)
+        return PassResult(model, plan, changed=bool(renamed))
+
+
+def _ancestors(nodes: Sequence[onnx.NodeProto], producer: dict[str, int],
+               outputs: Sequence[str]) -> set[int]:
+    """The indices of the nodes ``outputs`` depend on (subgraphs' outer reads included)."""
+    seen: set[int] = set()
+    stack = [producer[o] for o in outputs if o in producer]
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        stack.extend(producer[v] for v in _reads(nodes[i]) if v in producer)
+    return seen
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """The values a node reads: its inputs and what its subgraphs read from outside."""
+    reads = [v for v in node.input if v]
+    for attribute in node.attribute:
+        for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+            inner = {o for n in sub.node for o in n.output} | {i.name for i in sub.input} \
+                | {t.name for t in sub.initializer}
+            reads.extend(v for n in sub.node for v in _reads(n) if v not in inner)
+    return reads
+
+
+def _dependent(nodes: Sequence[onnx.NodeProto], forward: set[int], data: set[str]) -> set[str]:
+    """The forward values computed from the data (not from weights and constants alone)."""
+    dependent = set(data)
+    for i in sorted(forward):
+        if any(v in dependent for v in _reads(nodes[i])):
+            dependent.update(o for o in nodes[i].output if o)
+    return dependent
+
+
+def _check_boundaries(boundaries: Sequence[str], nodes: Sequence[onnx.NodeProto],
+                      forward: set[int]) -> None:
+    values = [o for i in sorted(forward) for o in nodes[i].output if o]
+    for name in boundaries:
+        if name not in values:
+            raise UnknownNameError(
+                f"recompute= names {name!r}, which is not a value the forward computes: name "
+                "tensors between layers (node outputs of the inference model)."
+                + suggest(name, values, "forward values"))
+
+
+def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int],
+                     dependent: set[str], facts: ForwardFacts) -> tuple[str, ...]:
+    """Boundaries among the forward's cuts, greedily: a cut becomes one once the
+    activations the backward reads since the last boundary reach ``total / k``, with
+    ``k = sqrt(total / mean cut)`` (sizes from the inferred shapes, an unknown dimension
+    counted 1: every activation shares the batch), Chen et al.'s budget (module doc)."""
+    floats = {v for v in dependent if facts.elem_types.get(v) in _FLOATS}
+    order = sorted(forward)
+    last_read: dict[str, int] = {}  # the last forward node reading each value
+    needed: set[str] = set()  # what the backward reads: the activations it keeps
+    for i, node in enumerate(nodes):
+        for v in _reads(node):
+            if i in forward:
+                last_read[v] = i
+            elif v in floats:
+                needed.add(v)
+    live: set[str] = set()
+    cuts = set()
+    for i in order:
+        live.update(o for o in nodes[i].output if o in floats)
+        live = {v for v in live if last_read.get(v, -1) > i}
+        if len(live) == 1 and next(iter(live)) in nodes[i].output:
+            cuts.add(next(iter(live)))
+    if not cuts:
+        raise UnsupportedModelError(
+            "recompute='auto' found no cut in the forward graph (a value every path of "
+            "activations passes through) to keep: name the boundaries, recompute=[...].")
+    total = sum(_size(facts, v) for v in needed) or 1
+    budget = total / max(1, round(math.sqrt(total / (sum(_size(facts, c) for c in cuts)
+                                                     / len(cuts)))))
+    boundaries, gathered = [], 0
+    for i in order:
+        gathered += sum(_size(facts, o) for o in nodes[i].output if o in needed)
+        cut = next((o for o in nodes[i].output if o in cuts), None)
+        if cut is not None and gathered >= budget:
+            boundaries.append(cut)
+            gathered = 0
+    return tuple(boundaries)
+
+
+def _size(facts: ForwardFacts, value: str) -> int:
+    """The elements of ``value``, an unknown dimension counted 1."""
+    return math.prod(d if isinstance(d, int) and d > 0 else 1
+                     for d in facts.shapes.get(value, ()))
+
+
+@dataclass(frozen=True)
+class UpdatesInBackwardOrder(Pass[None]):
+    """A step graph's weight updates (a gradient graph's gradients) last in its node list,
+    the weights the forward reads last placed last, so that onnxruntime computes each
+    weight's gradient and update as soon as the backward reaches its layer.
+
+    Why: onnxruntime's default execution order is a depth-first walk back from the graph's
+    leaves (the nodes nothing reads), the last leaf first. With the updates in the
+    signature's order (an export lists biases and norms apart from the matrices), the walk
+    runs the whole backward for the first weights it meets and leaves the other layers'
+    bias and norm gradients to the end, keeping the activation gradients they read alive
+    all along: the recomputation saves nothing then. Values unchanged, only node order.
+    """
+
+    def call(self, model: onnx.ModelProto) -> PassResult[None]:
+        graph = model.graph
+        signature = Signature.of(model) if read_json(model, SIGNATURE_KEY) else None
+        first_read: dict[str, int] = {}
+        for position, node in enumerate(graph.node):
+            for value in _reads(node):
+                first_read.setdefault(value, position)
+        weight_of = {gradient: weight
+                     for weight, gradient in (read_json(model, GRADIENTS_KEY) or {}).items()}
+        if signature is not None:
+            weight_of.update((signature.new[old], weight) for weight in signature.weights
+                             for old in (weight, *signature.states.get(weight, []))
+                             if old in signature.new)
+        read = {v for node in graph.node for v in _reads(node)}
+        updates = [node for node in graph.node
+                   if any(o in weight_of for o in node.output)
+                   and not any(o in read for o in node.output)]
+        if not updates:
+            return PassResult(model, None, changed=False)
+        moved = {id(node) for node in updates}
+        key = {id(node): first_read.get(weight_of[next(o for o in node.output
+                                                       if o in weight_of)], -1)
+               for node in updates}
+        ordered = [node for node in graph.node if id(node) not in moved] \
+            + sorted(updates, key=lambda node: key[id(node)])
+        kept = [onnx.NodeProto() for _ in ordered]
+        for copy, node in zip(kept, ordered):
+            copy.CopyFrom(node)
+        del graph.node[:]
+        graph.node.extend(kept)
+        return PassResult(model, None)

@@ -41,8 +41,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +52,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from benchmarks.machine import process_memory_mb, reset_peak_memory
+from benchmarks.machine import process_memory_mb, reset_peak_memory, run_capped_worker
 
 BENCHMARK_MARK = "lossgraph benchmarks/first_fit.py"  # in every file the run writes
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,26 +158,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_worker(file: Path, fuse: str, which: str, limit_gib: float) -> dict[str, Any]:
     """:func:`worker` in a fresh interpreter, killed once its resident set passes
-    ``limit_gib`` (checked every 20 ms from here: onnx's inference holds the worker's
-    interpreter); a failure is the cell's ``error``."""
-    spec = json.dumps({"file": str(file), "fuse": fuse, "variant": which})
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.first_fit", "--worker", spec], stdout=out,
-            stderr=err, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        while child.poll() is None:
-            if process_memory_mb("VmRSS", child.pid) > limit_gib * 1024:
-                child.kill()
-                child.wait()
-                return {"error": f"over {limit_gib:g} GiB"}
-            time.sleep(0.02)
-        out.seek(0)
-        err.seek(0)
-        lines = out.read().strip().splitlines()
-        if child.returncode or not lines:
-            last = (err.read().strip().splitlines() or ["no output"])[-1]
-            return {"error": f"worker exited {child.returncode}: {last[:300]}"}
-    return json.loads(lines[-1])
+    ``limit_gib``; a failure is the cell's ``error``."""
+    spec = {"file": str(file), "fuse": fuse, "variant": which}
+    return run_capped_worker("benchmarks.first_fit", spec, limit_gib)
 
 
 # -- the run ----------------------------------------------------------------------------

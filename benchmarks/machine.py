@@ -1,14 +1,21 @@
-"""What a run ran on: the machine's facts, and how busy other processes kept it."""
+"""What a run ran on: the machine's facts, how busy other processes kept it, and a process's
+memory (a cell run in a fresh process of its own, capped: :func:`run_worker`)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
+import resource
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -101,3 +108,36 @@ def reset_peak_memory() -> None:
     ``/proc/self/clear_refs``), so that the peak counts what comes next; nothing elsewhere."""
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
+
+
+def run_capped_worker(module: str, spec: dict[str, Any], limit_gib: float,
+               address_gib: float | None = None) -> dict[str, Any]:
+    """``python -m module --worker SPEC`` in a fresh interpreter from the repository root:
+    the figures it prints as JSON on its last line. It is killed once its resident set
+    passes ``limit_gib`` (checked every 20 ms from here: a worker may hold its interpreter
+    in native code), and its address space is capped at ``address_gib`` where given
+    (``RLIMIT_AS``, as ``prlimit --as``); a failure is the cell's ``error``."""
+    root = Path(__file__).resolve().parents[1]
+
+    def capped() -> None:
+        cap = int(address_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    command = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=root,
+                                 env={**os.environ, "PYTHONPATH": str(root)},
+                                 preexec_fn=capped if address_gib else None)
+        while child.poll() is None:
+            if process_memory_mb("VmRSS", child.pid) > limit_gib * 1024:
+                child.kill()
+                child.wait()
+                return {"error": f"over {limit_gib:g} GiB"}
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        lines = out.read().strip().splitlines()
+        if child.returncode or not lines:
+            last = (err.read().strip().splitlines() or ["no output"])[-1]
+            return {"error": f"worker exited {child.returncode}: {last[:300]}"}
+    return json.loads(lines[-1])

@@ -30,11 +30,13 @@ from .graphs import (
     attribute_value,
     elem_type_name,
     is_default_domain,
+    is_held,
     is_onnx_op,
     opset_version,
     outer_references,
     shortest_path,
     subgraphs,
+    tensor_array,
 )
 from .models import ModelLike, as_model, check_model
 from .options import select_weights
@@ -317,7 +319,7 @@ def _constants(graph: onnx.GraphProto) -> Callable[[str], np.ndarray | None]:
 
     def value(name: str) -> np.ndarray | None:
         if name in tensors:
-            return numpy_helper.to_array(tensors[name])
+            return tensor_array(tensors[name])
         for attribute in nodes[name].attribute if name in nodes else ():
             if attribute.name == "value":
                 return numpy_helper.to_array(attribute.t)
@@ -783,9 +785,9 @@ def _float_values(tensor: onnx.TensorProto) -> np.ndarray | None:
     """A float initializer's values of :data:`LARGE_CONSTANT` or more, not all equal (a
     fresh model's zero biases are equal by design, not copies); else None."""
     if tensor.data_type not in FLOAT_TYPES or math.prod(tensor.dims) < LARGE_CONSTANT \
-            or tensor.data_location == onnx.TensorProto.EXTERNAL:
+            or tensor.data_location == onnx.TensorProto.EXTERNAL and not is_held(tensor):
         return None
-    values = numpy_helper.to_array(tensor)
+    values = tensor_array(tensor)
     flat = values.reshape(-1)
     return None if bool(np.all(flat == flat[0])) else values
 
@@ -811,13 +813,13 @@ def _copies(model: onnx.ModelProto, candidates: Sequence[str]) -> list[FoldedWei
             total = float(np.sum(values, dtype=np.float64))
             original = next((name for name, other in sums if tensor.name in wanted
                              and math.isclose(other, total, rel_tol=1e-9, abs_tol=1e-9)
-                             and _same_or_transposed(numpy_helper.to_array(tensors[name]),
+                             and _same_or_transposed(tensor_array(tensors[name]),
                                                      values)), None)
             if original is None:
                 sums.append((tensor.name, total))
                 continue
             transposed = tuple(tensors[original].dims) != tuple(tensor.dims) or \
-                not np.array_equal(numpy_helper.to_array(tensors[original]), values)
+                not np.array_equal(tensor_array(tensors[original]), values)
             found.append(FoldedWeight(
                 tensor.name, f"a copy of {original!r}{', transposed' * transposed}: the "
                 "export stores one tensor twice (a tied embedding and output projection), "

@@ -50,6 +50,11 @@ weight is never taken for a constant; never on the inference model: ``predict`` 
 exported model keep the user's ops. ``fuse="separate"``'s ``loss`` graph is lossgraph's own
 loss, written in stable forms already.
 
+``max_grad_norm`` and ``ema_decay`` (:mod:`lossgraph.update_options`) are options of
+``StepGraph``, ``PackWeights`` and ``fuse="separate"``'s ``UpdateGraph``: the gradients
+clipped by their global norm before the optimizer's update (the norm an output of every
+training graph) and an average of each weight after it (one more state per weight).
+
 A model whose BatchNormalization runs in training mode has **buffers**, the running
 statistics that training updates every step (:mod:`lossgraph.passes.running_stats`):
 ``WeightsToInputs`` lifts them with the weights in every graph, and every training
@@ -87,8 +92,9 @@ from .analysis import (
 )
 from .deprecation import renamed_keywords
 from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
-from .graphs import weights_dtype
+from .graphs import HeldWeights, weights_dtype, with_weight_data
 from .manifest import build_manifest
+from .memory import release_free_memory
 from .models import ModelLike, as_model
 from .modes import Compiling, FuseMode, PlanContext, fuse_mode
 from .opsets import OpsetMove
@@ -163,6 +169,8 @@ def compile_program(
     fixed_batch: str = "auto",
     untie: Sequence[str] | str | bool | None = None,
     accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
+    ema_decay: float | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -217,11 +225,22 @@ def compile_program(
             1 the program holds the graphs that accumulate gradients
             (:mod:`lossgraph.passes.accumulate`) and records how its loss reduces rows, and
             a fit may then take any number of micro-batches per update.
+        max_grad_norm: clip the gradients the optimizer receives (the loss's plus the
+            penalty's) to this global norm, as ``torch.nn.utils.clip_grad_norm_`` does after
+            ``backward()``; the training graphs output the norm before clipping
+            (``Trainer.grad_norms_``). None (default): no clipping.
+        ema_decay: keep an exponential moving average of each weight, ``e = d e + (1 - d)
+            w`` after each update (the first update copies the weights), as
+            ``torch.optim.swa_utils.AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(d))``:
+            one more state per weight, which ``evaluate``, ``predict`` and
+            ``to_inference_model`` use with ``ema=True``. None (default): no average.
+            See :mod:`lossgraph.update_options`.
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
                "fixed_batch": fixed_batch, "untie": untie,
-               "accumulation_steps": accumulation_steps}
+               "accumulation_steps": accumulation_steps, "max_grad_norm": max_grad_norm,
+               "ema_decay": ema_decay}
     with use_target(target):
         return _compile(model, options)
 
@@ -279,6 +298,8 @@ class _Front:
     #: each untied initializer -> its copies (UntieWeights)
     untied: dict[str, list[str]]
     notes: CompileNotes
+    #: the data of the start models' large weights (light models point there)
+    held: HeldWeights
     batch: BatchReport | None = None
 
     def describe(self) -> str:
@@ -301,8 +322,10 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     checked = compile_options(options["weights"], options["loss"], options["loss_options"],
                               options["penalty"], options["optimizer"], options["backend"],
                               options["fuse"], options["fixed_batch"], options["untie"],
-                              options["accumulation_steps"])
-    given = as_model(model)
+                              options["accumulation_steps"], options["max_grad_norm"],
+                              options["ema_decay"])
+    held = HeldWeights()  # the passes copy light models, the weights stay here
+    given = as_model(model, held)
     check_trainable_model(given)
     lowering = Pipeline((ConvertOpset(), LowerMlOps()))
     lowered = lowering(given)
@@ -380,7 +403,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                           holds_splits(loss_model), get_roles(loss_model),
                           choice.loss if choice else None, loss_options, penalty,
                           zipmaps=bool(zipmaps),
-                          accumulation_steps=checked.accumulation_steps)
+                          accumulation_steps=checked.accumulation_steps,
+                          update_options=checked.update)
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripping = Pipeline((StripTraining(),))
@@ -392,7 +416,7 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     notes = CompileNotes(lowered.report.of(ConvertOpset), zipmaps, choice)
     return _Front({"loss model": loss_model, "inference model": inference,
                    "forward model": trainable}, made_by, mode, context, untied,
-                  notes, batch)
+                  notes, held, batch)
 
 
 def _free_batch(model: onnx.ModelProto, choice: str, stacklevel: int
@@ -507,14 +531,21 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     lifted = compiling.lifted  # weights and buffers
     state = {w: lifted[w] for w in context.weights}
     for weight in context.weights:
-        for name, value in zip(signature.states[weight],
-                               optimizer.initial_state(lifted[weight])):
+        for name, value in zip(signature.states[weight], context.update_options.initial_state(
+                optimizer, lifted[weight])):
             state[name] = value
     state.update((b, lifted[b]) for b in context.buffers)
-    graphs = {name: result.model for name, result in compiling.built.items()}
+    # the weights' data back where a graph keeps initializers (frozen weights, the
+    # inference model); the state's arrays are the store's
+    graphs = {name: with_weight_data(result.model) for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context),
-                              _accumulation_record(context))
-    return TrainingProgram(graphs, manifest, state, front.starts["inference model"],
-                           notes=front.notes)
+                              _accumulation_record(context), context.update_options)
+    inference, held, notes = front.starts["inference model"], front.held, front.notes
+    del front, runner, compiling  # every intermediate model
+    # light: the program keeps the weights its state holds (the store's arrays) once
+    program = TrainingProgram(graphs, manifest, state, inference, notes=notes)
+    del held
+    release_free_memory()
+    return program

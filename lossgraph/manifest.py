@@ -39,6 +39,13 @@ whose inputs and outputs have the roles
 ``gradient_sum``, ``new_gradient_sum``, ``gradient_scale`` and ``gradient_scales``; the
 format stays (a lossgraph that does not know the key trains one batch per update).
 
+A program compiled with ``max_grad_norm`` or ``ema_decay``
+(:mod:`lossgraph.update_options`) has the key ``"update": {"max_grad_norm": c,
+"ema_decay": d}`` (the options set), and with ``ema_decay`` the key ``"ema": {weight:
+state}``: the state of each weight that holds its average (its last state). Its graphs
+output the gradients' norm with the role ``grad_norm`` (an epoch graph: ``grad_norms``, one
+per update). The graphs compute both, so it needs no new format either.
+
 :func:`build_manifest` writes it from a program's graphs and signature;
 :func:`check_manifest` proves a manifest read from disk has this shape before anything
 trusts it, so a damaged one fails with the key at fault rather than a ``KeyError``
@@ -54,11 +61,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .errors import InvalidProgramError
+from .errors import InvalidProgramError, UnsupportedOptionError
 from .modes import MODES
 from .optim import Optimizer
 from .roles import renamed_roles
 from .signature import Signature
+from .update_options import UpdateOptions
 
 __all__ = ["FORMAT", "FORMAT_WITH_BUFFERS", "FORMATS", "FUSE_MODES", "REQUIRED_GRAPHS",
            "build_manifest", "check_manifest"]
@@ -168,6 +176,7 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
         if _field(accumulation, "loss_reduction", str, f"{where} accumulation") not in (
                 "mean", "sum"):
             raise _fail(where, "accumulation loss_reduction must be 'mean' or 'sum'")
+    _check_update(manifest, where)
     graphs = _field(manifest, "graphs", dict, where)
     required = [*REQUIRED_GRAPHS[fuse],
                 *(MODES[fuse].accumulating if "accumulation" in manifest else ())]
@@ -183,19 +192,43 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
     return manifest
 
 
+def _check_update(manifest: Mapping[str, Any], where: str) -> None:
+    """The keys ``update`` (options a :class:`UpdateOptions` takes) and ``ema`` (each
+    weight's average, one of its states), where present."""
+    if "update" in manifest:
+        try:
+            options = UpdateOptions.from_dict(_field(manifest, "update", dict, where))
+        except (TypeError, UnsupportedOptionError) as exc:
+            raise _fail(f"{where} update", str(exc).rstrip(".")) from None
+        if options.averages != ("ema" in manifest):
+            raise _fail(where, "'ema' lists each weight's average exactly when 'update' holds "
+                               "ema_decay")
+    elif "ema" in manifest:
+        raise _fail(where, "'ema' needs 'update' with its ema_decay")
+    if "ema" in manifest:
+        states = {w.get("name"): [s.get("name") for s in w.get("states", [])]
+                  for w in manifest["weights"]}
+        ema = _field(manifest, "ema", dict, where)
+        if set(ema) != set(states) or any(not states[w] or ema[w] != states[w][-1]
+                                           for w in ema):
+            raise _fail(f"{where} ema", "each weight maps to its last state, its average")
+
+
 def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                    optimizer: Optimizer, fuse: str, roles: Mapping[str, str],
                    graph_roles: Mapping[str, Mapping[str, str]] | None = None,
                    untied: Mapping[str, list[str]] | None = None,
                    batch: Mapping[str, Any] | None = None,
-                   accumulation: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   accumulation: Mapping[str, Any] | None = None,
+                   update: UpdateOptions | None = None) -> dict[str, Any]:
     """The program's description: graphs with the role of every input and output.
 
     Roles come from ``signature``; ``graph_roles`` gives, by graph, the roles of the names
     a graph's builder chose (the separate graphs'), which take precedence in that graph;
     ``untied`` the copies of each untied initializer (the key is left out without any).
     ``batch`` is the record of a model exported with a fixed batch, ``accumulation`` that
-    of a program compiled to accumulate gradients (module doc).
+    of a program compiled to accumulate gradients (module doc); ``update`` the clipping and
+    EMA around the optimizer's update (keys left out without).
     """
     role_of = signature.roles()
 
@@ -229,6 +262,10 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
         manifest["untied"] = {name: list(copies) for name, copies in untied.items()}
     if accumulation:
         manifest["accumulation"] = dict(accumulation)
+    if update:
+        manifest["update"] = update.to_dict()
+    if update and update.averages:
+        manifest["ema"] = {w: signature.states[w][-1] for w in signature.weights}
     graph_roles = graph_roles or {}
     manifest["graphs"] = {name: {"file": f"{name}.onnx",
                                  "inputs": describe(g.graph.input, graph_roles.get(name, {})),

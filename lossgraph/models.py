@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .errors import InternalError, InvalidModelError
-from .graphs import elem_type_name, stored_tensors, without_weight_data
+from .graphs import HeldWeights, elem_type_name, is_held, stored_tensors, without_weight_data
 from .paths import model_file
 from .target import finalize
 
@@ -44,25 +44,37 @@ ModelLike = Union[onnx.ModelProto, bytes, str, os.PathLike, "onnx_graphsurgeon.G
 _REEXPORT = "Export or download the model again"
 
 
-def as_model(model: ModelLike) -> onnx.ModelProto:
+def as_model(model: ModelLike, held: HeldWeights | None = None) -> onnx.ModelProto:
     """Accept a ModelProto, serialized bytes, a path or an onnx-graphsurgeon graph; never
-    return the caller's object."""
+    return the caller's object. ``held``: a store that takes the data of the model's large
+    weights (:class:`~lossgraph.graphs.HeldWeights`), so that the copy is light and the
+    caller's weights are copied once, into the store."""
     if _is_graphsurgeon_graph(model):
-        return _checked(_export_graphsurgeon(model), "The onnx-graphsurgeon graph", folder=None)
+        return _held(_checked(_export_graphsurgeon(model), "The onnx-graphsurgeon graph",
+                              folder=None), held)
     if isinstance(model, onnx.ModelProto):
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
+        # a damaged model is copied as it is, for the check to name what is wrong
+        copy = _held(model, held) if held is not None and model.HasField("graph") \
+            and not non_text_field(model, "model") else model
+        if copy is model:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(model)
         return _checked(copy, "The model", folder=None)
     if isinstance(model, (bytes, bytearray, memoryview)):
-        return _checked(_parse(bytes(model), "The serialized model"), "The serialized model",
-                        folder=None)
+        return _held(_checked(_parse(bytes(model), "The serialized model"),
+                              "The serialized model", folder=None), held)
     if isinstance(model, (str, os.PathLike)):
         path = Path(os.fspath(model))
         what = f"The model file {str(path)!r}"
-        return _checked(_parse(_read(path), what), what, folder=path.parent)
+        return _held(_checked(_parse(_read(path), what), what, folder=path.parent), held)
     raise InvalidModelError(
         f"Expected an onnx.ModelProto, serialized bytes, a file path or an "
         f"onnx_graphsurgeon.Graph, got {type(model).__name__}.")
+
+
+def _held(model: onnx.ModelProto, held: HeldWeights | None) -> onnx.ModelProto:
+    """``model`` with its large weights' data in ``held`` (None: as it is)."""
+    return model if held is None else held.hold(model)
 
 
 def _is_graphsurgeon_graph(model: object) -> bool:
@@ -139,7 +151,7 @@ def _checked(model: onnx.ModelProto, what: str, folder: Path | None) -> onnx.Mod
             f"{what} is damaged: {damaged} is not UTF-8 text, as ONNX's names and strings "
             f"must be (a bit flipped in a copy or a download?). {_REEXPORT}.")
     for tensor in stored_tensors(model):
-        if uses_external_data(tensor):
+        if uses_external_data(tensor) and not is_held(tensor):  # held: data in memory
             _load_external(tensor, what, folder)
     return model
 

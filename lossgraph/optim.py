@@ -56,6 +56,7 @@ from .names import NameAuthority
 from .options import finite, matching_weights, non_negative, weight_patterns
 from .schedules import Schedule, check_step, schedule_from_dict
 from .target import check_opset_option
+from .update_options import UpdateOptions
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "optimizer_from_dict", "as_optimizer",
            "OPTIMIZERS", "update_graph", "build_update", "BuiltUpdate"]
@@ -464,11 +465,14 @@ class BuiltUpdate:
     gradients: dict[str, str]  # weight -> its gradient input
     states: dict[str, list[str]]  # weight -> its state inputs
     new: dict[str, str]  # weight or state -> the output with its next value
+    grad_norm: str | None = None  # the gradients' norm output, where the update clips
 
     @property
     def roles(self) -> dict[str, str]:
         """The role of each input and output, as the manifest names them."""
         roles = {self.learning_rate: "learning_rate", self.step: "step"}
+        if self.grad_norm:
+            roles[self.grad_norm] = "grad_norm"
         for weight, states in self.states.items():
             roles.update({weight: "weight", self.gradients[weight]: "gradient",
                           self.new[weight]: "new_weight"})
@@ -478,7 +482,8 @@ class BuiltUpdate:
 
 
 def update_graph(
-    optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset: int = 18
+    optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset: int = 18,
+    options: UpdateOptions | None = None,
 ) -> onnx.ModelProto:
     """The standalone update graph of ``optimizer`` for ``weights`` (name -> initial value).
 
@@ -487,15 +492,20 @@ def update_graph(
     read it), then per weight ``w``, ``w_grad``, its states
     (:meth:`Optimizer.state_names`); outputs per weight ``w_new`` then ``<state>_new``.
     A name a weight has already gets a suffix (``w_grad_1``). A runner feeds the
-    outputs back as the next step's inputs.
+    outputs back as the next step's inputs. ``options``
+    (:class:`~lossgraph.update_options.UpdateOptions`) clips the gradients first (the
+    norm is the last output, ``grad_norm``) and keeps an EMA of each weight (its last
+    state, ``<w>_ema``).
     """
-    return build_update(optimizer, weights, opset).model
+    return build_update(optimizer, weights, opset, options=options).model
 
 
 def build_update(optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset: int = 18,
-                 taken: Iterable[str] = ()) -> BuiltUpdate:
+                 taken: Iterable[str] = (), options: UpdateOptions | None = None
+                 ) -> BuiltUpdate:
     """:func:`update_graph` with the names it chose, none of them a weight's or in
     ``taken``."""
+    options = options or UpdateOptions()
     if not isinstance(optimizer, Optimizer):
         raise UnsupportedOptionError(
             f"optimizer must be a lossgraph.optim optimizer (SGD, Momentum, Adam, AdamW), "
@@ -509,20 +519,22 @@ def build_update(optimizer: Optimizer, weights: Mapping[str, np.ndarray], opset:
     inputs = [helper.make_tensor_value_info(learning_rate, elem_type, []),
               helper.make_tensor_value_info(step, TensorProto.INT64, [])]
     gradients = {w: names.fresh(f"{w}_grad") for w in weights}
-    states = {w: [names.fresh(s) for s in optimizer.state_names(w)] for w in weights}
+    states = {w: [names.fresh(s) for s in options.state_names(optimizer, w)] for w in weights}
     for weight, value in weights.items():
         for name in (weight, gradients[weight], *states[weight]):
             inputs.append(helper.make_tensor_value_info(name, elem_type, np.shape(value)))
     new = {name: names.fresh(f"{name}_new") for w in weights for name in (w, *states[w])}
+    grad_norm = names.fresh("grad_norm") if options.clips else None
 
     b = GraphBuilder(names, opset)
     outputs: list[tuple[str, str, onnx.ValueInfoProto]] = []
+    computed, norm = options.emit_update(b, optimizer, gradients, states, learning_rate, step,
+                                         dtype)
     for weight, value in weights.items():
-        new_weight, new_states = optimizer.emit_update(
-            b, weight, gradients[weight], states[weight], learning_rate, step, dtype
-        )
-        for computed, old in zip([new_weight, *new_states], [weight, *states[weight]]):
+        for result, old in zip(computed[weight], [weight, *states[weight]]):
             info = helper.make_tensor_value_info(new[old], elem_type, np.shape(value))
-            outputs.append((computed, new[old], info))
+            outputs.append((result, new[old], info))
+    if norm is not None:
+        outputs.append((norm, grad_norm, helper.make_tensor_value_info(grad_norm, elem_type, [])))
     model = standalone_model(b, f"{type(optimizer).__name__}_update", inputs, outputs, opset)
-    return BuiltUpdate(model, learning_rate, step, gradients, states, new)
+    return BuiltUpdate(model, learning_rate, step, gradients, states, new, grad_norm)

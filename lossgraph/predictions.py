@@ -38,7 +38,7 @@ from typing import Any
 
 import onnx
 
-from .graphs import GraphIndex, attribute_value, is_default_domain
+from .graphs import GraphIndex, attribute_value, is_default_domain, tensor_array
 
 __all__ = ["OutputKind", "output_kind", "default_loss", "mismatch", "PROBABILITIES",
            "SCORES", "VALUES", "UNKNOWN", "REGRESSION_LOSSES"]
@@ -86,7 +86,7 @@ def _is_one(graph: onnx.GraphProto, name: str) -> bool:
     """Whether ``name`` is a constant whose every element is exactly 1."""
     for tensor in graph.initializer:
         if tensor.name == name:
-            values = onnx.numpy_helper.to_array(tensor)
+            values = tensor_array(tensor)
             return values.size > 0 and bool((values == 1).all())
     for node in graph.node:
         if name in node.output and node.op_type == "Constant":

@@ -37,27 +37,48 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .deprecation import warn_renamed
-from .errors import ShapeMismatchError, UnknownNameError, suggest
+from .errors import ShapeMismatchError, UnknownNameError, UnsupportedOptionError, suggest
 from .fileio import check_file_target, ensure_folder, save_model, serialize
+from .graphs import held_apart, put_back
 from .inference import export_model
 from .optim import Optimizer, optimizer_from_dict
+from .options import flag
 from .storage import read_program, save_program
 from .target import target_for
+from .update_options import UpdateOptions
 
 __all__ = ["TrainingProgram", "with_weights"]
 
 
-@dataclass
+@dataclass(init=False)
 class TrainingProgram:
-    """A compiled model: graphs by name, a JSON manifest, initial state, inference model."""
+    """A compiled model: graphs by name, a JSON manifest, initial state, inference model.
+
+    Each weight is held once, in ``state``: the inference model is kept without the data
+    of the initializers ``state`` holds to the byte, and :attr:`inference_model` puts it
+    back when asked for (a BERT-base model's 418 MiB are not held twice).
+    """
 
     graphs: dict[str, onnx.ModelProto]
     manifest: dict[str, Any]
     state: dict[str, np.ndarray]
-    inference_model: onnx.ModelProto
     #: what compile decided about the model (:class:`lossgraph.compiler.CompileNotes`: the
     #: opset, ZipMaps, the output and loss trained); None for a program loaded from a folder
     notes: Any = field(default=None, compare=False, repr=False)
+    #: the inference model without the data of the initializers in ``state``, their names
+    _inference: tuple[onnx.ModelProto, frozenset[str]] = field(default=None, repr=False)
+
+    def __init__(self, graphs: dict[str, onnx.ModelProto], manifest: dict[str, Any],
+                 state: dict[str, np.ndarray], inference_model: onnx.ModelProto,
+                 notes: Any = None) -> None:
+        self.graphs, self.manifest, self.state, self.notes = graphs, manifest, state, notes
+        self._inference = held_apart(inference_model, state)
+
+    @property
+    def inference_model(self) -> onnx.ModelProto:
+        """The model given, before training: a new copy, its weights' data from ``state``."""
+        model, apart = self._inference
+        return put_back(model, self.state, apart)
 
     # -- what the manifest says -------------------------------------------------------
     @property
@@ -70,8 +91,9 @@ class TrainingProgram:
 
     @property
     def optimizer_states(self) -> list[str]:
-        """The optimizer's state tensors (a velocity, Adam's moments), weight by weight;
-        ``state`` holds every live tensor: these, the weights and the buffers."""
+        """The optimizer's state tensors (a velocity, Adam's moments; with ``ema_decay``, each
+        weight's average after them: :attr:`ema_states`), weight by weight; ``state`` holds
+        every live tensor: these, the weights and the buffers."""
         return [s["name"] for w in self.manifest["weights"] for s in w["states"]]
 
     @property
@@ -88,6 +110,16 @@ class TrainingProgram:
     @property
     def optimizer(self) -> Optimizer:
         return optimizer_from_dict(self.manifest["optimizer"])
+
+    @property
+    def update_options(self) -> UpdateOptions:
+        """The gradient clipping and EMA of the weights around the optimizer's update."""
+        return UpdateOptions.from_dict(self.manifest.get("update"))
+
+    @property
+    def ema_states(self) -> dict[str, str]:
+        """Each weight's EMA state (``compile_program(ema_decay=...)``; else empty)."""
+        return dict(self.manifest.get("ema", {}))
 
     def io(self, graph: str, role: str) -> list[str]:
         """Names of ``graph``'s inputs and outputs that play ``role``, in order."""
@@ -127,20 +159,32 @@ class TrainingProgram:
         return {name: save_model(graph, paths[name]) for name, graph in self.graphs.items()}
 
     # -- export -------------------------------------------------------------------------
-    def to_inference_model(self, state: Mapping[str, np.ndarray] | None = None
-                           ) -> onnx.ModelProto:
+    def to_inference_model(self, state: Mapping[str, np.ndarray] | None = None, *,
+                           ema: bool = False) -> onnx.ModelProto:
         """The inference model with the program's weights and buffers, overridden by
         ``state``'s (a weight it lacks keeps the program's value; its optimizer states
-        are ignored), written back: :func:`lossgraph.export.to_inference_model`."""
-        return export_model(self.inference_model, self.model_state(), self.optimizer_states,
-                            state, target_for(self.inference_model)).to_model()
+        are ignored), written back: :func:`lossgraph.export.to_inference_model`. With
+        ``ema=True``, each weight's average instead (:meth:`model_state`)."""
+        if flag("ema", ema) and (state is None or isinstance(state, Mapping)):
+            state = self.model_state({**self.state, **(state or {})}, ema=True)
+        model = self.inference_model
+        return export_model(model, self.model_state(), self.optimizer_states, state,
+                            target_for(model)).to_model()
 
-    def model_state(self, state: Mapping[str, np.ndarray] | None = None
-                    ) -> dict[str, np.ndarray]:
+    def model_state(self, state: Mapping[str, np.ndarray] | None = None, *,
+                    ema: bool = False) -> dict[str, np.ndarray]:
         """The weights and buffers of ``state`` (default: the program's), by name: what
-        the inference model holds."""
+        the inference model holds. With ``ema=True`` each weight is its EMA state's value
+        (a program compiled with ``ema_decay``; else an UnsupportedOptionError); the
+        buffers are the live ones (they are not averaged)."""
         state = self.state if state is None else state
-        return {name: state[name] for name in (*self.weights, *self.buffers)}
+        averages = self.ema_states if flag("ema", ema) else {}
+        if ema and not averages:
+            raise UnsupportedOptionError(
+                "ema=True reads each weight's average, but the program keeps none: compile "
+                "with ema_decay=... (e.g. 0.999) to keep one.")
+        return {name: state[averages.get(name, name)] for name in (*self.weights,
+                                                                   *self.buffers)}
 
 
 def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:

@@ -48,6 +48,10 @@ class Signature:
     # (a vector of one per micro-batch in a group's and an epoch's graph)
     gradient_sums: dict[str, str] = field(default_factory=dict)
     gradient_scale: str | None = None
+    # the gradients' global norm where the update clips them (lossgraph.update_options):
+    # a step's scalar output, and an epoch graph's one per update
+    grad_norm: str | None = None
+    grad_norms: str | None = None
 
     @classmethod
     def of_gradient_model(cls, model: onnx.ModelProto) -> Signature:
@@ -90,8 +94,8 @@ class Signature:
         write_json(model, SIGNATURE_KEY, self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        """The signature as JSON-ready data; without buffers or accumulation where it has
-        none, as recorded before them."""
+        """The signature as JSON-ready data; without buffers, accumulation or norms where
+        it has none, as recorded before them."""
         return _without_empty(dataclasses.asdict(self))
 
     @classmethod
@@ -117,7 +121,8 @@ class Signature:
         role_of.update({g: gradient for g in self.gradients.values()})
         for key, role in (("permutation", "permutation"), ("learning_rates", "learning_rates"),
                           ("losses", "losses"), ("prediction", "prediction"),
-                          ("prediction_grad", "prediction_grad")):
+                          ("prediction_grad", "prediction_grad"), ("grad_norm", "grad_norm"),
+                          ("grad_norms", "grad_norms")):
             if getattr(self, key):
                 role_of[getattr(self, key)] = role
         role_of.update({s: "gradient_sum" for s in self.gradient_sums.values()})
@@ -147,7 +152,7 @@ class Signature:
 
 
 def _without_empty(record: dict[str, Any]) -> dict[str, Any]:
-    for key in ("buffers", "gradient_sums", "gradient_scale"):
+    for key in ("buffers", "gradient_sums", "gradient_scale", "grad_norm", "grad_norms"):
         if not record.get(key):
             record.pop(key, None)
     if record.get("unpacked"):

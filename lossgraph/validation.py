@@ -40,6 +40,7 @@ from .passes.gradient import BACKENDS
 from .passes.loss import AUTO, OUTPUT_OPTIONS, SCORES, resolve_score
 from .penalties import Penalty, parse_penalty
 from .roles import get_roles
+from .update_options import UpdateOptions
 
 __all__ = ["CompileOptions", "compile_options", "check_trainable_model", "check_learnable",
            "no_weights_error", "check_penalized", "warn_tied", "warn_folded"]
@@ -66,11 +67,14 @@ class CompileOptions:
     untie: str | list[str] | None = None
     #: the micro-batches of one update (above 1: the graphs that accumulate are built)
     accumulation_steps: int = 1
+    #: gradient clipping and an EMA of the weights around the optimizer's update
+    update: UpdateOptions = UpdateOptions()
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
-                    untie: Any = None, accumulation_steps: Any = 1) -> CompileOptions:
+                    untie: Any = None, accumulation_steps: Any = 1, max_grad_norm: Any = None,
+                    ema_decay: Any = None) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
     fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
@@ -93,7 +97,8 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
             "Compile the inference model with a loss name, or train at the larger batch.")
     return CompileOptions(names("weights", weights, allow_empty=True), options,
                           as_optimizer(optimizer), backend, fuse, fixed_batch,
-                          _untie(untie), accumulation_steps)
+                          _untie(untie), accumulation_steps,
+                          UpdateOptions(max_grad_norm, ema_decay))
 
 
 def _untie(untie: Any) -> str | list[str] | None:

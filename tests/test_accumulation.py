@@ -76,6 +76,24 @@ def test_accumulating_micro_batches_equals_one_larger_batch(data, fuse, optimize
     _assert_same_state(again, ours, "after save and load")
 
 
+@pytest.mark.parametrize("fuse", MODES)
+def test_clipping_and_the_average_see_the_accumulated_gradient(data, fuse):
+    """max_grad_norm clips the gradient of the whole update (the micro-batches' sum, as
+    torch's clip_grad_norm_ after k backward passes), once per update, and ema_decay
+    averages the weights of each update: equal to one larger batch, norms included."""
+    X, y, _ = data
+    program = _program(fuse, "adam", False, max_grad_norm=0.05, ema_decay=0.8)
+    ours = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=BATCH, shuffle=False,
+                                          progress=False)
+    theirs = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=STEPS * BATCH,
+                                            shuffle=False, progress=False,
+                                            accumulation_steps=1)
+    _assert_same_state(ours, theirs, "clipped and averaged")
+    assert len(ours.grad_norms_) == ours.steps_ == 6
+    np.testing.assert_allclose(ours.grad_norms_, theirs.grad_norms_, rtol=2e-5)
+    assert max(ours.grad_norms_) > 0.05  # some updates were clipped
+
+
 def test_a_summed_loss_adds_the_micro_batches_gradients(data):
     """(the engine scales micro-batches for every mode alike)"""
     X, y, _ = data

@@ -405,6 +405,36 @@ def test_cli_speed_times_the_commands_it_names_and_reports_each(tmp_path, capsys
 
 
 @pytest.mark.torch
+def test_memory_cells_train_what_they_say_and_the_report_shows_every_column(tmp_path, capsys):
+    """The memory benchmark on its quick CNN: the export made in a fresh process (as every
+    cell of a run is), then each cell run here: torch and every fuse mode train their steps
+    (the epoch mode two epochs of 3), each cell has a peak and the peak after each step,
+    compile's told against the weights; the report shows them. A file the benchmark did not
+    write is never replaced."""
+    from benchmarks import memory as bench
+
+    row = bench.run_worker({"task": "export", "subject": "cnn", "quick": True,
+                            "folder": str(tmp_path), "checkout": None}, limit_gib=4)
+    assert row["parameters"] > 0 and (tmp_path / "cnn.onnx").exists()
+    subject = bench.SUBJECTS["cnn"]
+    row["torch"] = bench.torch_cell(subject, True, threads=1)
+    for column in ("step", "epoch", "separate", "compile"):
+        row[column] = bench.lossgraph_cell(subject, True, column, tmp_path, threads=1)
+    assert [row[c]["steps"] for c in ("step", "epoch", "separate")] == [3, 6, 3]
+    assert all(len(row[c]["steps_mb"]) == bench.STEPS for c in ("torch", "step", "separate"))
+    assert all(row[c]["peak_mb"] >= 0 for c in bench.COLUMNS)
+    bench.report({"cnn": row}, list(bench.COLUMNS))
+    printed = capsys.readouterr().out
+    assert all(bench.COLUMNS[c] in printed for c in bench.COLUMNS)
+    assert "| cnn (" in printed and "x the weights, " in printed and "x stored)" in printed
+    foreign = tmp_path / "notes.json"
+    foreign.write_text("{}")
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--json", str(foreign)])
+    assert foreign.read_text() == "{}"
+
+
+@pytest.mark.torch
 def test_training_options_quick_run_trains_every_variant_to_torchs_weights(tmp_path, capsys):
     """The cost of the fine-tuning options on a tiny MLP, one fuse mode: every variant
     (schedule, decay groups, label smoothing with class weights, accumulation, the larger

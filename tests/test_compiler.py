@@ -1,13 +1,23 @@
 """The compiler (lossgraph/compiler.py): describe_plan prints every graph a program will hold and
-the pipeline that builds it, as compile_program builds them."""
+the pipeline that builds it, as compile_program builds them; its passes work on light models,
+a large weight's data held apart."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
+import numpy as np
 import onnx
 import pytest
 from support.environment import GOLDEN_MODELS
+from support.models import large_weights_model
 
 import lossgraph
+from lossgraph import compiler
+from lossgraph.graphs import HeldWeights, stored_tensors
+from lossgraph.graphs.held import HOLD_MIN_BYTES
+from lossgraph.passes import Pass, PassResult
 
 
 @pytest.fixture
@@ -57,3 +67,46 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
     assert "StepGraph(optimizer=Momentum(learning_rate=0.05))" in momentum
     program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])
     assert list(program.graphs) == list(lines)[2:]
+
+
+@pytest.mark.parametrize(("fuse", "weights", "copied"), [
+    ("step", None, True),  # C a copy of W: compile warns it is one (read from the store)
+    ("separate", None, False), ("epoch", None, False),
+    ("epoch", ["S"], False),  # W frozen: an initializer of the epoch's Scan body
+])
+def test_compile_passes_never_copy_a_large_weights_data(monkeypatch, fuse, weights, copied):
+    """Every pass of compile works on a light model (the large weight's data held apart,
+    lossgraph.graphs.HeldWeights), and the program (and what compile warns) is byte for
+    byte the one compiled with every weight's data in its models."""
+    model = large_weights_model(copied=copied)
+    seen: list[str] = []
+    run = Pass.run
+
+    def recording(step: Pass, given: onnx.ModelProto, **options: Any) -> PassResult:
+        result = run(step, given, **options)
+        seen.extend(f"{step.name}: {t.name}" for m in (given, result.model)
+                    if isinstance(m, onnx.ModelProto) for t in stored_tensors(m)
+                    if t.HasField("raw_data") and len(t.raw_data) >= HOLD_MIN_BYTES)
+        return result
+
+    monkeypatch.setattr(Pass, "run", recording)
+    with warnings.catch_warnings(record=True) as light_warnings:
+        warnings.simplefilter("always")
+        program = lossgraph.compile_program(model, fuse=fuse, weights=weights)
+    assert seen == []
+    monkeypatch.setattr(Pass, "run", run)
+    monkeypatch.setattr(compiler, "HeldWeights", lambda: HeldWeights(min_bytes=1 << 62))
+    with warnings.catch_warnings(record=True) as whole_warnings:
+        warnings.simplefilter("always")
+        whole = lossgraph.compile_program(model, fuse=fuse, weights=weights)
+    told = [str(w.message) for w in light_warnings]
+    assert told == [str(w.message) for w in whole_warnings]
+    assert any("a copy of 'W'" in message for message in told) == copied
+    for graph in whole.graphs:
+        assert program.graphs[graph].SerializeToString() == \
+            whole.graphs[graph].SerializeToString()
+    assert program.inference_model.SerializeToString() == \
+        whole.inference_model.SerializeToString()
+    assert program.state.keys() == whole.state.keys()
+    for name, value in whole.state.items():
+        np.testing.assert_array_equal(program.state[name], value)

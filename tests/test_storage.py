@@ -391,6 +391,15 @@ DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "bad dtype": (lambda f: _rewrite_manifest(
         f, lambda m: m["graphs"]["evaluate"]["inputs"][0].update(dtype="floaty")),
         "'floaty' is not a numpy dtype"),
+    "update option unknown": (lambda f: _rewrite_manifest(
+        f, lambda m: m.update(update={"clip": 1.0})), "Unknown update option 'clip'"),
+    "update option out of range": (lambda f: _rewrite_manifest(
+        f, lambda m: m.update(update={"max_grad_norm": -1.0})), "max_grad_norm=-1.0 must be"),
+    "averages not listed": (lambda f: _rewrite_manifest(
+        f, lambda m: m.update(update={"ema_decay": 0.9})),
+        "'ema' lists each weight's average exactly when 'update' holds ema_decay"),
+    "average not a state": (lambda f: _rewrite_manifest(f, lambda m: m.update(
+        update={"ema_decay": 0.9}, ema={"coef": "coef"})), "each weight maps to its last"),
     "graph file missing": (lambda f: (f / "train_step.onnx").unlink(),
                            "has no file 'train_step.onnx'"),
     "graph truncated": (lambda f: _truncate(f, "train_step.onnx"), "checksum"),

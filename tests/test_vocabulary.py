@@ -152,7 +152,9 @@ FLAG_PARAMETERS = {
         # AdamW's and the penalty's (Penalty) exclude_from_weight_decay
         "--exclude-from-weight-decay": "optimizer", "--backend": "backend", "--fuse": "fuse",
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
-        "--accumulation-steps": "accumulation_steps", "--output": None, "--format": None}),
+        "--accumulation-steps": "accumulation_steps",
+        "--max-grad-norm": "max_grad_norm", "--ema-decay": "ema_decay",
+        "--output": None, "--format": None}),
 }
 
 

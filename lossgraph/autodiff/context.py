@@ -159,8 +159,21 @@ class GradContext(GraphBuilder):
         """
         return self.Cast(condition, to=self.elem_type(like), hint=hint)
 
-    def filled(self, shape: str, value: float, like: str, hint: str = "filled") -> str:
-        """``ConstantOfShape(shape)`` filled with ``value`` in the element type of ``like``."""
+    def filled(self, shape: str, value: float, like: str, hint: str = "filled",
+               run_time: str | None = None) -> str:
+        """``ConstantOfShape(shape)`` filled with ``value`` in the element type of ``like``.
+
+        With ``run_time`` (a value computed at run time, such as the gradient a rule
+        receives), the fill is made at each run: onnxruntime folds a ``ConstantOfShape``
+        of a static shape (``Shape`` of a static input included) into a constant it stores
+        for the session's life, the size of the whole fill (an embedding table's, for its
+        gradient). ``shape`` then reads an empty slice of ``run_time`` (its value is
+        unchanged), which no runtime folds.
+        """
+        if run_time is not None:
+            flat = self.Reshape(run_time, self.ints([-1], "shape"))
+            none = self.Slice(flat, self.ints([0], "starts"), self.ints([0], "ends"))
+            shape = self.Concat(shape, self.Cast(none, to=onnx.TensorProto.INT64), axis=0)
         fill = numpy_helper.from_array(np.full(1, value, dtype=self.dtype(like)), "value")
         return self.ConstantOfShape(shape, value=fill, hint=hint)
 

@@ -62,7 +62,7 @@ def _export(args: argparse.Namespace) -> int:
 
     save_inference_model = _export_function("save_inference_model")
     save_inference_model(args.source, args.output, external_data=args.external_data,
-                         target=args.target, overwrite=args.force)
+                         target=args.target, overwrite=args.force, ema=args.ema)
     print(f"wrote {args.output}{_external_note(args.output)}")
     return EXIT_OK
 

@@ -154,7 +154,8 @@ def _compile(args: argparse.Namespace) -> int:
         to_ort_artifacts = _export_function("to_ort_artifacts")
         written = to_ort_artifacts(args.model, args.output, optimizer=optimizer,
                                    weights=args.weights, loss=loss, loss_options=loss_options,
-                                   penalty=penalty, fixed_batch=args.fixed_batch, untie=untie)
+                                   penalty=penalty, fixed_batch=args.fixed_batch, untie=untie,
+                                   max_grad_norm=args.max_grad_norm, ema_decay=args.ema_decay)
         print(f"{args.output}: {', '.join(Path(path).name for path in written)}; trains with "
               f"{type(optimizer).__name__} (learning rate {_rate(optimizer)}: "
               "onnxruntime's Optimizer starts at 0.001, set_learning_rate sets it)")
@@ -163,7 +164,8 @@ def _compile(args: argparse.Namespace) -> int:
         args.model, weights=args.weights, loss=loss, loss_options=loss_options, penalty=penalty,
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
         target=args.target, fixed_batch=args.fixed_batch, untie=untie,
-        accumulation_steps=args.accumulation_steps)
+        accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
+        ema_decay=args.ema_decay)
     program.save(args.output)
     for note in program.notes.lines():
         print(f"{args.output}: {note}")

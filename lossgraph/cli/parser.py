@@ -330,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the runtimes the graphs must load in: a target name (default, "
                             "onnxruntime-1.23, onnxruntime-latest, ...) or ir<IR>-opset<N>; "
                             "see docs/reference/targets.md")
+    build.add_argument("--max-grad-norm", type=float, metavar="C",
+                       help="clip the gradients to this global norm before each update, as "
+                            "torch.nn.utils.clip_grad_norm_ (default: no clipping)")
+    build.add_argument("--ema-decay", type=float, metavar="D",
+                       help="keep an exponential moving average of the weights, "
+                            "e = D e + (1 - D) w after each update (e.g. 0.999); train and "
+                            "export --ema write it (default: none)")
     build.add_argument("--fixed-batch", default="auto", choices=list(FIXED_BATCH_CHOICES),
                        help="a model whose inputs fix the batch size (torch.onnx.export's "
                             "default): auto frees it where the graph proves which constants "
@@ -414,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an improvement is a change by more than D (default: 0)")
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="show a progress bar (default: when stderr is a terminal)")
+    train.add_argument("--ema", action="store_true",
+                       help="write the weights' moving average (a program compiled with "
+                            "--ema-decay) instead of the last weights")
 
     export = command("export", "write the inference model of a checkpoint or program folder, "
                                "with its weights and nothing of training left")
@@ -426,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--target", default=None,
                         help="the runtimes the model must load in: a target name (default: "
                              "default) or ir<IR>-opset<N>; see docs/reference/targets.md")
+    export.add_argument("--ema", action="store_true",
+                        help="write the weights' moving average (a program or checkpoint "
+                             "compiled with --ema-decay) instead of the weights")
 
     add_loss = command("add-loss", "append a scalar loss output")
     add_loss.add_argument("model", help="input ONNX file")

@@ -110,6 +110,8 @@ def _checkpoint_options(args: argparse.Namespace, validation: bool) -> dict:
 
 def _train(args: argparse.Namespace) -> int:
     trainer, data = _trainer_and_data(args)
+    if args.ema:  # a program that keeps no average: the error before any training
+        trainer.program.model_state(ema=True)
     validation = None
     if args.validation_split is not None:
         data, validation = _split(data, args.validation_split)
@@ -158,10 +160,13 @@ def _train(args: argparse.Namespace) -> int:
             "early_stopping": None if record is None else record.to_record(),
             "batch_size": trainer.batch_size(args.batch_size), "data": args.data,
             "validation_split": args.validation_split,
-            "program": args.program, "resumed_from": args.resume}, indent=2) + "\n"
+            "program": args.program, "resumed_from": args.resume,
+            **({"grad_norm": list(trainer.grad_norms_)} if trainer.engine.clips else {})},
+            indent=2) + "\n"
     plot = loss_curve_png(train_losses, validation_losses,
                           f"lossgraph: {Path(args.data).name}", metrics) if args.plot else None
-    _export_function("save_inference_model")(trainer, args.output, overwrite=args.force)
+    _export_function("save_inference_model")(trainer, args.output, overwrite=args.force,
+                                             ema=args.ema)
     written = [f"{args.output}{_external_note(args.output)}"]
     if args.checkpoint:
         trainer.save_checkpoint(args.checkpoint)

@@ -30,6 +30,13 @@ The optimizer model is one ``com.microsoft`` node over sequences of tensors:
     w <- w (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
     w <- w - lr m / ((1 - b1^t) (sqrt(v / (1 - b2^t)) + eps))
 
+A program compiled with ``max_grad_norm`` (:mod:`lossgraph.update_options`) clips the
+gradients first by ``com.microsoft::InplaceClipGradNorm`` (onnxblock's ``ClipGradNorm``:
+``g <- g min(1, c / (norm + 1e-6))`` over the whole sequence, torch's
+``clip_grad_norm_``); onnxruntime's Optimizer reports no norm. An EMA of the weights
+(``ema_decay``) has no place in the format (the optimizer graph's inputs are fixed): it is
+an :class:`~lossgraph.errors.UnsupportedOptionError`.
+
 Every model has IR version 10 and ``ai.onnx`` opset 21 at most, as onnxruntime-training
 1.19 (the last training build) requires.
 """
@@ -100,7 +107,13 @@ MS_DOMAIN = "com.microsoft"
 #: Metadata of the ONNX files: the format and the checksum of the checkpoint written with them.
 RECORD_KEY = "lossgraph.ort_artifacts"
 RECORD_FORMAT = "lossgraph-ort-artifacts/1"
-_COMPILE_OPTIONS = ("weights", "loss", "loss_options", "penalty", "fixed_batch", "untie")
+_COMPILE_OPTIONS = ("weights", "loss", "loss_options", "penalty", "fixed_batch", "untie",
+                    "max_grad_norm", "ema_decay")
+#: Why an EMA of the weights cannot be exported.
+_NO_EMA = ("onnxruntime's training artifacts cannot keep an EMA of the weights (ema_decay): "
+           "their optimizer graph takes the parameters, gradients and moments onnxruntime's "
+           "Optimizer feeds, nothing more. Train with lossgraph.Trainer, or export without "
+           "ema_decay.")
 
 
 class OrtArtifacts(NamedTuple):
@@ -144,8 +157,9 @@ def to_ort_artifacts(model_or_program: ModelLike | TrainingProgram,
             trained state), stored in the checkpoint; AdamW's bias correction counts from it.
         properties: ints, floats and strings stored in the checkpoint's property bag.
         compile_options: ``weights``, ``loss``, ``loss_options``, ``penalty``,
-            ``fixed_batch``, ``untie``, as :func:`~lossgraph.compile_program` takes them
-            (models only).
+            ``fixed_batch``, ``untie``, ``max_grad_norm`` (clipping in the optimizer graph),
+            as :func:`~lossgraph.compile_program` takes them (models only); ``ema_decay``
+            is refused (module docstring).
 
     Returns:
         The four paths, as an :class:`OrtArtifacts`.
@@ -200,14 +214,17 @@ def artifacts_plan(program: TrainingProgram, optimizer: Any = None) -> Plan:
     """
     chosen = program.optimizer if optimizer is None else as_optimizer(optimizer)
     op_type, attributes = ort_optimizer(chosen)
+    options = program.update_options
+    if options.averages:
+        raise UnsupportedOptionError(_NO_EMA)
     opset = opset_version(program.graphs["evaluate"]) or 21
     return Plan({
         TRAINING_FILE: Planned("evaluate", Pipeline((
             Gradient(tuple(program.weights)), SumRowsByProduct(), WidenScalarConstants(),
             AccumulateGradients()))),
         EVAL_FILE: Planned("evaluate", Pipeline((InferenceMode(),))),
-        OPTIMIZER_FILE: Planned(OrtOptimizerGraph(op_type, tuple(attributes.items()), opset),
-                                Pipeline(())),
+        OPTIMIZER_FILE: Planned(OrtOptimizerGraph(op_type, tuple(attributes.items()), opset,
+                                                  options.max_grad_norm), Pipeline(())),
     })
 
 
@@ -219,10 +236,12 @@ class OrtOptimizerGraph(GraphSource):
     op_type: str
     attributes: tuple[tuple[str, Any], ...] = ()
     opset: int = 21
+    #: clip the gradients to this global norm first (InplaceClipGradNorm); None: no clipping
+    max_grad_norm: float | None = None
 
     def build(self, known: Any = None) -> PassResult[str]:
-        return PassResult(optimizer_model(self.op_type, dict(self.attributes), self.opset),
-                          self.op_type)
+        return PassResult(optimizer_model(self.op_type, dict(self.attributes), self.opset,
+                                          self.max_grad_norm), self.op_type)
 
 
 # -- what is trained ----------------------------------------------------------------------
@@ -245,6 +264,8 @@ def _program(source: Any, optimizer: Any, options: Mapping[str, Any]) -> Trainin
         return source
     chosen = as_optimizer(optimizer)
     ort_optimizer(chosen)  # an optimizer the format lacks fails before compiling
+    if options.get("ema_decay") is not None:
+        raise UnsupportedOptionError(_NO_EMA)
     return compile_program(source, optimizer=chosen, fuse="step", **options)
 
 
@@ -404,12 +425,14 @@ def _drop_unread_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def optimizer_model(op_type: str, attributes: Mapping[str, Any], opset: int) -> onnx.ModelProto:
+def optimizer_model(op_type: str, attributes: Mapping[str, Any], opset: int,
+                    max_grad_norm: float | None = None) -> onnx.ModelProto:
     """The optimizer model: ``op_type`` (``SGDOptimizerV2`` or ``AdamWOptimizer``) over the
     inputs onnxruntime's Optimizer feeds, by name and in this order: ``learning_rate``
     (float[1]), ``step`` (int64[1], the update's 1-based number), then sequences of float
     tensors ``params``, ``gradients``, ``first_order_moments`` (and for AdamW
-    ``second_order_moments``); one output, ``update_completed`` (bool)."""
+    ``second_order_moments``); one output, ``update_completed`` (bool). With
+    ``max_grad_norm``, the gradients go through ``InplaceClipGradNorm`` first."""
     adamw = op_type == "AdamWOptimizer"
     names = OPTIMIZER_INPUTS if adamw else OPTIMIZER_INPUTS[:5]
     inputs = [helper.make_tensor_value_info(names[0], TensorProto.FLOAT, [1]),
@@ -417,11 +440,17 @@ def optimizer_model(op_type: str, attributes: Mapping[str, Any], opset: int) -> 
     inputs += [helper.make_tensor_sequence_value_info(n, TensorProto.FLOAT, None)
                for n in names[2:]]
     node_inputs = list(names) if adamw else ["learning_rate", "params", "gradients"]
-    node = helper.make_node(op_type, node_inputs, ["update_completed"], name=op_type,
-                            domain=MS_DOMAIN, **attributes)
+    nodes = []
+    if max_grad_norm is not None:
+        nodes.append(helper.make_node("InplaceClipGradNorm", ["gradients"],
+                                      ["clipped_gradients"], name="InplaceClipGradNorm",
+                                      domain=MS_DOMAIN, max_norm=float(max_grad_norm)))
+        node_inputs[node_inputs.index("gradients")] = "clipped_gradients"
+    nodes.append(helper.make_node(op_type, node_inputs, ["update_completed"], name=op_type,
+                                  domain=MS_DOMAIN, **attributes))
     output = helper.make_tensor_value_info("update_completed", TensorProto.BOOL, [1])
     model = helper.make_model(
-        helper.make_graph([node], "optimizer", inputs, [output]),
+        helper.make_graph(nodes, "optimizer", inputs, [output]),
         opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)])
     check_emitted(model, "to_ort_artifacts (optimizer model)")
     return model

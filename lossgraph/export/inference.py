@@ -1,7 +1,7 @@
 """The inference model with trained weights written back and nothing of training left.
 
-    to_inference_model(source, state=None)          -> onnx.ModelProto
-    save_inference_model(source, path, state=None)  -> path ( + path.data for large models)
+    to_inference_model(source, state=None, ema=False)          -> onnx.ModelProto
+    save_inference_model(source, path, state=None, ema=False)  -> path (+ path.data if large)
 
 ``source`` is where the model and its weights come from:
 
@@ -18,7 +18,9 @@
 ``state`` (a mapping of arrays by name: ``Trainer.state``, a checkpoint's parameters)
 overrides the source's weights: each name is an initializer of the inference model, or a
 graph input of a model source that takes its weights as inputs (it becomes an
-initializer), or an optimizer state of a program (skipped). Names, dtypes, shapes and
+initializer), or an optimizer state of a program (skipped). ``ema=True`` writes each
+weight's average instead (a trainer, program or folder compiled with ``ema_decay``,
+:meth:`~lossgraph.TrainingProgram.model_state`). Names, dtypes, shapes and
 finiteness are checked. A new source kind (e.g. on-device training artifacts) is one
 more case of :func:`_source`: a model plus its weights by name.
 
@@ -56,6 +58,7 @@ from ..errors import UnsupportedOptionError
 from ..fileio import check_file_target, save_model, write_file
 from ..inference import DATA_MAGIC, EXTERNAL_MIN_BYTES, PROTOBUF_LIMIT, Exported, export_model
 from ..models import as_model
+from ..options import flag
 from ..passes.loss import RemoveLossOutput
 from ..program import TrainingProgram
 from ..runtime.trainer import Trainer
@@ -78,7 +81,8 @@ DATA_SUFFIX = ".data"
 
 
 def to_inference_model(source: Source, state: Mapping[str, Any] | None = None, *,
-                       target: Target | str | None = None) -> onnx.ModelProto:
+                       target: Target | str | None = None, ema: bool = False
+                       ) -> onnx.ModelProto:
     """The inference model of ``source`` with its trained weights as initializers and
     nothing of training left (see the module docstring for ``source`` and ``state``).
 
@@ -88,14 +92,15 @@ def to_inference_model(source: Source, state: Mapping[str, Any] | None = None, *
     ``onnx.checker.check_model(full_check=True)``. A model over 2 GiB cannot be one
     ModelProto: save it with :func:`save_inference_model`.
     """
-    return _export(source, state, target).to_model()
+    return _export(source, state, target, ema).to_model()
 
 
 def save_inference_model(source: Source, path: str | os.PathLike,
                          state: Mapping[str, Any] | None = None,
                          external_data: bool | None = None, *,
                          target: Target | str | None = None,
-                         size_limit: int = PROTOBUF_LIMIT, overwrite: bool = False) -> Path:
+                         size_limit: int = PROTOBUF_LIMIT, overwrite: bool = False,
+                         ema: bool = False) -> Path:
     """Write :func:`to_inference_model`'s model to ``path``; returns its absolute path.
 
     ``external_data``: ``True`` writes the initializers of :data:`EXTERNAL_MIN_BYTES` or
@@ -118,7 +123,7 @@ def save_inference_model(source: Source, path: str | os.PathLike,
     data_path = model_path.with_name(model_path.name + DATA_SUFFIX)
     if external_data:
         check_file_target(data_path, _is_lossgraph_data, overwrite)
-    exported = _export(source, state, target)
+    exported = _export(source, state, target, ema)
     external = (external_data if external_data is not None else
                 exported.too_large() or exported.size() > size_limit)
     if not external and exported.too_large():
@@ -147,17 +152,27 @@ class _Source:
     target: Target | None = None  # a program's: the target it was compiled for
 
 
-def _source(source: Source) -> _Source:
-    """What ``source`` gives: its model and its own weights."""
+def _source(source: Source, ema: bool = False) -> _Source:
+    """What ``source`` gives: its model and its own weights (their averages with ``ema``)."""
     if isinstance(source, Trainer):
-        return _of_program(source.program, source.state)
+        return _of_program(source.program, source.state, ema)
     if isinstance(source, TrainingProgram):
-        return _of_program(source, source.state)
+        return _of_program(source, source.state, ema)
+    if flag("ema", ema) and not (isinstance(source, (str, os.PathLike))
+                                 and Path(source).is_dir()):
+        raise UnsupportedOptionError(
+            "ema=True exports the weights' averages a program keeps (compile_program("
+            "ema_decay=...)): pass a Trainer, a TrainingProgram or a program or checkpoint "
+            "folder, not a model.")
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
         folder = Path(source)
         if all((folder / name).is_file() for name in (EVAL_FILE, CHECKPOINT_FILE)):
             # onnxruntime training artifacts: the eval model, with the checkpoint's weights
             # (a folder lossgraph wrote, or one onnxruntime trained and saved over)
+            if ema:
+                raise UnsupportedOptionError(
+                    "ema=True: onnxruntime training artifacts keep no average of the weights "
+                    "(to_ort_artifacts refuses ema_decay); export without ema.")
             evaluation = as_model(folder / EVAL_FILE)
             loss = evaluation.graph.output[0].name  # the artifacts' contract: loss first
             return _Source(RemoveLossOutput(loss)(evaluation).model,
@@ -167,7 +182,7 @@ def _source(source: Source) -> _Source:
         else:
             parts = read_program(folder)
         program = TrainingProgram(*parts)
-        return _of_program(program, program.state)
+        return _of_program(program, program.state, ema)
     if isinstance(source, (onnx.ModelProto, bytes, bytearray, memoryview, str, os.PathLike)):
         return _Source(as_model(source))
     raise UnsupportedOptionError(
@@ -177,15 +192,22 @@ def _source(source: Source) -> _Source:
         "(ModelProto, bytes or .onnx path) with state= its weights by name.")
 
 
-def _of_program(program: TrainingProgram, state: Mapping[str, np.ndarray]) -> _Source:
-    """The program's inference model, with its weights and buffers from ``state``."""
-    return _Source(program.inference_model, program.model_state(state),
+def _of_program(program: TrainingProgram, state: Mapping[str, np.ndarray],
+                ema: bool = False) -> _Source:
+    """The program's inference model, with its weights (or their averages) and buffers from
+    ``state``."""
+    return _Source(program.inference_model, program.model_state(state, ema=ema),
                    frozenset(program.optimizer_states), target_for(program.inference_model))
 
 
 def _export(source: Source, state: Mapping[str, Any] | None,
-            target: Target | str | None) -> Exported:
-    given = _source(source)
+            target: Target | str | None, ema: bool = False) -> Exported:
+    if flag("ema", ema) and state is not None:
+        raise UnsupportedOptionError(
+            "ema=True writes the averages the source's own state holds; state= would override "
+            "them: pass one or the other (a state holding the averages: "
+            "TrainingProgram.model_state(state, ema=True)).")
+    given = _source(source, ema)
     return export_model(given.model, given.weights, given.skipped, state,
                         target if target is not None else given.target)
 

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .held import tensor_array
 from .queries import all_graphs, attribute_value, constant_value, initializer_arrays, subgraphs
 from .types import Shape, is_default_domain, is_onnx_op, np_dtype, opset_version
 from .weights import without_weight_data
@@ -68,7 +69,7 @@ class ForwardFacts:
         """The value of every initializer and ``Constant`` output (read on first use:
         analyses that need types only never copy the weights)."""
         constants = initializer_arrays(self._graph)
-        constants.update((tensor.name, numpy_helper.to_array(tensor)) for tensor in self._weights)
+        constants.update((tensor.name, tensor_array(tensor)) for tensor in self._weights)
         for node in self._graph.node:
             if is_onnx_op(node, "Constant"):
                 value = constant_value(node)
@@ -440,7 +441,7 @@ def _static_dim_values(graph: onnx.GraphProto, types: Mapping[str, onnx.TypeProt
         """A small integer constant of rank 0 or 1, read once, on first use."""
         if name not in read:
             source = constants.get(name)
-            value = None if source is None else numpy_helper.to_array(source) \
+            value = None if source is None else tensor_array(source) \
                 if isinstance(source, onnx.TensorProto) else constant_value(source)
             read[name] = None if value is None or value.ndim > 1 \
                 or value.size > _FOLDED_SIZE or value.dtype.kind not in "iu" \

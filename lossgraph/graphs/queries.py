@@ -14,6 +14,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .held import tensor_array
+
 __all__ = ["attribute_values", "attribute_value", "constant_value", "subgraphs", "all_graphs",
            "names_in_graph", "values_read", "outer_references",
            "initializer_arrays", "known_shapes"]
@@ -105,7 +107,7 @@ def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
 
 def initializer_arrays(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """The graph's initializers as numpy arrays, by name."""
-    return {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    return {t.name: tensor_array(t) for t in graph.initializer}
 
 
 def known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:

@@ -1,20 +1,28 @@
-"""A model's weights apart from its graph: every tensor it stores, and the model without
-its large weights' data for onnx's checker and shape inference.
+"""A model's weights apart from its graph: every tensor it stores, the model without its
+large weights' data for onnx's checker and shape inference, and the model without the
+data of the weights a program holds anyway (:func:`held_apart`, :func:`put_back`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
 
+import numpy as np
 import onnx
-from google.protobuf.message import Message
 from onnx import helper
 
+from .held import (
+    HOLD_MIN_BYTES,
+    copy_fields,
+    held_in,
+    held_tensors,
+    is_held,
+    well_formed_weight,
+)
 from .queries import all_graphs
 
-__all__ = ["stored_tensors", "without_weight_data"]
+__all__ = ["stored_tensors", "with_weight_data", "without_weight_data", "held_apart",
+           "put_back"]
 
 
 def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -30,15 +38,9 @@ def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
                 yield from attribute.tensors
 
 
-#: Bytes per element of the floating-point types whose large tensors
-#: :func:`without_weight_data` sets aside.
-_FLOAT_ITEM_SIZES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.DOUBLE: 8,
-                     onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2}
 #: Smaller tensors keep their data: they cost less to serialize than to set aside, and
 #: shape inference reads small constants (a Reshape target, Resize scales), never a weight.
-_WEIGHT_MIN_BYTES = 1 << 16
-_VALUE_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data",
-                 "uint64_data")
+_WEIGHT_MIN_BYTES = HOLD_MIN_BYTES
 
 
 def without_weight_data(model: onnx.ModelProto, min_bytes: int = _WEIGHT_MIN_BYTES
@@ -50,49 +52,106 @@ def without_weight_data(model: onnx.ModelProto, min_bytes: int = _WEIGHT_MIN_BYT
     Each large floating-point initializer of the main graph becomes a graph input of its
     type (same name, element type and dims), so that both see the same types. Only tensors
     whose data the checker would accept are set aside (raw data of exactly the declared
-    size, no other value field, not external): any other is left in, for the checker to
+    size, no other value field, not external), and the weights a store holds
+    (:class:`~lossgraph.graphs.HeldWeights`): any other is left in, for the checker to
     report; so is every tensor of a model of IR version 3, which must list its
-    initializers as inputs. ``model`` itself is returned when nothing is set aside; it is
-    never changed. ``min_bytes``: the size from which a weight is set aside (a caller that
-    infers shapes many times sets aside smaller ones too).
+    initializers as inputs. A held weight of a nested graph (a frozen weight in an epoch
+    graph's Scan body) becomes an input of the main graph, which the nested graph reads
+    from its outer scope (names are unique across graphs). ``model`` itself is returned
+    when nothing is set aside; it is never changed. ``min_bytes``: the size from which a
+    weight is set aside (a caller that infers shapes many times sets aside smaller ones
+    too).
     """
     graph = model.graph
     if model.ir_version < 4:
         return model, []
     inputs = {value.name for value in graph.input}
-    heavy = [tensor for tensor in graph.initializer
-             if tensor.name not in inputs and _well_formed_weight(tensor, min_bytes)]
-    if not heavy:
+    heavy = [tensor for tensor in graph.initializer if tensor.name not in inputs
+             and (is_held(tensor) or well_formed_weight(tensor, min_bytes))]
+    nested = [tensor for sub in list(all_graphs(graph))[1:] for tensor in sub.initializer
+              if is_held(tensor)]
+    if not heavy and not nested:
         return model, []
     light = onnx.ModelProto()
-    _copy_fields(model, light, skip="graph")
-    _copy_fields(graph, light.graph, skip="initializer")
-    aside = {tensor.name for tensor in heavy}
+    copy_fields(model, light, skip="graph")
+    copy_fields(graph, light.graph, skip="initializer")
+    aside = {tensor.name for tensor in (*heavy, *nested)}
     light.graph.initializer.extend(t for t in graph.initializer if t.name not in aside)
+    for sub in list(all_graphs(light.graph))[1:] if nested else ():
+        kept = [t for t in sub.initializer if t.name not in aside]
+        del sub.initializer[:]
+        sub.initializer.extend(kept)
     light.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, t.dims)
-                             for t in heavy)
-    return light, heavy
+                             for t in (*heavy, *nested))
+    return light, [*heavy, *nested]
 
 
-def _well_formed_weight(tensor: onnx.TensorProto, min_bytes: int) -> bool:
-    """A floating-point tensor of ``min_bytes`` or more whose data the checker accepts
-    (see above)."""
-    nbytes = math.prod(tensor.dims) * _FLOAT_ITEM_SIZES.get(tensor.data_type, 0)
-    return (nbytes >= max(min_bytes, 1) and all(d >= 0 for d in tensor.dims)
-            and tensor.HasField("raw_data")
-            and tensor.data_location != onnx.TensorProto.EXTERNAL
-            and not any(len(getattr(tensor, name)) for name in _VALUE_FIELDS)
-            and len(tensor.raw_data) == nbytes)
+def with_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the data of its held weights (:class:`HeldWeights`) put back: a copy,
+    or ``model`` itself when it holds none."""
+    if not any(True for _ in held_tensors(stored_tensors(model))):
+        return model
+    whole = onnx.ModelProto()
+    whole.CopyFrom(model)
+    for tensor, store, key in list(held_tensors(stored_tensors(whole))):
+        store.put_back(tensor, key)
+    return whole
 
 
-def _copy_fields(source: Any, target: Any, skip: str) -> None:
-    """Copy every field set in protobuf message ``source`` into ``target`` but ``skip``."""
-    for descriptor, value in source.ListFields():
-        if descriptor.name == skip:
-            continue
-        if isinstance(value, Message):
-            getattr(target, descriptor.name).CopyFrom(value)
-        elif isinstance(value, (str, bytes, int, float)):
-            setattr(target, descriptor.name, value)
-        else:  # a repeated field
-            getattr(target, descriptor.name).extend(value)
+def held_apart(model: onnx.ModelProto, values: Mapping[str, np.ndarray]
+               ) -> tuple[onnx.ModelProto, frozenset[str]]:
+    """A copy of ``model`` without the data of the main graph's initializers that ``values``
+    holds byte for byte (raw data only), and their names: :func:`put_back` restores the
+    model exactly from ``values``. A program keeps its inference model so, since its state
+    holds the weights (one copy of each, not two). The copy is made tensor by tensor, never
+    the whole model at once. A held weight (:class:`HeldWeights`, a light model of compile)
+    whose value is its store's array is set aside without reading its data; any other gets
+    its data back."""
+    graph = model.graph
+    light = onnx.ModelProto()
+    copy_fields(model, light, skip="graph")
+    copy_fields(graph, light.graph, skip="initializer")
+    apart = set()
+    for tensor in graph.initializer:
+        kept = light.graph.initializer.add()
+        found = held_in(tensor)
+        if found is not None and values.get(tensor.name) is found[0].array(found[1]):
+            copy_fields(tensor, kept, skip="raw_data")
+            found[0].unmark(kept, found[1])
+            apart.add(tensor.name)
+        elif found is not None:
+            kept.CopyFrom(tensor)
+            found[0].put_back(kept, found[1])
+        elif _holds(tensor, values.get(tensor.name)):
+            copy_fields(tensor, kept, skip="raw_data")
+            apart.add(tensor.name)
+        else:
+            kept.CopyFrom(tensor)
+    return with_weight_data(light), frozenset(apart)  # held weights of nested graphs
+
+
+def put_back(model: onnx.ModelProto, values: Mapping[str, np.ndarray], names: frozenset[str]
+             ) -> onnx.ModelProto:
+    """A copy of ``model`` (from :func:`held_apart`) with the data of its initializers
+    ``names`` taken from ``values``: the model :func:`held_apart` was given, to the byte."""
+    whole = onnx.ModelProto()
+    copy_fields(model, whole, skip="graph")
+    copy_fields(model.graph, whole.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        restored = whole.graph.initializer.add()
+        restored.CopyFrom(tensor)
+        if tensor.name in names:
+            restored.raw_data = np.ascontiguousarray(values[tensor.name]).tobytes()
+    return whole
+
+
+def _holds(tensor: onnx.TensorProto, value: np.ndarray | None) -> bool:
+    """Whether ``value`` is ``tensor``'s data, byte for byte, held as raw data."""
+    if value is None or not tensor.HasField("raw_data") or tuple(tensor.dims) != value.shape:
+        return False
+    if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type != \
+            helper.np_dtype_to_tensor_dtype(value.dtype):
+        return False
+    return len(tensor.raw_data) == value.nbytes and \
+        np.array_equal(np.frombuffer(tensor.raw_data, np.uint8),
+                       np.ascontiguousarray(value).reshape(-1).view(np.uint8))

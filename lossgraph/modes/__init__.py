@@ -48,6 +48,7 @@ from ..speed import (
     UnfoldConvWeightGradients,
     WidenScalarConstants,
 )
+from ..update_options import UpdateOptions
 
 __all__ = ["FuseMode", "PlanContext", "Compiling", "Assembled", "Stepper", "MODES",
            "fuse_mode"]
@@ -73,6 +74,8 @@ class PlanContext:
     #: the micro-batches of one update a fit takes by default (compile's
     #: ``accumulation_steps``); above 1 the fused modes build the graphs that accumulate
     accumulation_steps: int = 1
+    #: gradient clipping and an EMA of the weights, around the optimizer's update
+    update_options: UpdateOptions = field(default_factory=UpdateOptions)
 
     @property
     def lift(self) -> WeightsToInputs:

@@ -56,7 +56,13 @@ def _differentiated(context: PlanContext) -> tuple:
 def _packing(context: PlanContext) -> tuple[PackWeights, ...]:
     """An epoch graph's weights laid end to end, to update as one, where the update is the
     same for all (not an AdamW with decay groups)."""
-    return (PackWeights(context.optimizer),) if context.optimizer.same_for_every_weight else ()
+    return ((PackWeights(context.optimizer, context.update_options),)
+            if context.optimizer.same_for_every_weight else ())
+
+
+def _step(context: PlanContext) -> StepGraph:
+    """The optimizer's update, with the clipping and EMA around it the program asks for."""
+    return StepGraph(context.optimizer, context.update_options)
 
 
 def _accumulating(context: PlanContext, epochs: bool) -> dict[str, Planned]:
@@ -65,7 +71,7 @@ def _accumulating(context: PlanContext, epochs: bool) -> dict[str, Planned]:
     if context.accumulation_steps == 1:
         return {}
     accumulate = (*_differentiated(context), SumGradients())
-    step = StepGraph(context.optimizer)
+    step = _step(context)
     graphs = {
         "train_accumulate": Planned("loss model", Pipeline((*accumulate, context.widen))),
         "train_step_accumulated": Planned("loss model", Pipeline((*accumulate, step,
@@ -125,7 +131,7 @@ class StepMode(FuseMode):
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
         return {"train_step": Planned("loss model", Pipeline((
-            *_differentiated(context), StepGraph(context.optimizer), context.widen))),
+            *_differentiated(context), _step(context), context.widen))),
             **_accumulating(context, epochs=False)}
 
     def assemble(self, compiling: Compiling) -> Assembled:
@@ -146,7 +152,7 @@ class EpochMode(FuseMode):
     summary = "one graph per epoch (a Scan over the full batches)"
 
     def plan(self, context: PlanContext) -> dict[str, Planned]:
-        step = StepGraph(context.optimizer)
+        step = _step(context)
         # weights laid end to end update as one where the update is the same for all
         packed = (*_differentiated(context), *_packing(context), step)
         return {
@@ -259,6 +265,9 @@ class FusedEpochs(FusedSteps):
         runner = engine.runner(graph, batch_size)
         losses = np.empty(batches, engine.dtype)
         runner.bind_output(engine.program.io(graph, "losses")[0], losses)
+        for norms in engine.program.io(graph, "grad_norms"):  # where the update clips
+            engine.grad_norms = np.empty(len(rates), engine.dtype)  # one per update
+            runner.bind_output(norms, engine.grad_norms)
         feeds = {engine.program.io(graph, "learning_rates")[0]: rates.astype(engine.dtype)}
         if scales is not None:
             feeds[engine.program.io(graph, "gradient_scales")[0]] = scales

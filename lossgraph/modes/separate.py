@@ -3,7 +3,8 @@
     gradient (x, weights..., prediction_grad) -> (prediction, <w>_grad...)     model VJP
     loss     (prediction, label[, weight])    -> (loss, prediction_grad)
     penalty  (penalized weights...)           -> (penalty, <w>_penalty_grad...)   optional
-    update   (learning_rate, step, <w>, <w>_grad, <w states>...) -> (<w>_new, <state>_new...)
+    update   (learning_rate, step, <w>, <w>_grad, <w states>...) -> (<w>_new, <state>_new...
+                                                                     [, grad_norm])
 
 planned as::
 
@@ -49,6 +50,7 @@ from ..runtime.packed import PackedUpdate, packed_update
 from ..runtime.separate_step import SeparateStep
 from ..signature import Signature
 from ..speed import SumRowsByProduct
+from ..update_options import UpdateOptions
 from . import Assembled, Compiling, FuseMode, PlanContext
 
 __all__ = ["SeparateMode", "SeparateSteps", "LossGraph", "UpdateGraph", "PenaltyGraph"]
@@ -79,6 +81,8 @@ class UpdateGraph(GraphSource):
     names free of the model's; reports them."""
 
     optimizer: Optimizer
+    #: gradient clipping and an EMA of the weights (:mod:`lossgraph.update_options`)
+    options: UpdateOptions = UpdateOptions()
 
     def build(self, compiling: Compiling) -> PassResult[BuiltUpdate]:
         gradient = compiling.built["gradient"]
@@ -86,7 +90,8 @@ class UpdateGraph(GraphSource):
         taken = {v.name for v in (*gradient.model.graph.input, *gradient.model.graph.output)
                  if v.name not in gradients}
         taken.update(compiling.roles.values())
-        update = build_update(self.optimizer, compiling.initial, taken=taken)
+        update = build_update(self.optimizer, compiling.initial, taken=taken,
+                              options=self.options)
         return PassResult(update.model, update)
 
 
@@ -126,7 +131,7 @@ class SeparateMode(FuseMode):
                 SumRowsByProduct(), SumRowsByProduct(), context.widen))),
             "loss": Planned(LossGraph(str(context.loss), dict(context.loss_options),
                                       context.backend), widen),
-            "update": Planned(UpdateGraph(context.optimizer), widen),
+            "update": Planned(UpdateGraph(context.optimizer, context.update_options), widen),
         }
         if context.penalty:
             planned["penalty"] = Planned(PenaltyGraph(context.penalty), widen)
@@ -142,6 +147,7 @@ class SeparateMode(FuseMode):
         gradients = gradient.of(Gradient)
         signature.gradients = dict(gradients)
         signature.learning_rate, signature.step = update.learning_rate, update.step
+        signature.grad_norm = update.grad_norm
         signature.states = update.states
         signature.new = {**update.new, **gradient.get(RunningStatistics, {})}
         signature.prediction, signature.prediction_grad = prediction, seed
@@ -155,7 +161,8 @@ class SeparateMode(FuseMode):
 
     def packed_update(self, program: Any) -> PackedUpdate | None:
         return packed_update(program.graphs["update"], program.optimizer,
-                             {w: program.state[w] for w in program.weights})
+                             {w: program.state[w] for w in program.weights},
+                             program.update_options)
 
     def stepper(self, engine: Any) -> SeparateSteps:
         return SeparateSteps(engine)

@@ -62,7 +62,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import UnsupportedModelError
-from ..graphs import attribute_value, constant_value, known_shapes, without_weight_data
+from ..graphs import (
+    attribute_value,
+    constant_value,
+    known_shapes,
+    tensor_array,
+    without_weight_data,
+)
 from ..names import NameAuthority
 from ..options import FIXED_BATCH_CHOICES
 from ..speed.specialize_batch import set_leading_dims
@@ -656,7 +662,7 @@ def _constants(graph: onnx.GraphProto, any_type: bool = False) -> dict[str, np.n
     for tensor in graph.initializer:
         if tensor.name not in inputs and (any_type or (
                 tensor.data_type == onnx.TensorProto.INT64 and len(tensor.dims) == 1)):
-            found[tensor.name] = numpy_helper.to_array(tensor)
+            found[tensor.name] = tensor_array(tensor)
     for node in graph.node:
         if node.op_type == "Constant" and not node.domain:
             value = constant_value(node)
@@ -670,7 +676,7 @@ def _constant_of(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
     """The value of ``name`` where it is an initializer (not an input) or a Constant."""
     tensor = next((t for t in graph.initializer if t.name == name), None)
     if tensor is not None:
-        return None if name in {v.name for v in graph.input} else numpy_helper.to_array(tensor)
+        return None if name in {v.name for v in graph.input} else tensor_array(tensor)
     node = next((n for n in graph.node if n.op_type == "Constant" and not n.domain
                  and n.output[0] == name), None)
     return None if node is None else constant_value(node)

@@ -3,11 +3,14 @@
 ``StepGraph`` turns a loss model with gradients (weights as inputs) into
 
     (features, label[, sample_weight], weights..., buffers..., learning_rate, step, states...)
-        -> (loss, <w>_new..., <state>_new..., <buffer>_new...)
+        -> (loss, <w>_new..., <state>_new..., <buffer>_new...[, grad_norm])
 
-by appending each weight's optimizer update to the gradient graph. Buffers (the running
-statistics of a training-mode BatchNormalization, :mod:`lossgraph.passes.running_stats`)
-are inputs already and their next values outputs already; the step graph keeps them.
+by appending each weight's optimizer update to the gradient graph (with the gradients
+clipped by their global norm before it, then output, and an EMA of the weights after it,
+where :class:`~lossgraph.update_options.UpdateOptions` asks: the EMA is one more state).
+Buffers (the running statistics of a training-mode BatchNormalization,
+:mod:`lossgraph.passes.running_stats`) are inputs already and their next values outputs
+already; the step graph keeps them.
 
 ``PackWeights`` lays a gradient model's weights end to end in one flat vector
 (and their gradients in another), so that ``StepGraph`` emits one update for all
@@ -16,7 +19,9 @@ weights instead of one per weight:
     theta -> Split -> Reshape -> w_1 ... w_n         g_1 ... g_n -> Reshape(-1) -> Concat
 
 The optimizers' updates are elementwise, so the packed update is the per-weight one
-to the last bit; it runs a handful of kernels instead of a handful per weight.
+to the last bit (but for a clipped update's norm, one sum of squares over the flat
+gradient instead of one per weight: equal to float rounding); it runs a handful of
+kernels instead of a handful per weight.
 
 ``EpochGraph`` wraps a step graph in a ``Scan`` over the batches of one epoch:
 
@@ -29,7 +34,8 @@ learning rate per batch) and ``batch`` is ``len(permutation) / batches``. Withou
 shuffling (``shuffle=False``) there is no ``permutation``: the data inputs are the
 epoch's rows in order, reshaped in place, never copied. The ``Scan`` hands each
 batch to the step graph as a view, carries weights, states, buffers and (for an update
-that reads it) the step counter, and stacks the per-batch losses. No Python runs between
+that reads it) the step counter, and stacks the per-batch losses (and, where the update
+clips, the gradients' norms: ``grad_norms``). No Python runs between
 batches. A packed step graph's Scan carries the flat vectors; the epoch graph packs
 the weights and states before it and unpacks them after it, so its inputs and outputs
 are the per-weight ones either way; buffers are carried as they are, never packed.
@@ -54,27 +60,32 @@ from ..names import NameAuthority
 from ..optim import Optimizer
 from ..roles import get_roles
 from ..signature import Signature
+from ..update_options import UpdateOptions
 from .contract import Pass, PassResult, Requirement
 
 __all__ = ["PackWeights", "StepGraph", "EpochGraph"]
 
 
-def name_update(model: onnx.ModelProto, signature: Signature,
-                optimizer: Optimizer) -> tuple[Signature, NameAuthority]:
+def name_update(model: onnx.ModelProto, signature: Signature, optimizer: Optimizer,
+                options: UpdateOptions | None = None) -> tuple[Signature, NameAuthority]:
     """``signature`` completed with the names a step graph of ``model`` gives its learning
-    rate, step, optimizer states and new values, and the authority that minted them.
+    rate, step, states (the optimizer's, an EMA), new values and gradients' norm, and the
+    authority that minted them.
 
-    The names depend only on ``model`` and ``optimizer``, so a packed epoch graph and the
-    step graph of the same gradient model name their per-weight values alike.
+    The names depend only on ``model``, ``optimizer`` and ``options``, so a packed epoch
+    graph and the step graph of the same gradient model name their per-weight values alike.
     """
+    options = options or UpdateOptions()
     named = copy.deepcopy(signature)
     names = NameAuthority.for_model(model)
     named.learning_rate = names.fresh(named.learning_rate)
     named.step = names.fresh(named.step)
     for weight in named.weights:
-        named.states[weight] = [names.fresh(s) for s in optimizer.state_names(weight)]
+        named.states[weight] = [names.fresh(s) for s in options.state_names(optimizer, weight)]
         for old in [weight, *named.states[weight]]:
             named.new[old] = names.fresh(f"{old}_new")
+    if options.clips:
+        named.grad_norm = names.fresh("grad_norm")
     return named, names
 
 
@@ -116,6 +127,7 @@ class PackWeights(Pass[Signature]):
     """
 
     optimizer: Optimizer
+    options: UpdateOptions = UpdateOptions()
     requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
@@ -124,7 +136,8 @@ class PackWeights(Pass[Signature]):
                 f"PackWeights: {self.optimizer!r} updates some weights differently from others "
                 "(decay groups), so one update of the packed vector would be wrong: leave the "
                 "weights apart.")
-        unpacked, names = name_update(model, Signature.of_gradient_model(model), self.optimizer)
+        unpacked, names = name_update(model, Signature.of_gradient_model(model), self.optimizer,
+                                      self.options)
         packed = _pack(model, unpacked, names)
         packed.record(model)
         return PassResult(model, packed)
@@ -171,17 +184,19 @@ class StepGraph(Pass[Signature]):
     """
 
     optimizer: Optimizer
+    #: gradient clipping and an EMA of the weights (:mod:`lossgraph.update_options`)
+    options: UpdateOptions = UpdateOptions()
     requires = (GRADIENT_MODEL,)
 
     def call(self, model: onnx.ModelProto) -> PassResult:
-        signature, names = name_update(model, Signature.of(model), self.optimizer)
-        _append_update(model, signature, names, self.optimizer)
+        signature, names = name_update(model, Signature.of(model), self.optimizer, self.options)
+        _append_update(model, signature, names, self.optimizer, self.options)
         signature.record(model)
         return PassResult(model, signature)
 
 
 def _append_update(model: onnx.ModelProto, signature: Signature, names: NameAuthority,
-                   optimizer: Optimizer) -> None:
+                   optimizer: Optimizer, options: UpdateOptions) -> None:
     graph = model.graph
     types = {v.name: v.type for v in graph.input}
     dtype_code = types[signature.weights[0]].tensor_type.elem_type
@@ -191,18 +206,22 @@ def _append_update(model: onnx.ModelProto, signature: Signature, names: NameAuth
     b = GraphBuilder(names, opset_version(model) or 13, prefix="update/")
     outputs = [graph.output[[o.name for o in graph.output].index(signature.loss)]]
     for weight in signature.weights:
-        states = signature.states[weight]
-        for state in states:
+        for state in signature.states[weight]:
             graph.input.append(helper.make_value_info(state, types[weight]))
-        new_weight, new_states = optimizer.emit_update(
-            b, weight, signature.gradients[weight], states, signature.learning_rate,
-            signature.step, dtype)
-        for old, value in zip([weight, *states], [new_weight, *new_states]):
+    new, norm = options.emit_update(
+        b, optimizer, {w: signature.gradients[w] for w in signature.weights}, signature.states,
+        signature.learning_rate, signature.step, dtype)
+    for weight in signature.weights:
+        for old, value in zip([weight, *signature.states[weight]], new[weight]):
             _bind(b, value, signature.new[old])
             outputs.append(helper.make_value_info(signature.new[old], types[weight]))
+    if norm is not None:
+        _bind(b, norm, signature.grad_norm)
     b.append_to(graph)
     computed = {o.name: o for o in graph.output}  # buffers: their next values are outputs
     outputs += [computed[signature.new[buffer]] for buffer in signature.buffers]
+    if norm is not None:
+        outputs.append(helper.make_tensor_value_info(signature.grad_norm, dtype_code, []))
     del graph.output[:]
     graph.output.extend(outputs)
 
@@ -265,6 +284,8 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
                                           name=names.fresh("scan/next_step")))
         new_body_outputs.append(helper.make_tensor_value_info(step_out, TensorProto.INT64, []))
     new_body_outputs.append(outputs[mapping[signature.loss]])
+    norms = [mapping[signature.grad_norm]] if signature.grad_norm else []
+    new_body_outputs += [outputs[n] for n in norms]
     del body.input[:]
     body.input.extend(new_body_inputs)
     del body.output[:]
@@ -289,6 +310,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
         batched.append(b.Reshape(rows, b.Concat(*shape, axis=0), hint=f"{name}_batches"))
     losses = names.fresh("losses")
     scales = names.fresh("gradient_scales") if signature.gradient_scale else None
+    grad_norms = names.fresh("grad_norms") if norms else None
     if signature.unpacked:
         flat = b.ints([-1], hint="flat")
         scan_in = [b.Concat(*(b.Reshape(m, flat) for m in signature.members(c)), axis=0,
@@ -301,7 +323,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     steps_in, steps_out = ([outer.step], [names.fresh("step_final")]) if counts_steps else ([], [])
     grouped = names.fresh("losses_by_group") if scales else losses
     b.op("Scan", *scan_in, *steps_in, *batched, *([scales] if scales else []), learning_rates,
-         outputs=[*scan_out, *steps_out, grouped],
+         outputs=[*scan_out, *steps_out, grouped, *([grad_norms] if norms else [])],
          body=body, num_scan_inputs=len(batched) + len(per_update))
     if scales:  # a group's step gives the losses of its micro-batches: one vector of all
         b.op("Reshape", grouped, b.ints([-1], hint="flat"), outputs=[losses])
@@ -323,6 +345,8 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
                    for n in [outer.step, *outer_carried]]
     outputs = [helper.make_tensor_value_info(losses, dtype_code,
                                              ["micro_batches" if scales else "batches"])]
+    if norms:  # one per update
+        outputs.append(helper.make_tensor_value_info(grad_norms, dtype_code, ["batches"]))
     outputs += [helper.make_value_info(outer.new[n], outer_types[n]) for n in outer_carried]
     del graph.node[:]
     del graph.initializer[:]
@@ -336,6 +360,7 @@ def _wrap_in_scan(step: onnx.ModelProto, signature: Signature, shuffle: bool) ->
     signature.permutation, signature.learning_rates, signature.losses = (
         permutation, learning_rates, losses)
     signature.gradient_scale = scales
+    signature.grad_norms = grad_norms  # grad_norm: the step graph's output, named alike
     return signature
 
 

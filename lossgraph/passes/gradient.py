@@ -57,6 +57,7 @@ from ..graphs import (
     is_onnx_op,
     names_in_graph,
     rename_values,
+    with_weight_data,
 )
 from ..metadata import GRADIENTS_KEY, write_json
 from ..models import ModelLike
@@ -306,7 +307,7 @@ def _ort_backend(model, targets, seed_inputs, wrt, grad_names, facts) -> None:
         loss = targets[0]
     try:
         builder = C.GradientGraphBuilder(
-            work.SerializeToString(), {loss}, set(wrt), loss)
+            with_weight_data(work).SerializeToString(), {loss}, set(wrt), loss)
         with _native_stderr_silenced():  # the builder logs at info level whatever we set
             builder.build()
         built = onnx.load_model_from_string(builder.get_model())

@@ -91,6 +91,7 @@ from ..graphs import (
     opset_version,
     outer_references,
     subgraphs,
+    tensor_array,
     values_read,
 )
 from ..models import ModelLike
@@ -497,7 +498,7 @@ class _Rewriter:
 def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """The initializers of ``graph`` that are not graph inputs, and its ``Constant`` values."""
     fed = {value.name for value in graph.input}
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in fed}
+    constants = {t.name: tensor_array(t) for t in graph.initializer if t.name not in fed}
     for node in graph.node:
         if not is_onnx_op(node, "Constant"):
             continue
@@ -511,7 +512,7 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 
 def _arrays(tensors: Sequence[onnx.TensorProto]) -> dict[str, np.ndarray]:
-    return {t.name: numpy_helper.to_array(t) for t in tensors}
+    return {t.name: tensor_array(t) for t in tensors}
 
 
 def _fits(shape: tuple[int, ...], other: Shape | None) -> bool:

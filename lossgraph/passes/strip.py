@@ -42,7 +42,7 @@ from onnx import helper, numpy_helper
 
 from ..autodiff.rules.quantization import FAKE_QUANTIZE, FAKE_QUANTIZE_DOMAIN
 from ..errors import UnsupportedModelError
-from ..graphs import all_graphs, attribute_value, is_default_domain, is_onnx_op
+from ..graphs import all_graphs, attribute_value, is_default_domain, is_onnx_op, tensor_array
 from ..metadata import GRADIENTS_KEY, ROLES_KEY, SIGNATURE_KEY, read_text, remove_record
 from ..models import ModelLike
 from ..names import NameAuthority
@@ -235,7 +235,7 @@ def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     for graph in all_graphs(model.graph):
         for tensor in graph.initializer:
             if tensor.name in flags:
-                values[tensor.name] = numpy_helper.to_array(tensor)
+                values[tensor.name] = tensor_array(tensor)
         for node in graph.node:
             if (is_onnx_op(node, "Constant") and node.attribute
                     and node.output[0] in flags):

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ..errors import UnknownNameError, UnsupportedModelError, suggest
-from ..graphs import is_onnx_op
+from ..graphs import is_onnx_op, tensor_array
 from .contract import Pass, PassResult, name_fields
 
 __all__ = ["ConstantsToInitializers", "WeightsToInputs"]
@@ -50,7 +50,7 @@ def _lift(model: onnx.ModelProto, names: list[str]) -> dict[str, np.ndarray]:
                 + suggest(name, list(initializers), "initializers")
             )
     chosen = set(names)
-    values = {name: numpy_helper.to_array(initializers[name]) for name in names}
+    values = {name: tensor_array(initializers[name]) for name in names}
     for name, value in values.items():
         if value.dtype.kind in "fc" and not np.isfinite(value).all():
             at = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])

@@ -108,6 +108,13 @@ class Engine:
         self._rate = np.zeros((), self.dtype)
         self._step = np.zeros((), np.int64)
         self._loss = np.zeros((), self.dtype)
+        self._grad_norm = np.full((), np.nan, self.dtype)
+        #: whether the update clips the gradients (``compile_program(max_grad_norm=...)``),
+        #: so that each run outputs their norm
+        self.clips: bool = program.update_options.clips
+        #: the gradients' norms of the last epoch run's updates, where the program clips
+        #: them (its mode's epoch stepper writes them)
+        self.grad_norms: np.ndarray = np.empty(0, self.dtype)
         self._stepper = self.mode.stepper(self)
         #: the last applied run's steps and where it was (what step_back undoes)
         self._applied: tuple[int, str] | None = None
@@ -201,6 +208,8 @@ class Engine:
             fixed_out = dict(bound_outputs or {})
             if "loss" in roles:
                 fixed_out[roles["loss"]] = self._loss
+            if "grad_norm" in roles:
+                fixed_out[roles["grad_norm"]] = self._grad_norm
             self._runners[key] = GraphRunner(self.session(graph, batch), self.ring, inputs,
                                              outputs, fixed_in, fixed_out, graph)
         return self._runners[key]
@@ -212,9 +221,10 @@ class Engine:
         key = ("packed update", None)
         if key not in self._sessions:
             self._sessions[key] = self.new_session(packed.model, "update")
+        norm = {packed.grad_norm: self._grad_norm} if packed.grad_norm else {}
         return GraphRunner(self._sessions[key], self.ring, packed.inputs, packed.outputs,
                            {packed.learning_rate: self._rate, packed.step: self._step, **bound},
-                           {}, "update")
+                           norm, "update")
 
     # -- data --------------------------------------------------------------------------
     def inputs(self, graph: str, role: str) -> list[dict]:
@@ -323,6 +333,12 @@ class Engine:
     def loss(self) -> float:
         """The loss of the last fused run (the scalar its graph writes)."""
         return float(self._loss)
+
+    @property
+    def grad_norm(self) -> float:
+        """The gradients' global norm (before clipping) of the last step, where the
+        program clips them; NaN otherwise."""
+        return float(self._grad_norm)
 
     def set_scalars(self, step: int, rate: float) -> None:
         """The update number (from 1) and learning rate the next run reads."""
@@ -478,10 +494,10 @@ class Engine:
         return self._stepper.accumulate(batches, scales, full)
 
     # -- evaluation --------------------------------------------------------------------
-    def evaluate(self, data: Mapping[str, np.ndarray]) -> float:
+    def evaluate(self, data: Mapping[str, np.ndarray], ema: bool = False) -> float:
         """The loss on ``data`` (prepared) at the live state, layers in inference mode
         (for a fixed batch, the runs' losses of that many rows each, averaged as one mean
-        over all rows)."""
+        over all rows); with ``ema=True``, at the weights' averages."""
         loss = self.program.manifest["roles"]["loss"]
         batches = self._batches(data, "The data to evaluate")
         if len(batches) > 1 and self._loss_reduction != "mean":
@@ -493,7 +509,7 @@ class Engine:
                 "'mean', lossgraph's loss) combines exactly across runs; this one is "
                 f"{kind}. Evaluate {rows(self.fixed_batch)} "
                 "at a time, or export the model with a free batch axis.")
-        losses = [float(self._run("evaluate", [loss], batch)[0]) for batch in batches]
+        losses = [float(self._run("evaluate", [loss], batch, ema)[0]) for batch in batches]
         if len(batches) == 1:
             return losses[0]
         shares = np.array([self._share(batch) for batch in batches])
@@ -502,16 +518,18 @@ class Engine:
             return float("nan")  # 0/0, as one run over all rows gives
         return float(np.dot(np.array(losses)[counted], shares[counted]) / shares.sum())
 
-    def predict(self, data: Mapping[str, np.ndarray]) -> np.ndarray:
+    def predict(self, data: Mapping[str, np.ndarray], ema: bool = False) -> np.ndarray:
         """The model's prediction (the output the loss is computed on) for ``data``
-        (prepared with ``graph="predict", with_label=False``) at the live state."""
+        (prepared with ``graph="predict", with_label=False``) at the live state; with
+        ``ema=True``, at the weights' averages."""
         prediction = self.program.manifest["roles"]["prediction"]
         batches = self._batches(data, "X")
-        results = [self._run("predict", [prediction], batch)[0] for batch in batches]
+        results = [self._run("predict", [prediction], batch, ema)[0] for batch in batches]
         return results[0] if len(results) == 1 else np.concatenate(results)
 
-    def _run(self, graph: str, outputs: list[str], data: Mapping[str, np.ndarray]) -> list:
-        live = self.ring.live()
+    def _run(self, graph: str, outputs: list[str], data: Mapping[str, np.ndarray],
+             ema: bool = False) -> list:
+        live = self.program.model_state(self.ring.live(), ema=ema)
         inputs = self.program.manifest["graphs"][graph]["inputs"]
         state = {v["name"]: live[v["name"]] for v in inputs if v["role"] in ("weight", "buffer")}
         try:

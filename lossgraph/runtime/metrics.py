@@ -301,14 +301,15 @@ class Metrics:
     def __bool__(self) -> bool:
         return bool(self.names)
 
-    def __call__(self, data: Mapping[str, np.ndarray]) -> dict[str, float]:
-        """Each metric on ``data`` (prepared for the evaluate graph) at the live state."""
+    def __call__(self, data: Mapping[str, np.ndarray], ema: bool = False) -> dict[str, float]:
+        """Each metric on ``data`` (prepared for the evaluate graph) at the live state (with
+        ``ema=True``, at the weights' averages)."""
         if not self.names:
             return {}
         if self._session is None:
             self._session = self.engine.new_session(self.graph, "metrics")
         engine = self.engine
-        prediction = engine.predict({name: data[name] for name in self._features})
+        prediction = engine.predict({name: data[name] for name in self._features}, ema)
         label = data[engine.label]
         rows = len(label)
         weight = (data[engine.sample_weight] if engine.sample_weight in data else

@@ -17,7 +17,7 @@ import onnx
 
 from ..errors import UnsupportedModelError
 from ..graphs import np_dtype
-from ..speed import SpecializeBatch
+from ..speed import FoldStaticShapes, SpecializeBatch
 from ..surgery import GradientHalves, chain_graphs, split_gradient
 from .packed import PackedUpdate
 from .ring import GraphRunner, StateRing
@@ -34,9 +34,11 @@ RunnerFactory = Callable[..., GraphRunner]
 
 
 class _Bound:
-    """One session with a reusable IOBinding whose outputs onnxruntime allocates."""
+    """One session with a reusable IOBinding: the outputs given arrays are written into
+    them, the others onnxruntime allocates each run."""
 
-    def __init__(self, session: Any, outputs: Sequence[str], graph: str) -> None:
+    def __init__(self, session: Any, outputs: Sequence[str], graph: str,
+                 into: Mapping[str, np.ndarray] | None = None) -> None:
         from onnxruntime.capi import _pybind_state as C
 
         self.graph = graph
@@ -45,33 +47,46 @@ class _Bound:
         self._run_options = C.RunOptions()
         self._outputs = list(outputs)
         self._device = cpu_device()
+        self._into = {name: ortvalue(array, self._device) for name, array in (into or {}).items()}
+        self._arrays = into  # the OrtValues above alias them
 
     def run(self, inputs: Mapping[str, Any]) -> list[Any]:
         """Run on ``inputs`` (OrtValues by name); the outputs (OrtValues, in the order
-        given at construction) stay valid after the next run."""
+        given at construction) stay valid after the next run. The binding holds nothing
+        after a run: a step's values live as long as their caller keeps them, never into
+        the next step (where they would double the memory of what a step allocates)."""
         binding = self._binding
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
-        binding.clear_binding_outputs()  # else the next run writes into the last outputs
         for name in self._outputs:
-            binding.bind_output(name, self._device)
+            if name in self._into:
+                binding.bind_ortvalue_output(name, self._into[name])
+            else:
+                binding.bind_output(name, self._device)
         try:
             self._session.run_with_iobinding(binding, self._run_options)
+            values = binding.get_outputs()
+            # by index: iterating an OrtValueVector ends on a C++ exception (about 20 us)
+            return [values[i] for i in range(len(self._outputs))]
         except Exception as exc:  # onnxruntime's errors derive from Exception only
             raise evaluation_error(self.graph, exc) from None
-        values = binding.get_outputs()
-        # by index: iterating an OrtValueVector ends on a C++ exception (about 20 us)
-        return [values[i] for i in range(len(self._outputs))]
+        finally:
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
 
 
 class HalvesRunner:
     """The two halves of a split vector-Jacobian graph, run with OrtValues."""
 
-    def __init__(self, split: GradientHalves, make_session: SessionFactory) -> None:
+    def __init__(self, split: GradientHalves, make_session: SessionFactory,
+                 gradients: Mapping[str, np.ndarray] | None = None) -> None:
+        """``gradients``: arrays the backward half writes the gradients into, by name (else
+        onnxruntime allocates them each run)."""
         self.split = split
         self._forward_outputs = [o.name for o in split.forward.graph.output]
         self._forward = _Bound(make_session(split.forward), self._forward_outputs, "forward")
-        self._backward = _Bound(make_session(split.backward), split.gradients, "backward")
+        self._backward = _Bound(make_session(split.backward), split.gradients, "backward",
+                                gradients)
 
     def forward(self, inputs: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """The forward outputs and the residuals the backward half needs (OrtValues)."""
@@ -105,8 +120,11 @@ class SeparateStep:
     specialized to it. Every value between the graphs then has a static shape, so each
     lives in one preallocated array bound once, as an output of the graph computing it
     and an input of the graphs reading it: a step binds its data and runs the graphs,
-    nothing else. Without ``batch`` (or where a shape stays unknown), onnxruntime
-    allocates the values each step and they are bound as they come.
+    nothing else. A symbolic dimension of the loss graph's prediction (an axis besides
+    the batch that an export left free, GPT-2's sequence) takes the size the forward half
+    computes. Without ``batch`` (or where a shape stays unknown), onnxruntime allocates
+    the forward values each step, bound as they come and held no longer than the step;
+    the gradients, shaped like the weights, go into arrays allocated once.
 
     With ``packed`` (:func:`~lossgraph.runtime.packed.packed_update`, the weights and states
     packed in ``ring`` as it lays them out), such a step runs the update packed: the
@@ -139,19 +157,26 @@ class SeparateStep:
         loss_io = {"prediction": io("loss", "prediction")[0], "loss": io("loss", "loss")[0],
                    "prediction_grad": io("loss", "prediction_grad")[0]}
         self._device = cpu_device()
+        if batch is not None:
+            graphs["loss"] = _loss_fitted(graphs["loss"], loss_io["prediction"], split.forward,
+                                          prediction)
         arrays = _static_values(split, graphs["loss"]) if batch is not None else None
         if arrays is not None:
             _check_prediction_rows(graphs["loss"], loss_io["prediction"],
                                    arrays[prediction].shape, prediction, batch)
         if arrays is None:
             self._static = False
-            self._model = HalvesRunner(split, make_session)
+            # the gradients, shaped like the weights, in arrays bound once (as the update's
+            # inputs too): a step allocates its activations only, and holds none after it
+            self._gradients = {w: np.empty_like(program.state[w]) for w in self._weights}
+            self._model = HalvesRunner(split, make_session,
+                                       dict(zip(split.gradients, self._gradients.values())))
             self._index = {name: i for i, name in enumerate(ring.names)}
             self._seed, self._loss_io = seed, loss_io
             self._loss = _Bound(make_session(graphs["loss"]),
                                 [loss_io["loss"], loss_io["prediction_grad"]], "loss")
-            self._update = make_runner("update")
-            self._update_gradients = update_gradients
+            self._update = make_runner("update", None, {update_gradients[w]: g
+                                                        for w, g in self._gradients.items()})
         else:
             self._static = True
             # the gradients end to end in one vector, for the packed update to read at once
@@ -235,23 +260,14 @@ class SeparateStep:
 
     def update(self, gradients: Mapping[str, Any]) -> float:
         """Add the penalty's gradients to ``gradients`` (from :meth:`gradients`, or numpy
-        arrays shaped like the weights, changed in place) and run the update graph; the
-        penalty (0 without one). The next state waits in the following buffer set."""
-        if self._static:  # the update graph reads the arrays bound at construction
-            if gradients is not self._gradients:
-                for weight, bound in self._gradients.items():
-                    if gradients[weight] is not bound:
-                        np.copyto(bound, gradients[weight])
-            gradients = self._gradients
-        else:
-            gradients = dict(gradients)
-        penalty = 0.0
-        if self._penalty is not None:
-            if not self._static:
-                gradients.update({w: _owned(gradients[w]) for w in self._penalized})
-            penalty = self._add_penalty(gradients)
-        self._update.run({} if self._static else
-                         {self._update_gradients[w]: g for w, g in gradients.items()})
+        arrays shaped like the weights) and run the update graph; the penalty (0 without
+        one). The next state waits in the following buffer set."""
+        if gradients is not self._gradients:  # the update graph reads the arrays bound once
+            for weight, bound in self._gradients.items():
+                if gradients[weight] is not bound:
+                    np.copyto(bound, gradients[weight])
+        penalty = 0.0 if self._penalty is None else self._add_penalty(self._gradients)
+        self._update.run({})
         return penalty
 
     def _add_penalty(self, gradients: dict[str, Any]) -> float:
@@ -281,8 +297,8 @@ class SeparateStep:
         loss, prediction_grad = self._loss.run(
             {self._loss_io["prediction"]: prediction, **{n: data[n] for n in self._loss_data}})
         reused = {n: data[n] if n in data else weights[n] for n in self._split.reused}
-        grads = self._model.backward(residuals, reused, {self._seed: prediction_grad})
-        return float(loss.numpy()), dict(zip(self._weights, grads))
+        self._model.backward(residuals, reused, {self._seed: prediction_grad})
+        return float(loss.numpy()), self._gradients
 
 
 def _pack_gradients(arrays: dict[str, np.ndarray], gradients: Sequence[str]) -> np.ndarray:
@@ -297,10 +313,31 @@ def _pack_gradients(arrays: dict[str, np.ndarray], gradients: Sequence[str]) -> 
     return flat
 
 
-def _owned(value: Any) -> np.ndarray:
-    """``value`` as a numpy array the caller may change: an OrtValue's contents copied, an
-    array as it is."""
-    return value if isinstance(value, np.ndarray) else value.numpy().copy()
+def _loss_fitted(loss: onnx.ModelProto, read: str, forward: onnx.ModelProto, computed: str
+                 ) -> onnx.ModelProto:
+    """The loss graph with the symbolic dimensions of its prediction input ``read`` set to
+    the sizes the forward half computes for it (its output ``computed``), in every value
+    naming them (a name stands for one size throughout a graph): a model exported with a
+    free axis besides the batch (GPT-2's sequence) then exchanges values of static shapes,
+    which live in arrays allocated once, not every step. ``loss`` when there is none."""
+    def dims(value: onnx.ValueInfoProto) -> Any:
+        return value.type.tensor_type.shape.dim
+
+    sizes = [d.dim_value if d.HasField("dim_value") else None
+             for d in dims(next(o for o in forward.graph.output if o.name == computed))]
+    wanted = dims(next(i for i in loss.graph.input if i.name == read))
+    named = {d.dim_param: size for d, size in zip(wanted, sizes) if d.dim_param and size}
+    if len(wanted) != len(sizes) or not named:
+        return loss
+    fitted = onnx.ModelProto()
+    fitted.CopyFrom(loss)
+    for value in (*fitted.graph.input, *fitted.graph.output, *fitted.graph.value_info):
+        for dim in dims(value):
+            if dim.dim_param in named:
+                size = named[dim.dim_param]
+                dim.Clear()
+                dim.dim_value = size
+    return FoldStaticShapes()(fitted).model
 
 
 def _check_prediction_rows(loss: onnx.ModelProto, read: str, computed: tuple[int, ...],

@@ -82,6 +82,9 @@ class Trainer:
         self.history_: dict[str, list[float]] = {"loss": [], "validation_loss": []}
         #: what early stopping knows so far (None: the fit had none)
         self.early_stopping_: StoppingRecord | None = None
+        #: the gradients' global norm (before clipping) of every update since the last
+        #: reset, where the program clips them (``max_grad_norm``); not kept in checkpoints
+        self.grad_norms_: list[float] = []
         self._rng: np.random.Generator | None = None
         self._epoch_rate: Callable[[int], float] | None = None
         self._loop = Loop([])
@@ -381,6 +384,8 @@ class Trainer:
             self._diverged(epoch, first + index, float(losses[index]), batches[index],
                            rows(index))
         self._apply(1, epoch, first)
+        if self.engine.clips:
+            self.grad_norms_.append(self.engine.grad_norm)
         if self._loop.counts_steps:
             loss = losses[0] if len(losses) == 1 else np.average(
                 losses, weights=[_rows(batch) for batch in batches])
@@ -419,6 +424,8 @@ class Trainer:
             self._diverged(epoch, index, float(losses[index]), batch, rows_used,
                            first_of_run=index < accumulation)
         self._apply(updates, epoch, 0)
+        if self.engine.clips:
+            self.grad_norms_.extend(self.engine.grad_norms.tolist())
         losses = losses.astype(np.float64)
         self._loop.steps_done(self, first, epoch, 0,
                               losses.reshape(updates, accumulation).mean(axis=1), rates,
@@ -513,15 +520,17 @@ class Trainer:
         return loss
 
     def evaluate(self, X: Any, y: Any, sample_weight: Any = None,
-                 metrics: Sequence[str] | None = None) -> float | dict[str, float]:
+                 metrics: Sequence[str] | None = None, *, ema: bool = False
+                 ) -> float | dict[str, float]:
         """The loss on ``(X, y)`` with the current weights (lower is better; layers in
-        inference mode). For a model whose batch is fixed, ``X`` holds a multiple of that
-        many rows, run that many a time, their losses averaged as one mean. With
+        inference mode), or with their averages where ``ema=True`` (a program compiled
+        with ``ema_decay``). For a model whose batch is fixed, ``X`` holds a multiple of
+        that many rows, run that many a time, their losses averaged as one mean. With
         ``metrics`` (:mod:`lossgraph.runtime.metrics`), a dict: ``loss`` and each metric."""
         scores = None if metrics is None else Metrics(self.engine, metrics)
         data = self.engine.prepare(X, y, sample_weight)
-        loss = self.engine.evaluate(data)
-        return loss if scores is None else {"loss": loss, **scores(data)}
+        loss = self.engine.evaluate(data, ema)
+        return loss if scores is None else {"loss": loss, **scores(data, ema)}
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The previous release's name of :meth:`evaluate`: a loss, lower is better, unlike
@@ -529,14 +538,17 @@ class Trainer:
         warn_renamed("Trainer.score", "Trainer.evaluate (a loss: lower is better)")
         return self.evaluate(X, y, sample_weight)
 
-    def predict(self, X: Any) -> np.ndarray:
+    def predict(self, X: Any, *, ema: bool = False) -> np.ndarray:
         """The model's prediction (the output the loss is computed on) for ``X`` (for a
-        model whose batch is fixed, a multiple of that many rows, run that many a time)."""
-        return self.engine.predict(self.engine.prepare(X, graph="predict", with_label=False))
+        model whose batch is fixed, a multiple of that many rows, run that many a time);
+        with ``ema=True``, by the weights' averages."""
+        return self.engine.predict(self.engine.prepare(X, graph="predict", with_label=False),
+                                   ema)
 
-    def to_inference_model(self) -> onnx.ModelProto:
-        """The original inference model with the trained weights and buffers written back."""
-        return self.program.to_inference_model(self.engine.live())
+    def to_inference_model(self, *, ema: bool = False) -> onnx.ModelProto:
+        """The original inference model with the trained weights and buffers written back
+        (``ema=True``: the weights' averages)."""
+        return self.program.to_inference_model(self.engine.live(), ema=ema)
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, logs: Mapping[str, Any] | None = None

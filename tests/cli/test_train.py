@@ -125,3 +125,32 @@ def test_metrics_and_early_stopping_as_the_trainer_runs_them(tmp_path, capsys):
     for name, value in initializers(tmp_path / "m.onnx").items():
         if name in trainer.state:
             np.testing.assert_array_equal(value, trainer.state[name], err_msg=name)
+
+
+def test_clipping_and_the_average_from_compile_to_the_exported_model(model_file, tmp_path):
+    """compile --max-grad-norm --ema-decay; train writes the norms into the history and,
+    with --ema, the averaged weights (those export --ema writes from the checkpoint)."""
+    import json
+
+    import lossgraph
+
+    X, y = two_output_data(24)
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    program, data = str(tmp_path / "program"), str(tmp_path / "d.npz")
+    assert main(["compile", str(model_file), "-o", program, "--max-grad-norm", "0.5",
+                 "--ema-decay", "0.9"]) == 0
+    assert main(["train", program, "--data", data, "--epochs", "2", "--batch-size", "8",
+                 "--no-shuffle", "--ema", "-o", str(tmp_path / "ema.onnx"), "--history",
+                 str(tmp_path / "h.json"), "--checkpoint", str(tmp_path / "ckpt")]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), "--ema", "-o",
+                 str(tmp_path / "exported.onnx")]) == 0
+    trainer = lossgraph.Trainer(lossgraph.TrainingProgram.load(program))
+    trainer.fit(X, y, epochs=2, batch_size=8, shuffle=False, progress=False)
+    expected = {w: trainer.state[f"{w}_ema"] for w in trainer.program.weights}
+    for path in ("ema.onnx", "exported.onnx"):
+        written = initializers(tmp_path / path)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(written[name], value, err_msg=name)
+    history = json.loads((tmp_path / "h.json").read_text())
+    assert history["grad_norm"] == pytest.approx(trainer.grad_norms_) and \
+        len(history["grad_norm"]) == 6

@@ -175,6 +175,22 @@ def test_optimizers_without_an_onnxruntime_op_are_refused_before_anything_is_wri
     assert not (tmp_path / "a").exists()
 
 
+def test_a_clipping_program_clips_in_the_optimizer_model_before_the_op(tmp_path):
+    """max_grad_norm (the program's, or a compile option): InplaceClipGradNorm on the
+    gradients, the op reading its output; the inputs onnxruntime feeds are unchanged."""
+    program = lossgraph.compile_program(LINEAR, optimizer=AdamW(0.01), max_grad_norm=0.5)
+    for source, options in ((program, {}), (LINEAR, {"max_grad_norm": 0.5})):
+        paths = to_ort_artifacts(source, tmp_path / str(len(options)), optimizer=AdamW(0.01),
+                                 **options)
+        model = onnx.load(paths.optimizer_model)
+        clip, update = model.graph.node
+        assert (clip.op_type, list(clip.input), clip.domain) == (
+            "InplaceClipGradNorm", ["gradients"], "com.microsoft")
+        assert helper.get_attribute_value(clip.attribute[0]) == pytest.approx(0.5)
+        assert update.input[3] == clip.output[0]
+        assert model.graph.input[3].name == "gradients"
+
+
 def test_a_programs_momentum_is_refused_unless_another_optimizer_is_given(tmp_path):
     program = lossgraph.compile_program(LINEAR, optimizer=Momentum(0.01))
     with pytest.raises(UnsupportedOptionError, match="Momentum"):
@@ -447,6 +463,24 @@ def test_onnxruntime_trains_to_the_weights_lossgraphs_trainer_reaches(
     exported = run_model(tmp_path / "inference.onnx", {"X": X})[output]
     expected = run_model(trainer.to_inference_model(), {"X": X})[output]
     np.testing.assert_allclose(exported, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", [SGD(0.05), AdamW(0.01)], ids=["sgd", "adamw"])
+@pytest.mark.training
+@pytest.mark.torch
+def test_onnxruntime_clips_the_gradients_as_lossgraphs_trainer_does(tmp_path, optimizer):
+    """max_grad_norm=0.3 clips every step here (asserted): onnxruntime's
+    InplaceClipGradNorm trains to the Trainer's weights, not to the unclipped ones."""
+    X, y = data(MLP)
+    y = 3 * y
+    program = lossgraph.compile_program(MLP, optimizer=optimizer, max_grad_norm=0.3)
+    trainer = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=16, shuffle=False)
+    assert min(trainer.grad_norms_) > 0.3
+    state, _ = ort_train(to_ort_artifacts(program, tmp_path / "a"), optimizer, X, y, epochs=2,
+                         batch=16)
+    for w in program.weights:
+        np.testing.assert_allclose(state.parameters[w].data, trainer.state[w], rtol=1e-5,
+                                   atol=1e-6, err_msg=w)
 
 
 @pytest.mark.training

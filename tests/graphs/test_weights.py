@@ -8,32 +8,16 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from support.models import BIG, large_weights_model
 
 import lossgraph
 from lossgraph.errors import InvalidModelError
 from lossgraph.graphs import ForwardFacts, without_weight_data
 from lossgraph.passes import WeightsToInputs
 
-BIG = (256, 128)  # 128 KiB of float32: set aside
-SMALL = (128, 4)  # 2 KiB: kept
-
-
-def model_with_weights(big: onnx.TensorProto | None = None) -> onnx.ModelProto:
-    rng = np.random.default_rng(0)
-    weights = [big or numpy_helper.from_array(rng.standard_normal(BIG, np.float32), "W"),
-               numpy_helper.from_array(rng.standard_normal(SMALL, np.float32), "S"),
-               numpy_helper.from_array(np.array([-1, 128], np.int64), "shape")]
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
-             helper.make_node("Reshape", ["h", "shape"], ["r"]),  # reads its constant
-             helper.make_node("MatMul", ["r", "S"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
-        "x", TensorProto.FLOAT, ["N", BIG[0]])], [helper.make_tensor_value_info(
-            "y", TensorProto.FLOAT, ["N", 4])], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
-
 
 def test_large_weights_become_inputs_of_their_type_and_small_constants_stay():
-    model = model_with_weights()
+    model = large_weights_model()
     before = model.SerializeToString()
     light, aside = without_weight_data(model)
     assert [t.name for t in aside] == ["W"] and aside[0] is model.graph.initializer[0]
@@ -48,7 +32,7 @@ def test_large_weights_become_inputs_of_their_type_and_small_constants_stay():
 
 
 def test_forward_facts_of_a_model_with_large_weights_know_their_values_and_types():
-    model = model_with_weights()
+    model = large_weights_model()
     facts = ForwardFacts.of(model)
     np.testing.assert_array_equal(facts.constants["W"],
                                   numpy_helper.to_array(model.graph.initializer[0]))
@@ -67,14 +51,14 @@ def test_a_large_weight_the_checker_would_refuse_is_still_refused(damage, messag
         big.float_data.append(1.0)
     else:
         big.data_location = TensorProto.EXTERNAL
-    model = model_with_weights(big)
+    model = large_weights_model(big)
     assert without_weight_data(model)[1] == []  # left for the checker to see
     with pytest.raises(InvalidModelError, match=message):
         WeightsToInputs(["W"])(model)
 
 
 def test_a_weight_that_is_also_a_graph_input_keeps_its_data():
-    model = model_with_weights()
+    model = large_weights_model()
     model.graph.input.append(helper.make_tensor_value_info("W", TensorProto.FLOAT, BIG))
     assert without_weight_data(model) == (model, [])
 
@@ -82,7 +66,7 @@ def test_a_weight_that_is_also_a_graph_input_keeps_its_data():
 def test_an_ir3_model_whose_weight_is_no_input_is_still_refused():
     """IR version 3 wants every initializer listed as an input: setting the weight aside
     as an input would hide the error."""
-    model = model_with_weights()
+    model = large_weights_model()
     model.ir_version = 3
     del model.opset_import[:]
     model.opset_import.append(helper.make_opsetid("", 8))
@@ -92,8 +76,29 @@ def test_an_ir3_model_whose_weight_is_no_input_is_still_refused():
 
 
 def test_a_model_with_large_weights_compiles_to_the_weights_it_was_given():
-    model = model_with_weights()
+    model = large_weights_model()
     program = lossgraph.compile_program(model, fuse="step")
     for tensor in model.graph.initializer[:2]:
         np.testing.assert_array_equal(program.state[tensor.name],
                                       numpy_helper.to_array(tensor))
+
+
+def test_held_apart_sets_aside_exactly_the_data_the_values_hold_and_put_back_restores_it():
+    """A program keeps its inference model without the weights its state holds (issue 27):
+    only raw data equal to the value byte for byte is set aside (a value of another dtype,
+    shape or bits, -0.0 for 0.0 included, and data stored as float_data stay), and the
+    model comes back byte-identical."""
+    model = large_weights_model()
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    model.graph.initializer.append(helper.make_tensor("F", TensorProto.FLOAT, [2], [1.0, 2.0]))
+    values = {**weights, "S": -weights["S"], "shape": weights["shape"].astype(np.int32),
+              "F": np.array([1.0, 2.0], np.float32), "absent": np.zeros(3)}
+    signed = np.zeros(2, np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(signed, "Z"))
+    values["Z"] = -signed
+    light, apart = lossgraph.graphs.held_apart(model, values)
+    assert apart == {"W"}
+    assert not next(t for t in light.graph.initializer if t.name == "W").raw_data
+    assert light.ByteSize() < model.ByteSize() - weights["W"].nbytes
+    restored = lossgraph.graphs.put_back(light, values, apart)
+    assert restored.SerializeToString() == model.SerializeToString()

@@ -108,3 +108,16 @@ def test_predict_reads_the_live_weights():
     prediction = engine.predict(engine.prepare(X, graph="predict", with_label=False))
     np.testing.assert_allclose(np.ravel(prediction), X @ np.array(COEF) + INTERCEPT,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_sessions_run_without_the_memory_pattern_unless_the_options_say_so():
+    """onnxruntime's memory pattern allocates a run's values again from the second run on,
+    beside the arena holding the first's: a step's memory grew after the first step (issue
+    27). The engine's sessions leave it off by default; options given are used as given."""
+    from lossgraph.runtime.session import quiet_session_options
+
+    program = linear_program("step")
+    default = Engine(program).session("train_step").get_session_options()
+    given = Engine(program, session_options=quiet_session_options()).session("train_step")
+    assert (default.enable_mem_pattern, given.get_session_options().enable_mem_pattern) == (
+        False, True)

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 from support.environment import GOLDEN_MODELS
+from support.models import model
 
 import lossgraph
 
@@ -56,3 +57,45 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
         for name_, value in state.items():
             np.testing.assert_array_equal(value, states[0][1][name_], err_msg=name_)
     assert not np.array_equal(states[0][1][weight], program.state[weight])
+
+
+def _steps(program, batch: int | None, X, y) -> tuple[bool, list[float], dict, set]:
+    """Three separate steps on ``(X, y)`` with graphs specialized to ``batch`` (None: the
+    general ones): whether every exchanged value lived in a preallocated buffer, the losses,
+    the state after, and the ids of the gradient arrays each step handed out."""
+    from lossgraph.runtime.separate_step import SeparateStep
+
+    engine = lossgraph.runtime.Engine(program)
+    step = SeparateStep(program, engine.ring, engine.new_session, engine.runner, batch,
+                        engine.packed)
+    feeds = {program.io("gradient", "feature")[0]: X, program.io("loss", "label")[0]: y}
+    losses, arrays = [], set()
+    for number in range(1, 4):
+        engine.set_scalars(number, 0.01)
+        loss, gradients = step.gradients(feeds)
+        arrays |= {id(array) for array in gradients.values()}
+        losses.append(loss + step.update(gradients))
+        engine.apply(1, f"step {number}")
+    return step.static, losses, engine.state, arrays
+
+
+def test_a_free_axis_besides_the_batch_and_a_general_step_allocate_no_state_sized_value():
+    """A model exported with a free axis besides the batch (GPT-2's sequence) runs its full
+    batches with every exchanged value preallocated, once the loss graph takes the sizes the
+    forward half computes; a general step (a last, smaller batch) writes the gradients into
+    arrays allocated once, as the update reads them, and holds nothing of a step after it
+    (issue 27: the separate mode's memory grew step after step). Same numbers, bit for bit."""
+    net = model("(float[N, 5, 3] x) => (float[N, T, 2] y)",  # as torch exports GPT-2
+                "w = Constant <value = float[3, 2] {0.1, -0.2, 0.3, 0.4, -0.5, 0.6}> () "
+                "y = MatMul(x, w)")
+    program = lossgraph.compile_program(net, fuse="separate", loss="squared_error",
+                                        optimizer=lossgraph.optim.Momentum(0.01),
+                                        weights=["w"], penalty={"w": 0.01})
+    rng = np.random.default_rng(0)
+    X, y = (rng.normal(size=(4, 5, n)).astype(np.float32) for n in (3, 2))
+    static, general = _steps(program, 4, X, y), _steps(program, None, X, y)
+    assert (static[0], general[0]) == (True, False)
+    assert len(general[3]) == 1  # one gradient array, the same every step
+    assert static[1] == general[1]
+    for name, value in static[2].items():
+        np.testing.assert_array_equal(value, general[2][name], err_msg=name)

@@ -11,7 +11,9 @@ included; :func:`signature` writes a signature from example arrays.
 order, read in ``If`` branches; :data:`NET` a dense layer whose weights' order differs too;
 :data:`ROUNDED` a model whose weights reach its output only through ops of zero gradient;
 :data:`CHANGED_OPS` (:func:`changed_op_model`) models whose ops changed meaning or arrived
-after opset 21; :func:`image_scaler` one at opset 7 with an op onnx removed.
+after opset 21; :func:`image_scaler` one at opset 7 with an op onnx removed;
+:func:`large_weights_model` one whose weight is large enough to be set aside for onnx's
+checker and held apart while compile's passes run (``lossgraph.graphs.HeldWeights``).
 """
 
 from __future__ import annotations
@@ -157,3 +159,33 @@ def image_scaler() -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", 1, ["N", 1, 1, 1])],
         [helper.make_tensor("w", 1, [4, 1], [1.0, 2.0, 3.0, 4.0])])
     return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 7)])
+
+
+#: The shapes of :func:`large_weights_model`'s float32 weights: ``W`` 128 KiB, large enough
+#: to be set aside (``lossgraph.graphs.without_weight_data``) and held apart, ``S`` 2 KiB.
+BIG, SMALL = (256, 128), (128, 4)
+
+
+def large_weights_model(big: onnx.TensorProto | None = None, copied: bool = False
+                        ) -> onnx.ModelProto:
+    """``y = Reshape(x @ W, shape) @ S``: a large weight ``W`` (or ``big``), a small one
+    ``S`` and an int64 constant that shape inference reads; ``copied``: ``x @ W + x @ C``,
+    ``C`` a copy of ``W`` (what ``lossgraph.analysis.folded_weights`` reports)."""
+    from onnx import TensorProto, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [big or numpy_helper.from_array(rng.standard_normal(BIG, np.float32), "W"),
+               numpy_helper.from_array(rng.standard_normal(SMALL, np.float32), "S"),
+               numpy_helper.from_array(np.array([-1, 128], np.int64), "shape")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]),
+             helper.make_node("Reshape", ["h", "shape"], ["r"]),  # reads its constant
+             helper.make_node("MatMul", ["r", "S"], ["y"])]
+    if copied:
+        weights.append(numpy_helper.from_array(numpy_helper.to_array(weights[0]), "C"))
+        nodes[:1] = [helper.make_node("MatMul", ["x", "W"], ["w"]),
+                     helper.make_node("MatMul", ["x", "C"], ["c"]),
+                     helper.make_node("Add", ["w", "c"], ["h"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["N", BIG[0]])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, ["N", 4])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)

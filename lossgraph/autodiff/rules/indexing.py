@@ -209,6 +209,12 @@ def _sum_rows_by_one_hot(g, positions: str, depth: str, rows: str, like: str,
     return g.Reshape(g.Gemm(flat_hot, flat_rows, transA=1), shape)
 
 
+#: The number of values from which a Gather's gradient makes its zeros at each run: a
+#: table this large (a vocabulary's embeddings) would otherwise be folded into a constant
+#: onnxruntime keeps for the session's life (1 MiB of float32).
+_RUN_TIME_ZEROS = 1 << 18
+
+
 # ---------------------------------------------------------------------------- Gather
 @grad_rule("Gather", since=13, nondiff=(1,),
            notes="duplicate indices accumulate; ScatterElements(add) of the rows in order from "
@@ -227,9 +233,17 @@ def gather(g, node, dy):
         shape_t = g.ints([shape[p] for p in perm_x], hint="shape")
     else:
         shape_t = g.Gather(g.Shape(x), g.ints(perm_x, hint="perm"), axis=0)
+
+    # zeros a runtime would store as a constant for the session's life (an embedding
+    # table's, of static shape and large) are made at each run; small ones stay foldable
+    # (the attention heads' slabs that ConcatScatteredSlabs turns into one Concat)
+    at_run_time = shape is not None and int(np.prod(shape)) >= _RUN_TIME_ZEROS
+
+    def zeros() -> str:
+        return g.filled(shape_t, 0, x, hint="zeros", run_time=dy if at_run_time else None)
+
     if g.opset >= 16 and _distinct(g, indices, [(g.shape(x) or [None] * rank)[axis]]):
-        dx_t = g.ScatterND(g.filled(shape_t, 0, x, hint="zeros"), g.unsqueeze(idx, [q]), dy_t,
-                           reduction="add")
+        dx_t = g.ScatterND(zeros(), g.unsqueeze(idx, [q]), dy_t, reduction="add")
     elif g.opset >= 16:  # the rows of dy_t in index order, each added to its row of dx_t
         index_shape = static_shape(g, indices)
         count = (g.ints([int(np.prod(index_shape))], hint="shape") if index_shape is not None
@@ -240,7 +254,7 @@ def gather(g, node, dy):
             rest = g.Slice(shape_t, g.ints([1], hint="starts"), g.ints([rank], hint="ends"))
         positions = idx if q == 1 else g.Reshape(idx, count)
         rows = dy_t if q == 1 else g.Reshape(dy_t, g.Concat(count, rest, axis=0))
-        dx_t = scatter_add_rows(g, g.filled(shape_t, 0, x, hint="zeros"), positions, rows, rank)
+        dx_t = scatter_add_rows(g, zeros(), positions, rows, rank)
     else:
         dx_t = _sum_rows_by_one_hot(g, g.unsqueeze(idx, [0]) if q == 0 else idx,
                                     _dim(g, x, axis), dy_t, x, shape_t)

@@ -15,6 +15,7 @@ from support.models import dims, model
 
 import lossgraph
 from lossgraph import gradient
+from lossgraph.autodiff.rules import indexing
 from lossgraph.errors import UnsupportedModelError
 from lossgraph.graphs import attribute_values
 
@@ -149,6 +150,25 @@ def test_gather_gradient_matches_onnxruntime(rng):
     net = model("(double[5, 3] x, int64[2, 2] i) => (double[2, 2, 3] y)", "y = Gather(x, i)",
                 opset=16)
     check_gradients(net, {"x": x, "i": i}, wrt=["x"], ort=True)
+
+
+@pytest.mark.parametrize("ids", [[7, 7, 49], [3]])  # ScatterElements, ScatterND
+def test_gather_gradient_stores_no_table_sized_constant(rng, tmp_path, ort_session, ids,
+                                                        monkeypatch):
+    """An embedding table's gradient scatters into zeros of the table's shape, which
+    onnxruntime would fold into a constant it keeps for the session's life (89 MiB for
+    BERT-base's [30522, 768], issue 27) where every shape is static: a table of
+    ``_RUN_TIME_ZEROS`` values or more (here lowered to this table's 200) gets them made
+    at each run, and the gradient stays exact."""
+    monkeypatch.setattr(indexing, "_RUN_TIME_ZEROS", 200)
+    net = model(f"(float[50, 4] table, int64[{len(ids)}] ids) => (float[{len(ids)}, 4] y)",
+                "y = Gather(table, ids)", opset=17)
+    optimized = tmp_path / "optimized.onnx"
+    ort_session(gradient(net, weights=["table"], outputs=["y"]),
+                optimized_model_filepath=str(optimized))
+    assert max(int(np.prod(t.dims)) for t in onnx.load(optimized).graph.initializer) < 200
+    check_gradients(net, {"table": rand(rng, 50, 4).astype(np.float32), "ids": np.array(ids)},
+                    wrt=["table"], ort=True)
 
 
 def _scatters(net) -> list[tuple[str, str]]:

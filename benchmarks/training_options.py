@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 import warnings
@@ -216,39 +215,14 @@ def lossgraph_candidate(problem: Any, program: Any, name: str, threads: int
     return epoch, weights
 
 
-def _settle(epoch: Epoch, seconds: float = 0.1) -> None:
-    """Untimed epochs of ``epoch`` for ``seconds``, so that the cores are its own."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        epoch()
-
-
-def time_rounds(candidates: dict[str, Epoch], repeat: int, steps: int,
-                clock: Callable[[], float]) -> dict[str, float]:
-    """Median ms per ``steps``-th of an epoch of each candidate, over ``repeat``
-    interleaved rounds."""
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeat):
-        for name, epoch in candidates.items():
-            _settle(epoch)
-            start = clock()
-            epoch()
-            times[name].append((clock() - start) * 1000 / steps)
-    return {name: statistics.median(found) for name, found in times.items()}
-
-
-def difference(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray]) -> float:
-    """The largest absolute difference between the weights both hold."""
-    return max((float(np.max(np.abs(ours[n].reshape(value.shape) - value)))
-                for n, value in theirs.items() if n in ours), default=float("nan"))
-
-
 # -- the run ----------------------------------------------------------------------------
 def run_workload(name: str, fuses: list[str], steps: int, repeat: int, threads: int,
                  quick: bool, clock: Callable[[], float]) -> dict[str, Any]:
     """Every runtime's variants: ms per b rows, and each lossgraph variant's check against
     torch after two epochs."""
     import torch
+
+    from benchmarks.update_options import difference, time_rounds
 
     torch.set_num_threads(threads)
     problem = make_problem(name, steps, quick)

@@ -6,6 +6,7 @@ downloaded) and exported to ONNX:
 
     AdamW, weight decay 0.01 on all but biases and norms   AdamW(exclude_from_weight_decay="auto")
     linear warmup, then linear decay to 0                  lossgraph.schedules.Linear
+    gradients clipped to a global norm of 1.0              compile_program(max_grad_norm=1.0)
     gradient accumulation, 2 micro-batches an update        fit(accumulation_steps=2)
     early stopping on validation accuracy, best restored   EarlyStopping("validation_accuracy")
     accuracy each epoch, training and validation           fit(metrics=["accuracy"])
@@ -13,14 +14,15 @@ downloaded) and exported to ONNX:
 torch runs the same recipe by hand from the same weights on the same batches, as the
 Trainer does it: ``torch.optim.AdamW`` with two parameter groups (no decay for biases and
 LayerNorm weights), ``transformers.get_linear_schedule_with_warmup`` stepped per update,
-each micro-batch's loss divided by the accumulation steps before ``backward``, and the same
-stopping rule (stop after PATIENCE epochs without a better validation accuracy, go back to
-the best epoch's weights). The two runs are printed side by side and asserted equal:
-losses within LOSS_RTOL (relative), accuracies exactly (the same predictions: no row of
-this data lies within rounding of a tie between two classes), the same epoch stopped at,
-and the restored models' held-out logits within LOGIT_RTOL of the largest. The loss and
-accuracy curves of both are drawn into a PNG (needs matplotlib) in the folder given as the
-first argument, or a temporary folder by default.
+each micro-batch's loss divided by the accumulation steps before ``backward``,
+``clip_grad_norm_`` before each ``optimizer.step()``, and the same stopping rule (stop
+after PATIENCE epochs without a better validation accuracy, go back to the best epoch's
+weights). The two runs are printed side by side and asserted equal: losses and every
+update's gradient norm within LOSS_RTOL (relative), accuracies exactly (the same
+predictions: no row of this data lies within rounding of a tie between two classes), the
+same epoch stopped at, and the restored models' held-out logits within LOGIT_RTOL of the
+largest. The loss and accuracy curves of both are drawn into a PNG (needs matplotlib) in
+the folder given as the first argument, or a temporary folder by default.
 
 The task (synthetic, learnable): sequences of 6 to 12 tokens (padding masked), the class
 being which third of the vocabulary most of the tokens come from.
@@ -54,6 +56,7 @@ ROWS, VALIDATION_ROWS, BATCH, ACCUMULATION = 96, 48, 8, 2
 EPOCHS, PATIENCE, WARMUP_STEPS = 16, 2, 6
 UPDATES = EPOCHS * ROWS // (BATCH * ACCUMULATION)  # the schedule's total steps
 PEAK_RATE, WEIGHT_DECAY, EPSILON = 3e-3, 0.01, 1e-6  # EPSILON: see 09's note
+MAX_GRAD_NORM = 1.0
 INPUTS = ("input_ids", "attention_mask")
 #: the agreement asserted: training and validation losses, and the restored model's logits
 LOSS_RTOL, LOGIT_RTOL = 1e-3, 1e-3
@@ -102,7 +105,8 @@ def torch_run(net, X, y, validation):
             return (F.cross_entropy(logits, torch.from_numpy(labels)).item(),
                     float((logits.argmax(1).numpy() == labels).mean()))
 
-    history = {key: [] for key in ("loss", "accuracy", "validation_loss", "validation_accuracy")}
+    history = {key: [] for key in ("loss", "accuracy", "validation_loss", "validation_accuracy",
+                                   "grad_norm")}
     best, best_state, waited = -np.inf, None, 0
     for _ in range(EPOCHS):
         losses = []
@@ -113,6 +117,8 @@ def torch_run(net, X, y, validation):
                 loss = F.cross_entropy(net(**tensors(X, rows)), torch.from_numpy(y[rows]))
                 (loss / ACCUMULATION).backward()
                 losses.append(loss.item())
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_GRAD_NORM)
+            history["grad_norm"].append(norm.item())
             optimizer.step()
             scheduler.step()
         history["loss"].append(float(np.mean(losses)))
@@ -198,7 +204,7 @@ def main(folder: Path) -> None:
             optimizer=AdamW(Linear(PEAK_RATE, total_steps=UPDATES, warmup_steps=WARMUP_STEPS),
                             epsilon=EPSILON, weight_decay=WEIGHT_DECAY,
                             exclude_from_weight_decay="auto"),
-            accumulation_steps=ACCUMULATION, fuse="epoch")
+            accumulation_steps=ACCUMULATION, max_grad_norm=MAX_GRAD_NORM, fuse="epoch")
     # "auto" found in the graph what Hugging Face excludes by name
     excluded = set(program.optimizer.exclude_from_weight_decay)
     expected = {n for n, _ in net.named_parameters() if no_decay(n)}
@@ -212,6 +218,11 @@ def main(folder: Path) -> None:
     ours = {key: list(trainer.history_[key])
             for key in ("loss", "accuracy", "validation_loss", "validation_accuracy")}
     theirs, net = torch_run(net, X, y, validation)
+    clipped = sum(norm > MAX_GRAD_NORM for norm in trainer.grad_norms_)
+    print(f"gradient norm above {MAX_GRAD_NORM} (clipped) in {clipped} of "
+          f"{len(trainer.grad_norms_)} updates")
+    assert clipped > 0
+    np.testing.assert_allclose(trainer.grad_norms_, theirs["grad_norm"], rtol=LOSS_RTOL)
 
     print("epoch  loss (lossgraph / torch)  val loss (lossgraph / torch)  "
           "accuracy  val accuracy")

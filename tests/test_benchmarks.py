@@ -436,3 +436,32 @@ def test_memory_cells_train_what_they_say_and_the_report_shows_every_column(tmp_
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--json", str(foreign)])
     assert foreign.read_text() == "{}"
+
+
+@pytest.mark.torch
+def test_training_options_quick_run_trains_every_variant_to_torchs_weights(tmp_path, capsys):
+    """The cost of the fine-tuning options on a tiny MLP, one fuse mode: every variant
+    (schedule, decay groups, label smoothing with class weights, accumulation, the larger
+    batch) trains the export to torch's weights after the same epochs, and the report has
+    a cell for each (no timing is checked)."""
+    import torch
+
+    from benchmarks import training_options as bench
+
+    out = tmp_path / "options.json"
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--quick", "--workloads", "mlp", "--fuses", "epoch", "--steps", "4",
+                           "--repeat", "1", "--threads", "1", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    figures = json.loads(out.read_text())
+    assert figures["generator"] == bench.BENCHMARK_MARK
+    cells = figures["results"]["mlp"]
+    assert set(cells) == {"torch", "lossgraph epoch"}
+    for cell in cells.values():
+        assert set(cell["ms_per_batch"]) == set(bench.VARIANTS)
+    moved = cells["torch"]["moved"]
+    for variant, difference in cells["lossgraph epoch"]["check"].items():
+        assert difference < 1e-6 and moved[variant] > 100 * difference, (variant, difference)
+    assert "| mlp | lossgraph epoch |" in capsys.readouterr().out

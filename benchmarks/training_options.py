@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,8 +49,6 @@ from typing import Any
 import numpy as np
 
 BENCHMARK_MARK = "lossgraph benchmarks/training_options.py"  # in every file the run writes
-WORKLOADS = ("mlp", "transformer")
-FUSES = ("step", "epoch", "separate")
 RATE, DECAY, CLASSES, SMOOTHING, K = 1e-3, 0.01, 10, 0.1, 4
 #: AdamW's epsilon (docs/examples/09's note): the attention key biases' gradient is zero but
 #: for rounding, which the default 1e-8 would turn into full steps that differ by library
@@ -277,61 +274,22 @@ def report(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: tiny models")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help="comma-separated, of " + ", ".join(WORKLOADS))
-    parser.add_argument("--fuses", default=",".join(FUSES),
-                        help="comma-separated, of " + ", ".join(FUSES))
-    parser.add_argument("--steps", type=int, default=20,
-                        help="batches of b rows an epoch, a multiple of 4 (default 20)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed rounds (default 7)")
-    parser.add_argument("--threads", type=int, default=2, help="threads (default 2)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="time the wall clock, or this process's CPU seconds (with "
-                             "--threads 1: each candidate's work, steadier on a busy machine)")
-    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
-    args = parser.parse_args(argv)
-    if args.steps < K or args.steps % K:
-        parser.error(f"--steps {args.steps}: a multiple of {K}, so that every variant trains "
-                     "the same rows in whole updates")
-    from benchmarks.machine import cpu_seconds, machine_facts, report_run
-    from benchmarks.output import save_figures, written_by
-    from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target
+    from benchmarks.update_options import variants_main
 
-    if args.json:
-        try:
-            check_file_target(args.json, owned=written_by(BENCHMARK_MARK))
-        except UnsafeWriteError:
-            parser.error(f"{args.json} is in the way: it is not a file this benchmark wrote.")
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("skipped: the benchmark compares with torch eager (pip install torch)")
-        return 0
-    facts = machine_facts()
-    print("the cost of a schedule, decay groups, label smoothing with class weights and "
-          f"gradient accumulation (k={K}) per batch of b rows")
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
-    started, cpu_before = time.perf_counter(), cpu_seconds()
-    fuses = args.fuses.split(",")
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
-    results = {name: run_workload(name, fuses, args.steps, args.repeat, args.threads,
-                                  args.quick, clock)
-               for name in args.workloads.split(",")}
-    print()
-    print("\n".join(report(results)))
-    report_run(started, cpu_before, facts)
-    if args.json:
-        figures = {"generator": BENCHMARK_MARK, "machine": facts, "steps": args.steps,
-                   "repeat": args.repeat, "threads": args.threads, "clock": args.clock,
-                   "variants": {n: {"schedule": v.schedule, "groups": v.groups,
-                                    "smoothing": v.smoothing, "micro_batches": v.micro,
-                                    "batch_factor": v.rows} for n, v in VARIANTS.items()},
-                   "results": results}
-        save_figures(figures, args.json, written_by(BENCHMARK_MARK))
-    return 0
+    def whole_updates(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        if args.steps < K or args.steps % K:
+            parser.error(f"--steps {args.steps}: a multiple of {K}, so that every variant "
+                         "trains the same rows in whole updates")
+
+    variants = {n: {"schedule": v.schedule, "groups": v.groups, "smoothing": v.smoothing,
+                    "micro_batches": v.micro, "batch_factor": v.rows}
+                for n, v in VARIANTS.items()}
+    return variants_main(
+        argv, doc=__doc__, mark=BENCHMARK_MARK, run_workload=run_workload, report=report,
+        variants=variants, check=whole_updates,
+        steps_help="batches of b rows an epoch, a multiple of 4 (default 20)",
+        headline="the cost of a schedule, decay groups, label smoothing with class weights "
+        f"and gradient accumulation (k={K}) per batch of b rows")
 
 
 if __name__ == "__main__":

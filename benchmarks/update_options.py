@@ -231,13 +231,28 @@ def report(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return variants_main(
+        argv, doc=__doc__, mark=BENCHMARK_MARK, run_workload=run_workload, report=report,
+        variants=VARIANTS, headline="the cost of gradient clipping (max_grad_norm=1.0) and an "
+        "EMA of the weights (ema_decay=0.999) per training step")
+
+
+def variants_main(argv: list[str] | None, *, doc: str, mark: str, headline: str,
+                  run_workload: Callable[..., dict[str, Any]],
+                  report: Callable[[dict[str, dict[str, Any]]], list[str]], variants: Any,
+                  steps_help: str = "steps an epoch (default 20)",
+                  check: Callable[[argparse.ArgumentParser, argparse.Namespace], None]
+                  | None = None) -> int:
+    """The command line of a benchmark of training variants side by side (this one and
+    ``training_options``): every workload in every fuse mode and torch eager, the table,
+    and the figures as JSON (``variants`` recorded as given)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny models")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--fuses", default=",".join(FUSES),
                         help="comma-separated, of " + ", ".join(FUSES))
-    parser.add_argument("--steps", type=int, default=20, help="steps an epoch (default 20)")
+    parser.add_argument("--steps", type=int, default=20, help=steps_help)
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--threads", type=int, default=2, help="threads (default 2)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -245,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                              "--threads 1: each candidate's work, steadier on a busy machine)")
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     args = parser.parse_args(argv)
+    if check is not None:
+        check(parser, args)
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
     from benchmarks.output import save_figures, written_by
     from lossgraph.errors import UnsafeWriteError
@@ -252,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         try:
-            check_file_target(args.json, owned=written_by(BENCHMARK_MARK))
+            check_file_target(args.json, owned=written_by(mark))
         except UnsafeWriteError:
             parser.error(f"{args.json} is in the way: it is not a file this benchmark wrote.")
     try:
@@ -261,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print("skipped: the benchmark compares with torch eager (pip install torch)")
         return 0
     facts = machine_facts()
-    print("the cost of gradient clipping (max_grad_norm=1.0) and an EMA of the weights "
-          "(ema_decay=0.999) per training step")
+    print(headline)
     print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     started, cpu_before = time.perf_counter(), cpu_seconds()
     fuses = args.fuses.split(",")
@@ -274,11 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(report(results)))
     report_run(started, cpu_before, facts)
     if args.json:
-        figures = {"generator": BENCHMARK_MARK, "machine": facts, "steps": args.steps,
+        figures = {"generator": mark, "machine": facts, "steps": args.steps,
                    "repeat": args.repeat, "threads": args.threads, "clock": args.clock,
-                   "variants": VARIANTS,
-                   "results": results}
-        save_figures(figures, args.json, written_by(BENCHMARK_MARK))
+                   "variants": variants, "results": results}
+        save_figures(figures, args.json, written_by(mark))
     return 0
 
 

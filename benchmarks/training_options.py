@@ -257,20 +257,11 @@ def run_workload(name: str, fuses: list[str], steps: int, repeat: int, threads: 
 def report(results: dict[str, dict[str, Any]]) -> list[str]:
     """The table: each workload and runtime, its variants side by side with their cost
     over the plain step, and the largest check."""
-    others = [v for v in VARIANTS if v != "plain"]
-    lines = ["| workload | runtime | plain | " + " | ".join(others)
-             + " | check (largest difference from torch) |",
-             "|---|---|---|" + "---|" * len(others) + "---|"]
-    for workload, cells in results.items():
-        for runtime, cell in cells.items():
-            ms = cell["ms_per_batch"]
-            parts = [f"{ms['plain']:.3f}"] + [
-                f"{ms[v]:.3f} ({(ms[v] / ms['plain'] - 1) * 100:+.0f}%)" for v in others]
-            check = (f"{max(cell['check'].values()):.1e}" if "check" in cell else
-                     f"(weights moved {min(cell['moved'].values()):.1e})")
-            lines.append(f"| {workload} | {runtime} | {' | '.join(parts)} | {check} |")
-    lines.append("(median ms per batch of b rows; in brackets, the cost over the plain step)")
-    return lines
+    from benchmarks.update_options import variants_table
+
+    return variants_table(results, [v for v in VARIANTS if v != "plain"], "ms_per_batch",
+                          "batch of b rows", check=lambda cell: max(cell["check"].values()),
+                          moved=lambda cell: min(cell["moved"].values()))
 
 
 def main(argv: list[str] | None = None) -> int:

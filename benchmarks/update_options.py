@@ -215,18 +215,29 @@ def problem_weight(problem: Any, name: str) -> np.ndarray:
 
 def report(results: dict[str, dict[str, Any]]) -> list[str]:
     """The table: each workload and runtime, its variants side by side with their cost."""
-    lines = ["| workload | runtime | plain | clip | ema | both | check (largest difference "
-             "from torch, both) |", "|---|---|---|---|---|---|---|"]
+    return variants_table(results, ["clip", "ema", "both"], "ms_per_step", "step",
+                          check=lambda cell: cell["check"]["both"],
+                          moved=lambda cell: cell["moved"]["both"], checked="both")
+
+
+def variants_table(results: dict[str, dict[str, Any]], variants: list[str], key: str,
+                   unit: str, check: Callable[[dict], float], moved: Callable[[dict], float],
+                   checked: str = "") -> list[str]:
+    """A table of ``results`` (workload -> runtime -> cell): the plain step's median ms
+    per ``unit`` (``cell[key]``) and each of ``variants`` with its cost over it, and the
+    largest difference from torch (torch's row: how far its weights moved)."""
+    lines = ["| workload | runtime | plain | " + " | ".join(variants)
+             + f" | check (largest difference from torch{', ' + checked if checked else ''}) |",
+             "|---|---|---|" + "---|" * len(variants) + "---|"]
     for workload, cells in results.items():
         for runtime, cell in cells.items():
-            ms = cell["ms_per_step"]
+            ms = cell[key]
             parts = [f"{ms['plain']:.3f}"] + [
-                f"{ms[v]:.3f} ({(ms[v] / ms['plain'] - 1) * 100:+.0f}%)"
-                for v in ("clip", "ema", "both")]
-            check = (f"{cell['check']['both']:.1e}" if "check" in cell else
-                     f"(weights moved {cell['moved']['both']:.1e})")
-            lines.append(f"| {workload} | {runtime} | {' | '.join(parts)} | {check} |")
-    lines.append("(median ms per step; in brackets, the cost over the plain step)")
+                f"{ms[v]:.3f} ({(ms[v] / ms['plain'] - 1) * 100:+.0f}%)" for v in variants]
+            shown = (f"{check(cell):.1e}" if "check" in cell else
+                     f"(weights moved {moved(cell):.1e})")
+            lines.append(f"| {workload} | {runtime} | {' | '.join(parts)} | {shown} |")
+    lines.append(f"(median ms per {unit}; in brackets, the cost over the plain step)")
     return lines
 
 

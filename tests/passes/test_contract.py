@@ -45,6 +45,7 @@ from lossgraph.passes import (
     Pass,
     PassResult,
     Pipeline,
+    Recompute,
     RemoveLossOutput,
     StepGraph,
     StripTraining,
@@ -54,6 +55,7 @@ from lossgraph.passes import (
 )
 from lossgraph.passes.expand_functions import ExpandFunctions
 from lossgraph.passes.quantization import StraightThroughQuantization
+from lossgraph.passes.recompute import UpdatesInBackwardOrder
 from lossgraph.passes.running_stats import RunningStatistics
 from lossgraph.passes.sequences import SequencesToTensors
 from lossgraph.passes.stabilize import StabilizeNumerics
@@ -212,6 +214,9 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
     "StepGraph": (lambda: with_gradients("skl_mlp_regressor"), StepGraph(Adam(0.01))),
     "PackWeights": (lambda: with_gradients("skl_mlp_regressor"), PackWeights(Momentum(0.01))),
     "SumGradients": (lambda: with_gradients("skl_mlp_regressor"), SumGradients()),
+    "Recompute": (lambda: with_gradients("skl_mlp_regressor"), Recompute("auto")),
+    "UpdatesInBackwardOrder": (lambda: StepGraph(Adam(0.01))(
+        with_gradients("skl_mlp_regressor")).model, UpdatesInBackwardOrder()),
     "GroupGradients": (lambda: SumGradients()(PackWeights(Adam(0.01))(
         with_gradients("hand_linear")).model).model, GroupGradients()),
     "EpochGraph": (lambda: StepGraph(Momentum(0.01, nesterov=True))(

@@ -373,12 +373,13 @@ def cell_text(cells: dict[str, Any], column: str, before: dict[str, Any] | None)
     if "peak_mb" not in record:
         return record.get("error", "-")
     text = _mib(record["peak_mb"])
-    if column == "compile":
+    torch = cells.get("torch", {}).get("peak_mb", 0)
+    if column == "compile" and cells["weights_mb"] > 0:
         text += f" ({record['peak_mb'] / cells['weights_mb']:.2f}x the weights"
         stored = cells.get("stored_mb")
         text += f", {record['peak_mb'] / stored:.2f}x stored)" if stored else ")"
-    elif column != "torch" and "peak_mb" in cells.get("torch", {}):
-        text += f" ({record['peak_mb'] / cells['torch']['peak_mb']:.2f}x)"
+    elif column not in ("torch", "compile") and torch > 0:  # a tiny model's may round to 0
+        text += f" ({record['peak_mb'] / torch:.2f}x)"
     was = (before or {}).get(column, {})
     return f"{text}, was {_mib(was['peak_mb'])}" if "peak_mb" in was else text
 

@@ -131,7 +131,7 @@ def _cnn(torch, side: int, c1: int, c2: int, classes: int, batch: int):
                          nn.Flatten(), nn.Linear(c2 * (side // 4) ** 2, classes))
 
 
-def _transformer(torch, d_model: int, heads: int, ff: int, length: int, batch: int):
+def transformer_encoder(torch, d_model: int, heads: int, ff: int, length: int, batch: int):
     nn = torch.nn
 
     class Encoder(nn.Module):
@@ -209,7 +209,7 @@ WORKLOADS = {w.name: w for w in (
     Workload("cnn", _cnn, lambda side, **_: (1, side, side), lambda classes, **_: classes,
              dict(side=28, c1=16, c2=32, classes=10, batch=64),
              dict(side=8, c1=2, c2=3, classes=2, batch=4), target=TARGET),
-    Workload("transformer", _transformer, lambda d_model, length, **_: (length, d_model),
+    Workload("transformer", transformer_encoder, lambda d_model, length, **_: (length, d_model),
              lambda **_: 1, dict(d_model=128, heads=4, ff=512, length=64, batch=32),
              dict(d_model=8, heads=2, ff=16, length=4, batch=3), target=TARGET),
     Workload("resnet", _resnet, lambda side, **_: (3, side, side), lambda classes, **_: classes,

@@ -86,7 +86,7 @@ def _transformer(torch, classes: int, **sizes: int):
     """model_speed's encoder with a ``classes``-way head."""
     from benchmarks import model_speed
 
-    net = model_speed._transformer(torch, **sizes)
+    net = model_speed.transformer_encoder(torch, **sizes)
     net.head = torch.nn.Linear(sizes["d_model"], classes)
     return net
 
@@ -219,39 +219,16 @@ def run_workload(name: str, fuses: list[str], steps: int, repeat: int, threads: 
     torch after two epochs."""
     import torch
 
-    from benchmarks.update_options import difference, time_rounds
+    from benchmarks.update_options import run_variants
 
     torch.set_num_threads(threads)
     problem = make_problem(name, steps, quick)
-    programs = {(fuse, v): compiled(problem, fuse, v) for fuse in fuses for v in VARIANTS}
-    runtimes = {"torch": {v: torch_candidate(problem, v) for v in VARIANTS}}
-    for fuse in fuses:
-        runtimes[f"lossgraph {fuse}"] = {
-            v: lossgraph_candidate(problem, programs[fuse, v], v, threads) for v in VARIANTS}
-    cells: dict[str, Any] = {}
-    for runtime, candidates in runtimes.items():
-        for epoch, _ in candidates.values():
-            epoch()  # warm-up: sessions, caches
-        cells[runtime] = {"ms_per_batch": time_rounds(
-            {v: e for v, (e, _) in candidates.items()}, repeat, steps, clock)}
-        print(f"  {name} {runtime}: done", flush=True)
-    start = {n: p.detach().numpy() for n, p in problem.net.named_parameters()}
-    moved = {}
-    for variant in VARIANTS:
-        reference_epoch, reference = torch_candidate(problem, variant)
-        for _ in range(2):
-            reference_epoch()
-        expected = reference()
-        moved[variant] = difference(expected, start)
-        for fuse in fuses:
-            epoch, weights = lossgraph_candidate(problem, programs[fuse, variant], variant,
-                                                 threads)
-            for _ in range(2):
-                epoch()
-            cells[f"lossgraph {fuse}"].setdefault("check", {})[variant] = difference(
-                weights(), expected)
-    cells["torch"]["moved"] = moved
-    return cells
+    return run_variants(
+        name, problem, fuses, list(VARIANTS), "ms_per_batch",
+        compile_variant=lambda fuse, v: compiled(problem, fuse, v),
+        torch_variant=lambda v: torch_candidate(problem, v),
+        lossgraph_variant=lambda program, v: lossgraph_candidate(problem, program, v, threads),
+        repeat=repeat, steps=steps, clock=clock)
 
 
 def report(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -176,41 +176,51 @@ def run_workload(name: str, fuses: list[str], steps: int, repeat: int, threads: 
 
     torch.set_num_threads(threads)
     problem = make_problem(name, steps, quick)
-    cells: dict[str, Any] = {}
-    programs = {(fuse, v): compiled(problem, fuse, v) for fuse in fuses for v in VARIANTS}
-    runtimes = {"torch": {v: torch_candidate(problem, v) for v in VARIANTS}}
+    return run_variants(
+        name, problem, fuses, list(VARIANTS), "ms_per_step",
+        compile_variant=lambda fuse, v: compiled(problem, fuse, v),
+        torch_variant=lambda v: torch_candidate(problem, v),
+        lossgraph_variant=lambda program, v: lossgraph_candidate(problem, program, threads),
+        repeat=repeat, steps=steps, clock=clock)
+
+
+def run_variants(name: str, problem: Any, fuses: list[str], variants: list[str], key: str, *,
+                 compile_variant: Callable[[str, str], Any],
+                 torch_variant: Callable[[str], tuple[Epoch, Callable[[], dict]]],
+                 lossgraph_variant: Callable[[Any, str], tuple[Epoch, Callable[[], dict]]],
+                 repeat: int, steps: int, clock: Callable[[], float]) -> dict[str, Any]:
+    """The cells of a benchmark of training variants (this one and ``training_options``):
+    each runtime's (torch eager, each fuse mode) median ms per step of every variant under
+    ``key``, then each lossgraph variant's largest difference from torch after two epochs
+    from the start (``check``), and how far torch's weights moved (``moved``)."""
+    programs = {(fuse, v): compile_variant(fuse, v) for fuse in fuses for v in variants}
+    runtimes = {"torch": {v: torch_variant(v) for v in variants}}
     for fuse in fuses:
-        runtimes[f"lossgraph {fuse}"] = {
-            v: lossgraph_candidate(problem, programs[fuse, v], threads) for v in VARIANTS}
+        runtimes[f"lossgraph {fuse}"] = {v: lossgraph_variant(programs[fuse, v], v)
+                                         for v in variants}
+    cells: dict[str, Any] = {}
     for runtime, candidates in runtimes.items():
         for epoch, _ in candidates.values():
             epoch()  # warm-up: sessions, caches
-        medians = time_rounds({v: e for v, (e, _) in candidates.items()}, repeat, steps,
-                              clock)
-        cells[runtime] = {"ms_per_step": medians}
+        cells[runtime] = {key: time_rounds({v: e for v, (e, _) in candidates.items()},
+                                           repeat, steps, clock)}
         print(f"  {name} {runtime}: done", flush=True)
-    # the check: two epochs of each, from the start
+    start = {n: p.detach().numpy() for n, p in problem.net.named_parameters()}
     moved = {}
-    for variant in VARIANTS:
-        reference_epoch, reference = torch_candidate(problem, variant)
+    for variant in variants:
+        reference_epoch, reference = torch_variant(variant)
         for _ in range(2):
             reference_epoch()
         expected = reference()
-        moved[variant] = difference(expected, {n: problem_weight(problem, n) for n in expected
-                                                if not n.endswith("_ema")})
+        moved[variant] = difference(expected, start)
         for fuse in fuses:
-            epoch, weights = lossgraph_candidate(problem, programs[fuse, variant], threads)
+            epoch, weights = lossgraph_variant(programs[fuse, variant], variant)
             for _ in range(2):
                 epoch()
             cells[f"lossgraph {fuse}"].setdefault("check", {})[variant] = difference(
                 weights(), expected)
     cells["torch"]["moved"] = moved
     return cells
-
-
-def problem_weight(problem: Any, name: str) -> np.ndarray:
-    """The initial value of torch parameter ``name`` (both sides start from it)."""
-    return dict(problem.net.named_parameters())[name].detach().numpy()
 
 
 def report(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.output import save_figures, written_by
+from benchmarks.output import check_targets, save_figures, written_by
 
 BENCHMARK_MARK = "lossgraph benchmarks/cli_speed.py"  # in every file the run writes
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,17 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     args = parser.parse_args(argv)
     from benchmarks.machine import cpu_seconds, machine_facts, report_load
-    from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target
 
     if args.compare is not None and not (args.compare / "lossgraph" / "__init__.py").is_file():
         parser.error(f"--compare {args.compare}: no lossgraph package there")
-    if args.json:
-        try:
-            check_file_target(args.json, owned=written_by(BENCHMARK_MARK))
-        except UnsafeWriteError:
-            parser.error(f"{args.json} is in the way: it is not a file this benchmark wrote. "
-                         "Choose another path (nothing was measured).")
+    check_targets(parser, [args.json], written_by(BENCHMARK_MARK))
     runs = args.runs or (RUNS_QUICK if args.quick else RUNS)
     facts = machine_facts()
     print("the lossgraph command's answer time: --help, argument and path errors, a real run")

@@ -43,10 +43,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.machine import machine_facts
-from benchmarks.output import save_figures, written_by
+from benchmarks.output import check_targets, save_figures, written_by
 from benchmarks.problems import LEARNING_RATE, MOMENTUM, make_data, mlp_problem
-from lossgraph.errors import UnsafeWriteError
-from lossgraph.fileio import check_file_target
 
 BENCHMARK_MARK = "lossgraph benchmarks/cluster.py"  # in every file the run writes
 ROWS, BATCH, EPOCHS = 100_000, 10_000, 4
@@ -256,12 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("ray") is None:
         print("cannot run: Ray is not installed (pip install 'lossgraph[ray]')", file=sys.stderr)
         return 1
-    if args.json:
-        try:  # before minutes of measuring
-            check_file_target(args.json, owned=is_benchmark_output)
-        except UnsafeWriteError:
-            parser.error(f"{args.json} is in the way: it is not a file this benchmark wrote. "
-                         "Choose another path (nothing was measured).")
+    check_targets(parser, [args.json], is_benchmark_output)
     config = replace(QUICK if args.quick else Config(), workers=args.workers)
     if args.rows:
         config.rows = args.rows

@@ -50,7 +50,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from benchmarks.output import save_figure, save_figures, written_by
+from benchmarks.output import check_targets, save_figure, save_figures, written_by
 
 BENCHMARK_MARK = "lossgraph benchmarks/compile_cost.py"  # in every file the run writes
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,8 +358,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(Subject(**spec["subject"]), spec["mode"], spec["repeat"])))
         return 0
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
-    from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target
 
     layers = ([int(n) for n in args.layers.split(",")] if args.layers
               else list(LAYERS_QUICK if args.quick else LAYERS))
@@ -368,12 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown mode(s) {', '.join(sorted(set(modes) - set(MODES)))}")
     repeat = args.repeat or (1 if args.quick else 5)
     bert = args.bert or ("tiny" if args.quick else "base")
-    for path in filter(None, (args.json, args.plot)):  # before minutes of measuring
-        try:
-            check_file_target(path, owned=is_benchmark_output)
-        except UnsafeWriteError:
-            parser.error(f"{path} is in the way: it is not a file this benchmark wrote. "
-                         "Choose another path (nothing was measured).")
+    check_targets(parser, [args.json, args.plot], is_benchmark_output)
     facts = machine_facts()
     print("lossgraph's compile cost: compile_program (Nesterov momentum, fuse modes) and "
           "gradient alone")

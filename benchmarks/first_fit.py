@@ -208,15 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
-    from benchmarks.output import save_figures, written_by
-    from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target
+    from benchmarks.output import check_targets, save_figures, written_by
 
-    if args.json:
-        try:
-            check_file_target(args.json, owned=written_by(BENCHMARK_MARK))
-        except UnsafeWriteError:
-            parser.error(f"{args.json} is in the way: it is not a file this benchmark wrote.")
+    check_targets(parser, [args.json], written_by(BENCHMARK_MARK))
     names = args.models.split(",") if args.models else (MODELS_QUICK if args.quick else MODELS)
     facts = machine_facts()
     print("lossgraph's first fit of a conv net: SpecializeBatch's shape inference before and "

@@ -479,9 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
-    from benchmarks.output import save_figures, written_by
-    from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target
+    from benchmarks.output import check_targets, save_figures, written_by
 
     models = [m for m in args.models.split(",") if m]
     columns = [c for c in args.columns.split(",") if c]
@@ -489,11 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                                 (set(columns) - set(COLUMNS), COLUMNS, "column")):
         if unknown:
             parser.error(f"unknown {what} {sorted(unknown)[0]!r}: choose of {', '.join(known)}")
-    for path in filter(None, (args.json, args.plot)):  # before minutes of measuring
-        try:
-            check_file_target(path, owned=written_by(BENCHMARK_MARK))
-        except UnsafeWriteError:
-            parser.error(f"{path} is in the way: it is not a file this benchmark wrote.")
+    check_targets(parser, [args.json, args.plot], written_by(BENCHMARK_MARK))
     before = json.loads(Path(args.compare).read_text())["cells"] if args.compare else None
     checkout = str(Path(args.checkout).resolve()) if args.checkout else None
     facts = machine_facts()

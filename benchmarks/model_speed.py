@@ -77,7 +77,7 @@ import lossgraph
 from benchmarks.harness import SETTLE_S
 from benchmarks.kernel_floor import heavy_kernel_floor, step_graph, torch_heavy_kernels
 from benchmarks.machine import cpu_seconds, machine_facts, report_load
-from benchmarks.output import save_figure, written_by
+from benchmarks.output import check_targets, save_figure, written_by
 from lossgraph.errors import UnsupportedModelError
 from lossgraph.fileio import write_file
 from lossgraph.optim import SGD
@@ -651,9 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', '.join(WORKLOADS)}")
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu measures this thread's work: use it with --threads 1")
-    for path in (args.json, args.plot):
-        if path and Path(path).exists() and not is_benchmark_output(Path(path)):
-            parser.error(f"{path} is in the way: it is not a file this benchmark wrote.")
+    check_targets(parser, [args.json, args.plot], is_benchmark_output)
     with contextlib.suppress(ImportError):
         import onnxruntime
 

@@ -3,13 +3,15 @@ only what that benchmark wrote before (never a file of the user's), atomically."
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from lossgraph.fileio import write_file
+from lossgraph.errors import UnsafeWriteError
+from lossgraph.fileio import check_file_target, write_file
 
 
 def written_by(mark: str) -> Callable[[Path], bool]:
@@ -35,3 +37,15 @@ def save_figures(figures: Any, path: str, owned: Callable[[Path], bool]) -> None
     ``owned`` does not recognise is there, and where they went said."""
     write_file(path, json.dumps(figures, indent=2).encode(), owned=owned)
     print(f"figures written to {path}")
+
+
+def check_targets(parser: argparse.ArgumentParser, paths: Iterable[str | Path | None],
+                  owned: Callable[[Path], bool]) -> None:
+    """Before any measuring: each path asked for (None: not asked for) is free or holds a
+    file ``owned`` recognises, else the command line's error naming it."""
+    for path in filter(None, paths):
+        try:
+            check_file_target(path, owned=owned)
+        except UnsafeWriteError:
+            parser.error(f"{path} is in the way: it is not a file this benchmark wrote. "
+                         "Choose another path (nothing was measured).")

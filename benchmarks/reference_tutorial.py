@@ -53,7 +53,7 @@ import onnx
 from benchmarks.bounds import numpy_products, onnxruntime_products
 from benchmarks.harness import SETTLE_S
 from benchmarks.machine import cpu_seconds, machine_facts, report_run
-from benchmarks.output import save_figures, written_by
+from benchmarks.output import check_targets, save_figures, written_by
 from benchmarks.problems import (
     N_FEATURES,
     Epoch,
@@ -62,8 +62,6 @@ from benchmarks.problems import (
     Weights,
     make_data,
 )
-from lossgraph.errors import UnsafeWriteError
-from lossgraph.fileio import check_file_target
 
 BENCHMARK_MARK = "lossgraph benchmarks/reference_tutorial.py"  # in every file the run writes
 HIDDEN_LAYERS = (50, 10)
@@ -495,12 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 5)
     if repeat < 1:
         parser.error("--repeat must be at least 1")
-    if args.json:
-        try:  # before a minute of measuring
-            check_file_target(args.json, owned=is_benchmark_output)
-        except UnsafeWriteError:
-            parser.error(f"{args.json} is in the way: it is not a file this benchmark wrote. "
-                         "Choose another path (nothing was measured).")
+    check_targets(parser, [args.json], is_benchmark_output)
     config = (Config(QUICK_ROWS, QUICK_EPOCHS, BATCH, repeat) if args.quick
               else Config(repeat=repeat))
     try:

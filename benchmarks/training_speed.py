@@ -35,11 +35,9 @@ from pathlib import Path
 
 from benchmarks.harness import SETTLE_S, run_model
 from benchmarks.machine import cpu_seconds, machine_facts, report_run
-from benchmarks.output import save_figures
+from benchmarks.output import check_targets, save_figures
 from benchmarks.problems import N_FEATURES, PROBLEMS, make_data
 from benchmarks.report import ModelReport, is_benchmark_output, plot, report_model, to_json
-from lossgraph.errors import UnsafeWriteError
-from lossgraph.fileio import check_file_target
 
 N_ROWS, N_ROWS_QUICK = 100_000, 20_000
 
@@ -62,12 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown model(s) {', '.join(sorted(unknown))}: pick from mlp, linear")
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     n = N_ROWS_QUICK if args.quick else N_ROWS
-    for path in filter(None, (args.json, args.plot)):  # before minutes of measuring
-        try:
-            check_file_target(path, owned=is_benchmark_output)
-        except UnsafeWriteError:
-            parser.error(f"{path} is in the way: it is not a file this benchmark wrote. "
-                         "Choose another path (nothing was measured).")
+    check_targets(parser, [args.json, args.plot], is_benchmark_output)
     if any(b <= 0 or n % b for b in batches):
         parser.error(f"every batch size must divide N={n}")
 

@@ -284,15 +284,9 @@ def variants_main(argv: list[str] | None, *, doc: str, mark: str, headline: str,
     if check is not None:
         check(parser, args)
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
-    from benchmarks.output import save_figures, written_by
-    from lossgraph.errors import UnsafeWriteError
-    from lossgraph.fileio import check_file_target
+    from benchmarks.output import check_targets, save_figures, written_by
 
-    if args.json:
-        try:
-            check_file_target(args.json, owned=written_by(mark))
-        except UnsafeWriteError:
-            parser.error(f"{args.json} is in the way: it is not a file this benchmark wrote.")
+    check_targets(parser, [args.json], written_by(mark))
     try:
         import torch  # noqa: F401
     except ImportError:

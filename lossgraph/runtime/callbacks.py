@@ -187,6 +187,17 @@ _KERAS_PREFIX, _PREFIX = "val_", "validation_"
 _HIGHER_IS_BETTER = ("accuracy", "acc", "f1", "r2", "auc")
 
 
+def epoch_log_keys(metrics: Sequence[str], validation: bool, streamed: bool = False
+                   ) -> list[str]:
+    """The values a fit's epoch logs hold: the loss and its ``metrics`` (of the training
+    rows, unless they are ``streamed``), and with ``validation`` data their ``validation_``
+    twins."""
+    keys = ["loss", *(() if streamed else metrics)]
+    if validation:
+        keys += [_PREFIX + name for name in ("loss", *metrics)]
+    return keys
+
+
 class Monitor:
     """A value of the epoch logs to compare (``"val_loss"``, Keras's spelling, is the logs'
     ``validation_loss``), and which way is better: ``mode="auto"`` is ``"max"`` for

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import InvalidProgramError, UnknownNameError, UnsupportedOptionError, suggest
 from ..options import count, flag, non_negative
-from .callbacks import Monitor
+from .callbacks import Monitor, epoch_log_keys
 from .metrics import METRICS
 
 __all__ = ["EarlyStopping", "StoppingRecord"]
@@ -81,9 +81,7 @@ class EarlyStopping:
         """The fit's logs will hold ``monitor``: its ``metrics`` (of the training rows unless
         they are ``streamed``), and with ``validation`` data the ``validation_`` ones; else
         an error before any work."""
-        available = ["loss", *(() if streamed else metrics)]
-        if validation:
-            available += [_VALIDATION + name for name in ("loss", *metrics)]
+        available = epoch_log_keys(metrics, validation, streamed)
         key = self.key
         if key in available:
             return

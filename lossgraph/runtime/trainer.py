@@ -46,7 +46,7 @@ from ..options import count, flag
 from ..passes.fixed_batch import rows
 from ..program import TrainingProgram
 from ..storage import read_checkpoint, save_checkpoint
-from .callbacks import Callback, Loop, as_callbacks
+from .callbacks import Callback, Loop, as_callbacks, epoch_log_keys
 from .checkpoints import Checkpoints
 from .early_stopping import EarlyStopping, StoppingRecord
 from .engine import Engine
@@ -225,10 +225,8 @@ class Trainer:
                     f"early_stopping={early_stopping!r} must be an EarlyStopping(...), or None.")
             early_stopping.check(metrics.names, held_out is not None, streamed=data is None)
         if checkpoints is not None:
-            logged = ["loss", *(metrics.names if data is not None else ())]  # below
-            if held_out is not None:
-                logged += ["validation_loss", *(f"validation_{m}" for m in metrics.names)]
-            checkpoints.check(self.steps_ if warm_start else 0, logged)
+            checkpoints.check(self.steps_ if warm_start else 0, epoch_log_keys(
+                metrics.names, held_out is not None, streamed=data is None))
             callbacks.append(checkpoints)
         if not warm_start:
             self.reset()

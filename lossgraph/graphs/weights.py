@@ -38,12 +38,7 @@ def stored_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
                 yield from attribute.tensors
 
 
-#: Smaller tensors keep their data: they cost less to serialize than to set aside, and
-#: shape inference reads small constants (a Reshape target, Resize scales), never a weight.
-_WEIGHT_MIN_BYTES = HOLD_MIN_BYTES
-
-
-def without_weight_data(model: onnx.ModelProto, min_bytes: int = _WEIGHT_MIN_BYTES
+def without_weight_data(model: onnx.ModelProto, min_bytes: int = HOLD_MIN_BYTES
                         ) -> tuple[onnx.ModelProto, list[onnx.TensorProto]]:
     """``model`` without the data of its weights, for onnx's checker and shape inference,
     which serialize the whole model on each call (a BERT-base model's 440 MB, dozens of

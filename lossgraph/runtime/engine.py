@@ -484,11 +484,11 @@ class Engine:
         all their rows, as one batch of them gives (:meth:`gradient_scales`); buffers
         updated by each micro-batch in turn. The loss of each at the live state; the next
         state is pending (:meth:`apply`). One micro-batch is a :meth:`step`."""
+        if len(batches) == 1:  # the fit's every step where it does not accumulate
+            return np.array([self.step(batches[0], step=step, rate=rate, full=full)])
         self.accumulation_steps(len(batches))  # a program compiled to accumulate, or an error
         for index, batch in enumerate(batches):
             self.check_batch(batch, f"Micro-batch {index}")
-        if len(batches) == 1:
-            return np.array([self.step(batches[0], step=step, rate=rate, full=full)])
         scales = self.gradient_scales(np.array([self._share(batch) for batch in batches]))
         self.set_scalars(step, rate)
         return self._stepper.accumulate(batches, scales, full)

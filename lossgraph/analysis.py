@@ -811,27 +811,28 @@ def _copies(model: onnx.ModelProto, candidates: Sequence[str]) -> list[FoldedWei
             if values is None:
                 continue
             total = float(np.sum(values, dtype=np.float64))
-            original = next((name for name, other in sums if tensor.name in wanted
-                             and math.isclose(other, total, rel_tol=1e-9, abs_tol=1e-9)
-                             and _same_or_transposed(tensor_array(tensors[name]),
-                                                     values)), None)
-            if original is None:
+            copy = next(((name, layout) for name, other in sums if tensor.name in wanted
+                         and math.isclose(other, total, rel_tol=1e-9, abs_tol=1e-9)
+                         for layout in [_copy_layout(tensor_array(tensors[name]), values)]
+                         if layout is not None), None)
+            if copy is None:
                 sums.append((tensor.name, total))
                 continue
-            transposed = tuple(tensors[original].dims) != tuple(tensor.dims) or \
-                not np.array_equal(tensor_array(tensors[original]), values)
+            original, layout = copy
             found.append(FoldedWeight(
-                tensor.name, f"a copy of {original!r}{', transposed' * transposed}: the "
-                "export stores one tensor twice (a tied embedding and output projection), "
-                "and the copies train apart"))
+                tensor.name, f"a copy of {original!r}{layout}: the export stores one tensor "
+                "twice (a tied embedding and output projection), and the copies train apart"))
     return found
 
 
-def _same_or_transposed(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether ``b`` holds ``a``'s values, or (2-D) their transpose."""
+def _copy_layout(a: np.ndarray, b: np.ndarray) -> str | None:
+    """How ``b`` holds ``a``'s values: ``""`` as they are, ``", transposed"`` their
+    transpose (2-D); None when it does not."""
     if a.shape == b.shape and np.array_equal(a, b):
-        return True
-    return a.ndim == 2 and a.T.shape == b.shape and np.array_equal(a.T, b)
+        return ""
+    if a.ndim == 2 and a.T.shape == b.shape and np.array_equal(a.T, b):
+        return ", transposed"
+    return None
 
 
 def _optimizer_folds(model: onnx.ModelProto, signature: str) -> list[FoldedWeight]:

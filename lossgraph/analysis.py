@@ -839,8 +839,9 @@ def _optimizer_folds(model: onnx.ModelProto, signature: str) -> list[FoldedWeigh
     """What the dynamo exporter's optimizer recorded folding: a BatchNorm into the Conv
     before it, a zero bias removed; and parametrized weights computed at export."""
     parameters = re.findall(r"PARAMETER target='([^']+)'", signature)
-    present = {t.name for t in model.graph.initializer} | {i.name for i in model.graph.input}
-    dropped = [p for p in parameters if p not in present]
+    stored = {t.name for t in model.graph.initializer}
+    dropped = [p for p in parameters
+               if p not in stored and p not in {i.name for i in model.graph.input}]
     found = []
     for node in model.graph.node:
         meta = {p.key: p.value for p in node.metadata_props}
@@ -850,16 +851,14 @@ def _optimizer_folds(model: onnx.ModelProto, signature: str) -> list[FoldedWeigh
         scopes = _literal_list(meta.get(_NAME_SCOPES, ""))
         module = next((s for s in reversed(scopes)
                        if any(p.startswith(s + ".") for p in parameters)), None)
-        fused = [r for r in rules if r.startswith("Fuse")]
+        fused = next((r for r in rules if r.startswith("Fuse")), None)
+        removed = next((r for r in rules if r.startswith("RemoveOptionalBias")), None)
         if fused and module:
-            for name in node.input[1:]:
-                if name in present and name not in {i.name for i in model.graph.input}:
-                    found.append(FoldedWeight(
-                        name, f"'{module}' folded in by torch's optimizer ({fused[0]})"))
-        elif module and any(r.startswith("RemoveOptionalBias") for r in rules):
-            found += [FoldedWeight(p, "a zero bias torch's optimizer removed "
-                                   f"({next(r for r in rules if r.startswith('RemoveOptional'))})"
-                                   ": the layer has no bias to train")
+            found += [FoldedWeight(name, f"'{module}' folded in by torch's optimizer ({fused})")
+                      for name in node.input[1:] if name in stored]
+        elif removed and module:
+            found += [FoldedWeight(p, f"a zero bias torch's optimizer removed ({removed}): the "
+                                   "layer has no bias to train")
                       for p in dropped if p.startswith(module + ".") and p.endswith("bias")]
     parametrized: dict[str, list[str]] = {}
     for p in dropped:

@@ -299,9 +299,9 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
 
     import lossgraph
     from lossgraph.optim import SGD
-    from lossgraph.runtime.session import quiet_session_options
+    from lossgraph.runtime.session import default_session_options
 
-    options = quiet_session_options(**({"intra_op_num_threads": threads} if threads else {}))
+    options = default_session_options(**({"intra_op_num_threads": threads} if threads else {}))
     _lossgraph_warm_up("step" if column == "compile" else column, options)
     model = onnx.load(folder / f"{subject.name}.onnx")
     data = np.load(folder / f"{subject.name}.npz")

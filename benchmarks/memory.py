@@ -299,7 +299,13 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
 
     import lossgraph
     from lossgraph.optim import SGD
-    from lossgraph.runtime.session import default_session_options
+    try:
+        from lossgraph.runtime.session import default_session_options
+    except ImportError:  # a --checkout older than it: lossgraph's defaults then
+        from lossgraph.runtime.session import quiet_session_options
+
+        def default_session_options(**settings: Any) -> Any:
+            return quiet_session_options(enable_mem_pattern=False, **settings)
 
     options = default_session_options(**({"intra_op_num_threads": threads} if threads else {}))
     _lossgraph_warm_up("step" if column == "compile" else column, options)

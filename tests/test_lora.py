@@ -238,9 +238,13 @@ def test_dropout_runs_in_training_only():
     assert dropouts(program.graphs["train_step"]) == 1
     assert dropouts(program.graphs["evaluate"]) == dropouts(program.graphs["predict"]) == 0
     assert dropouts(program.to_inference_model()) == 0
-    X, _ = _data()
+    X, y = _data()
     np.testing.assert_allclose(_run(program.to_inference_model(), X=X), _run(model, X=X),
                                rtol=1e-6, atol=1e-6)
+    trainer = lossgraph.Trainer(program)
+    trainer.fit(X, y, epochs=2, batch_size=4, progress=False)
+    assert np.isfinite(trainer.train_losses_).all()
+    assert np.abs(trainer.state["fc1.lora_B"]).max() > 0
 
 
 @pytest.mark.training

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..adapters import LoRA
 from ..compiler import compile_program
 from ..errors import (
     RuntimeUnavailableError,
@@ -141,12 +142,26 @@ def _recompute(tensors: list[str] | None) -> str | list[str]:
     return "auto" if tensors in ([], ["auto"]) else tensors
 
 
+def _adapters(args: argparse.Namespace) -> LoRA | None:
+    """``--lora RANK`` and its options as a :class:`~lossgraph.adapters.LoRA`, or None."""
+    options = {"alpha": args.lora_alpha, "targets": args.lora_targets,
+               "dropout": args.lora_dropout}
+    if args.lora is None:
+        given = [f"--lora-{name}" for name, value in options.items() if value is not None]
+        if given:
+            raise UnsupportedOptionError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''}"
+                                         " an option of LoRA adapters: add --lora RANK.")
+        return None
+    return LoRA(args.lora, **{k: v for k, v in options.items() if v is not None})
+
+
 def _compile(args: argparse.Namespace) -> int:
     loss = None if args.loss == "none" else args.loss
     loss_options = _loss_options(args)
     optimizer = _optimizer(args)
     penalty = _penalty(args, loss)
     untie = None if args.untie is None else args.untie or "auto"  # --untie alone: "auto"
+    adapters = _adapters(args)
     if args.format == "ort-artifacts":
         given = [option for option, value in (("--fuse", args.fuse), ("--backend", args.backend),
                                               ("--target", args.target),
@@ -164,7 +179,8 @@ def _compile(args: argparse.Namespace) -> int:
         written = to_ort_artifacts(args.model, args.output, optimizer=optimizer,
                                    weights=args.weights, loss=loss, loss_options=loss_options,
                                    penalty=penalty, fixed_batch=args.fixed_batch, untie=untie,
-                                   max_grad_norm=args.max_grad_norm, ema_decay=args.ema_decay)
+                                   max_grad_norm=args.max_grad_norm, ema_decay=args.ema_decay,
+                                   adapters=adapters)
         print(f"{args.output}: {', '.join(Path(path).name for path in written)}; trains with "
               f"{type(optimizer).__name__} (learning rate {_rate(optimizer)}: "
               "onnxruntime's Optimizer starts at 0.001, set_learning_rate sets it)")
@@ -174,7 +190,7 @@ def _compile(args: argparse.Namespace) -> int:
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
         target=args.target, fixed_batch=args.fixed_batch, untie=untie,
         accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
-        ema_decay=args.ema_decay, recompute=_recompute(args.recompute))
+        ema_decay=args.ema_decay, recompute=_recompute(args.recompute), adapters=adapters)
     program.save(args.output)
     for note in program.notes.lines():
         print(f"{args.output}: {note}")

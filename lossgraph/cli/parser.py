@@ -47,6 +47,7 @@ examples:
   lossgraph compile model.onnx -o program/ --schedule cosine --total-steps 1000 \\
       --schedule-option end=1e-5 --schedule-option cycles=1
   lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
+  lossgraph compile bert.onnx -o program/ --lora 8 --lora-targets query value
   lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
     "train": """\
 examples:
@@ -267,6 +268,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "(alone: every initializer several layers read as their own, as "
                             "lossgraph inspect lists them; torch's exporters merge equal "
                             "values, such as a fresh model's LayerNorm scales)")
+    build.add_argument("--lora", type=int, metavar="RANK",
+                       help="train LoRA adapters of this rank beside the frozen weights "
+                            "instead of the weights (--weights names base weights that train "
+                            "too)")
+    build.add_argument("--lora-alpha", type=float, metavar="ALPHA",
+                       help="with --lora: the adapters' alpha, their update scaled by "
+                            "alpha / rank (default: 16)")
+    build.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                       help="with --lora: the modules or weights that get an adapter, PEFT's "
+                            "target_modules (default: PEFT's defaults where the module paths "
+                            "name them, e.g. query value, else every 2-D MatMul/Gemm weight)")
+    build.add_argument("--lora-dropout", type=float, metavar="P",
+                       help="with --lora: dropout on the adapters' input in training "
+                            "(default: 0)")
     build.add_argument("--loss", default="auto",
                        help="the loss function (default: auto, the loss that fits the trained "
                             "output: a log loss for a classifier's probabilities or scores, "

@@ -121,6 +121,18 @@ def test_recompute_from_the_shell(model_file, tmp_path):
     assert "recompute" not in json.loads((tmp_path / "none" / "manifest.json").read_text())
 
 
+def test_lora_from_the_shell(model_file, tmp_path):
+    """compile --lora RANK (--lora-alpha, --lora-targets): the adapters are the weights, the
+    manifest lists them."""
+    program = tmp_path / "program"
+    assert main(["compile", str(model_file), "-o", str(program), "--lora", "1",
+                 "--lora-alpha", "2", "--lora-targets", "z_weight"]) == 0
+    manifest = json.loads((program / "manifest.json").read_text())
+    assert [w["name"] for w in manifest["weights"]] == ["z_weight.lora_A", "z_weight.lora_B"]
+    assert [(a["weight"], a["rank"], a["alpha"]) for a in manifest["adapters"]] == [
+        ("z_weight", 1, 2.0)]
+
+
 # -- every bad input: exit status 2, one line on stderr, no traceback, nothing written -------
 
 
@@ -245,6 +257,11 @@ BAD_COMMANDS = {
                                                "--untie", "z_weigth"],
     "max grad norm zero": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--max-grad-norm",
                                      "0"],
+    "lora option without --lora": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                             "--lora-alpha", "8"],
+    "lora rank zero": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--lora", "0"],
+    "lora target that matches nothing": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                   "--lora", "1", "--lora-targets", "query"],
     "ema decay one": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--ema-decay", "1"],
     "ema for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                         "ort-artifacts", "--ema-decay", "0.9"],

@@ -64,11 +64,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
+from onnx import helper
 
 from ..errors import (
     AdapterMismatchError,
     InvalidProgramError,
     RuntimeUnavailableError,
+    UnsupportedModelError,
     UnsupportedOptionError,
     suggest,
 )
@@ -81,7 +84,8 @@ if TYPE_CHECKING:
     from ..runtime.trainer import Trainer
 
 __all__ = ["FORMATS", "RECORD_FORMAT", "RECORD_ENTRY", "PEFT_FILE", "PEFT_CONFIG",
-           "ORT_ADAPTER_MARK", "export_adapters", "load_adapters", "base_record",
+           "ORT_ADAPTER_MARK", "export_adapters", "load_adapters", "check_adapters_target",
+           "with_adapter_inputs", "base_record",
            "file_tensors", "loaded_values"]
 
 #: The formats, by the suffix that selects them.
@@ -329,15 +333,10 @@ def export_adapters(source: Trainer | TrainingProgram | str | os.PathLike,
                     peft_config: bool = False, overwrite: bool = False) -> Path:
     """Write the adapters of ``source`` to ``path`` (see the module docstring); returns the
     file's absolute path. Everything is checked before anything is written."""
-    path = Path(path)
-    kind = _format(path, format)
-    flag("overwrite", overwrite)
-    config = _peft_config_path(path, kind, flag("peft_config", peft_config))
+    kind, target, config = check_adapters_target(path, format, peft_config, overwrite)
     program, state = _program_and_state(source)
     adapters = _adapters(program)
-    target = check_file_target(path, kind.owned, overwrite)
     if config is not None:
-        check_file_target(config, lambda _: _owned_safetensors(target), overwrite)
         settings = _peft_settings(adapters)
     tensors, metadata = file_tensors(adapters, state, kind.peft_names)
     written = write_file(target, kind.write(tensors, metadata), kind.owned, overwrite)
@@ -345,6 +344,21 @@ def export_adapters(source: Trainer | TrainingProgram | str | os.PathLike,
         text = json.dumps(settings, indent=2, sort_keys=True) + "\n"
         write_file(config, text.encode(), lambda _: _owned_safetensors(written), overwrite)
     return written
+
+
+def check_adapters_target(path: str | os.PathLike, format: str | None = None,
+                          peft_config: bool = False, overwrite: bool = False
+                          ) -> tuple[_Format, Path, Path | None]:
+    """The format, the file's absolute path and PEFT's configuration's (None: not asked for),
+    once it is clear they may be written (:mod:`lossgraph.fileio`); before any work."""
+    path = Path(path)
+    kind = _format(path, format)
+    flag("overwrite", overwrite)
+    config = _peft_config_path(path, kind, flag("peft_config", peft_config))
+    target = check_file_target(path, kind.owned, overwrite)
+    if config is not None:
+        config = check_file_target(config, lambda _: _owned_safetensors(target), overwrite)
+    return kind, target, config
 
 
 def _peft_config_path(path: Path, kind: _Format, wanted: bool) -> Path | None:
@@ -378,6 +392,35 @@ def _peft_settings(adapters: Sequence[Any]) -> dict[str, Any]:
             "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
             "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
             "use_dora": False, "inference_mode": True}
+
+
+def with_adapter_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` (an inference model that keeps its adapter branch:
+    ``to_inference_model(merge=False)``) whose adapter tensors are graph inputs as well as
+    initializers: onnxruntime feeds an active adapter's tensors to them
+    (``RunOptions.add_active_adapter``, an ``.onnx_adapter`` file) and runs with the
+    initializers' values, the trained adapters, without one."""
+    from ..adapters import read_adapters
+
+    adapters = read_adapters(model)
+    if not adapters:
+        raise UnsupportedOptionError(
+            "The model has no adapters to feed: pass the inference model of a program "
+            "compiled with adapters=lossgraph.LoRA(...), exported with merge=False.")
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    tensors = {t.name: t for t in copy.graph.initializer}
+    listed = {i.name for i in copy.graph.input}
+    for adapter in adapters:
+        for name in (adapter.a, adapter.b):
+            if name not in tensors:
+                raise UnsupportedModelError(
+                    f"The adapter tensor {name!r} is not an initializer of the model (merged "
+                    "already?): export the inference model with merge=False.")
+            if name not in listed:
+                copy.graph.input.append(helper.make_tensor_value_info(
+                    name, tensors[name].data_type, list(tensors[name].dims)))
+    return copy
 
 
 # -- load -------------------------------------------------------------------------------------

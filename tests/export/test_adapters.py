@@ -1,20 +1,21 @@
 """Adapter files (lossgraph.export.adapters): the formats, PEFT's names, the base model's
 record and what loading refuses.
 
-The records here are built by hand (the ``Adapter`` record of the spec); the tests through
-compiled programs (PEFT's predictions, resuming, onnxruntime's multi-LoRA) are below them.
+The first tests build the records by hand; those through models and compiled programs
+(PEFT's predictions, resuming, onnxruntime's multi-LoRA) follow them.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 import onnxruntime
 import pytest
+from support.adapters import lora_program, query_data, query_model, torch_net, torch_program
 
+import lossgraph
+from lossgraph.adapters import Adapter
 from lossgraph.errors import (
     AdapterMismatchError,
     InvalidProgramError,
@@ -22,39 +23,19 @@ from lossgraph.errors import (
 )
 from lossgraph.export.adapters import (
     _FORMATS,
-    PEFT_CONFIG,
     PEFT_FILE,
-    _peft_settings,
     file_tensors,
     loaded_values,
+    with_adapter_inputs,
 )
-from lossgraph.export.safetensors import parse_safetensors
 
 HAS_ADAPTER_FORMAT = hasattr(onnxruntime, "AdapterFormat")
 
 
-@dataclass(frozen=True)
-class Record:
-    """The spec's ``Adapter`` record, as much of it as the files use."""
-
-    weight: str
-    module: str | None
-    a: str
-    b: str
-    kind: str = "linear"
-    rank: int = 2
-    alpha: float = 4.0
-
-    def peft_names(self) -> tuple[str, str] | None:
-        if self.module is None:
-            return None
-        return (f"base_model.model.{self.module}.lora_A.weight",
-                f"base_model.model.{self.module}.lora_B.weight")
-
-
-QUERY = Record("val_3", "encoder.query", "encoder.query.lora_A", "encoder.query.lora_B")
-LOOSE = Record("W", None, "W.lora_A", "W.lora_B")
-CONV = Record("conv.weight", "conv", "conv.lora_A", "conv.lora_B", kind="conv")
+QUERY = Adapter("val_3", "encoder.query", "encoder.query.lora_A", "encoder.query.lora_B",
+                "linear", 2, 4.0, "in_out")
+LOOSE = Adapter("W", None, "W.lora_A", "W.lora_B", "linear", 2, 4.0, "out_in")
+CONV = Adapter("conv.weight", "conv", "conv.lora_A", "conv.lora_B", "conv", 2, 4.0, "conv")
 ADAPTERS = (QUERY, LOOSE, CONV)
 
 
@@ -105,12 +86,12 @@ def test_a_file_for_another_rank_or_alpha_is_refused_before_anything_is_set(tmp_
     path = tmp_path / f"adapters{suffix}"
     path.write_bytes(kind.write(tensors, metadata))
     read, record = kind.read(path)
-    other_alpha = tuple(Record(**{**vars(a), "alpha": 8.0}) for a in ADAPTERS)
+    other_alpha = tuple(replace(a, alpha=8.0) for a in ADAPTERS)
     message = "model_version" if suffix == ".onnx_adapter" else "alpha 4.0 in the file, 8.0"
     with pytest.raises(AdapterMismatchError, match=message):
         loaded_values(other_alpha, state(), read, record, kind.peft_names, where=str(path))
     with pytest.raises(AdapterMismatchError):
-        loaded_values(tuple(Record(**{**vars(a), "rank": 3}) for a in ADAPTERS), state(rank=3),
+        loaded_values(tuple(replace(a, rank=3) for a in ADAPTERS), state(rank=3),
                       read, record, kind.peft_names)
 
 
@@ -132,7 +113,8 @@ def test_a_file_without_lossgraphs_record_is_checked_by_names_and_shapes():
 
 def test_another_base_models_adapters_are_refused_by_name():
     tensors, metadata = file_tensors((QUERY, LOOSE), state(), peft_names=False)
-    value = Record("val_9", "decoder.value", "decoder.value.lora_A", "decoder.value.lora_B")
+    value = replace(QUERY, weight="val_9", module="decoder.value", a="decoder.value.lora_A",
+                    b="decoder.value.lora_B")
     values = {**state(), value.a: state()[QUERY.a], value.b: state()[QUERY.b]}
     with pytest.raises(AdapterMismatchError, match="no adapter on 'decoder.value'"):
         loaded_values((value, LOOSE), values, tensors, metadata, False)
@@ -152,46 +134,111 @@ def test_a_malformed_npz_is_an_invalid_program_error(tmp_path):
         _FORMATS[".npz"].read(path)
 
 
-# -- PEFT ----------------------------------------------------------------------------------
+# -- through compiled programs -------------------------------------------------------------
 
 
-def peft_folder(tmp_path: Path) -> tuple[Path, object]:
-    """PEFT's save_pretrained folder of a small torch model with LoRA on ``encoder.query``."""
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_training_resumes_from_an_adapter_file_as_if_it_had_not_stopped(tmp_path, fuse):
+    X, y = query_data()
+    program = lora_program(fuse)
+    assert program.weights == ["encoder.query.lora_A", "encoder.query.lora_B"]
+    continued = lossgraph.Trainer(program).fit(X, y, epochs=2, batch_size=8, shuffle=False,
+                                               progress=False)
+    path = lossgraph.export_adapters(continued, tmp_path / "adapters.npz")
+    continued.fit(X, y, epochs=1, batch_size=8, shuffle=False, progress=False, warm_start=True)
+    resumed = lossgraph.Trainer(lora_program(fuse))
+    lossgraph.load_adapters(resumed, path)
+    resumed.fit(X, y, epochs=1, batch_size=8, shuffle=False, progress=False, warm_start=True)
+    for name in program.weights:
+        np.testing.assert_allclose(resumed.state[name], continued.state[name], rtol=1e-6,
+                                   atol=1e-7)
+    np.testing.assert_allclose(resumed.predict(X), continued.predict(X), rtol=1e-5, atol=1e-6)
 
-    class Encoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.query = torch.nn.Linear(5, 3)
 
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.encoder = Encoder()
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz", pytest.param(
+    ".onnx_adapter", marks=pytest.mark.skipif(not HAS_ADAPTER_FORMAT,
+                                              reason="needs onnxruntime>=1.20"))])
+def test_a_program_loads_the_adapters_a_trainer_exported(tmp_path, suffix):
+    X, y = query_data()
+    trainer = lossgraph.Trainer(lora_program()).fit(X, y, epochs=2, progress=False)
+    path = lossgraph.export_adapters(trainer, tmp_path / f"adapters{suffix}")
+    program = lora_program()
+    loaded = lossgraph.load_adapters(program, path)
+    assert sorted(loaded) == sorted(program.weights)
+    for name, value in loaded.items():
+        np.testing.assert_array_equal(program.state[name], value)
+        np.testing.assert_array_equal(value, trainer.state[name])
+    np.testing.assert_allclose(lossgraph.Trainer(program).predict(X), trainer.predict(X),
+                               rtol=1e-6)
+    other = lora_program(rank=3)
+    with pytest.raises(AdapterMismatchError, match="for another base model"):
+        lossgraph.load_adapters(other, path)
 
-        def forward(self, x):
-            return self.encoder.query(x)
 
-    torch.manual_seed(0)
-    model = peft.get_peft_model(Net(), peft.LoraConfig(r=2, lora_alpha=4,
-                                                        target_modules=["query"]))
-    for name, parameter in model.named_parameters():
-        if "lora_" in name:
-            torch.nn.init.normal_(parameter)
-    model.save_pretrained(tmp_path)
-    return tmp_path, model
+@pytest.mark.skipif(not HAS_ADAPTER_FORMAT, reason="needs onnxruntime>=1.20")
+def test_onnxruntime_runs_an_onnx_adapter_as_the_merged_model(tmp_path):
+    X, y = query_data()
+    trainer = lossgraph.Trainer(lora_program()).fit(X, y, epochs=2, progress=False)
+    merged = trainer.to_inference_model(merge=True)
+    fed = with_adapter_inputs(lossgraph.Trainer(lora_program()).to_inference_model())
+    path = lossgraph.export_adapters(trainer, tmp_path / "tuned.onnx_adapter")
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # the inputs with defaults are not folded: a warning
+    session = onnxruntime.InferenceSession(fed.SerializeToString(), options)
+    adapter = onnxruntime.LoraAdapter()
+    adapter.Load(str(path))
+    run_options = onnxruntime.RunOptions()
+    run_options.add_active_adapter(adapter)
+    expected = onnxruntime.InferenceSession(merged.SerializeToString()).run(None, {"x": X})[0]
+    np.testing.assert_allclose(session.run(None, {"x": X}, run_options)[0], expected,
+                               rtol=1e-5, atol=1e-6)
+    base = onnxruntime.InferenceSession(query_model().SerializeToString()).run(None, {"x": X})
+    np.testing.assert_allclose(session.run(None, {"x": X})[0], base[0], rtol=1e-6)  # B = 0
 
 
 @pytest.mark.torch
-def test_peft_save_pretrained_is_read_with_its_layout(tmp_path):
-    folder, model = peft_folder(tmp_path)
-    tensors, metadata = parse_safetensors((folder / PEFT_FILE).read_bytes())
-    config = json.loads((folder / PEFT_CONFIG).read_text())
-    values = state()
-    loaded = loaded_values((QUERY,), values, tensors, metadata, True, config)
-    layer = model.base_model.model.encoder.query
-    np.testing.assert_array_equal(loaded[QUERY.a], layer.lora_A["default"].weight.detach().T)
-    np.testing.assert_array_equal(loaded[QUERY.b], layer.lora_B["default"].weight.detach().T)
-    settings = _peft_settings((QUERY,))
-    assert (settings["r"], settings["lora_alpha"]) == (config["r"], config["lora_alpha"])
+def test_peft_loads_lossgraphs_adapters_and_predicts_the_same(tmp_path):
+    import copy
+
+    import peft
+    import torch
+
+    net = torch_net()
+    X, _ = query_data()
+    y = np.random.default_rng(2).normal(size=(len(X), 3)).astype(np.float32)
+    trainer = lossgraph.Trainer(torch_program(net)).fit(X, y, epochs=3, batch_size=8,
+                                                       progress=False)
+    lossgraph.export_adapters(trainer, tmp_path / PEFT_FILE, peft_config=True)
+    tuned = peft.PeftModel.from_pretrained(copy.deepcopy(net), tmp_path)
+    with torch.no_grad():
+        predicted = tuned(torch.from_numpy(X)).numpy()
+    assert not np.allclose(predicted, net(torch.from_numpy(X)).detach().numpy(), atol=1e-3)
+    np.testing.assert_allclose(predicted, trainer.predict(X), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.torch
+def test_lossgraph_loads_peft_save_pretrained_and_predicts_the_same(tmp_path):
+    import copy
+
+    import peft
+    import torch
+
+    net = torch_net()
+    tuned = peft.get_peft_model(copy.deepcopy(net), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["query", "value"]))
+    with torch.no_grad():
+        for name, parameter in tuned.named_parameters():
+            if "lora_" in name:
+                parameter.normal_()
+    tuned.save_pretrained(tmp_path)
+    trainer = lossgraph.Trainer(torch_program(net))
+    lossgraph.load_adapters(trainer, tmp_path)
+    X, _ = query_data()
+    with torch.no_grad():
+        expected = tuned(torch.from_numpy(X)).numpy()
+    np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-5, atol=1e-5)
+    other = peft.get_peft_model(copy.deepcopy(net), peft.LoraConfig(
+        r=2, lora_alpha=8, target_modules=["query", "value"]))
+    other.save_pretrained(tmp_path / "alpha8")
+    with pytest.raises(AdapterMismatchError, match="alpha 8"):
+        lossgraph.load_adapters(trainer, tmp_path / "alpha8")

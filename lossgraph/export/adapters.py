@@ -25,8 +25,8 @@ the adapters' tensors are written (``TrainingProgram.adapters``: each adapter's 
     model.
 ``.onnx_adapter``
     onnxruntime's multi-LoRA format (``onnxruntime.AdapterFormat``, onnxruntime 1.20 or
-    later), tensors under their ONNX initializer names: the names of the adapter inputs of
-    ``to_inference_model(merge=False, adapter_inputs=True)``, so that
+    later), tensors under their ONNX initializer names: the adapter inputs of
+    :func:`with_adapter_inputs`'s model, so that
     ``RunOptions.add_active_adapter(onnxruntime.LoraAdapter...)`` runs the model with them.
 
 **The base model.** What the adapters fit is recorded in the file: for each adapter its

@@ -28,7 +28,7 @@ from lossgraph.export.adapters import (
     loaded_values,
     with_adapter_inputs,
 )
-from lossgraph.optim import SGD
+from lossgraph.optim import SGD, AdamW
 
 HAS_ADAPTER_FORMAT = hasattr(onnxruntime, "AdapterFormat")
 
@@ -174,6 +174,21 @@ def test_a_program_loads_the_adapters_a_trainer_exported(tmp_path, suffix):
     other = lora_program(rank=3)
     with pytest.raises(AdapterMismatchError, match="for another base model"):
         lossgraph.load_adapters(other, path)
+
+
+def test_loading_starts_the_adapters_optimizer_afresh(tmp_path):
+    X, y = query_data()
+    trainer = lossgraph.Trainer(lora_program(optimizer=AdamW(0.05))).fit(X, y, batch_size=8,
+                                                                         progress=False)
+    path = lossgraph.export_adapters(trainer, tmp_path / "adapters.safetensors")
+    moments, initial = trainer.program.optimizer_states, trainer.program.state
+    assert moments and all(np.any(trainer.state[m] != initial[m]) for m in moments)
+    trained = trainer.state
+    lossgraph.load_adapters(trainer, path)
+    for name in moments:
+        np.testing.assert_array_equal(trainer.state[name], initial[name])
+    for name in trainer.program.weights:
+        np.testing.assert_array_equal(trainer.state[name], trained[name])
 
 
 @pytest.mark.skipif(not HAS_ADAPTER_FORMAT, reason="needs onnxruntime>=1.20")

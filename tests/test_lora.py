@@ -197,6 +197,10 @@ def test_only_the_adapters_train_and_merge_gives_the_original_graph(fuse):
         np.testing.assert_allclose(_run(exported, X=X), trainer.predict(X), rtol=1e-5,
                                    atol=1e-5)
     assert np.abs(_run(merged, X=X) - _run(model, X=X)).max() > 1e-3
+    assert lossgraph.export.to_inference_model(trainer, merge=True) == merged
+    untrained = program.to_inference_model(merge=True)  # B zero: the model given
+    assert _ops(untrained) == _ops(model)
+    np.testing.assert_allclose(_run(untrained, X=X), _run(model, X=X), rtol=1e-6, atol=1e-6)
     more = lossgraph.compile_program(model, adapters=LoRA(rank=2, targets=["fc1"]),
                                      weights=["fc2.weight"], fuse=fuse)
     assert more.weights == ["fc1.lora_A", "fc1.lora_B", "fc2.weight"]
@@ -234,9 +238,13 @@ def test_dropout_runs_in_training_only():
     assert dropouts(program.graphs["train_step"]) == 1
     assert dropouts(program.graphs["evaluate"]) == dropouts(program.graphs["predict"]) == 0
     assert dropouts(program.to_inference_model()) == 0
-    X, _ = _data()
+    X, y = _data()
     np.testing.assert_allclose(_run(program.to_inference_model(), X=X), _run(model, X=X),
                                rtol=1e-6, atol=1e-6)
+    trainer = lossgraph.Trainer(program)
+    trainer.fit(X, y, epochs=2, batch_size=4, progress=False)
+    assert np.isfinite(trainer.train_losses_).all()
+    assert np.abs(trainer.state["fc1.lora_B"]).max() > 0
 
 
 @pytest.mark.training
@@ -566,3 +574,18 @@ def test_the_ort_artifacts_train_the_adapters_alone(tmp_path):
     assert sorted(read_ort_checkpoint(artifacts.checkpoint)) == ["fc1.lora_A", "fc1.lora_B"]
     training = onnx.load(artifacts.training_model)
     assert "fc1.weight" in {t.name for t in training.graph.initializer}
+
+
+def test_a_damaged_adapters_record_is_named():
+    from lossgraph.errors import InvalidProgramError
+    from lossgraph.manifest import check_manifest
+
+    manifest = copy.deepcopy(lossgraph.compile_program(
+        _two_layers(), adapters=LoRA(rank=2, targets=["fc1"])).manifest)
+    manifest["adapters"][0].pop("layout")
+    with pytest.raises(InvalidProgramError, match=r"adapters\[0\]"):
+        check_manifest(manifest)
+    model = lossgraph.add_lora(_two_layers(), targets=["fc1"], rank=2)
+    onnx.helper.set_model_props(model, {"lossgraph.adapters": '{"weight": 1}'})
+    with pytest.raises(UnsupportedModelError, match="'lossgraph.adapters' record is damaged"):
+        lossgraph.compile_program(model)

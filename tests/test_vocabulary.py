@@ -154,8 +154,7 @@ FLAG_PARAMETERS = {
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
         "--accumulation-steps": "accumulation_steps", "--recompute": "recompute",
         "--max-grad-norm": "max_grad_norm", "--ema-decay": "ema_decay",
-        # adapters=LoRA(rank=, alpha=, targets=, dropout=)
-        "--lora-rank": "adapters", "--lora-alpha": "adapters", "--lora-targets": "adapters",
+        "--lora": "adapters", "--lora-alpha": "adapters", "--lora-targets": "adapters",
         "--lora-dropout": "adapters", "--output": None, "--format": None}),
 }
 

@@ -193,6 +193,9 @@ def test_only_the_adapters_train_and_merge_gives_the_original_graph(fuse):
     merged, kept = trainer.to_inference_model(merge=True), trainer.to_inference_model()
     assert _ops(merged) == _ops(model)
     assert len(kept.graph.node) == len(model.graph.node) + 2 * 5
+    assert read_adapters(kept) == program.adapters and not read_adapters(merged)
+    assert all(read_adapters(program.graphs[name]) == program.adapters
+               for name in ("evaluate", "predict"))  # the record kept by every later pass
     for exported in (merged, kept):
         np.testing.assert_allclose(_run(exported, X=X), trainer.predict(X), rtol=1e-5,
                                    atol=1e-5)

@@ -42,8 +42,9 @@ against the ``adapter_config.json`` beside it when there is one.
 
 **Resuming.** Loading sets the adapters and resets their optimizer states to the
 program's initial ones (an optimizer starts afresh on loaded adapters, as with PEFT): a
-fresh trainer of the same program then trains on exactly as the one that wrote the file
-with a stateless optimizer (SGD); a checkpoint keeps the moments too.
+fresh trainer of the same program then trains on (``fit(..., warm_start=True)``) exactly as
+the one that wrote the file with a stateless optimizer (SGD); a checkpoint keeps the
+moments too.
 
 Files are written atomically and replace only a file of the same format that lossgraph
 wrote (or with ``overwrite=True``); PEFT's ``adapter_config.json`` only beside a

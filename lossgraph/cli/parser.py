@@ -71,7 +71,9 @@ order.""",
     "export": """\
 examples:
   lossgraph export ckpt/ -o deployed.onnx       # a checkpoint folder (lossgraph train)
-  lossgraph export program/ -o initial.onnx     # a program folder (lossgraph compile)""",
+  lossgraph export program/ -o initial.onnx     # a program folder (lossgraph compile)
+  lossgraph export ckpt/ --adapters adapter/adapter_model.safetensors --peft-config
+                                                # the LoRA adapters alone, for PEFT""",
     "add-loss": """\
 example:
   lossgraph add-loss model.onnx -o loss.onnx --loss huber --loss-option delta=0.5 \\
@@ -449,7 +451,17 @@ def build_parser() -> argparse.ArgumentParser:
                                "with its weights and nothing of training left")
     export.add_argument("source", help="checkpoint folder (lossgraph train --checkpoint), "
                                        "program folder (lossgraph compile) or .onnx model")
-    output_file(export, "the inference model (.onnx)")
+    export.add_argument("-o", "--output", metavar="FILE",
+                        help="the inference model (.onnx); with --adapters, optional")
+    export.add_argument("--force", action="store_true",
+                        help="replace output files even if lossgraph did not write them")
+    export.add_argument("--adapters", metavar="FILE",
+                        help="write the LoRA adapters alone (a program compiled with --lora): "
+                             ".safetensors (PEFT's names), .npz or .onnx_adapter")
+    export.add_argument("--peft-config", action="store_true",
+                        help="with --adapters .../adapter_model.safetensors, write PEFT's "
+                             "adapter_config.json beside it (peft.PeftModel.from_pretrained "
+                             "loads the folder)")
     export.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
                         help="keep the large weights in FILE.data beside the model (default: "
                              "only for models over protobuf's 2 GiB)")

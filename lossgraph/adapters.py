@@ -268,18 +268,19 @@ def product_sites(model: onnx.ModelProto) -> list[Site]:
     tensors = {t.name: t for t in graph.initializer}
     index = GraphIndex(graph.node)
     adapted = {name for a in read_adapters(model) for name in (a.weight, a.a, a.b)}
+    calls = _call_paths(graph, tensors)
     sites = []
     for node in graph.node:
         if not is_onnx_op(node, *PRODUCT_OPS) or len(node.input) < 2:
             continue
-        site = _site(node, tensors, index)
+        site = _site(node, tensors, index, calls)
         if site is not None and site.candidate.weight not in adapted:
             sites.append(site)
     return sites
 
 
 def _site(node: onnx.NodeProto, tensors: Mapping[str, onnx.TensorProto],
-          index: GraphIndex) -> Site | None:
+          index: GraphIndex, calls: Mapping[str, str]) -> Site | None:
     """The site of the product ``node`` when its weight input comes from an initializer
     through layout ops that keep its shape (at most one transpose), else None."""
     chain: list[onnx.NodeProto] = []
@@ -325,7 +326,7 @@ def _site(node: onnx.NodeProto, tensors: Mapping[str, onnx.TensorProto],
         if node.op_type == "Gemm" and attribute_value(node, "transB", 0):
             dims, transposes = dims[::-1], transposes + 1
         layout, features = ("out_in" if transposes % 2 else "in_out"), (dims[0], dims[1])
-    module = _module_path(node, weight.name)
+    module = _module_path(node, weight.name, calls)
     candidate = LoRACandidate(weight.name, module, node.op_type, tuple(weight.dims))
     return Site(candidate, node, node.input[0], layout, features, elem_type, quantized)
 
@@ -339,8 +340,10 @@ def _constant(name: str, tensors: Mapping[str, onnx.TensorProto], index: GraphIn
     return None if producer is None else constant_value(producer)
 
 
-def _module_path(node: onnx.NodeProto, weight: str) -> str | None:
-    """The torch module path of the product ``node`` (module doc), or None."""
+def _module_path(node: onnx.NodeProto, weight: str, calls: Mapping[str, str]) -> str | None:
+    """The torch module path of the product ``node`` reading ``weight`` (module doc), or
+    None: the dynamo exporter's last module scope, else the module its legacy scope is a
+    call of (:func:`_call_paths`), else the weight's name less ``.weight``."""
     scopes = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES), None)
     if scopes is not None:
         module = None
@@ -349,11 +352,86 @@ def _module_path(node: onnx.NodeProto, weight: str) -> str | None:
                 module = scope
         if module:
             return module
-    if node.name.startswith("/") and node.name.count("/") > 1:
-        return ".".join(node.name.strip("/").split("/")[:-1])
+    scope = _legacy_scope(node)
+    if scope is not None:
+        return calls.get(scope, scope)
     if weight.endswith(".weight") and len(weight) > len(".weight"):
         return weight[:-len(".weight")]
     return None
+
+
+#: A name torch gives a parameter or buffer: ``encoder.layer.0.query.weight``.
+_PARAMETER = re.compile(r"[A-Za-z_]\w*(?:\.\w+)+")
+
+
+def _legacy_scope(node: onnx.NodeProto) -> str | None:
+    """The module scope of a legacy export's node, dotted: ``/encoder/query/Gemm`` ->
+    ``encoder.query``; None for a node outside any module or not so named."""
+    if node.name.startswith("/") and node.name.count("/") > 1:
+        return ".".join(node.name.strip("/").split("/")[:-1])
+    return None
+
+
+def _call_paths(graph: onnx.GraphProto, tensors: Mapping[str, onnx.TensorProto]
+                ) -> dict[str, str]:
+    """The module path of each legacy scope the parameters its nodes read tell.
+
+    The legacy exporter names a node by the modules on its call stack, each by its own name
+    only (``layer.0``, made unique with ``_1``): a module its grandparent calls
+    (``self.encoder.query(x)`` in ``Net.forward``) gives the scope ``query``, not
+    ``encoder.query``. A parameter its nodes read (``encoder.query.weight``, or the bias a
+    MatMul's Add reads: exporters rename the weights of MatMuls) names the full path; a
+    scope whose parameters name one such path, ending in the scope's calls, is that path.
+    """
+    found: dict[str, set[str]] = {}
+    for node in graph.node:
+        scope = _legacy_scope(node)
+        if scope is None:
+            continue
+        for name in node.input:
+            if name in tensors and _PARAMETER.fullmatch(name):
+                path = name.rsplit(".", 1)[0]
+                if _is_call_of(scope, path):
+                    found.setdefault(scope, set()).add(path)
+    return {scope: next(iter(paths)) for scope, paths in found.items() if len(paths) == 1}
+
+
+def _is_call_of(scope: str, path: str) -> bool:
+    """Whether the legacy ``scope`` (calls ``/``-joined, as dotted by :func:`_legacy_scope`)
+    can be a call stack ending in the module ``path``: each call's name (less a ``_<n>``
+    the exporter added) a run of ``path``'s parts, in order, the last one at its end."""
+    parts, calls, start = path.split("."), _calls(scope), 0
+    for position, call in enumerate(calls):
+        last = position == len(calls) - 1
+        starts = [len(parts) - len(call)] if last else range(start, len(parts) - len(call) + 1)
+        for at in starts:
+            if at >= start and _names_call(parts[at:at + len(call)], call):
+                start = at + len(call)
+                break
+        else:
+            return False
+    return True
+
+
+def _calls(scope: str) -> list[list[str]]:
+    """The calls of a dotted legacy scope, each a list of parts: a numeric part belongs to
+    the call before it (``encoder.layer.0.query`` -> ``encoder``, ``layer.0``, ``query``)."""
+    calls: list[list[str]] = []
+    for part in scope.split("."):
+        if part.isdigit() and calls:
+            calls[-1].append(part)
+        else:
+            calls.append([part])
+    return calls
+
+
+def _names_call(parts: list[str], call: list[str]) -> bool:
+    """Whether module path ``parts`` are the call's name, or it with the ``_<n>`` suffix the
+    legacy exporter adds to a scope's repeated calls."""
+    if len(parts) != len(call) or parts[:-1] != call[:-1]:
+        return False
+    return parts[-1] == call[-1] or re.fullmatch(re.escape(parts[-1]) + r"_\d+",
+                                                 call[-1]) is not None
 
 
 def select_sites(model: onnx.ModelProto, options: LoRA) -> list[Site]:

@@ -114,6 +114,31 @@ def test_candidates_name_the_module_of_each_product_and_its_layout():
                                              "base_model.model.fc1.lora_B.weight")
 
 
+@pytest.mark.torch
+@pytest.mark.parametrize("export", ["legacy-gemm", "legacy-matmul",
+                                    pytest.param("dynamo", marks=pytest.mark.slow)])
+def test_a_module_its_grandparent_calls_is_named_by_its_full_path(export):
+    """``Net.forward`` calls ``self.encoder.query``: the legacy exporter's scope is ``query``
+    (``/query/Gemm``), the weight or the bias (a MatMul's weight is renamed) names
+    ``encoder.query``, the path PEFT knows; dynamo's scopes name it in full."""
+    import torch
+    from support.adapters import torch_net
+    from support.torch_steps import legacy_export
+
+    net = torch_net(direct=True)
+    example = np.zeros((2, 5) if export == "legacy-gemm" else (2, 3, 5), np.float32)
+    if export == "dynamo":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = torch.onnx.export(net, (torch.from_numpy(example),), dynamo=True,
+                                      verbose=False).model_proto
+    else:
+        model = legacy_export(net, example)
+        assert {n.name.split("/")[1] for n in model.graph.node if n.op_type != "Relu"} == {
+            "query", "value"}
+    assert [c.module for c in lora_candidates(model)] == ["encoder.query", "encoder.value"]
+
+
 @pytest.mark.parametrize("layout", ["plain", "transposed", "quantized"])
 def test_the_rewrite_keeps_outputs_and_the_merge_folds_the_update_back(layout):
     """Before training (B zero) the outputs are unchanged; with B drawn at random the branch

@@ -9,8 +9,9 @@ frozen weight ``W`` whose product computes ``Y = X @ W_eff``::
 ``W_eff`` [in, out] is ``W`` after what the exporter put between the initializer and the
 product: ``Transpose``, Gemm's ``transB``, ``Reshape``/``Identity``/``Cast`` that keep its
 shape, a ``DequantizeLinear`` of a quantized base (QLoRA's shape). A ``Conv`` gets PEFT's
-conv LoRA: ``A`` [rank, in, *kernel] a Conv with the base's kernel, strides, pads and
-dilations, ``B`` [out, rank, 1, ...] a 1x1 Conv. The rewrite is the pass
+conv LoRA: ``A`` [rank, in, *kernel] a Conv with the base's kernel, strides and pads
+(not its dilations, as PEFT: a dilated kernel is refused), ``B`` [out, rank, 1, ...] a
+1x1 Conv. The rewrite is the pass
 :class:`lossgraph.passes.AddLoRA`; this module holds what it and the rest of lossgraph
 share:
 
@@ -436,8 +437,8 @@ def _names_call(parts: list[str], call: list[str]) -> bool:
 
 def select_sites(model: onnx.ModelProto, options: LoRA) -> list[Site]:
     """The sites ``options`` targets in ``model``, in graph order; a target that is not a
-    product's weight, a pattern matching nothing, a rank above a weight's smaller side or
-    a grouped Conv is an error, raised before any work."""
+    product's weight, a pattern matching nothing, a rank above a weight's smaller side, a
+    grouped or dilated Conv is an error, raised before any work."""
     sites = product_sites(model)
     if options.ops is not None:
         sites = [s for s in sites if s.candidate.op in options.ops]
@@ -533,7 +534,8 @@ def _nothing(model: onnx.ModelProto, sites: Sequence[Site], targets: Any) -> lis
 
 
 def _checked(sites: list[Site], options: LoRA) -> list[Site]:
-    """``sites``, once each fits ``options`` (rank, grouped Conv)."""
+    """``sites``, once each fits ``options`` (rank) and PEFT's conv LoRA (no groups, no
+    dilated kernel)."""
     for site in sites:
         label = site.candidate.module or site.candidate.weight
         if site.kind == "conv" and attribute_value(site.node, "group", 1) != 1:
@@ -541,6 +543,16 @@ def _checked(sites: list[Site], options: LoRA) -> list[Site]:
                 f"LoRA targets the Conv of {label!r}, which has group="
                 f"{attribute_value(site.node, 'group', 1)}: PEFT's conv LoRA neither merges "
                 "nor matches a grouped Conv. Leave it out of targets.")
+        if site.kind == "conv":
+            kernel = site.candidate.shape[2:]
+            dilations = attribute_value(site.node, "dilations", [1] * len(kernel))
+            if any(d != 1 and k != 1 for d, k in zip(dilations, kernel)):
+                raise UnsupportedModelError(
+                    f"LoRA targets the Conv of {label!r}, which has dilations="
+                    f"{list(dilations)}: PEFT's conv LoRA gives its A Conv the kernel, "
+                    "strides and pads but not the dilations, so its update is not the base's "
+                    "shape (PEFT fails) or, with padding='same', cannot be merged into it. "
+                    "Leave it out of targets.")
         smaller = min(site.features[0] * _kernel_size(site), site.features[1])
         if options.rank > smaller:
             raise UnsupportedOptionError(

@@ -592,6 +592,41 @@ def test_conv_lora_computes_and_trains_like_peft():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.torch
+def test_a_dilated_kernel_is_refused_and_a_dilated_1x1_conv_computes_like_peft():
+    """PEFT's lora_A takes the base's kernel, stride and padding, not its dilation: on a
+    dilated 3x3 Conv its update has another shape (PEFT fails), which lossgraph refuses by
+    name; on a 1x1 Conv dilation changes nothing, and the branch computes PEFT's output
+    (B drawn at random), merged too."""
+    import torch
+    from support.torch_steps import legacy_export
+
+    torch.manual_seed(0)
+    X = np.random.default_rng(0).normal(size=(3, 2, 5, 5)).astype(np.float32)
+    dilated = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=2, dilation=2))
+    with pytest.raises(RuntimeError, match="must match"):
+        _peft(dilated, 2, 4, ["0"])(torch.from_numpy(X))
+    with pytest.raises(UnsupportedModelError, match=r"dilations=\[2, 2\]"):
+        lossgraph.add_lora(legacy_export(dilated, X[:2]), targets=["0"], rank=2)
+    pointwise = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 1, dilation=2))
+    model = legacy_export(pointwise, X[:2])
+    assert [list(a.ints) for a in model.graph.node[0].attribute if a.name == "dilations"] == [
+        [2, 2]]
+    peft_model = _peft(pointwise, 2, 4, ["0"])
+    with torch.no_grad():
+        _peft_layer(peft_model, "0").lora_B["default"].weight.normal_()
+        expected = peft_model(torch.from_numpy(X)).numpy()
+    adapted = lossgraph.add_lora(model, targets=["0"], rank=2, alpha=4)
+    (adapter,) = read_adapters(adapted)
+    values = dict(zip((adapter.a, adapter.b), _peft_tensors(peft_model, adapter)))
+    for tensor in adapted.graph.initializer:
+        if tensor.name in values:
+            tensor.CopyFrom(numpy_helper.from_array(values[tensor.name], tensor.name))
+    np.testing.assert_allclose(_run(adapted, x=X), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_run(merge_adapters(adapted), x=X), expected, rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_the_ort_artifacts_train_the_adapters_alone(tmp_path):
     """to_ort_artifacts(adapters=...): the checkpoint's trainable parameters are the
     adapters, the base weights constants of the training model."""

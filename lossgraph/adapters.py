@@ -56,7 +56,8 @@ from .metadata import ADAPTERS_KEY, read_json, remove_record, write_json
 from .options import choice, count, non_negative
 
 __all__ = ["LoRA", "Adapter", "LoRACandidate", "Site", "lora_candidates", "product_sites",
-           "select_sites", "read_adapters", "write_adapters", "merge_adapters",
+           "select_sites", "read_adapters", "write_adapters", "merge_adapters", "check_merge",
+           "fold_adapters",
            "PEFT_DEFAULT_TARGETS", "INITS", "PRODUCT_OPS"]
 
 #: How ``A`` starts (``B`` starts at zero): PEFT's ``init_lora_weights`` True ("kaiming":
@@ -573,66 +574,102 @@ def _kernel_size(site: Site) -> int:
 def merge_adapters(model: onnx.ModelProto, values: Mapping[str, np.ndarray] | None = None
                    ) -> onnx.ModelProto:
     """A copy of ``model`` with each recorded adapter's ``delta`` folded into its base
-    weight and its branch removed: the graph before the rewrite (its nodes, names and op
-    count), the adapters' record gone. ``values`` overrides the adapters' tensors (default:
-    the model's initializers). A quantized base (DequantizeLinear before the product) is
-    refused: ``W + delta`` is no longer on its quantization grid (keep the branch:
-    ``merge=False``); so is a base another node reads too (the merge would change it)."""
+    weight and its branch removed: the graph of the model before the rewrite (its nodes,
+    names and op count), the adapters' tensors and record gone. ``values`` overrides the
+    model's initializers (the adapters' tensors, their base weights). What
+    :func:`check_merge` refuses is refused before anything is merged."""
     merged = onnx.ModelProto()
     merged.CopyFrom(model)
-    adapters = read_adapters(merged)
-    if not adapters:
-        return merged
-    graph = merged.graph
-    tensors = {t.name: t for t in graph.initializer}
-    values = dict(values or {})
-    for adapter in adapters:
-        _merge_one(graph, tensors, adapter, values)
-    used = {name for node in graph.node for name in node.input}
-    kept = [t for t in graph.initializer if t.name in used or t.name in
-            {i.name for i in graph.output}]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    write_adapters(merged, ())
+    given = dict(values or {})
+    arrays = {t.name: t for t in model.graph.initializer}
+    folded = fold_adapters(merged, lambda name: given[name] if name in given
+                           else tensor_array(arrays[name]))
+    for tensor in merged.graph.initializer:  # after the fold: it rebuilds the list
+        if tensor.name in folded:
+            tensor.CopyFrom(numpy_helper.from_array(folded[tensor.name], tensor.name))
     return merged
 
 
-def _merge_one(graph: onnx.GraphProto, tensors: dict[str, onnx.TensorProto], adapter: Adapter,
-               values: Mapping[str, np.ndarray]) -> None:
+def check_merge(model: onnx.ModelProto) -> None:
+    """Refuse, as :func:`merge_adapters` would, a model whose adapters cannot be merged: a
+    quantized base (DequantizeLinear before the product: ``W + delta`` is no longer on its
+    quantization grid; keep the branch, ``merge=False``), or a base another node reads too
+    (the merge would change it). Nothing is computed: a check before any work."""
+    index = GraphIndex(model.graph.node)
+    for adapter in read_adapters(model):
+        _Fold.of(index, adapter)
+
+
+def fold_adapters(model: onnx.ModelProto, value: Callable[[str], np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+    """Remove, in ``model`` itself, each recorded adapter's branch, its tensors (initializers
+    and graph inputs) and the record, once :func:`check_merge` passes; return each base
+    weight with its adapter's ``delta`` added, by name, for the caller to write where the
+    base lives (an initializer, or a large one kept out of the model while it is exported).
+    ``value(name)`` gives the current value of an adapter's tensor or base weight."""
+    graph = model.graph
     index = GraphIndex(graph.node)
-    label = adapter.module or adapter.weight
-    branch = _branch(index, adapter)
-    add = branch[-1]
-    base = next(i for i in add.input if i not in branch[-2].output)
-    product = index.producer(base)
-    chain = _chain_nodes(index, product, adapter.weight)
-    readers = [n for value in [adapter.weight, *(c.output[0] for c in chain)]
-               for n in index.readers(value)]
-    if any(is_onnx_op(c, "DequantizeLinear") for c in chain):
-        raise UnsupportedOptionError(
-            f"merge=True on the adapter of {label!r}, whose base {adapter.weight!r} is quantized "
-            "(DequantizeLinear): W + delta is not on its quantization grid, and re-quantizing "
-            "would lose the update. Export with merge=False (the base stays quantized, the "
-            "adapter beside it).")
-    if len(readers) != len(chain) + 1:
-        raise UnsupportedOptionError(
-            f"merge=True on the adapter of {label!r}: other nodes read its base "
-            f"{adapter.weight!r} too, and merging would change them. Export with merge=False.")
-    a = np.asarray(values.get(adapter.a, tensor_array(tensors[adapter.a])))
-    b = np.asarray(values.get(adapter.b, tensor_array(tensors[adapter.b])))
-    delta = adapter.delta(a, b).astype(np.float64)
-    if is_onnx_op(product, "Gemm"):
-        delta /= attribute_value(product, "alpha", 1.0)
-    tensor = tensors[adapter.weight]
-    weight = tensor_array(tensor)
-    tensor.CopyFrom(numpy_helper.from_array(
-        (weight.astype(np.float64) + delta.reshape(weight.shape)).astype(weight.dtype),
-        tensor.name))
-    removed = {id(n) for n in branch}
-    nodes = [n for n in graph.node if id(n) not in removed]
-    product.output[list(product.output).index(base)] = add.output[0]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    adapters = read_adapters(model)
+    folds = [_Fold.of(index, adapter) for adapter in adapters]
+    weights = {}
+    for adapter, fold in zip(adapters, folds):
+        delta = adapter.delta(np.asarray(value(adapter.a)),
+                              np.asarray(value(adapter.b))).astype(np.float64)
+        if is_onnx_op(fold.product, "Gemm"):
+            delta /= attribute_value(fold.product, "alpha", 1.0)
+        weight = np.asarray(value(adapter.weight))
+        weights[adapter.weight] = (weight.astype(np.float64) + delta.reshape(weight.shape)
+                                   ).astype(weight.dtype)
+        outputs = fold.product.output
+        outputs[list(outputs).index(fold.base)] = fold.branch[-1].output[0]
+    removed = {id(n) for fold in folds for n in fold.branch}
+    tensors = {name for adapter in adapters for name in (adapter.a, adapter.b)}
+    _keep(graph.node, lambda n: id(n) not in removed)
+    _keep(graph.initializer, lambda t: t.name not in tensors)
+    _keep(graph.input, lambda i: i.name not in tensors)
+    write_adapters(model, ())
+    return weights
+
+
+def _keep(items: Any, keep: Callable[[Any], bool]) -> None:
+    """Keep the items of a repeated protobuf field that ``keep`` accepts, in order."""
+    kept = [item for item in items if keep(item)]
+    del items[:]
+    items.extend(kept)
+
+
+@dataclass(frozen=True)
+class _Fold:
+    """What merging one adapter changes: its ``branch`` (ending with the Add), the
+    ``product`` beside it and the value ``base`` the product writes for the Add."""
+
+    branch: list[onnx.NodeProto]
+    product: onnx.NodeProto
+    base: str
+
+    @classmethod
+    def of(cls, index: GraphIndex, adapter: Adapter) -> _Fold:
+        """The fold of ``adapter``; an error when it cannot be merged (:func:`check_merge`)."""
+        label = adapter.module or adapter.weight
+        branch = _branch(index, adapter)
+        add = branch[-1]
+        base = next(i for i in add.input if i not in branch[-2].output)
+        product = index.producer(base)
+        chain = _chain_nodes(index, product, adapter.weight)
+        readers = [n for value in [adapter.weight, *(c.output[0] for c in chain)]
+                   for n in index.readers(value)]
+        if any(is_onnx_op(c, "DequantizeLinear") for c in chain):
+            raise UnsupportedOptionError(
+                f"merge=True on the adapter of {label!r}, whose base {adapter.weight!r} is "
+                "quantized (DequantizeLinear): W + delta is not on its quantization grid, and "
+                "re-quantizing would lose the update. Export with merge=False (the base "
+                "stays quantized, the adapter beside it).")
+        if len(readers) != len(chain) + 1:
+            raise UnsupportedOptionError(
+                f"merge=True on the adapter of {label!r}: other nodes read its base "
+                f"{adapter.weight!r} too, and merging would change them. Export with "
+                "merge=False.")
+        return cls(branch, product, base)
 
 
 def _branch(index: GraphIndex, adapter: Adapter) -> list[onnx.NodeProto]:

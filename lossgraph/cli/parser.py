@@ -224,6 +224,12 @@ class _Modes:
         return "; ".join(f"{name}, {mode.summary}" for name, mode in MODES.items())
 
 
+#: --merge of train and export.
+MERGE_HELP = ("with -o: fold the LoRA adapters (a program compiled with --lora) into their "
+              "base weights, the model's original graph (default: the adapters' branches "
+              "stay, the form every base allows: a quantized or shared base refuses --merge)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lossgraph", description="From an ONNX model to a trained ONNX "
                      "model: inspect it, compile it into training\ngraphs, train them on a data "
@@ -446,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ema", action="store_true",
                        help="write the weights' moving average (a program compiled with "
                             "--ema-decay) instead of the last weights")
+    train.add_argument("--merge", action="store_true", help=MERGE_HELP)
 
     export = command("export", "write the inference model of a checkpoint or program folder, "
                                "with its weights and nothing of training left")
@@ -471,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--ema", action="store_true",
                         help="write the weights' moving average (a program or checkpoint "
                              "compiled with --ema-decay) instead of the weights")
+    export.add_argument("--merge", action="store_true", help=MERGE_HELP)
 
     add_loss = command("add-loss", "append a scalar loss output")
     add_loss.add_argument("model", help="input ONNX file")

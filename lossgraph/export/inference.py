@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..adapters import check_merge
 from ..errors import UnsupportedOptionError
 from ..fileio import check_file_target, save_model, write_file
 from ..inference import DATA_MAGIC, EXTERNAL_MIN_BYTES, PROTOBUF_LIMIT, Exported, export_model
@@ -68,8 +69,8 @@ from ..target import Target, target_for
 from .artifacts import CHECKPOINT_FILE, EVAL_FILE
 from .ort_checkpoint import read_ort_checkpoint
 
-__all__ = ["to_inference_model", "save_inference_model", "Source", "EXTERNAL_MIN_BYTES",
-           "PROTOBUF_LIMIT", "DATA_SUFFIX", "DATA_MAGIC"]
+__all__ = ["to_inference_model", "save_inference_model", "check_merge_of", "Source",
+           "EXTERNAL_MIN_BYTES", "PROTOBUF_LIMIT", "DATA_SUFFIX", "DATA_MAGIC"]
 
 #: What the inference model and its weights can come from (see the module docstring).
 Source = Trainer | TrainingProgram | onnx.ModelProto | bytes | str | os.PathLike
@@ -141,6 +142,13 @@ def save_inference_model(source: Source, path: str | os.PathLike,
     else:
         model, _ = exported.assemble()
     return save_model(model, model_path, overwrite=overwrite)
+
+
+def check_merge_of(source: Source) -> None:
+    """Refuse ``merge=True`` on a source whose adapters cannot be merged
+    (:func:`~lossgraph.adapters.check_merge`), before any work: for a caller that writes
+    other files first (``lossgraph export --adapters ... -o ... --merge``)."""
+    check_merge(_source(source).model)
 
 
 # -- sources ----------------------------------------------------------------------------------

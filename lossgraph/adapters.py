@@ -37,7 +37,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import onnx
@@ -57,7 +57,7 @@ from .options import choice, count, non_negative
 
 __all__ = ["LoRA", "Adapter", "LoRACandidate", "Site", "lora_candidates", "product_sites",
            "select_sites", "read_adapters", "write_adapters", "merge_adapters", "check_merge",
-           "fold_adapters",
+           "fold_adapters", "module_matches",
            "PEFT_DEFAULT_TARGETS", "INITS", "PRODUCT_OPS"]
 
 #: How ``A`` starts (``B`` starts at zero): PEFT's ``init_lora_weights`` True ("kaiming":
@@ -177,8 +177,8 @@ class Adapter:
         when the module path is known."""
         if self.module is None:
             return None
-        return tuple(f"base_model.model.{self.module}.lora_{x}.weight"  # type: ignore
-                     for x in "AB")
+        prefix = f"base_model.model.{self.module}"
+        return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
 
     def to_record(self) -> dict[str, Any]:
         """The JSON record (metadata, manifest)."""
@@ -232,6 +232,7 @@ class Site:
 
     @property
     def kind(self) -> str:
+        """The adapter's kind: "conv" beside a Conv, else "linear"."""
         return "conv" if self.candidate.op == "Conv" else "linear"
 
 
@@ -448,32 +449,36 @@ def select_sites(model: onnx.ModelProto, options: LoRA) -> list[Site]:
         targets = _default_targets(sites)
         if targets is None:
             linear = [s for s in sites if s.kind == "linear"] if options.ops is None else sites
-            return _checked(linear or _nothing(model, sites, None), options)
+            return _checked(linear or _no_match(model, sites, None), options)
     if targets == "all-linear":
-        chosen = [s for s in sites if s.kind == "linear" and not _writes_output(model, s)]
+        index = GraphIndex(model.graph.node)
+        chosen = [s for s in sites if s.kind == "linear" and not _writes_output(model, index, s)]
     elif isinstance(targets, str):
         expression = _pattern(targets)
         chosen = [s for s in sites if expression.fullmatch(s.candidate.weight)
                   or (s.candidate.module is not None
                       and expression.fullmatch(s.candidate.module))]
         if not chosen:
-            _not_a_product(model, [t.name for t in model.graph.initializer
+            _refuse_non_products(model, [t.name for t in model.graph.initializer
                                    if expression.fullmatch(t.name)])
     elif callable(targets):
         chosen = [s for s in sites if targets(s.candidate)]
     else:
         chosen = [s for s in sites if any(_peft_match(s.candidate, t) for t in targets)]
         matched = {t for t in targets for s in chosen if _peft_match(s.candidate, t)}
-        _not_a_product(model, [t for t in targets if t not in matched])
-    return _checked(chosen or _nothing(model, sites, targets), options)
+        _refuse_non_products(model, [t for t in targets if t not in matched])
+    return _checked(chosen or _no_match(model, sites, targets), options)
+
+
+def module_matches(module: str | None, entry: str) -> bool:
+    """PEFT's rule for a ``target_modules`` entry (and a ``rank_pattern`` key): the module
+    path is ``entry`` or ends in ``"." + entry``."""
+    return module is not None and (module == entry or module.endswith("." + entry))
 
 
 def _peft_match(candidate: LoRACandidate, entry: str) -> bool:
-    """PEFT's rule: the module path is ``entry`` or ends in ``"." + entry``, or the weight
-    is named ``entry``."""
-    module = candidate.module
-    return candidate.weight == entry or (module is not None and (
-        module == entry or module.endswith("." + entry)))
+    """PEFT's rule (:func:`module_matches`), or the weight named ``entry``."""
+    return candidate.weight == entry or module_matches(candidate.module, entry)
 
 
 def _default_targets(sites: Sequence[Site]) -> tuple[str, ...] | None:
@@ -482,10 +487,9 @@ def _default_targets(sites: Sequence[Site]) -> tuple[str, ...] | None:
     return next((names for names in PEFT_DEFAULT_TARGETS if leaves & set(names)), None)
 
 
-def _writes_output(model: onnx.ModelProto, site: Site) -> bool:
+def _writes_output(model: onnx.ModelProto, index: GraphIndex, site: Site) -> bool:
     """True when the product's output reaches a graph output through no other product (the
     output layer, which "all-linear" leaves out as PEFT does)."""
-    index = GraphIndex(model.graph.node)
     outputs = {o.name for o in model.graph.output}
     pending, seen = list(site.node.output), set()
     while pending:
@@ -499,7 +503,8 @@ def _writes_output(model: onnx.ModelProto, site: Site) -> bool:
     return False
 
 
-def _pattern(text: str) -> re.Pattern:
+def _pattern(text: str) -> re.Pattern[str]:
+    """``targets`` compiled as a regular expression; a malformed one is an option error."""
     try:
         return re.compile(text)
     except re.error as exc:
@@ -507,7 +512,7 @@ def _pattern(text: str) -> re.Pattern:
             f"LoRA: targets={text!r} is not a regular expression ({exc}).") from None
 
 
-def _not_a_product(model: onnx.ModelProto, names: Sequence[str]) -> None:
+def _refuse_non_products(model: onnx.ModelProto, names: Sequence[str]) -> None:
     """An UnsupportedModelError for the first of ``names`` that is an initializer but no
     product's weight, naming what reads it."""
     tensors = {t.name for t in model.graph.initializer}
@@ -523,8 +528,9 @@ def _not_a_product(model: onnx.ModelProto, names: Sequence[str]) -> None:
                 "lists them.")
 
 
-def _nothing(model: onnx.ModelProto, sites: Sequence[Site], targets: Any) -> list[Site]:
-    """The UnknownNameError of targets that match nothing, listing what they could match."""
+def _no_match(model: onnx.ModelProto, sites: Sequence[Site], targets: Targets) -> NoReturn:
+    """Raise the UnknownNameError of targets that match nothing, listing what they could
+    match."""
     names = [s.candidate.module or s.candidate.weight for s in sites]
     what = "nothing" if targets is None else f"targets={targets!r}"
     raise UnknownNameError(
@@ -565,6 +571,7 @@ def _checked(sites: list[Site], options: LoRA) -> list[Site]:
 
 
 def _kernel_size(site: Site) -> int:
+    """The number of kernel positions of a conv site's weight (1 for a linear one)."""
     return math.prod(site.candidate.shape[2:]) if site.kind == "conv" else 1
 
 

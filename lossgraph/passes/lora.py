@@ -82,7 +82,8 @@ def add_lora(model: ModelLike, targets: Targets = None, rank: int = 8, alpha: fl
              ops: Sequence[str] | None = None) -> onnx.ModelProto:
     """``model`` with LoRA adapters beside the weights ``targets`` selects
     (:class:`AddLoRA`, :class:`~lossgraph.adapters.LoRA` for the options)."""
-    options = LoRA(rank, alpha, targets, dropout, init, tuple(ops) if ops else None, seed)
+    kept = None if ops is None else tuple([ops] if isinstance(ops, str) else ops)
+    options = LoRA(rank, alpha, targets, dropout, init, kept, seed)
     return AddLoRA(options)(model).model
 
 

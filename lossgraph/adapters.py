@@ -9,8 +9,9 @@ frozen weight ``W`` whose product computes ``Y = X @ W_eff``::
 ``W_eff`` [in, out] is ``W`` after what the exporter put between the initializer and the
 product: ``Transpose``, Gemm's ``transB``, ``Reshape``/``Identity``/``Cast`` that keep its
 shape, a ``DequantizeLinear`` of a quantized base (QLoRA's shape). A ``Conv`` gets PEFT's
-conv LoRA: ``A`` [rank, in, *kernel] a Conv with the base's kernel, strides, pads and
-dilations, ``B`` [out, rank, 1, ...] a 1x1 Conv. The rewrite is the pass
+conv LoRA: ``A`` [rank, in, *kernel] a Conv with the base's kernel, strides and pads
+(not its dilations, as PEFT: a dilated kernel is refused), ``B`` [out, rank, 1, ...] a
+1x1 Conv. The rewrite is the pass
 :class:`lossgraph.passes.AddLoRA`; this module holds what it and the rest of lossgraph
 share:
 
@@ -36,7 +37,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import onnx
@@ -55,7 +56,8 @@ from .metadata import ADAPTERS_KEY, read_json, remove_record, write_json
 from .options import choice, count, non_negative
 
 __all__ = ["LoRA", "Adapter", "LoRACandidate", "Site", "lora_candidates", "product_sites",
-           "select_sites", "read_adapters", "write_adapters", "merge_adapters",
+           "select_sites", "read_adapters", "write_adapters", "merge_adapters", "check_merge",
+           "fold_adapters", "module_matches",
            "PEFT_DEFAULT_TARGETS", "INITS", "PRODUCT_OPS"]
 
 #: How ``A`` starts (``B`` starts at zero): PEFT's ``init_lora_weights`` True ("kaiming":
@@ -175,8 +177,8 @@ class Adapter:
         when the module path is known."""
         if self.module is None:
             return None
-        return tuple(f"base_model.model.{self.module}.lora_{x}.weight"  # type: ignore
-                     for x in "AB")
+        prefix = f"base_model.model.{self.module}"
+        return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
 
     def to_record(self) -> dict[str, Any]:
         """The JSON record (metadata, manifest)."""
@@ -230,6 +232,7 @@ class Site:
 
     @property
     def kind(self) -> str:
+        """The adapter's kind: "conv" beside a Conv, else "linear"."""
         return "conv" if self.candidate.op == "Conv" else "linear"
 
 
@@ -268,18 +271,19 @@ def product_sites(model: onnx.ModelProto) -> list[Site]:
     tensors = {t.name: t for t in graph.initializer}
     index = GraphIndex(graph.node)
     adapted = {name for a in read_adapters(model) for name in (a.weight, a.a, a.b)}
+    calls = _call_paths(graph, tensors)
     sites = []
     for node in graph.node:
         if not is_onnx_op(node, *PRODUCT_OPS) or len(node.input) < 2:
             continue
-        site = _site(node, tensors, index)
+        site = _site(node, tensors, index, calls)
         if site is not None and site.candidate.weight not in adapted:
             sites.append(site)
     return sites
 
 
 def _site(node: onnx.NodeProto, tensors: Mapping[str, onnx.TensorProto],
-          index: GraphIndex) -> Site | None:
+          index: GraphIndex, calls: Mapping[str, str]) -> Site | None:
     """The site of the product ``node`` when its weight input comes from an initializer
     through layout ops that keep its shape (at most one transpose), else None."""
     chain: list[onnx.NodeProto] = []
@@ -325,7 +329,7 @@ def _site(node: onnx.NodeProto, tensors: Mapping[str, onnx.TensorProto],
         if node.op_type == "Gemm" and attribute_value(node, "transB", 0):
             dims, transposes = dims[::-1], transposes + 1
         layout, features = ("out_in" if transposes % 2 else "in_out"), (dims[0], dims[1])
-    module = _module_path(node, weight.name)
+    module = _module_path(node, weight.name, calls)
     candidate = LoRACandidate(weight.name, module, node.op_type, tuple(weight.dims))
     return Site(candidate, node, node.input[0], layout, features, elem_type, quantized)
 
@@ -339,8 +343,10 @@ def _constant(name: str, tensors: Mapping[str, onnx.TensorProto], index: GraphIn
     return None if producer is None else constant_value(producer)
 
 
-def _module_path(node: onnx.NodeProto, weight: str) -> str | None:
-    """The torch module path of the product ``node`` (module doc), or None."""
+def _module_path(node: onnx.NodeProto, weight: str, calls: Mapping[str, str]) -> str | None:
+    """The torch module path of the product ``node`` reading ``weight`` (module doc), or
+    None: the dynamo exporter's last module scope, else the module its legacy scope is a
+    call of (:func:`_call_paths`), else the weight's name less ``.weight``."""
     scopes = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES), None)
     if scopes is not None:
         module = None
@@ -349,17 +355,92 @@ def _module_path(node: onnx.NodeProto, weight: str) -> str | None:
                 module = scope
         if module:
             return module
-    if node.name.startswith("/") and node.name.count("/") > 1:
-        return ".".join(node.name.strip("/").split("/")[:-1])
+    scope = _legacy_scope(node)
+    if scope is not None:
+        return calls.get(scope, scope)
     if weight.endswith(".weight") and len(weight) > len(".weight"):
         return weight[:-len(".weight")]
     return None
 
 
+#: A name torch gives a parameter or buffer: ``encoder.layer.0.query.weight``.
+_PARAMETER = re.compile(r"[A-Za-z_]\w*(?:\.\w+)+")
+
+
+def _legacy_scope(node: onnx.NodeProto) -> str | None:
+    """The module scope of a legacy export's node, dotted: ``/encoder/query/Gemm`` ->
+    ``encoder.query``; None for a node outside any module or not so named."""
+    if node.name.startswith("/") and node.name.count("/") > 1:
+        return ".".join(node.name.strip("/").split("/")[:-1])
+    return None
+
+
+def _call_paths(graph: onnx.GraphProto, tensors: Mapping[str, onnx.TensorProto]
+                ) -> dict[str, str]:
+    """The module path of each legacy scope the parameters its nodes read tell.
+
+    The legacy exporter names a node by the modules on its call stack, each by its own name
+    only (``layer.0``, made unique with ``_1``): a module its grandparent calls
+    (``self.encoder.query(x)`` in ``Net.forward``) gives the scope ``query``, not
+    ``encoder.query``. A parameter its nodes read (``encoder.query.weight``, or the bias a
+    MatMul's Add reads: exporters rename the weights of MatMuls) names the full path; a
+    scope whose parameters name one such path, ending in the scope's calls, is that path.
+    """
+    found: dict[str, set[str]] = {}
+    for node in graph.node:
+        scope = _legacy_scope(node)
+        if scope is None:
+            continue
+        for name in node.input:
+            if name in tensors and _PARAMETER.fullmatch(name):
+                path = name.rsplit(".", 1)[0]
+                if _is_call_of(scope, path):
+                    found.setdefault(scope, set()).add(path)
+    return {scope: next(iter(paths)) for scope, paths in found.items() if len(paths) == 1}
+
+
+def _is_call_of(scope: str, path: str) -> bool:
+    """Whether the legacy ``scope`` (calls ``/``-joined, as dotted by :func:`_legacy_scope`)
+    can be a call stack ending in the module ``path``: each call's name (less a ``_<n>``
+    the exporter added) a run of ``path``'s parts, in order, the last one at its end."""
+    parts, calls, start = path.split("."), _calls(scope), 0
+    for position, call in enumerate(calls):
+        last = position == len(calls) - 1
+        starts = [len(parts) - len(call)] if last else range(start, len(parts) - len(call) + 1)
+        for at in starts:
+            if at >= start and _names_call(parts[at:at + len(call)], call):
+                start = at + len(call)
+                break
+        else:
+            return False
+    return True
+
+
+def _calls(scope: str) -> list[list[str]]:
+    """The calls of a dotted legacy scope, each a list of parts: a numeric part belongs to
+    the call before it (``encoder.layer.0.query`` -> ``encoder``, ``layer.0``, ``query``)."""
+    calls: list[list[str]] = []
+    for part in scope.split("."):
+        if part.isdigit() and calls:
+            calls[-1].append(part)
+        else:
+            calls.append([part])
+    return calls
+
+
+def _names_call(parts: list[str], call: list[str]) -> bool:
+    """Whether module path ``parts`` are the call's name, or it with the ``_<n>`` suffix the
+    legacy exporter adds to a scope's repeated calls."""
+    if len(parts) != len(call) or parts[:-1] != call[:-1]:
+        return False
+    return parts[-1] == call[-1] or re.fullmatch(re.escape(parts[-1]) + r"_\d+",
+                                                 call[-1]) is not None
+
+
 def select_sites(model: onnx.ModelProto, options: LoRA) -> list[Site]:
     """The sites ``options`` targets in ``model``, in graph order; a target that is not a
-    product's weight, a pattern matching nothing, a rank above a weight's smaller side or
-    a grouped Conv is an error, raised before any work."""
+    product's weight, a pattern matching nothing, a rank above a weight's smaller side, a
+    grouped or dilated Conv is an error, raised before any work."""
     sites = product_sites(model)
     if options.ops is not None:
         sites = [s for s in sites if s.candidate.op in options.ops]
@@ -368,32 +449,36 @@ def select_sites(model: onnx.ModelProto, options: LoRA) -> list[Site]:
         targets = _default_targets(sites)
         if targets is None:
             linear = [s for s in sites if s.kind == "linear"] if options.ops is None else sites
-            return _checked(linear or _nothing(model, sites, None), options)
+            return _checked(linear or _no_match(model, sites, None), options)
     if targets == "all-linear":
-        chosen = [s for s in sites if s.kind == "linear" and not _writes_output(model, s)]
+        index = GraphIndex(model.graph.node)
+        chosen = [s for s in sites if s.kind == "linear" and not _writes_output(model, index, s)]
     elif isinstance(targets, str):
         expression = _pattern(targets)
         chosen = [s for s in sites if expression.fullmatch(s.candidate.weight)
                   or (s.candidate.module is not None
                       and expression.fullmatch(s.candidate.module))]
         if not chosen:
-            _not_a_product(model, [t.name for t in model.graph.initializer
+            _refuse_non_products(model, [t.name for t in model.graph.initializer
                                    if expression.fullmatch(t.name)])
     elif callable(targets):
         chosen = [s for s in sites if targets(s.candidate)]
     else:
         chosen = [s for s in sites if any(_peft_match(s.candidate, t) for t in targets)]
         matched = {t for t in targets for s in chosen if _peft_match(s.candidate, t)}
-        _not_a_product(model, [t for t in targets if t not in matched])
-    return _checked(chosen or _nothing(model, sites, targets), options)
+        _refuse_non_products(model, [t for t in targets if t not in matched])
+    return _checked(chosen or _no_match(model, sites, targets), options)
+
+
+def module_matches(module: str | None, entry: str) -> bool:
+    """PEFT's rule for a ``target_modules`` entry (and a ``rank_pattern`` key): the module
+    path is ``entry`` or ends in ``"." + entry``."""
+    return module is not None and (module == entry or module.endswith("." + entry))
 
 
 def _peft_match(candidate: LoRACandidate, entry: str) -> bool:
-    """PEFT's rule: the module path is ``entry`` or ends in ``"." + entry``, or the weight
-    is named ``entry``."""
-    module = candidate.module
-    return candidate.weight == entry or (module is not None and (
-        module == entry or module.endswith("." + entry)))
+    """PEFT's rule (:func:`module_matches`), or the weight named ``entry``."""
+    return candidate.weight == entry or module_matches(candidate.module, entry)
 
 
 def _default_targets(sites: Sequence[Site]) -> tuple[str, ...] | None:
@@ -402,10 +487,9 @@ def _default_targets(sites: Sequence[Site]) -> tuple[str, ...] | None:
     return next((names for names in PEFT_DEFAULT_TARGETS if leaves & set(names)), None)
 
 
-def _writes_output(model: onnx.ModelProto, site: Site) -> bool:
+def _writes_output(model: onnx.ModelProto, index: GraphIndex, site: Site) -> bool:
     """True when the product's output reaches a graph output through no other product (the
     output layer, which "all-linear" leaves out as PEFT does)."""
-    index = GraphIndex(model.graph.node)
     outputs = {o.name for o in model.graph.output}
     pending, seen = list(site.node.output), set()
     while pending:
@@ -419,7 +503,8 @@ def _writes_output(model: onnx.ModelProto, site: Site) -> bool:
     return False
 
 
-def _pattern(text: str) -> re.Pattern:
+def _pattern(text: str) -> re.Pattern[str]:
+    """``targets`` compiled as a regular expression; a malformed one is an option error."""
     try:
         return re.compile(text)
     except re.error as exc:
@@ -427,7 +512,7 @@ def _pattern(text: str) -> re.Pattern:
             f"LoRA: targets={text!r} is not a regular expression ({exc}).") from None
 
 
-def _not_a_product(model: onnx.ModelProto, names: Sequence[str]) -> None:
+def _refuse_non_products(model: onnx.ModelProto, names: Sequence[str]) -> None:
     """An UnsupportedModelError for the first of ``names`` that is an initializer but no
     product's weight, naming what reads it."""
     tensors = {t.name for t in model.graph.initializer}
@@ -443,8 +528,9 @@ def _not_a_product(model: onnx.ModelProto, names: Sequence[str]) -> None:
                 "lists them.")
 
 
-def _nothing(model: onnx.ModelProto, sites: Sequence[Site], targets: Any) -> list[Site]:
-    """The UnknownNameError of targets that match nothing, listing what they could match."""
+def _no_match(model: onnx.ModelProto, sites: Sequence[Site], targets: Targets) -> NoReturn:
+    """Raise the UnknownNameError of targets that match nothing, listing what they could
+    match."""
     names = [s.candidate.module or s.candidate.weight for s in sites]
     what = "nothing" if targets is None else f"targets={targets!r}"
     raise UnknownNameError(
@@ -455,7 +541,8 @@ def _nothing(model: onnx.ModelProto, sites: Sequence[Site], targets: Any) -> lis
 
 
 def _checked(sites: list[Site], options: LoRA) -> list[Site]:
-    """``sites``, once each fits ``options`` (rank, grouped Conv)."""
+    """``sites``, once each fits ``options`` (rank) and PEFT's conv LoRA (no groups, no
+    dilated kernel)."""
     for site in sites:
         label = site.candidate.module or site.candidate.weight
         if site.kind == "conv" and attribute_value(site.node, "group", 1) != 1:
@@ -463,6 +550,16 @@ def _checked(sites: list[Site], options: LoRA) -> list[Site]:
                 f"LoRA targets the Conv of {label!r}, which has group="
                 f"{attribute_value(site.node, 'group', 1)}: PEFT's conv LoRA neither merges "
                 "nor matches a grouped Conv. Leave it out of targets.")
+        if site.kind == "conv":
+            kernel = site.candidate.shape[2:]
+            dilations = attribute_value(site.node, "dilations", [1] * len(kernel))
+            if any(d != 1 and k != 1 for d, k in zip(dilations, kernel)):
+                raise UnsupportedModelError(
+                    f"LoRA targets the Conv of {label!r}, which has dilations="
+                    f"{list(dilations)}: PEFT's conv LoRA gives its A Conv the kernel, "
+                    "strides and pads but not the dilations, so its update is not the base's "
+                    "shape (PEFT fails) or, with padding='same', cannot be merged into it. "
+                    "Leave it out of targets.")
         smaller = min(site.features[0] * _kernel_size(site), site.features[1])
         if options.rank > smaller:
             raise UnsupportedOptionError(
@@ -474,6 +571,7 @@ def _checked(sites: list[Site], options: LoRA) -> list[Site]:
 
 
 def _kernel_size(site: Site) -> int:
+    """The number of kernel positions of a conv site's weight (1 for a linear one)."""
     return math.prod(site.candidate.shape[2:]) if site.kind == "conv" else 1
 
 
@@ -483,66 +581,102 @@ def _kernel_size(site: Site) -> int:
 def merge_adapters(model: onnx.ModelProto, values: Mapping[str, np.ndarray] | None = None
                    ) -> onnx.ModelProto:
     """A copy of ``model`` with each recorded adapter's ``delta`` folded into its base
-    weight and its branch removed: the graph before the rewrite (its nodes, names and op
-    count), the adapters' record gone. ``values`` overrides the adapters' tensors (default:
-    the model's initializers). A quantized base (DequantizeLinear before the product) is
-    refused: ``W + delta`` is no longer on its quantization grid (keep the branch:
-    ``merge=False``); so is a base another node reads too (the merge would change it)."""
+    weight and its branch removed: the graph of the model before the rewrite (its nodes,
+    names and op count), the adapters' tensors and record gone. ``values`` overrides the
+    model's initializers (the adapters' tensors, their base weights). What
+    :func:`check_merge` refuses is refused before anything is merged."""
     merged = onnx.ModelProto()
     merged.CopyFrom(model)
-    adapters = read_adapters(merged)
-    if not adapters:
-        return merged
-    graph = merged.graph
-    tensors = {t.name: t for t in graph.initializer}
-    values = dict(values or {})
-    for adapter in adapters:
-        _merge_one(graph, tensors, adapter, values)
-    used = {name for node in graph.node for name in node.input}
-    kept = [t for t in graph.initializer if t.name in used or t.name in
-            {i.name for i in graph.output}]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    write_adapters(merged, ())
+    given = dict(values or {})
+    arrays = {t.name: t for t in model.graph.initializer}
+    folded = fold_adapters(merged, lambda name: given[name] if name in given
+                           else tensor_array(arrays[name]))
+    for tensor in merged.graph.initializer:  # after the fold: it rebuilds the list
+        if tensor.name in folded:
+            tensor.CopyFrom(numpy_helper.from_array(folded[tensor.name], tensor.name))
     return merged
 
 
-def _merge_one(graph: onnx.GraphProto, tensors: dict[str, onnx.TensorProto], adapter: Adapter,
-               values: Mapping[str, np.ndarray]) -> None:
+def check_merge(model: onnx.ModelProto) -> None:
+    """Refuse, as :func:`merge_adapters` would, a model whose adapters cannot be merged: a
+    quantized base (DequantizeLinear before the product: ``W + delta`` is no longer on its
+    quantization grid; keep the branch, ``merge=False``), or a base another node reads too
+    (the merge would change it). Nothing is computed: a check before any work."""
+    index = GraphIndex(model.graph.node)
+    for adapter in read_adapters(model):
+        _Fold.of(index, adapter)
+
+
+def fold_adapters(model: onnx.ModelProto, value: Callable[[str], np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+    """Remove, in ``model`` itself, each recorded adapter's branch, its tensors (initializers
+    and graph inputs) and the record, once :func:`check_merge` passes; return each base
+    weight with its adapter's ``delta`` added, by name, for the caller to write where the
+    base lives (an initializer, or a large one kept out of the model while it is exported).
+    ``value(name)`` gives the current value of an adapter's tensor or base weight."""
+    graph = model.graph
     index = GraphIndex(graph.node)
-    label = adapter.module or adapter.weight
-    branch = _branch(index, adapter)
-    add = branch[-1]
-    base = next(i for i in add.input if i not in branch[-2].output)
-    product = index.producer(base)
-    chain = _chain_nodes(index, product, adapter.weight)
-    readers = [n for value in [adapter.weight, *(c.output[0] for c in chain)]
-               for n in index.readers(value)]
-    if any(is_onnx_op(c, "DequantizeLinear") for c in chain):
-        raise UnsupportedOptionError(
-            f"merge=True on the adapter of {label!r}, whose base {adapter.weight!r} is quantized "
-            "(DequantizeLinear): W + delta is not on its quantization grid, and re-quantizing "
-            "would lose the update. Export with merge=False (the base stays quantized, the "
-            "adapter beside it).")
-    if len(readers) != len(chain) + 1:
-        raise UnsupportedOptionError(
-            f"merge=True on the adapter of {label!r}: other nodes read its base "
-            f"{adapter.weight!r} too, and merging would change them. Export with merge=False.")
-    a = np.asarray(values.get(adapter.a, tensor_array(tensors[adapter.a])))
-    b = np.asarray(values.get(adapter.b, tensor_array(tensors[adapter.b])))
-    delta = adapter.delta(a, b).astype(np.float64)
-    if is_onnx_op(product, "Gemm"):
-        delta /= attribute_value(product, "alpha", 1.0)
-    tensor = tensors[adapter.weight]
-    weight = tensor_array(tensor)
-    tensor.CopyFrom(numpy_helper.from_array(
-        (weight.astype(np.float64) + delta.reshape(weight.shape)).astype(weight.dtype),
-        tensor.name))
-    removed = {id(n) for n in branch}
-    nodes = [n for n in graph.node if id(n) not in removed]
-    product.output[list(product.output).index(base)] = add.output[0]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    adapters = read_adapters(model)
+    folds = [_Fold.of(index, adapter) for adapter in adapters]
+    weights = {}
+    for adapter, fold in zip(adapters, folds):
+        delta = adapter.delta(np.asarray(value(adapter.a)),
+                              np.asarray(value(adapter.b))).astype(np.float64)
+        if is_onnx_op(fold.product, "Gemm"):
+            delta /= attribute_value(fold.product, "alpha", 1.0)
+        weight = np.asarray(value(adapter.weight))
+        weights[adapter.weight] = (weight.astype(np.float64) + delta.reshape(weight.shape)
+                                   ).astype(weight.dtype)
+        outputs = fold.product.output
+        outputs[list(outputs).index(fold.base)] = fold.branch[-1].output[0]
+    removed = {id(n) for fold in folds for n in fold.branch}
+    tensors = {name for adapter in adapters for name in (adapter.a, adapter.b)}
+    _keep(graph.node, lambda n: id(n) not in removed)
+    _keep(graph.initializer, lambda t: t.name not in tensors)
+    _keep(graph.input, lambda i: i.name not in tensors)
+    write_adapters(model, ())
+    return weights
+
+
+def _keep(items: Any, keep: Callable[[Any], bool]) -> None:
+    """Keep the items of a repeated protobuf field that ``keep`` accepts, in order."""
+    kept = [item for item in items if keep(item)]
+    del items[:]
+    items.extend(kept)
+
+
+@dataclass(frozen=True)
+class _Fold:
+    """What merging one adapter changes: its ``branch`` (ending with the Add), the
+    ``product`` beside it and the value ``base`` the product writes for the Add."""
+
+    branch: list[onnx.NodeProto]
+    product: onnx.NodeProto
+    base: str
+
+    @classmethod
+    def of(cls, index: GraphIndex, adapter: Adapter) -> _Fold:
+        """The fold of ``adapter``; an error when it cannot be merged (:func:`check_merge`)."""
+        label = adapter.module or adapter.weight
+        branch = _branch(index, adapter)
+        add = branch[-1]
+        base = next(i for i in add.input if i not in branch[-2].output)
+        product = index.producer(base)
+        chain = _chain_nodes(index, product, adapter.weight)
+        readers = [n for value in [adapter.weight, *(c.output[0] for c in chain)]
+                   for n in index.readers(value)]
+        if any(is_onnx_op(c, "DequantizeLinear") for c in chain):
+            raise UnsupportedOptionError(
+                f"merge=True on the adapter of {label!r}, whose base {adapter.weight!r} is "
+                "quantized (DequantizeLinear): W + delta is not on its quantization grid, and "
+                "re-quantizing would lose the update. Export with merge=False (the base "
+                "stays quantized, the adapter beside it).")
+        if len(readers) != len(chain) + 1:
+            raise UnsupportedOptionError(
+                f"merge=True on the adapter of {label!r}: other nodes read its base "
+                f"{adapter.weight!r} too, and merging would change them. Export with "
+                "merge=False.")
+        return cls(branch, product, base)
 
 
 def _branch(index: GraphIndex, adapter: Adapter) -> list[onnx.NodeProto]:

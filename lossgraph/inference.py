@@ -1,6 +1,6 @@
 """The inference model: a model with trained weights written back, nothing of training left.
 
-    exported = export_model(model, weights, skipped=..., state=..., target=...)
+    exported = export_model(model, weights, skipped=..., state=..., target=..., merge=False)
     exported.to_model()              -> onnx.ModelProto (checked, under 2 GiB)
     exported.assemble("m.onnx.data") -> the model reading its large weights from a data file
 
@@ -11,7 +11,8 @@ shapes and finiteness are checked. Then :class:`~lossgraph.passes.LowerMlOps` (a
 lowered) and :class:`~lossgraph.passes.StripTraining` remove what only training needs,
 under ``target``, else the active target (:func:`lossgraph.target.use_target`); a
 program's model is exported for the target it was compiled for
-(:func:`lossgraph.target.target_for`).
+(:func:`lossgraph.target.target_for`). ``merge=True`` then folds LoRA adapters into their
+base weights (:func:`lossgraph.adapters.fold_adapters`), large ones included.
 
 This is the one implementation behind ``TrainingProgram.to_inference_model``,
 ``Trainer.to_inference_model`` and :mod:`lossgraph.export.inference` (which reads the
@@ -34,6 +35,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .adapters import check_merge, fold_adapters
 from .errors import (
     DTypeMismatchError,
     InternalError,
@@ -45,6 +47,7 @@ from .errors import (
     suggest,
 )
 from .metadata import WRITTEN_BY_KEY, remove_record
+from .options import flag
 from .passes.lower_ml import LowerMlOps
 from .passes.strip import StripTraining
 from .target import Target, active_target, use_target
@@ -64,9 +67,12 @@ _PAGE_ALIGNED = 1 << 20  # tensors this large start on a page boundary (for mmap
 
 def export_model(model: onnx.ModelProto, weights: Mapping[str, Any],
                  skipped: Collection[str] = (), state: Mapping[str, Any] | None = None,
-                 target: Target | str | None = None) -> Exported:
+                 target: Target | str | None = None, merge: bool = False) -> Exported:
     """``model`` (read, never changed) with ``weights``, then ``state``'s, written back
-    and what only training needs removed (module docstring)."""
+    and what only training needs removed (module docstring); ``merge=True`` folds its LoRA
+    adapters into their base weights (:func:`~lossgraph.adapters.merge_adapters`)."""
+    if flag("merge", merge):
+        check_merge(model)
     weights = _merged(weights, skipped, state)
     with _targeting(target):
         light, large = _lighten(model)
@@ -77,10 +83,25 @@ def export_model(model: onnx.ModelProto, weights: Mapping[str, Any],
         order += _write_weights(light, large, weights)
         remove_record(light, WRITTEN_BY_KEY)
         stripped = StripTraining()(light).model
+    if merge:
+        _merge_adapters(stripped, large)
     inputs = {i.name for i in stripped.graph.input}
     live = {name: large[name] for name in order if name in large and name in inputs}
     return Exported(stripped, live, [n for n in order if n in live or n not in large],
                     frozenset(keep_inputs))
+
+
+def _merge_adapters(model: onnx.ModelProto, large: dict[str, _Large]) -> None:
+    """Fold ``model``'s adapters into their base weights, in place, those kept apart in
+    ``large`` too (:func:`~lossgraph.adapters.fold_adapters`)."""
+    small = {t.name: t for t in model.graph.initializer}
+    folded = fold_adapters(model, lambda name: large[name].array() if name in large
+                           else numpy_helper.to_array(small[name]))
+    for tensor in model.graph.initializer:
+        if tensor.name in folded:
+            tensor.CopyFrom(numpy_helper.from_array(folded.pop(tensor.name), tensor.name))
+    for name, value in folded.items():
+        large[name].value = value
 
 
 def _merged(weights: Mapping[str, Any], skipped: Collection[str],
@@ -119,6 +140,12 @@ class _Large:
         if isinstance(self.value, np.ndarray):
             return int(self.value.nbytes)
         return self.value.ByteSize()
+
+    def array(self) -> np.ndarray:
+        """The value as an array."""
+        if isinstance(self.value, np.ndarray):
+            return self.value
+        return numpy_helper.to_array(self.value)
 
     def tensor(self, name: str) -> onnx.TensorProto:
         """The initializer with its data."""

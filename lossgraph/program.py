@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .adapters import Adapter, merge_adapters
+from .adapters import Adapter
 from .deprecation import warn_renamed
 from .errors import ShapeMismatchError, UnknownNameError, UnsupportedOptionError, suggest
 from .fileio import check_file_target, ensure_folder, save_model, serialize
@@ -175,13 +175,11 @@ class TrainingProgram:
         ``merge=True``, each LoRA adapter is folded into its base weight, the branch gone
         (:func:`~lossgraph.adapters.merge_adapters`: the original graph); by default the
         adapters' branches stay."""
-        merge = flag("merge", merge)
         if flag("ema", ema) and (state is None or isinstance(state, Mapping)):
             state = self.model_state({**self.state, **(state or {})}, ema=True)
         model = self.inference_model
-        exported = export_model(model, self.model_state(), self.optimizer_states, state,
-                                target_for(model)).to_model()
-        return merge_adapters(exported) if merge else exported
+        return export_model(model, self.model_state(), self.optimizer_states, state,
+                            target_for(model), merge).to_model()
 
     def model_state(self, state: Mapping[str, np.ndarray] | None = None, *,
                     ema: bool = False) -> dict[str, np.ndarray]:

@@ -107,6 +107,12 @@ GROUPED_CONV = """
     g (float[N, 2, 3, 3] x) => (float[N, 2, 3, 3] y)
     <float[2, 1, 1, 1] k = {1, 2}> { y = Conv <group = 2> (x, k) }
 """
+DILATED_CONV = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 1, 5, 5] x) => (float[N, 2, 5, 5] y)
+    <float[2, 1, 3, 3] k = {1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9}>
+    { y = Conv <dilations = [2, 2], pads = [2, 2, 2, 2]> (x, k) }
+"""
 QUANTIZED = """
     <ir_version: 8, opset_import: ["" : 18]>
     g (float[N, 4] x) => (float[N, 2] y)
@@ -707,6 +713,9 @@ CASES: list[Case] = [
     Case("lora-grouped-conv", "LoRA on a Conv with group=2",
          lambda c: lossgraph.add_lora(parse(GROUPED_CONV), targets=["k"], rank=1),
          UnsupportedModelError, "group=2"),
+    Case("lora-dilated-conv", "LoRA on a 3x3 Conv with dilations=[2, 2]",
+         lambda c: lossgraph.add_lora(parse(DILATED_CONV), targets=["k"], rank=1),
+         UnsupportedModelError, "dilations=[2, 2]: PEFT's conv LoRA"),
     Case("lora-merge-quantized-base", "to_inference_model(merge=True), a DequantizeLinear base",
          lambda c: c.trainer(parse(QUANTIZED), adapters=LoRA(rank=1)).to_inference_model(
              merge=True), UnsupportedOptionError, "whose base 'q' is quantized"),

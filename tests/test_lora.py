@@ -114,6 +114,31 @@ def test_candidates_name_the_module_of_each_product_and_its_layout():
                                              "base_model.model.fc1.lora_B.weight")
 
 
+@pytest.mark.torch
+@pytest.mark.parametrize("export", ["legacy-gemm", "legacy-matmul",
+                                    pytest.param("dynamo", marks=pytest.mark.slow)])
+def test_a_module_its_grandparent_calls_is_named_by_its_full_path(export):
+    """``Net.forward`` calls ``self.encoder.query``: the legacy exporter's scope is ``query``
+    (``/query/Gemm``), the weight or the bias (a MatMul's weight is renamed) names
+    ``encoder.query``, the path PEFT knows; dynamo's scopes name it in full."""
+    import torch
+    from support.adapters import torch_net
+    from support.torch_steps import legacy_export
+
+    net = torch_net(direct=True)
+    example = np.zeros((2, 5) if export == "legacy-gemm" else (2, 3, 5), np.float32)
+    if export == "dynamo":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = torch.onnx.export(net, (torch.from_numpy(example),), dynamo=True,
+                                      verbose=False).model_proto
+    else:
+        model = legacy_export(net, example)
+        assert {n.name.split("/")[1] for n in model.graph.node if n.op_type != "Relu"} == {
+            "query", "value"}
+    assert [c.module for c in lora_candidates(model)] == ["encoder.query", "encoder.value"]
+
+
 @pytest.mark.parametrize("layout", ["plain", "transposed", "quantized"])
 def test_the_rewrite_keeps_outputs_and_the_merge_folds_the_update_back(layout):
     """Before training (B zero) the outputs are unchanged; with B drawn at random the branch
@@ -565,6 +590,41 @@ def test_conv_lora_computes_and_trains_like_peft():
         merged = peft_model.merge_and_unload()(torch.from_numpy(X)).numpy()
     np.testing.assert_allclose(_run(trainer.to_inference_model(merge=True), x=X), merged,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.torch
+def test_a_dilated_kernel_is_refused_and_a_dilated_1x1_conv_computes_like_peft():
+    """PEFT's lora_A takes the base's kernel, stride and padding, not its dilation: on a
+    dilated 3x3 Conv its update has another shape (PEFT fails), which lossgraph refuses by
+    name; on a 1x1 Conv dilation changes nothing, and the branch computes PEFT's output
+    (B drawn at random), merged too."""
+    import torch
+    from support.torch_steps import legacy_export
+
+    torch.manual_seed(0)
+    X = np.random.default_rng(0).normal(size=(3, 2, 5, 5)).astype(np.float32)
+    dilated = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=2, dilation=2))
+    with pytest.raises(RuntimeError, match="must match"):
+        _peft(dilated, 2, 4, ["0"])(torch.from_numpy(X))
+    with pytest.raises(UnsupportedModelError, match=r"dilations=\[2, 2\]"):
+        lossgraph.add_lora(legacy_export(dilated, X[:2]), targets=["0"], rank=2)
+    pointwise = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 1, dilation=2))
+    model = legacy_export(pointwise, X[:2])
+    assert [list(a.ints) for a in model.graph.node[0].attribute if a.name == "dilations"] == [
+        [2, 2]]
+    peft_model = _peft(pointwise, 2, 4, ["0"])
+    with torch.no_grad():
+        _peft_layer(peft_model, "0").lora_B["default"].weight.normal_()
+        expected = peft_model(torch.from_numpy(X)).numpy()
+    adapted = lossgraph.add_lora(model, targets=["0"], rank=2, alpha=4)
+    (adapter,) = read_adapters(adapted)
+    values = dict(zip((adapter.a, adapter.b), _peft_tensors(peft_model, adapter)))
+    for tensor in adapted.graph.initializer:
+        if tensor.name in values:
+            tensor.CopyFrom(numpy_helper.from_array(values[tensor.name], tensor.name))
+    np.testing.assert_allclose(_run(adapted, x=X), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_run(merge_adapters(adapted), x=X), expected, rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_the_ort_artifacts_train_the_adapters_alone(tmp_path):

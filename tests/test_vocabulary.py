@@ -155,7 +155,8 @@ FLAG_PARAMETERS = {
         "--accumulation-steps": "accumulation_steps", "--recompute": "recompute",
         "--max-grad-norm": "max_grad_norm", "--ema-decay": "ema_decay",
         "--lora": "adapters", "--lora-alpha": "adapters", "--lora-targets": "adapters",
-        "--lora-dropout": "adapters", "--output": None, "--format": None}),
+        "--lora-pattern": "adapters", "--lora-dropout": "adapters", "--output": None,
+        "--format": None}),
 }
 
 

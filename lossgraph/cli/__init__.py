@@ -61,6 +61,10 @@ def _export(args: argparse.Namespace) -> int:
     from .build import _export_function
     from .outputs import _external_note
 
+    if args.merge:  # adapters that cannot be merged: the error before anything is written
+        from ..export.inference import check_merge_of
+
+        check_merge_of(args.source)
     if args.adapters is not None:
         written = _export_function("export_adapters")(
             args.source, args.adapters, peft_config=args.peft_config, overwrite=args.force)
@@ -69,7 +73,8 @@ def _export(args: argparse.Namespace) -> int:
     if args.output is not None:
         save_inference_model = _export_function("save_inference_model")
         save_inference_model(args.source, args.output, external_data=args.external_data,
-                             target=args.target, overwrite=args.force, ema=args.ema)
+                             target=args.target, overwrite=args.force, ema=args.ema,
+                             merge=args.merge)
         print(f"wrote {args.output}{_external_note(args.output)}")
     return EXIT_OK
 

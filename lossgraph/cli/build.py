@@ -144,15 +144,37 @@ def _recompute(tensors: list[str] | None) -> str | list[str]:
 
 def _adapters(args: argparse.Namespace) -> LoRA | None:
     """``--lora RANK`` and its options as a :class:`~lossgraph.adapters.LoRA`, or None."""
-    options = {"alpha": args.lora_alpha, "targets": args.lora_targets,
-               "dropout": args.lora_dropout}
+    flags = {"--lora-alpha": args.lora_alpha, "--lora-targets": args.lora_targets,
+             "--lora-pattern": args.lora_pattern, "--lora-dropout": args.lora_dropout}
     if args.lora is None:
-        given = [f"--lora-{name}" for name, value in options.items() if value is not None]
+        given = [flag for flag, value in flags.items() if value is not None]
         if given:
             raise UnsupportedOptionError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''}"
                                          " an option of LoRA adapters: add --lora RANK.")
         return None
+    options = {"alpha": args.lora_alpha, "targets": _lora_targets(args),
+               "dropout": args.lora_dropout}
     return LoRA(args.lora, **{k: v for k, v in options.items() if v is not None})
+
+
+def _lora_targets(args: argparse.Namespace) -> str | list[str] | None:
+    """``LoRA(targets=)`` of ``--lora-targets`` (names by space or comma, PEFT's list;
+    ``all-linear`` alone) or ``--lora-pattern`` (a regular expression), or None."""
+    if args.lora_pattern is not None:
+        if args.lora_targets is not None:
+            raise UnsupportedOptionError(
+                "--lora-targets and --lora-pattern both choose the adapted weights: give "
+                "names (--lora-targets query,value) or one regular expression "
+                "(--lora-pattern), not both.")
+        return args.lora_pattern
+    if args.lora_targets is None:
+        return None
+    names = [name.strip() for value in args.lora_targets for name in value.split(",")]
+    if not all(names):
+        raise UnsupportedOptionError(
+            f"--lora-targets {' '.join(args.lora_targets)!r} has an empty name: list module "
+            "or weight names by space or comma (query,value).")
+    return "all-linear" if names == ["all-linear"] else names
 
 
 def _compile(args: argparse.Namespace) -> int:

@@ -118,6 +118,9 @@ def _check_export_outputs(args: argparse.Namespace) -> None:
         raise UnsupportedOptionError(
             "lossgraph export writes the inference model (-o FILE), the LoRA adapters "
             "(--adapters FILE) or both: give at least one.")
+    if args.merge and args.output is None:
+        raise UnsupportedOptionError("--merge folds the adapters into the inference model: "
+                                     "it goes with -o FILE.")
     if args.adapters is None:
         if args.peft_config:
             raise UnsupportedOptionError("--peft-config goes with --adapters "

@@ -47,7 +47,7 @@ examples:
   lossgraph compile model.onnx -o program/ --schedule cosine --total-steps 1000 \\
       --schedule-option end=1e-5 --schedule-option cycles=1
   lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
-  lossgraph compile bert.onnx -o program/ --lora 8 --lora-targets query value
+  lossgraph compile bert.onnx -o program/ --lora 8 --lora-targets query,value
   lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
     "train": """\
 examples:
@@ -224,6 +224,12 @@ class _Modes:
         return "; ".join(f"{name}, {mode.summary}" for name, mode in MODES.items())
 
 
+#: --merge of train and export.
+MERGE_HELP = ("with -o: fold the LoRA adapters (a program compiled with --lora) into their "
+              "base weights, the model's original graph (default: the adapters' branches "
+              "stay, the form every base allows: a quantized or shared base refuses --merge)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lossgraph", description="From an ONNX model to a trained ONNX "
                      "model: inspect it, compile it into training\ngraphs, train them on a data "
@@ -277,10 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--lora-alpha", type=float, metavar="ALPHA",
                        help="with --lora: the adapters' alpha, their update scaled by "
                             "alpha / rank (default: 16)")
-    build.add_argument("--lora-targets", nargs="+", metavar="NAME",
-                       help="with --lora: the modules or weights that get an adapter, PEFT's "
-                            "target_modules (default: PEFT's defaults where the module paths "
-                            "name them, e.g. query value, else every 2-D MatMul/Gemm weight)")
+    build.add_argument("--lora-targets", nargs="+", metavar="NAME[,NAME...]",
+                       help="with --lora: the modules or weights that get an adapter, by "
+                            "space or comma, PEFT's target_modules list (a module path equal "
+                            "to or ending in .NAME, or a weight's name), or all-linear "
+                            "(default: PEFT's defaults where the module paths name them, "
+                            "e.g. query,value, else every 2-D MatMul/Gemm weight)")
+    build.add_argument("--lora-pattern", metavar="REGEX",
+                       help="with --lora, instead of --lora-targets: a regular expression a "
+                            "module path or weight name matches in full (PEFT's "
+                            "target_modules as a string)")
     build.add_argument("--lora-dropout", type=float, metavar="P",
                        help="with --lora: dropout on the adapters' input in training "
                             "(default: 0)")
@@ -446,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ema", action="store_true",
                        help="write the weights' moving average (a program compiled with "
                             "--ema-decay) instead of the last weights")
+    train.add_argument("--merge", action="store_true", help=MERGE_HELP)
 
     export = command("export", "write the inference model of a checkpoint or program folder, "
                                "with its weights and nothing of training left")
@@ -471,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--ema", action="store_true",
                         help="write the weights' moving average (a program or checkpoint "
                              "compiled with --ema-decay) instead of the weights")
+    export.add_argument("--merge", action="store_true", help=MERGE_HELP)
 
     add_loss = command("add-loss", "append a scalar loss output")
     add_loss.add_argument("model", help="input ONNX file")

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .. import __version__
+from ..adapters import check_merge
 from ..errors import (
     UnsupportedOptionError,
 )
@@ -112,6 +113,8 @@ def _train(args: argparse.Namespace) -> int:
     trainer, data = _trainer_and_data(args)
     if args.ema:  # a program that keeps no average: the error before any training
         trainer.program.model_state(ema=True)
+    if args.merge:  # adapters that cannot be merged (a quantized base): the same
+        check_merge(trainer.program.inference_model)
     validation = None
     if args.validation_split is not None:
         data, validation = _split(data, args.validation_split)
@@ -166,7 +169,7 @@ def _train(args: argparse.Namespace) -> int:
     plot = loss_curve_png(train_losses, validation_losses,
                           f"lossgraph: {Path(args.data).name}", metrics) if args.plot else None
     _export_function("save_inference_model")(trainer, args.output, overwrite=args.force,
-                                             ema=args.ema)
+                                             ema=args.ema, merge=args.merge)
     written = [f"{args.output}{_external_note(args.output)}"]
     if args.checkpoint:
         trainer.save_checkpoint(args.checkpoint)

@@ -68,7 +68,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..adapters import Adapter, read_adapters
+from ..adapters import Adapter, module_matches, read_adapters
 from ..errors import (
     AdapterMismatchError,
     InvalidProgramError,
@@ -134,7 +134,8 @@ def _known_by(entry: Mapping[str, Any]) -> str:
     return entry["module"] or entry["weight"]
 
 
-def base_record(adapters: Sequence[Adapter], state: Mapping[str, np.ndarray]) -> list[dict]:
+def base_record(adapters: Sequence[Adapter], state: Mapping[str, np.ndarray]
+                ) -> list[dict[str, Any]]:
     """What the adapters fit, one entry per adapter in a stable order: the fingerprint of the
     base model and the LoRA options recorded in a file and compared on loading."""
     entries = [{"module": a.module, "weight": None if a.module is not None else a.weight,
@@ -144,7 +145,8 @@ def base_record(adapters: Sequence[Adapter], state: Mapping[str, np.ndarray]) ->
     return sorted(entries, key=_known_by)
 
 
-def _digest(record: list[dict]) -> str:
+def _digest(record: list[dict[str, Any]]) -> str:
+    """The SHA-256 of ``record`` in a canonical JSON form (hex)."""
     text = json.dumps(record, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -340,8 +342,7 @@ def export_adapters(source: Trainer | TrainingProgram | str | os.PathLike,
     kind, target, config = check_adapters_target(path, format, peft_config, overwrite)
     program, state = _program_and_state(source)
     adapters = _adapters(program)
-    if config is not None:
-        settings = _peft_settings(adapters)
+    settings = _peft_settings(adapters) if config is not None else None
     tensors, metadata = file_tensors(adapters, state, kind.peft_names)
     written = write_file(target, kind.write(tensors, metadata), kind.owned, overwrite)
     if config is not None:
@@ -468,6 +469,7 @@ def load_adapters(target: Trainer | TrainingProgram, path: str | os.PathLike,
 
 
 def _optimizer_states(program: TrainingProgram, weight: str) -> list[str]:
+    """The names of the optimizer states of the program's weight ``weight``."""
     return [s["name"] for w in program.manifest["weights"] if w["name"] == weight
             for s in w["states"]]
 
@@ -575,10 +577,10 @@ def _check_peft_settings(adapters: Sequence[Adapter], settings: Mapping[str, Any
                 f"compute (alpha / rank scaling, no magnitude vector).")
     ranks, alphas = settings.get("rank_pattern") or {}, settings.get("alpha_pattern") or {}
     for adapter in adapters:
-        module = adapter.module or ""
-        rank = next((r for k, r in ranks.items() if module == k or module.endswith("." + k)),
+        module = adapter.module
+        rank = next((r for k, r in ranks.items() if module_matches(module, k)),
                     settings.get("r"))
-        alpha = next((a for k, a in alphas.items() if module == k or module.endswith("." + k)),
+        alpha = next((a for k, a in alphas.items() if module_matches(module, k)),
                      settings.get("lora_alpha"))
         if (rank, alpha) != (None, None) and (rank != adapter.rank or alpha != adapter.alpha):
             raise AdapterMismatchError(

@@ -1,7 +1,8 @@
 """The inference model with trained weights written back and nothing of training left.
 
     to_inference_model(source, state=None, ema=False, merge=False)  -> onnx.ModelProto
-    save_inference_model(source, path, state=None, ema=False)  -> path (+ path.data if large)
+    save_inference_model(source, path, state=None, ema=False, merge=False)
+                                                  -> path (+ path.data if large)
 
 ``source`` is where the model and its weights come from:
 
@@ -54,7 +55,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..adapters import merge_adapters
+from ..adapters import check_merge
 from ..errors import UnsupportedOptionError
 from ..fileio import check_file_target, save_model, write_file
 from ..inference import DATA_MAGIC, EXTERNAL_MIN_BYTES, PROTOBUF_LIMIT, Exported, export_model
@@ -68,8 +69,8 @@ from ..target import Target, target_for
 from .artifacts import CHECKPOINT_FILE, EVAL_FILE
 from .ort_checkpoint import read_ort_checkpoint
 
-__all__ = ["to_inference_model", "save_inference_model", "Source", "EXTERNAL_MIN_BYTES",
-           "PROTOBUF_LIMIT", "DATA_SUFFIX", "DATA_MAGIC"]
+__all__ = ["to_inference_model", "save_inference_model", "check_merge_of", "Source",
+           "EXTERNAL_MIN_BYTES", "PROTOBUF_LIMIT", "DATA_SUFFIX", "DATA_MAGIC"]
 
 #: What the inference model and its weights can come from (see the module docstring).
 Source = Trainer | TrainingProgram | onnx.ModelProto | bytes | str | os.PathLike
@@ -94,8 +95,7 @@ def to_inference_model(source: Source, state: Mapping[str, Any] | None = None, *
     ModelProto: save it with :func:`save_inference_model`. ``merge=True`` folds LoRA
     adapters into their base weights (:func:`~lossgraph.adapters.merge_adapters`).
     """
-    model = _export(source, state, target, ema).to_model()
-    return merge_adapters(model) if flag("merge", merge) else model
+    return _export(source, state, target, ema, merge).to_model()
 
 
 def save_inference_model(source: Source, path: str | os.PathLike,
@@ -103,8 +103,10 @@ def save_inference_model(source: Source, path: str | os.PathLike,
                          external_data: bool | None = None, *,
                          target: Target | str | None = None,
                          size_limit: int = PROTOBUF_LIMIT, overwrite: bool = False,
-                         ema: bool = False) -> Path:
+                         ema: bool = False, merge: bool = False) -> Path:
     """Write :func:`to_inference_model`'s model to ``path``; returns its absolute path.
+    ``merge=True`` folds LoRA adapters into their base weights, as there; by default
+    (the form every model has) the adapters' branches stay.
 
     ``external_data``: ``True`` writes the initializers of :data:`EXTERNAL_MIN_BYTES` or
     more to ``<path>.data`` (one file, located relative to the model), ``False`` keeps
@@ -126,7 +128,7 @@ def save_inference_model(source: Source, path: str | os.PathLike,
     data_path = model_path.with_name(model_path.name + DATA_SUFFIX)
     if external_data:
         check_file_target(data_path, _is_lossgraph_data, overwrite)
-    exported = _export(source, state, target, ema)
+    exported = _export(source, state, target, ema, merge)
     external = (external_data if external_data is not None else
                 exported.too_large() or exported.size() > size_limit)
     if not external and exported.too_large():
@@ -140,6 +142,13 @@ def save_inference_model(source: Source, path: str | os.PathLike,
     else:
         model, _ = exported.assemble()
     return save_model(model, model_path, overwrite=overwrite)
+
+
+def check_merge_of(source: Source) -> None:
+    """Refuse ``merge=True`` on a source whose adapters cannot be merged
+    (:func:`~lossgraph.adapters.check_merge`), before any work: for a caller that writes
+    other files first (``lossgraph export --adapters ... -o ... --merge``)."""
+    check_merge(_source(source).model)
 
 
 # -- sources ----------------------------------------------------------------------------------
@@ -204,7 +213,7 @@ def _of_program(program: TrainingProgram, state: Mapping[str, np.ndarray],
 
 
 def _export(source: Source, state: Mapping[str, Any] | None,
-            target: Target | str | None, ema: bool = False) -> Exported:
+            target: Target | str | None, ema: bool = False, merge: bool = False) -> Exported:
     if flag("ema", ema) and state is not None:
         raise UnsupportedOptionError(
             "ema=True writes the averages the source's own state holds; state= would override "
@@ -212,7 +221,7 @@ def _export(source: Source, state: Mapping[str, Any] | None,
             "TrainingProgram.model_state(state, ema=True)).")
     given = _source(source, ema)
     return export_model(given.model, given.weights, given.skipped, state,
-                        target if target is not None else given.target)
+                        target if target is not None else given.target, merge)
 
 
 def _is_lossgraph_data(path: Path) -> bool:

@@ -7,7 +7,7 @@ For each target weight ``W`` whose product computes ``Y = X @ W_eff``
                                   Y = Add(Y_base, Mul(MatMul(MatMul(dropout(X), A), B), scale))
     Y = Gemm(X, W, C)         ->  the same on the Gemm's output, X transposed for transA
     Y = Conv(X, W, b)         ->  Y = Add(Y_base, Mul(Conv(Conv(dropout(X), A), B), scale))
-                                  A: a Conv with W's kernel, strides, pads and dilations,
+                                  A: a Conv with W's kernel, strides and pads,
                                   B: a 1x1 Conv (PEFT's conv LoRA)
 
 ``scale = alpha / rank``; ``A`` starts as PEFT draws it, ``B`` at zero, so the model's
@@ -47,8 +47,9 @@ from .contract import Pass, PassResult
 
 __all__ = ["AddLoRA", "add_lora"]
 
-#: The attributes of a base Conv that its adapter's ``A`` Conv takes.
-_CONV_ATTRIBUTES = ("auto_pad", "dilations", "kernel_shape", "pads", "strides")
+#: The attributes of a base Conv that its adapter's ``A`` Conv takes: PEFT's ``lora_A`` has
+#: the base's kernel, stride and padding (a dilated kernel is refused: ``select_sites``).
+_CONV_ATTRIBUTES = ("auto_pad", "kernel_shape", "pads", "strides")
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ def add_lora(model: ModelLike, targets: Targets = None, rank: int = 8, alpha: fl
              ops: Sequence[str] | None = None) -> onnx.ModelProto:
     """``model`` with LoRA adapters beside the weights ``targets`` selects
     (:class:`AddLoRA`, :class:`~lossgraph.adapters.LoRA` for the options)."""
-    options = LoRA(rank, alpha, targets, dropout, init, tuple(ops) if ops else None, seed)
+    kept = None if ops is None else tuple([ops] if isinstance(ops, str) else ops)
+    options = LoRA(rank, alpha, targets, dropout, init, kept, seed)
     return AddLoRA(options)(model).model
 
 

@@ -54,7 +54,26 @@ FLAG_FORMS = {
                        "--lora-dropout", "0.1"],
                       {"adapters": LoRA(rank=2, alpha=8.0, targets=["z_weight"], dropout=0.1)}),
     "LoRA adapters by default": (["--lora", "1"], {"adapters": LoRA(rank=1)}),
+    "LoRA adapters by pattern": (["--lora", "1", "--lora-pattern", "z_.*"],
+                                 {"adapters": LoRA(rank=1, targets="z_.*")}),
 }
+
+
+@pytest.mark.parametrize(("flags", "targets"), [
+    (["--lora-targets", "query,value"], ("query", "value")),
+    (["--lora-targets", "query", "value"], ("query", "value")),
+    (["--lora-targets", "query, value", "key"], ("query", "value", "key")),
+    (["--lora-targets", "all-linear"], "all-linear"),
+    (["--lora-pattern", r".*\.(query|value)"], r".*\.(query|value)"),
+], ids=["commas", "spaces", "both", "all-linear", "pattern"])
+def test_lora_targets_are_names_by_space_or_comma_or_a_pattern(flags, targets):
+    """--lora-targets: PEFT's list of names (split on commas too), all-linear alone PEFT's
+    all-linear; --lora-pattern: a regular expression (PEFT's target_modules string)."""
+    from lossgraph.cli.build import _adapters
+    from lossgraph.cli.parser import build_parser
+
+    args = build_parser().parse_args(["compile", "m.onnx", "-o", "p", "--lora", "2", *flags])
+    assert _adapters(args) == LoRA(rank=2, targets=targets)
 
 
 @pytest.mark.parametrize(("flags", "options"), FLAG_FORMS.values(), ids=FLAG_FORMS.keys())

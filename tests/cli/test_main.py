@@ -148,6 +148,20 @@ def _lora_program(tmp_path) -> str:
     return f"{tmp_path}/lora"
 
 
+def _quantized_lora_program(tmp_path) -> str:
+    """A program folder training a rank-1 adapter beside a quantized (DequantizeLinear)
+    base, which --merge refuses, and its data as d4.npz."""
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[N, 4] x) => (float[N, 2] y)
+        <int8[4, 2] q = {1, 2, 3, 4, 5, 6, 7, 8}, float s = {0.1}, int8 z = {0}>
+        { w = DequantizeLinear(q, s, z)  y = MatMul(x, w) }""")
+    np.savez(tmp_path / "d4.npz", X=np.ones((4, 4), np.float32), y=np.ones((4, 2), np.float32))
+    assert main(["compile", _file(tmp_path, "q.onnx", model.SerializeToString()), "-o",
+                 f"{tmp_path}/quantized", "--lora", "1"]) == 0
+    return f"{tmp_path}/quantized"
+
+
 def _overflowing_npz(tmp_path) -> str:
     """float64 arrays (converted to the model's float32), one value beyond float32."""
     X = np.ones((10, 3))
@@ -270,6 +284,11 @@ BAD_COMMANDS = {
     "lora rank zero": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--lora", "0"],
     "lora target that matches nothing": lambda t: ["compile", _model(t), "-o", f"{t}/p",
                                                    "--lora", "1", "--lora-targets", "query"],
+    "lora targets with an empty name": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                  "--lora", "1", "--lora-targets", "query,"],
+    "lora targets and a pattern": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--lora",
+                                             "1", "--lora-targets", "query", "--lora-pattern",
+                                             "q.*"],
     "ema decay one": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--ema-decay", "1"],
     "ema for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                         "ort-artifacts", "--ema-decay", "0.9"],
@@ -443,6 +462,14 @@ BAD_COMMANDS = {
                                                        _file(t, "a.npz", b"PK mine")],
     "compile LoRA of a rank too large": lambda t: ["compile", _model(t), "-o", f"{t}/p",
                                                    "--lora", "3"],
+    "export --merge without -o": lambda t: ["export", _lora_program(t), "--adapters",
+                                            f"{t}/a.npz", "--merge"],
+    "export --merge of a quantized base": lambda t: ["export", _quantized_lora_program(t),
+                                                     "--adapters", f"{t}/a.npz", "-o",
+                                                     f"{t}/o.onnx", "--merge"],
+    "train --merge of a quantized base": lambda t: ["train", _quantized_lora_program(t),
+                                                    "--data", f"{t}/d4.npz", "-o", f"{t}/o.onnx",
+                                                    "--merge"],
     # found by the fuzzer: onnx's InferenceError, exit 1
     "trainable of a domain not imported": lambda t: ["trainable", _unimported_domain(t)],
     "inspect of a domain not imported": lambda t: ["inspect", _unimported_domain(t)],
@@ -635,6 +662,18 @@ def test_export_writes_the_lora_adapters_of_a_checkpoint_alone_or_with_the_model
         for name, value in load_adapters(fresh, path).items():
             np.testing.assert_array_equal(value, checkpoint.state[name])
     assert (tmp_path / "model.onnx").read_bytes() == (tmp_path / "trained.onnx").read_bytes()
+    # --merge: the adapters folded in, the base model's graph (train and export alike)
+    assert main(["train", str(program), "--data", str(tmp_path / "d.npz"), "--epochs", "2",
+                 "-o", str(tmp_path / "trained-merged.onnx"), "--merge"]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "merged.onnx"),
+                 "--merge"]) == 0
+    expected = checkpoint.to_inference_model(merge=True)
+    for path in ("trained-merged.onnx", "merged.onnx"):
+        merged = onnx.load(tmp_path / path)
+        assert [n.op_type for n in merged.graph.node] == ["Gemm"]
+        for ours, theirs in zip(merged.graph.initializer, expected.graph.initializer):
+            np.testing.assert_allclose(onnx.numpy_helper.to_array(ours),
+                                       onnx.numpy_helper.to_array(theirs), rtol=1e-5, atol=1e-6)
 
 
 def test_export_keeps_large_weights_in_a_data_file_on_request(tmp_path, capsys, run_model):

@@ -213,13 +213,14 @@ def test_onnxruntime_runs_an_onnx_adapter_as_the_merged_model(tmp_path):
 
 
 @pytest.mark.torch
-def test_peft_loads_lossgraphs_adapters_and_predicts_the_same(tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["parent-calls", "grandparent-calls"])
+def test_peft_loads_lossgraphs_adapters_and_predicts_the_same(tmp_path, direct):
     import copy
 
     import peft
     import torch
 
-    net = torch_net()
+    net = torch_net(direct)
     X, _ = query_data()
     y = np.random.default_rng(2).normal(size=(len(X), 3)).astype(np.float32)
     trainer = lossgraph.Trainer(torch_program(net)).fit(X, y, epochs=3, batch_size=8,

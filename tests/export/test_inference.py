@@ -466,6 +466,36 @@ def test_external_data_round_trip(tmp_path):
         trainer).SerializeToString()
 
 
+@pytest.mark.parametrize("external_data", [False, True])
+def test_the_saved_model_merges_lora_adapters_large_ones_too(tmp_path, external_data):
+    """save_inference_model(merge=True) writes to_inference_model(merge=True)'s model: the
+    base graph, W1 + delta (W1, A and B large: kept apart while exported); by default the
+    adapters' branch stays."""
+    from lossgraph.adapters import LoRA, read_adapters
+
+    rng = np.random.default_rng(8)
+    X, y = rng.normal(size=(16, 16)).astype(np.float32), rng.normal(size=(16, 4)).astype(
+        np.float32)
+    program = lossgraph.compile_program(wide_model(), optimizer=SGD(0.05),
+                                        adapters=LoRA(rank=16, alpha=4, targets=["W1"]))
+    trainer = lossgraph.Trainer(program).fit(X, y, epochs=1, batch_size=8, progress=False)
+    path = save_inference_model(trainer, tmp_path / "merged.onnx", merge=True,
+                                external_data=external_data)
+    merged, base = onnx.load(path), wide_model()
+    assert [n.op_type for n in merged.graph.node] == [n.op_type for n in base.graph.node]
+    assert [t.name for t in merged.graph.initializer] == ["W1", "b1", "W2", "b2"]
+    assert not read_adapters(merged) and len(merged.graph.input) == 1
+    expected = to_inference_model(trainer, merge=True)
+    for ours, theirs in zip(merged.graph.initializer, expected.graph.initializer):
+        np.testing.assert_array_equal(numpy_helper.to_array(ours), numpy_helper.to_array(theirs))
+    assert not np.allclose(numpy_helper.to_array(merged.graph.initializer[0]),
+                           numpy_helper.to_array(base.graph.initializer[0]), atol=1e-4)
+    np.testing.assert_allclose(predictions(path, X, "y"), trainer.predict(X), rtol=1e-5,
+                               atol=1e-5)
+    kept = onnx.load(save_inference_model(trainer, tmp_path / "kept.onnx"))
+    assert read_adapters(kept) and len(kept.graph.node) > len(base.graph.node)
+
+
 def test_external_data_is_chosen_when_the_model_would_exceed_the_size_limit(tmp_path):
     trainer, _ = trained_wide()
     save_inference_model(trainer, tmp_path / "big.onnx", size_limit=1000)

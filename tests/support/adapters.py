@@ -6,7 +6,8 @@
   gives the module path ``encoder.query``; ``query_data()`` its data;
 - ``lora_program(fuse, optimizer)``: that model compiled with rank-2 adapters (alpha 4);
 - ``torch_net()``: a torch module with ``encoder.query`` and ``encoder.value`` linear
-  layers, and ``torch_program(net)``: its legacy export compiled with adapters on both.
+  layers (``direct=True``: called by the net itself, not by ``encoder``), and
+  ``torch_program(net)``: its legacy export compiled with adapters on both.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def lora_program(fuse: str = "step", optimizer: Any = None, rank: int = RANK
                                      optimizer=optimizer or SGD(0.05), fuse=fuse)
 
 
-def torch_net() -> Any:
+def torch_net(direct: bool = False) -> Any:
+    """``direct``: the net's forward calls ``self.encoder.query`` and ``self.encoder.value``
+    itself (the legacy exporter's scopes then name ``query`` and ``value`` alone)."""
     import torch
 
     class Encoder(torch.nn.Module):
@@ -66,6 +69,8 @@ def torch_net() -> Any:
             self.encoder = Encoder()
 
         def forward(self, x):
+            if direct:
+                return self.encoder.value(torch.relu(self.encoder.query(x)))
             return self.encoder(x)
 
     torch.manual_seed(0)

@@ -234,18 +234,27 @@ def _steps(step: Callable[[int], None], base: float) -> dict[str, Any]:
             "step_ms": 1000 * statistics.mean(times[1:])}
 
 
-def torch_cell(subject: Subject, quick: bool, threads: int | None = None) -> dict[str, Any]:
+def torch_cell(subject: Subject, quick: bool, threads: int | None = None,
+               optimizer: Callable[[Any, Any], Any] | None = None,
+               adapt: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """3 SGD steps of torch eager (``threads``: torch's intra-op threads; None: its
-    default)."""
+    default). ``optimizer(torch, parameters)`` makes another optimizer of the parameters
+    that require a gradient; ``adapt(network)`` returns the network to train (PEFT's
+    wrapper: benchmarks/lora.py), before the baseline. Beside the peak, the parameters
+    trained and the optimizer's state after the steps (MiB)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     _torch_warm_up(torch)
     net, X, y = build(subject, quick)
+    if adapt is not None:
+        net = adapt(net)
     batch = subject.rows(quick)
     X, y = torch.from_numpy(X), torch.from_numpy(y)
-    optimizer = torch.optim.SGD(net.parameters(), lr=LEARNING_RATE)
+    trained = [p for p in net.parameters() if p.requires_grad]
+    optimizer = (optimizer or (lambda torch, parameters: torch.optim.SGD(
+        parameters, lr=LEARNING_RATE)))(torch, trained)
 
     def loss(output: Any, target: Any) -> Any:
         if subject.logits:
@@ -259,7 +268,10 @@ def torch_cell(subject: Subject, quick: bool, threads: int | None = None) -> dic
         loss(net(X[rows]), y[rows]).backward()
         optimizer.step()
 
-    return _steps(step, _baseline())
+    figures = _steps(step, _baseline())
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {**figures, "trained_parameters": sum(p.numel() for p in trained),
+            "optimizer_state_mb": sum(t.numel() * t.element_size() for t in state) / 2**20}
 
 
 def _torch_warm_up(torch: Any) -> None:
@@ -292,17 +304,23 @@ def _lossgraph_warm_up(fuse: str, options: Any) -> None:
 
 
 def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
-                   threads: int | None = None) -> dict[str, Any]:
+                   threads: int | None = None, optimizer: Any = None,
+                   **options: Any) -> dict[str, Any]:
     """compile_program of the export, then (but ``compile``) 3 steps of a Trainer
-    (``threads``: onnxruntime's intra-op threads; None: its default)."""
+    (``threads``: onnxruntime's intra-op threads; None: its default). ``optimizer`` (SGD
+    by default) and ``options`` go to compile_program (``adapters=``: benchmarks/lora.py).
+    Beside the peaks: the parameters trained and the optimizer's state (MiB), what the
+    process holds once compiled (``compiled_mb``: the program) and its peak once the
+    Trainer is made (``trainer_peak_mb``)."""
     import onnx
 
     import lossgraph
     from lossgraph.optim import SGD
     from lossgraph.runtime.session import quiet_session_options
 
-    options = quiet_session_options(**({"intra_op_num_threads": threads} if threads else {}))
-    _lossgraph_warm_up("step" if column == "compile" else column, options)
+    session_options = quiet_session_options(
+        **({"intra_op_num_threads": threads} if threads else {}))
+    _lossgraph_warm_up("step" if column == "compile" else column, session_options)
     model = onnx.load(folder / f"{subject.name}.onnx")
     data = np.load(folder / f"{subject.name}.npz")
     X, y, batch = data["X"], data["y"], subject.rows(quick)
@@ -312,14 +330,19 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = lossgraph.compile_program(model, optimizer=SGD(LEARNING_RATE),
+        program = lossgraph.compile_program(model, optimizer=optimizer or SGD(LEARNING_RATE),
                                             fuse="step" if column == "compile" else column,
-                                            **loss)
+                                            **loss, **options)
     compiled = {"compile_s": time.perf_counter() - start,
-                "compile_peak_mb": _memory("VmHWM") - base}
+                "compile_peak_mb": _memory("VmHWM") - base,
+                "compiled_mb": _memory("VmRSS") - base,
+                "trained_parameters": sum(program.state[w].size for w in program.weights),
+                "optimizer_state_mb": sum(program.state[s].nbytes
+                                          for s in program.optimizer_states) / 2**20}
     if column == "compile":
         return {**compiled, "peak_mb": compiled["compile_peak_mb"]}
-    trainer = lossgraph.Trainer(program, session_options=options)
+    trainer = lossgraph.Trainer(program, session_options=session_options)
+    compiled["trainer_peak_mb"] = _memory("VmHWM") - base
     del program
 
     def fit(rows: slice, warm: bool) -> None:

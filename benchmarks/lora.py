@@ -1,0 +1,260 @@
+"""What LoRA saves: lossgraph's adapters against its full fine-tuning and torch + PEFT (issue 29).
+
+For BERT-base and GPT-2 small (benchmarks/memory.py's models: transformers' configs, random
+weights, torch's legacy export at opset 17 with a free batch axis), four ways of training
+with AdamW (learning rate 1e-4, epsilon 1e-6, weight decay 0.01), the same few steps of the
+same batches:
+
+    torch        torch eager, every parameter trained
+    peft         torch eager + PEFT: ``get_peft_model(LoraConfig(r=8, lora_alpha=16,
+                 target_modules=..., lora_dropout=0))`` (GPT-2: ``fan_in_fan_out``), only the
+                 adapters trained
+    full         lossgraph: ``compile_program(optimizer=AdamW(...))``, every weight trained
+    lora         lossgraph: ``compile_program(adapters=LoRA(rank=8, alpha=16,
+                 targets=...))``, only the adapters trained
+
+The targets are PEFT's defaults for these architectures: ``query`` and ``value`` (BERT),
+``c_attn`` (GPT-2, the fused query-key-value projection). Each cell runs in a fresh process
+(``--worker``), capped (``--memory-limit``), and is measured as benchmarks/memory.py
+measures (its machinery: the warm-up, the baseline after imports, model and data, the peak
+resident set ``VmHWM`` above it, the step time as the mean of all steps but the first), and
+says the parameters it trains and its optimizer's state after the steps. lossgraph's cells
+include compile in their peak; the ``lora`` cell also records its peak once compiled and
+once the Trainer is made, which tell what bounds it.
+
+The issue's goals, checked on each model: lossgraph LoRA's peak at most half of lossgraph's
+full fine-tuning's, and its step time at most torch + PEFT's.
+
+``--quick`` runs tiny configs (seconds a cell; the test suite runs its parts). ``--fuse``
+chooses lossgraph's fuse mode (default ``step``); ``--threads`` sets torch's and
+onnxruntime's intra-op threads alike.
+
+Run from the repository root:
+      python -m benchmarks.lora [--quick] [--models bert,gpt2] [--columns torch,peft,full,lora]
+          [--fuse step] [--memory-limit 12] [--threads N] [--json out.json]
+See docs/benchmarks.md#lora-adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCHMARK_MARK = "lossgraph benchmarks/lora.py"  # in every file the run writes
+RANK, ALPHA = 8, 16
+#: PEFT's default target modules for each model (its ``TRANSFORMERS_MODELS_TO_LORA_...``).
+TARGETS = {"bert": ("query", "value"), "gpt2": ("c_attn",)}
+#: AdamW's hyper-parameters, the same in torch and lossgraph.
+LEARNING_RATE, EPSILON, WEIGHT_DECAY = 1e-4, 1e-6, 0.01
+COLUMNS = {"torch": "torch full fine-tuning", "peft": "torch + PEFT LoRA",
+           "full": "lossgraph full fine-tuning", "lora": "lossgraph LoRA"}
+#: The issue's goals: lossgraph LoRA's peak against its full fine-tuning's, its step
+#: against torch + PEFT's.
+PEAK_GOAL, STEP_GOAL = 0.5, 1.0
+
+
+# -- the cells --------------------------------------------------------------------------
+def _torch_adamw(torch: Any, parameters: Any) -> Any:
+    return torch.optim.AdamW(parameters, lr=LEARNING_RATE, eps=EPSILON,
+                             weight_decay=WEIGHT_DECAY)
+
+
+def peft_adapted(name: str) -> Any:
+    """The function that wraps a network of model ``name`` in PEFT's LoRA (only the
+    adapters require a gradient)."""
+
+    def adapt(network: Any) -> Any:
+        import peft
+
+        return peft.get_peft_model(network, peft.LoraConfig(
+            r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS[name]), lora_dropout=0.0,
+            fan_in_fan_out=name == "gpt2"))  # GPT-2's Conv1D holds its weight [in, out]
+
+    return adapt
+
+
+def lora_options(name: str) -> dict[str, Any]:
+    """compile_program's ``adapters=`` for model ``name`` (the targets PEFT's take)."""
+    import lossgraph
+
+    return {"adapters": lossgraph.LoRA(rank=RANK, alpha=ALPHA, targets=list(TARGETS[name]))}
+
+
+def cell(column: str, name: str, quick: bool, folder: Path, fuse: str = "step",
+         threads: int | None = None) -> dict[str, Any]:
+    """One cell in this process: ``column`` of :data:`COLUMNS` on model ``name`` (its export
+    in ``folder``)."""
+    from benchmarks import memory
+    from lossgraph.optim import AdamW
+
+    subject = memory.SUBJECTS[name]
+    if column in ("torch", "peft"):
+        return memory.torch_cell(subject, quick, threads, optimizer=_torch_adamw,
+                                 adapt=peft_adapted(name) if column == "peft" else None)
+    options = lora_options(name) if column == "lora" else {}
+    return memory.lossgraph_cell(subject, quick, fuse, folder, threads,
+                                 AdamW(LEARNING_RATE, epsilon=EPSILON,
+                                       weight_decay=WEIGHT_DECAY), **options)
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One cell in this fresh process (``spec``: task, subject, quick, folder, fuse,
+    threads)."""
+    return cell(spec["task"], spec["subject"], spec["quick"], Path(spec["folder"]),
+                spec["fuse"], spec.get("threads"))
+
+
+def run_worker(spec: dict[str, Any], limit_gib: float) -> dict[str, Any]:
+    """:func:`worker` in a fresh interpreter, capped as benchmarks/memory.py's cells are."""
+    from benchmarks.machine import run_capped_worker
+    from benchmarks.memory import ADDRESS_HEADROOM_GIB
+
+    return run_capped_worker("benchmarks.lora", spec, limit_gib,
+                             address_gib=limit_gib + ADDRESS_HEADROOM_GIB)
+
+
+# -- the report -------------------------------------------------------------------------
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2f}"
+
+
+def _ratio(value: float | None, reference: float | None, against: str) -> str:
+    return f" ({value / reference:.2f}x {against})" if value and reference else ""
+
+
+def row_texts(row: dict[str, Any], column: str) -> list[str]:
+    """The cells of one line: parameters trained, optimizer state, peak (against the same
+    library's full fine-tuning), step (against torch + PEFT's)."""
+    record = row.get(column, {})
+    if "peak_mb" not in record:
+        return [record.get("error", "-")] + ["-"] * 3
+    full = row.get("full" if column in ("full", "lora") else "torch", {})
+    peak = _number(record["peak_mb"])
+    if column in ("peft", "lora"):
+        peak += _ratio(record["peak_mb"], full.get("peak_mb"), "full")
+    step = _number(record["step_ms"])
+    if column != "peft":
+        step += _ratio(record["step_ms"], row.get("peft", {}).get("step_ms"), "PEFT")
+    return [f"{record['trained_parameters']:,}", _number(record["optimizer_state_mb"]),
+            peak, step]
+
+
+def goals(cells: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's two goals on each model that has the cells they compare."""
+    verdicts = []
+    for name, row in cells.items():
+        lora = row.get("lora", {})
+        for figure, reference, goal, what in (
+                ("peak_mb", "full", PEAK_GOAL, "peak memory against lossgraph full fine-tuning"),
+                ("step_ms", "peft", STEP_GOAL, "step time against torch + PEFT")):
+            ours, theirs = lora.get(figure), row.get(reference, {}).get(figure)
+            if ours is None or not theirs:
+                continue
+            ratio = ours / theirs
+            verdicts.append({"model": name, "goal": what, "ratio": ratio, "target": goal,
+                             "verdict": "PASS" if ratio <= goal else "MISS"})
+    return verdicts
+
+
+def report(cells: dict[str, dict[str, Any]], columns: list[str]) -> list[dict[str, Any]]:
+    """The table, what bounds lossgraph LoRA's peak, and the goals' verdicts (returned)."""
+    print("\nAdamW steps; peak resident memory above the baseline (MiB; ratio to the same "
+          "library's full fine-tuning), step time (ms; ratio to torch + PEFT's)")
+    print("| model (weights) | run | trained parameters | optimizer state (MiB) "
+          "| peak (MiB) | step (ms) |")
+    print("|---|---|---|---|---|---|")
+    for name, row in cells.items():
+        for column in columns:
+            print(f"| {name} ({_number(row['weights_mb'])} MiB) | {COLUMNS[column]} | "
+                  + " | ".join(row_texts(row, column)) + " |")
+    for name, row in cells.items():
+        lora = row.get("lora", {})
+        if "trainer_peak_mb" in lora:
+            print(f"\n{name}, lossgraph LoRA (MiB above the baseline): compile's peak "
+                  f"{_number(lora['compile_peak_mb'])}, held once compiled "
+                  f"{_number(lora['compiled_mb'])}, peak once the Trainer is made "
+                  f"{_number(lora['trainer_peak_mb'])}, after each step "
+                  + " -> ".join(_number(v) for v in lora["steps_mb"])
+                  + f"; the export stores {_number(row['stored_mb'])}")
+    verdicts = goals(cells)
+    if verdicts:
+        print("\ngoals (issue 29):")
+    for verdict in verdicts:
+        print(f"  {verdict['model']}: lossgraph LoRA's {verdict['goal']}: "
+              f"{verdict['ratio']:.2f}x (goal <= {verdict['target']}x): {verdict['verdict']}")
+    return verdicts
+
+
+# -- the command line -------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny configs")
+    parser.add_argument("--models", default=",".join(TARGETS),
+                        help="comma-separated, of " + ", ".join(TARGETS))
+    parser.add_argument("--columns", default=",".join(COLUMNS),
+                        help="comma-separated, of " + ", ".join(COLUMNS))
+    parser.add_argument("--fuse", default="step", choices=("step", "epoch", "separate"),
+                        help="lossgraph's fuse mode (default step)")
+    parser.add_argument("--memory-limit", type=float, default=12.0, metavar="GIB",
+                        help="kill a cell whose process holds more than this (default 12)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="intra-op threads of torch and onnxruntime (default: theirs)")
+    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    parser.add_argument("--worker", metavar="SPEC", help="internal: one cell, printed as JSON")
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    from benchmarks import memory
+    from benchmarks.machine import cpu_seconds, machine_facts, report_run
+    from benchmarks.output import check_targets, save_figures, written_by
+
+    models = [m for m in args.models.split(",") if m]
+    columns = [c for c in args.columns.split(",") if c]
+    for unknown, known, what in ((set(models) - set(TARGETS), TARGETS, "model"),
+                                (set(columns) - set(COLUMNS), COLUMNS, "column")):
+        if unknown:
+            parser.error(f"unknown {what} {sorted(unknown)[0]!r}: choose of {', '.join(known)}")
+    check_targets(parser, [args.json], written_by(BENCHMARK_MARK))
+    facts = machine_facts()
+    print(f"LoRA (rank {RANK}, alpha {ALPHA}) against full fine-tuning, lossgraph "
+          f'(fuse="{args.fuse}") and torch + PEFT: {memory.STEPS} AdamW steps, float32')
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
+    started, cpu_before = time.perf_counter(), cpu_seconds()
+    cells: dict[str, dict[str, Any]] = {}
+    skipped = []
+    with tempfile.TemporaryDirectory(prefix="lossgraph_lora_") as folder:
+        for name in models:
+            spec = {"subject": name, "quick": args.quick, "folder": folder,
+                    "fuse": args.fuse, "threads": args.threads, "checkout": None}
+            exported = memory.run_worker({**spec, "task": "export"}, args.memory_limit)
+            if "error" in exported:
+                skipped.append(f"{name}: skipped (export {exported['error']})")
+                continue
+            cells[name] = dict(exported)
+            for column in columns:
+                cells[name][column] = run_worker({**spec, "task": column}, args.memory_limit)
+                print(f"  {name} {column}: " + ", ".join(row_texts(cells[name], column)),
+                      flush=True)
+    verdicts = report(cells, columns)
+    report_run(started, cpu_before, facts, skipped)
+    if args.json:
+        figures = {"generator": BENCHMARK_MARK, "machine": facts, "quick": args.quick,
+                   "steps": memory.STEPS, "threads": args.threads, "fuse": args.fuse,
+                   "rank": RANK, "alpha": ALPHA, "targets": TARGETS, "optimizer": {
+                       "name": "AdamW", "learning_rate": LEARNING_RATE, "epsilon": EPSILON,
+                       "weight_decay": WEIGHT_DECAY},
+                   "memory": "peak resident set (VmHWM) above the baseline taken after "
+                   "imports, model and data (VmRSS), MiB", "cells": cells, "goals": verdicts,
+                   "skipped": skipped}
+        save_figures(figures, args.json, written_by(BENCHMARK_MARK))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

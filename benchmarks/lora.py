@@ -39,11 +39,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 BENCHMARK_MARK = "lossgraph benchmarks/lora.py"  # in every file the run writes
 RANK, ALPHA = 8, 16
@@ -52,7 +56,12 @@ TARGETS = {"bert": ("query", "value"), "gpt2": ("c_attn",)}
 #: AdamW's hyper-parameters, the same in torch and lossgraph.
 LEARNING_RATE, EPSILON, WEIGHT_DECAY = 1e-4, 1e-6, 0.01
 COLUMNS = {"torch": "torch full fine-tuning", "peft": "torch + PEFT LoRA",
-           "full": "lossgraph full fine-tuning", "lora": "lossgraph LoRA"}
+           "full": "lossgraph full fine-tuning", "lora": "lossgraph LoRA",
+           "unpacked": "lossgraph LoRA, no prepacking",
+           "floor": "lossgraph LoRA's heavy kernels alone"}
+#: onnxruntime's session entry that keeps it from prepacking constant weights (a copy of
+#: each product's constant operand in the layout its kernel reads).
+NO_PREPACKING = {"session.disable_prepacking": "1"}
 #: The issue's goals: lossgraph LoRA's peak against its full fine-tuning's, its step
 #: against torch + PEFT's.
 PEAK_GOAL, STEP_GOAL = 0.5, 1.0
@@ -90,16 +99,55 @@ def cell(column: str, name: str, quick: bool, folder: Path, fuse: str = "step",
     """One cell in this process: ``column`` of :data:`COLUMNS` on model ``name`` (its export
     in ``folder``)."""
     from benchmarks import memory
-    from lossgraph.optim import AdamW
 
     subject = memory.SUBJECTS[name]
     if column in ("torch", "peft"):
         return memory.torch_cell(subject, quick, threads, optimizer=_torch_adamw,
                                  adapt=peft_adapted(name) if column == "peft" else None)
-    options = lora_options(name) if column == "lora" else {}
-    return memory.lossgraph_cell(subject, quick, fuse, folder, threads,
-                                 AdamW(LEARNING_RATE, epsilon=EPSILON,
-                                       weight_decay=WEIGHT_DECAY), **options)
+    if column == "floor":
+        return floor_cell(subject, quick, folder, threads)
+    options = lora_options(name) if column in ("lora", "unpacked") else {}
+    return memory.lossgraph_cell(subject, quick, fuse, folder, threads, _adamw(),
+                                 NO_PREPACKING if column == "unpacked" else None, **options)
+
+
+def _adamw() -> Any:
+    from lossgraph.optim import AdamW
+
+    return AdamW(LEARNING_RATE, epsilon=EPSILON, weight_decay=WEIGHT_DECAY)
+
+
+def floor_cell(subject: Any, quick: bool, folder: Path, threads: int | None) -> dict[str, Any]:
+    """The heavy kernels alone (benchmarks/kernel_floor.py: the products) of lossgraph
+    LoRA's ``train_step`` graph, fed one batch's values, in one onnxruntime session with
+    its inputs and outputs bound once: any graph doing this step in these forms takes at
+    least this long. Timed as the cells' steps are (the first run apart)."""
+    import onnx
+
+    import lossgraph
+    from benchmarks import memory
+    from benchmarks.kernel_floor import heavy_kernel_floor, step_graph
+    from benchmarks.model_speed import BoundRuns
+    from lossgraph.runtime.session import create_session
+
+    data = np.load(folder / f"{subject.name}.npz")
+    rows = subject.rows(quick)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = lossgraph.compile_program(
+            onnx.load(folder / f"{subject.name}.onnx"), optimizer=_adamw(),
+            **memory.compile_loss(subject), **lora_options(subject.name))
+    floor = heavy_kernel_floor(*step_graph(
+        program, {"feature": data["X"][:rows], "label": data["y"][:rows]}, LEARNING_RATE))
+    del program
+    runs = BoundRuns(create_session(floor.model, session_options=memory.session_options(
+        threads)), floor.feeds, 1)
+    times = []
+    for _ in range(memory.STEPS):
+        start = time.perf_counter()
+        runs()
+        times.append(time.perf_counter() - start)
+    return {"step_ms": 1000 * statistics.mean(times[1:]), "kernels": floor.describe()}
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -129,19 +177,24 @@ def _ratio(value: float | None, reference: float | None, against: str) -> str:
 
 def row_texts(row: dict[str, Any], column: str) -> list[str]:
     """The cells of one line: parameters trained, optimizer state, peak (against the same
-    library's full fine-tuning), step (against torch + PEFT's)."""
+    library's full fine-tuning), step (against torch + PEFT's); "-" for what a column does
+    not measure (the floor: its step alone)."""
     record = row.get(column, {})
-    if "peak_mb" not in record:
+    if "step_ms" not in record:
         return [record.get("error", "-")] + ["-"] * 3
-    full = row.get("full" if column in ("full", "lora") else "torch", {})
-    peak = _number(record["peak_mb"])
-    if column in ("peft", "lora"):
-        peak += _ratio(record["peak_mb"], full.get("peak_mb"), "full")
+    texts = [f"{record['trained_parameters']:,}" if "trained_parameters" in record else "-",
+             _number(record["optimizer_state_mb"]) if "optimizer_state_mb" in record else "-"]
+    if "peak_mb" in record:
+        full = row.get("torch" if column in ("torch", "peft") else "full", {})
+        texts.append(_number(record["peak_mb"]) + (
+            _ratio(record["peak_mb"], full.get("peak_mb"), "full")
+            if column not in ("torch", "full") else ""))
+    else:
+        texts.append("-")
     step = _number(record["step_ms"])
     if column != "peft":
         step += _ratio(record["step_ms"], row.get("peft", {}).get("step_ms"), "PEFT")
-    return [f"{record['trained_parameters']:,}", _number(record["optimizer_state_mb"]),
-            peak, step]
+    return [*texts, step]
 
 
 def goals(cells: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -172,15 +225,19 @@ def report(cells: dict[str, dict[str, Any]], columns: list[str]) -> list[dict[st
         for column in columns:
             print(f"| {name} ({_number(row['weights_mb'])} MiB) | {COLUMNS[column]} | "
                   + " | ".join(row_texts(row, column)) + " |")
+    print("\nlossgraph's peaks on the way (MiB above the baseline): compile's, what the "
+          "program holds once compiled, once the Trainer is made, after each step")
     for name, row in cells.items():
-        lora = row.get("lora", {})
-        if "trainer_peak_mb" in lora:
-            print(f"\n{name}, lossgraph LoRA (MiB above the baseline): compile's peak "
-                  f"{_number(lora['compile_peak_mb'])}, held once compiled "
-                  f"{_number(lora['compiled_mb'])}, peak once the Trainer is made "
-                  f"{_number(lora['trainer_peak_mb'])}, after each step "
-                  + " -> ".join(_number(v) for v in lora["steps_mb"])
-                  + f"; the export stores {_number(row['stored_mb'])}")
+        print(f"  {name} (its export stores {_number(row['stored_mb'])} MiB):")
+        for column in ("full", "lora", "unpacked"):
+            record = row.get(column, {})
+            if "trainer_peak_mb" in record:
+                print(f"    {COLUMNS[column]}: compile {_number(record['compile_peak_mb'])}, "
+                      f"held {_number(record['compiled_mb'])}, Trainer "
+                      f"{_number(record['trainer_peak_mb'])}, steps "
+                      + " -> ".join(_number(v) for v in record["steps_mb"]))
+        if "kernels" in row.get("floor", {}):
+            print(f"    {COLUMNS['floor']}: {row['floor']['kernels']}")
     verdicts = goals(cells)
     if verdicts:
         print("\ngoals (issue 29):")

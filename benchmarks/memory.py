@@ -303,36 +303,52 @@ def _lossgraph_warm_up(fuse: str, options: Any) -> None:
         progress=False)
 
 
+def compile_loss(subject: Subject) -> dict[str, Any]:
+    """compile_program's loss options for ``subject``: torch cells' loss."""
+    if subject.logits:
+        return {"loss": "multiclass_log_loss", "loss_options": {"from_logits": True}}
+    return {"loss": "squared_error"}
+
+
+def session_options(threads: int | None = None, entries: dict[str, str] | None = None) -> Any:
+    """Quiet onnxruntime session options with ``threads`` intra-op threads (None: its
+    default) and the configuration ``entries``."""
+    from lossgraph.runtime.session import quiet_session_options
+
+    options = quiet_session_options(**({"intra_op_num_threads": threads} if threads else {}))
+    for key, value in (entries or {}).items():
+        options.add_session_config_entry(key, value)
+    return options
+
+
 def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
                    threads: int | None = None, optimizer: Any = None,
+                   session_entries: dict[str, str] | None = None,
                    **options: Any) -> dict[str, Any]:
     """compile_program of the export, then (but ``compile``) 3 steps of a Trainer
-    (``threads``: onnxruntime's intra-op threads; None: its default). ``optimizer`` (SGD
-    by default) and ``options`` go to compile_program (``adapters=``: benchmarks/lora.py).
-    Beside the peaks: the parameters trained and the optimizer's state (MiB), what the
-    process holds once compiled (``compiled_mb``: the program) and its peak once the
-    Trainer is made (``trainer_peak_mb``)."""
+    (``threads``: onnxruntime's intra-op threads; None: its default; ``session_entries``:
+    its sessions' configuration entries). ``optimizer`` (SGD by default) and ``options`` go
+    to compile_program (``adapters=``: benchmarks/lora.py). Beside the peaks: the
+    parameters trained and the optimizer's state (MiB), what the process holds once
+    compiled (``compiled_mb``: the program) and its peak once the Trainer is made
+    (``trainer_peak_mb``)."""
     import onnx
 
     import lossgraph
     from lossgraph.optim import SGD
-    from lossgraph.runtime.session import quiet_session_options
 
-    session_options = quiet_session_options(
-        **({"intra_op_num_threads": threads} if threads else {}))
-    _lossgraph_warm_up("step" if column == "compile" else column, session_options)
+    sessions = session_options(threads, session_entries)
+    _lossgraph_warm_up("step" if column == "compile" else column, sessions)
     model = onnx.load(folder / f"{subject.name}.onnx")
     data = np.load(folder / f"{subject.name}.npz")
     X, y, batch = data["X"], data["y"], subject.rows(quick)
-    loss = ({"loss": "multiclass_log_loss", "loss_options": {"from_logits": True}}
-            if subject.logits else {"loss": "squared_error"})
     base = _baseline()
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = lossgraph.compile_program(model, optimizer=optimizer or SGD(LEARNING_RATE),
                                             fuse="step" if column == "compile" else column,
-                                            **loss, **options)
+                                            **compile_loss(subject), **options)
     compiled = {"compile_s": time.perf_counter() - start,
                 "compile_peak_mb": _memory("VmHWM") - base,
                 "compiled_mb": _memory("VmRSS") - base,
@@ -341,7 +357,7 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
                                           for s in program.optimizer_states) / 2**20}
     if column == "compile":
         return {**compiled, "peak_mb": compiled["compile_peak_mb"]}
-    trainer = lossgraph.Trainer(program, session_options=session_options)
+    trainer = lossgraph.Trainer(program, session_options=sessions)
     compiled["trainer_peak_mb"] = _memory("VmHWM") - base
     del program
 

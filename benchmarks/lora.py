@@ -13,14 +13,22 @@ same batches:
     lora         lossgraph: ``compile_program(adapters=LoRA(rank=8, alpha=16,
                  targets=...))``, only the adapters trained
 
+and two columns that tell what bounds lossgraph LoRA's figures:
+
+    unpacked     ``lora`` with onnxruntime's prepacking off (``session.disable_prepacking``:
+                 no second copy of a constant weight in its kernel's layout)
+    floor        the heavy kernels alone (the products) of ``lora``'s step graph, fed one
+                 batch's values (benchmarks/kernel_floor.py): no graph of those forms
+                 steps faster
+
 The targets are PEFT's defaults for these architectures: ``query`` and ``value`` (BERT),
 ``c_attn`` (GPT-2, the fused query-key-value projection). Each cell runs in a fresh process
 (``--worker``), capped (``--memory-limit``), and is measured as benchmarks/memory.py
 measures (its machinery: the warm-up, the baseline after imports, model and data, the peak
 resident set ``VmHWM`` above it, the step time as the mean of all steps but the first), and
 says the parameters it trains and its optimizer's state after the steps. lossgraph's cells
-include compile in their peak; the ``lora`` cell also records its peak once compiled and
-once the Trainer is made, which tell what bounds it.
+include compile in their peak, and record what the process holds once compiled and its
+peak once the Trainer is made.
 
 The issue's goals, checked on each model: lossgraph LoRA's peak at most half of lossgraph's
 full fine-tuning's, and its step time at most torch + PEFT's.
@@ -30,7 +38,8 @@ chooses lossgraph's fuse mode (default ``step``); ``--threads`` sets torch's and
 onnxruntime's intra-op threads alike.
 
 Run from the repository root:
-      python -m benchmarks.lora [--quick] [--models bert,gpt2] [--columns torch,peft,full,lora]
+      python -m benchmarks.lora [--quick] [--models bert,gpt2]
+          [--columns torch,peft,full,lora,unpacked,floor]
           [--fuse step] [--memory-limit 12] [--threads N] [--json out.json]
 See docs/benchmarks.md#lora-adapters.
 """

@@ -46,11 +46,9 @@ See docs/benchmarks.md#lora-adapters.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -258,55 +256,29 @@ def report(cells: dict[str, dict[str, Any]], columns: list[str]) -> list[dict[st
 
 # -- the command line -------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: tiny configs")
-    parser.add_argument("--models", default=",".join(TARGETS),
-                        help="comma-separated, of " + ", ".join(TARGETS))
-    parser.add_argument("--columns", default=",".join(COLUMNS),
-                        help="comma-separated, of " + ", ".join(COLUMNS))
+    from benchmarks import memory
+
+    parser = memory.cells_parser(__doc__.split("\n\n")[0], list(TARGETS), list(COLUMNS))
     parser.add_argument("--fuse", default="step", choices=("step", "epoch", "separate"),
                         help="lossgraph's fuse mode (default step)")
-    parser.add_argument("--memory-limit", type=float, default=12.0, metavar="GIB",
-                        help="kill a cell whose process holds more than this (default 12)")
-    parser.add_argument("--threads", type=int, metavar="N",
-                        help="intra-op threads of torch and onnxruntime (default: theirs)")
-    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
-    parser.add_argument("--worker", metavar="SPEC", help="internal: one cell, printed as JSON")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    from benchmarks import memory
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
     from benchmarks.output import check_targets, save_figures, written_by
 
-    models = [m for m in args.models.split(",") if m]
-    columns = [c for c in args.columns.split(",") if c]
-    for unknown, known, what in ((set(models) - set(TARGETS), TARGETS, "model"),
-                                (set(columns) - set(COLUMNS), COLUMNS, "column")):
-        if unknown:
-            parser.error(f"unknown {what} {sorted(unknown)[0]!r}: choose of {', '.join(known)}")
+    models, columns = memory.chosen_cells(parser, args, list(TARGETS), list(COLUMNS))
     check_targets(parser, [args.json], written_by(BENCHMARK_MARK))
     facts = machine_facts()
     print(f"LoRA (rank {RANK}, alpha {ALPHA}) against full fine-tuning, lossgraph "
           f'(fuse="{args.fuse}") and torch + PEFT: {memory.STEPS} AdamW steps, float32')
     print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     started, cpu_before = time.perf_counter(), cpu_seconds()
-    cells: dict[str, dict[str, Any]] = {}
-    skipped = []
-    with tempfile.TemporaryDirectory(prefix="lossgraph_lora_") as folder:
-        for name in models:
-            spec = {"subject": name, "quick": args.quick, "folder": folder,
-                    "fuse": args.fuse, "threads": args.threads, "checkout": None}
-            exported = memory.run_worker({**spec, "task": "export"}, args.memory_limit)
-            if "error" in exported:
-                skipped.append(f"{name}: skipped (export {exported['error']})")
-                continue
-            cells[name] = dict(exported)
-            for column in columns:
-                cells[name][column] = run_worker({**spec, "task": column}, args.memory_limit)
-                print(f"  {name} {column}: " + ", ".join(row_texts(cells[name], column)),
-                      flush=True)
+    cells, skipped = memory.run_cells(
+        models, columns, {"quick": args.quick, "fuse": args.fuse, "threads": args.threads,
+                          "checkout": None}, args.memory_limit, run_worker,
+        lambda row, column: ", ".join(row_texts(row, column)))
     verdicts = report(cells, columns)
     report_run(started, cpu_before, facts, skipped)
     if args.json:

@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -401,6 +401,30 @@ def run_worker(spec: dict[str, Any], limit_gib: float) -> dict[str, Any]:
                              address_gib=limit_gib + ADDRESS_HEADROOM_GIB)
 
 
+def run_cells(models: Sequence[str], columns: Sequence[str], spec: dict[str, Any],
+              limit_gib: float, run: Callable[[dict[str, Any], float], dict[str, Any]],
+              shown: Callable[[dict[str, Any], str], str]
+              ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each model exported by a fresh process into a temporary folder, then each column's
+    cell, ``run(spec, limit_gib)`` (``spec`` with the task, subject and folder), its line
+    ``shown(row, column)`` printed as it comes; the rows by model, and the models skipped
+    (their export failed)."""
+    cells: dict[str, dict[str, Any]] = {}
+    skipped = []
+    with tempfile.TemporaryDirectory(prefix="lossgraph_cells_") as folder:
+        for name in models:
+            model_spec = {**spec, "subject": name, "folder": folder}
+            exported = run_worker({**model_spec, "task": "export"}, limit_gib)
+            if "error" in exported:
+                skipped.append(f"{name}: skipped (export {exported['error']})")
+                continue
+            cells[name] = dict(exported)
+            for column in columns:
+                cells[name][column] = run({**model_spec, "task": column}, limit_gib)
+                print(f"  {name} {column}: {shown(cells[name], column)}", flush=True)
+    return cells, skipped
+
+
 # -- the report -------------------------------------------------------------------------
 def _mib(value: float) -> str:
     return f"{value:,.0f}" if value >= 10 else f"{value:.1f}"
@@ -495,24 +519,44 @@ def plot(cells: dict[str, dict[str, Any]], columns: list[str], path: str,
 
 
 # -- the command line -------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cells_parser(description: str, models: Sequence[str], columns: Sequence[str]
+                 ) -> argparse.ArgumentParser:
+    """The command line of a benchmark of cells in fresh processes (this one,
+    benchmarks/lora.py): ``--quick``, ``--models``, ``--columns``, ``--memory-limit``,
+    ``--threads``, ``--json`` and the internal ``--worker``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny models")
-    parser.add_argument("--models", default=",".join(SUBJECTS),
-                        help="comma-separated, of " + ", ".join(SUBJECTS))
-    parser.add_argument("--columns", default=",".join(COLUMNS),
-                        help="comma-separated, of " + ", ".join(COLUMNS))
+    parser.add_argument("--models", default=",".join(models),
+                        help="comma-separated, of " + ", ".join(models))
+    parser.add_argument("--columns", default=",".join(columns),
+                        help="comma-separated, of " + ", ".join(columns))
     parser.add_argument("--memory-limit", type=float, default=12.0, metavar="GIB",
                         help="kill a cell whose process holds more than this (default 12)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="intra-op threads of torch and onnxruntime (default: theirs)")
+    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    parser.add_argument("--worker", metavar="SPEC", help="internal: one cell, printed as JSON")
+    return parser
+
+
+def chosen_cells(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 models: Sequence[str], columns: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The models and columns ``args`` names, each known, else the command line's error."""
+    chosen = ([m for m in args.models.split(",") if m], [c for c in args.columns.split(",") if c])
+    for names, known, what in zip(chosen, (models, columns), ("model", "column")):
+        unknown = set(names) - set(known)
+        if unknown:
+            parser.error(f"unknown {what} {sorted(unknown)[0]!r}: choose of {', '.join(known)}")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cells_parser(__doc__.split("\n\n")[0], list(SUBJECTS), list(COLUMNS))
     parser.add_argument("--checkout", metavar="PATH",
                         help="measure the lossgraph of this checkout (default: this one)")
     parser.add_argument("--compare", metavar="JSON",
                         help="a previous run's figures (--json), shown beside these")
-    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     parser.add_argument("--plot", metavar="PATH", help="save a plot (needs matplotlib)")
-    parser.add_argument("--worker", metavar="SPEC", help="internal: one cell, printed as JSON")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -520,12 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
     from benchmarks.output import check_targets, save_figures, written_by
 
-    models = [m for m in args.models.split(",") if m]
-    columns = [c for c in args.columns.split(",") if c]
-    for unknown, known, what in ((set(models) - set(SUBJECTS), SUBJECTS, "model"),
-                                (set(columns) - set(COLUMNS), COLUMNS, "column")):
-        if unknown:
-            parser.error(f"unknown {what} {sorted(unknown)[0]!r}: choose of {', '.join(known)}")
+    models, columns = chosen_cells(parser, args, list(SUBJECTS), list(COLUMNS))
     check_targets(parser, [args.json, args.plot], written_by(BENCHMARK_MARK))
     before = json.loads(Path(args.compare).read_text())["cells"] if args.compare else None
     checkout = str(Path(args.checkout).resolve()) if args.checkout else None
@@ -535,21 +574,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      else ""))
     print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     started, cpu_before = time.perf_counter(), cpu_seconds()
-    cells: dict[str, dict[str, Any]] = {}
-    skipped = []
-    with tempfile.TemporaryDirectory(prefix="lossgraph_memory_") as folder:
-        for name in models:
-            spec = {"subject": name, "quick": args.quick, "folder": folder,
-                    "checkout": checkout, "threads": args.threads}
-            exported = run_worker({**spec, "task": "export"}, args.memory_limit)
-            if "error" in exported:
-                skipped.append(f"{name}: skipped (export {exported['error']})")
-                continue
-            cells[name] = dict(exported)
-            for column in columns:
-                cells[name][column] = run_worker({**spec, "task": column}, args.memory_limit)
-                print(f"  {name} {column}: "
-                      + cell_text(cells[name], column, None), flush=True)
+    cells, skipped = run_cells(
+        models, columns, {"quick": args.quick, "checkout": checkout, "threads": args.threads},
+        args.memory_limit, run_worker, lambda row, column: cell_text(row, column, None))
     report(cells, columns, before)
     report_run(started, cpu_before, facts, skipped)
     if args.json:

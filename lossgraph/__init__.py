@@ -4,7 +4,9 @@ The public surface (docs/concepts.md gives its vocabulary):
 
 - passes, each a model in and a model out: :func:`add_loss_output`, :func:`gradient`,
   :func:`convert_opset`, :func:`lower_ml_ops`, :func:`alphabetize_initializers`,
-  :func:`stabilize_numerics`, :func:`strip_training`, :func:`straight_through_quantization`
+  :func:`stabilize_numerics`, :func:`strip_training`, :func:`straight_through_quantization`,
+  :func:`add_lora` (LoRA adapters: :class:`LoRA`, :func:`lora_candidates`,
+  :func:`merge_adapters` in :mod:`lossgraph.adapters`)
   (their pass classes, and the pipeline machinery, in :mod:`lossgraph.passes`)
 - gradients: :func:`grad_rule` (register a rule), :func:`supported_ops`
 - training: :func:`compile_program` -> :class:`TrainingProgram`, :class:`Trainer` (on the
@@ -42,7 +44,9 @@ _HOMES = {
     "Trainer": ".runtime.trainer",
     "TensorBoard": ".runtime.callbacks",
     "TrainingProgram": ".program",
+    "LoRA": ".adapters",
     "add_loss_output": ".passes",
+    "add_lora": ".passes",
     "alphabetize_initializers": ".passes",
     "balanced_class_weight": ".passes.loss",
     "compile_program": ".compiler",
@@ -52,6 +56,8 @@ _HOMES = {
     "grad_rule": ".autodiff",
     "gradient": ".passes",
     "latest_checkpoint": ".paths",
+    "lora_candidates": ".adapters",
+    "merge_adapters": ".adapters",
     "lower_ml_ops": ".passes",
     "optim": ".optim",
     "schedules": ".schedules",

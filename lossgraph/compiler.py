@@ -84,6 +84,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from .adapters import LoRA, read_adapters
 from .analysis import (
     default_weights,
     excluded_from_decay,
@@ -102,6 +103,7 @@ from .optim import AdamW
 from .options import names
 from .passes.contract import Pass, Pipeline
 from .passes.fixed_batch import BatchReport, GeneralizeBatch, export_advice, fixed_batch, rows
+from .passes.lora import AddLoRA
 from .passes.loss import AddLossOutput, LossChoice, choose_loss
 from .passes.lower_ml import LowerMlOps
 from .passes.opset import ConvertOpset
@@ -125,6 +127,7 @@ from .validation import (
     no_weights_error,
     warn_folded,
     warn_tied,
+    warn_zero_adapters,
 )
 
 __all__ = ["compile_program", "plan", "describe_plan", "trained_weights", "CompileNotes"]
@@ -173,6 +176,7 @@ def compile_program(
     max_grad_norm: float | None = None,
     ema_decay: float | None = None,
     recompute: str | Sequence[str] = "none",
+    adapters: LoRA | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
 
@@ -245,12 +249,20 @@ def compile_program(
             forward values between them that the backward reads are recomputed from them).
             Outputs of random nodes (a Dropout in training mode) are kept, never drawn
             again. What is kept and recomputed is the manifest's ``recompute``.
+        adapters: LoRA adapters to train instead of the weights, a
+            :class:`~lossgraph.adapters.LoRA` (:class:`~lossgraph.passes.AddLoRA` runs on
+            the model first): only the adapters train, and ``weights`` names base weights
+            that train too (PEFT's ``modules_to_save``); the base weights stay initializers.
+            A model :func:`~lossgraph.add_lora` rewrote trains its adapters the same way
+            without it. The manifest's ``adapters`` lists them
+            (:attr:`~lossgraph.TrainingProgram.adapters`); ``to_inference_model(merge=True)``
+            folds them into the weights. See docs/reference/adapters.md.
     """
     options = {"weights": weights, "loss": loss, "loss_options": loss_options,
                "penalty": penalty, "optimizer": optimizer, "backend": backend, "fuse": fuse,
                "fixed_batch": fixed_batch, "untie": untie,
                "accumulation_steps": accumulation_steps, "max_grad_norm": max_grad_norm,
-               "ema_decay": ema_decay, "recompute": recompute}
+               "ema_decay": ema_decay, "recompute": recompute, "adapters": adapters}
     with use_target(target):
         return _compile(model, options)
 
@@ -333,7 +345,8 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                               options["penalty"], options["optimizer"], options["backend"],
                               options["fuse"], options["fixed_batch"], options["untie"],
                               options["accumulation_steps"], options["max_grad_norm"],
-                              options["ema_decay"], options["recompute"])
+                              options["ema_decay"], options["recompute"],
+                              options["adapters"])
     held = HeldWeights()  # the passes copy light models, the weights stay here
     given = as_model(model, held)
     check_trainable_model(given)
@@ -341,7 +354,11 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     lowered = lowering(given)
     freed, batch, freeing = _free_batch(lowered.model, checked.fixed_batch, stacklevel + 1)
     source, untied, weighting = _weights_made(freed, checked.weights, checked.untie)
-    lowering = lowering.then(*freeing, *weighting)
+    adapting = (AddLoRA(checked.adapters),) if checked.adapters else ()
+    if adapting:
+        source = adapting[0].run(source, checked=True).model
+    adapters = read_adapters(source)
+    lowering = lowering.then(*freeing, *weighting, *adapting)
     zipmaps = zipped_outputs(source)
     # the outputs a loss reads: a ZipMap's tensor, not its list of maps
     tensors = Pipeline((ZipMapToTensor(),) if zipmaps else ())
@@ -378,8 +395,11 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
     if checked.weights == []:
         names("weights", [], candidates=trainable_initializers(loss_model))
     # never around a weight no gradient (or part of one) would reach: that is an error
-    weights = list(_with_copies(dict.fromkeys(checked.weights or ()), untied)) \
-        or default_weights(loss_model)
+    given = list(_with_copies(dict.fromkeys(checked.weights or ()), untied))
+    if adapters:  # the adapters train, and the base weights weights= names
+        given = list(dict.fromkeys([*(n for a in adapters for n in (a.a, a.b)), *given]))
+        warn_zero_adapters(loss_model, adapters)
+    weights = given or default_weights(loss_model)
     if not weights:
         raise no_weights_error(loss_model)
     if isinstance(penalty, Penalty):
@@ -560,7 +580,8 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
                               assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context),
                               _accumulation_record(context), context.update_options,
-                              _recompute_record(compiling))
+                              _recompute_record(compiling),
+                              read_adapters(front.starts["inference model"]))
     inference, held, notes = front.starts["inference model"], front.held, front.notes
     del front, runner, compiling  # every intermediate model
     # light: the program keeps the weights its state holds (the store's arrays) once

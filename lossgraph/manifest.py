@@ -46,6 +46,12 @@ state}``: the state of each weight that holds its average (its last state). Its 
 output the gradients' norm with the role ``grad_norm`` (an epoch graph: ``grad_norms``, one
 per update). The graphs compute both, so it needs no new format either.
 
+A program with LoRA adapters (``compile_program(adapters=...)``, or a model
+:func:`~lossgraph.add_lora` rewrote) has one more key, ``"adapters": [record, ...]``: each
+adapter's :class:`~lossgraph.adapters.Adapter` record (its base weight, module path, tensors
+``a`` and ``b``, kind, rank, alpha, layout). The adapters are weights like any other, so it
+needs no new format either.
+
 A program compiled with ``recompute`` (:class:`~lossgraph.passes.Recompute`) has one more
 key, ``"recompute": {graph: {"boundaries": [...], "kept": [...], "recomputed": [...]}}``:
 by training graph, the boundaries, the forward values its backward reads kept, and those
@@ -59,14 +65,15 @@ deep inside training.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from .errors import InvalidProgramError, UnsupportedOptionError
+from .adapters import Adapter
+from .errors import InvalidProgramError, UnsupportedModelError, UnsupportedOptionError
 from .modes import MODES
 from .optim import Optimizer
 from .roles import renamed_roles
@@ -182,6 +189,13 @@ def check_manifest(manifest: Any, where: str = "manifest.json") -> dict[str, Any
                 "mean", "sum"):
             raise _fail(where, "accumulation loss_reduction must be 'mean' or 'sum'")
     _check_update(manifest, where)
+    for index, record in enumerate(_field(manifest, "adapters", list, where)
+                                   if "adapters" in manifest else ()):
+        try:
+            Adapter.from_record(record if isinstance(record, dict) else {}, "record")
+        except UnsupportedModelError:
+            raise _fail(f"{where} adapters[{index}]", "expected an adapter's record (weight, "
+                        "module, a, b, kind, rank, alpha, layout)") from None
     graphs = _field(manifest, "graphs", dict, where)
     required = [*REQUIRED_GRAPHS[fuse],
                 *(MODES[fuse].accumulating if "accumulation" in manifest else ())]
@@ -226,7 +240,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
                    batch: Mapping[str, Any] | None = None,
                    accumulation: Mapping[str, Any] | None = None,
                    update: UpdateOptions | None = None,
-                   recompute: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   recompute: Mapping[str, Any] | None = None,
+                   adapters: Sequence[Adapter] = ()) -> dict[str, Any]:
     """The program's description: graphs with the role of every input and output.
 
     Roles come from ``signature``; ``graph_roles`` gives, by graph, the roles of the names
@@ -234,8 +249,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
     ``untied`` the copies of each untied initializer (the key is left out without any).
     ``batch`` is the record of a model exported with a fixed batch, ``accumulation`` that
     of a program compiled to accumulate gradients, ``recompute`` what each graph recomputes
-    (module doc); ``update`` the clipping and EMA around the optimizer's update (keys left
-    out without).
+    (module doc); ``update`` the clipping and EMA around the optimizer's update,
+    ``adapters`` the LoRA adapters' records (keys left out without).
     """
     role_of = signature.roles()
 
@@ -275,6 +290,8 @@ def build_manifest(graphs: Mapping[str, onnx.ModelProto], signature: Signature,
         manifest["ema"] = {w: signature.states[w][-1] for w in signature.weights}
     if recompute:
         manifest["recompute"] = {name: dict(plan) for name, plan in recompute.items()}
+    if adapters:
+        manifest["adapters"] = [a.to_record() for a in adapters]
     graph_roles = graph_roles or {}
     manifest["graphs"] = {name: {"file": f"{name}.onnx",
                                  "inputs": describe(g.graph.input, graph_roles.get(name, {})),

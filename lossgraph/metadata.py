@@ -10,6 +10,9 @@
                           (lossgraph.signature.Signature), written by the fusion passes
     lossgraph.buffers     {buffer: its next value's output}, written by RunningStatistics
                           (lossgraph.passes.running_stats)
+    lossgraph.adapters    [{"weight": ..., "module": ..., "a": ..., "b": ..., ...}]: the LoRA
+                          adapters AddLoRA wrote (lossgraph.adapters.Adapter), kept by every
+                          later pass; merge_adapters removes it with the branches
     lossgraph.written_by  "lossgraph": marks a file lossgraph wrote (lossgraph.fileio)
 
 A pass records what later passes need in the model itself, so the data flows forward
@@ -25,13 +28,15 @@ if TYPE_CHECKING:
     import onnx
 
 __all__ = ["ROLES_KEY", "LOSS_KEY", "GRADIENTS_KEY", "SIGNATURE_KEY", "BUFFERS_KEY",
-           "WRITTEN_BY_KEY", "read_text", "read_json", "write_json", "remove_record"]
+           "ADAPTERS_KEY", "WRITTEN_BY_KEY", "read_text", "read_json", "write_json",
+           "remove_record"]
 
 ROLES_KEY = "lossgraph.roles"
 LOSS_KEY = "lossgraph.loss"
 GRADIENTS_KEY = "lossgraph.gradients"
 SIGNATURE_KEY = "lossgraph.signature"
 BUFFERS_KEY = "lossgraph.buffers"
+ADAPTERS_KEY = "lossgraph.adapters"
 WRITTEN_BY_KEY = "lossgraph.written_by"
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .adapters import Adapter, merge_adapters
 from .deprecation import warn_renamed
 from .errors import ShapeMismatchError, UnknownNameError, UnsupportedOptionError, suggest
 from .fileio import check_file_target, ensure_folder, save_model, serialize
@@ -117,6 +118,12 @@ class TrainingProgram:
         return UpdateOptions.from_dict(self.manifest.get("update"))
 
     @property
+    def adapters(self) -> tuple[Adapter, ...]:
+        """The LoRA adapters the program trains (:mod:`lossgraph.adapters`); empty without."""
+        return tuple(Adapter.from_record(r, "The manifest's adapters")
+                     for r in self.manifest.get("adapters", ()))
+
+    @property
     def ema_states(self) -> dict[str, str]:
         """Each weight's EMA state (``compile_program(ema_decay=...)``; else empty)."""
         return dict(self.manifest.get("ema", {}))
@@ -160,16 +167,21 @@ class TrainingProgram:
 
     # -- export -------------------------------------------------------------------------
     def to_inference_model(self, state: Mapping[str, np.ndarray] | None = None, *,
-                           ema: bool = False) -> onnx.ModelProto:
+                           ema: bool = False, merge: bool = False) -> onnx.ModelProto:
         """The inference model with the program's weights and buffers, overridden by
         ``state``'s (a weight it lacks keeps the program's value; its optimizer states
         are ignored), written back: :func:`lossgraph.export.to_inference_model`. With
-        ``ema=True``, each weight's average instead (:meth:`model_state`)."""
+        ``ema=True``, each weight's average instead (:meth:`model_state`). With
+        ``merge=True``, each LoRA adapter is folded into its base weight, the branch gone
+        (:func:`~lossgraph.adapters.merge_adapters`: the original graph); by default the
+        adapters' branches stay."""
+        merge = flag("merge", merge)
         if flag("ema", ema) and (state is None or isinstance(state, Mapping)):
             state = self.model_state({**self.state, **(state or {})}, ema=True)
         model = self.inference_model
-        return export_model(model, self.model_state(), self.optimizer_states, state,
-                            target_for(model)).to_model()
+        exported = export_model(model, self.model_state(), self.optimizer_states, state,
+                                target_for(model)).to_model()
+        return merge_adapters(exported) if merge else exported
 
     def model_state(self, state: Mapping[str, np.ndarray] | None = None, *,
                     ema: bool = False) -> dict[str, np.ndarray]:

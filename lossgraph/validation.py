@@ -19,6 +19,7 @@ from typing import Any
 import onnx
 
 from . import training_build
+from .adapters import Adapter, LoRA
 from .analysis import folded_weights, stuck_weights, tied_initializers
 from .errors import (
     FoldedWeightWarning,
@@ -30,7 +31,7 @@ from .errors import (
     UnsupportedOptionError,
     suggest,
 )
-from .graphs import FLOAT_TYPES, elem_type_name
+from .graphs import FLOAT_TYPES, elem_type_name, tensor_array
 from .manifest import FUSE_MODES
 from .models import check_declared_outputs
 from .optim import Optimizer, as_optimizer
@@ -44,7 +45,8 @@ from .roles import get_roles
 from .update_options import UpdateOptions
 
 __all__ = ["CompileOptions", "compile_options", "check_trainable_model", "check_learnable",
-           "no_weights_error", "check_penalized", "warn_tied", "warn_folded"]
+           "no_weights_error", "check_penalized", "warn_tied", "warn_folded",
+           "warn_zero_adapters"]
 
 #: ai.onnx.ml operators that keep their parameters in attributes: nothing to train.
 _ATTRIBUTE_MODELS = ("TreeEnsembleRegressor", "TreeEnsembleClassifier", "TreeEnsemble",
@@ -72,12 +74,15 @@ class CompileOptions:
     update: UpdateOptions = UpdateOptions()
     #: "none", "auto" or the boundaries (:func:`lossgraph.passes.recompute.recompute_choice`)
     recompute: str | tuple[str, ...] = "none"
+    #: LoRA adapters to add before training (:mod:`lossgraph.adapters`), or None
+    adapters: LoRA | None = None
 
 
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
                     untie: Any = None, accumulation_steps: Any = 1, max_grad_norm: Any = None,
-                    ema_decay: Any = None, recompute: Any = "none") -> CompileOptions:
+                    ema_decay: Any = None, recompute: Any = "none",
+                    adapters: Any = None) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)
     fixed_batch = choice("fixed_batch", fixed_batch, FIXED_BATCH_CHOICES)
@@ -101,7 +106,17 @@ def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
     return CompileOptions(names("weights", weights, allow_empty=True), options,
                           as_optimizer(optimizer), backend, fuse, fixed_batch,
                           _untie(untie), accumulation_steps,
-                          UpdateOptions(max_grad_norm, ema_decay), recompute_choice(recompute))
+                          UpdateOptions(max_grad_norm, ema_decay), recompute_choice(recompute),
+                          _adapters(adapters))
+
+
+def _adapters(adapters: Any) -> LoRA | None:
+    """``adapters``, a :class:`~lossgraph.adapters.LoRA` or None."""
+    if adapters is None or isinstance(adapters, LoRA):
+        return adapters
+    raise UnsupportedOptionError(
+        f"adapters={reprlib.repr(adapters)} must be a lossgraph.LoRA(...) (e.g. "
+        "LoRA(rank=8, alpha=16, targets=['query', 'value'])) or None.")
 
 
 def _untie(untie: Any) -> str | list[str] | None:
@@ -314,3 +329,17 @@ def _dims_text(dims: Sequence[onnx.TensorShapeProto.Dimension]) -> str:
     """``8, N, ?``: each dimension's size, else its name, else ``?``."""
     return ", ".join(str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
                      for d in dims)
+
+
+def warn_zero_adapters(model: onnx.ModelProto, adapters: Sequence[Adapter]) -> None:
+    """A StuckWeightWarning for adapters whose A and B are both zero (``init="zeros"``):
+    their gradients are zero, training never moves them."""
+    tensors = {t.name: t for t in model.graph.initializer}
+    zero = [a.a for a in adapters
+            if not any(tensor_array(tensors[n]).any() for n in (a.a, a.b) if n in tensors)]
+    if zero:
+        warnings.warn(
+            f"The LoRA adapters {', '.join(map(repr, zero[:4]))}{' ...' if len(zero) > 4 else ''}"
+            " start with A and B both zero (init='zeros'): their gradients are zero and "
+            "training never moves them. Load trained adapters first (lossgraph.load_adapters), "
+            "or use init='kaiming'.", StuckWeightWarning, stacklevel=4)

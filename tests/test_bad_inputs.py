@@ -30,6 +30,7 @@ from support.linear import LINEAR, linear_data
 from support.models import changed_op_model, image_scaler
 
 import lossgraph
+from lossgraph.adapters import LoRA
 from lossgraph.errors import (
     ConvergenceError,
     DTypeMismatchError,
@@ -95,6 +96,20 @@ BINARY = """
     <float[4, 1] w = {0.1, -0.1, 0.2, 0}>
     { z = MatMul(x, w)
       p = Sigmoid(z) }
+"""
+
+
+#: A Conv of two groups, and a product of an int8 weight dequantized (LoRA cases).
+GROUPED_CONV = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 2, 3, 3] x) => (float[N, 2, 3, 3] y)
+    <float[2, 1, 1, 1] k = {1, 2}> { y = Conv <group = 2> (x, k) }
+"""
+QUANTIZED = """
+    <ir_version: 8, opset_import: ["" : 18]>
+    g (float[N, 4] x) => (float[N, 2] y)
+    <int8[4, 2] q = {1, 2, 3, 4, 5, 6, 7, 8}, float s = {0.1}, int8 z = {0}>
+    { w = DequantizeLinear(q, s, z)  y = MatMul(x, w) }
 """
 
 
@@ -655,6 +670,34 @@ CASES: list[Case] = [
     Case("recompute-unknown-tensor", "recompute=['nowhere'] (no forward value)",
          lambda c: c.program(recompute=["nowhere"]), UnknownNameError,
          "recompute= names 'nowhere', which is not a value the forward computes"),
+    # -- LoRA adapters -------------------------------------------------------------------------
+    Case("adapters-not-lora", "compile_program(adapters={'rank': 8})",
+         lambda c: c.program(adapters={"rank": 8}), UnsupportedOptionError,
+         "must be a lossgraph.LoRA(...)"),
+    *[Case(f"lora-{label}", f"LoRA({option}={value!r})",
+           lambda c, o=option, v=value: LoRA(**{o: v}), UnsupportedOptionError,
+           f"LoRA: {option}={value!r}")
+      for label, option, value in [("rank-zero", "rank", 0), ("alpha-zero", "alpha", 0),
+                                   ("dropout-one", "dropout", 1.0),
+                                   ("init-unknown", "init", "xavier"),
+                                   ("ops-unknown", "ops", "Einsum"),
+                                   ("targets-not-names", "targets", 3),
+                                   ("targets-bad-pattern", "targets", "(")]],
+    Case("lora-target-not-a-product", "LoRA(targets=['intercept']) (an Add's operand)",
+         lambda c: c.program(adapters=LoRA(rank=1, targets=["intercept"])),
+         UnsupportedModelError, "'intercept', which is not the weight of a product (read by Add"),
+    Case("lora-rank-too-large", "LoRA(rank=2) on a [4, 1] weight",
+         lambda c: c.program(adapters=LoRA(rank=2)), UnsupportedOptionError,
+         "rank=2 is larger than the smaller side (1) of 'coef'"),
+    Case("lora-targets-match-nothing", "LoRA(targets=['query']) on a model without it",
+         lambda c: c.program(adapters=LoRA(rank=1, targets=["query"])), UnknownNameError,
+         "matches no weight of a product"),
+    Case("lora-grouped-conv", "LoRA on a Conv with group=2",
+         lambda c: lossgraph.add_lora(parse(GROUPED_CONV), targets=["k"], rank=1),
+         UnsupportedModelError, "group=2"),
+    Case("lora-merge-quantized-base", "to_inference_model(merge=True), a DequantizeLinear base",
+         lambda c: c.trainer(parse(QUANTIZED), adapters=LoRA(rank=1)).to_inference_model(
+             merge=True), UnsupportedOptionError, "whose base 'q' is quantized"),
     # -- fit options -------------------------------------------------------------------------
     Case("fit-accumulation-steps-zero", "fit(accumulation_steps=0)",
          lambda c: c.fit(accumulation_steps=0, compile_options={"accumulation_steps": 2}),

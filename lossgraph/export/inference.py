@@ -1,6 +1,6 @@
 """The inference model with trained weights written back and nothing of training left.
 
-    to_inference_model(source, state=None, ema=False)          -> onnx.ModelProto
+    to_inference_model(source, state=None, ema=False, merge=False)  -> onnx.ModelProto
     save_inference_model(source, path, state=None, ema=False)  -> path (+ path.data if large)
 
 ``source`` is where the model and its weights come from:
@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..adapters import merge_adapters
 from ..errors import UnsupportedOptionError
 from ..fileio import check_file_target, save_model, write_file
 from ..inference import DATA_MAGIC, EXTERNAL_MIN_BYTES, PROTOBUF_LIMIT, Exported, export_model
@@ -81,8 +82,8 @@ DATA_SUFFIX = ".data"
 
 
 def to_inference_model(source: Source, state: Mapping[str, Any] | None = None, *,
-                       target: Target | str | None = None, ema: bool = False
-                       ) -> onnx.ModelProto:
+                       target: Target | str | None = None, ema: bool = False,
+                       merge: bool = False) -> onnx.ModelProto:
     """The inference model of ``source`` with its trained weights as initializers and
     nothing of training left (see the module docstring for ``source`` and ``state``).
 
@@ -90,9 +91,11 @@ def to_inference_model(source: Source, state: Mapping[str, Any] | None = None, *
     :data:`lossgraph.target.TARGETS` or a Target); default, the active target, else the
     most widely loadable one that loads the model. The result passes
     ``onnx.checker.check_model(full_check=True)``. A model over 2 GiB cannot be one
-    ModelProto: save it with :func:`save_inference_model`.
+    ModelProto: save it with :func:`save_inference_model`. ``merge=True`` folds LoRA
+    adapters into their base weights (:func:`~lossgraph.adapters.merge_adapters`).
     """
-    return _export(source, state, target, ema).to_model()
+    model = _export(source, state, target, ema).to_model()
+    return merge_adapters(model) if flag("merge", merge) else model
 
 
 def save_inference_model(source: Source, path: str | os.PathLike,

@@ -27,6 +27,8 @@ it returns a :class:`~lossgraph.passes.contract.PassResult`). In pipeline order:
 - :class:`StraightThroughQuantization` (run by the user, before compiling): fake
   quantization (QuantizeLinear -> DequantizeLinear) differentiated with the straight-through
   estimator, for quantization-aware training
+- :class:`AddLoRA` (run by the user, or by ``compile_program(adapters=...)``): LoRA
+  adapters beside the weights of products, the base weights frozen
 - :class:`Gradient`: gradients or vector-Jacobian products
 - :class:`Recompute`: the backward reads kept values only (boundaries), the activations
   between them recomputed, the graph form of ``torch.utils.checkpoint``
@@ -50,6 +52,7 @@ from .expand_functions import ExpandFunctions
 from .fixed_batch import GeneralizeBatch
 from .fuse import EpochGraph, PackWeights, StepGraph
 from .gradient import Gradient, gradient
+from .lora import AddLoRA, add_lora
 from .loss import AddLossOutput, RemoveLossOutput, add_loss_output
 from .lower_ml import LowerMlOps, lower_ml_ops
 from .opset import ConvertOpset, convert_opset
@@ -64,7 +67,8 @@ from .untie import UntieWeights
 from .weights import ConstantsToInitializers, WeightsToInputs
 from .zipmap import ZipMapToTensor
 
-__all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers", "ConvertOpset",
+__all__ = ["AddLoRA", "AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers",
+           "ConvertOpset",
            "EpochGraph", "ExpandFunctions", "GeneralizeBatch", "Gradient", "GroupGradients",
            "InferenceMode",
            "Recompute",
@@ -72,6 +76,6 @@ __all__ = ["AddLossOutput", "AlphabetizeInitializers", "ConstantsToInitializers"
            "Reports", "Requirement", "RunningStatistics", "SequencesToTensors",
            "StabilizeNumerics", "StepGraph", "StraightThroughQuantization", "StripTraining",
            "SumGradients",
-           "UntieWeights", "WeightsToInputs", "ZipMapToTensor", "add_loss_output",
+           "UntieWeights", "WeightsToInputs", "ZipMapToTensor", "add_loss_output", "add_lora",
            "alphabetize_initializers", "convert_opset", "gradient", "lower_ml_ops",
            "stabilize_numerics", "straight_through_quantization", "strip_training"]

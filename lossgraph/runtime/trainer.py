@@ -543,10 +543,11 @@ class Trainer:
         return self.engine.predict(self.engine.prepare(X, graph="predict", with_label=False),
                                    ema)
 
-    def to_inference_model(self, *, ema: bool = False) -> onnx.ModelProto:
+    def to_inference_model(self, *, ema: bool = False, merge: bool = False) -> onnx.ModelProto:
         """The original inference model with the trained weights and buffers written back
-        (``ema=True``: the weights' averages)."""
-        return self.program.to_inference_model(self.engine.live(), ema=ema)
+        (``ema=True``: the weights' averages; ``merge=True``: LoRA adapters folded into
+        their base weights, :meth:`TrainingProgram.to_inference_model`)."""
+        return self.program.to_inference_model(self.engine.live(), ema=ema, merge=merge)
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, logs: Mapping[str, Any] | None = None

@@ -28,10 +28,12 @@ from support.environment import GOLDEN_MODELS, ROOT
 from support.models import UNSORTED
 
 import lossgraph
+from lossgraph.adapters import LoRA
 from lossgraph.errors import UnsupportedModelError
 from lossgraph.export.artifacts import AccumulateGradients
 from lossgraph.optim import SGD, Adam, Momentum, update_graph
 from lossgraph.passes import (
+    AddLoRA,
     AddLossOutput,
     AlphabetizeInitializers,
     ConstantsToInitializers,
@@ -182,6 +184,15 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
             a = Constant <value_float: float = @alpha> () ax = Mul(a, x) s = Sigmoid(ax)
             y = Mul(x, s) }
         """), ExpandFunctions()),
+    "AddLoRA (MatMul, Gemm transB, dropout)": (lambda: onnx.parser.parse_model("""<ir_version: 8,
+        opset_import: ["" : 18]> g (float[N, 3] x) => (float[N, 2] y) <float[3, 4] w = {1, 2, 3,
+        4, 5, 6, 7, 8, 9, 10, 11, 12}, float[2, 4] v = {1, 2, 3, 4, 5, 6, 7, 8}> {
+            h = MatMul(x, w)  r = Relu(h)  y = Gemm <transB = 1> (r, v) }"""),
+        AddLoRA(LoRA(rank=2, dropout=0.1, targets=["w", "v"]))),
+    "AddLoRA (Conv)": (lambda: onnx.parser.parse_model("""<ir_version: 8,
+        opset_import: ["" : 18]> g (float[N, 2, 4, 4] x) => (float[N, 3, 4, 4] y)
+        <float[3, 2, 1, 1] k = {1, 2, 3, 4, 5, 6}> { y = Conv <pads = [0, 0, 0, 0]> (x, k) }"""),
+        AddLoRA(LoRA(rank=2, init="gaussian", ops=("Conv",)))),
     "StabilizeNumerics": (lambda: with_loss("skl_sgd_classifier", "multiclass_log_loss"),
                           StabilizeNumerics()),
     "StabilizeNumerics (ort backend, double, in an If branch)": (

@@ -20,7 +20,8 @@ The public surface (docs/concepts.md gives its vocabulary):
 - onnxcustom's classes (:mod:`lossgraph.compat`): :class:`OrtGradientOptimizer`,
   :class:`OrtGradientForwardBackwardOptimizer`, :class:`OrtGradientForwardBackward`, the
   learning rates, losses and penalties
-- deployment: :mod:`lossgraph.export`; data-parallel training: :mod:`lossgraph.parallel`
+- deployment: :mod:`lossgraph.export` (adapter files: :func:`export_adapters`,
+  :func:`load_adapters`); data-parallel training: :mod:`lossgraph.parallel`
   (and :mod:`lossgraph.ray`); a graph as a torch layer: :mod:`lossgraph.torch`
 
 Each name is loaded on first use (:mod:`lossgraph.lazy`): ``import lossgraph`` imports
@@ -52,10 +53,12 @@ _HOMES = {
     "compile_program": ".compiler",
     "convert_opset": ".passes",
     "describe_plan": ".compiler",
+    "export_adapters": ".export.adapters",
     "get_roles": ".roles",
     "grad_rule": ".autodiff",
     "gradient": ".passes",
     "latest_checkpoint": ".paths",
+    "load_adapters": ".export.adapters",
     "lora_candidates": ".adapters",
     "merge_adapters": ".adapters",
     "lower_ml_ops": ".passes",

@@ -77,7 +77,13 @@ class InvalidDataError(LossgraphError, ValueError):
 
 
 class InvalidProgramError(InvalidModelError):
-    """A saved program or checkpoint folder is damaged, of another format, or not one at all."""
+    """A saved program or checkpoint folder (or an adapter file) is damaged, of another
+    format, or not one at all."""
+
+
+class AdapterMismatchError(LossgraphError, ValueError):
+    """An adapter file does not fit the program it is loaded into: another base model, other
+    targets, rank or alpha (lossgraph.export.adapters)."""
 
 
 class UnsafeWriteError(LossgraphError, FileExistsError):
@@ -153,7 +159,8 @@ __all__ = [
     "LossgraphError", "InvalidModelError", "UnsupportedModelError", "UnknownNameError",
     "UnsupportedOptionError", "DTypeMismatchError", "ShapeMismatchError", "NameCollisionError",
     "InternalError", "MissingGradientError", "RuntimeUnavailableError", "ConvergenceError",
-    "InvalidDataError", "InvalidProgramError", "UnsafeWriteError", "MissingFolderError",
+    "InvalidDataError", "InvalidProgramError", "AdapterMismatchError", "UnsafeWriteError",
+    "MissingFolderError",
     "NoGradientError", "InvalidRuleError", "EvaluationError", "ProviderError", "NotFittedError",
     "LossgraphWarning", "LossgraphDeprecationWarning", "ConvergenceWarning",
     "ValidationLossWarning", "StuckWeightWarning", "TiedWeightWarning", "FixedBatchWarning",

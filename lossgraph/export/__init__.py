@@ -6,6 +6,9 @@
 - :func:`to_inference_model`, :func:`save_inference_model`
   (:mod:`lossgraph.export.inference`): the inference model with trained weights and
   nothing of training left.
+- :func:`export_adapters`, :func:`load_adapters` (:mod:`lossgraph.export.adapters`): a
+  program's LoRA adapters alone, as safetensors (PEFT's names), ``.npz`` or onnxruntime's
+  ``.onnx_adapter``, and back.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ _HOMES = {
     "read_ort_checkpoint": ".ort_checkpoint",
     "to_inference_model": ".inference",
     "save_inference_model": ".inference",
+    "export_adapters": ".adapters",
+    "load_adapters": ".adapters",
 }
 
 __all__ = sorted(_HOMES)

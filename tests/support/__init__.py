@@ -14,6 +14,8 @@
 - ``fixed_batch``: models exported with a fixed batch, freed or kept by GeneralizeBatch,
   and an export run in runs of its own batch (passes/test_fixed_batch.py,
   test_fixed_batch.py);
+- ``adapters``: the small models of the LoRA adapter files' and compositions' tests
+  (export/test_adapters.py, test_lora_compositions.py);
 - ``estimators``: data, models and numpy references of the onnxcustom estimators' tests;
 - ``catalogue``: the bad-input tables of docs/reference/errors.md
   (``PYTHONPATH=. python tests/support/catalogue.py`` rewrites them);

@@ -52,12 +52,16 @@ import onnxruntime
 import lossgraph
 from lossgraph.optim import AdamW
 
-VOCABULARY, LENGTH, ROWS, BATCH, EPOCHS = 100, 12, 128, 16, 6
+VOCABULARY, LENGTH, ROWS, BATCH, EPOCHS = 100, 12, 96, 16, 4
 RANK, ALPHA, TARGETS = 8, 16, ["query", "value", "dense"]
-LEARNING_RATE, EPSILON = 5e-3, 1e-6  # EPSILON: see 09's note
+LEARNING_RATE, EPSILON = 1e-2, 1e-6  # EPSILON: see 09's note
 INPUTS = ("input_ids", "attention_mask")
-#: the agreement asserted: losses (relative) and held-out logits (relative to the largest)
-LOSS_RTOL, LOGIT_RTOL = 1e-3, 1e-3
+#: the agreement asserted, relative (logits: to the largest): lossgraph's losses and held-out
+#: logits against PEFT's after 24 AdamW steps (Adam's first steps move a weight whose
+#: gradient is within rounding of zero by about the learning rate, whichever way rounding
+#: tips it: the two libraries drift apart by that much), and the same trained adapters
+#: run two ways (merged, or loaded from the file): float32 rounding
+LOSS_RTOL, PEFT_RTOL, SAME_RTOL = 1e-3, 5e-3, 1e-5
 
 
 def sequences(rows: int, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -134,6 +138,7 @@ def main(folder: Path) -> None:
 
     # PEFT starts from lossgraph's initial adapters, read from the file lossgraph writes.
     start = folder / "initial_adapters"
+    start.mkdir()
     lossgraph.export_adapters(program, start / "adapter_model.safetensors", peft_config=True)
     peft_net = peft.PeftModel.from_pretrained(copy.deepcopy(base), start, is_trainable=True)
 
@@ -174,7 +179,7 @@ def main(folder: Path) -> None:
           f"max |lossgraph - PEFT merge_and_unload()| = {np.abs(ours - theirs).max():.1e} "
           f"(logits up to {scale:.1f}); accuracy {(ours.argmax(1) == y_test).mean():.3f} "
           "(chance 0.5)")
-    np.testing.assert_allclose(ours, theirs, atol=LOGIT_RTOL * scale)
+    np.testing.assert_allclose(ours, theirs, atol=PEFT_RTOL * scale)
     assert (ours.argmax(1) == y_test).mean() > 0.6
 
     # Out of training, 2: the adapters alone, loaded by PEFT and by lossgraph.
@@ -188,8 +193,8 @@ def main(folder: Path) -> None:
     print(f"saved to {folder}: model.onnx {kib(folder / 'model.onnx')} (the base), "
           f"merged.onnx {kib(folder / 'merged.onnx')}, {path.name} {kib(path)} "
           "(the adapters alone)")
-    np.testing.assert_allclose(from_file, ours, atol=LOGIT_RTOL * scale)
-    np.testing.assert_allclose(resumed.predict(X_test), ours, atol=LOGIT_RTOL * scale)
+    np.testing.assert_allclose(from_file, ours, atol=SAME_RTOL * scale)
+    np.testing.assert_allclose(resumed.predict(X_test), ours, atol=SAME_RTOL * scale)
     print("OK: LoRA trained as PEFT does; the merged model and the adapter file predict alike")
 
 

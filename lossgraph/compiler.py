@@ -8,7 +8,7 @@ The loss model comes first::
     inference model = ConvertOpset -> LowerMlOps -> (weights) -> StripTraining     (no loss;
                       BatchNormalization and Dropout in inference mode; a ZipMap kept)
     (weights)       = ConstantsToInitializers (Constant nodes named in weights)
-                      -> UntieWeights (untie=...), where asked
+                      -> UntieWeights (untie=...) -> AddLoRA (adapters=...), where asked
 
 ``ConvertOpset`` moves the model to an opset the target loads (:mod:`lossgraph.opsets`);
 ``loss="auto"``, the default, is the loss that fits what the trained output holds

@@ -5,6 +5,7 @@
     lossgraph train program/ --data train.csv --epochs 20 --validation-split 0.2 \
         -o trained.onnx --checkpoint ckpt/ --history history.json --plot loss.png
     lossgraph export ckpt/ -o deployed.onnx            # the inference model of a checkpoint
+    lossgraph export ckpt/ --adapters adapter.safetensors   # LoRA adapters alone
 
 and the passes one by one: ``add-loss``, ``gradient``, ``lower-ml``, ``alphabetize``,
 ``trainable``, ``ops``. ``lossgraph COMMAND --help`` shows each command's options and
@@ -60,10 +61,16 @@ def _export(args: argparse.Namespace) -> int:
     from .build import _export_function
     from .outputs import _external_note
 
-    save_inference_model = _export_function("save_inference_model")
-    save_inference_model(args.source, args.output, external_data=args.external_data,
-                         target=args.target, overwrite=args.force, ema=args.ema)
-    print(f"wrote {args.output}{_external_note(args.output)}")
+    if args.adapters is not None:
+        written = _export_function("export_adapters")(
+            args.source, args.adapters, peft_config=args.peft_config, overwrite=args.force)
+        config = f" and {written.with_name('adapter_config.json')}" if args.peft_config else ""
+        print(f"wrote {args.adapters}{config}")
+    if args.output is not None:
+        save_inference_model = _export_function("save_inference_model")
+        save_inference_model(args.source, args.output, external_data=args.external_data,
+                             target=args.target, overwrite=args.force, ema=args.ema)
+        print(f"wrote {args.output}{_external_note(args.output)}")
     return EXIT_OK
 
 

@@ -141,12 +141,29 @@ def _recompute(tensors: list[str] | None) -> str | list[str]:
     return "auto" if tensors in ([], ["auto"]) else tensors
 
 
+def _lora(args: argparse.Namespace) -> Any:
+    """The LoRA options of ``--lora-*`` (None when none is given); ``--lora-targets`` items
+    may be comma-separated."""
+    given = {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+             "targets": None if args.lora_targets is None else [
+                 name for item in args.lora_targets for name in item.split(",") if name]}
+    given = {key: value for key, value in given.items() if value is not None}
+    if not given:
+        return None
+    from ..adapters import LoRA
+
+    if given.get("targets") == ["all-linear"]:
+        given["targets"] = "all-linear"
+    return LoRA(**given)
+
+
 def _compile(args: argparse.Namespace) -> int:
     loss = None if args.loss == "none" else args.loss
     loss_options = _loss_options(args)
     optimizer = _optimizer(args)
     penalty = _penalty(args, loss)
     untie = None if args.untie is None else args.untie or "auto"  # --untie alone: "auto"
+    adapters = _lora(args)
     if args.format == "ort-artifacts":
         given = [option for option, value in (("--fuse", args.fuse), ("--backend", args.backend),
                                               ("--target", args.target),
@@ -164,7 +181,8 @@ def _compile(args: argparse.Namespace) -> int:
         written = to_ort_artifacts(args.model, args.output, optimizer=optimizer,
                                    weights=args.weights, loss=loss, loss_options=loss_options,
                                    penalty=penalty, fixed_batch=args.fixed_batch, untie=untie,
-                                   max_grad_norm=args.max_grad_norm, ema_decay=args.ema_decay)
+                                   max_grad_norm=args.max_grad_norm, ema_decay=args.ema_decay,
+                                   **({} if adapters is None else {"adapters": adapters}))
         print(f"{args.output}: {', '.join(Path(path).name for path in written)}; trains with "
               f"{type(optimizer).__name__} (learning rate {_rate(optimizer)}: "
               "onnxruntime's Optimizer starts at 0.001, set_learning_rate sets it)")
@@ -174,7 +192,7 @@ def _compile(args: argparse.Namespace) -> int:
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
         target=args.target, fixed_batch=args.fixed_batch, untie=untie,
         accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
-        ema_decay=args.ema_decay, recompute=_recompute(args.recompute))
+        ema_decay=args.ema_decay, recompute=_recompute(args.recompute), adapters=adapters)
     program.save(args.output)
     for note in program.notes.lines():
         print(f"{args.output}: {note}")

@@ -58,6 +58,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
         else:
             _check_artifacts_target(args.output)
         return
+    if args.command == "export":
+        _check_export_outputs(args)
     if getattr(args, "output", None) is None:
         return
     _check_model_suffix(args.output)
@@ -108,6 +110,26 @@ def _check_model_suffix(path: str) -> None:
             f"-o {path!r}: lossgraph writes the model in ONNX's binary format, but onnx.load "
             f"reads a {suffix!r} file as a text format, so the file could not be loaded back "
             "by its name. Name it .onnx (or .pb).")
+
+
+def _check_export_outputs(args: argparse.Namespace) -> None:
+    """lossgraph export writes the inference model (-o), the adapters (--adapters) or both."""
+    if args.output is None and args.adapters is None:
+        raise UnsupportedOptionError(
+            "lossgraph export writes the inference model (-o FILE), the LoRA adapters "
+            "(--adapters FILE) or both: give at least one.")
+    if args.adapters is None:
+        if args.peft_config:
+            raise UnsupportedOptionError("--peft-config goes with --adapters "
+                                         ".../adapter_model.safetensors.")
+        return
+    if args.output is not None and os.path.abspath(args.output) == os.path.abspath(
+            args.adapters):
+        raise UnsupportedOptionError(
+            f"-o and --adapters name the same path {args.output!r}: give each its own.")
+    from ..export.adapters import check_adapters_target
+
+    check_adapters_target(args.adapters, peft_config=args.peft_config, overwrite=args.force)
 
 
 def _check_artifacts_target(path: str) -> None:

@@ -47,7 +47,9 @@ examples:
   lossgraph compile model.onnx -o program/ --schedule cosine --total-steps 1000 \\
       --schedule-option end=1e-5 --schedule-option cycles=1
   lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
-  lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
+  lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw
+  lossgraph compile bert.onnx -o program/ --lora-rank 8 --lora-targets query,value \\
+      --optimizer adamw --learning-rate 1e-4     # LoRA adapters train, the weights stay""",
     "train": """\
 examples:
   lossgraph train program/ --data train.npz --epochs 10 -o trained.onnx
@@ -70,7 +72,9 @@ order.""",
     "export": """\
 examples:
   lossgraph export ckpt/ -o deployed.onnx       # a checkpoint folder (lossgraph train)
-  lossgraph export program/ -o initial.onnx     # a program folder (lossgraph compile)""",
+  lossgraph export program/ -o initial.onnx     # a program folder (lossgraph compile)
+  lossgraph export ckpt/ --adapters adapter/adapter_model.safetensors --peft-config
+                                                # the LoRA adapters alone, for PEFT""",
     "add-loss": """\
 example:
   lossgraph add-loss model.onnx -o loss.onnx --loss huber --loss-option delta=0.5 \\
@@ -352,6 +356,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "alone (or 'auto'), boundaries chosen among the forward graph's "
                             "cuts; else the forward tensors kept, everything between them "
                             "recomputed (default: every activation kept)")
+    build.add_argument("--lora-rank", type=int, metavar="R",
+                       help="train LoRA adapters of rank R beside the target weights instead "
+                            "of the weights (default with another --lora option: 8); see "
+                            "docs/reference/adapters.md")
+    build.add_argument("--lora-alpha", type=float, metavar="A",
+                       help="the adapters' alpha: their update is scaled by A / R (default: 16)")
+    build.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                       help="the modules or weights that get adapters, PEFT's target_modules "
+                            "(query value, or query,value); all-linear: every linear layer but "
+                            "the output's (default: PEFT's default for the architecture, else "
+                            "every linear layer)")
+    build.add_argument("--lora-dropout", type=float, metavar="P",
+                       help="dropout on the adapters' input while training (default: 0)")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")
@@ -434,7 +451,17 @@ def build_parser() -> argparse.ArgumentParser:
                                "with its weights and nothing of training left")
     export.add_argument("source", help="checkpoint folder (lossgraph train --checkpoint), "
                                        "program folder (lossgraph compile) or .onnx model")
-    output_file(export, "the inference model (.onnx)")
+    export.add_argument("-o", "--output", metavar="FILE",
+                        help="the inference model (.onnx); with --adapters, optional")
+    export.add_argument("--force", action="store_true",
+                        help="replace output files even if lossgraph did not write them")
+    export.add_argument("--adapters", metavar="FILE",
+                        help="write the LoRA adapters alone (a program compiled with --lora-*): "
+                             ".safetensors (PEFT's names), .npz or .onnx_adapter")
+    export.add_argument("--peft-config", action="store_true",
+                        help="with --adapters .../adapter_model.safetensors, write PEFT's "
+                             "adapter_config.json beside it (peft.PeftModel.from_pretrained "
+                             "loads the folder)")
     export.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
                         help="keep the large weights in FILE.data beside the model (default: "
                              "only for models over protobuf's 2 GiB)")

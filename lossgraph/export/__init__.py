@@ -8,7 +8,8 @@
   nothing of training left.
 - :func:`export_adapters`, :func:`load_adapters` (:mod:`lossgraph.export.adapters`): a
   program's LoRA adapters alone, as safetensors (PEFT's names), ``.npz`` or onnxruntime's
-  ``.onnx_adapter``, and back.
+  ``.onnx_adapter``, and back; :func:`with_adapter_inputs`: an inference model onnxruntime
+  feeds an ``.onnx_adapter``'s tensors to.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _HOMES = {
     "save_inference_model": ".inference",
     "export_adapters": ".adapters",
     "load_adapters": ".adapters",
+    "with_adapter_inputs": ".adapters",
 }
 
 __all__ = sorted(_HOMES)

@@ -353,6 +353,8 @@ def check_adapters_target(path: str | os.PathLike, format: str | None = None,
     once it is clear they may be written (:mod:`lossgraph.fileio`); before any work."""
     path = Path(path)
     kind = _format(path, format)
+    if kind.suffix == ".onnx_adapter":
+        _ort_adapter_format()  # onnxruntime 1.20 or later, or an error now
     flag("overwrite", overwrite)
     config = _peft_config_path(path, kind, flag("peft_config", peft_config))
     target = check_file_target(path, kind.owned, overwrite)

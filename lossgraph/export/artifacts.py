@@ -108,7 +108,7 @@ MS_DOMAIN = "com.microsoft"
 RECORD_KEY = "lossgraph.ort_artifacts"
 RECORD_FORMAT = "lossgraph-ort-artifacts/1"
 _COMPILE_OPTIONS = ("weights", "loss", "loss_options", "penalty", "fixed_batch", "untie",
-                    "max_grad_norm", "ema_decay")
+                    "max_grad_norm", "ema_decay", "adapters")
 #: Why an EMA of the weights cannot be exported.
 _NO_EMA = ("onnxruntime's training artifacts cannot keep an EMA of the weights (ema_decay): "
            "their optimizer graph takes the parameters, gradients and moments onnxruntime's "
@@ -158,8 +158,9 @@ def to_ort_artifacts(model_or_program: ModelLike | TrainingProgram,
         properties: ints, floats and strings stored in the checkpoint's property bag.
         compile_options: ``weights``, ``loss``, ``loss_options``, ``penalty``,
             ``fixed_batch``, ``untie``, ``max_grad_norm`` (clipping in the optimizer graph),
-            as :func:`~lossgraph.compile_program` takes them (models only); ``ema_decay``
-            is refused (module docstring).
+            ``adapters`` (LoRA adapters, the only trainable parameters with the weights
+            ``weights`` names) as :func:`~lossgraph.compile_program` takes them (models
+            only); ``ema_decay`` is refused (module docstring).
 
     Returns:
         The four paths, as an :class:`OrtArtifacts`.

@@ -8,6 +8,7 @@ import pytest
 from support.cli import export_has
 
 from lossgraph import compile_program
+from lossgraph.adapters import LoRA
 from lossgraph.cli import main
 from lossgraph.optim import SGD, Adam, AdamW, Momentum
 from lossgraph.schedules import Linear, StepDecay
@@ -49,6 +50,10 @@ FLAG_FORMS = {
     "fuse, backend, target": (["--fuse", "epoch", "--backend", "onnx", "--target",
                                "onnxruntime"],
                               {"fuse": "epoch", "backend": "onnx", "target": "onnxruntime"}),
+    "LoRA adapters": (["--lora-rank", "2", "--lora-alpha", "8", "--lora-targets", "z_weight",
+                       "--lora-dropout", "0.1"],
+                      {"adapters": LoRA(rank=2, alpha=8.0, targets=["z_weight"], dropout=0.1)}),
+    "LoRA adapters by default": (["--lora-rank", "1"], {"adapters": LoRA(rank=1)}),
 }
 
 

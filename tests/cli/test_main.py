@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from support.adapters import query_data, query_model
 from support.catalogue import Row, assert_listed, message_of, print_table, slug
 from support.cli import (
     export_has,
@@ -38,7 +39,7 @@ from support.cli import write_file as _file
 from support.environment import ROOT
 from support.models import NET as MODEL
 
-from lossgraph import get_roles
+from lossgraph import TrainingProgram, get_roles, load_adapters
 from lossgraph.cli import main
 from lossgraph.runtime import Trainer
 
@@ -126,6 +127,13 @@ def test_recompute_from_the_shell(model_file, tmp_path):
 
 def _model(tmp_path) -> str:
     return _file(tmp_path, "m.onnx", onnx.parser.parse_model(MODEL).SerializeToString())
+
+
+def _lora_program(tmp_path) -> str:
+    """A program folder training rank-1 adapters on NET's weight."""
+    assert main(["compile", _model(tmp_path), "-o", f"{tmp_path}/lora", "--lora-rank",
+                 "1"]) == 0
+    return f"{tmp_path}/lora"
 
 
 def _overflowing_npz(tmp_path) -> str:
@@ -406,6 +414,18 @@ BAD_COMMANDS = {
                                                 "--target", "mars"],
     # found by the fuzzer (tests/test_fuzz.py): onnx.load reads a .json file as JSON text
     "export to a json file": lambda t: ["export", _program(t), "-o", f"{t}/o.json"],
+    "export neither the model nor adapters": lambda t: ["export", _program(t)],
+    "export adapters of a program without": lambda t: ["export", _program(t), "--adapters",
+                                                        f"{t}/a.safetensors"],
+    "export adapters of an unknown format": lambda t: ["export", _lora_program(t), "--adapters",
+                                                       f"{t}/a.pt"],
+    "export a PEFT config beside another name": lambda t: ["export", _lora_program(t),
+                                                           "--adapters", f"{t}/a.safetensors",
+                                                           "--peft-config"],
+    "export adapters over the user's file": lambda t: ["export", _lora_program(t), "--adapters",
+                                                       _file(t, "a.npz", b"PK mine")],
+    "compile LoRA of a rank too large": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                   "--lora-rank", "3"],
     # found by the fuzzer: onnx's InferenceError, exit 1
     "trainable of a domain not imported": lambda t: ["trainable", _unimported_domain(t)],
     "inspect of a domain not imported": lambda t: ["inspect", _unimported_domain(t)],
@@ -570,6 +590,34 @@ def test_export_writes_the_inference_model_of_a_program_or_checkpoint(model_file
     assert main(["export", str(program), "-o", str(tmp_path / "mine.onnx")]) == 2
     assert (tmp_path / "mine.onnx").read_bytes() == b"mine"
     assert main(["export", str(program), "-o", str(tmp_path / "mine.onnx"), "--force"]) == 0
+
+
+def test_export_writes_the_lora_adapters_of_a_checkpoint_alone_or_with_the_model(
+        tmp_path, capsys):
+    X, y = query_data()
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    onnx.save(query_model(), tmp_path / "query.onnx")
+    program = tmp_path / "program"
+    assert main(["compile", str(tmp_path / "query.onnx"), "-o", str(program), "--lora-rank",
+                 "2", "--lora-targets", "query"]) == 0
+    assert main(["train", str(program), "--data", str(tmp_path / "d.npz"), "--epochs", "2",
+                 "-o", str(tmp_path / "trained.onnx"), "--checkpoint",
+                 str(tmp_path / "ckpt")]) == 0
+    adapters = tmp_path / "adapter" / "adapter_model.safetensors"
+    adapters.parent.mkdir()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), "--adapters", str(adapters),
+                 "--peft-config"]) == 0
+    assert capsys.readouterr().out == (f"wrote {adapters} and "
+                                       f"{adapters.with_name('adapter_config.json')}\n")
+    assert main(["export", str(tmp_path / "ckpt"), "--adapters", str(tmp_path / "a.npz"),
+                 "-o", str(tmp_path / "model.onnx")]) == 0
+    checkpoint = Trainer.load_checkpoint(tmp_path / "ckpt")
+    for path in (adapters, tmp_path / "a.npz"):
+        fresh = TrainingProgram.load(program)
+        for name, value in load_adapters(fresh, path).items():
+            np.testing.assert_array_equal(value, checkpoint.state[name])
+    assert (tmp_path / "model.onnx").read_bytes() == (tmp_path / "trained.onnx").read_bytes()
 
 
 def test_export_keeps_large_weights_in_a_data_file_on_request(tmp_path, capsys, run_model):

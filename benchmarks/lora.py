@@ -20,6 +20,9 @@ and two columns that tell what bounds lossgraph LoRA's figures:
     floor        the heavy kernels alone (the products) of ``lora``'s step graph, fed one
                  batch's values (benchmarks/kernel_floor.py): no graph of those forms
                  steps faster
+    phases       ``lora``'s peak taken apart, each phase in turn: compile, the step graph
+                 specialized to the batch (the Trainer's first fit), that graph alone, its
+                 session made, one step run
 
 The targets are PEFT's defaults for these architectures: ``query`` and ``value`` (BERT),
 ``c_attn`` (GPT-2, the fused query-key-value projection). Each cell runs in a fresh process
@@ -39,13 +42,14 @@ onnxruntime's intra-op threads alike.
 
 Run from the repository root:
       python -m benchmarks.lora [--quick] [--models bert,gpt2]
-          [--columns torch,peft,full,lora,unpacked,floor]
+          [--columns torch,peft,full,lora,unpacked,floor,phases]
           [--fuse step] [--memory-limit 12] [--threads N] [--json out.json]
 See docs/benchmarks.md#lora-adapters.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -65,7 +69,8 @@ LEARNING_RATE, EPSILON, WEIGHT_DECAY = 1e-4, 1e-6, 0.01
 COLUMNS = {"torch": "torch full fine-tuning", "peft": "torch + PEFT LoRA",
            "full": "lossgraph full fine-tuning", "lora": "lossgraph LoRA",
            "unpacked": "lossgraph LoRA, no prepacking",
-           "floor": "lossgraph LoRA's heavy kernels alone"}
+           "floor": "lossgraph LoRA's heavy kernels alone",
+           "phases": "lossgraph LoRA's peak, phase by phase"}
 #: onnxruntime's session entry that keeps it from prepacking constant weights (a copy of
 #: each product's constant operand in the layout its kernel reads).
 NO_PREPACKING = {"session.disable_prepacking": "1"}
@@ -111,8 +116,9 @@ def cell(column: str, name: str, quick: bool, folder: Path, fuse: str = "step",
     if column in ("torch", "peft"):
         return memory.torch_cell(subject, quick, threads, optimizer=_torch_adamw,
                                  adapt=peft_adapted(name) if column == "peft" else None)
-    if column == "floor":
-        return floor_cell(subject, quick, folder, threads)
+    if column in ("floor", "phases"):
+        return (floor_cell if column == "floor" else phases_cell)(subject, quick, folder,
+                                                                  threads)
     options = lora_options(name) if column in ("lora", "unpacked") else {}
     return memory.lossgraph_cell(subject, quick, fuse, folder, threads, _adamw(),
                                  NO_PREPACKING if column == "unpacked" else None, **options)
@@ -124,28 +130,44 @@ def _adamw() -> Any:
     return AdamW(LEARNING_RATE, epsilon=EPSILON, weight_decay=WEIGHT_DECAY)
 
 
-def floor_cell(subject: Any, quick: bool, folder: Path, threads: int | None) -> dict[str, Any]:
-    """The heavy kernels alone (benchmarks/kernel_floor.py: the products) of lossgraph
-    LoRA's ``train_step`` graph, fed one batch's values, in one onnxruntime session with
-    its inputs and outputs bound once: any graph doing this step in these forms takes at
-    least this long. Timed as the cells' steps are (the first run apart)."""
+def lora_program(subject: Any, folder: Path) -> tuple[Any, dict[str, np.ndarray]]:
+    """lossgraph LoRA's program of ``subject``'s export in ``folder``, and its data."""
     import onnx
 
     import lossgraph
     from benchmarks import memory
-    from benchmarks.kernel_floor import heavy_kernel_floor, step_graph
-    from benchmarks.model_speed import BoundRuns
-    from lossgraph.runtime.session import create_session
 
     data = np.load(folder / f"{subject.name}.npz")
-    rows = subject.rows(quick)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = lossgraph.compile_program(
             onnx.load(folder / f"{subject.name}.onnx"), optimizer=_adamw(),
             **memory.compile_loss(subject), **lora_options(subject.name))
-    floor = heavy_kernel_floor(*step_graph(
-        program, {"feature": data["X"][:rows], "label": data["y"][:rows]}, LEARNING_RATE))
+    return program, {"X": data["X"], "y": data["y"]}
+
+
+def one_step(program: Any, data: dict[str, np.ndarray], rows: int
+             ) -> tuple[Any, dict[str, np.ndarray]]:
+    """``program``'s ``train_step`` specialized to ``rows`` rows, as the Trainer runs it, and
+    the feeds of its first step (benchmarks/kernel_floor.py's ``step_graph``)."""
+    from benchmarks.kernel_floor import step_graph
+
+    return step_graph(program, {"feature": data["X"][:rows], "label": data["y"][:rows]},
+                      LEARNING_RATE)
+
+
+def floor_cell(subject: Any, quick: bool, folder: Path, threads: int | None) -> dict[str, Any]:
+    """The heavy kernels alone (benchmarks/kernel_floor.py: the products) of lossgraph
+    LoRA's ``train_step`` graph, fed one batch's values, in one onnxruntime session with
+    its inputs and outputs bound once: any graph doing this step in these forms takes at
+    least this long. Timed as the cells' steps are (the first run apart)."""
+    from benchmarks import memory
+    from benchmarks.kernel_floor import heavy_kernel_floor
+    from benchmarks.model_speed import BoundRuns
+    from lossgraph.runtime.session import create_session
+
+    program, data = lora_program(subject, folder)
+    floor = heavy_kernel_floor(*one_step(program, data, subject.rows(quick)))
     del program
     runs = BoundRuns(create_session(floor.model, session_options=memory.session_options(
         threads)), floor.feeds, 1)
@@ -155,6 +177,44 @@ def floor_cell(subject: Any, quick: bool, folder: Path, threads: int | None) -> 
         runs()
         times.append(time.perf_counter() - start)
     return {"step_ms": 1000 * statistics.mean(times[1:]), "kernels": floor.describe()}
+
+
+def phases_cell(subject: Any, quick: bool, folder: Path, threads: int | None
+                ) -> dict[str, Any]:
+    """lossgraph LoRA's peak taken apart, phase by phase in this process: the program
+    compiled; its ``train_step`` specialized to the batch (what the Trainer's first fit
+    does), the program alive; that graph alone; its onnxruntime session made, then held
+    once the graph is dropped; one step run. Each phase's resident set after it and its
+    peak (started over from the resident set before it), above the baseline."""
+    from benchmarks import memory
+    from benchmarks.machine import process_memory_mb, reset_peak_memory
+    from lossgraph.memory import release_free_memory
+    from lossgraph.runtime.session import create_session
+
+    options = memory.session_options(threads)
+    memory.lossgraph_warm_up("step", options)
+    base, phases = memory.baseline(), []
+
+    def phase(name: str) -> None:
+        gc.collect()
+        release_free_memory()
+        phases.append({"phase": name, "rss_mb": process_memory_mb("VmRSS") - base,
+                       "peak_mb": process_memory_mb("VmHWM") - base})
+        reset_peak_memory()
+
+    program, data = lora_program(subject, folder)
+    phase("compiled: the program")
+    graph, feeds = one_step(program, data, subject.rows(quick))
+    phase("train_step specialized to the batch, the program alive")
+    del program
+    phase("the specialized train_step alone")
+    session = create_session(graph, session_options=options)
+    phase("its session made")
+    del graph
+    phase("the session, the graph dropped")
+    session.run(None, feeds)
+    phase("one step run")
+    return {"phases": phases, "peak_mb": max(p["peak_mb"] for p in phases)}
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -230,8 +290,9 @@ def report(cells: dict[str, dict[str, Any]], columns: list[str]) -> list[dict[st
     print("|---|---|---|---|---|---|")
     for name, row in cells.items():
         for column in columns:
-            print(f"| {name} ({_number(row['weights_mb'])} MiB) | {COLUMNS[column]} | "
-                  + " | ".join(row_texts(row, column)) + " |")
+            if column != "phases":
+                print(f"| {name} ({_number(row['weights_mb'])} MiB) | {COLUMNS[column]} | "
+                      + " | ".join(row_texts(row, column)) + " |")
     print("\nlossgraph's peaks on the way (MiB above the baseline): compile's, what the "
           "program holds once compiled, once the Trainer is made, after each step")
     for name, row in cells.items():
@@ -245,6 +306,11 @@ def report(cells: dict[str, dict[str, Any]], columns: list[str]) -> list[dict[st
                       + " -> ".join(_number(v) for v in record["steps_mb"]))
         if "kernels" in row.get("floor", {}):
             print(f"    {COLUMNS['floor']}: {row['floor']['kernels']}")
+        for phase in row.get("phases", {}).get("phases", []):
+            print(f"    LoRA, {phase['phase']}: resident {_number(phase['rss_mb'])}, "
+                  f"peak {_number(phase['peak_mb'])}")
+        if "error" in row.get("phases", {}):
+            print(f"    {COLUMNS['phases']}: {row['phases']['error']}")
     verdicts = goals(cells)
     if verdicts:
         print("\ngoals (issue 29):")

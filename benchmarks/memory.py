@@ -212,7 +212,7 @@ def _memory(field: str) -> float:
     return process_memory_mb(field)
 
 
-def _baseline() -> float:
+def baseline() -> float:
     """The resident set now, the peak reset to it."""
     from benchmarks.machine import reset_peak_memory
 
@@ -268,7 +268,7 @@ def torch_cell(subject: Subject, quick: bool, threads: int | None = None,
         loss(net(X[rows]), y[rows]).backward()
         optimizer.step()
 
-    figures = _steps(step, _baseline())
+    figures = _steps(step, baseline())
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return {**figures, "trained_parameters": sum(p.numel() for p in trained),
             "optimizer_state_mb": sum(t.numel() * t.element_size() for t in state) / 2**20}
@@ -283,7 +283,7 @@ def _torch_warm_up(torch: Any) -> None:
     optimizer.step()
 
 
-def _lossgraph_warm_up(fuse: str, options: Any) -> None:
+def lossgraph_warm_up(fuse: str, options: Any) -> None:
     """compile_program and one step of a linear model in the fuse mode ``fuse``: the
     lazy imports (onnxruntime among them) paid before the baseline."""
     from onnx import TensorProto, helper
@@ -338,11 +338,11 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     from lossgraph.optim import SGD
 
     sessions = session_options(threads, session_entries)
-    _lossgraph_warm_up("step" if column == "compile" else column, sessions)
+    lossgraph_warm_up("step" if column == "compile" else column, sessions)
     model = onnx.load(folder / f"{subject.name}.onnx")
     data = np.load(folder / f"{subject.name}.npz")
     X, y, batch = data["X"], data["y"], subject.rows(quick)
-    base = _baseline()
+    base = baseline()
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -130,20 +130,24 @@ def _adamw() -> Any:
     return AdamW(LEARNING_RATE, epsilon=EPSILON, weight_decay=WEIGHT_DECAY)
 
 
-def lora_program(subject: Any, folder: Path) -> tuple[Any, dict[str, np.ndarray]]:
-    """lossgraph LoRA's program of ``subject``'s export in ``folder``, and its data."""
+def load_export(subject: Any, folder: Path) -> tuple[Any, dict[str, np.ndarray]]:
+    """``subject``'s export in ``folder`` and its data (``X``, ``y``)."""
     import onnx
 
+    data = np.load(folder / f"{subject.name}.npz")
+    return onnx.load(folder / f"{subject.name}.onnx"), {"X": data["X"], "y": data["y"]}
+
+
+def lora_program(subject: Any, model: Any) -> Any:
+    """lossgraph LoRA's program of ``subject``'s export ``model``."""
     import lossgraph
     from benchmarks import memory
 
-    data = np.load(folder / f"{subject.name}.npz")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = lossgraph.compile_program(
-            onnx.load(folder / f"{subject.name}.onnx"), optimizer=_adamw(),
-            **memory.compile_loss(subject), **lora_options(subject.name))
-    return program, {"X": data["X"], "y": data["y"]}
+        return lossgraph.compile_program(model, optimizer=_adamw(),
+                                         **memory.compile_loss(subject),
+                                         **lora_options(subject.name))
 
 
 def one_step(program: Any, data: dict[str, np.ndarray], rows: int
@@ -166,7 +170,8 @@ def floor_cell(subject: Any, quick: bool, folder: Path, threads: int | None) -> 
     from benchmarks.model_speed import BoundRuns
     from lossgraph.runtime.session import create_session
 
-    program, data = lora_program(subject, folder)
+    model, data = load_export(subject, folder)
+    program = lora_program(subject, model)
     floor = heavy_kernel_floor(*one_step(program, data, subject.rows(quick)))
     del program
     runs = BoundRuns(create_session(floor.model, session_options=memory.session_options(
@@ -193,6 +198,7 @@ def phases_cell(subject: Any, quick: bool, folder: Path, threads: int | None
 
     options = memory.session_options(threads)
     memory.lossgraph_warm_up("step", options)
+    model, data = load_export(subject, folder)
     base, phases = memory.baseline(), []
 
     def phase(name: str) -> None:
@@ -202,7 +208,7 @@ def phases_cell(subject: Any, quick: bool, folder: Path, threads: int | None
                        "peak_mb": process_memory_mb("VmHWM") - base})
         reset_peak_memory()
 
-    program, data = lora_program(subject, folder)
+    program = lora_program(subject, model)
     phase("compiled: the program")
     graph, feeds = one_step(program, data, subject.rows(quick))
     phase("train_step specialized to the batch, the program alive")

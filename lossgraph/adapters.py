@@ -49,14 +49,14 @@ from .graphs import (
     attribute_value,
     constant_value,
     is_onnx_op,
-    np_dtype,
     tensor_array,
 )
 from .metadata import ADAPTERS_KEY, read_json, remove_record, write_json
 from .options import choice, count, non_negative
 
-__all__ = ["LoRA", "Adapter", "LoRACandidate", "lora_candidates", "read_adapters",
-           "merge_adapters", "PEFT_DEFAULT_TARGETS", "INITS", "PRODUCT_OPS"]
+__all__ = ["LoRA", "Adapter", "LoRACandidate", "Site", "lora_candidates", "product_sites",
+           "select_sites", "read_adapters", "write_adapters", "merge_adapters",
+           "PEFT_DEFAULT_TARGETS", "INITS", "PRODUCT_OPS"]
 
 #: How ``A`` starts (``B`` starts at zero): PEFT's ``init_lora_weights`` True ("kaiming":
 #: uniform in +-1/sqrt(fan_in)), "gaussian" (normal, std 1/rank); "zeros" (A and B zero, a
@@ -593,8 +593,3 @@ def _chain_nodes(index: GraphIndex, product: onnx.NodeProto | None, weight: str
         chain.append(producer)
         value = producer.input[0]
     return chain
-
-
-def adapter_dtype(site: Site) -> np.dtype:
-    """The dtype of a site's ``A`` and ``B``: ``W_eff``'s."""
-    return np_dtype(site.elem_type)

@@ -32,10 +32,12 @@ from support.models import changed_op_model, image_scaler
 import lossgraph
 from lossgraph.adapters import LoRA
 from lossgraph.errors import (
+    AdapterMismatchError,
     ConvergenceError,
     DTypeMismatchError,
     InvalidDataError,
     InvalidModelError,
+    InvalidProgramError,
     LossgraphError,
     MissingGradientError,
     NoGradientError,
@@ -321,6 +323,16 @@ class Case:
     error: type[LossgraphError]
     fragment: str
     trains: bool = False  # a divergence case: trains until the bad step, on purpose
+
+
+def _lora_trainer(c: Context, alpha: float = 2.0) -> lossgraph.Trainer:
+    """A trainer of rank-1 adapters on the linear model's coef (no module path)."""
+    return c.trainer(adapters=LoRA(rank=1, alpha=alpha, targets=["coef"]))
+
+
+def _npz(c: Context, **arrays: np.ndarray) -> Path:
+    np.savez(c.tmp / "arrays.npz", **arrays)
+    return c.tmp / "arrays.npz"
 
 
 def _other_run(c: Context) -> Path:
@@ -698,6 +710,43 @@ CASES: list[Case] = [
     Case("lora-merge-quantized-base", "to_inference_model(merge=True), a DequantizeLinear base",
          lambda c: c.trainer(parse(QUANTIZED), adapters=LoRA(rank=1)).to_inference_model(
              merge=True), UnsupportedOptionError, "whose base 'q' is quantized"),
+    # -- adapter files (lossgraph.export.adapters) ---------------------------------------------
+    Case("adapters-export-without-adapters", "export_adapters(trainer of a program without)",
+         lambda c: lossgraph.export_adapters(c.trainer(), c.tmp / "a.npz"),
+         UnsupportedOptionError, "The program has no adapters"),
+    Case("adapters-export-unknown-suffix", "export_adapters(trainer, 'adapters.pt')",
+         lambda c: lossgraph.export_adapters(_lora_trainer(c), c.tmp / "adapters.pt"),
+         UnsupportedOptionError, "Cannot tell the adapter format"),
+    Case("adapters-export-unknown-format", "export_adapters(..., format='bin')",
+         lambda c: lossgraph.export_adapters(_lora_trainer(c), c.tmp / "a", format="bin"),
+         UnsupportedOptionError, "format='.bin' is not accepted"),
+    Case("adapters-peft-config-other-name", "peft_config=True to 'lora.safetensors'",
+         lambda c: lossgraph.export_adapters(_lora_trainer(c), c.tmp / "lora.safetensors",
+                                             peft_config=True),
+         UnsupportedOptionError, "reads only a folder's adapter_model.safetensors"),
+    Case("adapters-peft-config-no-module", "peft_config=True, an adapter of no module path",
+         lambda c: lossgraph.export_adapters(_lora_trainer(c), c.tmp /
+                                             "adapter_model.safetensors", peft_config=True),
+         UnsupportedOptionError, "the adapter on 'coef' has no torch module path"),
+    Case("adapters-export-over-users-file", "export_adapters over a file lossgraph did not write",
+         lambda c: lossgraph.export_adapters(_lora_trainer(c), c.file("a.npz", b"mine")),
+         UnsafeWriteError, "was not written by lossgraph"),
+    Case("adapters-load-missing-file", "load_adapters(trainer, 'none.npz')",
+         lambda c: lossgraph.load_adapters(_lora_trainer(c), c.tmp / "none.npz"),
+         InvalidProgramError, "There is no adapter file"),
+    Case("adapters-load-damaged-safetensors", "a .safetensors file that is not one",
+         lambda c: lossgraph.load_adapters(_lora_trainer(c), c.file("a.safetensors", b"x")),
+         InvalidProgramError, "is not a safetensors file"),
+    Case("adapters-load-into-a-model", "load_adapters(model, path)",
+         lambda c: lossgraph.load_adapters(linear(), c.tmp / "a.npz"),
+         UnsupportedOptionError, "Cannot load adapters into a ModelProto"),
+    Case("adapters-load-other-alpha", "a file of LoRA(alpha=2) into a LoRA(alpha=4) program",
+         lambda c: lossgraph.load_adapters(_lora_trainer(c, alpha=4.0), lossgraph.export_adapters(
+             _lora_trainer(c), c.tmp / "a.npz")),
+         AdapterMismatchError, "has alpha 2.0 in the file, 4.0 here"),
+    Case("adapters-load-other-tensors", "an .npz of other tensors",
+         lambda c: lossgraph.load_adapters(_lora_trainer(c), _npz(c, other=np.zeros(1))),
+         AdapterMismatchError, "has no tensor 'coef.lora_A'"),
     # -- fit options -------------------------------------------------------------------------
     Case("fit-accumulation-steps-zero", "fit(accumulation_steps=0)",
          lambda c: c.fit(accumulation_steps=0, compile_options={"accumulation_steps": 2}),

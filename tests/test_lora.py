@@ -193,10 +193,17 @@ def test_only_the_adapters_train_and_merge_gives_the_original_graph(fuse):
     merged, kept = trainer.to_inference_model(merge=True), trainer.to_inference_model()
     assert _ops(merged) == _ops(model)
     assert len(kept.graph.node) == len(model.graph.node) + 2 * 5
+    assert read_adapters(kept) == program.adapters and not read_adapters(merged)
+    assert all(read_adapters(program.graphs[name]) == program.adapters
+               for name in ("evaluate", "predict"))  # the record kept by every later pass
     for exported in (merged, kept):
         np.testing.assert_allclose(_run(exported, X=X), trainer.predict(X), rtol=1e-5,
                                    atol=1e-5)
     assert np.abs(_run(merged, X=X) - _run(model, X=X)).max() > 1e-3
+    assert lossgraph.export.to_inference_model(trainer, merge=True) == merged
+    untrained = program.to_inference_model(merge=True)  # B zero: the model given
+    assert _ops(untrained) == _ops(model)
+    np.testing.assert_allclose(_run(untrained, X=X), _run(model, X=X), rtol=1e-6, atol=1e-6)
     more = lossgraph.compile_program(model, adapters=LoRA(rank=2, targets=["fc1"]),
                                      weights=["fc2.weight"], fuse=fuse)
     assert more.weights == ["fc1.lora_A", "fc1.lora_B", "fc2.weight"]
@@ -234,9 +241,13 @@ def test_dropout_runs_in_training_only():
     assert dropouts(program.graphs["train_step"]) == 1
     assert dropouts(program.graphs["evaluate"]) == dropouts(program.graphs["predict"]) == 0
     assert dropouts(program.to_inference_model()) == 0
-    X, _ = _data()
+    X, y = _data()
     np.testing.assert_allclose(_run(program.to_inference_model(), X=X), _run(model, X=X),
                                rtol=1e-6, atol=1e-6)
+    trainer = lossgraph.Trainer(program)
+    trainer.fit(X, y, epochs=2, batch_size=4, progress=False)
+    assert np.isfinite(trainer.train_losses_).all()
+    assert np.abs(trainer.state["fc1.lora_B"]).max() > 0
 
 
 @pytest.mark.training
@@ -345,7 +356,7 @@ def _start_from_peft(program: lossgraph.TrainingProgram, peft_model) -> None:
 
 
 def _assert_trains_like_peft(model, net, X, y, fuse, optimizers, rank=4, alpha=8,
-                             targets=("query", "value"), steps=3, rows=4, loss=None):
+                             targets=("query", "value"), steps=2, rows=4, loss=None):
     """``steps`` minibatch steps of lossgraph (adapters from PEFT's initial A and B, B drawn
     at random so that both move from the first step) and of PEFT: equal adapters after
     each; then the merged model predicts what PEFT's merge_and_unload() model does, with the
@@ -472,7 +483,7 @@ def _optimizers(name: str):
     import torch
 
     if name == "sgd":
-        return SGD(0.5), lambda p: torch.optim.SGD(p, lr=0.5)
+        return SGD(2.0), lambda p: torch.optim.SGD(p, lr=2.0)
     return (AdamW(0.01, weight_decay=0.01),
             lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.01))
 
@@ -509,7 +520,7 @@ def test_the_legacy_export_trains_like_peft():
     net = _bert_net()
     model = _export_bert(net, dynamo=False)
     X, y = _bert_data()
-    _assert_trains_like_peft(model, net, X, y, "step", _optimizers("sgd"), steps=2)
+    _assert_trains_like_peft(model, net, X, y, "step", _optimizers("sgd"))
 
 
 @pytest.mark.torch
@@ -554,3 +565,30 @@ def test_conv_lora_computes_and_trains_like_peft():
         merged = peft_model.merge_and_unload()(torch.from_numpy(X)).numpy()
     np.testing.assert_allclose(_run(trainer.to_inference_model(merge=True), x=X), merged,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_ort_artifacts_train_the_adapters_alone(tmp_path):
+    """to_ort_artifacts(adapters=...): the checkpoint's trainable parameters are the
+    adapters, the base weights constants of the training model."""
+    from lossgraph.export import read_ort_checkpoint, to_ort_artifacts
+
+    artifacts = to_ort_artifacts(_two_layers(), tmp_path / "artifacts",
+                                 adapters=LoRA(rank=2, targets=["fc1"]), optimizer="adamw")
+    assert sorted(read_ort_checkpoint(artifacts.checkpoint)) == ["fc1.lora_A", "fc1.lora_B"]
+    training = onnx.load(artifacts.training_model)
+    assert "fc1.weight" in {t.name for t in training.graph.initializer}
+
+
+def test_a_damaged_adapters_record_is_named():
+    from lossgraph.errors import InvalidProgramError
+    from lossgraph.manifest import check_manifest
+
+    manifest = copy.deepcopy(lossgraph.compile_program(
+        _two_layers(), adapters=LoRA(rank=2, targets=["fc1"])).manifest)
+    manifest["adapters"][0].pop("layout")
+    with pytest.raises(InvalidProgramError, match=r"adapters\[0\]"):
+        check_manifest(manifest)
+    model = lossgraph.add_lora(_two_layers(), targets=["fc1"], rank=2)
+    onnx.helper.set_model_props(model, {"lossgraph.adapters": '{"weight": 1}'})
+    with pytest.raises(UnsupportedModelError, match="'lossgraph.adapters' record is damaged"):
+        lossgraph.compile_program(model)

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+from support.environment import local_ray_cluster
 from support.linear import LINEAR, linear_data
 
 ray = pytest.importorskip("ray", reason="needs Ray (pip install 'lossgraph[ray]')")
@@ -27,25 +28,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.con
 
 WORKER = {"CPU": 0.5}  # whole CPUs for the workers would starve Ray Data's read tasks
 ALL_REDUCES = ["actor"] + (["gloo"] if importlib.util.find_spec("torch") else [])
-#: Ray's settings for the session: no token authentication for a local test cluster, and
-#: Ray Train's controller polling its workers every 0.2 s instead of 2 s (shorter runs).
-RAY_ENVIRONMENT = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """One local cluster (about 1 GB) for every test here, stopped after the last: the only
     module that uses it, so its memory is free again for the rest of the session."""
-    saved = {name: os.environ.get(name) for name in RAY_ENVIRONMENT}
-    os.environ.update(RAY_ENVIRONMENT)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with local_ray_cluster():
+        yield
 
 
 @pytest.fixture(scope="module")

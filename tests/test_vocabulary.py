@@ -154,7 +154,8 @@ FLAG_PARAMETERS = {
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
         "--accumulation-steps": "accumulation_steps", "--recompute": "recompute",
         "--max-grad-norm": "max_grad_norm", "--ema-decay": "ema_decay",
-        "--output": None, "--format": None}),
+        "--lora": "adapters", "--lora-alpha": "adapters", "--lora-targets": "adapters",
+        "--lora-dropout": "adapters", "--output": None, "--format": None}),
 }
 
 

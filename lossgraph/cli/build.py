@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..adapters import LoRA
 from ..compiler import compile_program
 from ..errors import (
     RuntimeUnavailableError,
@@ -141,20 +142,17 @@ def _recompute(tensors: list[str] | None) -> str | list[str]:
     return "auto" if tensors in ([], ["auto"]) else tensors
 
 
-def _lora(args: argparse.Namespace) -> Any:
-    """The LoRA options of ``--lora-*`` (None when none is given); ``--lora-targets`` items
-    may be comma-separated."""
-    given = {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
-             "targets": None if args.lora_targets is None else [
-                 name for item in args.lora_targets for name in item.split(",") if name]}
-    given = {key: value for key, value in given.items() if value is not None}
-    if not given:
+def _adapters(args: argparse.Namespace) -> LoRA | None:
+    """``--lora RANK`` and its options as a :class:`~lossgraph.adapters.LoRA`, or None."""
+    options = {"alpha": args.lora_alpha, "targets": args.lora_targets,
+               "dropout": args.lora_dropout}
+    if args.lora is None:
+        given = [f"--lora-{name}" for name, value in options.items() if value is not None]
+        if given:
+            raise UnsupportedOptionError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''}"
+                                         " an option of LoRA adapters: add --lora RANK.")
         return None
-    from ..adapters import LoRA
-
-    if given.get("targets") == ["all-linear"]:
-        given["targets"] = "all-linear"
-    return LoRA(**given)
+    return LoRA(args.lora, **{k: v for k, v in options.items() if v is not None})
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -163,7 +161,7 @@ def _compile(args: argparse.Namespace) -> int:
     optimizer = _optimizer(args)
     penalty = _penalty(args, loss)
     untie = None if args.untie is None else args.untie or "auto"  # --untie alone: "auto"
-    adapters = _lora(args)
+    adapters = _adapters(args)
     if args.format == "ort-artifacts":
         given = [option for option, value in (("--fuse", args.fuse), ("--backend", args.backend),
                                               ("--target", args.target),
@@ -182,7 +180,7 @@ def _compile(args: argparse.Namespace) -> int:
                                    weights=args.weights, loss=loss, loss_options=loss_options,
                                    penalty=penalty, fixed_batch=args.fixed_batch, untie=untie,
                                    max_grad_norm=args.max_grad_norm, ema_decay=args.ema_decay,
-                                   **({} if adapters is None else {"adapters": adapters}))
+                                   adapters=adapters)
         print(f"{args.output}: {', '.join(Path(path).name for path in written)}; trains with "
               f"{type(optimizer).__name__} (learning rate {_rate(optimizer)}: "
               "onnxruntime's Optimizer starts at 0.001, set_learning_rate sets it)")

@@ -47,9 +47,8 @@ examples:
   lossgraph compile model.onnx -o program/ --schedule cosine --total-steps 1000 \\
       --schedule-option end=1e-5 --schedule-option cycles=1
   lossgraph compile bert.onnx -o program/ --untie   # each layer its own LayerNorm scale
-  lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw
-  lossgraph compile bert.onnx -o program/ --lora-rank 8 --lora-targets query,value \\
-      --optimizer adamw --learning-rate 1e-4     # LoRA adapters train, the weights stay""",
+  lossgraph compile bert.onnx -o program/ --lora 8 --lora-targets query value
+  lossgraph compile model.onnx -o artifacts/ --format ort-artifacts --optimizer adamw""",
     "train": """\
 examples:
   lossgraph train program/ --data train.npz --epochs 10 -o trained.onnx
@@ -271,6 +270,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "(alone: every initializer several layers read as their own, as "
                             "lossgraph inspect lists them; torch's exporters merge equal "
                             "values, such as a fresh model's LayerNorm scales)")
+    build.add_argument("--lora", type=int, metavar="RANK",
+                       help="train LoRA adapters of this rank beside the frozen weights "
+                            "instead of the weights (--weights names base weights that train "
+                            "too)")
+    build.add_argument("--lora-alpha", type=float, metavar="ALPHA",
+                       help="with --lora: the adapters' alpha, their update scaled by "
+                            "alpha / rank (default: 16)")
+    build.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                       help="with --lora: the modules or weights that get an adapter, PEFT's "
+                            "target_modules (default: PEFT's defaults where the module paths "
+                            "name them, e.g. query value, else every 2-D MatMul/Gemm weight)")
+    build.add_argument("--lora-dropout", type=float, metavar="P",
+                       help="with --lora: dropout on the adapters' input in training "
+                            "(default: 0)")
     build.add_argument("--loss", default="auto",
                        help="the loss function (default: auto, the loss that fits the trained "
                             "output: a log loss for a classifier's probabilities or scores, "
@@ -356,19 +369,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "alone (or 'auto'), boundaries chosen among the forward graph's "
                             "cuts; else the forward tensors kept, everything between them "
                             "recomputed (default: every activation kept)")
-    build.add_argument("--lora-rank", type=int, metavar="R",
-                       help="train LoRA adapters of rank R beside the target weights instead "
-                            "of the weights (default with another --lora option: 8); see "
-                            "docs/reference/adapters.md")
-    build.add_argument("--lora-alpha", type=float, metavar="A",
-                       help="the adapters' alpha: their update is scaled by A / R (default: 16)")
-    build.add_argument("--lora-targets", nargs="+", metavar="NAME",
-                       help="the modules or weights that get adapters, PEFT's target_modules "
-                            "(query value, or query,value); all-linear: every linear layer but "
-                            "the output's (default: PEFT's default for the architecture, else "
-                            "every linear layer)")
-    build.add_argument("--lora-dropout", type=float, metavar="P",
-                       help="dropout on the adapters' input while training (default: 0)")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")
@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true",
                         help="replace output files even if lossgraph did not write them")
     export.add_argument("--adapters", metavar="FILE",
-                        help="write the LoRA adapters alone (a program compiled with --lora-*): "
+                        help="write the LoRA adapters alone (a program compiled with --lora): "
                              ".safetensors (PEFT's names), .npz or .onnx_adapter")
     export.add_argument("--peft-config", action="store_true",
                         help="with --adapters .../adapter_model.safetensors, write PEFT's "

@@ -25,8 +25,8 @@ the adapters' tensors are written (``TrainingProgram.adapters``: each adapter's 
     model.
 ``.onnx_adapter``
     onnxruntime's multi-LoRA format (``onnxruntime.AdapterFormat``, onnxruntime 1.20 or
-    later), tensors under their ONNX initializer names: the names of the adapter inputs of
-    ``to_inference_model(merge=False, adapter_inputs=True)``, so that
+    later), tensors under their ONNX initializer names: the adapter inputs of
+    :func:`with_adapter_inputs`'s model, so that
     ``RunOptions.add_active_adapter(onnxruntime.LoraAdapter...)`` runs the model with them.
 
 **The base model.** What the adapters fit is recorded in the file: for each adapter its
@@ -42,8 +42,9 @@ against the ``adapter_config.json`` beside it when there is one.
 
 **Resuming.** Loading sets the adapters and resets their optimizer states to the
 program's initial ones (an optimizer starts afresh on loaded adapters, as with PEFT): a
-fresh trainer of the same program then trains on exactly as the one that wrote the file
-with a stateless optimizer (SGD); a checkpoint keeps the moments too.
+fresh trainer of the same program then trains on (``fit(..., warm_start=True)``) exactly as
+the one that wrote the file with a stateless optimizer (SGD); a checkpoint keeps the
+moments too.
 
 Files are written atomically and replace only a file of the same format that lossgraph
 wrote (or with ``overwrite=True``); PEFT's ``adapter_config.json`` only beside a
@@ -67,6 +68,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..adapters import Adapter, read_adapters
 from ..errors import (
     AdapterMismatchError,
     InvalidProgramError,
@@ -116,7 +118,7 @@ class _Slot:
     transposed: bool
 
 
-def _slots(adapter: Any, peft_names: bool) -> tuple[_Slot, _Slot]:
+def _slots(adapter: Adapter, peft_names: bool) -> tuple[_Slot, _Slot]:
     """Where ``adapter``'s A and B go in a file (PEFT's names where asked and known)."""
     names = adapter.peft_names() if peft_names else None
     if names is None:
@@ -125,19 +127,21 @@ def _slots(adapter: Any, peft_names: bool) -> tuple[_Slot, _Slot]:
     return (_Slot(adapter.a, names[0], transposed), _Slot(adapter.b, names[1], transposed))
 
 
-def _key(adapter: Any) -> str:
-    """What an adapter is known by across exports of one model: its module, else its weight."""
-    return adapter.module if adapter.module is not None else adapter.weight
+def _known_by(entry: Mapping[str, Any]) -> str:
+    """What an adapter of :func:`base_record` is known by across exports of one model (a
+    legacy and a dynamo export name their weights differently): its module, else its
+    weight."""
+    return entry["module"] or entry["weight"]
 
 
-def base_record(adapters: Sequence[Any], state: Mapping[str, np.ndarray]) -> list[dict]:
+def base_record(adapters: Sequence[Adapter], state: Mapping[str, np.ndarray]) -> list[dict]:
     """What the adapters fit, one entry per adapter in a stable order: the fingerprint of the
     base model and the LoRA options recorded in a file and compared on loading."""
     entries = [{"module": a.module, "weight": None if a.module is not None else a.weight,
                 "kind": a.kind, "rank": int(a.rank), "alpha": float(a.alpha),
                 "a": list(state[a.a].shape), "b": list(state[a.b].shape),
                 "dtype": str(state[a.a].dtype)} for a in adapters]
-    return sorted(entries, key=lambda e: e["module"] or e["weight"])
+    return sorted(entries, key=_known_by)
 
 
 def _digest(record: list[dict]) -> str:
@@ -145,7 +149,7 @@ def _digest(record: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def file_tensors(adapters: Sequence[Any], state: Mapping[str, np.ndarray], peft_names: bool
+def file_tensors(adapters: Sequence[Adapter], state: Mapping[str, np.ndarray], peft_names: bool
                  ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The tensors a file holds, by their names in it, and lossgraph's record of the base."""
     tensors = {}
@@ -316,8 +320,8 @@ def _program_and_state(source: Any) -> tuple[TrainingProgram, Mapping[str, np.nd
         "TrainingProgram or the path of a program or checkpoint folder.")
 
 
-def _adapters(program: TrainingProgram) -> tuple[Any, ...]:
-    adapters = tuple(getattr(program, "adapters", ()))
+def _adapters(program: TrainingProgram) -> tuple[Adapter, ...]:
+    adapters = program.adapters
     if not adapters:
         raise UnsupportedOptionError(
             "The program has no adapters: compile it with adapters=lossgraph.LoRA(...) to train "
@@ -375,7 +379,7 @@ def _peft_config_path(path: Path, kind: _Format, wanted: bool) -> Path | None:
     return path.with_name(PEFT_CONFIG)
 
 
-def _peft_settings(adapters: Sequence[Any]) -> dict[str, Any]:
+def _peft_settings(adapters: Sequence[Adapter]) -> dict[str, Any]:
     """PEFT's ``LoraConfig`` of ``adapters`` (its ``to_dict`` fields), modules by full path."""
     unnamed = [a.weight for a in adapters if a.module is None]
     if unnamed:
@@ -402,8 +406,6 @@ def with_adapter_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     initializers: onnxruntime feeds an active adapter's tensors to them
     (``RunOptions.add_active_adapter``, an ``.onnx_adapter`` file) and runs with the
     initializers' values, the trained adapters, without one."""
-    from ..adapters import read_adapters
-
     adapters = read_adapters(model)
     if not adapters:
         raise UnsupportedOptionError(
@@ -484,7 +486,7 @@ def _peft_file_settings(path: Path, metadata: Mapping[str, str]) -> dict[str, An
     return settings
 
 
-def loaded_values(adapters: Sequence[Any], state: Mapping[str, np.ndarray],
+def loaded_values(adapters: Sequence[Adapter], state: Mapping[str, np.ndarray],
                   tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str],
                   peft_names: bool, peft_settings: Mapping[str, Any] | None = None,
                   where: str = "The file") -> dict[str, np.ndarray]:
@@ -523,7 +525,7 @@ def loaded_values(adapters: Sequence[Any], state: Mapping[str, np.ndarray],
     return values
 
 
-def _check_base(adapters: Sequence[Any], state: Mapping[str, np.ndarray],
+def _check_base(adapters: Sequence[Adapter], state: Mapping[str, np.ndarray],
                 metadata: Mapping[str, str], where: str) -> None:
     """Refuse a file lossgraph wrote for another base model or other LoRA options."""
     own = base_record(adapters, state)
@@ -538,13 +540,13 @@ def _check_base(adapters: Sequence[Any], state: Mapping[str, np.ndarray],
         return  # not lossgraph's (PEFT's): names and shapes are checked
     try:
         record = json.loads(text)
-        theirs = {e["module"] or e["weight"]: e for e in record["adapters"]}
+        theirs = {_known_by(e): e for e in record["adapters"]}
     except (ValueError, KeyError, TypeError):
         raise InvalidProgramError(f"{where}: lossgraph's record in it is damaged.") from None
     if record.get("format") != RECORD_FORMAT:
         raise InvalidProgramError(f"{where} has adapter record format {record.get('format')!r}; "
                                   f"this lossgraph reads {RECORD_FORMAT!r}.")
-    mine = {e["module"] or e["weight"]: e for e in own}
+    mine = {_known_by(e): e for e in own}
     if set(mine) != set(theirs):
         lacking = sorted(set(mine) - set(theirs)) or sorted(set(theirs) - set(mine))
         side = "the file has no adapter on" if set(mine) - set(theirs) else \
@@ -563,7 +565,7 @@ def _check_base(adapters: Sequence[Any], state: Mapping[str, np.ndarray],
                 "file was trained with.")
 
 
-def _check_peft_settings(adapters: Sequence[Any], settings: Mapping[str, Any],
+def _check_peft_settings(adapters: Sequence[Adapter], settings: Mapping[str, Any],
                          where: str) -> None:
     """Refuse a PEFT adapter whose scale differs from the program's adapters'."""
     for option in ("use_rslora", "use_dora"):

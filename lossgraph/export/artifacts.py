@@ -157,10 +157,10 @@ def to_ort_artifacts(model_or_program: ModelLike | TrainingProgram,
             trained state), stored in the checkpoint; AdamW's bias correction counts from it.
         properties: ints, floats and strings stored in the checkpoint's property bag.
         compile_options: ``weights``, ``loss``, ``loss_options``, ``penalty``,
-            ``fixed_batch``, ``untie``, ``max_grad_norm`` (clipping in the optimizer graph),
-            ``adapters`` (LoRA adapters, the only trainable parameters with the weights
-            ``weights`` names) as :func:`~lossgraph.compile_program` takes them (models
-            only); ``ema_decay`` is refused (module docstring).
+            ``fixed_batch``, ``untie``, ``adapters`` (LoRA adapters, then the only
+            trainable parameters), ``max_grad_norm`` (clipping in the optimizer graph),
+            as :func:`~lossgraph.compile_program` takes them (models only); ``ema_decay``
+            is refused (module docstring).
 
     Returns:
         The four paths, as an :class:`OrtArtifacts`.

@@ -50,10 +50,10 @@ FLAG_FORMS = {
     "fuse, backend, target": (["--fuse", "epoch", "--backend", "onnx", "--target",
                                "onnxruntime"],
                               {"fuse": "epoch", "backend": "onnx", "target": "onnxruntime"}),
-    "LoRA adapters": (["--lora-rank", "2", "--lora-alpha", "8", "--lora-targets", "z_weight",
+    "LoRA adapters": (["--lora", "2", "--lora-alpha", "8", "--lora-targets", "z_weight",
                        "--lora-dropout", "0.1"],
                       {"adapters": LoRA(rank=2, alpha=8.0, targets=["z_weight"], dropout=0.1)}),
-    "LoRA adapters by default": (["--lora-rank", "1"], {"adapters": LoRA(rank=1)}),
+    "LoRA adapters by default": (["--lora", "1"], {"adapters": LoRA(rank=1)}),
 }
 
 

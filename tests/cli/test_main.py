@@ -122,6 +122,18 @@ def test_recompute_from_the_shell(model_file, tmp_path):
     assert "recompute" not in json.loads((tmp_path / "none" / "manifest.json").read_text())
 
 
+def test_lora_from_the_shell(model_file, tmp_path):
+    """compile --lora RANK (--lora-alpha, --lora-targets): the adapters are the weights, the
+    manifest lists them."""
+    program = tmp_path / "program"
+    assert main(["compile", str(model_file), "-o", str(program), "--lora", "1",
+                 "--lora-alpha", "2", "--lora-targets", "z_weight"]) == 0
+    manifest = json.loads((program / "manifest.json").read_text())
+    assert [w["name"] for w in manifest["weights"]] == ["z_weight.lora_A", "z_weight.lora_B"]
+    assert [(a["weight"], a["rank"], a["alpha"]) for a in manifest["adapters"]] == [
+        ("z_weight", 1, 2.0)]
+
+
 # -- every bad input: exit status 2, one line on stderr, no traceback, nothing written -------
 
 
@@ -131,7 +143,7 @@ def _model(tmp_path) -> str:
 
 def _lora_program(tmp_path) -> str:
     """A program folder training rank-1 adapters on NET's weight."""
-    assert main(["compile", _model(tmp_path), "-o", f"{tmp_path}/lora", "--lora-rank",
+    assert main(["compile", _model(tmp_path), "-o", f"{tmp_path}/lora", "--lora",
                  "1"]) == 0
     return f"{tmp_path}/lora"
 
@@ -253,6 +265,11 @@ BAD_COMMANDS = {
                                                "--untie", "z_weigth"],
     "max grad norm zero": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--max-grad-norm",
                                      "0"],
+    "lora option without --lora": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                             "--lora-alpha", "8"],
+    "lora rank zero": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--lora", "0"],
+    "lora target that matches nothing": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                   "--lora", "1", "--lora-targets", "query"],
     "ema decay one": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--ema-decay", "1"],
     "ema for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                         "ort-artifacts", "--ema-decay", "0.9"],
@@ -425,7 +442,7 @@ BAD_COMMANDS = {
     "export adapters over the user's file": lambda t: ["export", _lora_program(t), "--adapters",
                                                        _file(t, "a.npz", b"PK mine")],
     "compile LoRA of a rank too large": lambda t: ["compile", _model(t), "-o", f"{t}/p",
-                                                   "--lora-rank", "3"],
+                                                   "--lora", "3"],
     # found by the fuzzer: onnx's InferenceError, exit 1
     "trainable of a domain not imported": lambda t: ["trainable", _unimported_domain(t)],
     "inspect of a domain not imported": lambda t: ["inspect", _unimported_domain(t)],
@@ -598,7 +615,7 @@ def test_export_writes_the_lora_adapters_of_a_checkpoint_alone_or_with_the_model
     np.savez(tmp_path / "d.npz", X=X, y=y)
     onnx.save(query_model(), tmp_path / "query.onnx")
     program = tmp_path / "program"
-    assert main(["compile", str(tmp_path / "query.onnx"), "-o", str(program), "--lora-rank",
+    assert main(["compile", str(tmp_path / "query.onnx"), "-o", str(program), "--lora",
                  "2", "--lora-targets", "query"]) == 0
     assert main(["train", str(program), "--data", str(tmp_path / "d.npz"), "--epochs", "2",
                  "-o", str(tmp_path / "trained.onnx"), "--checkpoint",

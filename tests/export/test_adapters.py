@@ -15,7 +15,7 @@ import pytest
 from support.adapters import lora_program, query_data, query_model, torch_net, torch_program
 
 import lossgraph
-from lossgraph.adapters import Adapter
+from lossgraph.adapters import Adapter, LoRA
 from lossgraph.errors import (
     AdapterMismatchError,
     InvalidProgramError,
@@ -28,6 +28,7 @@ from lossgraph.export.adapters import (
     loaded_values,
     with_adapter_inputs,
 )
+from lossgraph.optim import SGD, AdamW
 
 HAS_ADAPTER_FORMAT = hasattr(onnxruntime, "AdapterFormat")
 
@@ -175,6 +176,21 @@ def test_a_program_loads_the_adapters_a_trainer_exported(tmp_path, suffix):
         lossgraph.load_adapters(other, path)
 
 
+def test_loading_starts_the_adapters_optimizer_afresh(tmp_path):
+    X, y = query_data()
+    trainer = lossgraph.Trainer(lora_program(optimizer=AdamW(0.05))).fit(X, y, batch_size=8,
+                                                                         progress=False)
+    path = lossgraph.export_adapters(trainer, tmp_path / "adapters.safetensors")
+    moments, initial = trainer.program.optimizer_states, trainer.program.state
+    assert moments and all(np.any(trainer.state[m] != initial[m]) for m in moments)
+    trained = trainer.state
+    lossgraph.load_adapters(trainer, path)
+    for name in moments:
+        np.testing.assert_array_equal(trainer.state[name], initial[name])
+    for name in trainer.program.weights:
+        np.testing.assert_array_equal(trainer.state[name], trained[name])
+
+
 @pytest.mark.skipif(not HAS_ADAPTER_FORMAT, reason="needs onnxruntime>=1.20")
 def test_onnxruntime_runs_an_onnx_adapter_as_the_merged_model(tmp_path):
     X, y = query_data()
@@ -242,3 +258,36 @@ def test_lossgraph_loads_peft_save_pretrained_and_predicts_the_same(tmp_path):
     other.save_pretrained(tmp_path / "alpha8")
     with pytest.raises(AdapterMismatchError, match="alpha 8"):
         lossgraph.load_adapters(trainer, tmp_path / "alpha8")
+
+
+@pytest.mark.torch
+def test_conv_adapters_go_to_peft_and_back_in_peft_shapes(tmp_path):
+    import copy
+
+    import peft
+    import torch
+    from support.torch_steps import legacy_export
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 5 * 5, 3))
+    X = np.random.default_rng(0).normal(size=(6, 2, 5, 5)).astype(np.float32)
+    program = lossgraph.compile_program(legacy_export(net, X[:2]), optimizer=SGD(0.05),
+                                        adapters=LoRA(rank=2, alpha=4.0, targets=["0"]))
+    tuned = peft.get_peft_model(copy.deepcopy(net), peft.LoraConfig(r=2, lora_alpha=4,
+                                                                    target_modules=["0"]))
+    with torch.no_grad():
+        for name, parameter in tuned.named_parameters():
+            if "lora_" in name:
+                parameter.normal_()
+        expected = tuned(torch.from_numpy(X)).numpy()
+    tuned.save_pretrained(tmp_path / "peft")
+    trainer = lossgraph.Trainer(program)
+    lossgraph.load_adapters(trainer, tmp_path / "peft")
+    np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-5, atol=1e-5)
+    (tmp_path / "ours").mkdir()
+    lossgraph.export_adapters(trainer, tmp_path / "ours" / PEFT_FILE, peft_config=True)
+    back = peft.PeftModel.from_pretrained(copy.deepcopy(net), tmp_path / "ours")
+    with torch.no_grad():
+        np.testing.assert_allclose(back(torch.from_numpy(X)).numpy(), expected, rtol=1e-5,
+                                   atol=1e-5)

@@ -58,7 +58,8 @@ def _file(header: dict, body: bytes = b"") -> bytes:
      "does not fit its bytes"),
     (_file({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
      "overlap or leave gaps"),
-])
+], ids=["short", "header-past-the-end", "header-not-json", "metadata-not-strings",
+        "bfloat16", "bytes-of-another-size", "gap"])
 def test_a_malformed_file_is_an_invalid_program_error(data, message):
     with pytest.raises(InvalidProgramError, match=message):
         parse_safetensors(data, "adapter.safetensors")

@@ -311,11 +311,17 @@ def compile_loss(subject: Subject) -> dict[str, Any]:
 
 
 def session_options(threads: int | None = None, entries: dict[str, str] | None = None) -> Any:
-    """Quiet onnxruntime session options with ``threads`` intra-op threads (None: its
+    """lossgraph's session defaults with ``threads`` intra-op threads (None: onnxruntime's
     default) and the configuration ``entries``."""
-    from lossgraph.runtime.session import quiet_session_options
+    try:
+        from lossgraph.runtime.session import default_session_options
+    except ImportError:  # a --checkout older than it: lossgraph's defaults then
+        from lossgraph.runtime.session import quiet_session_options
 
-    options = quiet_session_options(**({"intra_op_num_threads": threads} if threads else {}))
+        def default_session_options(**settings: Any) -> Any:
+            return quiet_session_options(enable_mem_pattern=False, **settings)
+
+    options = default_session_options(**({"intra_op_num_threads": threads} if threads else {}))
     for key, value in (entries or {}).items():
         options.add_session_config_entry(key, value)
     return options

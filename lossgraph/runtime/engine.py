@@ -8,8 +8,8 @@
     engine.evaluate(data), engine.predict(data)
 
 The engine owns the onnxruntime sessions (one per graph, specialized to a batch size where
-a fit asks), the state (weights, optimizer states, buffers) in a ring of three sets of arrays
-bound to the sessions (:mod:`lossgraph.runtime.ring`), the learning-rate and step
+a fit asks), the state (weights, optimizer states, buffers) in a ring of two or three sets of
+arrays bound to the sessions (:mod:`lossgraph.runtime.ring`), the learning-rate and step
 scalars the graphs read, and the data checks (:mod:`lossgraph.data`). What a step runs is
 its fusion mode's (:mod:`lossgraph.modes`). The training loop, schedules, counters,
 callbacks and checkpoints are its callers': :class:`~lossgraph.runtime.trainer.Trainer`,
@@ -19,7 +19,9 @@ Contract: :meth:`step` (and :meth:`accumulate`, :meth:`epoch`) read the live sta
 the next one into the following buffer set, never the live one; :meth:`apply` makes it
 live and keeps the state it replaced, which :meth:`step_back` returns to once (a loss is
 that of the state a step reads, so after a non-finite loss the state before the last
-applied run is the last whose loss was finite). A failed run changes nothing the caller
+applied run is the last whose loss was finite), where a third set keeps it
+(``keep_previous_state``: by default for states up to :data:`KEEP_PREVIOUS_MAX_BYTES`; a
+larger model's state is held twice, not thrice). A failed run changes nothing the caller
 sees. Arrays handed to a run are aliased, never copied: keep them unchanged until the
 next run.
 """
@@ -42,7 +44,7 @@ from ..errors import (
     suggest,
 )
 from ..modes import fuse_mode
-from ..options import count
+from ..options import count, flag
 from ..passes.fixed_batch import rows
 from ..passes.loss import position_weights, read_loss_record
 from ..program import TrainingProgram
@@ -51,7 +53,12 @@ from .packed import PackedUpdate
 from .ring import Block, GraphRunner, StateRing
 from .session import check_loadable, checked_providers, create_session, evaluation_error
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "KEEP_PREVIOUS_MAX_BYTES"]
+
+#: The largest state (weights, optimizer states, buffers) whose copy before the last step
+#: the engine keeps by default, for a step back after a non-finite loss: 64 MiB, so that a
+#: model the size of BERT's (418 MiB of weights) holds its state twice, not thrice.
+KEEP_PREVIOUS_MAX_BYTES = 64 * 2**20
 
 
 class Engine:
@@ -59,7 +66,7 @@ class Engine:
     (module docstring: the contract)."""
 
     def __init__(self, program: TrainingProgram, providers: Sequence[str] | None = None,
-                 session_options: Any = None) -> None:
+                 session_options: Any = None, keep_previous_state: bool | None = None) -> None:
         if not isinstance(program, TrainingProgram):
             hint = ""
             if isinstance(program, (onnx.ModelProto, bytes, str, os.PathLike)):
@@ -67,6 +74,8 @@ class Engine:
             raise UnsupportedOptionError(
                 f"Trainer takes a TrainingProgram (from lossgraph.compile_program or "
                 f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
+        if keep_previous_state is not None:
+            flag("keep_previous_state", keep_previous_state)
         for name, graph in program.graphs.items():  # before any work, not at the first fit
             check_loadable(graph, f"The program's {name!r} graph")
         self.program = program
@@ -100,8 +109,12 @@ class Engine:
         self._new.update({b["name"]: b["new"] for b in manifest.get("buffers", [])})
         #: the update of every weight at once, where the mode runs one (the state lies packed)
         self.packed: PackedUpdate | None = self.mode.packed_update(program)
-        self.ring = StateRing(program.weights + program.optimizer_states + program.buffers,
-                                    program.state, self.packed.blocks if self.packed else ())
+        names = program.weights + program.optimizer_states + program.buffers
+        if keep_previous_state is None:
+            keep_previous_state = (sum(program.state[n].nbytes for n in names)
+                                   <= KEEP_PREVIOUS_MAX_BYTES)
+        self.ring = StateRing(names, program.state, self.packed.blocks if self.packed else (),
+                              bool(keep_previous_state))
         self._sessions: dict[tuple[str, int | None], Any] = {}
         self._runners: dict[tuple[Any, ...], GraphRunner] = {}
         self.dtype = program.state[program.weights[0]].dtype
@@ -384,10 +397,15 @@ class Engine:
         self.ring.advance()
         self._applied = (steps, where)
 
+    @property
+    def keeps_previous_state(self) -> bool:
+        """Whether the state before the last applied run is kept (:meth:`step_back`)."""
+        return self.ring.keeps_previous
+
     def step_back(self) -> tuple[int, str] | None:
         """Make the state before the last applied run live again: that run's steps and
         where it was; None when it is not kept (nothing applied since the start, a load,
-        or a step back)."""
+        or a step back, or a ring without a third set: :attr:`keeps_previous_state`)."""
         applied, self._applied = self._applied, None
         if applied is None or not self.ring.step_back():
             return None

@@ -1,15 +1,16 @@
 """Weights and optimizer states in arrays rotated between steps, never copied: the state ring.
 
 A training graph reads the state (weights, optimizer states) as inputs and writes
-the next state as outputs. :class:`StateRing` keeps a ring of three sets of arrays;
-a :class:`GraphRunner` holds one ``SessionIOBinding`` per set (inputs from that set,
-outputs into the next one), so a step only rebinds its data batch. After a successful
-step the next set becomes the live one (:meth:`StateRing.advance`); after a failed
-one it does not, and the state is still the one before the step. The third set keeps
-the state before the last successful step: a loss is computed at a step's input
-state, so when a step's loss is not finite, its input state is the one that diverged,
-and the one before it (:meth:`StateRing.step_back`) is the last whose loss was
-finite.
+the next state as outputs. :class:`StateRing` keeps a ring of two or three sets of
+arrays; a :class:`GraphRunner` holds one ``SessionIOBinding`` per set (inputs from that
+set, outputs into the next one), so a step only rebinds its data batch. After a
+successful step the next set becomes the live one (:meth:`StateRing.advance`); after a
+failed one it does not, and the state is still the one before the step. A third set, where
+the ring has one (``keep_previous``), keeps the state before the last successful step: a
+loss is computed at a step's input state, so when a step's loss is not finite, its input
+state is the one that diverged, and the one before it (:meth:`StateRing.step_back`) is the
+last whose loss was finite. Two sets hold the state twice, three sets thrice: on a large
+model the third set costs as much memory as its weights and optimizer states.
 
 Groups of state tensors of one dtype can be *packed*: laid end to end in one flat array
 per set, each tensor a view of its part. A graph then reads or writes the whole group
@@ -42,18 +43,20 @@ class StateRing:
 
     Each group in ``packed`` (names of one dtype) lies end to end in one flat array per
     set (``blocks[group][set]``, also bindable as an OrtValue), its tensors views of it.
+    With ``keep_previous``, a third set keeps the state before the last step
+    (:meth:`step_back`).
     """
 
-    #: The live state, the next one a step writes, and the one before the last step.
-    SETS = 3
-
     def __init__(self, names: Sequence[str], initial: Mapping[str, np.ndarray],
-                 packed: Sequence[Sequence[str]] = ()) -> None:
+                 packed: Sequence[Sequence[str]] = (), keep_previous: bool = True) -> None:
+        #: how many buffer sets: the live state, the next one a step writes, and with
+        #: ``keep_previous`` the one before the last step
+        self.sets = 3 if keep_previous else 2
         self.names = list(names)
         self.device = cpu_device()
         self._index = {name: i for i, name in enumerate(self.names)}
         self.blocks: dict[Block, list[np.ndarray]] = {}
-        self.arrays = [self._allocate(initial, packed) for _ in range(self.SETS)]
+        self.arrays = [self._allocate(initial, packed) for _ in range(self.sets)]
         self.values = [[ortvalue(a, self.device) for a in arrays] for arrays in self.arrays]
         self._block_values = {block: [ortvalue(flat, self.device) for flat in flats]
                               for block, flats in self.blocks.items()}
@@ -83,7 +86,7 @@ class StateRing:
 
     def following(self, parity: int) -> int:
         """The set a step reading set ``parity`` writes the next state into."""
-        return (parity + 1) % self.SETS
+        return (parity + 1) % self.sets
 
     def live(self) -> dict[str, np.ndarray]:
         """The live state, by name (the arrays themselves: copy what must outlive a step)."""
@@ -95,12 +98,17 @@ class StateRing:
         self.current = self.following(self.current)
         self._kept = True
 
+    @property
+    def keeps_previous(self) -> bool:
+        """Whether a third set keeps the state before the last step (:meth:`step_back`)."""
+        return self.sets == 3
+
     def step_back(self) -> bool:
         """Make the state before the last :meth:`advance` live again, where it is kept
         (once: the set before it has been written since); False when it is not."""
-        if not self._kept:
+        if not (self._kept and self.keeps_previous):
             return False
-        self.current = (self.current - 1) % self.SETS
+        self.current = (self.current - 1) % self.sets
         self._kept = False
         return True
 
@@ -161,9 +169,9 @@ class GraphRunner:
         outputs = {n: ortvalue(a, ring.device) for n, a in fixed_outputs.items()}
         self._keep += [*fixed.values(), *outputs.values()]
         self._outputs: dict[str, tuple[np.ndarray, object]] = {}
-        self._data: list[tuple] = [()] * ring.SETS  # per binding: the arrays it aliases
+        self._data: list[tuple] = [()] * ring.sets  # per binding: the arrays it aliases
         self._bindings = []
-        for parity in range(ring.SETS):
+        for parity in range(ring.sets):
             binding = C.SessionIOBinding(self._session)
             for name, state in state_inputs.items():
                 binding.bind_ortvalue_input(name, ring.value(parity, state))

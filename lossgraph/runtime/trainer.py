@@ -59,12 +59,19 @@ CallbackLike = Callback | Callable[["Trainer", int, dict], Any]
 
 
 class Trainer:
-    """Runs a :class:`~lossgraph.program.TrainingProgram` in onnxruntime."""
+    """Runs a :class:`~lossgraph.program.TrainingProgram` in onnxruntime.
+
+    ``keep_previous_state``: whether to keep the state before the last step, so that after a
+    non-finite loss the weights go back to the last whose loss was finite. It costs one
+    more copy of the weights and optimizer states; by default it is kept for states up to
+    64 MiB (:data:`~lossgraph.runtime.engine.KEEP_PREVIOUS_MAX_BYTES`), and a larger
+    model keeps the weights the failing step read instead.
+    """
 
     def __init__(self, program: TrainingProgram, providers: Sequence[str] | None = None,
-                 session_options: Any = None) -> None:
+                 session_options: Any = None, keep_previous_state: bool | None = None) -> None:
         #: the program's graphs over one live state (sessions, buffers, data checks)
-        self.engine = Engine(program, providers, session_options)
+        self.engine = Engine(program, providers, session_options, keep_previous_state)
         self.program = program
         self.providers = self.engine.providers
         self.session_options = session_options
@@ -480,6 +487,11 @@ class Trainer:
                 self.steps_ -= steps
                 return (f"The weights are those before step {self.steps_ + 1} ({where}), the "
                         f"last whose loss was finite; steps_ is {self.steps_} again.")
+            if self.steps_ and not self.engine.keeps_previous_state:
+                return (f"The weights are those the failing step read, whose loss is {loss}: "
+                        "the state before them is not kept for a model this size "
+                        "(Trainer(program, keep_previous_state=True) keeps it, at the cost of "
+                        "one more copy of the weights).")
             return (f"The weights are those this training started from; their loss is "
                     f"{loss} already.")
         return (f"The weights are those at the start of the failing epoch (before step "

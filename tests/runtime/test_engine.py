@@ -64,6 +64,29 @@ def test_step_back_returns_to_the_state_before_the_last_applied_run_once():
     assert all(np.array_equal(engine.state[n], start[n]) for n in start)
 
 
+@pytest.mark.parametrize("fuse", ["separate", "step", "epoch"])
+def test_two_buffer_sets_train_as_three_and_keep_no_state_to_step_back_to(fuse):
+    X, y = linear_data(12, seed=3)
+    runs = {}
+    for keep in (True, False):
+        trainer = Trainer(linear_program(fuse, SGD(RATE)), keep_previous_state=keep)
+        assert trainer.engine.keeps_previous_state is keep
+        trainer.fit(X, y, epochs=2, batch_size=4, shuffle=False, progress=False)
+        runs[keep] = trainer.state
+        assert (trainer.engine.step_back() is not None) is keep
+    assert all(np.array_equal(runs[True][n], runs[False][n]) for n in runs[True])
+
+
+def test_the_state_before_the_last_step_is_kept_by_default_for_small_states_only():
+    from lossgraph.runtime.engine import KEEP_PREVIOUS_MAX_BYTES
+
+    program = linear_program("step", SGD(RATE))
+    assert sum(a.nbytes for a in program.state.values()) <= KEEP_PREVIOUS_MAX_BYTES
+    assert Engine(program).keeps_previous_state
+    with pytest.raises(UnsupportedOptionError, match="keep_previous_state"):
+        Engine(program, keep_previous_state="no")
+
+
 def test_an_epoch_run_is_its_steps_one_after_the_other():
     X, y = linear_data(12, seed=2)
     stepped = Engine(linear_program("epoch", SGD(RATE)))

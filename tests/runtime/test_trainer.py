@@ -207,6 +207,21 @@ def test_divergence_keeps_the_last_state_whose_loss_was_finite(data, mode):
     assert trainer.steps_ == kept + 2 and np.isfinite(trainer.train_losses_[-1])
 
 
+@pytest.mark.parametrize("mode", ["separate", "step"])
+def test_without_the_previous_state_divergence_keeps_the_failing_steps_input(data, mode):
+    """Two buffer sets (a large model's default): the state before the last step is gone,
+    so the weights kept are those the failing step read, and the message says so."""
+    X = data[0] * 30
+    trainer = lossgraph.Trainer(linear_program(mode, SGD(0.5)), keep_previous_state=False)
+    with pytest.raises(ConvergenceError, match="those the failing step read.*"
+                       "keep_previous_state=True"):
+        trainer.fit(X, data[1], epochs=50, batch_size=len(X), shuffle=False, progress=False)
+    again = lossgraph.Trainer(linear_program(mode, SGD(0.5))).fit(
+        X, data[1], epochs=trainer.steps_, batch_size=len(X), shuffle=False, progress=False)
+    for name, value in again.state.items():
+        np.testing.assert_array_equal(trainer.state[name], value)
+
+
 def test_nan_in_the_data_is_named_by_row(data):
     X, y = data
     X = X.copy()

@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,7 +212,7 @@ def _memory(field: str) -> float:
     return process_memory_mb(field)
 
 
-def _baseline() -> float:
+def baseline() -> float:
     """The resident set now, the peak reset to it."""
     from benchmarks.machine import reset_peak_memory
 
@@ -234,18 +234,27 @@ def _steps(step: Callable[[int], None], base: float) -> dict[str, Any]:
             "step_ms": 1000 * statistics.mean(times[1:])}
 
 
-def torch_cell(subject: Subject, quick: bool, threads: int | None = None) -> dict[str, Any]:
+def torch_cell(subject: Subject, quick: bool, threads: int | None = None,
+               optimizer: Callable[[Any, Any], Any] | None = None,
+               adapt: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """3 SGD steps of torch eager (``threads``: torch's intra-op threads; None: its
-    default)."""
+    default). ``optimizer(torch, parameters)`` makes another optimizer of the parameters
+    that require a gradient; ``adapt(network)`` returns the network to train (PEFT's
+    wrapper: benchmarks/lora.py), before the baseline. Beside the peak, the parameters
+    trained and the optimizer's state after the steps (MiB)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     _torch_warm_up(torch)
     net, X, y = build(subject, quick)
+    if adapt is not None:
+        net = adapt(net)
     batch = subject.rows(quick)
     X, y = torch.from_numpy(X), torch.from_numpy(y)
-    optimizer = torch.optim.SGD(net.parameters(), lr=LEARNING_RATE)
+    trained = [p for p in net.parameters() if p.requires_grad]
+    optimizer = (optimizer or (lambda torch, parameters: torch.optim.SGD(
+        parameters, lr=LEARNING_RATE)))(torch, trained)
 
     def loss(output: Any, target: Any) -> Any:
         if subject.logits:
@@ -259,7 +268,10 @@ def torch_cell(subject: Subject, quick: bool, threads: int | None = None) -> dic
         loss(net(X[rows]), y[rows]).backward()
         optimizer.step()
 
-    return _steps(step, _baseline())
+    figures = _steps(step, baseline())
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {**figures, "trained_parameters": sum(p.numel() for p in trained),
+            "optimizer_state_mb": sum(t.numel() * t.element_size() for t in state) / 2**20}
 
 
 def _torch_warm_up(torch: Any) -> None:
@@ -271,7 +283,7 @@ def _torch_warm_up(torch: Any) -> None:
     optimizer.step()
 
 
-def _lossgraph_warm_up(fuse: str, options: Any) -> None:
+def lossgraph_warm_up(fuse: str, options: Any) -> None:
     """compile_program and one step of a linear model in the fuse mode ``fuse``: the
     lazy imports (onnxruntime among them) paid before the baseline."""
     from onnx import TensorProto, helper
@@ -291,14 +303,16 @@ def _lossgraph_warm_up(fuse: str, options: Any) -> None:
         progress=False)
 
 
-def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
-                   threads: int | None = None) -> dict[str, Any]:
-    """compile_program of the export, then (but ``compile``) 3 steps of a Trainer
-    (``threads``: onnxruntime's intra-op threads; None: its default)."""
-    import onnx
+def compile_loss(subject: Subject) -> dict[str, Any]:
+    """compile_program's loss options for ``subject``: torch cells' loss."""
+    if subject.logits:
+        return {"loss": "multiclass_log_loss", "loss_options": {"from_logits": True}}
+    return {"loss": "squared_error"}
 
-    import lossgraph
-    from lossgraph.optim import SGD
+
+def session_options(threads: int | None = None, entries: dict[str, str] | None = None) -> Any:
+    """lossgraph's session defaults with ``threads`` intra-op threads (None: onnxruntime's
+    default) and the configuration ``entries``."""
     try:
         from lossgraph.runtime.session import default_session_options
     except ImportError:  # a --checkout older than it: lossgraph's defaults then
@@ -308,24 +322,49 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
             return quiet_session_options(enable_mem_pattern=False, **settings)
 
     options = default_session_options(**({"intra_op_num_threads": threads} if threads else {}))
-    _lossgraph_warm_up("step" if column == "compile" else column, options)
+    for key, value in (entries or {}).items():
+        options.add_session_config_entry(key, value)
+    return options
+
+
+def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
+                   threads: int | None = None, optimizer: Any = None,
+                   session_entries: dict[str, str] | None = None,
+                   **options: Any) -> dict[str, Any]:
+    """compile_program of the export, then (but ``compile``) 3 steps of a Trainer
+    (``threads``: onnxruntime's intra-op threads; None: its default; ``session_entries``:
+    its sessions' configuration entries). ``optimizer`` (SGD by default) and ``options`` go
+    to compile_program (``adapters=``: benchmarks/lora.py). Beside the peaks: the
+    parameters trained and the optimizer's state (MiB), what the process holds once
+    compiled (``compiled_mb``: the program) and its peak once the Trainer is made
+    (``trainer_peak_mb``)."""
+    import onnx
+
+    import lossgraph
+    from lossgraph.optim import SGD
+
+    sessions = session_options(threads, session_entries)
+    lossgraph_warm_up("step" if column == "compile" else column, sessions)
     model = onnx.load(folder / f"{subject.name}.onnx")
     data = np.load(folder / f"{subject.name}.npz")
     X, y, batch = data["X"], data["y"], subject.rows(quick)
-    loss = ({"loss": "multiclass_log_loss", "loss_options": {"from_logits": True}}
-            if subject.logits else {"loss": "squared_error"})
-    base = _baseline()
+    base = baseline()
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = lossgraph.compile_program(model, optimizer=SGD(LEARNING_RATE),
+        program = lossgraph.compile_program(model, optimizer=optimizer or SGD(LEARNING_RATE),
                                             fuse="step" if column == "compile" else column,
-                                            **loss)
+                                            **compile_loss(subject), **options)
     compiled = {"compile_s": time.perf_counter() - start,
-                "compile_peak_mb": _memory("VmHWM") - base}
+                "compile_peak_mb": _memory("VmHWM") - base,
+                "compiled_mb": _memory("VmRSS") - base,
+                "trained_parameters": sum(program.state[w].size for w in program.weights),
+                "optimizer_state_mb": sum(program.state[s].nbytes
+                                          for s in program.optimizer_states) / 2**20}
     if column == "compile":
         return {**compiled, "peak_mb": compiled["compile_peak_mb"]}
-    trainer = lossgraph.Trainer(program, session_options=options)
+    trainer = lossgraph.Trainer(program, session_options=sessions)
+    compiled["trainer_peak_mb"] = _memory("VmHWM") - base
     del program
 
     def fit(rows: slice, warm: bool) -> None:
@@ -366,6 +405,30 @@ def run_worker(spec: dict[str, Any], limit_gib: float) -> dict[str, Any]:
 
     return run_capped_worker("benchmarks.memory", spec, limit_gib,
                              address_gib=limit_gib + ADDRESS_HEADROOM_GIB)
+
+
+def run_cells(models: Sequence[str], columns: Sequence[str], spec: dict[str, Any],
+              limit_gib: float, run: Callable[[dict[str, Any], float], dict[str, Any]],
+              shown: Callable[[dict[str, Any], str], str]
+              ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each model exported by a fresh process into a temporary folder, then each column's
+    cell, ``run(spec, limit_gib)`` (``spec`` with the task, subject and folder), its line
+    ``shown(row, column)`` printed as it comes; the rows by model, and the models skipped
+    (their export failed)."""
+    cells: dict[str, dict[str, Any]] = {}
+    skipped = []
+    with tempfile.TemporaryDirectory(prefix="lossgraph_cells_") as folder:
+        for name in models:
+            model_spec = {**spec, "subject": name, "folder": folder}
+            exported = run_worker({**model_spec, "task": "export"}, limit_gib)
+            if "error" in exported:
+                skipped.append(f"{name}: skipped (export {exported['error']})")
+                continue
+            cells[name] = dict(exported)
+            for column in columns:
+                cells[name][column] = run({**model_spec, "task": column}, limit_gib)
+                print(f"  {name} {column}: {shown(cells[name], column)}", flush=True)
+    return cells, skipped
 
 
 # -- the report -------------------------------------------------------------------------
@@ -462,24 +525,44 @@ def plot(cells: dict[str, dict[str, Any]], columns: list[str], path: str,
 
 
 # -- the command line -------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cells_parser(description: str, models: Sequence[str], columns: Sequence[str]
+                 ) -> argparse.ArgumentParser:
+    """The command line of a benchmark of cells in fresh processes (this one,
+    benchmarks/lora.py): ``--quick``, ``--models``, ``--columns``, ``--memory-limit``,
+    ``--threads``, ``--json`` and the internal ``--worker``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny models")
-    parser.add_argument("--models", default=",".join(SUBJECTS),
-                        help="comma-separated, of " + ", ".join(SUBJECTS))
-    parser.add_argument("--columns", default=",".join(COLUMNS),
-                        help="comma-separated, of " + ", ".join(COLUMNS))
+    parser.add_argument("--models", default=",".join(models),
+                        help="comma-separated, of " + ", ".join(models))
+    parser.add_argument("--columns", default=",".join(columns),
+                        help="comma-separated, of " + ", ".join(columns))
     parser.add_argument("--memory-limit", type=float, default=12.0, metavar="GIB",
                         help="kill a cell whose process holds more than this (default 12)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="intra-op threads of torch and onnxruntime (default: theirs)")
+    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    parser.add_argument("--worker", metavar="SPEC", help="internal: one cell, printed as JSON")
+    return parser
+
+
+def chosen_cells(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 models: Sequence[str], columns: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The models and columns ``args`` names, each known, else the command line's error."""
+    chosen = ([m for m in args.models.split(",") if m], [c for c in args.columns.split(",") if c])
+    for names, known, what in zip(chosen, (models, columns), ("model", "column")):
+        unknown = set(names) - set(known)
+        if unknown:
+            parser.error(f"unknown {what} {sorted(unknown)[0]!r}: choose of {', '.join(known)}")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cells_parser(__doc__.split("\n\n")[0], list(SUBJECTS), list(COLUMNS))
     parser.add_argument("--checkout", metavar="PATH",
                         help="measure the lossgraph of this checkout (default: this one)")
     parser.add_argument("--compare", metavar="JSON",
                         help="a previous run's figures (--json), shown beside these")
-    parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     parser.add_argument("--plot", metavar="PATH", help="save a plot (needs matplotlib)")
-    parser.add_argument("--worker", metavar="SPEC", help="internal: one cell, printed as JSON")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -487,12 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.machine import cpu_seconds, machine_facts, report_run
     from benchmarks.output import check_targets, save_figures, written_by
 
-    models = [m for m in args.models.split(",") if m]
-    columns = [c for c in args.columns.split(",") if c]
-    for unknown, known, what in ((set(models) - set(SUBJECTS), SUBJECTS, "model"),
-                                (set(columns) - set(COLUMNS), COLUMNS, "column")):
-        if unknown:
-            parser.error(f"unknown {what} {sorted(unknown)[0]!r}: choose of {', '.join(known)}")
+    models, columns = chosen_cells(parser, args, list(SUBJECTS), list(COLUMNS))
     check_targets(parser, [args.json, args.plot], written_by(BENCHMARK_MARK))
     before = json.loads(Path(args.compare).read_text())["cells"] if args.compare else None
     checkout = str(Path(args.checkout).resolve()) if args.checkout else None
@@ -502,21 +580,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      else ""))
     print("machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()))
     started, cpu_before = time.perf_counter(), cpu_seconds()
-    cells: dict[str, dict[str, Any]] = {}
-    skipped = []
-    with tempfile.TemporaryDirectory(prefix="lossgraph_memory_") as folder:
-        for name in models:
-            spec = {"subject": name, "quick": args.quick, "folder": folder,
-                    "checkout": checkout, "threads": args.threads}
-            exported = run_worker({**spec, "task": "export"}, args.memory_limit)
-            if "error" in exported:
-                skipped.append(f"{name}: skipped (export {exported['error']})")
-                continue
-            cells[name] = dict(exported)
-            for column in columns:
-                cells[name][column] = run_worker({**spec, "task": column}, args.memory_limit)
-                print(f"  {name} {column}: "
-                      + cell_text(cells[name], column, None), flush=True)
+    cells, skipped = run_cells(
+        models, columns, {"quick": args.quick, "checkout": checkout, "threads": args.threads},
+        args.memory_limit, run_worker, lambda row, column: cell_text(row, column, None))
     report(cells, columns, before)
     report_run(started, cpu_before, facts, skipped)
     if args.json:

@@ -465,3 +465,50 @@ def test_training_options_quick_run_trains_every_variant_to_torchs_weights(tmp_p
     for variant, difference in cells["lossgraph epoch"]["check"].items():
         assert difference < 1e-6 and moved[variant] > 100 * difference, (variant, difference)
     assert "| mlp | lossgraph epoch |" in capsys.readouterr().out
+
+
+@pytest.mark.torch
+def test_lora_cells_train_what_they_say_and_the_report_judges_both_goals(tmp_path, capsys):
+    """The LoRA benchmark on its tiny BERT, each cell run here: lossgraph's LoRA trains the
+    adapters alone, as many parameters as PEFT's (rank 8 on ``query`` and ``value``), with
+    prepacking or without, both full fine-tunings every parameter torch has; lossgraph's
+    optimizer state is AdamW's two moments of what it trains; the floor runs the LoRA
+    step's products, and the phases take its peak apart. The report shows every run and a
+    verdict on each goal. A file the benchmark did not write is never replaced."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from benchmarks import lora as bench
+    from benchmarks import memory
+
+    row = memory.export(memory.SUBJECTS["bert"], True, tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        for column in bench.COLUMNS:
+            row[column] = bench.cell(column, "bert", True, tmp_path, threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    trainers = [column for column in bench.COLUMNS if column not in ("floor", "phases")]
+    trained = {column: row[column]["trained_parameters"] for column in trainers}
+    adapters = trained["peft"]
+    assert 0 < adapters < row["parameters"] / 5
+    assert trained == {"torch": row["parameters"], "peft": adapters, "full": row["parameters"],
+                       "lora": adapters, "unpacked": adapters}
+    for column in ("full", "lora", "unpacked"):
+        assert row[column]["optimizer_state_mb"] * 2**20 == 2 * 4 * trained[column]
+        assert row[column]["steps"] == memory.STEPS
+    assert "MatMul" in row["floor"]["kernels"] and row["floor"]["step_ms"] > 0
+    assert [p["phase"].split(":")[0] for p in row["phases"]["phases"]] == [
+        "compiled", "train_step specialized to the batch, the program alive",
+        "the specialized train_step alone", "its session made",
+        "the session, the graph dropped", "one step run"]
+    verdicts = bench.report({"bert": row}, list(bench.COLUMNS))
+    printed = capsys.readouterr().out
+    assert all(f"| {bench.COLUMNS[c]} | {trained[c]:,} |" in printed for c in trainers)
+    assert [v["goal"].split()[0] for v in verdicts] == ["peak", "step"]
+    assert all(v["verdict"] in ("PASS", "MISS") for v in verdicts)
+    foreign = tmp_path / "notes.json"
+    foreign.write_text("{}")
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--json", str(foreign)])
+    assert foreign.read_text() == "{}"

@@ -37,7 +37,9 @@ EXAMPLE_MARKS = {"02_finetune_torch_export.py": pytest.mark.torch,
                  "09_finetune_transformers.py": [pytest.mark.torch, pytest.mark.slow,
                                                  needs("transformers")],
                  "10_finetune_like_hugging_face.py": [pytest.mark.torch, pytest.mark.slow,
-                                                      needs("transformers")]}
+                                                      needs("transformers")],
+                 "11_finetune_with_lora.py": [pytest.mark.torch, pytest.mark.slow,
+                                              needs("transformers", "peft")]}
 BLOCKS = [(page, index, code) for page in PAGES
           for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))]
 #: A block whose first line is "# needs torch" (or another package) runs where it is installed.

@@ -93,7 +93,7 @@ from .analysis import (
 )
 from .deprecation import renamed_keywords
 from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
-from .graphs import HeldWeights, weights_dtype, with_weight_data
+from .graphs import HeldWeights, weights_dtype
 from .manifest import build_manifest
 from .memory import release_free_memory
 from .models import ModelLike, as_model
@@ -573,9 +573,9 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
                 optimizer, lifted[weight])):
             state[name] = value
     state.update((b, lifted[b]) for b in context.buffers)
-    # the weights' data back where a graph keeps initializers (frozen weights, the
-    # inference model); the state's arrays are the store's
-    graphs = {name: with_weight_data(result.model) for name, result in compiling.built.items()}
+    # light: the frozen weights (initializers of the graphs) stay in the store, which the
+    # program keeps; the state's arrays are the store's too
+    graphs = {name: result.model for name, result in compiling.built.items()}
     manifest = build_manifest(graphs, signature, optimizer, mode.name, context.roles,
                               assembled.graph_roles, front.untied,
                               front.batch and _batch_record(front.batch, context),
@@ -584,7 +584,7 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
                               read_adapters(front.starts["inference model"]))
     inference, held, notes = front.starts["inference model"], front.held, front.notes
     del front, runner, compiling  # every intermediate model
-    # light: the program keeps the weights its state holds (the store's arrays) once
+    # light: the program keeps every weight once, its state's and the frozen ones
     program = TrainingProgram(graphs, manifest, state, inference, notes=notes)
     del held
     release_free_memory()

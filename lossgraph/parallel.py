@@ -271,8 +271,8 @@ class Replica:
         self.all_reduce_seconds = 0.0
         self.trainer = Trainer(program.program, providers, session_options)
         base = program.program
-        self._summed = TrainingProgram({**base.graphs, "loss": program.sum_loss}, base.manifest,
-                                       base.state, base.inference_model)
+        self._summed = TrainingProgram({**base.light_graphs, "loss": program.sum_loss},
+                                       base.manifest, base.state, base.inference_model)
         self._weights = base.weights
         self._shapes = {w: base.state[w].shape for w in self._weights}
         ends = np.cumsum([base.state[w].size for w in self._weights])

@@ -27,7 +27,7 @@ weights and the buffers back.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,8 @@ from .adapters import Adapter
 from .deprecation import warn_renamed
 from .errors import ShapeMismatchError, UnknownNameError, UnsupportedOptionError, suggest
 from .fileio import check_file_target, ensure_folder, save_model, serialize
-from .graphs import held_apart, put_back
+from .graphs import HeldWeights, held_apart, put_back, stored_tensors, with_weight_data
+from .graphs.held import held_tensors
 from .inference import export_model
 from .optim import Optimizer, optimizer_from_dict
 from .options import flag
@@ -51,35 +52,91 @@ from .update_options import UpdateOptions
 __all__ = ["TrainingProgram", "with_weights"]
 
 
+class _WholeGraphs(Mapping[str, onnx.ModelProto]):
+    """A program's graphs by name, each a whole copy of its light graph made when read."""
+
+    def __init__(self, light: Mapping[str, onnx.ModelProto]) -> None:
+        self._light = light
+
+    def __getitem__(self, name: str) -> onnx.ModelProto:
+        return with_weight_data(self._light[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._light)
+
+    def __len__(self) -> int:
+        return len(self._light)
+
+
 @dataclass(init=False)
 class TrainingProgram:
     """A compiled model: graphs by name, a JSON manifest, initial state, inference model.
 
-    Each weight is held once, in ``state``: the inference model is kept without the data
-    of the initializers ``state`` holds to the byte, and :attr:`inference_model` puts it
-    back when asked for (a BERT-base model's 418 MiB are not held twice).
+    Each weight is held once. The trained ones are in ``state``: the inference model is
+    kept without the data of the initializers ``state`` holds to the byte, and
+    :attr:`inference_model` puts it back when asked for (a BERT-base model's 418 MiB are
+    not held twice). The large frozen ones (initializers of the graphs: a LoRA program's
+    base weights, a weight ``compile_program(weights=[...])`` leaves out) are in one store
+    (:class:`~lossgraph.graphs.HeldWeights`, :attr:`frozen`) that every graph and the
+    inference model point to: :attr:`light_graphs` are the graphs without their data,
+    which the engine's sessions read from the store, and :attr:`graphs` puts it back on
+    each access.
     """
 
-    graphs: dict[str, onnx.ModelProto]
+    #: the graphs without the data of their large frozen initializers (:attr:`frozen`)
+    light_graphs: dict[str, onnx.ModelProto]
     manifest: dict[str, Any]
     state: dict[str, np.ndarray]
     #: what compile decided about the model (:class:`lossgraph.compiler.CompileNotes`: the
     #: opset, ZipMaps, the output and loss trained); None for a program loaded from a folder
     notes: Any = field(default=None, compare=False, repr=False)
-    #: the inference model without the data of the initializers in ``state``, their names
+    #: the inference model without the data of the initializers in ``state`` (and of the
+    #: frozen weights), the names of the former
     _inference: tuple[onnx.ModelProto, frozenset[str]] = field(default=None, repr=False)
+    #: the stores the light models point to, kept alive with the program
+    _stores: tuple[HeldWeights, ...] = field(default=(), compare=False, repr=False)
 
-    def __init__(self, graphs: dict[str, onnx.ModelProto], manifest: dict[str, Any],
+    def __init__(self, graphs: Mapping[str, onnx.ModelProto], manifest: dict[str, Any],
                  state: dict[str, np.ndarray], inference_model: onnx.ModelProto,
                  notes: Any = None) -> None:
-        self.graphs, self.manifest, self.state, self.notes = graphs, manifest, state, notes
-        self._inference = held_apart(inference_model, state)
+        """``graphs`` and ``inference_model``: whole models, or light ones (compile's,
+        another program's :attr:`light_graphs`); a frozen weight several of them hold
+        whole (a program read from files) is held once."""
+        self.manifest, self.state, self.notes = manifest, state, notes
+        store = HeldWeights()
+        self.light_graphs = {name: store.hold(graph) for name, graph in graphs.items()}
+        light, apart = held_apart(inference_model, state)
+        self._inference = (store.hold(light), apart)
+        models = (*self.light_graphs.values(), self._inference[0])
+        self._stores = tuple({id(found): found for model in models for _, found, _ in
+                              held_tensors(stored_tensors(model))}.values())
+
+    @property
+    def graphs(self) -> Mapping[str, onnx.ModelProto]:
+        """The graphs by name, each a whole model (its frozen weights' data put back) made
+        on access: read :attr:`light_graphs` where the structure is enough."""
+        return _WholeGraphs(self.light_graphs)
+
+    @property
+    def frozen(self) -> dict[str, np.ndarray]:
+        """The large frozen initializers of the graphs by name, read-only arrays of the
+        one store every graph, the inference model and the engine's sessions read."""
+        return {tensor.name: found.array(key) for model in self.light_graphs.values()
+                for tensor, found, key in held_tensors(stored_tensors(model))}
 
     @property
     def inference_model(self) -> onnx.ModelProto:
         """The model given, before training: a new copy, its weights' data from ``state``."""
         model, apart = self._inference
         return put_back(model, self.state, apart)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled as whole models: a store lives in one process."""
+        return {"graphs": dict(self.graphs), "manifest": self.manifest, "state": self.state,
+                "inference_model": self.inference_model, "notes": self.notes}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        self.__init__(**saved)
 
     # -- what the manifest says -------------------------------------------------------
     @property

@@ -71,6 +71,9 @@ class HeldWeights:
         self.number = next(_NUMBERS)
         self.min_bytes = min_bytes
         self._weights: list[_Weight] = []
+        #: each weight's key by name, so that a weight held again (the same name and
+        #: bytes: a program's graphs read from files) is held once
+        self._keys: dict[str, int] = {}
         _STORES[self.number] = self
 
     def hold(self, model: onnx.ModelProto) -> onnx.ModelProto:
@@ -97,12 +100,28 @@ class HeldWeights:
                 continue
             copy = light.graph.initializer.add()
             copy_fields(tensor, copy, skip="raw_data")
-            self._weights.append(_Weight(data, _HELD_DTYPES[tensor.data_type],
-                                         tuple(tensor.dims), tensor.HasField("data_location")))
-            copy.data_location = onnx.TensorProto.EXTERNAL
-            copy.external_data.add(key="location",
-                                   value=f"{_PREFIX}{self.number}/{len(self._weights) - 1}")
+            self.mark(copy, self._key(tensor, data))
         return light
+
+    def _key(self, tensor: onnx.TensorProto, data: bytes) -> int:
+        """The key of ``tensor``'s weight (its ``data``), held now unless held already."""
+        located = tensor.HasField("data_location")
+        key = self._keys.get(tensor.name)
+        if key is not None:
+            weight = self._weights[key]
+            if (weight.dims, weight.located, weight.dtype) == (
+                    tuple(tensor.dims), located, _HELD_DTYPES[tensor.data_type]) \
+                    and weight.data == data:
+                return key
+        self._weights.append(_Weight(data, _HELD_DTYPES[tensor.data_type],
+                                     tuple(tensor.dims), located))
+        self._keys.setdefault(tensor.name, len(self._weights) - 1)
+        return len(self._weights) - 1
+
+    def mark(self, tensor: onnx.TensorProto, key: int) -> None:
+        """Point ``tensor``, without data, to weight ``key`` here, in place."""
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        tensor.external_data.add(key="location", value=f"{_PREFIX}{self.number}/{key}")
 
     def array(self, key: int) -> np.ndarray:
         """Weight ``key``'s values, read-only (as ``numpy_helper.to_array`` gives them),

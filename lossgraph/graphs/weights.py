@@ -100,8 +100,8 @@ def held_apart(model: onnx.ModelProto, values: Mapping[str, np.ndarray]
     model exactly from ``values``. A program keeps its inference model so, since its state
     holds the weights (one copy of each, not two). The copy is made tensor by tensor, never
     the whole model at once. A held weight (:class:`HeldWeights`, a light model of compile)
-    whose value is its store's array is set aside without reading its data; any other gets
-    its data back."""
+    whose value is its store's array is set aside without reading its data; any other
+    stays held (a frozen weight: the program's graphs read it from the same store)."""
     graph = model.graph
     light = onnx.ModelProto()
     copy_fields(model, light, skip="graph")
@@ -114,30 +114,33 @@ def held_apart(model: onnx.ModelProto, values: Mapping[str, np.ndarray]
             copy_fields(tensor, kept, skip="raw_data")
             found[0].unmark(kept, found[1])
             apart.add(tensor.name)
-        elif found is not None:
-            kept.CopyFrom(tensor)
-            found[0].put_back(kept, found[1])
-        elif _holds(tensor, values.get(tensor.name)):
+        elif found is None and _holds(tensor, values.get(tensor.name)):
             copy_fields(tensor, kept, skip="raw_data")
             apart.add(tensor.name)
         else:
             kept.CopyFrom(tensor)
-    return with_weight_data(light), frozenset(apart)  # held weights of nested graphs
+    return light, frozenset(apart)
 
 
 def put_back(model: onnx.ModelProto, values: Mapping[str, np.ndarray], names: frozenset[str]
              ) -> onnx.ModelProto:
     """A copy of ``model`` (from :func:`held_apart`) with the data of its initializers
-    ``names`` taken from ``values``: the model :func:`held_apart` was given, to the byte."""
+    ``names`` taken from ``values``, and of its held weights from their store: the model
+    :func:`held_apart` was given, to the byte, with every weight's data."""
     whole = onnx.ModelProto()
     copy_fields(model, whole, skip="graph")
     copy_fields(model.graph, whole.graph, skip="initializer")
     for tensor in model.graph.initializer:
         restored = whole.graph.initializer.add()
+        found = held_in(tensor)
+        if found is not None:
+            copy_fields(tensor, restored, skip="raw_data")
+            found[0].put_back(restored, found[1])
+            continue
         restored.CopyFrom(tensor)
         if tensor.name in names:
             restored.raw_data = np.ascontiguousarray(values[tensor.name]).tobytes()
-    return whole
+    return with_weight_data(whole)  # held weights of nested graphs
 
 
 def _holds(tensor: onnx.TensorProto, value: np.ndarray | None) -> bool:

@@ -51,7 +51,13 @@ from ..program import TrainingProgram
 from ..speed import SpecializeBatch
 from .packed import PackedUpdate
 from .ring import Block, GraphRunner, StateRing
-from .session import check_loadable, checked_providers, create_session, evaluation_error
+from .session import (
+    check_loadable,
+    checked_providers,
+    create_session,
+    evaluation_error,
+    options_from_settings,
+)
 
 __all__ = ["Engine", "KEEP_PREVIOUS_MAX_BYTES"]
 
@@ -76,10 +82,14 @@ class Engine:
                 f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
         if keep_previous_state is not None:
             flag("keep_previous_state", keep_previous_state)
-        for name, graph in program.graphs.items():  # before any work, not at the first fit
+        for name, graph in program.light_graphs.items():  # before any work, not at a fit
             check_loadable(graph, f"The program's {name!r} graph")
         self.program = program
         self.providers = checked_providers(providers)
+        if session_options is None or isinstance(session_options, Mapping):
+            options_from_settings(session_options)  # its settings checked before any work
+        #: None, a dict of settings (each session's options made from them: the frozen
+        #: weights handed to onnxruntime without a copy) or onnxruntime's SessionOptions
         self.session_options = session_options
         self.mode = fuse_mode(program.fuse)
         manifest = program.manifest
@@ -87,7 +97,7 @@ class Engine:
         #: the label and sample-weight inputs' names (None: no sample weights)
         self.label: str = roles["label"]
         self.sample_weight: str | None = roles.get("sample_weight")
-        record = read_loss_record(program.graphs["evaluate"])
+        record = read_loss_record(program.light_graphs["evaluate"])
         #: the label value the loss ignores (its ignore_index), or None
         self.ignored_label: int | None = record["ignore_index"]
         #: the loss's weight of each class (its class_weight), or None
@@ -102,7 +112,7 @@ class Engine:
         self._loss_reduction = batch["loss_reduction"] if batch else "mean"
         # Models that impute missing values take NaN features on purpose.
         self.allows_missing = any(node.op_type in ("Imputer", "IsNaN")
-                                  for node in program.graphs["predict"].graph.node)
+                                  for node in program.light_graphs["predict"].graph.node)
         self._checked = CheckedArrays()
         self._new = {w["name"]: w["new"] for w in manifest["weights"]}
         self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
@@ -176,7 +186,7 @@ class Engine:
         batch size at a time per graph: another batch size replaces it)."""
         key = (graph, batch)
         if key not in self._sessions:
-            model = self.program.graphs[graph]
+            model = self.program.light_graphs[graph]  # sessions read the frozen weights
             if batch is not None:
                 for stale in [k for k in self._sessions if k[0] == graph and k[1] is not None]:
                     del self._sessions[stale]

@@ -288,7 +288,7 @@ class Metrics:
         output = next(v for v in manifest["graphs"]["predict"]["outputs"]
                       if v["name"] == roles["prediction"])
         elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(output["dtype"]))
-        kind = output_kind(engine.program.graphs["predict"], output["name"]).kind
+        kind = output_kind(engine.program.light_graphs["predict"], output["name"]).kind
         self._features = [v["name"] for v in manifest["graphs"]["predict"]["inputs"]
                           if v["role"] == "feature"]
         self._spec = _Spec(

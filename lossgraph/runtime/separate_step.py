@@ -136,7 +136,7 @@ class SeparateStep:
                  make_session: SessionFactory, make_runner: RunnerFactory,
                  batch: int | None = None, packed: PackedUpdate | None = None) -> None:
         io = program.io
-        graphs = dict(program.graphs)
+        graphs = dict(program.light_graphs)
         if batch is not None:  # static shapes: no shape arithmetic at run time
             for name in ("gradient", "loss"):
                 graphs[name] = SpecializeBatch(batch)(graphs[name]).model

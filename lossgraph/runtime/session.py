@@ -7,7 +7,7 @@ wrappers per call and is the same in onnxruntime-training 1.19 and onnxruntime 1
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,13 +20,15 @@ from ..errors import (
     UnsupportedOptionError,
     suggest,
 )
+from ..graphs import all_graphs, stored_tensors, with_weight_data
+from ..graphs.held import copy_fields, held_tensors
 from ..target import check_loads, release_target
 from ..training_build import available as training_build_available
 from ..training_build import import_onnxruntime
 
 __all__ = ["check_loadable", "checked_providers", "create_session", "cpu_device",
            "default_session_options", "evaluation_error", "installed_runtime",
-           "onnxruntime_module", "ortvalue", "quiet_session_options",
+           "onnxruntime_module", "options_from_settings", "ortvalue", "quiet_session_options",
            "training_build_available"]
 
 
@@ -64,13 +66,20 @@ def checked_providers(providers: Any) -> list | None:
 
 def quiet_session_options(**settings: Any):
     """onnxruntime ``SessionOptions`` logging errors only, with ``settings`` set on them
-    (e.g. ``intra_op_num_threads=1``)."""
+    (e.g. ``intra_op_num_threads=1``); a key with a dot is a configuration entry
+    (``**{"session.disable_prepacking": "1"}``: ``add_session_config_entry``)."""
     options = onnxruntime_module().SessionOptions()
     options.log_severity_level = 3
     for key, value in settings.items():
-        if not hasattr(options, key):
-            raise UnsupportedOptionError(f"onnxruntime's SessionOptions has no {key!r}.")
-        setattr(options, key, value)
+        if not isinstance(key, str) or ("." not in key and not hasattr(options, key)):
+            raise UnsupportedOptionError(
+                f"onnxruntime's SessionOptions has no {key!r}: name one of its attributes "
+                "(e.g. 'intra_op_num_threads') or a configuration entry (e.g. "
+                "'session.disable_prepacking').")
+        if "." in key:
+            options.add_session_config_entry(key, str(value))
+        else:
+            setattr(options, key, value)
     return options
 
 
@@ -80,6 +89,16 @@ def default_session_options(**settings: Any):
     (:func:`create_session` says why). Start from these to change one setting and keep the
     rest of lossgraph's defaults."""
     return quiet_session_options(**{"enable_mem_pattern": False, **settings})
+
+
+def options_from_settings(settings: Mapping[str, Any] | None = None):
+    """Fresh :func:`default_session_options` with ``settings`` (a dict, as
+    ``Trainer(program, session_options={...})`` takes them), for one session."""
+    if not isinstance(settings, (Mapping, type(None))):
+        raise UnsupportedOptionError(
+            f"session_options={settings!r} must be a dict of settings (e.g. "
+            "{'intra_op_num_threads': 1}) or onnxruntime's SessionOptions.")
+    return default_session_options(**(settings or {}))
 
 
 def installed_runtime() -> str:
@@ -104,23 +123,64 @@ def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = Non
     a model the installed onnxruntime cannot load (named ``graph`` in messages) is a
     lossgraph error, never onnxruntime's.
 
-    By default (:func:`default_session_options`) without onnxruntime's memory pattern: it
-    allocates a run's values as one block from the second run on, beside the arena that
-    holds the first run's, so a training step's memory grew from the first step to the
-    second (by 22% on a 4-layer BERT's step, 300 to 383 MiB; BERT-base's step peak 2,677
-    MiB with it, 2,486 without; no slower, there or on a linear model's 1,000 steps).
+    ``session_options``: None (:func:`default_session_options`), a dict of settings
+    (:func:`options_from_settings`), or onnxruntime's ``SessionOptions``, used as given.
+    A light model's weights (:class:`~lossgraph.graphs.HeldWeights`: a program's frozen
+    weights) are handed to onnxruntime as they are, never copied
+    (``add_external_initializers``, on options made for this session: a user's
+    ``SessionOptions`` is never changed, so with one they are copied into the model).
+
+    By default without onnxruntime's memory pattern: it allocates a run's values as one
+    block from the second run on, beside the arena that holds the first run's, so a
+    training step's memory grew from the first step to the second (by 22% on a 4-layer
+    BERT's step, 300 to 383 MiB; BERT-base's step peak 2,677 MiB with it, 2,486 without;
+    no slower, there or on a linear model's 1,000 steps).
     """
     onnxruntime = onnxruntime_module()
     check_loadable(model, f"The {graph!r} graph")
-    options = default_session_options() if session_options is None else session_options
+    if session_options is None or isinstance(session_options, Mapping):
+        options = options_from_settings(session_options)
+        model, frozen = _frozen_apart(model)
+        # onnxruntime's own OrtValues, which keep their array alive
+        values = [onnxruntime.OrtValue.ortvalue_from_numpy(array) for array in frozen.values()]
+        if frozen:
+            options.add_external_initializers(list(frozen), values)
+    else:
+        options, frozen, values = session_options, {}, []
+        model = with_weight_data(model)
     try:
-        return onnxruntime.InferenceSession(
+        session = onnxruntime.InferenceSession(
             model.SerializeToString(), options,
             providers=list(providers or ["CPUExecutionProvider"]))
     except Exception as exc:  # onnxruntime's errors derive from Exception only
         detail = " ".join(str(exc).split()).rsplit(" : ", 1)[-1].rstrip(".")
         raise EvaluationError(
             f"{installed_runtime()} could not load the {graph!r} graph: {detail}.") from None
+    # the session reads the arrays the OrtValues alias: they live as long as it does
+    session.lossgraph_frozen = (frozen, values)
+    return session
+
+
+def _frozen_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """``model`` with its held weights as initializers of the main graph (onnxruntime
+    takes external initializers there only; a nested graph, an epoch's Scan body, reads
+    them from its outer scope: names are unique across graphs), and their arrays."""
+    frozen = {tensor.name: store.array(key)
+              for tensor, store, key in held_tensors(stored_tensors(model))}
+    nested = {tensor.name for sub in list(all_graphs(model.graph))[1:] for tensor in sub.initializer
+              if tensor.name in frozen}
+    if not nested:
+        return model, frozen
+    hoisted = onnx.ModelProto()
+    copy_fields(model, hoisted, skip="graph")
+    copy_fields(model.graph, hoisted.graph, skip="initializer")
+    hoisted.graph.initializer.extend(model.graph.initializer)
+    for sub in list(all_graphs(hoisted.graph))[1:]:
+        kept = [t for t in sub.initializer if t.name not in nested]
+        hoisted.graph.initializer.extend(t for t in sub.initializer if t.name in nested)
+        del sub.initializer[:]
+        sub.initializer.extend(kept)
+    return hoisted, frozen
 
 
 def cpu_device():

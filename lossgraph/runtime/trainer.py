@@ -570,7 +570,7 @@ class Trainer:
         ``path`` must be new, empty, or a checkpoint folder lossgraph wrote (holding
         nothing else); anything else is an :class:`~lossgraph.errors.UnsafeWriteError`.
         """
-        program = TrainingProgram(self.program.graphs, self.program.manifest, self.state,
+        program = TrainingProgram(self.program.light_graphs, self.program.manifest, self.state,
                                   self.program.inference_model)
         progress = self.progress()
         rng, record = progress["rng"], progress["early_stopping"]

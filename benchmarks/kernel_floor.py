@@ -183,7 +183,10 @@ def step_graph(program: TrainingProgram, data: Mapping[str, np.ndarray],
             raise UnsupportedModelError(
                 f"train_step's input {name!r} plays the role {role!r}: pass its value in data.")
     batch = len(next(iter(data.values())))
-    return SpecializeBatch(batch)(program.graphs["train_step"]).model, feeds
+    # the light graph where the program keeps one (its frozen weights in its store: the
+    # graph reads them while the program lives), as the Trainer specializes it
+    graphs = getattr(program, "light_graphs", program.graphs)
+    return SpecializeBatch(batch)(graphs["train_step"]).model, feeds
 
 
 # -- torch ------------------------------------------------------------------------------

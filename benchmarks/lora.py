@@ -21,7 +21,7 @@ and two columns that tell what bounds lossgraph LoRA's figures:
                  batch's values (benchmarks/kernel_floor.py): no graph of those forms
                  steps faster
     phases       ``lora``'s peak taken apart, each phase in turn: compile, the step graph
-                 specialized to the batch (the Trainer's first fit), that graph alone, its
+                 specialized to the batch (the Trainer's first fit), its
                  session made, one step run
 
 The targets are PEFT's defaults for these architectures: ``query`` and ``value`` (BERT),
@@ -173,7 +173,6 @@ def floor_cell(subject: Any, quick: bool, folder: Path, threads: int | None) -> 
     model, data = load_export(subject, folder)
     program = lora_program(subject, model)
     floor = heavy_kernel_floor(*one_step(program, data, subject.rows(quick)))
-    del program
     runs = BoundRuns(create_session(floor.model, session_options=memory.session_options(
         threads)), floor.feeds, 1)
     times = []
@@ -188,8 +187,9 @@ def phases_cell(subject: Any, quick: bool, folder: Path, threads: int | None
                 ) -> dict[str, Any]:
     """lossgraph LoRA's peak taken apart, phase by phase in this process: the program
     compiled; its ``train_step`` specialized to the batch (what the Trainer's first fit
-    does), the program alive; that graph alone; its onnxruntime session made, then held
-    once the graph is dropped; one step run. Each phase's resident set after it and its
+    does), the program alive; its onnxruntime session made, then held
+    once the graph is dropped; one step run (the program alive throughout, as a Trainer
+    keeps it: the session reads its frozen weights). Each phase's resident set after it and its
     peak (started over from the resident set before it), above the baseline."""
     from benchmarks import memory
     from benchmarks.machine import process_memory_mb, reset_peak_memory
@@ -212,8 +212,8 @@ def phases_cell(subject: Any, quick: bool, folder: Path, threads: int | None
     phase("compiled: the program")
     graph, feeds = one_step(program, data, subject.rows(quick))
     phase("train_step specialized to the batch, the program alive")
-    del program
-    phase("the specialized train_step alone")
+    # the program stays alive, as the Trainer keeps it: its frozen weights are the ones
+    # the graph and the session read
     session = create_session(graph, session_options=options)
     phase("its session made")
     del graph

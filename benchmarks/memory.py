@@ -312,7 +312,17 @@ def compile_loss(subject: Subject) -> dict[str, Any]:
 
 def session_options(threads: int | None = None, entries: dict[str, str] | None = None) -> Any:
     """lossgraph's session defaults with ``threads`` intra-op threads (None: onnxruntime's
-    default) and the configuration ``entries``."""
+    default) and the configuration ``entries``: a dict of settings, from which lossgraph
+    makes each session's options (so that its sessions read a program's frozen weights
+    without a copy), or, for a --checkout older than those, its ``SessionOptions``."""
+    settings = {**({"intra_op_num_threads": threads} if threads else {}), **(entries or {})}
+    try:
+        from lossgraph.runtime.session import options_from_settings
+
+        options_from_settings(settings)  # checked
+        return settings
+    except ImportError:
+        pass
     try:
         from lossgraph.runtime.session import default_session_options
     except ImportError:  # a --checkout older than it: lossgraph's defaults then

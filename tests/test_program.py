@@ -4,6 +4,7 @@ program replaces it whole; every graph is exported valid and described by the ma
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import onnx
@@ -83,3 +84,48 @@ def test_every_graph_is_exported_valid_and_described_by_the_manifest(tmp_path, m
         assert [o.name for o in session.get_outputs()] == [o["name"]
                                                            for o in described["outputs"]]
         assert paths[name].read_bytes() == serialized
+
+
+# -- frozen weights held once -----------------------------------------------------------------
+
+
+def _held_arrays(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    from lossgraph.graphs import stored_tensors
+    from lossgraph.graphs.held import held_tensors
+
+    found = {}
+    for tensor, store, key in held_tensors(stored_tensors(model)):
+        assert not tensor.raw_data  # light: no data of its own
+        found[tensor.name] = store.array(key)
+    return found
+
+
+def _assert_held_once(program: lossgraph.TrainingProgram) -> None:
+    frozen = program.frozen
+    assert frozen["fc1.weight"].nbytes == 128 * 128 * 4 and not frozen["fc1.weight"].flags.writeable
+    readers = [*program.light_graphs.values(), program._inference[0]]
+    for model in readers:
+        for name, array in _held_arrays(model).items():
+            assert array is frozen[name]
+    assert sum("fc1.weight" in _held_arrays(m) for m in readers) >= 3  # graphs, inference
+    whole = program.graphs["evaluate"]  # a whole model when read
+    tensor = next(t for t in whole.graph.initializer if t.name == "fc1.weight")
+    assert tensor.raw_data == frozen["fc1.weight"].tobytes()
+
+
+@pytest.mark.parametrize("kind", ["lora", "weights"])
+def test_frozen_weights_are_held_once_and_saved_whole(kind, tmp_path):
+    from support.frozen import frozen_program
+
+    program = frozen_program(kind)
+    _assert_held_once(program)
+    program.save(tmp_path / "a")
+    loaded = lossgraph.TrainingProgram.load(tmp_path / "a")  # held once again, from files
+    _assert_held_once(loaded)
+    loaded.save(tmp_path / "b")
+    assert {f.name: f.read_bytes() for f in (tmp_path / "a").iterdir()} == \
+        {f.name: f.read_bytes() for f in (tmp_path / "b").iterdir()}
+    assert program.save_onnx_graph() == loaded.save_onnx_graph()
+    copied = pickle.loads(pickle.dumps(program))  # a store lives in one process: whole models
+    _assert_held_once(copied)
+    assert copied.save_onnx_graph() == program.save_onnx_graph()

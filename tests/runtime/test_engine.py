@@ -144,3 +144,42 @@ def test_sessions_run_without_the_memory_pattern_unless_the_options_say_so():
     given = Engine(program, session_options=quiet_session_options()).session("train_step")
     assert (default.enable_mem_pattern, given.get_session_options().enable_mem_pattern) == (
         False, True)
+
+
+# -- frozen weights held once -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_sessions_read_the_programs_frozen_weights_without_a_copy(fuse):
+    """A LoRA program's sessions take its frozen base weight from its store (the OrtValue
+    aliases the store's array), and train as sessions of the whole graphs do (onnxruntime's
+    SessionOptions given: the weights copied into the model, as before)."""
+    from support.frozen import frozen_data, frozen_program
+
+    from lossgraph.runtime.session import default_session_options
+
+    program, (X, y) = frozen_program("lora", fuse), frozen_data()
+    light = Trainer(program, session_options={"intra_op_num_threads": 1})
+    whole = Trainer(program, session_options=default_session_options(intra_op_num_threads=1))
+    for trainer in (light, whole):
+        trainer.fit(X, y, epochs=2, batch_size=4, shuffle=False, progress=False)
+    assert light.train_losses_ == whole.train_losses_
+    np.testing.assert_array_equal(light.predict(X), whole.predict(X))
+    assert light.evaluate(X, y) == whole.evaluate(X, y)
+    for name, value in light.state.items():
+        np.testing.assert_array_equal(value, whole.state[name])
+    frozen = program.frozen
+    shared = 0
+    for key, session in light.engine._sessions.items():
+        arrays, values = session.lossgraph_frozen
+        for (name, array), value in zip(arrays.items(), values):
+            assert np.shares_memory(array, frozen[name]) and \
+                value.data_ptr() == array.__array_interface__["data"][0]
+            shared += 1
+    assert shared >= 1
+    assert all(not s.lossgraph_frozen[0] for s in whole.engine._sessions.values())
+
+
+def test_session_settings_are_checked_before_any_work():
+    with pytest.raises(UnsupportedOptionError, match="no 'intra_op_threads'"):
+        Trainer(linear_program(), session_options={"intra_op_threads": 1})

@@ -73,7 +73,6 @@ from .models import ModelLike
 from .options import choice, count, flag
 from .parallel import AllReduce, ParallelProgram, Replica, Shard, array_shards, shard_bounds
 from .program import TrainingProgram
-from .runtime.session import default_session_options
 from .runtime.trainer import Trainer
 
 __all__ = ["RayTrainer", "RayResult", "LossgraphConfig", "worker_all_reduce", "gloo_all_reduce",
@@ -344,7 +343,7 @@ def _train_worker(config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, size = context.get_world_rank(), context.get_world_size()
     replica = Replica(job.program, worker_all_reduce(),
-                      session_options=default_session_options(intra_op_num_threads=job.threads))
+                      session_options={"intra_op_num_threads": job.threads})
     history: list[dict[str, Any]] = []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:

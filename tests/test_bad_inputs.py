@@ -835,6 +835,12 @@ CASES: list[Case] = [
     Case("providers-unknown", "providers=['NoSuchExecutionProvider']",
          lambda c: lossgraph.Trainer(c.program(), providers=["NoSuchExecutionProvider"]),
          UnsupportedOptionError, "'NoSuchExecutionProvider', which this onnxruntime does not"),
+    Case("session-setting-unknown", "Trainer(program, session_options={'intra_op_threads': 1})",
+         lambda c: lossgraph.Trainer(c.program(), session_options={"intra_op_threads": 1}),
+         UnsupportedOptionError, "SessionOptions has no 'intra_op_threads'"),
+    Case("session-options-not-options", "Trainer(program, session_options=4)",
+         lambda c: lossgraph.Trainer(c.program(), session_options=4),
+         UnsupportedOptionError, "session_options=4 must be a dict of settings"),
     # -- data --------------------------------------------------------------------------------
     Case("x-beyond-float32", "float64 X holding 1e39 (beyond float32) for a float32 model",
          lambda c: c.fit(with_value(X.astype(np.float64), 7, 1e39, column=2)), InvalidDataError,

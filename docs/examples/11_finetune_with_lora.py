@@ -32,18 +32,18 @@ docs/benchmarks.md#lora-adapters):
 
     model, run                          trained      optimizer state  peak       step
     BERT-base (batch 8 x 128)
-      lossgraph full fine-tuning        109,483,778  835 MiB          5,029 MiB   8.8 s
-      lossgraph LoRA                        294,912  2.25 MiB         5,056 MiB   5.4 s
+      lossgraph full fine-tuning        109,483,778  835 MiB          5,029 MiB   8.5 s
+      lossgraph LoRA                        294,912  2.25 MiB         2,331 MiB   8.7 s
       torch + PEFT LoRA                     294,912  2.25 MiB           711 MiB  10.5 s
     GPT-2 small (batch 4 x 128)
-      lossgraph full fine-tuning        163,037,184  1,244 MiB        7,557 MiB  19.1 s
-      lossgraph LoRA                        294,912  2.25 MiB         7,516 MiB   4.9 s
+      lossgraph full fine-tuning        163,037,184  1,244 MiB        7,558 MiB   6.3 s
+      lossgraph LoRA                        294,912  2.25 MiB         2,773 MiB   6.3 s
       torch + PEFT LoRA                     294,912  2.25 MiB           926 MiB   7.2 s
 
-LoRA's step is faster than PEFT's; its peak memory is not yet below full fine-tuning's (the
-aim is half): the base weights are copied while the step graph is specialized to the
-batch, and held by each of the program's graphs (the benchmark's page tells each copy's
-share).
+LoRA's peak is 0.46x and 0.37x of full fine-tuning's (the aim: at most half), its step
+faster than PEFT's: the program holds the frozen base weights once, and the Trainer's
+sessions read them without a copy (torch's and PEFT's rows come from an earlier run; the
+benchmark's page tells where the peak is).
 
 Needs torch, transformers and peft (``pip install torch==2.13.0 transformers peft``);
 without them the script says so and stops. Files go to the folder given as the first

@@ -53,10 +53,10 @@ from .packed import PackedUpdate
 from .ring import Block, GraphRunner, StateRing
 from .session import (
     check_loadable,
+    check_session_options,
     checked_providers,
     create_session,
     evaluation_error,
-    options_from_settings,
 )
 
 __all__ = ["Engine", "KEEP_PREVIOUS_MAX_BYTES"]
@@ -86,8 +86,7 @@ class Engine:
             check_loadable(graph, f"The program's {name!r} graph")
         self.program = program
         self.providers = checked_providers(providers)
-        if session_options is None or isinstance(session_options, Mapping):
-            options_from_settings(session_options)  # its settings checked before any work
+        check_session_options(session_options)
         #: None, a dict of settings (each session's options made from them: the frozen
         #: weights handed to onnxruntime without a copy) or onnxruntime's SessionOptions
         self.session_options = session_options

@@ -26,8 +26,8 @@ from ..target import check_loads, release_target
 from ..training_build import available as training_build_available
 from ..training_build import import_onnxruntime
 
-__all__ = ["check_loadable", "checked_providers", "create_session", "cpu_device",
-           "default_session_options", "evaluation_error", "installed_runtime",
+__all__ = ["check_loadable", "check_session_options", "checked_providers", "create_session",
+           "cpu_device", "default_session_options", "evaluation_error", "installed_runtime",
            "onnxruntime_module", "options_from_settings", "ortvalue", "quiet_session_options",
            "training_build_available"]
 
@@ -94,11 +94,19 @@ def default_session_options(**settings: Any):
 def options_from_settings(settings: Mapping[str, Any] | None = None):
     """Fresh :func:`default_session_options` with ``settings`` (a dict, as
     ``Trainer(program, session_options={...})`` takes them), for one session."""
-    if not isinstance(settings, (Mapping, type(None))):
-        raise UnsupportedOptionError(
-            f"session_options={settings!r} must be a dict of settings (e.g. "
-            "{'intra_op_num_threads': 1}) or onnxruntime's SessionOptions.")
     return default_session_options(**(settings or {}))
+
+
+def check_session_options(session_options: Any) -> None:
+    """An UnsupportedOptionError, before any work, unless ``session_options`` is None, a
+    dict of settings :func:`options_from_settings` takes, or onnxruntime's
+    ``SessionOptions``."""
+    if session_options is None or isinstance(session_options, Mapping):
+        options_from_settings(session_options)
+    elif not isinstance(session_options, onnxruntime_module().SessionOptions):
+        raise UnsupportedOptionError(
+            f"session_options={session_options!r} must be a dict of settings (e.g. "
+            "{'intra_op_num_threads': 1}) or onnxruntime's SessionOptions.")
 
 
 def installed_runtime() -> str:

@@ -170,7 +170,7 @@ def test_sessions_read_the_programs_frozen_weights_without_a_copy(fuse):
         np.testing.assert_array_equal(value, whole.state[name])
     frozen = program.frozen
     shared = 0
-    for key, session in light.engine._sessions.items():
+    for session in light.engine._sessions.values():
         arrays, values = session.lossgraph_frozen
         for (name, array), value in zip(arrays.items(), values):
             assert np.shares_memory(array, frozen[name]) and \
@@ -179,7 +179,3 @@ def test_sessions_read_the_programs_frozen_weights_without_a_copy(fuse):
     assert shared >= 1
     assert all(not s.lossgraph_frozen[0] for s in whole.engine._sessions.values())
 
-
-def test_session_settings_are_checked_before_any_work():
-    with pytest.raises(UnsupportedOptionError, match="no 'intra_op_threads'"):
-        Trainer(linear_program(), session_options={"intra_op_threads": 1})

@@ -104,9 +104,10 @@ class TrainingProgram:
         whole (a program read from files) is held once."""
         self.manifest, self.state, self.notes = manifest, state, notes
         store = HeldWeights()
-        self.light_graphs = {name: store.hold(graph) for name, graph in graphs.items()}
+        self.light_graphs = {name: store.hold(graph, nested=True)
+                             for name, graph in graphs.items()}
         light, apart = held_apart(inference_model, state)
-        self._inference = (store.hold(light), apart)
+        self._inference = (store.hold(light, nested=True), apart)
         models = (*self.light_graphs.values(), self._inference[0])
         self._stores = tuple({id(found): found for model in models for _, found, _ in
                               held_tensors(stored_tensors(model))}.values())

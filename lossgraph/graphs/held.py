@@ -74,22 +74,27 @@ class HeldWeights:
         #: each weight's key by name, so that a weight held again (the same name and
         #: bytes: a program's graphs read from files) is held once
         self._keys: dict[str, int] = {}
+        #: the keys of the weights of each (dtype, dims, located), to find one by its bytes
+        self._kinds: dict[tuple[np.dtype, tuple[int, ...], bool], list[int]] = {}
         _STORES[self.number] = self
 
-    def hold(self, model: onnx.ModelProto) -> onnx.ModelProto:
+    def hold(self, model: onnx.ModelProto, nested: bool = False) -> onnx.ModelProto:
         """A copy of ``model`` whose large float initializers of the main graph (not
         listed as inputs, data of exactly their size) point here; ``model`` itself when it
         has none (a model of IR version 3, which lists initializers as inputs, or a
-        big-endian machine hold none). ``model`` is never changed."""
+        big-endian machine hold none). ``model`` is never changed. ``nested``: those of
+        its nested graphs too (an epoch graph's Scan body), and a weight held here already
+        under another name, the same bytes, is held once (a program's graphs read from
+        files: the step graph's frozen weight and the Scan body's copy of it)."""
         graph = model.graph
         inputs = {value.name for value in graph.input}
-        held = [tensor.raw_data if model.ir_version >= 4 and sys.byteorder == "little"
-                and tensor.name not in inputs and tensor.data_type in _HELD_DTYPES
-                and well_formed_weight(tensor, self.min_bytes, measured=False) else None
+        held = [tensor.raw_data if self._holdable(model, tensor, inputs) else None
                 for tensor in graph.initializer]
         held = [data if data is not None and len(data) == _nbytes(tensor) else None
                 for tensor, data in zip(graph.initializer, held)]
-        if all(data is None for data in held):
+        inner = [tensor for sub in _nested_graphs(graph) for tensor in sub.initializer
+                 if self._holdable(model, tensor, set())] if nested else []
+        if all(data is None for data in held) and not inner:
             return model
         light = onnx.ModelProto()
         copy_fields(model, light, skip="graph")
@@ -100,23 +105,38 @@ class HeldWeights:
                 continue
             copy = light.graph.initializer.add()
             copy_fields(tensor, copy, skip="raw_data")
-            self.mark(copy, self._key(tensor, data))
+            self.mark(copy, self._key(tensor, data, nested))
+        for tensor in (t for sub in _nested_graphs(light.graph) if inner
+                       for t in sub.initializer if self._holdable(model, t, set())):
+            data = tensor.raw_data
+            if len(data) == _nbytes(tensor):
+                tensor.ClearField("raw_data")
+                self.mark(tensor, self._key(tensor, data, by_content=True))
         return light
 
-    def _key(self, tensor: onnx.TensorProto, data: bytes) -> int:
-        """The key of ``tensor``'s weight (its ``data``), held now unless held already."""
-        located = tensor.HasField("data_location")
-        key = self._keys.get(tensor.name)
-        if key is not None:
+    def _holdable(self, model: onnx.ModelProto, tensor: onnx.TensorProto,
+                  inputs: set[str]) -> bool:
+        """Whether ``tensor``, an initializer of ``model``, is one to hold here."""
+        return (model.ir_version >= 4 and sys.byteorder == "little"
+                and tensor.name not in inputs and tensor.data_type in _HELD_DTYPES
+                and well_formed_weight(tensor, self.min_bytes, measured=False))
+
+    def _key(self, tensor: onnx.TensorProto, data: bytes, by_content: bool = False) -> int:
+        """The key of ``tensor``'s weight (its ``data``), held now unless held already
+        under its name (or, ``by_content``, under any name)."""
+        kind = (_HELD_DTYPES[tensor.data_type], tuple(tensor.dims),
+                tensor.HasField("data_location"))
+        named = self._keys.get(tensor.name)
+        known = self._kinds.get(kind, []) if by_content else []
+        for key in ([named] if named is not None else []) + known:
             weight = self._weights[key]
-            if (weight.dims, weight.located, weight.dtype) == (
-                    tuple(tensor.dims), located, _HELD_DTYPES[tensor.data_type]) \
-                    and weight.data == data:
+            if (weight.dtype, weight.dims, weight.located) == kind and weight.data == data:
                 return key
-        self._weights.append(_Weight(data, _HELD_DTYPES[tensor.data_type],
-                                     tuple(tensor.dims), located))
-        self._keys.setdefault(tensor.name, len(self._weights) - 1)
-        return len(self._weights) - 1
+        self._weights.append(_Weight(data, *kind))
+        key = len(self._weights) - 1
+        self._keys.setdefault(tensor.name, key)
+        self._kinds.setdefault(kind, []).append(key)
+        return key
 
     def mark(self, tensor: onnx.TensorProto, key: int) -> None:
         """Point ``tensor``, without data, to weight ``key`` here, in place."""
@@ -197,6 +217,17 @@ def well_formed_weight(tensor: onnx.TensorProto, min_bytes: int, measured: bool 
             and tensor.data_location != onnx.TensorProto.EXTERNAL
             and not any(len(getattr(tensor, name)) for name in _VALUE_FIELDS)
             and (not measured or len(tensor.raw_data) == nbytes))
+
+
+def _nested_graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """The graphs nested in ``graph``'s nodes' attributes, at any depth (queries.all_graphs
+    without the import: queries reads held weights)."""
+    found = []
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                found += [sub, *_nested_graphs(sub)]
+    return found
 
 
 def _nbytes(tensor: onnx.TensorProto) -> int:

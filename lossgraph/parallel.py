@@ -177,7 +177,7 @@ class ParallelProgram:
                 "inference mode, or train in one process.")
         checked = compile_options(None, loss, loss_options, None, None, backend, "separate")
         roles = program.manifest["roles"]
-        prediction = next((o for o in program.graphs["gradient"].graph.output
+        prediction = next((o for o in program.light_graphs["gradient"].graph.output
                            if o.name == roles["prediction"]), None)
         if prediction is None:
             raise InternalError(f"The gradient graph has no output {roles['prediction']!r}.")

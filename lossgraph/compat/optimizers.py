@@ -671,7 +671,7 @@ class OrtGradientForwardBackwardOptimizer(_TrainingEstimator):
         key = self._compiled_key
         if getattr(self, "_row_loss_key", None) != key:
             prediction = trainer.program.manifest["roles"]["prediction"]
-            value = next(o for o in trainer.program.graphs["predict"].graph.output
+            value = next(o for o in trainer.program.light_graphs["predict"].graph.output
                          if o.name == prediction)
             graph = loss_graph(value, self.learning_loss.loss, self.learning_loss.loss_options(),
                                weight_name=self._weight_input, reduction="none").model

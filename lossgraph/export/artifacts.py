@@ -218,7 +218,7 @@ def artifacts_plan(program: TrainingProgram, optimizer: Any = None) -> Plan:
     options = program.update_options
     if options.averages:
         raise UnsupportedOptionError(_NO_EMA)
-    opset = opset_version(program.graphs["evaluate"]) or 21
+    opset = opset_version(program.light_graphs["evaluate"]) or 21
     return Plan({
         TRAINING_FILE: Planned("evaluate", Pipeline((
             Gradient(tuple(program.weights)), SumRowsByProduct(), WidenScalarConstants(),

@@ -161,7 +161,7 @@ class SeparateMode(FuseMode):
         return Assembled(signature, roles)
 
     def packed_update(self, program: Any) -> PackedUpdate | None:
-        return packed_update(program.graphs["update"], program.optimizer,
+        return packed_update(program.light_graphs["update"], program.optimizer,
                              {w: program.state[w] for w in program.weights},
                              program.update_options)
 

@@ -619,13 +619,15 @@ class Trainer:
     # -- pickling ----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """A trainer pickles as its program, live state and progress; onnxruntime sessions
-        are made again on first use after unpickling. ``session_options`` (onnxruntime's,
-        not picklable) are not kept: pass them again with a new Trainer if needed."""
+        are made again on first use after unpickling. ``session_options`` are kept when a
+        dict of settings; onnxruntime's ``SessionOptions`` (not picklable) are not: pass
+        them again with a new Trainer if needed."""
+        settings = self.session_options if isinstance(self.session_options, Mapping) else None
         return {"program": self.program, "providers": self.providers, "state": self.state,
-                "progress": self.progress()}
+                "progress": self.progress(), "session_options": settings}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
-        self.__init__(saved["program"], saved["providers"])
+        self.__init__(saved["program"], saved["providers"], saved.get("session_options"))
         self.set_state(saved["state"])
         self.restore_progress(saved["progress"])
 

@@ -4,6 +4,8 @@ it live, ``step_back`` returns once; every fusion mode's step is plain SGD's upd
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from support.linear import COEF, INTERCEPT, linear_data, linear_program
@@ -178,4 +180,7 @@ def test_sessions_read_the_programs_frozen_weights_without_a_copy(fuse):
             shared += 1
     assert shared >= 1
     assert all(not s.lossgraph_frozen[0] for s in whole.engine._sessions.values())
+    copied = pickle.loads(pickle.dumps(light))  # its settings kept, its weights held again
+    assert copied.session_options == {"intra_op_num_threads": 1}
+    np.testing.assert_array_equal(copied.predict(X), light.predict(X))
 

@@ -60,7 +60,7 @@ from .paths import (
 )
 
 __all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "Program", "ProgramParts", "save_program",
-           "read_program", "save_checkpoint", "read_checkpoint", "read_arrays"]
+           "read_program", "save_checkpoint", "read_checkpoint", "read_arrays", "member_file"]
 
 _CHECKSUMS = "files"  # manifest key of the checksums, present on disk only
 
@@ -82,7 +82,7 @@ ProgramParts = tuple[dict[str, onnx.ModelProto], dict[str, Any], dict[str, np.nd
 # -- names inside a folder ---------------------------------------------------------------------
 
 
-def _member(folder: Path, name: Any, where: str) -> Path:
+def member_file(folder: Path, name: Any, where: str) -> Path:
     """``folder / name``, once it is a regular file inside ``folder``; else InvalidProgramError."""
     if not is_plain(name):
         raise InvalidProgramError(
@@ -156,7 +156,7 @@ def save_checkpoint(path: str | os.PathLike, program: Program, record: Mapping[s
 def _read_json(folder: Path, name: str, what: str) -> Any:
     """The JSON of the file ``name`` that marks ``folder`` (:func:`~lossgraph.paths.saved_folder`
     found it there)."""
-    path = _member(folder, name, what)
+    path = member_file(folder, name, what)
     try:
         return json.loads(path.read_text())
     except UnicodeDecodeError:
@@ -167,7 +167,7 @@ def _read_json(folder: Path, name: str, what: str) -> Any:
 
 
 def _verified_bytes(folder: Path, name: str, checksums: Mapping[str, str], where: str) -> bytes:
-    data = _member(folder, name, where).read_bytes()
+    data = member_file(folder, name, where).read_bytes()
     expected = checksums.get(name)
     if expected is not None and _checksum(data) != expected:
         raise InvalidProgramError(

@@ -79,6 +79,7 @@ from ..errors import (
 )
 from ..fileio import check_file_target, write_file
 from ..options import choice, flag
+from ..storage import member_file
 from .safetensors import parse_safetensors, read_safetensors_metadata, safetensors_bytes
 
 if TYPE_CHECKING:
@@ -448,8 +449,8 @@ def load_adapters(target: Trainer | TrainingProgram, path: str | os.PathLike,
             f"Cannot load adapters into a {type(target).__name__}: pass a Trainer or a "
             "TrainingProgram (compiled with adapters=lossgraph.LoRA(...)).")
     path = Path(path)
-    if path.is_dir():
-        path = path / PEFT_FILE
+    if path.is_dir():  # a PEFT folder: its file, never a link out of it
+        path = member_file(path, PEFT_FILE, "A PEFT adapter folder")
     if not path.is_file():
         raise InvalidProgramError(f"There is no adapter file at {str(path)!r}.")
     kind = _format(path, format)
@@ -477,8 +478,9 @@ def _optimizer_states(program: TrainingProgram, weight: str) -> list[str]:
 def _peft_file_settings(path: Path, metadata: Mapping[str, str]) -> dict[str, Any] | None:
     """The PEFT ``adapter_config.json`` beside a file lossgraph did not write, if any."""
     config = path.with_name(PEFT_CONFIG)
-    if metadata.get(WRITTEN_BY) == "lossgraph" or not config.is_file():
+    if metadata.get(WRITTEN_BY) == "lossgraph" or not (config.is_file() or config.is_symlink()):
         return None
+    member_file(path.parent, PEFT_CONFIG, f"The adapter file {str(path)!r}")
     try:
         settings = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:

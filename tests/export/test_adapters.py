@@ -292,3 +292,16 @@ def test_conv_adapters_go_to_peft_and_back_in_peft_shapes(tmp_path):
     with torch.no_grad():
         np.testing.assert_allclose(back(torch.from_numpy(X)).numpy(), expected, rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_a_peft_folder_whose_file_links_out_of_it_is_refused(tmp_path):
+    """lossgraph never reads outside the folder it is given: a PEFT folder's
+    adapter_model.safetensors (or adapter_config.json) that is a link is refused."""
+    program = lora_program()
+    outside = tmp_path / "outside.safetensors"
+    lossgraph.export_adapters(program, outside)
+    folder = tmp_path / "peft"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").symlink_to(outside)
+    with pytest.raises(InvalidProgramError, match="is a link"):
+        lossgraph.load_adapters(program, folder)

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -287,7 +287,7 @@ def fingerprint(result: Any) -> Any:
                 hashlib.sha256(np.ascontiguousarray(result).tobytes()).hexdigest()]
     if isinstance(result, lossgraph.TrainingProgram):
         return fingerprint((result.graphs, result.manifest, result.state, result.inference_model))
-    if isinstance(result, dict):
+    if isinstance(result, Mapping):  # a dict, or a program's graphs
         return [[key, fingerprint(value)] for key, value in result.items()]
     if isinstance(result, (tuple, list)):
         return [fingerprint(item) for item in result]

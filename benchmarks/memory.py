@@ -317,9 +317,9 @@ def session_options(threads: int | None = None, entries: dict[str, str] | None =
     without a copy), or, for a --checkout older than those, its ``SessionOptions``."""
     settings = {**({"intra_op_num_threads": threads} if threads else {}), **(entries or {})}
     try:
-        from lossgraph.runtime.session import options_from_settings
+        from lossgraph.runtime.session import check_session_options
 
-        options_from_settings(settings)  # checked
+        check_session_options(settings)
         return settings
     except ImportError:
         pass

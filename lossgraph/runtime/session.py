@@ -28,7 +28,7 @@ from ..training_build import import_onnxruntime
 
 __all__ = ["check_loadable", "check_session_options", "checked_providers", "create_session",
            "cpu_device", "default_session_options", "evaluation_error", "installed_runtime",
-           "onnxruntime_module", "options_from_settings", "ortvalue", "quiet_session_options",
+           "onnxruntime_module", "ortvalue", "quiet_session_options",
            "training_build_available"]
 
 
@@ -91,18 +91,12 @@ def default_session_options(**settings: Any):
     return quiet_session_options(**{"enable_mem_pattern": False, **settings})
 
 
-def options_from_settings(settings: Mapping[str, Any] | None = None):
-    """Fresh :func:`default_session_options` with ``settings`` (a dict, as
-    ``Trainer(program, session_options={...})`` takes them), for one session."""
-    return default_session_options(**(settings or {}))
-
-
 def check_session_options(session_options: Any) -> None:
     """An UnsupportedOptionError, before any work, unless ``session_options`` is None, a
-    dict of settings :func:`options_from_settings` takes, or onnxruntime's
+    dict of settings :func:`default_session_options` takes, or onnxruntime's
     ``SessionOptions``."""
     if session_options is None or isinstance(session_options, Mapping):
-        options_from_settings(session_options)
+        default_session_options(**(session_options or {}))
     elif not isinstance(session_options, onnxruntime_module().SessionOptions):
         raise UnsupportedOptionError(
             f"session_options={session_options!r} must be a dict of settings (e.g. "
@@ -131,8 +125,8 @@ def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = Non
     a model the installed onnxruntime cannot load (named ``graph`` in messages) is a
     lossgraph error, never onnxruntime's.
 
-    ``session_options``: None (:func:`default_session_options`), a dict of settings
-    (:func:`options_from_settings`), or onnxruntime's ``SessionOptions``, used as given.
+    ``session_options``: None (:func:`default_session_options`), a dict of settings (those
+    options with them), or onnxruntime's ``SessionOptions``, used as given.
     A light model's weights (:class:`~lossgraph.graphs.HeldWeights`: a program's frozen
     weights) are handed to onnxruntime as they are, never copied
     (``add_external_initializers``, on options made for this session: a user's
@@ -147,7 +141,7 @@ def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = Non
     onnxruntime = onnxruntime_module()
     check_loadable(model, f"The {graph!r} graph")
     if session_options is None or isinstance(session_options, Mapping):
-        options = options_from_settings(session_options)
+        options = default_session_options(**(session_options or {}))  # fresh, for this one
         model, frozen = _frozen_apart(model)
         # onnxruntime's own OrtValues, which keep their array alive
         values = [onnxruntime.OrtValue.ortvalue_from_numpy(array) for array in frozen.values()]

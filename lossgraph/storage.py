@@ -60,7 +60,8 @@ from .paths import (
 )
 
 __all__ = ["PROGRAM_FOLDER", "CHECKPOINT_FOLDER", "Program", "ProgramParts", "save_program",
-           "read_program", "save_checkpoint", "read_checkpoint", "read_arrays", "member_file"]
+           "read_program", "save_checkpoint", "read_checkpoint", "read_saved", "read_arrays",
+           "member_file", "read_json_file"]
 
 _CHECKSUMS = "files"  # manifest key of the checksums, present on disk only
 
@@ -153,9 +154,9 @@ def save_checkpoint(path: str | os.PathLike, program: Program, record: Mapping[s
 # -- reading -------------------------------------------------------------------------------------
 
 
-def _read_json(folder: Path, name: str, what: str) -> Any:
-    """The JSON of the file ``name`` that marks ``folder`` (:func:`~lossgraph.paths.saved_folder`
-    found it there)."""
+def read_json_file(folder: Path, name: str, what: str) -> Any:
+    """The JSON of the plain file ``name`` inside ``folder`` (:func:`member_file`), ``what``
+    the folder is in messages; damaged text or JSON is an InvalidProgramError."""
     path = member_file(folder, name, what)
     try:
         return json.loads(path.read_text())
@@ -343,7 +344,7 @@ def read_program(path: str | os.PathLike) -> ProgramParts:
     """Read and check the program folder at ``path`` (see the module docstring)."""
     folder = saved_folder(path, PROGRAM)
     at = str(folder / MANIFEST_FILE)
-    manifest = _read_json(folder, MANIFEST_FILE, "lossgraph program folder")
+    manifest = read_json_file(folder, MANIFEST_FILE, "lossgraph program folder")
     checksums = manifest.pop(_CHECKSUMS, {}) if isinstance(manifest, dict) else {}
     if not isinstance(checksums, dict):
         raise InvalidProgramError(f"{at}: 'files' must map file names to checksums.")
@@ -384,6 +385,15 @@ def _losses(record: Mapping[str, Any], key: str, at: str) -> list[float]:
     return [float(v) for v in values]
 
 
+def read_saved(path: str | os.PathLike) -> ProgramParts:
+    """The program of a program folder, or of a checkpoint folder (its trainer file marks
+    it): :func:`read_program` or :func:`read_checkpoint`'s."""
+    folder = Path(path)
+    if (folder / TRAINER_FILE).exists() or (folder / TRAINER_FILE).is_symlink():
+        return read_checkpoint(folder)[0]
+    return read_program(folder)
+
+
 def read_checkpoint(path: str | os.PathLike) -> tuple[ProgramParts, dict[str, Any]]:
     """Read and check a checkpoint folder: its program, and its record with ``steps``,
     ``epochs``, ``train_losses``, ``validation_losses``, ``metrics`` (lists by name),
@@ -391,7 +401,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ProgramParts, dict[str, An
     ``best_state`` (arrays by name, or None)."""
     folder = saved_folder(path, CHECKPOINT)
     at = str(folder / TRAINER_FILE)
-    record = _read_json(folder, TRAINER_FILE, "lossgraph checkpoint folder")
+    record = read_json_file(folder, TRAINER_FILE, "lossgraph checkpoint folder")
     if not isinstance(record, dict) or not is_checkpoint_record(record):
         raise InvalidProgramError(f"{at} is not a lossgraph checkpoint record.")
     if record.get("format", CHECKPOINT_FORMAT) != CHECKPOINT_FORMAT:

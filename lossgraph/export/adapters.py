@@ -79,7 +79,7 @@ from ..errors import (
 )
 from ..fileio import check_file_target, write_file
 from ..options import choice, flag
-from ..storage import member_file
+from ..storage import member_file, read_json_file, read_saved
 from .safetensors import parse_safetensors, read_safetensors_metadata, safetensors_bytes
 
 if TYPE_CHECKING:
@@ -269,9 +269,11 @@ def _read_ort_adapter(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]
 
 
 def _owned_ort_adapter(path: Path) -> bool:
+    """Whether lossgraph wrote the adapter file at ``path``: its mark, no tensor read."""
     try:
-        return _read_ort_adapter(path)[1].get(WRITTEN_BY) == "lossgraph"
-    except (InvalidProgramError, RuntimeUnavailableError):
+        return _ort_adapter_format().read_adapter(str(path)).get_adapter_version() \
+            == ORT_ADAPTER_MARK
+    except Exception:  # no onnxruntime 1.20, or its own error: a malformed file
         return False
 
 
@@ -310,13 +312,7 @@ def _program_and_state(source: Any) -> tuple[TrainingProgram, Mapping[str, np.nd
     if isinstance(source, TrainingProgram):
         return source, source.state
     if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
-        from ..paths import TRAINER_FILE
-        from ..storage import read_checkpoint, read_program
-
-        folder = Path(source)
-        checkpoint = (folder / TRAINER_FILE).exists() or (folder / TRAINER_FILE).is_symlink()
-        program = TrainingProgram(*(read_checkpoint(folder)[0] if checkpoint
-                                    else read_program(folder)))
+        program = TrainingProgram(*read_saved(source))
         return program, program.state
     raise UnsupportedOptionError(
         f"Cannot export the adapters of a {type(source).__name__}: pass a Trainer, a "
@@ -345,10 +341,12 @@ def export_adapters(source: Trainer | TrainingProgram | str | os.PathLike,
     adapters = _adapters(program)
     settings = _peft_settings(adapters) if config is not None else None
     tensors, metadata = file_tensors(adapters, state, kind.peft_names)
+    # PEFT's configuration is lossgraph's where the adapters beside it were, before this write
+    config_owned = config is not None and _owned_safetensors(target)
     written = write_file(target, kind.write(tensors, metadata), kind.owned, overwrite)
     if config is not None:
         text = json.dumps(settings, indent=2, sort_keys=True) + "\n"
-        write_file(config, text.encode(), lambda _: _owned_safetensors(written), overwrite)
+        write_file(config, text.encode(), lambda _: config_owned, overwrite)
     return written
 
 
@@ -460,19 +458,14 @@ def load_adapters(target: Trainer | TrainingProgram, path: str | os.PathLike,
     tensors, metadata = kind.read(path)
     values = loaded_values(adapters, state, tensors, metadata, kind.peft_names,
                            _peft_file_settings(path, metadata), str(path))
-    fresh = {name: program.state[name] for adapter in adapters for weight in (adapter.a, adapter.b)
-             for name in _optimizer_states(program, weight)}
-    if isinstance(target, Trainer):
-        target.set_state({**values, **fresh})
-    else:
-        target.state.update({**values, **{k: np.copy(v) for k, v in fresh.items()}})
+    if isinstance(target, TrainingProgram):  # its optimizer states are the initial ones
+        target.state.update(values)
+        return values
+    trained = {t for adapter in adapters for t in (adapter.a, adapter.b)}
+    fresh = {s["name"]: program.state[s["name"]] for w in program.manifest["weights"]
+             if w["name"] in trained for s in w["states"]}
+    target.set_state({**values, **fresh})
     return values
-
-
-def _optimizer_states(program: TrainingProgram, weight: str) -> list[str]:
-    """The names of the optimizer states of the program's weight ``weight``."""
-    return [s["name"] for w in program.manifest["weights"] if w["name"] == weight
-            for s in w["states"]]
 
 
 def _peft_file_settings(path: Path, metadata: Mapping[str, str]) -> dict[str, Any] | None:
@@ -480,11 +473,7 @@ def _peft_file_settings(path: Path, metadata: Mapping[str, str]) -> dict[str, An
     config = path.with_name(PEFT_CONFIG)
     if metadata.get(WRITTEN_BY) == "lossgraph" or not (config.is_file() or config.is_symlink()):
         return None
-    member_file(path.parent, PEFT_CONFIG, f"The adapter file {str(path)!r}")
-    try:
-        settings = json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise InvalidProgramError(f"{str(config)!r} is not JSON ({exc}).") from None
+    settings = read_json_file(path.parent, PEFT_CONFIG, "PEFT adapter configuration")
     if not isinstance(settings, dict):
         raise InvalidProgramError(f"{str(config)!r} is not a PEFT adapter configuration.")
     return settings

@@ -64,7 +64,7 @@ from ..options import flag
 from ..passes.loss import RemoveLossOutput
 from ..program import TrainingProgram
 from ..runtime.trainer import Trainer
-from ..storage import TRAINER_FILE, read_checkpoint, read_program
+from ..storage import read_saved
 from ..target import Target, target_for
 from .artifacts import CHECKPOINT_FILE, EVAL_FILE
 from .ort_checkpoint import read_ort_checkpoint
@@ -189,11 +189,7 @@ def _source(source: Source, ema: bool = False) -> _Source:
             loss = evaluation.graph.output[0].name  # the artifacts' contract: loss first
             return _Source(RemoveLossOutput(loss)(evaluation).model,
                            dict(read_ort_checkpoint(folder / CHECKPOINT_FILE)))
-        if (folder / TRAINER_FILE).exists() or (folder / TRAINER_FILE).is_symlink():
-            parts, _ = read_checkpoint(folder)
-        else:
-            parts = read_program(folder)
-        program = TrainingProgram(*parts)
+        program = TrainingProgram(*read_saved(folder))
         return _of_program(program, program.state, ema)
     if isinstance(source, (onnx.ModelProto, bytes, bytearray, memoryview, str, os.PathLike)):
         return _Source(as_model(source))

@@ -51,6 +51,7 @@ from .graphs import (
     constant_value,
     is_onnx_op,
     tensor_array,
+    torch_name_scopes,
 )
 from .metadata import ADAPTERS_KEY, read_json, remove_record, write_json
 from .options import choice, count, non_negative
@@ -70,8 +71,6 @@ PRODUCT_OPS = ("MatMul", "Gemm", "Conv")
 #: first whose names the model's module paths end in is the default.
 PEFT_DEFAULT_TARGETS = (("query", "value"), ("q_proj", "v_proj"), ("c_attn",),
                         ("q_lin", "v_lin"), ("q", "v"))
-#: Where torch's exporter records the module scopes a node came from, outermost first.
-NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 
 Targets = str | Sequence[str] | Callable[["LoRACandidate"], bool] | None
 
@@ -340,21 +339,20 @@ def _constant(name: str, tensors: Mapping[str, onnx.TensorProto], index: GraphIn
     if name in tensors:
         return tensor_array(tensors[name])
     producer = index.producer(name)
-    return None if producer is None else constant_value(producer)
+    return constant_value(producer) if producer is not None and is_onnx_op(
+        producer, "Constant") else None
 
 
 def _module_path(node: onnx.NodeProto, weight: str, calls: Mapping[str, str]) -> str | None:
     """The torch module path of the product ``node`` reading ``weight`` (module doc), or
     None: the dynamo exporter's last module scope, else the module its legacy scope is a
     call of (:func:`_call_paths`), else the weight's name less ``.weight``."""
-    scopes = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES), None)
-    if scopes is not None:
-        module = None
-        for scope in re.findall(r"'([^']*)'", scopes):
-            if module is None or not module or scope.startswith(module + "."):
-                module = scope
-        if module:
-            return module
+    module = None
+    for scope in torch_name_scopes(node):
+        if module is None or not module or scope.startswith(module + "."):
+            module = scope
+    if module:
+        return module
     scope = _legacy_scope(node)
     if scope is not None:
         return calls.get(scope, scope)

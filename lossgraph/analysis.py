@@ -37,6 +37,7 @@ from .graphs import (
     shortest_path,
     subgraphs,
     tensor_array,
+    torch_name_scopes,
 )
 from .models import ModelLike, as_model, check_model
 from .options import select_weights
@@ -732,8 +733,6 @@ TORCH_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
 #: Where onnxscript's optimizer (the dynamo exporter's ``optimize=True``) records the
 #: rewrite rules that made a node.
 _REWRITE_RULES = "pkg.onnxscript.rewriter.rule_name"
-#: Where torch's exporter records the module scopes a node came from, outermost first.
-_NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 #: The ops torch's legacy exporter names a transposed ``Linear`` weight after when it
 #: folds the transpose (``onnx::MatMul_123``): a layout of a parameter, trained as one.
 _LAYOUT_FOLDS = ("MatMul",)
@@ -848,7 +847,7 @@ def _optimizer_folds(model: onnx.ModelProto, signature: str) -> list[FoldedWeigh
         rules = [r.strip() for r in meta.get(_REWRITE_RULES, "").split(",") if r.strip()]
         if not rules:
             continue
-        scopes = _literal_list(meta.get(_NAME_SCOPES, ""))
+        scopes = torch_name_scopes(node)
         module = next((s for s in reversed(scopes)
                        if any(p.startswith(s + ".") for p in parameters)), None)
         fused = next((r for r in rules if r.startswith("Fuse")), None)
@@ -869,11 +868,6 @@ def _optimizer_folds(model: onnx.ModelProto, signature: str) -> list[FoldedWeigh
                            f"({', '.join(map(repr, originals))}), which does not train")
               for weight, originals in parametrized.items()]
     return found
-
-
-def _literal_list(text: str) -> list[str]:
-    """``"['', 'layer1', 'layer1.0']"`` as a list of its strings."""
-    return re.findall(r"'([^']*)'", text)
 
 
 def _legacy_folds(model: onnx.ModelProto, candidates: Sequence[str]) -> list[FoldedWeight]:

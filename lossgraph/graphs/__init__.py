@@ -26,6 +26,7 @@ from .queries import (
     names_in_graph,
     outer_references,
     subgraphs,
+    torch_name_scopes,
     values_read,
 )
 from .rename import rename_values
@@ -51,7 +52,7 @@ from .weights import (
 __all__ = [
     "FLOAT_TYPES", "Shape", "ForwardFacts", "all_value_types", "GraphIndex", "attribute_values",
     "attribute_value", "constant_value", "subgraphs", "all_graphs", "names_in_graph",
-    "values_read",
+    "values_read", "torch_name_scopes",
     "outer_references", "stored_tensors", "with_weight_data", "without_weight_data",
     "HeldWeights", "is_held", "tensor_array", "held_apart", "put_back",
     "shortest_path", "elem_type_name", "np_dtype", "weights_dtype", "opset_version",

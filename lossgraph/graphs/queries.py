@@ -7,6 +7,7 @@ for the producers and readers of a graph's values).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,10 @@ from .held import tensor_array
 
 __all__ = ["attribute_values", "attribute_value", "constant_value", "subgraphs", "all_graphs",
            "names_in_graph", "values_read", "outer_references",
-           "initializer_arrays", "known_shapes"]
+           "initializer_arrays", "known_shapes", "TORCH_NAME_SCOPES", "torch_name_scopes"]
+
+#: Where torch's exporter records the module scopes a node came from, outermost first.
+TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 
 
 def attribute_values(node: onnx.NodeProto) -> dict[str, Any]:
@@ -39,6 +43,13 @@ def attribute_value(node: onnx.NodeProto, name: str, default: Any = None) -> Any
 
 def _decoded(value: Any) -> Any:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+
+
+def torch_name_scopes(node: onnx.NodeProto) -> list[str]:
+    """The module scopes torch's exporter recorded for ``node``, outermost first
+    (``"['', 'layer1', 'layer1.0']"`` as its strings); empty where it recorded none."""
+    text = next((p.value for p in node.metadata_props if p.key == TORCH_NAME_SCOPES), "")
+    return re.findall(r"'([^']*)'", text)
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:

@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .adapters import Adapter
+from .adapters import Adapter, check_merge
 from .deprecation import warn_renamed
 from .errors import ShapeMismatchError, UnknownNameError, UnsupportedOptionError, suggest
 from .fileio import check_file_target, ensure_folder, save_model, serialize
@@ -238,6 +238,12 @@ class TrainingProgram:
         model = self.inference_model
         return export_model(model, self.model_state(), self.optimizer_states, state,
                             target_for(model), merge).to_model()
+
+    def check_merge(self) -> None:
+        """Refuse, before any work, a program whose adapters ``to_inference_model(merge=True)``
+        cannot fold (:func:`~lossgraph.adapters.check_merge`): read from the inference
+        model's structure, no weight copied."""
+        check_merge(self._inference[0])
 
     def model_state(self, state: Mapping[str, np.ndarray] | None = None, *,
                     ema: bool = False) -> dict[str, np.ndarray]:

@@ -61,18 +61,27 @@ def _export(args: argparse.Namespace) -> int:
     from .build import _export_function
     from .outputs import _external_note
 
+    source = args.source
+    if args.adapters is not None and os.path.isdir(source):
+        # a program or checkpoint folder (export_adapters reads no other): read once
+        from ..program import TrainingProgram
+        from ..storage import read_saved
+
+        source = TrainingProgram(*read_saved(source))
     if args.merge:  # adapters that cannot be merged: the error before anything is written
         from ..export.inference import check_merge_of
 
-        check_merge_of(args.source)
+        check_merge_of(source)
     if args.adapters is not None:
+        from ..export.adapters import PEFT_CONFIG
+
         written = _export_function("export_adapters")(
-            args.source, args.adapters, peft_config=args.peft_config, overwrite=args.force)
-        config = f" and {written.with_name('adapter_config.json')}" if args.peft_config else ""
+            source, args.adapters, peft_config=args.peft_config, overwrite=args.force)
+        config = f" and {written.with_name(PEFT_CONFIG)}" if args.peft_config else ""
         print(f"wrote {args.adapters}{config}")
     if args.output is not None:
         save_inference_model = _export_function("save_inference_model")
-        save_inference_model(args.source, args.output, external_data=args.external_data,
+        save_inference_model(source, args.output, external_data=args.external_data,
                              target=args.target, overwrite=args.force, ema=args.ema,
                              merge=args.merge)
         print(f"wrote {args.output}{_external_note(args.output)}")

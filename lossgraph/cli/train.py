@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .. import __version__
-from ..adapters import check_merge
 from ..errors import (
     UnsupportedOptionError,
 )
@@ -114,7 +113,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.ema:  # a program that keeps no average: the error before any training
         trainer.program.model_state(ema=True)
     if args.merge:  # adapters that cannot be merged (a quantized base): the same
-        check_merge(trainer.program.inference_model)
+        trainer.program.check_merge()
     validation = None
     if args.validation_split is not None:
         data, validation = _split(data, args.validation_split)

@@ -148,7 +148,11 @@ def check_merge_of(source: Source) -> None:
     """Refuse ``merge=True`` on a source whose adapters cannot be merged
     (:func:`~lossgraph.adapters.check_merge`), before any work: for a caller that writes
     other files first (``lossgraph export --adapters ... -o ... --merge``)."""
-    check_merge(_source(source).model)
+    program = source.program if isinstance(source, Trainer) else source
+    if isinstance(program, TrainingProgram):  # its structure alone, no weight copied
+        program.check_merge()
+    else:
+        check_merge(_source(source).model)
 
 
 # -- sources ----------------------------------------------------------------------------------
@@ -204,8 +208,9 @@ def _of_program(program: TrainingProgram, state: Mapping[str, np.ndarray],
                 ema: bool = False) -> _Source:
     """The program's inference model, with its weights (or their averages) and buffers from
     ``state``."""
-    return _Source(program.inference_model, program.model_state(state, ema=ema),
-                   frozenset(program.optimizer_states), target_for(program.inference_model))
+    model = program.inference_model
+    return _Source(model, program.model_state(state, ema=ema),
+                   frozenset(program.optimizer_states), target_for(model))
 
 
 def _export(source: Source, state: Mapping[str, Any] | None,

@@ -587,11 +587,8 @@ def merge_adapters(model: onnx.ModelProto, values: Mapping[str, np.ndarray] | No
     merged.CopyFrom(model)
     given = dict(values or {})
     arrays = {t.name: t for t in model.graph.initializer}
-    folded = fold_adapters(merged, lambda name: given[name] if name in given
-                           else tensor_array(arrays[name]))
-    for tensor in merged.graph.initializer:  # after the fold: it rebuilds the list
-        if tensor.name in folded:
-            tensor.CopyFrom(numpy_helper.from_array(folded[tensor.name], tensor.name))
+    fold_adapters(merged, lambda name: given[name] if name in given
+                  else tensor_array(arrays[name]))
     return merged
 
 
@@ -607,11 +604,13 @@ def check_merge(model: onnx.ModelProto) -> None:
 
 def fold_adapters(model: onnx.ModelProto, value: Callable[[str], np.ndarray]
                   ) -> dict[str, np.ndarray]:
-    """Remove, in ``model`` itself, each recorded adapter's branch, its tensors (initializers
-    and graph inputs) and the record, once :func:`check_merge` passes; return each base
-    weight with its adapter's ``delta`` added, by name, for the caller to write where the
-    base lives (an initializer, or a large one kept out of the model while it is exported).
-    ``value(name)`` gives the current value of an adapter's tensor or base weight."""
+    """Fold, in ``model`` itself, each recorded adapter into its base weight and remove its
+    branch, its tensors (initializers and graph inputs) and the record, once
+    :func:`check_merge` passes. A base that is an initializer of ``model`` gets the sum of
+    its value and its adapter's ``delta``; the others' sums are returned by name, for the
+    caller to write where they live (a large weight kept out of the model while it is
+    exported). ``value(name)`` gives the current value of an adapter's tensor or base
+    weight."""
     graph = model.graph
     index = GraphIndex(graph.node)
     adapters = read_adapters(model)
@@ -633,6 +632,9 @@ def fold_adapters(model: onnx.ModelProto, value: Callable[[str], np.ndarray]
     _keep(graph.initializer, lambda t: t.name not in tensors)
     _keep(graph.input, lambda i: i.name not in tensors)
     write_adapters(model, ())
+    for tensor in graph.initializer:
+        if tensor.name in weights:
+            tensor.CopyFrom(numpy_helper.from_array(weights.pop(tensor.name), tensor.name))
     return weights
 
 

@@ -97,10 +97,7 @@ def _merge_adapters(model: onnx.ModelProto, large: dict[str, _Large]) -> None:
     small = {t.name: t for t in model.graph.initializer}
     folded = fold_adapters(model, lambda name: large[name].array() if name in large
                            else numpy_helper.to_array(small[name]))
-    for tensor in model.graph.initializer:
-        if tensor.name in folded:
-            tensor.CopyFrom(numpy_helper.from_array(folded.pop(tensor.name), tensor.name))
-    for name, value in folded.items():
+    for name, value in folded.items():  # the bases kept apart
         large[name].value = value
 
 

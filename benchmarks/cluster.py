@@ -92,9 +92,8 @@ def single_process(program: Any, X: np.ndarray, y: np.ndarray, config: Config,
     """The Trainer (onnxruntime's ``threads``, default: one per core), one timed epoch per
     fit; its figures and final state."""
     import lossgraph
-    from lossgraph.runtime.session import default_session_options
 
-    options = None if threads is None else default_session_options(intra_op_num_threads=threads)
+    options = None if threads is None else {"intra_op_num_threads": threads}
     trainer = lossgraph.Trainer(program, session_options=options)
     row = Training(f"single process, {threads or os.cpu_count()} thread"
                    f"{'s' * ((threads or os.cpu_count() or 1) > 1)}", 0, None)

@@ -183,10 +183,9 @@ def step_graph(program: TrainingProgram, data: Mapping[str, np.ndarray],
             raise UnsupportedModelError(
                 f"train_step's input {name!r} plays the role {role!r}: pass its value in data.")
     batch = len(next(iter(data.values())))
-    # the light graph where the program keeps one (its frozen weights in its store: the
-    # graph reads them while the program lives), as the Trainer specializes it
-    graphs = getattr(program, "light_graphs", program.graphs)
-    return SpecializeBatch(batch)(graphs["train_step"]).model, feeds
+    # the light graph (its frozen weights in the program's store: the graph reads them
+    # while the program lives), as the Trainer specializes it
+    return SpecializeBatch(batch)(program.light_graphs["train_step"]).model, feeds
 
 
 # -- torch ------------------------------------------------------------------------------

@@ -130,14 +130,6 @@ def _adamw() -> Any:
     return AdamW(LEARNING_RATE, epsilon=EPSILON, weight_decay=WEIGHT_DECAY)
 
 
-def load_export(subject: Any, folder: Path) -> tuple[Any, dict[str, np.ndarray]]:
-    """``subject``'s export in ``folder`` and its data (``X``, ``y``)."""
-    import onnx
-
-    data = np.load(folder / f"{subject.name}.npz")
-    return onnx.load(folder / f"{subject.name}.onnx"), {"X": data["X"], "y": data["y"]}
-
-
 def lora_program(subject: Any, model: Any) -> Any:
     """lossgraph LoRA's program of ``subject``'s export ``model``."""
     import lossgraph
@@ -170,7 +162,7 @@ def floor_cell(subject: Any, quick: bool, folder: Path, threads: int | None) -> 
     from benchmarks.model_speed import BoundRuns
     from lossgraph.runtime.session import create_session
 
-    model, data = load_export(subject, folder)
+    model, data = memory.load_export(subject, folder)
     program = lora_program(subject, model)
     floor = heavy_kernel_floor(*one_step(program, data, subject.rows(quick)))
     runs = BoundRuns(create_session(floor.model, session_options=memory.session_options(
@@ -198,7 +190,7 @@ def phases_cell(subject: Any, quick: bool, folder: Path, threads: int | None
 
     options = memory.session_options(threads)
     memory.lossgraph_warm_up("step", options)
-    model, data = load_export(subject, folder)
+    model, data = memory.load_export(subject, folder)
     base, phases = memory.baseline(), []
 
     def phase(name: str) -> None:
@@ -232,11 +224,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_worker(spec: dict[str, Any], limit_gib: float) -> dict[str, Any]:
     """:func:`worker` in a fresh interpreter, capped as benchmarks/memory.py's cells are."""
-    from benchmarks.machine import run_capped_worker
-    from benchmarks.memory import ADDRESS_HEADROOM_GIB
+    from benchmarks.memory import run_worker as run_capped
 
-    return run_capped_worker("benchmarks.lora", spec, limit_gib,
-                             address_gib=limit_gib + ADDRESS_HEADROOM_GIB)
+    return run_capped(spec, limit_gib, "benchmarks.lora")
 
 
 # -- the report -------------------------------------------------------------------------

@@ -315,26 +315,19 @@ def session_options(threads: int | None = None, entries: dict[str, str] | None =
     default) and the configuration ``entries``: a dict of settings, from which lossgraph
     makes each session's options (so that its sessions read a program's frozen weights
     without a copy), or, for a --checkout older than those, its ``SessionOptions``."""
-    settings = {**({"intra_op_num_threads": threads} if threads else {}), **(entries or {})}
+    threading = {"intra_op_num_threads": threads} if threads else {}
     try:
         from lossgraph.runtime.session import check_session_options
-
-        check_session_options(settings)
-        return settings
-    except ImportError:
-        pass
-    try:
-        from lossgraph.runtime.session import default_session_options
-    except ImportError:  # a --checkout older than it: lossgraph's defaults then
+    except ImportError:  # a --checkout older than a dict of settings: lossgraph's defaults
         from lossgraph.runtime.session import quiet_session_options
 
-        def default_session_options(**settings: Any) -> Any:
-            return quiet_session_options(enable_mem_pattern=False, **settings)
-
-    options = default_session_options(**({"intra_op_num_threads": threads} if threads else {}))
-    for key, value in (entries or {}).items():
-        options.add_session_config_entry(key, value)
-    return options
+        options = quiet_session_options(enable_mem_pattern=False, **threading)
+        for key, value in (entries or {}).items():
+            options.add_session_config_entry(key, value)
+        return options
+    settings = {**threading, **(entries or {})}
+    check_session_options(settings)
+    return settings
 
 
 def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
@@ -348,15 +341,13 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     parameters trained and the optimizer's state (MiB), what the process holds once
     compiled (``compiled_mb``: the program) and its peak once the Trainer is made
     (``trainer_peak_mb``)."""
-    import onnx
 
     import lossgraph
     from lossgraph.optim import SGD
 
     sessions = session_options(threads, session_entries)
     lossgraph_warm_up("step" if column == "compile" else column, sessions)
-    model = onnx.load(folder / f"{subject.name}.onnx")
-    data = np.load(folder / f"{subject.name}.npz")
+    model, data = load_export(subject, folder)
     X, y, batch = data["X"], data["y"], subject.rows(quick)
     base = baseline()
     start = time.perf_counter()
@@ -408,13 +399,24 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     return lossgraph_cell(subject, quick, spec["task"], folder, spec.get("threads"))
 
 
-def run_worker(spec: dict[str, Any], limit_gib: float) -> dict[str, Any]:
-    """:func:`worker` in a fresh interpreter, its address space capped and killed once its
-    resident set passes ``limit_gib``; a failure is the cell's ``error``."""
+def run_worker(spec: dict[str, Any], limit_gib: float, module: str = "benchmarks.memory"
+               ) -> dict[str, Any]:
+    """``module``'s ``worker`` (this one's, :func:`worker`) in a fresh interpreter, its
+    address space capped and killed once its resident set passes ``limit_gib``; a failure is
+    the cell's ``error``."""
     from benchmarks.machine import run_capped_worker
 
-    return run_capped_worker("benchmarks.memory", spec, limit_gib,
+    return run_capped_worker(module, spec, limit_gib,
                              address_gib=limit_gib + ADDRESS_HEADROOM_GIB)
+
+
+def load_export(subject: Subject, folder: Path) -> tuple[Any, dict[str, np.ndarray]]:
+    """``subject``'s export in ``folder`` (:func:`export` wrote it) and its data (``X``,
+    ``y``)."""
+    import onnx
+
+    data = np.load(folder / f"{subject.name}.npz")
+    return onnx.load(folder / f"{subject.name}.onnx"), {"X": data["X"], "y": data["y"]}
 
 
 def run_cells(models: Sequence[str], columns: Sequence[str], spec: dict[str, Any],

@@ -81,7 +81,7 @@ from benchmarks.output import check_targets, save_figure, written_by
 from lossgraph.errors import UnsupportedModelError
 from lossgraph.fileio import write_file
 from lossgraph.optim import SGD
-from lossgraph.runtime.session import create_session, default_session_options
+from lossgraph.runtime.session import create_session
 
 BENCHMARK_MARK = "lossgraph benchmarks/model_speed.py"  # in every file the run writes
 LEARNING_RATE = 0.01
@@ -366,8 +366,7 @@ def lossgraph_candidate(problem: Problem, mode: str, threads: int
     """``Trainer.fit`` of one epoch (every batch, in order) of the program compiled with
     SGD in the fuse ``mode``; onnxruntime with ``threads`` intra-op threads."""
     program = lossgraph.compile_program(problem.model, optimizer=SGD(LEARNING_RATE), fuse=mode)
-    options = default_session_options(intra_op_num_threads=threads)
-    trainer = lossgraph.Trainer(program, session_options=options)
+    trainer = lossgraph.Trainer(program, session_options={"intra_op_num_threads": threads})
 
     def epoch(steps: int | None = None) -> None:
         rows = len(problem.X) if steps is None else steps * problem.batch

@@ -193,11 +193,10 @@ def lossgraph_candidate(problem: Any, program: Any, name: str, threads: int
     """One epoch of ``Trainer.fit`` of ``program`` (from :func:`compiled`) on a fresh
     trainer, and its weights by name."""
     import lossgraph
-    from lossgraph.runtime.session import default_session_options
 
     variant = VARIANTS[name]
     trainer = lossgraph.Trainer(program,
-                                session_options=default_session_options(intra_op_num_threads=threads))
+                                session_options={"intra_op_num_threads": threads})
     started = [False]
 
     def epoch() -> None:

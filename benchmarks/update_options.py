@@ -124,10 +124,9 @@ def lossgraph_candidate(problem: Any, program: Any, threads: int
     """One epoch of ``Trainer.fit`` of ``program`` (from :func:`compiled`) on a fresh
     trainer, and its weights and averages by name."""
     import lossgraph
-    from lossgraph.runtime.session import default_session_options
 
     trainer = lossgraph.Trainer(program,
-                                session_options=default_session_options(intra_op_num_threads=threads))
+                                session_options={"intra_op_num_threads": threads})
     started = [False]
 
     def epoch() -> None:

@@ -188,29 +188,6 @@ def compiled(problem: Any, fuse: str, name: str) -> Any:
             fuse=fuse, accumulation_steps=variant.micro)
 
 
-def lossgraph_candidate(problem: Any, program: Any, name: str, threads: int
-                        ) -> tuple[Epoch, Callable[[], dict]]:
-    """One epoch of ``Trainer.fit`` of ``program`` (from :func:`compiled`) on a fresh
-    trainer, and its weights by name."""
-    import lossgraph
-
-    variant = VARIANTS[name]
-    trainer = lossgraph.Trainer(program,
-                                session_options={"intra_op_num_threads": threads})
-    started = [False]
-
-    def epoch() -> None:
-        trainer.fit(problem.X, problem.y, batch_size=problem.batch * variant.rows,
-                    accumulation_steps=variant.micro, shuffle=False, progress=False,
-                    warm_start=started[0])
-        started[0] = True
-
-    def weights() -> dict[str, np.ndarray]:
-        return trainer.state
-
-    return epoch, weights
-
-
 # -- the run ----------------------------------------------------------------------------
 def run_workload(name: str, fuses: list[str], steps: int, repeat: int, threads: int,
                  quick: bool, clock: Callable[[], float]) -> dict[str, Any]:
@@ -218,7 +195,7 @@ def run_workload(name: str, fuses: list[str], steps: int, repeat: int, threads: 
     torch after two epochs."""
     import torch
 
-    from benchmarks.update_options import run_variants
+    from benchmarks.update_options import lossgraph_candidate, run_variants
 
     torch.set_num_threads(threads)
     problem = make_problem(name, steps, quick)
@@ -226,7 +203,8 @@ def run_workload(name: str, fuses: list[str], steps: int, repeat: int, threads: 
         name, problem, fuses, list(VARIANTS), "ms_per_batch",
         compile_variant=lambda fuse, v: compiled(problem, fuse, v),
         torch_variant=lambda v: torch_candidate(problem, v),
-        lossgraph_variant=lambda program, v: lossgraph_candidate(problem, program, v, threads),
+        lossgraph_variant=lambda program, v: lossgraph_candidate(
+            problem, program, threads, problem.batch * VARIANTS[v].rows, VARIANTS[v].micro),
         repeat=repeat, steps=steps, clock=clock)
 
 

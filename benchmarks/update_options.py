@@ -119,10 +119,13 @@ def compiled(problem: Any, fuse: str, variant: str) -> Any:
                                          fuse=fuse, max_grad_norm=max_norm, ema_decay=decay)
 
 
-def lossgraph_candidate(problem: Any, program: Any, threads: int
+def lossgraph_candidate(problem: Any, program: Any, threads: int, batch_size: int | None = None,
+                        accumulation_steps: int | None = None
                         ) -> tuple[Epoch, Callable[[], dict]]:
-    """One epoch of ``Trainer.fit`` of ``program`` (from :func:`compiled`) on a fresh
-    trainer, and its weights and averages by name."""
+    """One epoch of ``Trainer.fit`` of ``program`` (from a benchmark's ``compiled``) on a
+    fresh trainer, in batches of ``batch_size`` rows (default ``problem.batch``), and its
+    state by name (weights, and averages where it keeps them); this benchmark's and
+    ``training_options``'."""
     import lossgraph
 
     trainer = lossgraph.Trainer(program,
@@ -130,8 +133,9 @@ def lossgraph_candidate(problem: Any, program: Any, threads: int
     started = [False]
 
     def epoch() -> None:
-        trainer.fit(problem.X, problem.y, batch_size=problem.batch, shuffle=False,
-                    progress=False, warm_start=started[0])
+        trainer.fit(problem.X, problem.y, batch_size=batch_size or problem.batch,
+                    accumulation_steps=accumulation_steps, shuffle=False, progress=False,
+                    warm_start=started[0])
         started[0] = True
 
     def weights() -> dict[str, np.ndarray]:

@@ -351,7 +351,8 @@ class Replica:
                      for w, where in self._slices.items()}
         engine = self.trainer.engine
         engine.set_scalars(step_number, self.trainer.learning_rate(step_number))
-        loss = loss_sum / divisor + self._steps.update(gradients)
+        loss = loss_sum / divisor
+        loss += self._steps.update(gradients, loss)
         if not math.isfinite(loss):
             raise ConvergenceError(
                 f"The loss became {loss} at global step {step_number}: training diverged. Try "

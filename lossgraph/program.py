@@ -186,6 +186,18 @@ class TrainingProgram:
         """Each weight's EMA state (``compile_program(ema_decay=...)``; else empty)."""
         return dict(self.manifest.get("ema", {}))
 
+    def state_updates(self, graph: str) -> dict[str, str]:
+        """The state tensors ``graph`` reads (weights, optimizer states, buffers) and
+        writes the next value of: input name -> output name."""
+        manifest = self.manifest
+        new = {w["name"]: w["new"] for w in manifest["weights"]}
+        new.update((s["name"], s["new"]) for w in manifest["weights"] for s in w["states"])
+        new.update((b["name"], b["new"]) for b in manifest.get("buffers", []))
+        entry = manifest["graphs"][graph]
+        produced = {v["name"] for v in entry["outputs"]}
+        return {v["name"]: new[v["name"]] for v in entry["inputs"]
+                if v["role"] in ("weight", "state", "buffer") and new[v["name"]] in produced}
+
     def io(self, graph: str, role: str) -> list[str]:
         """Names of ``graph``'s inputs and outputs that play ``role``, in order."""
         entry = self.manifest["graphs"][graph]

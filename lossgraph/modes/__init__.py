@@ -52,7 +52,7 @@ from ..speed import (
 from ..update_options import UpdateOptions
 
 __all__ = ["FuseMode", "PlanContext", "Compiling", "Assembled", "Stepper", "MODES",
-           "fuse_mode"]
+           "fuse_mode", "accumulation_problem"]
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,17 @@ class FuseMode(abc.ABC):
     def stepper(self, engine: Any) -> Stepper:
         """The runtime step over ``engine``'s sessions and state buffers."""
 
+    #: the training graphs the engine rewrites to write the state over the state they
+    #: read (:class:`~lossgraph.passes.in_place.WriteInPlace`) when it runs in place
+    guarded: ClassVar[tuple[str, ...]] = ()
+
+    def in_place_problem(self, program: Any, packed: Any) -> str | None:
+        """Why this mode's steps of ``program`` (with its ``packed`` update) cannot write
+        the next state over the one they read, holding it in one buffer set
+        (:mod:`lossgraph.passes.in_place`); None when they can."""
+        return (f"a fuse={self.name!r} program's epoch graph carries the state through a "
+                "Scan, which writes it into arrays of its own")
+
     def packed_update(self, program: Any) -> Any:
         """The update of every weight at once its stepper runs, whose layout the engine's
         state buffers take (:mod:`lossgraph.runtime.packed`); None: each weight apart."""
@@ -218,6 +229,14 @@ class FuseMode(abc.ABC):
 
     def __repr__(self) -> str:
         return f"FuseMode({self.name!r})"
+
+
+def accumulation_problem(program: Any) -> str | None:
+    """Why ``program``'s steps cannot write in place for its gradient accumulation (the
+    micro-batches of an update read one state while its buffers move on), or None."""
+    if program.manifest.get("accumulation"):
+        return "it was compiled to accumulate gradients (accumulation_steps)"
+    return None
 
 
 from .fused import EpochMode, StepMode  # noqa: E402  (the modes build on the classes above)

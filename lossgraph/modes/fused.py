@@ -40,9 +40,10 @@ from ..passes.accumulate import GroupGradients, SumGradients
 from ..passes.contract import Pipeline
 from ..passes.fuse import EpochGraph, PackWeights, StepGraph
 from ..passes.gradient import Gradient
+from ..passes.in_place import in_place_problem
 from ..passes.plan import Planned
 from ..signature import Signature
-from . import Assembled, Compiling, FuseMode, PlanContext
+from . import Assembled, Compiling, FuseMode, PlanContext, accumulation_problem
 
 __all__ = ["StepMode", "EpochMode", "FusedSteps", "FusedEpochs", "GradientSums"]
 
@@ -143,6 +144,13 @@ class StepMode(FuseMode):
 
     def stepper(self, engine: Any) -> FusedSteps:
         return FusedSteps(engine)
+
+    guarded = ("train_step",)
+
+    def in_place_problem(self, program: Any, packed: Any) -> str | None:
+        return accumulation_problem(program) or in_place_problem(
+            program.light_graphs["train_step"], program.state_updates("train_step"),
+            program.io("train_step", "loss")[0])
 
 
 class EpochMode(FuseMode):

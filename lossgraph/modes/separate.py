@@ -42,6 +42,7 @@ from ..errors import UnsupportedOptionError
 from ..optim import BuiltUpdate, Optimizer, build_update
 from ..passes.contract import PassResult, Pipeline
 from ..passes.gradient import Gradient
+from ..passes.in_place import in_place_problem
 from ..passes.loss import program_loss_graph
 from ..passes.plan import GraphSource, Planned
 from ..passes.running_stats import RunningStatistics
@@ -51,7 +52,7 @@ from ..runtime.separate_step import SeparateStep
 from ..signature import Signature
 from ..speed import SumRowsByProduct
 from ..update_options import UpdateOptions
-from . import Assembled, Compiling, FuseMode, PlanContext
+from . import Assembled, Compiling, FuseMode, PlanContext, accumulation_problem
 
 __all__ = ["SeparateMode", "SeparateSteps", "LossGraph", "UpdateGraph", "PenaltyGraph"]
 
@@ -168,6 +169,21 @@ class SeparateMode(FuseMode):
     def stepper(self, engine: Any) -> SeparateSteps:
         return SeparateSteps(engine)
 
+    def in_place_problem(self, program: Any, packed: PackedUpdate | None) -> str | None:
+        """The update graph writes the next state after the loss is known (a step whose
+        loss is not finite does not run it), so it runs in place as it is, where its
+        writes are elementwise; the buffers' next values come with the forward."""
+        if program.buffers:
+            return ("its forward writes the buffers' next values (running statistics) "
+                    "before the loss is known")
+        problem = accumulation_problem(program) or in_place_problem(
+            program.light_graphs["update"], program.state_updates("update"))
+        if problem is None and packed is not None:
+            problem = in_place_problem(packed.model, {
+                name: written for name, group in packed.inputs.items()
+                for written, next_group in packed.outputs.items() if next_group == group})
+        return problem
+
 
 class SeparateSteps:
     """Separate steps over an engine's state: one :class:`SeparateStep` per batch size, the
@@ -216,7 +232,7 @@ class SeparateSteps:
                     else:
                         total += gradient * scale
                 carry()
-            penalty = self.update(sums)
+            penalty = self.update(sums, float(losses.sum()))
         return losses + penalty
 
     def gradients(self, batch: Mapping[str, np.ndarray], full: int | None
@@ -225,8 +241,9 @@ class SeparateSteps:
         next call), without the penalty (:meth:`SeparateStep.gradients`)."""
         return self._of(len(next(iter(batch.values()))), full).gradients(batch)
 
-    def update(self, gradients: Mapping[str, Any]) -> float:
-        """The penalty's gradients added and the update run from ``gradients``: the penalty;
-        the next state waits in the engine's following buffer set."""
+    def update(self, gradients: Mapping[str, Any], loss: float) -> float:
+        """The penalty's gradients added and the update run from ``gradients`` (of a step
+        whose loss is ``loss``): the penalty; the next state waits in the engine's
+        following buffer set (:meth:`SeparateStep.update`)."""
         step = next(iter(self._steps.values())) if self._steps else self._of(0, None)
-        return step.update(gradients)
+        return step.update(gradients, loss)

@@ -20,10 +20,13 @@ the next one into the following buffer set, never the live one; :meth:`apply` ma
 live and keeps the state it replaced, which :meth:`step_back` returns to once (a loss is
 that of the state a step reads, so after a non-finite loss the state before the last
 applied run is the last whose loss was finite), where a third set keeps it
-(``keep_previous_state``: by default for states up to :data:`KEEP_PREVIOUS_MAX_BYTES`; a
-larger model's state is held twice, not thrice). A failed run changes nothing the caller
-sees. Arrays handed to a run are aliased, never copied: keep them unchanged until the
-next run.
+(``keep_previous_state``: by default for states up to :data:`KEEP_PREVIOUS_MAX_BYTES`).
+A larger model's state is held once where its steps can write the next state over the one
+they read (``in_place``: :mod:`lossgraph.passes.in_place`; a step whose loss is not finite
+then writes back the state it read), else twice. A failed run changes nothing the caller
+sees, but for an onnxruntime error in the middle of a run that writes in place, which may
+leave part of the next state written. Arrays handed to a run are aliased, never copied:
+keep them unchanged until the next run.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from ..errors import (
 from ..modes import fuse_mode
 from ..options import count, flag
 from ..passes.fixed_batch import rows
+from ..passes.in_place import WriteInPlace
 from ..passes.loss import position_weights, read_loss_record
 from ..program import TrainingProgram
 from ..speed import SpecializeBatch
@@ -72,7 +76,8 @@ class Engine:
     (module docstring: the contract)."""
 
     def __init__(self, program: TrainingProgram, providers: Sequence[str] | None = None,
-                 session_options: Any = None, keep_previous_state: bool | None = None) -> None:
+                 session_options: Any = None, keep_previous_state: bool | None = None,
+                 in_place: bool | None = None) -> None:
         if not isinstance(program, TrainingProgram):
             hint = ""
             if isinstance(program, (onnx.ModelProto, bytes, str, os.PathLike)):
@@ -80,8 +85,10 @@ class Engine:
             raise UnsupportedOptionError(
                 f"Trainer takes a TrainingProgram (from lossgraph.compile_program or "
                 f"TrainingProgram.load), not a {type(program).__name__}.{hint}")
-        if keep_previous_state is not None:
-            flag("keep_previous_state", keep_previous_state)
+        for name, value in (("keep_previous_state", keep_previous_state),
+                            ("in_place", in_place)):
+            if value is not None:
+                flag(name, value)
         for name, graph in program.light_graphs.items():  # before any work, not at a fit
             check_loadable(graph, f"The program's {name!r} graph")
         self.program = program
@@ -113,17 +120,28 @@ class Engine:
         self.allows_missing = any(node.op_type in ("Imputer", "IsNaN")
                                   for node in program.light_graphs["predict"].graph.node)
         self._checked = CheckedArrays()
-        self._new = {w["name"]: w["new"] for w in manifest["weights"]}
-        self._new.update({s["name"]: s["new"] for w in manifest["weights"] for s in w["states"]})
-        self._new.update({b["name"]: b["new"] for b in manifest.get("buffers", [])})
         #: the update of every weight at once, where the mode runs one (the state lies packed)
         self.packed: PackedUpdate | None = self.mode.packed_update(program)
         names = program.weights + program.optimizer_states + program.buffers
+        small = sum(program.state[n].nbytes for n in names) <= KEEP_PREVIOUS_MAX_BYTES
         if keep_previous_state is None:
-            keep_previous_state = (sum(program.state[n].nbytes for n in names)
-                                   <= KEEP_PREVIOUS_MAX_BYTES)
+            keep_previous_state = small and not in_place
+        if in_place and keep_previous_state:
+            raise UnsupportedOptionError(
+                "in_place=True writes each step over the state it reads, so no state before "
+                "the last step can be kept: pass keep_previous_state=False (or leave it out).")
+        problem = ("it keeps the state before the last step" if keep_previous_state
+                   else "in_place=False" if in_place is False
+                   else self.mode.in_place_problem(program, self.packed))
+        if in_place and problem:
+            raise UnsupportedOptionError(
+                f"in_place=True, but this program's steps cannot write the next state over "
+                f"the one they read: {problem}. Leave in_place out (two buffer sets).")
+        #: whether each step writes the next state over the one it reads, holding the
+        #: state in one buffer set (by default where it is not kept and the mode can)
+        self.in_place: bool = problem is None
         self.ring = StateRing(names, program.state, self.packed.blocks if self.packed else (),
-                              bool(keep_previous_state))
+                              1 if self.in_place else 3 if keep_previous_state else 2)
         self._sessions: dict[tuple[str, int | None], Any] = {}
         self._runners: dict[tuple[Any, ...], GraphRunner] = {}
         self.dtype = program.state[program.weights[0]].dtype
@@ -192,6 +210,9 @@ class Engine:
                 for stale in [k for k in self._runners if k[0] == graph and k[1] is not None]:
                     del self._runners[stale]
                 model = SpecializeBatch(batch)(model).model
+            if self.in_place and graph in self.mode.guarded:
+                model = WriteInPlace(self.program.state_updates(graph),
+                                     self.program.io(graph, "loss")[0])(model).model
             self._sessions[key] = self.new_session(model, graph)
         return self._sessions[key]
 
@@ -220,9 +241,8 @@ class Engine:
             entry = self.program.manifest["graphs"][graph]
             inputs: dict[str, str | Block] = {v["name"]: v["name"] for v in entry["inputs"]
                                               if v["role"] in ("weight", "state", "buffer")}
-            produced = {v["name"] for v in entry["outputs"]}
-            outputs: dict[str, str | Block] = {self._new[name]: name for name in inputs.values()
-                                               if self._new[name] in produced}
+            outputs: dict[str, str | Block] = {
+                new: name for name, new in self.program.state_updates(graph).items()}
             roles = {v["role"]: v["name"] for v in (*entry["inputs"], *entry["outputs"])}
             scalars = {"step": self._step, "learning_rate": self._rate}  # where it reads them
             fixed_in = {roles[role]: value for role, value in scalars.items() if role in roles}

@@ -1,16 +1,18 @@
 """Weights and optimizer states in arrays rotated between steps, never copied: the state ring.
 
 A training graph reads the state (weights, optimizer states) as inputs and writes
-the next state as outputs. :class:`StateRing` keeps a ring of two or three sets of
+the next state as outputs. :class:`StateRing` keeps a ring of one, two or three sets of
 arrays; a :class:`GraphRunner` holds one ``SessionIOBinding`` per set (inputs from that
-set, outputs into the next one), so a step only rebinds its data batch. After a
+set, outputs into the next one), so a step only rebinds its data batch. With one set, a
+step writes the next state over the one it reads: its graphs must be built for it
+(:mod:`lossgraph.passes.in_place`), and the state is held once. After a
 successful step the next set becomes the live one (:meth:`StateRing.advance`); after a
 failed one it does not, and the state is still the one before the step. A third set, where
-the ring has one (``keep_previous``), keeps the state before the last successful step: a
+the ring has one, keeps the state before the last successful step: a
 loss is computed at a step's input state, so when a step's loss is not finite, its input
 state is the one that diverged, and the one before it (:meth:`StateRing.step_back`) is the
 last whose loss was finite. Two sets hold the state twice, three sets thrice: on a large
-model the third set costs as much memory as its weights and optimizer states.
+model each set costs as much memory as its weights and optimizer states.
 
 Groups of state tensors of one dtype can be *packed*: laid end to end in one flat array
 per set, each tensor a view of its part. A graph then reads or writes the whole group
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InternalError
 from .session import cpu_device, evaluation_error, ortvalue
 
 __all__ = ["Block", "StateRing", "GraphRunner"]
@@ -43,15 +46,17 @@ class StateRing:
 
     Each group in ``packed`` (names of one dtype) lies end to end in one flat array per
     set (``blocks[group][set]``, also bindable as an OrtValue), its tensors views of it.
-    With ``keep_previous``, a third set keeps the state before the last step
-    (:meth:`step_back`).
+    ``sets``: 3 keeps the state before the last step (:meth:`step_back`), 2 does not, 1
+    has each step write over the live state (graphs that write in place only).
     """
 
     def __init__(self, names: Sequence[str], initial: Mapping[str, np.ndarray],
-                 packed: Sequence[Sequence[str]] = (), keep_previous: bool = True) -> None:
-        #: how many buffer sets: the live state, the next one a step writes, and with
-        #: ``keep_previous`` the one before the last step
-        self.sets = 3 if keep_previous else 2
+                 packed: Sequence[Sequence[str]] = (), sets: int = 3) -> None:
+        if sets not in (1, 2, 3):
+            raise InternalError(f"A state ring has 1, 2 or 3 buffer sets, not {sets!r}.")
+        #: how many buffer sets: the live state, the next one a step writes (but with one
+        #: set) and with three the one before the last step
+        self.sets = sets
         self.names = list(names)
         self.device = cpu_device()
         self._index = {name: i for i, name in enumerate(self.names)}
@@ -122,6 +127,9 @@ class StateRing:
         holds the values it held on entering (the group's last run wrote its own into the
         following set), so a group that fails changes nothing the caller sees.
         """
+        if self.sets == 1 and names:
+            raise InternalError("A ring of one buffer set cannot hold a group's buffers "
+                                "apart from the live ones.")
         live = self.live()
         following = dict(zip(self.names, self.arrays[self.following(self.current)]))
         saved = [live[name].copy() for name in names]

@@ -9,6 +9,7 @@ onnxcustom's training step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -251,23 +252,26 @@ class SeparateStep:
     def run(self, batch: Mapping[str, np.ndarray]) -> float:
         """One step on ``batch`` (C-contiguous arrays by input name); the loss."""
         loss, gradients = self.gradients(batch)
-        return loss + self.update(gradients)
+        return loss + self.update(gradients, loss)
 
     def gradients(self, batch: Mapping[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
         """Forward, loss and backward on ``batch``: the loss graph's loss and each weight's
         gradient (arrays or OrtValues, valid until the next call), without the penalty."""
         return self._gradients_static(batch) if self._static else self._gradients_dynamic(batch)
 
-    def update(self, gradients: Mapping[str, Any]) -> float:
+    def update(self, gradients: Mapping[str, Any], loss: float) -> float:
         """Add the penalty's gradients to ``gradients`` (from :meth:`gradients`, or numpy
         arrays shaped like the weights) and run the update graph; the penalty (0 without
-        one). The next state waits in the following buffer set."""
+        one). The next state waits in the following buffer set. Where ``loss`` plus the
+        penalty is not finite, the update is not run: the caller keeps the state, which
+        a ring of one set would otherwise have lost."""
         if gradients is not self._gradients:  # the update graph reads the arrays bound once
             for weight, bound in self._gradients.items():
                 if gradients[weight] is not bound:
                     np.copyto(bound, gradients[weight])
         penalty = 0.0 if self._penalty is None else self._add_penalty(self._gradients)
-        self._update.run({})
+        if math.isfinite(loss + penalty):
+            self._update.run({})
         return penalty
 
     def _add_penalty(self, gradients: dict[str, Any]) -> float:

@@ -66,12 +66,20 @@ class Trainer:
     more copy of the weights and optimizer states; by default it is kept for states up to
     64 MiB (:data:`~lossgraph.runtime.engine.KEEP_PREVIOUS_MAX_BYTES`), and a larger
     model keeps the weights the failing step read instead.
+
+    ``in_place``: whether each step writes the next state over the one it reads, so that
+    the state is held once (:mod:`lossgraph.passes.in_place`); by default where the state
+    before the last step is not kept and the program's steps can (``fuse="step"``, and
+    ``"separate"`` without running statistics; not an accumulating program). A step whose
+    loss is not finite writes the state it read back, as with a second copy.
     """
 
     def __init__(self, program: TrainingProgram, providers: Sequence[str] | None = None,
-                 session_options: Any = None, keep_previous_state: bool | None = None) -> None:
+                 session_options: Any = None, keep_previous_state: bool | None = None,
+                 in_place: bool | None = None) -> None:
         #: the program's graphs over one live state (sessions, buffers, data checks)
-        self.engine = Engine(program, providers, session_options, keep_previous_state)
+        self.engine = Engine(program, providers, session_options, keep_previous_state,
+                             in_place)
         self.program = program
         self.providers = self.engine.providers
         self.session_options = session_options
@@ -491,7 +499,7 @@ class Trainer:
                 return (f"The weights are those the failing step read, whose loss is {loss}: "
                         "the state before them is not kept for a model this size "
                         "(Trainer(program, keep_previous_state=True) keeps it, at the cost of "
-                        "one more copy of the weights).")
+                        "more copies of the weights).")
             return (f"The weights are those this training started from; their loss is "
                     f"{loss} already.")
         return (f"The weights are those at the start of the failing epoch (before step "

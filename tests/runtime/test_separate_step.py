@@ -74,7 +74,7 @@ def _steps(program, batch: int | None, X, y) -> tuple[bool, list[float], dict, s
         engine.set_scalars(number, 0.01)
         loss, gradients = step.gradients(feeds)
         arrays |= {id(array) for array in gradients.values()}
-        losses.append(loss + step.update(gradients))
+        losses.append(loss + step.update(gradients, loss))
         engine.apply(1, f"step {number}")
     return step.static, losses, engine.state, arrays
 

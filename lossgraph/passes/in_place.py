@@ -1,0 +1,229 @@
+"""A training graph that writes the next state over the state it reads: one buffer set.
+
+A training graph reads each state tensor ``S`` (a weight, an optimizer state, a buffer)
+as an input and writes its next value ``S'`` as an output. Bound to arrays of their own,
+the outputs make the engine hold the state twice (:mod:`lossgraph.runtime.ring`); bound
+to ``S``'s own array, ``S'`` is written over ``S`` while the graph runs. That is right
+only when
+
+- the node writing ``S'`` reads ``S`` at the index it writes and no other (an
+  elementwise node: :data:`ELEMENTWISE`), and
+- every other node reading ``S`` has run before it.
+
+ONNX has no control edges and onnxruntime picks its own order among independent nodes
+(a backward product ``dY @ W^T`` is independent of ``W``'s update), so
+:class:`WriteInPlace` makes both hold in any order: ``S'`` is written last by
+``Where(ok, S'_computed, S)``, and a node that reads ``S`` without being an ancestor of
+that ``Where`` becomes one through an empty slice of its output concatenated to ``ok``
+(no value changes; a few scalar nodes). ``ok`` is whether the step's loss is finite: a
+step whose loss is not finite writes back the state it read, so the live state is still
+the last whose loss was finite when the engine reads the loss, as it was with a second
+set. :func:`in_place_problem` says why a graph cannot be written in place, or None.
+
+A node "reads" ``S`` through the values onnxruntime may make views of ``S`` or fold into
+their readers (``Reshape``, ``Transpose``, ``Cast``, ... :data:`_PASSED_ON`): the nodes
+reading those are the readers the ``Where`` waits for, so that onnxruntime's fusions (a
+``Transpose`` into the ``MatMul`` after it) keep their place.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import onnx
+from onnx import TensorProto
+
+from ..builder import GraphBuilder
+from ..errors import InternalError
+from ..graphs import opset_version
+from ..names import NameAuthority
+from .contract import Pass, PassResult
+from .recompute import _reads
+
+__all__ = ["WriteInPlace", "in_place_problem", "ELEMENTWISE"]
+
+#: Ops whose output element ``i`` reads element ``i`` of an input shaped like it and no
+#: other: the only nodes that may write a state tensor over itself.
+ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Neg", "Abs",
+                         "Sqrt", "Clip", "Sign", "Reciprocal", "Relu"})
+#: Ops that hand their input on unchanged in values (onnxruntime makes some views of the
+#: input, eliminates or fuses others into their readers).
+_PASSED_ON = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast",
+                        "Transpose"})
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """A graph's producers, readers and ancestry, by node position."""
+
+    nodes: list[onnx.NodeProto]
+    outputs: frozenset[str]
+
+    def __post_init__(self) -> None:
+        producer: dict[str, int] = {}
+        readers: dict[str, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            producer.update((o, i) for o in node.output if o)
+            for value in dict.fromkeys(_reads(node)):
+                readers.setdefault(value, []).append(i)
+        object.__setattr__(self, "producer", producer)
+        object.__setattr__(self, "readers", readers)
+
+    def ancestors(self, values: list[str]) -> set[int]:
+        """The positions of the nodes ``values`` are computed from (their producers
+        included)."""
+        seen: set[int] = set()
+        stack = [self.producer[v] for v in values if v in self.producer]
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack.extend(self.producer[v] for v in _reads(self.nodes[i])
+                             if v in self.producer)
+        return seen
+
+    def users(self, state: str) -> set[int]:
+        """The nodes that use ``state``'s values: its readers, and where a reader hands it
+        on (:data:`_PASSED_ON`) to other nodes, theirs instead."""
+        found: set[int] = set()
+        stack = [state]
+        while stack:
+            value = stack.pop()
+            for i in self.readers.get(value, ()):
+                node = self.nodes[i]
+                passed = [o for o in node.output
+                          if o and o in self.readers and o not in self.outputs]
+                if node.op_type in _PASSED_ON and node.input[0] == value and passed:
+                    stack.extend(passed)
+                else:
+                    found.add(i)
+        return found
+
+
+def _waits(graph: _Graph, state: str, written: str, before: set[int]
+           ) -> tuple[list[int], str | None]:
+    """The nodes using ``state`` that the node writing ``written`` must wait for (those
+    not among its ancestors ``before``), or a problem."""
+    waits = []
+    after = _descendants(graph, written)
+    for i in sorted(graph.users(state)):
+        if i in before:
+            continue
+        if i in after:
+            return [], (f"node {graph.nodes[i].name or graph.nodes[i].op_type!r} reads both "
+                        f"{state!r} and its next value {written!r}")
+        waits.append(i)
+    return waits, None
+
+
+def _descendants(graph: _Graph, value: str) -> set[int]:
+    """The nodes computed from ``value``."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        for i in graph.readers.get(stack.pop(), ()):
+            if i not in seen:
+                seen.add(i)
+                stack.extend(o for o in graph.nodes[i].output if o)
+    return seen
+
+
+def in_place_problem(model: onnx.ModelProto, pairs: Mapping[str, str],
+                     loss: str | None = None) -> str | None:
+    """Why ``model`` cannot write each output ``pairs[S]`` over its input ``S``, or None:
+    as it is (each writer elementwise, after every reader of ``S``) or, with ``loss``, once
+    :class:`WriteInPlace` guards it with that loss (no reader of ``S`` reads its next
+    value too)."""
+    graph = _Graph(list(model.graph.node), frozenset(o.name for o in model.graph.output))
+    if loss is not None and loss not in graph.producer:
+        return f"its loss {loss!r} is not computed by a node"
+    for state, written in pairs.items():
+        if written not in graph.producer:
+            return f"{written!r} is not computed by a node"
+        writer = graph.nodes[graph.producer[written]]
+        if loss is None and (writer.op_type not in ELEMENTWISE
+                             or writer.domain not in ("", "ai.onnx")):
+            return f"{written!r} is written by a {writer.op_type}, not an elementwise node"
+        waits, problem = _waits(graph, state, written,
+                                graph.ancestors([written, *([loss] if loss else [])]))
+        if problem or (waits and loss is None):
+            return problem or (f"node {graph.nodes[waits[0]].name!r} may read {state!r} "
+                               f"after {written!r} is written")
+    return None
+
+
+@dataclass(frozen=True)
+class WriteInPlace(Pass[None]):
+    """Each output ``pairs[S]`` written last by ``Where(loss is finite, S'_computed, S)``,
+    after every node that reads ``S`` (module doc): the graph may then write it over
+    ``S``. A graph where some node reads both ``S`` and its next value cannot be: an
+    InternalError (:func:`in_place_problem` first, to fall back to two buffer sets)."""
+
+    pairs: Mapping[str, str]
+    loss: str
+
+    def call(self, model: onnx.ModelProto) -> PassResult[None]:
+        nodes = list(model.graph.node)
+        graph = _Graph(nodes, frozenset(o.name for o in model.graph.output))
+        names = NameAuthority.for_model(model)
+        b = GraphBuilder(names, opset_version(model) or 13, prefix="in_place/")
+        problem = in_place_problem(model, self.pairs, self.loss)
+        if problem:
+            raise InternalError(f"WriteInPlace cannot write the graph's state in place: "
+                                f"{problem}.")
+        ok = b.Not(b.Or(b.IsNaN(self.loss), b.IsInf(self.loss)), hint="loss_is_finite")
+        inserted: dict[int, list[onnx.NodeProto]] = {graph.producer[self.loss]: list(b.nodes)}
+        for state, written in self.pairs.items():
+            waits, _ = _waits(graph, state, written, graph.ancestors([written, self.loss]))
+            writer = nodes[graph.producer[written]]
+            computed = names.fresh(f"{written}_computed")
+            writer.output[list(writer.output).index(written)] = computed
+            start = len(b.nodes)
+            flag = ok
+            if waits:  # an empty slice of each reader's output: an edge, no value
+                parts = [b.Reshape(ok, b.ints([1]))]
+                for i in waits:
+                    read = next(o for o in nodes[i].output if o)
+                    empty = b.Slice(b.Reshape(read, b.ints([-1])), b.ints([0]), b.ints([0]))
+                    parts.append(b.Cast(empty, to=TensorProto.BOOL))
+                flag = b.Reshape(b.Concat(*parts, axis=0), b.ints([]), hint=f"{state}_read")
+            b.op("Where", flag, computed, state, outputs=[written])
+            at = max(graph.producer[written], graph.producer[self.loss], *waits)
+            inserted.setdefault(at, []).extend(b.nodes[start:])
+        model.graph.initializer.extend(b.initializers)
+        placed = [node for i, node in enumerate(nodes) for node in (node, *inserted.get(i, ()))]
+        ordered = _sorted(placed)
+        kept = [onnx.NodeProto() for _ in ordered]
+        for copy, node in zip(kept, ordered):
+            copy.CopyFrom(node)
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+        return PassResult(model, None)
+
+
+def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` in a topological order, each as early in the given order as its inputs
+    allow (a guard placed before the next value it reads moves after it)."""
+    produced = {o for node in nodes for o in node.output if o}
+    waiting = {i: {v for v in _reads(node) if v in produced} for i, node in enumerate(nodes)}
+    readers: dict[str, list[int]] = {}
+    for i, values in waiting.items():
+        for value in values:
+            readers.setdefault(value, []).append(i)
+    ready = [i for i, values in waiting.items() if not values]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for value in (o for o in nodes[i].output if o):
+            for j in readers.get(value, ()):
+                waiting[j].discard(value)
+                if not waiting[j]:
+                    heapq.heappush(ready, j)
+    if len(order) != len(nodes):
+        raise InternalError("WriteInPlace made a cycle: a node waits for a state's next "
+                            "value that waits for it.")
+    return order

@@ -1,0 +1,202 @@
+"""Training graphs that write the next state over the state they read (one buffer set):
+the WriteInPlace rewrite, and the engine running it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from onnxruntime.capi import _pybind_state as C
+
+from lossgraph import Trainer, compile_program
+from lossgraph.errors import UnsupportedOptionError
+from lossgraph.optim import SGD, AdamW, Momentum
+from lossgraph.passes.in_place import WriteInPlace, in_place_problem
+from lossgraph.program import TrainingProgram
+from lossgraph.runtime.session import cpu_device, create_session, ortvalue
+
+RATE = 0.1
+
+
+def _tower(norm: bool = False) -> onnx.ModelProto:
+    """x -> tanh(x W1) -> tanh(. W2) -> . W3: the backward reads W2 and W3 (the products
+    with the activations' gradients); ``norm``: a training-mode BatchNormalization after the
+    first layer (running statistics, buffers the step writes too)."""
+    rng = np.random.default_rng(0)
+    weights = {"W1": rng.normal(size=(3, 4)), "W2": rng.normal(size=(4, 4)) / 2,
+               "W3": rng.normal(size=(4, 1))}
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["a1"]),
+             helper.make_node("Tanh", ["a1"], ["h1"]),
+             helper.make_node("MatMul", ["h1", "W2"], ["a2"]),
+             helper.make_node("Tanh", ["a2"], ["h2"]),
+             helper.make_node("MatMul", ["h2", "W3"], ["y"])]
+    if norm:
+        weights.update(scale=np.ones(4), bias=np.zeros(4), mean=np.zeros(4), var=np.ones(4))
+        nodes[1:2] = [helper.make_node("BatchNormalization",
+                                       ["a1", "scale", "bias", "mean", "var"],
+                                       ["n1", "mean_out", "var_out"], training_mode=1),
+                      helper.make_node("Tanh", ["n1"], ["h1"])]
+    graph = helper.make_graph(
+        nodes, "tower", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()])
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _data(rows: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return (rng.normal(size=(rows, 3)).astype(np.float32),
+            rng.normal(size=(rows, 1)).astype(np.float32))
+
+
+def _trained(program: TrainingProgram, **options) -> Trainer:
+    X, y = _data()
+    return Trainer(program, **options).fit(X, y, batch_size=4, epochs=2, shuffle=False,
+                                           progress=False)
+
+
+OPTIMIZERS = {"sgd": lambda: SGD(RATE), "momentum": lambda: Momentum(RATE, 0.9),
+              "adamw": lambda: AdamW(0.01, weight_decay=0.1)}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("fuse", ["step", "separate"])
+def test_one_buffer_set_trains_bit_for_bit_as_two(fuse, optimizer):
+    program = compile_program(_tower(), optimizer=OPTIMIZERS[optimizer](), fuse=fuse)
+    in_place = _trained(program, in_place=True)
+    apart = _trained(program, keep_previous_state=False, in_place=False)
+    assert (in_place.engine.ring.sets, apart.engine.ring.sets) == (1, 2)
+    assert in_place.engine.in_place and not apart.engine.in_place
+    assert in_place.state.keys() == apart.state.keys()
+    assert all(np.array_equal(in_place.state[n], apart.state[n]) for n in apart.state)
+    assert in_place.history_ == apart.history_
+
+
+@pytest.mark.parametrize("options", [{"max_grad_norm": 0.5, "ema_decay": 0.9},
+                                     {"recompute": "auto"}])
+def test_clipping_the_ema_and_recomputation_write_in_place_too(options):
+    program = compile_program(_tower(), optimizer=Momentum(RATE, 0.9), **options)
+    in_place = _trained(program, in_place=True)
+    apart = _trained(program, keep_previous_state=False, in_place=False)
+    assert all(np.array_equal(in_place.state[n], apart.state[n]) for n in apart.state)
+
+
+def test_running_statistics_are_written_in_place_in_a_step_graph():
+    program = compile_program(_tower(norm=True), optimizer=SGD(RATE))
+    assert program.buffers
+    in_place = _trained(program, in_place=True)
+    apart = _trained(program, keep_previous_state=False, in_place=False)
+    assert all(np.array_equal(in_place.state[n], apart.state[n]) for n in apart.state)
+    with pytest.raises(UnsupportedOptionError, match="running statistics"):
+        Trainer(compile_program(_tower(norm=True), fuse="separate"), in_place=True)
+
+
+def test_the_rewrite_orders_every_reader_of_a_weight_before_its_next_value():
+    """The backward reads W2 and W3 after their gradients are known, with nothing ordering
+    those products before the updates; rewritten, every reader is an ancestor of the node
+    writing the next value, which reads the finite loss's flag."""
+    program = compile_program(_tower(), optimizer=SGD(RATE))
+    graph, pairs = program.graphs["train_step"], program.state_updates("train_step")
+    assert in_place_problem(graph, pairs) == (
+        "node 'grad/Gemm_1' may read 'W2' after 'W2_new' is written")
+    rewritten = WriteInPlace(pairs, program.io("train_step", "loss")[0])(graph).model
+    assert in_place_problem(rewritten, pairs) is None
+    writers = [n for n in rewritten.graph.node if set(n.output) & set(pairs.values())]
+    assert [n.op_type for n in writers] == ["Where"] * 3
+
+
+def _run_in_place(program: TrainingProgram, model: onnx.ModelProto, last: str
+                  ) -> dict[str, np.ndarray]:
+    """One run of the step graph ``model`` with its updates bound over the weights it reads,
+    the node writing ``last`` moved to the end of the node list (onnxruntime then runs it
+    before the products of the backward that other updates wait for)."""
+    nodes = list(model.graph.node)
+    nodes.append(nodes.pop(next(i for i, n in enumerate(nodes) if last in n.output)))
+    moved = onnx.ModelProto()
+    moved.CopyFrom(model)
+    del moved.graph.node[:]
+    moved.graph.node.extend(nodes)
+    session = create_session(moved, None, None, "train_step")
+    X, y = _data(8)
+    state = {name: program.state[name].copy() for name in program.state}
+    feeds = {**state, program.io("train_step", "learning_rate")[0]: np.array(RATE, np.float32),
+             program.io("train_step", "step")[0]: np.array(1, np.int64),
+             program.io("train_step", "feature")[0]: X, program.io("train_step", "label")[0]: y}
+    binding, device = C.SessionIOBinding(session._sess), cpu_device()
+    values = {name: ortvalue(array, device) for name, array in feeds.items()}
+    for name, value in values.items():
+        binding.bind_ortvalue_input(name, value)
+    for name, written in program.state_updates("train_step").items():
+        binding.bind_ortvalue_output(written, values[name])
+    for output in moved.graph.output:
+        if output.name not in program.state_updates("train_step").values():
+            binding.bind_output(output.name, device)
+    session._sess.run_with_iobinding(binding, C.RunOptions())
+    return state
+
+
+@pytest.mark.parametrize("last", ["W2_new", "W3_new"])
+def test_without_the_rewrite_an_update_in_place_overwrites_a_weight_the_backward_reads(last):
+    """The failure the rewrite prevents, shown: bound in place as it is, the graph gives
+    wrong weights when onnxruntime runs an update early; rewritten, the right ones."""
+    program = compile_program(_tower(), optimizer=SGD(RATE))
+    expected = _trained_once(program)
+    graph = program.graphs["train_step"]
+    wrong = _run_in_place(program, graph, last)
+    assert not all(np.array_equal(wrong[w], expected[w]) for w in program.weights)
+    rewritten = WriteInPlace(program.state_updates("train_step"),
+                             program.io("train_step", "loss")[0])(graph).model
+    right = _run_in_place(program, rewritten, last)
+    assert all(np.array_equal(right[w], expected[w]) for w in program.weights)
+
+
+def _trained_once(program: TrainingProgram) -> dict[str, np.ndarray]:
+    """The state after one step of 8 rows, with two buffer sets."""
+    X, y = _data(8)
+    trainer = Trainer(program, keep_previous_state=False, in_place=False)
+    trainer.fit(X, y, batch_size=8, epochs=1, shuffle=False, progress=False)
+    return trainer.state
+
+
+@pytest.mark.parametrize("fuse", ["step", "separate"])
+def test_a_step_whose_loss_is_not_finite_leaves_the_state_it_read(fuse):
+    program = compile_program(_tower(), optimizer=SGD(RATE), fuse=fuse)
+    trainer = Trainer(program, in_place=True)
+    engine = trainer.engine
+    before = trainer.state
+    X, y = _data(4)
+    batch = engine.prepare(X, np.full_like(y, 3e38))  # its square overflows float32
+    loss = engine.step(batch, step=1, rate=RATE)
+    assert not np.isfinite(loss)
+    assert all(np.array_equal(trainer.state[n], before[n]) for n in before)
+
+
+def test_a_large_state_is_written_in_place_by_default_where_the_mode_can(monkeypatch):
+    from lossgraph.runtime import engine
+
+    monkeypatch.setattr(engine, "KEEP_PREVIOUS_MAX_BYTES", 0)
+    sets = {fuse: Trainer(compile_program(_tower(), fuse=fuse)).engine.ring.sets
+            for fuse in ("step", "separate", "epoch")}
+    assert sets == {"step": 1, "separate": 1, "epoch": 2}
+    assert Trainer(compile_program(_tower(), accumulation_steps=2)).engine.ring.sets == 2
+    monkeypatch.undo()
+    assert Trainer(compile_program(_tower())).engine.ring.sets == 3
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"in_place": "yes"}, "in_place"),
+    ({"in_place": True, "keep_previous_state": True}, "keep_previous_state=False"),
+])
+def test_contradictory_or_bad_options_are_refused(options, match):
+    with pytest.raises(UnsupportedOptionError, match=match):
+        Trainer(compile_program(_tower()), **options)
+
+
+@pytest.mark.parametrize("compile_options, match", [
+    ({"fuse": "epoch"}, "Scan"),
+    ({"accumulation_steps": 2}, "accumulate gradients"),
+])
+def test_programs_whose_steps_cannot_write_in_place_say_why(compile_options, match):
+    with pytest.raises(UnsupportedOptionError, match=match):
+        Trainer(compile_program(_tower(), **compile_options), in_place=True)

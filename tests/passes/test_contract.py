@@ -57,6 +57,7 @@ from lossgraph.passes import (
 )
 from lossgraph.passes.expand_functions import ExpandFunctions
 from lossgraph.passes.quantization import StraightThroughQuantization
+from lossgraph.passes.in_place import WriteInPlace
 from lossgraph.passes.recompute import UpdatesInBackwardOrder
 from lossgraph.passes.running_stats import RunningStatistics
 from lossgraph.passes.sequences import SequencesToTensors
@@ -103,6 +104,13 @@ def step_graph_of(name: str) -> onnx.ModelProto:
 
 
 WEIGHTS = {"coef": np.ones((3, 1), np.float32), "bias": np.zeros(1, np.float32)}
+
+
+def _write_in_place() -> WriteInPlace:
+    """WriteInPlace of step_graph_of("skl_mlp_regressor")'s state and loss."""
+    program = lossgraph.compile_program(golden("skl_mlp_regressor"), optimizer=Momentum(0.01))
+    return WriteInPlace(program.state_updates("train_step"), program.io("train_step", "loss")[0])
+
 
 #: name -> (the input model, the pass applied to it). Every pass of lossgraph.passes, the
 #: optimization passes, the standalone graphs, and compile_program in every fusion mode.
@@ -254,6 +262,7 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
         g (float[1, 1000] row, float[1000, 3] m) => (float[1, 3] y) { y = MatMul(row, m) }
         """), SplitRowProducts()),
     "SpecializeBatch": (lambda: step_graph_of("skl_mlp_regressor"), SpecializeBatch(16)),
+    "WriteInPlace": (lambda: step_graph_of("skl_mlp_regressor"), _write_in_place()),
     "penalty_graph": (lambda: None, lambda _: penalty_graph(WEIGHTS, {"coef": {"l1": 0.1}})),
     "update_graph": (lambda: None, lambda _: update_graph(Adam(0.01), WEIGHTS)),
     **{f"compile fuse={fuse}": (lambda: golden("skl_mlp_classifier"),

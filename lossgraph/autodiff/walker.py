@@ -40,10 +40,10 @@ from ..errors import InvalidRuleError, MissingGradientError, NoGradientError
 from ..graphs import (
     ForwardFacts,
     GraphIndex,
+    captured_values,
+    node_reads,
     opset_version,
-    outer_references,
     shortest_path,
-    subgraphs,
 )
 from ..names import NameAuthority
 from ..target import Target, active_target
@@ -100,7 +100,7 @@ def differentiate(
         positions = [p for p in differentiable_inputs(proto.op_type, proto.domain,
                                                       len(proto.input), opset=opset)
                      if proto.input[p] in relevant]
-        captured = [n for n in _captured(proto) if n in relevant]
+        captured = [n for n in captured_values(proto) if n in relevant]
         if not positions and not captured:
             continue
         wanted = list(dict.fromkeys([proto.input[p] for p in positions] + captured))
@@ -198,7 +198,7 @@ def _checked_entries(result: object, info: RuleInfo, node: Node,
 
 def _checked_by_name(result: Mapping, info: RuleInfo, node: Node) -> dict[str, str]:
     """A rule's gradients by value name, checked to answer every wanted value."""
-    reads = set(_reads(node.proto))
+    reads = set(node_reads(node.proto))
     unknown = [name for name in result if name not in reads]
     if unknown:
         raise InvalidRuleError(_rule_message(
@@ -231,14 +231,8 @@ def _label(n: onnx.NodeProto) -> str:
     return f"[{n.op_type} {n.name!r}]" if n.name else f"[{n.op_type}]"
 
 
-def _captured(proto: onnx.NodeProto) -> list[str]:
-    """Outer values the node's subgraphs read, in a stable order."""
-    return list(dict.fromkeys(n for sub in subgraphs(proto) for n in sorted(outer_references(sub))))
 
 
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """The values a node reads: its inputs and what its subgraphs capture."""
-    return [i for i in node.input if i] + _captured(node)
 
 
 def _bind_outputs(g: GradContext, finals: Mapping[str, str], grad_names: Mapping[str, str]) -> None:
@@ -249,7 +243,7 @@ def _bind_outputs(g: GradContext, finals: Mapping[str, str], grad_names: Mapping
     """
     uses: dict[str, int] = defaultdict(int)
     for node in g.nodes:
-        for name in _reads(node):
+        for name in node_reads(node):
             uses[name] += 1
     for value in finals.values():
         uses[value] += 1
@@ -267,7 +261,7 @@ def _drop_dead_code(g: GradContext, outputs: Sequence[str]) -> None:
     for node in reversed(g.nodes):
         if any(o in needed for o in node.output):
             kept.append(node)
-            needed.update(_reads(node))
+            needed.update(node_reads(node))
     g.nodes = kept[::-1]
     g.initializers = [t for t in g.initializers if t.name in needed]
 

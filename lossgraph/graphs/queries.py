@@ -104,6 +104,16 @@ def outer_references(graph: onnx.GraphProto) -> set[str]:
     return used
 
 
+def captured_values(node: onnx.NodeProto) -> list[str]:
+    """The outer values ``node``'s subgraphs read, in a stable order."""
+    return list(dict.fromkeys(n for sub in subgraphs(node) for n in sorted(outer_references(sub))))
+
+
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """The values ``node`` reads: its inputs, then what its subgraphs capture."""
+    return [i for i in node.input if i] + captured_values(node)
+
+
 def constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     """A ``Constant`` node's value: its ``value`` tensor, or its ``value_int(s)`` (int64)
     or ``value_float(s)`` (float32); None for another kind (a sparse or string value)."""

@@ -54,7 +54,7 @@ from ..graphs import (
     all_graphs,
     all_value_types,
     canonical_domain,
-    outer_references,
+    node_reads,
     subgraphs,
 )
 from ..names import NameAuthority
@@ -421,14 +421,14 @@ class GradientView:
         output) is renamed to an unused fresh name."""
         if not self.inserted:
             return
-        needed = {name for node in gradient_nodes for name in _reads(node)}
+        needed = {name for node in gradient_nodes for name in node_reads(node)}
         kept: list[onnx.NodeProto] = []
         for node in reversed(self.model.graph.node):
             if node.name not in self.inserted:
                 continue
             if any(o in needed and o not in self.forward_values for o in node.output):
                 kept.append(node)
-                needed.update(_reads(node))
+                needed.update(node_reads(node))
         if not kept:
             return
         taken = self.names or NameAuthority.for_model(self.model)
@@ -445,12 +445,6 @@ class GradientView:
                                   if _domain(o.domain) not in present
                                   and any(_domain(n.domain) == _domain(o.domain)
                                           for n in recomputed))
-
-
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """The values a node reads: its inputs and what its subgraphs capture."""
-    captured = [n for sub in subgraphs(node) for n in sorted(outer_references(sub))]
-    return [i for i in node.input if i] + captured
 
 
 def gradient_view(model: onnx.ModelProto, names: NameAuthority,

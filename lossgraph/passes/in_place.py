@@ -37,10 +37,9 @@ from onnx import TensorProto
 
 from ..builder import GraphBuilder
 from ..errors import InternalError
-from ..graphs import opset_version
+from ..graphs import node_reads, opset_version
 from ..names import NameAuthority
 from .contract import Pass, PassResult
-from .recompute import _reads
 
 __all__ = ["WriteInPlace", "in_place_problem", "ELEMENTWISE"]
 
@@ -54,22 +53,20 @@ _PASSED_ON = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"
                         "Transpose"})
 
 
-@dataclass(frozen=True)
 class _Graph:
-    """A graph's producers, readers and ancestry, by node position."""
+    """A graph's producers and readers, by node position."""
 
-    nodes: list[onnx.NodeProto]
-    outputs: frozenset[str]
-
-    def __post_init__(self) -> None:
-        producer: dict[str, int] = {}
-        readers: dict[str, list[int]] = {}
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.nodes = list(model.graph.node)
+        self.outputs = frozenset(o.name for o in model.graph.output)
+        #: value -> the position of the node computing it
+        self.producer: dict[str, int] = {}
+        #: value -> the positions of the nodes reading it
+        self.readers: dict[str, list[int]] = {}
         for i, node in enumerate(self.nodes):
-            producer.update((o, i) for o in node.output if o)
-            for value in dict.fromkeys(_reads(node)):
-                readers.setdefault(value, []).append(i)
-        object.__setattr__(self, "producer", producer)
-        object.__setattr__(self, "readers", readers)
+            self.producer.update((o, i) for o in node.output if o)
+            for value in dict.fromkeys(node_reads(node)):
+                self.readers.setdefault(value, []).append(i)
 
     def ancestors(self, values: list[str]) -> set[int]:
         """The positions of the nodes ``values`` are computed from (their producers
@@ -80,7 +77,7 @@ class _Graph:
             i = stack.pop()
             if i not in seen:
                 seen.add(i)
-                stack.extend(self.producer[v] for v in _reads(self.nodes[i])
+                stack.extend(self.producer[v] for v in node_reads(self.nodes[i])
                              if v in self.producer)
         return seen
 
@@ -136,7 +133,7 @@ def in_place_problem(model: onnx.ModelProto, pairs: Mapping[str, str],
     as it is (each writer elementwise, after every reader of ``S``) or, with ``loss``, once
     :class:`WriteInPlace` guards it with that loss (no reader of ``S`` reads its next
     value too)."""
-    graph = _Graph(list(model.graph.node), frozenset(o.name for o in model.graph.output))
+    graph = _Graph(model)
     if loss is not None and loss not in graph.producer:
         return f"its loss {loss!r} is not computed by a node"
     for state, written in pairs.items():
@@ -165,8 +162,8 @@ class WriteInPlace(Pass[None]):
     loss: str
 
     def call(self, model: onnx.ModelProto) -> PassResult[None]:
-        nodes = list(model.graph.node)
-        graph = _Graph(nodes, frozenset(o.name for o in model.graph.output))
+        graph = _Graph(model)
+        nodes = graph.nodes
         names = NameAuthority.for_model(model)
         b = GraphBuilder(names, opset_version(model) or 13, prefix="in_place/")
         problem = in_place_problem(model, self.pairs, self.loss)
@@ -207,7 +204,7 @@ def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """``nodes`` in a topological order, each as early in the given order as its inputs
     allow (a guard placed before the next value it reads moves after it)."""
     produced = {o for node in nodes for o in node.output if o}
-    waiting = {i: {v for v in _reads(node) if v in produced} for i, node in enumerate(nodes)}
+    waiting = {i: {v for v in node_reads(node) if v in produced} for i, node in enumerate(nodes)}
     readers: dict[str, list[int]] = {}
     for i, values in waiting.items():
         for value in values:

@@ -42,7 +42,7 @@ import onnx
 from onnx import helper
 
 from ..errors import UnknownNameError, UnsupportedModelError, UnsupportedOptionError, suggest
-from ..graphs import ForwardFacts
+from ..graphs import ForwardFacts, node_reads
 from ..metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json
 from ..names import NameAuthority
 from ..signature import Signature
@@ -196,7 +196,7 @@ class Recompute(Pass[RecomputePlan]):
         for i, node in enumerate(nodes):
             if i not in forward:
                 node.input[:] = [recompute(v) if v else v for v in node.input]
-                for value in set(_reads(node)) - set(node.input):  # a subgraph's outer reads
+                for value in set(node_reads(node)) - set(node.input):  # a subgraph's outer reads
                     if value in dependent and producer.get(value) in forward:
                         kept[value] = None
                 rewritten.extend(emitted)
@@ -221,26 +221,15 @@ def _ancestors(nodes: Sequence[onnx.NodeProto], producer: dict[str, int],
         if i in seen:
             continue
         seen.add(i)
-        stack.extend(producer[v] for v in _reads(nodes[i]) if v in producer)
+        stack.extend(producer[v] for v in node_reads(nodes[i]) if v in producer)
     return seen
-
-
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """The values a node reads: its inputs and what its subgraphs read from outside."""
-    reads = [v for v in node.input if v]
-    for attribute in node.attribute:
-        for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-            inner = {o for n in sub.node for o in n.output} | {i.name for i in sub.input} \
-                | {t.name for t in sub.initializer}
-            reads.extend(v for n in sub.node for v in _reads(n) if v not in inner)
-    return reads
 
 
 def _dependent(nodes: Sequence[onnx.NodeProto], forward: set[int], data: set[str]) -> set[str]:
     """The forward values computed from the data (not from weights and constants alone)."""
     dependent = set(data)
     for i in sorted(forward):
-        if any(v in dependent for v in _reads(nodes[i])):
+        if any(v in dependent for v in node_reads(nodes[i])):
             dependent.update(o for o in nodes[i].output if o)
     return dependent
 
@@ -267,7 +256,7 @@ def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int],
     last_read: dict[str, int] = {}  # the last forward node reading each value
     needed: set[str] = set()  # what the backward reads: the activations it keeps
     for i, node in enumerate(nodes):
-        for v in _reads(node):
+        for v in node_reads(node):
             if i in forward:
                 last_read[v] = i
             elif v in floats:
@@ -321,7 +310,7 @@ class UpdatesInBackwardOrder(Pass[None]):
         signature = Signature.of(model) if read_json(model, SIGNATURE_KEY) else None
         first_read: dict[str, int] = {}
         for position, node in enumerate(graph.node):
-            for value in _reads(node):
+            for value in node_reads(node):
                 first_read.setdefault(value, position)
         weight_of = {gradient: weight
                      for weight, gradient in (read_json(model, GRADIENTS_KEY) or {}).items()}
@@ -329,7 +318,7 @@ class UpdatesInBackwardOrder(Pass[None]):
             weight_of.update((signature.new[old], weight) for weight in signature.weights
                              for old in (weight, *signature.states.get(weight, []))
                              if old in signature.new)
-        read = {v for node in graph.node for v in _reads(node)}
+        read = {v for node in graph.node for v in node_reads(node)}
         updates = [node for node in graph.node
                    if any(o in weight_of for o in node.output)
                    and not any(o in read for o in node.output)]

@@ -56,8 +56,8 @@ from lossgraph.passes import (
     WeightsToInputs,
 )
 from lossgraph.passes.expand_functions import ExpandFunctions
-from lossgraph.passes.quantization import StraightThroughQuantization
 from lossgraph.passes.in_place import WriteInPlace
+from lossgraph.passes.quantization import StraightThroughQuantization
 from lossgraph.passes.recompute import UpdatesInBackwardOrder
 from lossgraph.passes.running_stats import RunningStatistics
 from lossgraph.passes.sequences import SequencesToTensors

@@ -49,6 +49,7 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedOptionError,
 )
+from .graphs import opset_version
 from .models import ModelLike
 from .modes import fuse_mode
 from .modes.separate import SeparateSteps
@@ -186,7 +187,8 @@ class ParallelProgram:
 
         def build(reduction: str) -> onnx.ModelProto:
             graph = program_loss_graph(prediction, roles["label"], loss, checked.loss_options,
-                                       checked.backend, reduction).model
+                                       checked.backend, reduction,
+                                       opset_version(given) or 18).model
             graph = WidenScalarConstants()(graph).model  # as compile_program finishes it
             graph.ir_version = given.ir_version  # the program's target
             return graph

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UnsupportedOptionError
+from ..graphs import opset_version
 from ..optim import BuiltUpdate, Optimizer, build_update
 from ..passes.contract import PassResult, Pipeline
 from ..passes.gradient import Gradient
@@ -72,7 +73,8 @@ class LossGraph(GraphSource):
         prediction = next(o for o in gradient.graph.output
                           if o.name == compiling.roles["prediction"])
         built = program_loss_graph(prediction, compiling.roles["label"], self.loss,
-                                   self.options, self.backend)
+                                   self.options, self.backend,
+                                   opset=opset_version(gradient) or 18)
         return PassResult(built.model, built.report[prediction.name])
 
 

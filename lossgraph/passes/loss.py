@@ -894,10 +894,11 @@ class RemoveLossOutput(Pass[None]):
 
 def program_loss_graph(prediction: onnx.ValueInfoProto, label: str, loss: str,
                        options: Mapping[str, Any], backend: str,
-                       reduction: str | None = None) -> PassResult:
+                       reduction: str | None = None, opset: int = 18) -> PassResult:
     """The ``loss`` graph of a separate program: :func:`loss_graph` of ``loss`` with
     compile_program's ``loss_options`` (``options``) on the prediction ``prediction``, whose
-    label is named ``label``. ``reduction`` replaces the options' reduction: the
+    label is named ``label``, at ``ai.onnx`` opset ``opset`` (the gradient graph's, so that
+    a runner can chain the two into one session). ``reduction`` replaces the options' reduction: the
     data-parallel step (:mod:`lossgraph.parallel`) needs the gradient of the loss summed
     over the rows where the program's loss is their mean, which it divides by the rows'
     total weight. A mean over the positions an ``ignore_index`` leaves, or weighted by a
@@ -918,7 +919,8 @@ def program_loss_graph(prediction: onnx.ValueInfoProto, label: str, loss: str,
                 "(lossgraph.Trainer), or compile with loss_options reduction='sum' (the "
                 "learning rate then scales with the batch).")
         output_options["reduction"] = reduction
-    return loss_graph(prediction, loss, own, label_name=label, backend=backend, **output_options)
+    return loss_graph(prediction, loss, own, label_name=label, backend=backend, opset=opset,
+                      **output_options)
 
 
 def loss_graph(prediction: onnx.ValueInfoProto, loss: str, options: Mapping[str, Any],

@@ -17,13 +17,15 @@ import lossgraph
                                        lossgraph.optim.Adam(0.01)], ids=["nesterov", "adam"])
 @pytest.mark.parametrize("penalty", [None, {"coefficient": {"l1": 0.01, "l2": 0.02}}])
 @pytest.mark.parametrize(("name", "runs"), [("skl_mlp_regressor", 1),
+                                            ("hand_mlp_tanh_double", 1),
                                             ("hand_mlp_tanh_double", 3)])
 def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(name, runs,
                                                                              penalty, optimizer):
     """A full batch runs the graphs specialized to it with every exchanged value in a
     preallocated buffer, the forward half, the loss and the backward half in one run (in
-    three where the model's opset is not the loss graph's), and (where the Trainer packs
-    the state) the update of every weight at once; a last, smaller batch the general
+    three where the model's opset is not the loss graph's: a program an older lossgraph
+    compiled, its loss graph at opset 18 whatever the model's), and (where the Trainer
+    packs the state) the update of every weight at once; a last, smaller batch the general
     graphs one by one. All give the same numbers, bit for bit."""
     from lossgraph.runtime.separate_step import SeparateStep
 
@@ -31,6 +33,8 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
     weight = next(i.name for i in model.graph.initializer if i.dims)
     program = lossgraph.compile_program(model, fuse="separate", optimizer=optimizer,
                                         penalty=penalty and {weight: penalty["coefficient"]})
+    if runs == 3:
+        program = _with_loss_graph_at_opset_18(program)
     dtype = program.state[weight].dtype
     rng = np.random.default_rng(0)
     feature = program.io("gradient", "feature")[0]
@@ -57,6 +61,26 @@ def test_separate_step_with_bound_buffers_equals_the_step_binding_as_it_goes(nam
         for name_, value in state.items():
             np.testing.assert_array_equal(value, states[0][1][name_], err_msg=name_)
     assert not np.array_equal(states[0][1][weight], program.state[weight])
+
+
+def _with_loss_graph_at_opset_18(program):
+    """``program`` as an older lossgraph compiled it: its loss graph at opset 18 (the
+    model's is another)."""
+    from lossgraph.passes.loss import program_loss_graph
+    from lossgraph.speed import WidenScalarConstants
+
+    roles = program.manifest["roles"]
+    prediction = next(o for o in program.light_graphs["gradient"].graph.output
+                      if o.name == roles["prediction"])
+    loss = program_loss_graph(prediction, roles["label"], "squared_error", {}, "onnx",
+                              opset=18).model
+    loss = WidenScalarConstants()(loss).model
+    loss.ir_version = program.light_graphs["loss"].ir_version
+    assert [o.version for o in program.light_graphs["loss"].opset_import] != [18]
+    assert [o.name for o in loss.graph.output] == [
+        o.name for o in program.light_graphs["loss"].graph.output]
+    return lossgraph.TrainingProgram({**program.light_graphs, "loss": loss}, program.manifest,
+                                     program.state, program.inference_model)
 
 
 def _steps(program, batch: int | None, X, y) -> tuple[bool, list[float], dict, set]:

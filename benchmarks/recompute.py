@@ -149,8 +149,9 @@ def cell(name: str, size: str, tokens: int, batch: int, path: Path,
         del program
         import onnxruntime
 
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
+        from lossgraph.runtime.session import default_session_options
+
+        options = default_session_options()  # lossgraph's: no memory pattern
         reset_peak_memory()
         run = onnxruntime.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         feeds = [i.name for i in run.get_inputs()]

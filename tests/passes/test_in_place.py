@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
 from onnxruntime.capi import _pybind_state as C
+from support.models import tower
 
 from lossgraph import Trainer, compile_program
 from lossgraph.errors import UnsupportedOptionError
@@ -17,31 +17,6 @@ from lossgraph.program import TrainingProgram
 from lossgraph.runtime.session import cpu_device, create_session, ortvalue
 
 RATE = 0.1
-
-
-def _tower(norm: bool = False) -> onnx.ModelProto:
-    """x -> tanh(x W1) -> tanh(. W2) -> . W3: the backward reads W2 and W3 (the products
-    with the activations' gradients); ``norm``: a training-mode BatchNormalization after the
-    first layer (running statistics, buffers the step writes too)."""
-    rng = np.random.default_rng(0)
-    weights = {"W1": rng.normal(size=(3, 4)), "W2": rng.normal(size=(4, 4)) / 2,
-               "W3": rng.normal(size=(4, 1))}
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["a1"]),
-             helper.make_node("Tanh", ["a1"], ["h1"]),
-             helper.make_node("MatMul", ["h1", "W2"], ["a2"]),
-             helper.make_node("Tanh", ["a2"], ["h2"]),
-             helper.make_node("MatMul", ["h2", "W3"], ["y"])]
-    if norm:
-        weights.update(scale=np.ones(4), bias=np.zeros(4), mean=np.zeros(4), var=np.ones(4))
-        nodes[1:2] = [helper.make_node("BatchNormalization",
-                                       ["a1", "scale", "bias", "mean", "var"],
-                                       ["n1", "mean_out", "var_out"], training_mode=1),
-                      helper.make_node("Tanh", ["n1"], ["h1"])]
-    graph = helper.make_graph(
-        nodes, "tower", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])],
-        [numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()])
-    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _data(rows: int = 12) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +38,7 @@ OPTIMIZERS = {"sgd": lambda: SGD(RATE), "momentum": lambda: Momentum(RATE, 0.9),
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("fuse", ["step", "separate"])
 def test_one_buffer_set_trains_bit_for_bit_as_two(fuse, optimizer):
-    program = compile_program(_tower(), optimizer=OPTIMIZERS[optimizer](), fuse=fuse)
+    program = compile_program(tower(), optimizer=OPTIMIZERS[optimizer](), fuse=fuse)
     in_place = _trained(program, in_place=True)
     apart = _trained(program, keep_previous_state=False, in_place=False)
     assert (in_place.engine.ring.sets, apart.engine.ring.sets) == (1, 2)
@@ -76,27 +51,27 @@ def test_one_buffer_set_trains_bit_for_bit_as_two(fuse, optimizer):
 @pytest.mark.parametrize("options", [{"max_grad_norm": 0.5, "ema_decay": 0.9},
                                      {"recompute": "auto"}])
 def test_clipping_the_ema_and_recomputation_write_in_place_too(options):
-    program = compile_program(_tower(), optimizer=Momentum(RATE, 0.9), **options)
+    program = compile_program(tower(), optimizer=Momentum(RATE, 0.9), **options)
     in_place = _trained(program, in_place=True)
     apart = _trained(program, keep_previous_state=False, in_place=False)
     assert all(np.array_equal(in_place.state[n], apart.state[n]) for n in apart.state)
 
 
 def test_running_statistics_are_written_in_place_in_a_step_graph():
-    program = compile_program(_tower(norm=True), optimizer=SGD(RATE))
+    program = compile_program(tower(norm=True), optimizer=SGD(RATE))
     assert program.buffers
     in_place = _trained(program, in_place=True)
     apart = _trained(program, keep_previous_state=False, in_place=False)
     assert all(np.array_equal(in_place.state[n], apart.state[n]) for n in apart.state)
     with pytest.raises(UnsupportedOptionError, match="running statistics"):
-        Trainer(compile_program(_tower(norm=True), fuse="separate"), in_place=True)
+        Trainer(compile_program(tower(norm=True), fuse="separate"), in_place=True)
 
 
 def test_the_rewrite_orders_every_reader_of_a_weight_before_its_next_value():
     """The backward reads W2 and W3 after their gradients are known, with nothing ordering
     those products before the updates; rewritten, every reader is an ancestor of the node
     writing the next value, which reads the finite loss's flag."""
-    program = compile_program(_tower(), optimizer=SGD(RATE))
+    program = compile_program(tower(), optimizer=SGD(RATE))
     graph, pairs = program.graphs["train_step"], program.state_updates("train_step")
     assert in_place_problem(graph, pairs) == (
         "node 'grad/Gemm_1' may read 'W2' after 'W2_new' is written")
@@ -140,7 +115,7 @@ def _run_in_place(program: TrainingProgram, model: onnx.ModelProto, last: str
 def test_without_the_rewrite_an_update_in_place_overwrites_a_weight_the_backward_reads(last):
     """The failure the rewrite prevents, shown: bound in place as it is, the graph gives
     wrong weights when onnxruntime runs an update early; rewritten, the right ones."""
-    program = compile_program(_tower(), optimizer=SGD(RATE))
+    program = compile_program(tower(), optimizer=SGD(RATE))
     expected = _trained_once(program)
     graph = program.graphs["train_step"]
     wrong = _run_in_place(program, graph, last)
@@ -161,7 +136,7 @@ def _trained_once(program: TrainingProgram) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("fuse", ["step", "separate"])
 def test_a_step_whose_loss_is_not_finite_leaves_the_state_it_read(fuse):
-    program = compile_program(_tower(), optimizer=SGD(RATE), fuse=fuse)
+    program = compile_program(tower(), optimizer=SGD(RATE), fuse=fuse)
     trainer = Trainer(program, in_place=True)
     engine = trainer.engine
     before = trainer.state
@@ -176,12 +151,12 @@ def test_a_large_state_is_written_in_place_by_default_where_the_mode_can(monkeyp
     from lossgraph.runtime import engine
 
     monkeypatch.setattr(engine, "KEEP_PREVIOUS_MAX_BYTES", 0)
-    sets = {fuse: Trainer(compile_program(_tower(), fuse=fuse)).engine.ring.sets
+    sets = {fuse: Trainer(compile_program(tower(), fuse=fuse)).engine.ring.sets
             for fuse in ("step", "separate", "epoch")}
     assert sets == {"step": 1, "separate": 1, "epoch": 2}
-    assert Trainer(compile_program(_tower(), accumulation_steps=2)).engine.ring.sets == 2
+    assert Trainer(compile_program(tower(), accumulation_steps=2)).engine.ring.sets == 2
     monkeypatch.undo()
-    assert Trainer(compile_program(_tower())).engine.ring.sets == 3
+    assert Trainer(compile_program(tower())).engine.ring.sets == 3
 
 
 @pytest.mark.parametrize("options, match", [
@@ -190,7 +165,7 @@ def test_a_large_state_is_written_in_place_by_default_where_the_mode_can(monkeyp
 ])
 def test_contradictory_or_bad_options_are_refused(options, match):
     with pytest.raises(UnsupportedOptionError, match=match):
-        Trainer(compile_program(_tower()), **options)
+        Trainer(compile_program(tower()), **options)
 
 
 @pytest.mark.parametrize("compile_options, match", [
@@ -199,4 +174,4 @@ def test_contradictory_or_bad_options_are_refused(options, match):
 ])
 def test_programs_whose_steps_cannot_write_in_place_say_why(compile_options, match):
     with pytest.raises(UnsupportedOptionError, match=match):
-        Trainer(compile_program(_tower(), **compile_options), in_place=True)
+        Trainer(compile_program(tower(), **compile_options), in_place=True)

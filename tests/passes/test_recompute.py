@@ -5,39 +5,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from support.models import tower
 
 from lossgraph import Trainer, add_loss_output, compile_program, gradient
 from lossgraph.errors import UnsupportedModelError
 from lossgraph.passes import Recompute
 from lossgraph.passes.recompute import UpdatesInBackwardOrder
 from lossgraph.program import TrainingProgram
-
-
-def _tower(dropout: bool = False) -> onnx.ModelProto:
-    """x -> tanh(x W1) = h1 -> tanh(h1 W2) + h1 = h2 (a residual) -> sigmoid -> y = . W3:
-    three segments, float32, a free batch; ``dropout``: a training-mode Dropout on h1."""
-    rng = np.random.default_rng(0)
-    weights = {"W1": rng.normal(size=(3, 4)), "W2": rng.normal(size=(4, 4)) / 2,
-               "W3": rng.normal(size=(4, 1))}
-    nodes = [helper.make_node("MatMul", ["x", "W1"], ["a1"]),
-             helper.make_node("Tanh", ["a1"], ["h1"]),
-             helper.make_node("MatMul", ["h1", "W2"], ["a2"]),
-             helper.make_node("Tanh", ["a2"], ["t2"]),
-             helper.make_node("Add", ["t2", "h1"], ["h2"]),
-             helper.make_node("Sigmoid", ["h2"], ["s"]),
-             helper.make_node("MatMul", ["s", "W3"], ["y"])]
-    initializers = [numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()]
-    if dropout:
-        nodes[2].input[0] = "d1"
-        nodes.insert(2, helper.make_node("Dropout", ["h1", "ratio", "training"], ["d1"],
-                                         seed=3))
-        initializers += [numpy_helper.from_array(np.array(0.25, np.float32), "ratio"),
-                         numpy_helper.from_array(np.array(True), "training")]
-    graph = helper.make_graph(
-        nodes, "tower", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], initializers)
-    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _data() -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +30,7 @@ def _trained(program: TrainingProgram) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
 @pytest.mark.parametrize("recompute", ["auto", ["h1"], ["h1", "h2"]])
 def test_trains_as_without_recomputation(fuse, recompute):
-    model = _tower()
+    model = tower()
     plain = _trained(compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam"))
     program = compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam",
                               recompute=recompute)
@@ -70,7 +44,7 @@ def test_trains_as_without_recomputation(fuse, recompute):
 
 
 def test_saved_program_trains_the_same(tmp_path):
-    program = compile_program(_tower(), loss="squared_error", recompute=["h1"])
+    program = compile_program(tower(), loss="squared_error", recompute=["h1"])
     program.save(tmp_path / "program")
     loaded = TrainingProgram.load(tmp_path / "program")
     assert loaded.manifest["recompute"] == program.manifest["recompute"]
@@ -84,7 +58,7 @@ def _forward_values(model: onnx.ModelProto) -> set[str]:
 
 
 def test_backward_reads_only_what_the_plan_keeps():
-    with_loss = add_loss_output(_tower(), "squared_error")
+    with_loss = add_loss_output(tower(), "squared_error")
     graph = gradient(with_loss)
     forward = _forward_values(with_loss)
     result = Recompute(("h1",))(graph)
@@ -102,14 +76,14 @@ def test_backward_reads_only_what_the_plan_keeps():
 
 
 def test_unchanged_without_recomputation():
-    program = compile_program(_tower(), loss="squared_error")
+    program = compile_program(tower(), loss="squared_error")
     assert "recompute" not in program.manifest
     assert not any("_recomputed" in o for n in program.graphs["train_step"].graph.node
                    for o in n.output)
 
 
 def test_random_nodes_are_kept_not_drawn_again():
-    program = compile_program(_tower(dropout=True), loss="squared_error", recompute="auto")
+    program = compile_program(tower(dropout=True), loss="squared_error", recompute="auto")
     step = program.graphs["train_step"]
     assert [n.op_type for n in step.graph.node].count("Dropout") == 1
     plan = program.manifest["recompute"]["train_step"]
@@ -118,7 +92,7 @@ def test_random_nodes_are_kept_not_drawn_again():
 
 
 def test_updates_ordered_keeps_values():
-    program = compile_program(_tower(), loss="squared_error")
+    program = compile_program(tower(), loss="squared_error")
     step = program.graphs["train_step"]
     ordered = UpdatesInBackwardOrder()(step).model
     assert sorted(n.SerializeToString() for n in ordered.graph.node) == sorted(
@@ -129,7 +103,7 @@ def test_updates_ordered_keeps_values():
 
 def test_needs_a_gradient_model():
     with pytest.raises(UnsupportedModelError, match="Recompute needs a gradient model"):
-        Recompute(("h1",))(_tower())
+        Recompute(("h1",))(tower())
 
 
 def test_onnxruntime_keeps_the_copies(tmp_path):
@@ -137,7 +111,7 @@ def test_onnxruntime_keeps_the_copies(tmp_path):
     copies back into the forward (which would keep the activations alive again)."""
     import onnxruntime
 
-    program = compile_program(_tower(), loss="squared_error", recompute=["h1"])
+    program = compile_program(tower(), loss="squared_error", recompute=["h1"])
     options = onnxruntime.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     options.log_severity_level = 3
@@ -152,7 +126,7 @@ def test_accumulating_graphs_recompute_too():
     X, y = _data()
     trained = []
     for recompute in ("none", ["h1"]):
-        program = compile_program(_tower(), loss="squared_error", recompute=recompute,
+        program = compile_program(tower(), loss="squared_error", recompute=recompute,
                                   accumulation_steps=2)
         trainer = Trainer(program).fit(X, y, batch_size=3, epochs=1, shuffle=False,
                                        progress=False)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 #: The element type of an array as ONNX text spells it.
 TEXT_TYPE = {np.dtype(np.float64): "double", np.dtype(np.float32): "float",
@@ -189,3 +189,39 @@ def large_weights_model(big: onnx.TensorProto | None = None, copied: bool = Fals
         "x", TensorProto.FLOAT, ["N", BIG[0]])], [helper.make_tensor_value_info(
             "y", TensorProto.FLOAT, ["N", 4])], weights)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def tower(dropout: bool = False, norm: bool = False) -> onnx.ModelProto:
+    """x -> tanh(x W1) = h1 -> tanh(h1 W2) + h1 = h2 (a residual) -> sigmoid -> y = . W3:
+    three segments, float32, a free batch, whose backward reads W2 and W3 (the products
+    with the activations' gradients); ``dropout``: a training-mode Dropout on h1; ``norm``:
+    a training-mode BatchNormalization before the first Tanh (running statistics, buffers
+    the training graphs write)."""
+    rng = np.random.default_rng(0)
+    weights = {"W1": rng.normal(size=(3, 4)), "W2": rng.normal(size=(4, 4)) / 2,
+               "W3": rng.normal(size=(4, 1))}
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["a1"]),
+             helper.make_node("Tanh", ["a1"], ["h1"]),
+             helper.make_node("MatMul", ["h1", "W2"], ["a2"]),
+             helper.make_node("Tanh", ["a2"], ["t2"]),
+             helper.make_node("Add", ["t2", "h1"], ["h2"]),
+             helper.make_node("Sigmoid", ["h2"], ["s"]),
+             helper.make_node("MatMul", ["s", "W3"], ["y"])]
+    constants = {}
+    if dropout:
+        nodes[2].input[0] = "d1"
+        nodes.insert(2, helper.make_node("Dropout", ["h1", "ratio", "training"], ["d1"],
+                                         seed=3))
+        constants.update(ratio=np.array(0.25, np.float32), training=np.array(True))
+    if norm:
+        weights.update(scale=np.ones(4), bias=np.zeros(4), mean=np.zeros(4), var=np.ones(4))
+        nodes[1].input[0] = "n1"
+        nodes.insert(1, helper.make_node("BatchNormalization",
+                                         ["a1", "scale", "bias", "mean", "var"],
+                                         ["n1", "mean_out", "var_out"], training_mode=1))
+    initializers = [numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()]
+    initializers += [numpy_helper.from_array(v, n) for n, v in constants.items()]
+    graph = helper.make_graph(
+        nodes, "tower", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], initializers)
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])

@@ -590,13 +590,16 @@ class Trainer:
 
     @classmethod
     def load_checkpoint(cls, path: str | os.PathLike, providers: Sequence[str] | None = None,
-                        session_options: Any = None) -> Trainer:
-        """A trainer resuming a checkpoint: ``fit(..., warm_start=True)`` continues it.
+                        session_options: Any = None, keep_previous_state: bool | None = None,
+                        in_place: bool | None = None) -> Trainer:
+        """A trainer resuming a checkpoint: ``fit(..., warm_start=True)`` continues it (the
+        options as the constructor's).
 
         A damaged checkpoint is an :class:`~lossgraph.errors.InvalidProgramError`.
         """
         parts, record = read_checkpoint(path)
-        trainer = cls(TrainingProgram(*parts), providers, session_options)
+        trainer = cls(TrainingProgram(*parts), providers, session_options, keep_previous_state,
+                      in_place)
         trainer.restore_progress(record)
         return trainer
 

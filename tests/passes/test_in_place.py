@@ -175,3 +175,34 @@ def test_contradictory_or_bad_options_are_refused(options, match):
 def test_programs_whose_steps_cannot_write_in_place_say_why(compile_options, match):
     with pytest.raises(UnsupportedOptionError, match=match):
         Trainer(compile_program(tower(), **compile_options), in_place=True)
+
+
+@pytest.mark.parametrize("fuse", ["step", "separate"])
+def test_lora_adapters_over_frozen_weights_write_in_place_too(fuse):
+    from support.adapters import lora_program, query_data
+
+    X, y = query_data()
+    states = []
+    for options in ({"in_place": True}, {"keep_previous_state": False, "in_place": False}):
+        trainer = Trainer(lora_program(fuse, Momentum(0.05, 0.9)), **options)
+        trainer.fit(X, y, batch_size=8, epochs=2, shuffle=False, progress=False)
+        states.append(trainer.state)
+    assert all(np.array_equal(states[0][n], states[1][n]) for n in states[1])
+
+
+def test_a_checkpoint_resumes_in_place_as_without(tmp_path):
+    """A fit stopped at a checkpoint and resumed by a trainer writing in place ends where
+    one fit of two sets does."""
+    from lossgraph import latest_checkpoint
+
+    program = compile_program(tower(), optimizer=AdamW(0.01, weight_decay=0.1))
+    X, y = _data()
+    fit = {"batch_size": 4, "shuffle": False, "progress": False}
+    whole = Trainer(program, keep_previous_state=False, in_place=False).fit(X, y, epochs=2,
+                                                                             **fit)
+    Trainer(program, in_place=True).fit(X, y, epochs=1, checkpoint_dir=tmp_path / "run",
+                                        keep_best=False, **fit)
+    resumed = Trainer.load_checkpoint(latest_checkpoint(tmp_path / "run"), in_place=True)
+    assert resumed.engine.in_place and resumed.steps_ == 3
+    resumed.fit(X, y, epochs=1, warm_start=True, **fit)
+    assert all(np.array_equal(resumed.state[n], whole.state[n]) for n in whole.state)

@@ -80,6 +80,9 @@ class Trainer:
         #: the program's graphs over one live state (sessions, buffers, data checks)
         self.engine = Engine(program, providers, session_options, keep_previous_state,
                              in_place)
+        #: the buffer-set options as given (a pickled trainer keeps them)
+        self._state_options = {"keep_previous_state": keep_previous_state,
+                               "in_place": in_place}
         self.program = program
         self.providers = self.engine.providers
         self.session_options = session_options
@@ -629,16 +632,19 @@ class Trainer:
 
     # -- pickling ----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        """A trainer pickles as its program, live state and progress; onnxruntime sessions
-        are made again on first use after unpickling. ``session_options`` are kept when a
-        dict of settings; onnxruntime's ``SessionOptions`` (not picklable) are not: pass
-        them again with a new Trainer if needed."""
+        """A trainer pickles as its program, live state, progress and buffer-set options;
+        onnxruntime sessions are made again on first use after unpickling.
+        ``session_options`` are kept when a dict of settings; onnxruntime's
+        ``SessionOptions`` (not picklable) are not: pass them again with a new Trainer if
+        needed."""
         settings = self.session_options if isinstance(self.session_options, Mapping) else None
         return {"program": self.program, "providers": self.providers, "state": self.state,
-                "progress": self.progress(), "session_options": settings}
+                "progress": self.progress(), "session_options": settings,
+                **self._state_options}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
-        self.__init__(saved["program"], saved["providers"], saved.get("session_options"))
+        self.__init__(saved["program"], saved["providers"], saved.get("session_options"),
+                      saved.get("keep_previous_state"), saved.get("in_place"))
         self.set_state(saved["state"])
         self.restore_progress(saved["progress"])
 

@@ -206,3 +206,13 @@ def test_a_checkpoint_resumes_in_place_as_without(tmp_path):
     assert resumed.engine.in_place and resumed.steps_ == 3
     resumed.fit(X, y, epochs=1, warm_start=True, **fit)
     assert all(np.array_equal(resumed.state[n], whole.state[n]) for n in whole.state)
+
+
+def test_a_pickled_trainer_keeps_its_buffer_set_options():
+    import pickle
+
+    program = compile_program(tower())
+    for options, sets in (({"in_place": True}, 1), ({"keep_previous_state": False,
+                                                     "in_place": False}, 2), ({}, 3)):
+        copy = pickle.loads(pickle.dumps(Trainer(program, **options)))
+        assert copy.engine.ring.sets == sets

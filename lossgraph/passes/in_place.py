@@ -54,7 +54,7 @@ _PASSED_ON = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"
 
 
 class _Graph:
-    """A graph's producers and readers, by node position."""
+    """A graph's producers, readers and ancestry, by node position."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
         self.nodes = list(model.graph.node)
@@ -63,23 +63,27 @@ class _Graph:
         self.producer: dict[str, int] = {}
         #: value -> the positions of the nodes reading it
         self.readers: dict[str, list[int]] = {}
+        #: each node's ancestors, as a bit mask of positions (a graph lists its nodes in a
+        #: topological order)
+        self.ancestry: list[int] = []
         for i, node in enumerate(self.nodes):
-            self.producer.update((o, i) for o in node.output if o)
+            mask = 0
             for value in dict.fromkeys(node_reads(node)):
                 self.readers.setdefault(value, []).append(i)
+                if value in self.producer:
+                    j = self.producer[value]
+                    mask |= self.ancestry[j] | 1 << j
+            self.ancestry.append(mask)
+            self.producer.update((o, i) for o in node.output if o)
 
-    def ancestors(self, values: list[str]) -> set[int]:
-        """The positions of the nodes ``values`` are computed from (their producers
-        included)."""
-        seen: set[int] = set()
-        stack = [self.producer[v] for v in values if v in self.producer]
-        while stack:
-            i = stack.pop()
-            if i not in seen:
-                seen.add(i)
-                stack.extend(self.producer[v] for v in node_reads(self.nodes[i])
-                             if v in self.producer)
-        return seen
+    def ancestors(self, values: list[str]) -> int:
+        """The nodes ``values`` are computed from, their producers included (a bit mask)."""
+        mask = 0
+        for value in values:
+            if value in self.producer:
+                i = self.producer[value]
+                mask |= self.ancestry[i] | 1 << i
+        return mask
 
     def users(self, state: str) -> set[int]:
         """The nodes that use ``state``'s values: its readers, and where a reader hands it
@@ -99,32 +103,20 @@ class _Graph:
         return found
 
 
-def _waits(graph: _Graph, state: str, written: str, before: set[int]
+def _waits(graph: _Graph, state: str, written: str, before: int
            ) -> tuple[list[int], str | None]:
     """The nodes using ``state`` that the node writing ``written`` must wait for (those
-    not among its ancestors ``before``), or a problem."""
+    not among its ancestors ``before``, a bit mask), or a problem."""
     waits = []
-    after = _descendants(graph, written)
+    writer = graph.producer[written]
     for i in sorted(graph.users(state)):
-        if i in before:
+        if before >> i & 1:
             continue
-        if i in after:
+        if graph.ancestry[i] >> writer & 1:
             return [], (f"node {graph.nodes[i].name or graph.nodes[i].op_type!r} reads both "
                         f"{state!r} and its next value {written!r}")
         waits.append(i)
     return waits, None
-
-
-def _descendants(graph: _Graph, value: str) -> set[int]:
-    """The nodes computed from ``value``."""
-    seen: set[int] = set()
-    stack = [value]
-    while stack:
-        for i in graph.readers.get(stack.pop(), ()):
-            if i not in seen:
-                seen.add(i)
-                stack.extend(o for o in graph.nodes[i].output if o)
-    return seen
 
 
 def in_place_problem(model: onnx.ModelProto, pairs: Mapping[str, str],

@@ -123,25 +123,13 @@ class Engine:
         #: the update of every weight at once, where the mode runs one (the state lies packed)
         self.packed: PackedUpdate | None = self.mode.packed_update(program)
         names = program.weights + program.optimizer_states + program.buffers
-        small = sum(program.state[n].nbytes for n in names) <= KEEP_PREVIOUS_MAX_BYTES
-        if keep_previous_state is None:
-            keep_previous_state = small and not in_place
-        if in_place and keep_previous_state:
-            raise UnsupportedOptionError(
-                "in_place=True writes each step over the state it reads, so no state before "
-                "the last step can be kept: pass keep_previous_state=False (or leave it out).")
-        problem = ("it keeps the state before the last step" if keep_previous_state
-                   else "in_place=False" if in_place is False
-                   else self.mode.in_place_problem(program, self.packed))
-        if in_place and problem:
-            raise UnsupportedOptionError(
-                f"in_place=True, but this program's steps cannot write the next state over "
-                f"the one they read: {problem}. Leave in_place out (two buffer sets).")
+        sets = self._buffer_sets(sum(program.state[n].nbytes for n in names),
+                                 keep_previous_state, in_place)
         #: whether each step writes the next state over the one it reads, holding the
         #: state in one buffer set (by default where it is not kept and the mode can)
-        self.in_place: bool = problem is None
+        self.in_place: bool = sets == 1
         self.ring = StateRing(names, program.state, self.packed.blocks if self.packed else (),
-                              1 if self.in_place else 3 if keep_previous_state else 2)
+                              sets)
         self._sessions: dict[tuple[str, int | None], Any] = {}
         self._runners: dict[tuple[Any, ...], GraphRunner] = {}
         self.dtype = program.state[program.weights[0]].dtype
@@ -158,6 +146,29 @@ class Engine:
         self._stepper = self.mode.stepper(self)
         #: the last applied run's steps and where it was (what step_back undoes)
         self._applied: tuple[int, str] | None = None
+
+    def _buffer_sets(self, size: int, keep_previous_state: bool | None,
+                     in_place: bool | None) -> int:
+        """The state ring's sets for a state of ``size`` bytes: 3 to keep the state before
+        the last step (by default up to :data:`KEEP_PREVIOUS_MAX_BYTES`), 1 where the
+        steps write in place (by default where the mode can), else 2; contradictory
+        options are an UnsupportedOptionError."""
+        if keep_previous_state is None:
+            keep_previous_state = size <= KEEP_PREVIOUS_MAX_BYTES and not in_place
+        if in_place and keep_previous_state:
+            raise UnsupportedOptionError(
+                "in_place=True writes each step over the state it reads, so no state before "
+                "the last step can be kept: pass keep_previous_state=False (or leave it out).")
+        if keep_previous_state:
+            return 3
+        if in_place is False:
+            return 2
+        problem = self.mode.in_place_problem(self.program, self.packed)
+        if in_place and problem:
+            raise UnsupportedOptionError(
+                f"in_place=True, but this program's steps cannot write the next state over "
+                f"the one they read: {problem}. Leave in_place out (two buffer sets).")
+        return 2 if problem else 1
 
     # -- state -------------------------------------------------------------------------
     def reset(self) -> None:

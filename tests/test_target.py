@@ -441,7 +441,7 @@ def test_a_pass_cannot_emit_a_graph_its_target_cannot_load():
     with use_target("ir8-opset17"), pytest.raises(
             UnsupportedModelError, match="opset 18; target 'ir8-opset17'"):
         penalty_graph(WEIGHTS, {"coef": 0.1})
-    # separate mode's loss graph (built at opset 18) is lowered to 17; its update graph is not
+    # separate mode's loss graph takes the model's opset; its update graph (opset 18) does not
     with pytest.raises(UnsupportedOptionError, match="opset=18 .*target 'ir8-opset17'"):
         compile_golden("hand_linear", "separate", target="ir8-opset17")
 

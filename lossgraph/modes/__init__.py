@@ -219,8 +219,7 @@ class FuseMode(abc.ABC):
         """Why this mode's steps of ``program`` (with its ``packed`` update) cannot write
         the next state over the one they read, holding it in one buffer set
         (:mod:`lossgraph.passes.in_place`); None when they can."""
-        return (f"a fuse={self.name!r} program's epoch graph carries the state through a "
-                "Scan, which writes it into arrays of its own")
+        return f"a fuse={self.name!r} program's steps are not built to write in place"
 
     def packed_update(self, program: Any) -> Any:
         """The update of every weight at once its stepper runs, whose layout the engine's

@@ -175,6 +175,10 @@ class EpochMode(FuseMode):
             **_accumulating(context, epochs=True),
         }
 
+    def in_place_problem(self, program: Any, packed: Any) -> str | None:
+        return (f"a fuse={self.name!r} program's epoch graph carries the state through a "
+                "Scan, which writes it into arrays of its own")
+
     def assemble(self, compiling: Compiling) -> Assembled:
         signature = compiling.built["train_epoch"].report.of(EpochGraph)
         return Assembled(signature, _accumulating_roles(compiling, signature))

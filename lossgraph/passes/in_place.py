@@ -119,28 +119,37 @@ def _waits(graph: _Graph, state: str, written: str, before: int
     return waits, None
 
 
+def _plan(graph: _Graph, pairs: Mapping[str, str], loss: str | None
+          ) -> tuple[dict[str, list[int]], str | None]:
+    """For each state tensor of ``pairs``, the nodes using it that the write of its next
+    value must wait for; or why the graph cannot be written in place: as it is (``loss``
+    None: each writer elementwise, nothing to wait for) or guarded by ``loss``."""
+    if loss is not None and loss not in graph.producer:
+        return {}, f"its loss {loss!r} is not computed by a node"
+    plan = {}
+    for state, written in pairs.items():
+        if written not in graph.producer:
+            return {}, f"{written!r} is not computed by a node"
+        writer = graph.nodes[graph.producer[written]]
+        if loss is None and (writer.op_type not in ELEMENTWISE
+                             or writer.domain not in ("", "ai.onnx")):
+            return {}, f"{written!r} is written by a {writer.op_type}, not an elementwise node"
+        waits, problem = _waits(graph, state, written,
+                                graph.ancestors([written, *([loss] if loss else [])]))
+        if problem or (waits and loss is None):
+            return {}, problem or (f"node {graph.nodes[waits[0]].name!r} may read {state!r} "
+                                   f"after {written!r} is written")
+        plan[state] = waits
+    return plan, None
+
+
 def in_place_problem(model: onnx.ModelProto, pairs: Mapping[str, str],
                      loss: str | None = None) -> str | None:
     """Why ``model`` cannot write each output ``pairs[S]`` over its input ``S``, or None:
     as it is (each writer elementwise, after every reader of ``S``) or, with ``loss``, once
     :class:`WriteInPlace` guards it with that loss (no reader of ``S`` reads its next
     value too)."""
-    graph = _Graph(model)
-    if loss is not None and loss not in graph.producer:
-        return f"its loss {loss!r} is not computed by a node"
-    for state, written in pairs.items():
-        if written not in graph.producer:
-            return f"{written!r} is not computed by a node"
-        writer = graph.nodes[graph.producer[written]]
-        if loss is None and (writer.op_type not in ELEMENTWISE
-                             or writer.domain not in ("", "ai.onnx")):
-            return f"{written!r} is written by a {writer.op_type}, not an elementwise node"
-        waits, problem = _waits(graph, state, written,
-                                graph.ancestors([written, *([loss] if loss else [])]))
-        if problem or (waits and loss is None):
-            return problem or (f"node {graph.nodes[waits[0]].name!r} may read {state!r} "
-                               f"after {written!r} is written")
-    return None
+    return _plan(_Graph(model), pairs, loss)[1]
 
 
 @dataclass(frozen=True)
@@ -156,16 +165,16 @@ class WriteInPlace(Pass[None]):
     def call(self, model: onnx.ModelProto) -> PassResult[None]:
         graph = _Graph(model)
         nodes = graph.nodes
-        names = NameAuthority.for_model(model)
-        b = GraphBuilder(names, opset_version(model) or 13, prefix="in_place/")
-        problem = in_place_problem(model, self.pairs, self.loss)
+        plan, problem = _plan(graph, self.pairs, self.loss)
         if problem:
             raise InternalError(f"WriteInPlace cannot write the graph's state in place: "
                                 f"{problem}.")
+        names = NameAuthority.for_model(model)
+        b = GraphBuilder(names, opset_version(model) or 13, prefix="in_place/")
         ok = b.Not(b.Or(b.IsNaN(self.loss), b.IsInf(self.loss)), hint="loss_is_finite")
         inserted: dict[int, list[onnx.NodeProto]] = {graph.producer[self.loss]: list(b.nodes)}
         for state, written in self.pairs.items():
-            waits, _ = _waits(graph, state, written, graph.ancestors([written, self.loss]))
+            waits = plan[state]
             writer = nodes[graph.producer[written]]
             computed = names.fresh(f"{written}_computed")
             writer.output[list(writer.output).index(written)] = computed

@@ -145,7 +145,7 @@ class SeparateStep:
         self._weights = program.weights
         # the model's buffers, and the gradient graph's outputs with their next values
         self._model_buffers = program.buffers
-        new = {b["name"]: b["new"] for b in program.manifest.get("buffers", [])}
+        new = program.state_updates("gradient")
         self._new_buffers = [new[b] for b in self._model_buffers]
         prediction, seed = io("gradient", "prediction")[0], io("gradient", "prediction_grad")[0]
         split = split_gradient(graphs["gradient"], [prediction, *self._new_buffers], [seed])

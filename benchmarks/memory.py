@@ -359,8 +359,8 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     compiled = {"compile_s": time.perf_counter() - start,
                 "compile_peak_mb": _memory("VmHWM") - base,
                 "compiled_mb": _memory("VmRSS") - base,
-                "trained_parameters": sum(program.state[w].size for w in program.weights),
-                "optimizer_state_mb": sum(program.state[s].nbytes
+                "trained_parameters": sum(program.state.like(w).size for w in program.weights),
+                "optimizer_state_mb": sum(program.state.like(s).nbytes
                                           for s in program.optimizer_states) / 2**20}
     if column == "compile":
         return {**compiled, "peak_mb": compiled["compile_peak_mb"]}

@@ -585,7 +585,8 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     inference, held, notes = front.starts["inference model"], front.held, front.notes
     del front, runner, compiling  # every intermediate model
     # light: the program keeps every weight once, its state's and the frozen ones
-    program = TrainingProgram(graphs, manifest, state, inference, notes=notes)
-    del held
+    program = TrainingProgram(graphs, manifest, state, inference, notes=notes,
+                              source=model if isinstance(model, onnx.ModelProto) else None)
+    del held, state  # the state's large weights: read from the model given, where it can
     release_free_memory()
     return program

@@ -20,6 +20,10 @@ class InvalidModelError(LossgraphError, ValueError):
     """The model is not a valid ONNX model (it fails the ONNX checker or shape inference)."""
 
 
+class ModelChangedError(InvalidModelError):
+    """The model a program reads its initial state from changed after compile."""
+
+
 class UnsupportedModelError(LossgraphError, ValueError):
     """The model is valid ONNX but uses something lossgraph cannot handle (yet)."""
 
@@ -156,7 +160,8 @@ class NotFittedError(LossgraphError, AttributeError):
 
 
 __all__ = [
-    "LossgraphError", "InvalidModelError", "UnsupportedModelError", "UnknownNameError",
+    "LossgraphError", "InvalidModelError", "ModelChangedError", "UnsupportedModelError",
+    "UnknownNameError",
     "UnsupportedOptionError", "DTypeMismatchError", "ShapeMismatchError", "NameCollisionError",
     "InternalError", "MissingGradientError", "RuntimeUnavailableError", "ConvergenceError",
     "InvalidDataError", "InvalidProgramError", "AdapterMismatchError", "UnsafeWriteError",

@@ -276,12 +276,12 @@ class Replica:
         self._summed = TrainingProgram({**base.light_graphs, "loss": program.sum_loss},
                                        base.manifest, base.state, base.inference_model)
         self._weights = base.weights
-        self._shapes = {w: base.state[w].shape for w in self._weights}
-        ends = np.cumsum([base.state[w].size for w in self._weights])
-        self._slices = {w: slice(int(end) - base.state[w].size, int(end))
+        self._shapes = {w: base.state.like(w).shape for w in self._weights}
+        ends = np.cumsum([base.state.like(w).size for w in self._weights])
+        self._slices = {w: slice(int(end) - base.state.like(w).size, int(end))
                         for w, end in zip(self._weights, ends)}
         self._size = int(ends[-1])
-        self._dtype = base.state[self._weights[0]].dtype
+        self._dtype = base.state.like(self._weights[0]).dtype
         self._label = base.manifest["roles"]["label"]
         self._sample_weight = base.manifest["roles"].get("sample_weight")
         #: the separate steps over the summed loss graph, on the trainer's state

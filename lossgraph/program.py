@@ -43,6 +43,7 @@ from .fileio import check_file_target, ensure_folder, save_model, serialize
 from .graphs import HeldWeights, held_apart, put_back, stored_tensors, with_weight_data
 from .graphs.held import held_tensors
 from .inference import export_model
+from .initial_state import InitialState
 from .optim import Optimizer, optimizer_from_dict
 from .options import flag
 from .storage import read_program, save_program
@@ -75,8 +76,11 @@ class TrainingProgram:
     Each weight is held once. The trained ones are in ``state``: the inference model is
     kept without the data of the initializers ``state`` holds to the byte, and
     :attr:`inference_model` puts it back when asked for (a BERT-base model's 418 MiB are
-    not held twice). The large frozen ones (initializers of the graphs: a LoRA program's
-    base weights, a weight ``compile_program(weights=[...])`` leaves out) are in one store
+    not held twice). A large model compiled from a ``ModelProto`` is not copied even once:
+    ``state`` reads its weights from it when asked for, checking they did not change
+    (:class:`~lossgraph.initial_state.InitialState`). The large frozen ones (initializers
+    of the graphs: a LoRA program's base weights, a weight ``compile_program(weights=
+    [...])`` leaves out) are in one store
     (:class:`~lossgraph.graphs.HeldWeights`, :attr:`frozen`) that every graph and the
     inference model point to: :attr:`light_graphs` are the graphs without their data,
     which the engine's sessions read from the store, and :attr:`graphs` puts it back on
@@ -86,7 +90,9 @@ class TrainingProgram:
     #: the graphs without the data of their large frozen initializers (:attr:`frozen`)
     light_graphs: dict[str, onnx.ModelProto]
     manifest: dict[str, Any]
-    state: dict[str, np.ndarray]
+    #: the initial state: weights, optimizer states and buffers by name (its large weights
+    #: read from the model compiled when asked for, where they are: :class:`InitialState`)
+    state: InitialState
     #: what compile decided about the model (:class:`lossgraph.compiler.CompileNotes`: the
     #: opset, ZipMaps, the output and loss trained); None for a program loaded from a folder
     notes: Any = field(default=None, compare=False, repr=False)
@@ -97,16 +103,20 @@ class TrainingProgram:
     _stores: tuple[HeldWeights, ...] = field(default=(), compare=False, repr=False)
 
     def __init__(self, graphs: Mapping[str, onnx.ModelProto], manifest: dict[str, Any],
-                 state: dict[str, np.ndarray], inference_model: onnx.ModelProto,
-                 notes: Any = None) -> None:
+                 state: Mapping[str, np.ndarray], inference_model: onnx.ModelProto,
+                 notes: Any = None, source: onnx.ModelProto | None = None) -> None:
         """``graphs`` and ``inference_model``: whole models, or light ones (compile's,
         another program's :attr:`light_graphs`); a frozen weight several of them hold
-        whole (a program read from files) is held once."""
-        self.manifest, self.state, self.notes = manifest, state, notes
+        whole (a program read from files) is held once. ``source``: the model compiled,
+        as the user gave it, which the initial state reads its large weights from
+        (:class:`~lossgraph.initial_state.InitialState`)."""
+        self.manifest, self.notes = manifest, notes
         store = HeldWeights()
         self.light_graphs = {name: store.hold(graph, nested=True)
                              for name, graph in graphs.items()}
         light, apart = held_apart(inference_model, state)
+        self.state = InitialState(state) if source is None \
+            else InitialState.reading(state, source)
         self._inference = (store.hold(light, nested=True), apart)
         models = (*self.light_graphs.values(), self._inference[0])
         self._stores = tuple({id(found): found for model in models for _, found, _ in
@@ -133,7 +143,8 @@ class TrainingProgram:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled as whole models: a store lives in one process."""
-        return {"graphs": dict(self.graphs), "manifest": self.manifest, "state": self.state,
+        return {"graphs": dict(self.graphs), "manifest": self.manifest,
+                "state": dict(self.state),
                 "inference_model": self.inference_model, "notes": self.notes}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:

@@ -478,7 +478,7 @@ class RayTrainer:
             raise UnsupportedOptionError(
                 f"batch_size={batch_size} is smaller than num_workers={self.num_workers}: the "
                 "batch size is global, each worker takes a share of every batch.")
-        if np.dtype(self.program.program.state[self.program.program.weights[0]].dtype) \
+        if np.dtype(self.program.program.state.like(self.program.program.weights[0]).dtype) \
                 == np.float32 and batch_size > 2 ** 24:
             raise UnsupportedOptionError(
                 f"batch_size={batch_size}: the all-reduce counts rows in float32, exact up to "

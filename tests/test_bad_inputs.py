@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 from support.catalogue import Row, assert_listed, message_of, print_table
 from support.linear import LINEAR, linear_data
-from support.models import changed_op_model, image_scaler
+from support.models import changed_op_model, image_scaler, read_state_model
 
 import lossgraph
 from lossgraph.adapters import LoRA
@@ -40,6 +40,7 @@ from lossgraph.errors import (
     InvalidProgramError,
     LossgraphError,
     MissingGradientError,
+    ModelChangedError,
     NoGradientError,
     RuntimeUnavailableError,
     ShapeMismatchError,
@@ -346,6 +347,16 @@ def _other_run(c: Context) -> Path:
     lossgraph.Trainer(c.program()).fit(X, Y, batch_size=50, progress=False,
                                        checkpoint_dir=c.tmp / "run", keep_best=False)
     return c.tmp / "run"
+
+
+def _changed_after_compile() -> lossgraph.TrainingProgram:
+    """A program compiled from a ModelProto large enough that it reads its initial state
+    from it, the model's weight changed since."""
+    model = read_state_model()
+    program = lossgraph.compile_program(model, loss="squared_error")
+    weight = model.graph.initializer[0]
+    weight.raw_data = weight.raw_data[:-4] + b"\0\0\0\0"
+    return program
 
 
 def with_value(array: np.ndarray, row: int, value: float, column: int | None = None):
@@ -840,6 +851,11 @@ CASES: list[Case] = [
          lambda c: lossgraph.Trainer(lossgraph.compile_program(linear(), fuse="epoch"),
                                      in_place=True),
          UnsupportedOptionError, "carries the state through a Scan"),
+    Case("model-changed-after-compile", "Trainer(program) of a 64 MiB ModelProto "
+         "changed after compile_program",
+         lambda c: lossgraph.Trainer(_changed_after_compile()), ModelChangedError,
+         "The model this program was compiled from changed after compile: its initializer "
+         "'W' is not the value compiled"),
     Case("providers-unknown", "providers=['NoSuchExecutionProvider']",
          lambda c: lossgraph.Trainer(c.program(), providers=["NoSuchExecutionProvider"]),
          UnsupportedOptionError, "'NoSuchExecutionProvider', which this onnxruntime does not"),

@@ -237,10 +237,10 @@ class GradientSums:
         self.outputs = program.io("train_accumulate", "new_gradient_sum")
         self.scale_input = program.io("train_accumulate", "gradient_scale")[0]
         #: the factor of the next micro-batch's gradient (bound to the graphs)
-        self.scale = np.zeros((), program.state[weights[0]].dtype)
+        self.scale = np.zeros((), program.state.like(weights[0]).dtype)
         # zeros from calloc cost no memory until written, and they never are
-        self._sets = [[np.zeros_like(program.state[w]) for w in weights],
-                      *([np.empty_like(program.state[w]) for w in weights] for _ in range(2))]
+        self._sets = [[np.zeros_like(program.state.like(w)) for w in weights],
+                      *([np.empty_like(program.state.like(w)) for w in weights] for _ in range(2))]
 
     def _set(self, index: int) -> list[np.ndarray]:
         return self._sets[0] if index == 0 else self._sets[1 + (index - 1) % 2]

@@ -165,7 +165,7 @@ class SeparateMode(FuseMode):
 
     def packed_update(self, program: Any) -> PackedUpdate | None:
         return packed_update(program.light_graphs["update"], program.optimizer,
-                             {w: program.state[w] for w in program.weights},
+                             {w: program.state.like(w) for w in program.weights},
                              program.update_options)
 
     def stepper(self, engine: Any) -> SeparateSteps:
@@ -221,7 +221,8 @@ class SeparateSteps:
         each, the penalty and the update once; their losses (the penalty included)."""
         engine = self.engine
         if self._sums is None:
-            self._sums = {w: np.empty_like(self.program.state[w]) for w in self.program.weights}
+            self._sums = {w: np.empty_like(self.program.state.like(w))
+                          for w in self.program.weights}
         sums, losses = self._sums, np.empty(len(batches))
         with engine.ring.chaining(self.program.buffers) as carry:
             for index, (batch, scale) in enumerate(zip(batches, scales)):

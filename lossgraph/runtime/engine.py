@@ -123,7 +123,7 @@ class Engine:
         #: the update of every weight at once, where the mode runs one (the state lies packed)
         self.packed: PackedUpdate | None = self.mode.packed_update(program)
         names = program.weights + program.optimizer_states + program.buffers
-        sets = self._buffer_sets(sum(program.state[n].nbytes for n in names),
+        sets = self._buffer_sets(sum(program.state.like(n).nbytes for n in names),
                                  keep_previous_state, in_place)
         #: whether each step writes the next state over the one it reads, holding the
         #: state in one buffer set (by default where it is not kept and the mode can)
@@ -132,7 +132,7 @@ class Engine:
                               sets)
         self._sessions: dict[tuple[str, int | None], Any] = {}
         self._runners: dict[tuple[Any, ...], GraphRunner] = {}
-        self.dtype = program.state[program.weights[0]].dtype
+        self.dtype = program.state.like(program.weights[0]).dtype
         self._rate = np.zeros((), self.dtype)
         self._step = np.zeros((), np.int64)
         self._loss = np.zeros((), self.dtype)

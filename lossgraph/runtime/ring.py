@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InternalError
+from ..initial_state import InitialState
 from .session import cpu_device, evaluation_error, ortvalue
 
 __all__ = ["Block", "StateRing", "GraphRunner"]
@@ -50,7 +51,7 @@ class StateRing:
     has each step write over the live state (graphs that write in place only).
     """
 
-    def __init__(self, names: Sequence[str], initial: Mapping[str, np.ndarray],
+    def __init__(self, names: Sequence[str], initial: InitialState,
                  packed: Sequence[Sequence[str]] = (), sets: int = 3) -> None:
         if sets not in (1, 2, 3):
             raise InternalError(f"A state ring has 1, 2 or 3 buffer sets, not {sets!r}.")
@@ -68,18 +69,19 @@ class StateRing:
         self.current = 0
         self.load(initial)
 
-    def _allocate(self, initial: Mapping[str, np.ndarray],
+    def _allocate(self, initial: InitialState,
                   packed: Sequence[Sequence[str]]) -> list[np.ndarray]:
-        """One set of arrays shaped like ``initial``; each packed group views one flat array."""
+        """One set of arrays shaped like ``initial``'s (not read); each packed group views
+        one flat array."""
         arrays: dict[str, np.ndarray] = {}
         for group in packed:
-            parts = [np.asarray(initial[n]) for n in group]
+            parts = [initial.like(n) for n in group]
             flat = np.empty(sum(p.size for p in parts), parts[0].dtype)
             ends = np.cumsum([p.size for p in parts])
             for name, part, end in zip(group, parts, ends):
                 arrays[name] = flat[end - part.size:end].reshape(part.shape)
             self.blocks.setdefault(tuple(group), []).append(flat)
-        return [arrays[n] if n in arrays else np.empty_like(initial[n], order="C")
+        return [arrays[n] if n in arrays else np.empty_like(initial.like(n), order="C")
                 for n in self.names]
 
     def value(self, parity: int, state: str | Block):

@@ -169,7 +169,7 @@ class SeparateStep:
             self._static = False
             # the gradients, shaped like the weights, in arrays bound once (as the update's
             # inputs too): a step allocates its activations only, and holds none after it
-            self._gradients = {w: np.empty_like(program.state[w]) for w in self._weights}
+            self._gradients = {w: np.empty_like(program.state.like(w)) for w in self._weights}
             self._model = HalvesRunner(split, make_session,
                                        dict(zip(split.gradients, self._gradients.values())))
             self._index = {name: i for i, name in enumerate(ring.names)}
@@ -195,8 +195,8 @@ class SeparateStep:
         self._penalty = None
         if self._penalized:
             total, *grads = io("penalty", "penalty") + io("penalty", "penalty_gradient")
-            self._penalty_total = np.empty((), program.state[self._penalized[0]].dtype)
-            self._penalty_grads = [np.empty_like(program.state[w]) for w in self._penalized]
+            self._penalty_total = np.empty((), program.state.like(self._penalized[0]).dtype)
+            self._penalty_grads = [np.empty_like(program.state.like(w)) for w in self._penalized]
             self._penalty = GraphRunner(make_session(graphs["penalty"]), ring,
                                         {w: w for w in self._penalized}, {}, {},
                                         {total: self._penalty_total,

@@ -13,7 +13,8 @@ order, read in ``If`` branches; :data:`NET` a dense layer whose weights' order d
 :data:`CHANGED_OPS` (:func:`changed_op_model`) models whose ops changed meaning or arrived
 after opset 21; :func:`image_scaler` one at opset 7 with an op onnx removed;
 :func:`large_weights_model` one whose weight is large enough to be set aside for onnx's
-checker and held apart while compile's passes run (``lossgraph.graphs.HeldWeights``).
+checker and held apart while compile's passes run (``lossgraph.graphs.HeldWeights``), and
+:func:`read_state_model` one large enough for a program to read its state from it.
 """
 
 from __future__ import annotations
@@ -189,6 +190,14 @@ def large_weights_model(big: onnx.TensorProto | None = None, copied: bool = Fals
         "x", TensorProto.FLOAT, ["N", BIG[0]])], [helper.make_tensor_value_info(
             "y", TensorProto.FLOAT, ["N", 4])], weights)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def read_state_model() -> onnx.ModelProto:
+    """:func:`large_weights_model` whose ``W`` is 64 MiB (256 x 65536), the size from which
+    a program compiled from the ModelProto reads its initial state from it
+    (``lossgraph.initial_state.READ_MIN_BYTES``) rather than keep a copy."""
+    wide = np.random.default_rng(1).standard_normal((BIG[0], 2**16), np.float32) / 256
+    return large_weights_model(numpy_helper.from_array(wide, "W"))
 
 
 def tower(dropout: bool = False, norm: bool = False) -> onnx.ModelProto:

@@ -1,0 +1,130 @@
+"""A program's initial state: the values training starts from and ``reset`` returns to.
+
+Held as arrays, it is a copy of every weight beside the model the user compiled and the
+trainer's own buffers: 418 MiB more for BERT-base. So where a model given as a
+``ModelProto`` holds :data:`READ_MIN_BYTES` of the state or more, :class:`InitialState`
+keeps, for each of its large weights and buffers that the model holds byte for byte under
+the same name, no array but the model and the digest of those bytes, and reads the value
+from the model again when asked for. The digest is checked on every read: a model changed
+after compile is a :class:`~lossgraph.errors.ModelChangedError`, never a training run
+started from other weights. Every other value (optimizer states, adapters, a weight
+compile made, any value of a model given as a file or bytes) is held as an array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .errors import ModelChangedError
+from .graphs.held import HOLD_MIN_BYTES
+
+__all__ = ["InitialState", "READ_MIN_BYTES"]
+
+#: The bytes of state a model must hold for the program to read them from it rather than
+#: keep a copy (the size from which a trainer writes in place by default, too).
+READ_MIN_BYTES = 64 * 2**20
+
+
+def _digest(array: np.ndarray) -> bytes:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).digest()
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A value read from ``model``'s initializer of its name when asked for."""
+
+    model: onnx.ModelProto
+    digest: bytes
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def value(self, name: str) -> np.ndarray:
+        tensor = next((t for t in self.model.graph.initializer if t.name == name), None)
+        try:
+            array = None if tensor is None else numpy_helper.to_array(tensor)
+        except Exception:  # noqa: BLE001 - any unreadable tensor is a changed model
+            array = None
+        if array is None or array.shape != self.shape or array.dtype != self.dtype \
+                or _digest(array) != self.digest:
+            raise ModelChangedError(
+                f"The model this program was compiled from changed after compile: its "
+                f"initializer {name!r} is {'gone' if tensor is None else 'not the value compiled'}"
+                f". The program reads its initial state from that model rather than keep a "
+                f"copy of its weights. Put the model back as it was, or compile it again; to "
+                f"change a model after compiling it, compile a copy of it "
+                f"(copy = onnx.ModelProto(); copy.CopyFrom(model)).")
+        return array
+
+
+class InitialState(MutableMapping[str, np.ndarray]):
+    """The initial state by name (module docstring): held arrays, and values read from
+    the model compiled when asked for (read-only arrays, read again on each access: take
+    one once where it is used more than once). Setting a value holds it."""
+
+    def __init__(self, values: Mapping[str, np.ndarray] | None = None) -> None:
+        self._values: dict[str, np.ndarray | _Read] = (
+            dict(values._values) if isinstance(values, InitialState) else dict(values or {}))
+
+    @classmethod
+    def reading(cls, values: Mapping[str, np.ndarray], model: onnx.ModelProto) -> InitialState:
+        """``values`` whose large ones ``model`` holds byte for byte under their names are
+        read from ``model`` when asked for, where those come to :data:`READ_MIN_BYTES`."""
+        state = cls(values)
+        tensors = {t.name: t for t in model.graph.initializer}
+        found: dict[str, _Read] = {}
+        for name, array in values.items():
+            tensor = tensors.get(name)
+            if tensor is None or array.nbytes < HOLD_MIN_BYTES \
+                    or tensor.data_location == onnx.TensorProto.EXTERNAL:
+                continue
+            given = numpy_helper.to_array(tensor)
+            if given.shape == array.shape and given.dtype == array.dtype and np.array_equal(
+                    np.ascontiguousarray(given).view(np.uint8),
+                    np.ascontiguousarray(array).view(np.uint8)):
+                found[name] = _Read(model, _digest(given), array.shape, array.dtype)
+        if sum(int(np.prod(r.shape)) * r.dtype.itemsize for r in found.values()) \
+                >= READ_MIN_BYTES:
+            state._values.update(found)
+        return state
+
+    @property
+    def read(self) -> frozenset[str]:
+        """The names whose values are read from the model compiled, not held."""
+        return frozenset(n for n, v in self._values.items() if isinstance(v, _Read))
+
+    def like(self, name: str) -> np.ndarray:
+        """An array with ``name``'s shape and dtype, without reading its value (a held
+        array itself, else a read-only broadcast of one zero): for sizes and allocation."""
+        value = self._values[name]
+        if isinstance(value, _Read):
+            return np.broadcast_to(np.zeros((), value.dtype), value.shape)
+        return value
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self._values[name]
+        return value.value(name) if isinstance(value, _Read) else value
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self._values[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._values[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return (f"InitialState({len(self)} values, {len(self.read)} read from the model "
+                f"compiled)")

@@ -1,0 +1,135 @@
+"""InitialState (lossgraph/initial_state.py): a program compiled from a large ModelProto
+reads its initial weights from that model when asked for instead of keeping a copy of
+them (issue 27: the weights held once), trains and saves exactly as a program holding
+them, and names a model changed after compile instead of starting from other weights."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+from support.models import BIG, large_weights_model, read_state_model, tower
+
+import lossgraph
+from lossgraph import initial_state
+from lossgraph.errors import ModelChangedError
+from lossgraph.optim import SGD, AdamW
+
+RNG = np.random.default_rng(5)
+X = RNG.standard_normal((24, BIG[0])).astype(np.float32) / 32
+Y = RNG.standard_normal((24, 4)).astype(np.float32)
+
+
+@pytest.fixture
+def read_small(monkeypatch):
+    """Programs read their state from the model however small it is (the test models'
+    ``W``, 128 KiB, is large enough for a weight to be read)."""
+    monkeypatch.setattr(initial_state, "READ_MIN_BYTES", 0)
+
+
+def _compile(model, fuse="step", optimizer=None):
+    return lossgraph.compile_program(model, loss="squared_error", fuse=fuse,
+                                     optimizer=optimizer or SGD(0.001))
+
+
+def _fit(program, **options):
+    return lossgraph.Trainer(program, **options).fit(X, Y, epochs=2, batch_size=8,
+                                                     random_state=0, progress=False)
+
+
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+@pytest.mark.parametrize("optimizer", [SGD(0.001), AdamW(0.001)], ids=["sgd", "adamw"])
+def test_a_state_read_from_the_model_trains_bit_for_bit_as_one_held(read_small, fuse,
+                                                                     optimizer):
+    model = large_weights_model()
+    given = model.SerializeToString()
+    reading = _compile(model, fuse, optimizer)
+    holding = _compile(given, fuse, optimizer)  # bytes: the program keeps its own copy
+    assert reading.state.read == {"W"} and holding.state.read == frozenset()
+    a, b = _fit(reading), _fit(holding)
+    for name in holding.state:
+        np.testing.assert_array_equal(a.state[name], b.state[name])
+        np.testing.assert_array_equal(reading.state[name], holding.state[name])
+    assert model.SerializeToString() == given  # the model is read, never written
+
+
+def test_reset_save_pickle_and_export_read_the_state_from_the_model(read_small, tmp_path):
+    model = large_weights_model()
+    program = _compile(model)
+    W = numpy_helper.to_array(model.graph.initializer[0])
+    trainer = _fit(program)
+    assert not np.array_equal(trainer.state["W"], W)
+    trainer.reset()
+    np.testing.assert_array_equal(trainer.state["W"], W)
+    program.save(tmp_path / "prog")
+    loaded = lossgraph.TrainingProgram.load(tmp_path / "prog")
+    copied = pickle.loads(pickle.dumps(program))
+    for other in (loaded, copied):  # each holds its own copy: nothing refers to the model
+        assert other.state.read == frozenset()
+        np.testing.assert_array_equal(other.state["W"], W)
+    exported = {t.name: t for t in program.inference_model.graph.initializer}
+    assert exported["W"].SerializeToString() == model.graph.initializer[0].SerializeToString()
+
+
+def test_a_model_changed_after_compile_is_named_not_trained_from(read_small, tmp_path):
+    model = large_weights_model()
+    program = _compile(model)
+    weight = model.graph.initializer[0]
+    weight.raw_data = weight.raw_data[:-4] + b"\0\0\0\0"  # the last element: zero
+    assert "W" in program.state and program.state.like("W").shape == BIG  # without reading
+    for read in (lambda: lossgraph.Trainer(program), lambda: program.inference_model,
+                 lambda: program.save(tmp_path / "prog"), lambda: program.state["W"]):
+        with pytest.raises(ModelChangedError, match="initializer 'W' is not the value "
+                                                    "compiled.*compile a copy of it"):
+            read()
+    assert not (tmp_path / "prog").exists()
+    del model.graph.initializer[0]
+    with pytest.raises(ModelChangedError, match="initializer 'W' is gone"):
+        program.state["W"]
+
+
+def test_a_trainer_made_before_the_change_trains_on_until_it_resets(read_small):
+    model = large_weights_model()
+    trainer = lossgraph.Trainer(_compile(model))
+    weight = model.graph.initializer[0]
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * 2, "W"))
+    trainer.fit(X, Y, epochs=1, batch_size=8, progress=False, warm_start=True)
+    assert np.isfinite(trainer.state["W"]).all()
+    with pytest.raises(ModelChangedError):
+        trainer.reset()
+
+
+def test_a_value_set_is_held_and_no_longer_read(read_small):
+    model = large_weights_model()
+    program = _compile(model)
+    program.state["W"] = np.ones(BIG, np.float32)
+    assert program.state.read == frozenset()
+    del model.graph.initializer[:]  # nothing is read from the model any more
+    trainer = lossgraph.Trainer(program)
+    np.testing.assert_array_equal(trainer.state["W"], np.ones(BIG, np.float32))
+
+
+def test_only_large_weights_the_model_object_holds_under_their_names_are_read(
+        monkeypatch, tmp_path):
+    """Below READ_MIN_BYTES of them nothing is read; a model given as a file has no object
+    to read from; a small weight (``S``, 2 KiB) and optimizer states are held."""
+    model = large_weights_model()
+    assert _compile(model).state.read == frozenset()  # 128 KiB of weights
+    monkeypatch.setattr(initial_state, "READ_MIN_BYTES", 0)
+    onnx.save(model, tmp_path / "m.onnx")
+    assert _compile(str(tmp_path / "m.onnx")).state.read == frozenset()
+    assert _compile(model, optimizer=AdamW(0.001)).state.read == {"W"}
+    assert _compile(tower()).state.read == frozenset()  # every weight under 64 KiB
+
+
+def test_a_real_size_model_is_read_by_default():
+    """64 MiB of weights: the default threshold, no patching."""
+    model = read_state_model()
+    program = _compile(model)
+    assert program.state.read == {"W"}
+    trainer = lossgraph.Trainer(program)
+    np.testing.assert_array_equal(trainer.state["W"],
+                                  numpy_helper.to_array(model.graph.initializer[0]))

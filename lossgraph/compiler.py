@@ -175,7 +175,7 @@ def compile_program(
     accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
     ema_decay: float | None = None,
-    recompute: str | Sequence[str] = "none",
+    recompute: str | float | Sequence[str] = "none",
     adapters: LoRA | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
@@ -245,8 +245,11 @@ def compile_program(
             of ``torch.utils.checkpoint`` (:class:`~lossgraph.passes.Recompute`): ``"none"``
             (the default: every activation the backward reads is kept), ``"auto"``
             (boundaries chosen among the forward graph's cuts, about ``sqrt(n)`` segments of
-            equal activation size), or a list of forward tensor names, the boundaries kept (the
-            forward values between them that the backward reads are recomputed from them).
+            equal activation size: the least memory), a budget (a float in (0, 1]: ``"auto"``'s
+            segments, the costliest to recompute kept whole while the backward holds at most
+            that fraction of the activations it reads), or a list of forward tensor names, the
+            boundaries kept (the forward values between them that the backward reads are
+            recomputed from them).
             Outputs of random nodes (a Dropout in training mode) are kept, never drawn
             again. What is kept and recomputed is the manifest's ``recompute``.
         adapters: LoRA adapters to train instead of the weights, a

@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 from support.catalogue import Row, assert_listed, message_of, print_table
 from support.linear import LINEAR, linear_data
-from support.models import changed_op_model, image_scaler, read_state_model
+from support.models import changed_op_model, image_scaler, read_state_model, tower
 
 import lossgraph
 from lossgraph.adapters import LoRA
@@ -695,7 +695,12 @@ CASES: list[Case] = [
            lambda c, v=value: c.program(recompute=v), UnsupportedOptionError,
            f"recompute={value!r}")
       for label, value in [("not-a-choice", "all"), ("empty", []), ("twice", ["a", "a"]),
-                           ("not-a-name", [3])]],
+                           ("not-a-name", [3]), ("budget-above-one", 1.5),
+                           ("budget-zero", 0.0)]],
+    Case("recompute-budget-out-of-reach", "recompute=0.05 on a tower of two layers",
+         lambda c: lossgraph.compile_program(tower(), loss="squared_error", recompute=0.05),
+         UnsupportedOptionError, "with every segment recomputed the backward still holds 94% "
+         "of them here"),
     Case("recompute-unknown-tensor", "recompute=['nowhere'] (no forward value)",
          lambda c: c.program(recompute=["nowhere"]), UnknownNameError,
          "recompute= names 'nowhere', which is not a value the forward computes"),

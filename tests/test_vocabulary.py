@@ -153,6 +153,7 @@ FLAG_PARAMETERS = {
         "--exclude-from-weight-decay": "optimizer", "--backend": "backend", "--fuse": "fuse",
         "--target": "target", "--fixed-batch": "fixed_batch", "--untie": "untie",
         "--accumulation-steps": "accumulation_steps", "--recompute": "recompute",
+        "--recompute-budget": "recompute",
         "--max-grad-norm": "max_grad_norm", "--ema-decay": "ema_decay",
         "--lora": "adapters", "--lora-alpha": "adapters", "--lora-targets": "adapters",
         "--lora-pattern": "adapters", "--lora-dropout": "adapters", "--output": None,

@@ -135,8 +135,15 @@ def _penalty(args: argparse.Namespace, loss: str | None) -> Any:
                    () if excluded is None else excluded or "auto")
 
 
-def _recompute(tensors: list[str] | None) -> str | list[str]:
-    """``--recompute``: absent, "none"; alone or ``auto``, "auto"; else the boundaries."""
+def _recompute(tensors: list[str] | None, budget: float | None) -> str | float | list[str]:
+    """``--recompute``: absent, "none"; alone or ``auto``, "auto"; else the boundaries.
+    ``--recompute-budget``: the budget (with no tensors named)."""
+    if budget is not None:
+        if tensors not in (None, [], ["auto"]):
+            raise UnsupportedOptionError(
+                "--recompute-budget applies to the boundaries lossgraph chooses: give it alone "
+                "(or with --recompute auto), not with the tensors --recompute names.")
+        return budget
     if tensors is None:
         return "none"
     return "auto" if tensors in ([], ["auto"]) else tensors
@@ -189,7 +196,9 @@ def _compile(args: argparse.Namespace) -> int:
                                               ("--target", args.target),
                                               ("--accumulation-steps",
                                                args.accumulation_steps != 1),
-                                              ("--recompute", args.recompute is not None))
+                                              ("--recompute", args.recompute is not None),
+                                              ("--recompute-budget",
+                                               args.recompute_budget is not None))
                  if value]
         if given:
             raise UnsupportedOptionError(
@@ -212,7 +221,8 @@ def _compile(args: argparse.Namespace) -> int:
         optimizer=optimizer, backend=args.backend or "onnx", fuse=args.fuse or "step",
         target=args.target, fixed_batch=args.fixed_batch, untie=untie,
         accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
-        ema_decay=args.ema_decay, recompute=_recompute(args.recompute), adapters=adapters)
+        ema_decay=args.ema_decay, recompute=_recompute(args.recompute, args.recompute_budget),
+        adapters=adapters)
     program.save(args.output)
     for note in program.notes.lines():
         print(f"{args.output}: {note}")

@@ -381,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "alone (or 'auto'), boundaries chosen among the forward graph's "
                             "cuts; else the forward tensors kept, everything between them "
                             "recomputed (default: every activation kept)")
+    build.add_argument("--recompute-budget", type=float, default=None, metavar="F",
+                       help="with the boundaries lossgraph chooses, keep at most the fraction "
+                            "F (0 < F <= 1) of the activations the backward reads, recomputing "
+                            "as few layers as that allows (alone or with --recompute)")
 
     train = command("train", "train a compiled program on a data file; write the trained model, "
                              "and optionally a checkpoint, the loss history and its plot")

@@ -77,9 +77,10 @@ class PlanContext:
     accumulation_steps: int = 1
     #: gradient clipping and an EMA of the weights, around the optimizer's update
     update_options: UpdateOptions = field(default_factory=UpdateOptions)
-    #: compile's ``recompute``: ``"none"``, ``"auto"`` or the boundaries
-    #: (:mod:`lossgraph.passes.recompute`), run on the fused modes' gradients
-    recompute: str | tuple[str, ...] = "none"
+    #: compile's ``recompute``: ``"none"``, ``"auto"``, a budget (``"auto"`` within a
+    #: fraction of the activations) or the boundaries (:mod:`lossgraph.passes.recompute`),
+    #: run on the fused modes' gradients
+    recompute: str | tuple[str, ...] | float = "none"
 
     @property
     def lift(self) -> WeightsToInputs:
@@ -120,6 +121,8 @@ class PlanContext:
     def recomputing(self) -> tuple[Pass, ...]:
         """Activations recomputed in the backward where compile asks
         (:class:`~lossgraph.passes.Recompute`)."""
+        if isinstance(self.recompute, float):
+            return (Recompute("auto", budget=self.recompute),)
         return () if self.recompute == "none" else (Recompute(self.recompute),)
 
     @property

@@ -26,7 +26,13 @@ activations passes through: the residual stream between transformer layers, a
 ``Sequential``'s layer outputs), greedily: a cut becomes a boundary once the activations
 the backward reads since the last one reach the budget ``total / sqrt(total / mean cut)``
 (sizes from the inferred shapes), Chen et al.'s rule (*Training Deep Nets with Sublinear
-Memory Cost*, 2016): about ``sqrt(n)`` segments of equal activation size.
+Memory Cost*, 2016): about ``sqrt(n)`` segments of equal activation size. Under a
+**budget** (a fraction of the activations the backward reads, ``recompute=0.5``), the
+segments are then kept whole (their values kept, not recomputed), those whose
+recomputation costs the most for the memory they hold first, while the estimated peak of
+what the backward holds (what is never recomputed, the boundaries, the segments kept
+whole and the largest one recomputed) stays within it: the dial between ``"auto"`` (the
+least memory) and ``"none"`` (no recomputation), as torch's ``activation_memory_budget``.
 
 The report (:class:`RecomputePlan`) names the boundaries, the values kept for the
 backward and those recomputed; compile records it in the manifest (``recompute``).
@@ -65,11 +71,19 @@ _FENCEABLE = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                         onnx.TensorProto.INT16, onnx.TensorProto.UINT16})
 
 
-def recompute_choice(value: object) -> str | tuple[str, ...]:
-    """``compile_program``'s ``recompute=`` checked: ``"none"``, ``"auto"`` or a non-empty
-    list of forward tensor names (the boundaries), else an UnsupportedOptionError."""
-    if value in ("none", "auto"):
-        return value  # type: ignore[return-value]
+def recompute_choice(value: object) -> str | tuple[str, ...] | float:
+    """``compile_program``'s ``recompute=`` checked: ``"none"``, ``"auto"``, a budget (a
+    float in (0, 1]) or a non-empty list of forward tensor names (the boundaries), else an
+    UnsupportedOptionError."""
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise UnsupportedOptionError(
+                f"recompute={value!r}: a budget is the fraction of the activations the "
+                "backward reads that recomputation may keep, above 0 and at most 1 (1: keep "
+                "them all, as 'none'; 'auto': the least memory).")
+        return value
+    if isinstance(value, str) and value in ("none", "auto"):
+        return value
     if (isinstance(value, (list, tuple)) and value
             and all(isinstance(v, str) and v for v in value)):
         if len(set(value)) != len(value):
@@ -78,8 +92,9 @@ def recompute_choice(value: object) -> str | tuple[str, ...]:
         return tuple(value)
     raise UnsupportedOptionError(
         f"recompute={value!r} must be 'none' (keep every activation), 'auto' (boundaries "
-        "chosen among the forward graph's cuts) or a non-empty list of forward tensor names "
-        "(the boundaries kept; everything between them recomputed in the backward).")
+        "chosen among the forward graph's cuts), a budget (a float in (0, 1]: 'auto' keeping "
+        "at most that fraction of the activations) or a non-empty list of forward tensor "
+        "names (the boundaries kept; everything between them recomputed in the backward).")
 
 
 @dataclass(frozen=True)
@@ -105,9 +120,12 @@ def _gradient_model(model: onnx.ModelProto) -> str | None:
 @dataclass(frozen=True)
 class Recompute(Pass[RecomputePlan]):
     """The backward of a gradient model reads kept values only, the rest recomputed
-    (module docstring). ``boundaries``: ``"auto"`` or forward tensor names."""
+    (module docstring). ``boundaries``: ``"auto"`` or forward tensor names; ``budget``
+    (with ``"auto"``): the fraction of the activations the backward reads kept at most,
+    None for the least memory."""
 
     boundaries: str | tuple[str, ...] = "auto"
+    budget: float | None = None
     requires = (Requirement("a gradient model", _gradient_model),)
 
     def call(self, model: onnx.ModelProto) -> PassResult[RecomputePlan]:
@@ -122,8 +140,12 @@ class Recompute(Pass[RecomputePlan]):
         data = {i.name for i in graph.input} - constants - weights
         dependent = _dependent(nodes, forward, data)  # activations: computed from the data
         facts = ForwardFacts.of(model)
+        whole: set[int] = set()  # the forward nodes of the segments kept whole
         if self.boundaries == "auto":
-            boundaries = _auto_boundaries(nodes, forward, dependent, facts)
+            needed = _backward_reads(nodes, forward, dependent, facts)
+            boundaries = _auto_boundaries(nodes, forward, dependent, needed, facts)
+            if self.budget is not None:
+                whole = _kept_whole(nodes, forward, needed, boundaries, facts, self.budget)
         else:
             boundaries = tuple(self.boundaries)
             _check_boundaries(boundaries, nodes, forward)
@@ -132,7 +154,7 @@ class Recompute(Pass[RecomputePlan]):
             node = nodes[i]
             if (node.domain in ("", "ai.onnx") and node.op_type in RANDOM_OPS) \
                     or any(a.g.node or a.graphs for a in node.attribute) \
-                    or not any(o in dependent for o in node.output):
+                    or i in whole or not any(o in dependent for o in node.output):
                 stop.update(o for o in node.output if o)
         names = NameAuthority.for_model(model)
         renamed: dict[str, str] = {}  # recomputed forward value -> its copy
@@ -245,22 +267,27 @@ def _check_boundaries(boundaries: Sequence[str], nodes: Sequence[onnx.NodeProto]
                 + suggest(name, values, "forward values"))
 
 
-def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int],
-                     dependent: set[str], facts: ForwardFacts) -> tuple[str, ...]:
+def _backward_reads(nodes: Sequence[onnx.NodeProto], forward: set[int], dependent: set[str],
+                    facts: ForwardFacts) -> set[str]:
+    """The float activations the backward reads: what it keeps without recomputation."""
+    floats = {v for v in dependent if facts.elem_types.get(v) in _FLOATS}
+    return {v for i, node in enumerate(nodes) if i not in forward
+            for v in node_reads(node) if v in floats}
+
+
+def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int], dependent: set[str],
+                     needed: set[str], facts: ForwardFacts) -> tuple[str, ...]:
     """Boundaries among the forward's cuts, greedily: a cut becomes one once the
-    activations the backward reads since the last boundary reach ``total / k``, with
-    ``k = sqrt(total / mean cut)`` (sizes from the inferred shapes, an unknown dimension
-    counted 1: every activation shares the batch), Chen et al.'s budget (module doc)."""
+    activations the backward reads (``needed``) since the last boundary reach
+    ``total / k``, with ``k = sqrt(total / mean cut)`` (sizes from the inferred shapes, an
+    unknown dimension counted 1: every activation shares the batch), Chen et al.'s budget
+    (module doc)."""
     floats = {v for v in dependent if facts.elem_types.get(v) in _FLOATS}
     order = sorted(forward)
     last_read: dict[str, int] = {}  # the last forward node reading each value
-    needed: set[str] = set()  # what the backward reads: the activations it keeps
-    for i, node in enumerate(nodes):
-        for v in node_reads(node):
-            if i in forward:
-                last_read[v] = i
-            elif v in floats:
-                needed.add(v)
+    for i in order:
+        for v in node_reads(nodes[i]):
+            last_read[v] = i
     live: set[str] = set()
     cuts = set()
     for i in order:
@@ -283,6 +310,51 @@ def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int],
             boundaries.append(cut)
             gathered = 0
     return tuple(boundaries)
+
+
+def _kept_whole(nodes: Sequence[onnx.NodeProto], forward: set[int], needed: set[str],
+                boundaries: Sequence[str], facts: ForwardFacts, budget: float) -> set[int]:
+    """The forward nodes of the segments (between consecutive ``boundaries``) kept whole
+    under ``budget`` (module docstring), or an UnsupportedOptionError where recomputing
+    every segment still keeps more."""
+    ends, segments, current = set(boundaries), [], []
+    for i in sorted(forward):
+        current.append(i)
+        if any(o in ends for o in nodes[i].output):
+            segments.append(current)
+            current = []
+    segments.append(current)  # after the last boundary (empty where it is an output's)
+    held = [sum(_size(facts, o) for i in segment for o in nodes[i].output
+                if o in needed and o not in ends) for segment in segments]
+    # a segment's recomputation computes each of its nodes' outputs again
+    work = [sum(_size(facts, o) for i in segment for o in nodes[i].output if o)
+            for segment in segments]
+    produced = {o for i in forward for o in nodes[i].output}
+    always = sum(_size(facts, v) for v in needed - produced)  # the data, never recomputed
+    total = sum(_size(facts, v) for v in needed) or 1
+
+    def peak(whole: set[int]) -> int:
+        """What the backward holds at most: boundaries the backward or a recomputed
+        segment reads, the segments kept whole, the largest recomputed one."""
+        kept = sum(_size(facts, b) for k, b in enumerate(boundaries)
+                   if b in needed or k + 1 not in whole)
+        return always + kept + sum(held[k] for k in whole) + max(
+            (held[k] for k in range(len(segments)) if k not in whole), default=0)
+
+    least = peak(set())
+    if least > budget * total:
+        raise UnsupportedOptionError(
+            f"recompute={budget!r} keeps at most {budget:.0%} of the activations the backward "
+            f"reads, but with every segment recomputed the backward still holds "
+            f"{least / total:.0%} of them here (the data, the {len(boundaries)} boundaries and "
+            f"one segment at a time, estimated from the inferred shapes): raise the budget "
+            f"to {math.ceil(100 * least / total) / 100} or more, or name the boundaries "
+            f"(recompute=[...]).")
+    whole: set[int] = set()
+    for k in sorted(range(len(segments)), key=lambda k: -work[k] / max(held[k], 1)):
+        if peak(whole | {k}) <= budget * total:
+            whole.add(k)
+    return {i for k in whole for i in segments[k]}
 
 
 def _size(facts: ForwardFacts, value: str) -> int:

@@ -112,8 +112,9 @@ def test_accumulation_from_the_shell_equals_a_larger_batch(model_file, tmp_path,
 
 
 def test_recompute_from_the_shell(model_file, tmp_path):
-    """compile --recompute (alone: auto; or tensors): the manifest records the plan."""
-    for extra in (["--recompute"], ["--recompute", "auto"]):
+    """compile --recompute (alone: auto; or tensors) or --recompute-budget: the manifest
+    records the plan."""
+    for extra in (["--recompute"], ["--recompute", "auto"], ["--recompute-budget", "1"]):
         program = tmp_path / f"program{len(extra)}"
         assert main(["compile", str(model_file), "-o", str(program), *extra]) == 0
         plan = json.loads((program / "manifest.json").read_text())["recompute"]["train_step"]
@@ -289,6 +290,9 @@ BAD_COMMANDS = {
     "lora targets and a pattern": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--lora",
                                              "1", "--lora-targets", "query", "--lora-pattern",
                                              "q.*"],
+    "recompute budget with tensors": lambda t: ["compile", _model(t), "-o", f"{t}/p",
+                                                "--recompute", "h", "--recompute-budget",
+                                                "0.5"],
     "ema decay one": lambda t: ["compile", _model(t), "-o", f"{t}/p", "--ema-decay", "1"],
     "ema for ort artifacts": lambda t: ["compile", _model(t), "-o", f"{t}/a", "--format",
                                         "ort-artifacts", "--ema-decay", "0.9"],

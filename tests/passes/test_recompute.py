@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from support.models import tower
+from support.models import residual_stack, tower
 
 from lossgraph import Trainer, add_loss_output, compile_program, gradient
-from lossgraph.errors import UnsupportedModelError
+from lossgraph.errors import UnsupportedModelError, UnsupportedOptionError
 from lossgraph.passes import Recompute
 from lossgraph.passes.recompute import UpdatesInBackwardOrder
 from lossgraph.program import TrainingProgram
@@ -134,3 +134,43 @@ def test_accumulating_graphs_recompute_too():
     assert set(program.manifest["recompute"]) >= {"train_accumulate", "train_step_accumulated"}
     for name, value in trained[0].items():
         np.testing.assert_array_equal(trained[1][name], value, err_msg=name)
+
+
+def _plan(recompute: str | float) -> dict[str, list[str]]:
+    program = compile_program(residual_stack(), loss="squared_error", recompute=recompute)
+    return program.manifest["recompute"]["train_step"]
+
+
+def test_a_budget_recomputes_fewer_layers_as_it_grows():
+    """From "auto" (the least memory) to 1.0 (nothing recomputed): the same boundaries,
+    each larger budget recomputing a subset of what a smaller one does."""
+    auto = _plan("auto")
+    plans = [_plan(budget) for budget in (0.5, 0.6, 0.8, 1.0)]
+    assert all(plan["boundaries"] == auto["boundaries"] for plan in plans)
+    assert set(plans[0]["recomputed"]) < set(auto["recomputed"])
+    for smaller, larger in zip(plans, plans[1:]):
+        assert set(larger["recomputed"]) <= set(smaller["recomputed"])
+    assert len(plans[2]["recomputed"]) < len(plans[0]["recomputed"])
+    assert plans[-1]["recomputed"] == []
+
+
+@pytest.mark.parametrize("fuse", ["step", "separate"])
+@pytest.mark.parametrize("budget", [0.5, 0.8])
+def test_a_budget_trains_as_without_recomputation(fuse, budget):
+    model = residual_stack()
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(12, 16)).astype(np.float32)
+    y = rng.normal(size=(12, 1)).astype(np.float32)
+    trained = [Trainer(compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam",
+                                       recompute=recompute))
+               .fit(X, y, batch_size=4, epochs=1, shuffle=False, progress=False).state
+               for recompute in ("none", budget)]
+    for name, value in trained[0].items():
+        np.testing.assert_array_equal(trained[1][name], value, err_msg=name)
+
+
+def test_a_budget_recomputation_cannot_reach_is_refused_with_the_least_it_can():
+    with pytest.raises(UnsupportedOptionError, match=r"recompute=0.3 keeps at most 30% .* "
+                       r"still holds 47% .* raise the budget to 0.47 or more"):
+        _plan(0.3)
+    _plan(0.47)

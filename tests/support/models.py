@@ -200,6 +200,29 @@ def read_state_model() -> onnx.ModelProto:
     return large_weights_model(numpy_helper.from_array(wide, "W"))
 
 
+def residual_stack(layers: int = 8, width: int = 16) -> onnx.ModelProto:
+    """``h_k = tanh(h_{k-1} W_k) + h_{k-1}`` for ``layers`` layers from ``h_{-1} = x``,
+    then ``y = h W_out``: float32, a free batch, a cut (a value every path passes
+    through) after each layer, for recomputation's segments."""
+    rng = np.random.default_rng(0)
+    initializers, nodes, h = [], [], "x"
+    for k in range(layers):
+        initializers.append(numpy_helper.from_array(
+            (rng.normal(size=(width, width)) / 4).astype(np.float32), f"W{k}"))
+        nodes += [helper.make_node("MatMul", [h, f"W{k}"], [f"a{k}"]),
+                  helper.make_node("Tanh", [f"a{k}"], [f"t{k}"]),
+                  helper.make_node("Add", [f"t{k}", h], [f"h{k}"])]
+        h = f"h{k}"
+    initializers.append(numpy_helper.from_array(
+        rng.normal(size=(width, 1)).astype(np.float32), "W_out"))
+    nodes.append(helper.make_node("MatMul", [h, "W_out"], ["y"]))
+    graph = helper.make_graph(
+        nodes, "residual_stack",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], initializers)
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def tower(dropout: bool = False, norm: bool = False) -> onnx.ModelProto:
     """x -> tanh(x W1) = h1 -> tanh(h1 W2) + h1 = h2 (a residual) -> sigmoid -> y = . W3:
     three segments, float32, a free batch, whose backward reads W2 and W3 (the products

@@ -94,6 +94,7 @@ from .analysis import (
 from .deprecation import renamed_keywords
 from .errors import FixedBatchWarning, UnsupportedModelError, UnsupportedOptionError
 from .graphs import HeldWeights, weights_dtype
+from .initial_state import InitialState
 from .manifest import build_manifest
 from .memory import release_free_memory
 from .models import ModelLike, as_model
@@ -588,8 +589,9 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     inference, held, notes = front.starts["inference model"], front.held, front.notes
     del front, runner, compiling  # every intermediate model
     # light: the program keeps every weight once, its state's and the frozen ones
-    program = TrainingProgram(graphs, manifest, state, inference, notes=notes,
-                              source=model if isinstance(model, onnx.ModelProto) else None)
-    del held, state  # the state's large weights: read from the model given, where it can
+    program = TrainingProgram(graphs, manifest, state, inference, notes=notes)
+    if isinstance(model, onnx.ModelProto):  # its large weights read from it, not held twice
+        program.state = InitialState.reading(state, model, held)
+    del held, state
     release_free_memory()
     return program

@@ -3,12 +3,14 @@
 Held as arrays, it is a copy of every weight beside the model the user compiled and the
 trainer's own buffers: 418 MiB more for BERT-base. So where a model given as a
 ``ModelProto`` holds :data:`READ_MIN_BYTES` of the state or more, :class:`InitialState`
-keeps, for each of its large weights and buffers that the model holds byte for byte under
-the same name, no array but the model and the digest of those bytes, and reads the value
-from the model again when asked for. The digest is checked on every read: a model changed
-after compile is a :class:`~lossgraph.errors.ModelChangedError`, never a training run
-started from other weights. Every other value (optimizer states, adapters, a weight
-compile made, any value of a model given as a file or bytes) is held as an array.
+keeps, for each large weight and buffer the program starts from as the model holds it
+under the same name (64 KiB and more: those compile's
+:class:`~lossgraph.graphs.HeldWeights` store copied from it), no array but the model and
+the digest of its bytes, and reads the value from the model again when asked for. The
+digest is checked on every read: a model changed after compile is a
+:class:`~lossgraph.errors.ModelChangedError`, never a training run started from other
+weights. Every other value (optimizer states, adapters, a weight compile made, any value
+of a model given as a file or bytes) is held as an array.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from .errors import ModelChangedError
-from .graphs.held import HOLD_MIN_BYTES
+from .graphs.held import HeldWeights
 
 __all__ = ["InitialState", "READ_MIN_BYTES"]
 
@@ -72,25 +74,18 @@ class InitialState(MutableMapping[str, np.ndarray]):
             dict(values._values) if isinstance(values, InitialState) else dict(values or {}))
 
     @classmethod
-    def reading(cls, values: Mapping[str, np.ndarray], model: onnx.ModelProto) -> InitialState:
-        """``values`` whose large ones ``model`` holds byte for byte under their names are
-        read from ``model`` when asked for, where those come to :data:`READ_MIN_BYTES`."""
+    def reading(cls, values: Mapping[str, np.ndarray], model: onnx.ModelProto,
+                held: HeldWeights) -> InitialState:
+        """``values`` of which ``model`` holds the large ones byte for byte under their
+        names are read from ``model`` when asked for, where those come to
+        :data:`READ_MIN_BYTES`. ``held``: compile's store, which copied ``model``'s large
+        weights first: a value that is its array under the same name is the model's."""
         state = cls(values)
-        tensors = {t.name: t for t in model.graph.initializer}
-        found: dict[str, _Read] = {}
-        for name, array in values.items():
-            tensor = tensors.get(name)
-            if tensor is None or array.nbytes < HOLD_MIN_BYTES \
-                    or tensor.data_location == onnx.TensorProto.EXTERNAL:
-                continue
-            given = numpy_helper.to_array(tensor)
-            if given.shape == array.shape and given.dtype == array.dtype and np.array_equal(
-                    np.ascontiguousarray(given).view(np.uint8),
-                    np.ascontiguousarray(array).view(np.uint8)):
-                found[name] = _Read(model, _digest(given), array.shape, array.dtype)
-        if sum(int(np.prod(r.shape)) * r.dtype.itemsize for r in found.values()) \
-                >= READ_MIN_BYTES:
-            state._values.update(found)
+        found = {name: array for name, array in values.items()
+                 if held.first_held(name) is array}
+        if sum(array.nbytes for array in found.values()) >= READ_MIN_BYTES:
+            state._values.update((name, _Read(model, _digest(array), array.shape, array.dtype))
+                                 for name, array in found.items())
         return state
 
     @property

@@ -104,19 +104,16 @@ class TrainingProgram:
 
     def __init__(self, graphs: Mapping[str, onnx.ModelProto], manifest: dict[str, Any],
                  state: Mapping[str, np.ndarray], inference_model: onnx.ModelProto,
-                 notes: Any = None, source: onnx.ModelProto | None = None) -> None:
+                 notes: Any = None) -> None:
         """``graphs`` and ``inference_model``: whole models, or light ones (compile's,
         another program's :attr:`light_graphs`); a frozen weight several of them hold
-        whole (a program read from files) is held once. ``source``: the model compiled,
-        as the user gave it, which the initial state reads its large weights from
-        (:class:`~lossgraph.initial_state.InitialState`)."""
+        whole (a program read from files) is held once."""
         self.manifest, self.notes = manifest, notes
         store = HeldWeights()
         self.light_graphs = {name: store.hold(graph, nested=True)
                              for name, graph in graphs.items()}
         light, apart = held_apart(inference_model, state)
-        self.state = InitialState(state) if source is None \
-            else InitialState.reading(state, source)
+        self.state = InitialState(state)
         self._inference = (store.hold(light, nested=True), apart)
         models = (*self.light_graphs.values(), self._inference[0])
         self._stores = tuple({id(found): found for model in models for _, found, _ in

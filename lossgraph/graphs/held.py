@@ -138,6 +138,12 @@ class HeldWeights:
         self._kinds.setdefault(kind, []).append(key)
         return key
 
+    def first_held(self, name: str) -> np.ndarray | None:
+        """The array of the weight first held under ``name`` (the model given, in compile's
+        store), or None."""
+        key = self._keys.get(name)
+        return None if key is None else self.array(key)
+
     def mark(self, tensor: onnx.TensorProto, key: int) -> None:
         """Point ``tensor``, without data, to weight ``key`` here, in place."""
         tensor.data_location = onnx.TensorProto.EXTERNAL

@@ -270,14 +270,18 @@ class Engine:
     def _packed_runner(self, packed: PackedUpdate, bound: Mapping[str, np.ndarray]
                        ) -> GraphRunner:
         """A runner of the packed update graph over the packed weights and states, reading
-        the arrays ``bound`` (a new runner each time: each step binds its own gradient)."""
+        the arrays ``bound`` (a new runner each time: each step binds its own gradient).
+        Where the update's first value from the gradient is elementwise, it is written over
+        the gradient bound (:attr:`PackedUpdate.over_gradient`): a gradient is read once."""
         key = ("packed update", None)
         if key not in self._sessions:
             self._sessions[key] = self.new_session(packed.model, "update")
-        norm = {packed.grad_norm: self._grad_norm} if packed.grad_norm else {}
+        outputs = {packed.grad_norm: self._grad_norm} if packed.grad_norm else {}
+        if packed.over_gradient and packed.gradient in bound:
+            outputs[packed.over_gradient] = bound[packed.gradient]
         return GraphRunner(self._sessions[key], self.ring, packed.inputs, packed.outputs,
                            {packed.learning_rate: self._rate, packed.step: self._step, **bound},
-                           norm, "update")
+                           outputs, "update")
 
     # -- data --------------------------------------------------------------------------
     def inputs(self, graph: str, role: str) -> list[dict]:

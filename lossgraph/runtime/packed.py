@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from ..optim import Optimizer, build_update, update_graph
+from ..passes.in_place import ELEMENTWISE
 from ..speed import WidenScalarConstants
 from ..update_options import UpdateOptions
 
@@ -44,6 +45,10 @@ class PackedUpdate:
     #: the gradients' norm output, where the update clips them (one reduction over the flat
     #: gradient)
     grad_norm: str | None = None
+    #: an output computed from the gradient by its one reader, elementwise (SGD's
+    #: ``gradient * learning_rate``), which a runner may write over the gradient's own array
+    #: where nothing reads the gradient after the update: no temporary of its size then
+    over_gradient: str | None = None
 
     @property
     def blocks(self) -> list[tuple[str, ...]]:
@@ -79,6 +84,26 @@ def packed_update(update: onnx.ModelProto, optimizer: Optimizer,
     names = [flat, *options.state_names(optimizer, flat)]
     blocks = [tuple(weights), *(tuple(built.states[w][k] for w in weights)
                                 for k in range(len(names) - 1))]
+    over = _written_over(model, f"{flat}_grad")
     return PackedUpdate(model, "learning_rate", "step", f"{flat}_grad",
                         dict(zip(names, blocks)), {f"{n}_new": b for n, b in zip(names, blocks)},
-                        "grad_norm" if options.clips else None)
+                        "grad_norm" if options.clips else None, over)
+
+
+def _written_over(model: onnx.ModelProto, gradient: str) -> str | None:
+    """The output of the one node reading ``gradient``, made a graph output of ``model``
+    (in place), where that node is elementwise and its output shaped and typed like
+    ``gradient`` (its other inputs scalars) and no graph output already; else None."""
+    readers = [node for node in model.graph.node if gradient in node.input]
+    if len(readers) != 1 or readers[0].domain not in ("", "ai.onnx") \
+            or readers[0].op_type not in ELEMENTWISE or len(readers[0].output) != 1:
+        return None
+    output = readers[0].output[0]
+    if output in {o.name for o in model.graph.output}:
+        return None
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph
+    types = {v.name: v.type for v in (*inferred.input, *inferred.value_info)}
+    if output not in types or types[output] != types[gradient]:
+        return None
+    model.graph.output.append(onnx.helper.make_value_info(output, types[gradient]))
+    return output

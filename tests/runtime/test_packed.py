@@ -62,3 +62,43 @@ def test_the_packed_update_is_made_only_from_the_update_graph_it_would_build():
     assert packed_update(update, lossgraph.optim.Momentum(0.1, momentum=0.5), weights) is None
     mixed = {**weights, "s": np.array(0.5, np.float64)}
     assert packed_update(update, optimizer, mixed) is None
+
+
+def test_sgds_product_with_the_rate_is_written_over_the_gradient_it_reads():
+    """SGD's packed update reads the flat gradient once, in ``gradient * learning_rate``:
+    bound over the gradient's own array, that product needs no temporary of the size of the
+    weights, and the weights come out as computed apart. Updates reading the gradient more
+    than once (Adam's moments, clipping's norm) or into a state (a velocity) have none."""
+    import onnxruntime
+
+    weights = WEIGHTS_OF_ANY_RANK
+    sgd = lossgraph.optim.SGD(0.1)
+    packed = packed_update(WidenScalarConstants()(update_graph(sgd, weights)).model, sgd,
+                           weights)
+    assert packed.over_gradient in {o.name for o in packed.model.graph.output}
+    clipping = lossgraph.update_options.UpdateOptions(max_grad_norm=1.0)
+    for optimizer, options in [(lossgraph.optim.Momentum(0.1), None),
+                               (lossgraph.optim.Adam(0.1), None), (sgd, clipping)]:
+        update = WidenScalarConstants()(update_graph(optimizer, weights,
+                                                     options=options)).model
+        assert packed_update(update, optimizer, weights, options).over_gradient is None
+    rng = np.random.default_rng(4)
+    size = sum(np.asarray(w).size for w in weights.values())
+    flat = rng.normal(size=size).astype(np.float32)
+    gradient = rng.normal(size=size).astype(np.float32)
+    rate = np.array(0.1, np.float32)
+    expected = flat - gradient * rate
+    session = onnxruntime.InferenceSession(packed.model.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    binding, bound = session.io_binding(), onnxruntime.OrtValue.ortvalue_from_numpy(gradient)
+    written = np.empty_like(flat)
+    binding.bind_ortvalue_input(packed.gradient, bound)
+    binding.bind_ortvalue_output(packed.over_gradient, bound)
+    binding.bind_cpu_input("weights", flat)
+    binding.bind_cpu_input("learning_rate", rate)
+    binding.bind_output("weights_new", "cpu", 0, np.float32, written.shape,
+                        written.ctypes.data)
+    before = gradient.copy()
+    session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(written, expected)
+    np.testing.assert_array_equal(bound.numpy(), before * rate)

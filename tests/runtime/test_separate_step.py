@@ -13,8 +13,9 @@ from support.models import model
 import lossgraph
 
 
-@pytest.mark.parametrize("optimizer", [lossgraph.optim.Momentum(0.01, nesterov=True),
-                                       lossgraph.optim.Adam(0.01)], ids=["nesterov", "adam"])
+@pytest.mark.parametrize("optimizer", [lossgraph.optim.SGD(0.01),
+                                       lossgraph.optim.Momentum(0.01, nesterov=True),
+                                       lossgraph.optim.Adam(0.01)], ids=["sgd", "nesterov", "adam"])
 @pytest.mark.parametrize("penalty", [None, {"coefficient": {"l1": 0.01, "l2": 0.02}}])
 @pytest.mark.parametrize(("name", "runs"), [("skl_mlp_regressor", 1),
                                             ("hand_mlp_tanh_double", 1),

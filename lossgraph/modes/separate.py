@@ -241,7 +241,7 @@ class SeparateSteps:
     def gradients(self, batch: Mapping[str, np.ndarray], full: int | None
                   ) -> tuple[float, dict[str, Any]]:
         """Forward, loss and backward: the loss and each weight's gradient (valid until the
-        next call), without the penalty (:meth:`SeparateStep.gradients`)."""
+        next call or the update), without the penalty (:meth:`SeparateStep.gradients`)."""
         return self._of(len(next(iter(batch.values()))), full).gradients(batch)
 
     def update(self, gradients: Mapping[str, Any], loss: float) -> float:

@@ -256,7 +256,8 @@ class SeparateStep:
 
     def gradients(self, batch: Mapping[str, np.ndarray]) -> tuple[float, dict[str, Any]]:
         """Forward, loss and backward on ``batch``: the loss graph's loss and each weight's
-        gradient (arrays or OrtValues, valid until the next call), without the penalty."""
+        gradient (arrays or OrtValues, valid until the next call or
+        :meth:`update`, which may write over them), without the penalty."""
         return self._gradients_static(batch) if self._static else self._gradients_dynamic(batch)
 
     def update(self, gradients: Mapping[str, Any], loss: float) -> float:

@@ -48,20 +48,26 @@ class _Read:
 
     def value(self, name: str) -> np.ndarray:
         tensor = next((t for t in self.model.graph.initializer if t.name == name), None)
-        try:
-            array = None if tensor is None else numpy_helper.to_array(tensor)
-        except Exception:  # noqa: BLE001 - any unreadable tensor is a changed model
-            array = None
-        if array is None or array.shape != self.shape or array.dtype != self.dtype \
-                or _digest(array) != self.digest:
-            raise ModelChangedError(
-                f"The model this program was compiled from changed after compile: its "
-                f"initializer {name!r} is {'gone' if tensor is None else 'not the value compiled'}"
-                f". The program reads its initial state from that model rather than keep a "
-                f"copy of its weights. Put the model back as it was, or compile it again; to "
-                f"change a model after compiling it, compile a copy of it "
-                f"(copy = onnx.ModelProto(); copy.CopyFrom(model)).")
-        return array
+        if tensor is None:
+            change = "is gone"
+        elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+            change = ("has its data in an external file now (onnx.save(model, ..., "
+                      "save_as_external_data=True) moves it out of the model object)")
+        else:
+            try:
+                array = numpy_helper.to_array(tensor)
+            except ValueError:  # data of another size than its dims
+                array = None
+            if array is not None and array.shape == self.shape \
+                    and array.dtype == self.dtype and _digest(array) == self.digest:
+                return array
+            change = "is not the value compiled"
+        raise ModelChangedError(
+            f"The model this program was compiled from changed after compile: its "
+            f"initializer {name!r} {change}. The program reads its initial state from that "
+            f"model rather than keep a copy of its weights. Put the model back as it was, or "
+            f"compile it again; to change a model after compiling it, compile a copy of it "
+            f"(copy = onnx.ModelProto(); copy.CopyFrom(model)).")
 
 
 class InitialState(MutableMapping[str, np.ndarray]):

@@ -86,6 +86,9 @@ def test_a_model_changed_after_compile_is_named_not_trained_from(read_small, tmp
                                                     "compiled.*compile a copy of it"):
             read()
     assert not (tmp_path / "prog").exists()
+    weight.raw_data = weight.raw_data[:-4]  # of another size than its dims
+    with pytest.raises(ModelChangedError, match="initializer 'W' is not the value compiled"):
+        program.state["W"]
     del model.graph.initializer[0]
     with pytest.raises(ModelChangedError, match="initializer 'W' is gone"):
         program.state["W"]
@@ -133,3 +136,13 @@ def test_a_real_size_model_is_read_by_default():
     trainer = lossgraph.Trainer(program)
     np.testing.assert_array_equal(trainer.state["W"],
                                   numpy_helper.to_array(model.graph.initializer[0]))
+
+
+def test_a_model_saved_with_external_data_since_is_named(read_small, tmp_path):
+    """onnx.save(..., save_as_external_data=True) moves the data out of the model object
+    it is given: the program says so rather than read an empty tensor."""
+    model = large_weights_model()
+    program = _compile(model)
+    onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, size_threshold=1024)
+    with pytest.raises(ModelChangedError, match="'W' has its data in an external file now"):
+        lossgraph.Trainer(program)

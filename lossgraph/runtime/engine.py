@@ -271,8 +271,8 @@ class Engine:
                        ) -> GraphRunner:
         """A runner of the packed update graph over the packed weights and states, reading
         the arrays ``bound`` (a new runner each time: each step binds its own gradient).
-        Where the update's first value from the gradient is elementwise, it is written over
-        the gradient bound (:attr:`PackedUpdate.over_gradient`): a gradient is read once."""
+        Where the update reads the gradient once, elementwise, that node writes over the
+        gradient bound (:attr:`PackedUpdate.over_gradient`): nothing reads it after."""
         key = ("packed update", None)
         if key not in self._sessions:
             self._sessions[key] = self.new_session(packed.model, "update")

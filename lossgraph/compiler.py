@@ -244,7 +244,9 @@ def compile_program(
             See :mod:`lossgraph.update_options`.
         recompute: activations recomputed in the backward instead of kept, the graph form
             of ``torch.utils.checkpoint`` (:class:`~lossgraph.passes.Recompute`): ``"none"``
-            (the default: every activation the backward reads is kept), ``"auto"``
+            (the default: every activation the backward reads is kept), ``"elementwise"``
+            (the outputs of elementwise ops, views and shape ops recomputed, every other
+            op's kept: nearly free in time), ``"auto"``
             (boundaries chosen among the forward graph's cuts, about ``sqrt(n)`` segments of
             equal activation size: the least memory), a budget (a float in (0, 1]: ``"auto"``'s
             segments, the costliest to recompute kept whole while the backward holds at most

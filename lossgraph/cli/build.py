@@ -136,8 +136,9 @@ def _penalty(args: argparse.Namespace, loss: str | None) -> Any:
 
 
 def _recompute(tensors: list[str] | None, budget: float | None) -> str | float | list[str]:
-    """``--recompute``: absent, "none"; alone or ``auto``, "auto"; else the boundaries.
-    ``--recompute-budget``: the budget (with no tensors named)."""
+    """``--recompute``: absent, "none"; alone or ``auto``, "auto"; ``elementwise``,
+    "elementwise"; else the boundaries. ``--recompute-budget``: the budget (with no tensors
+    named)."""
     if budget is not None:
         if tensors not in (None, [], ["auto"]):
             raise UnsupportedOptionError(
@@ -146,6 +147,8 @@ def _recompute(tensors: list[str] | None, budget: float | None) -> str | float |
         return budget
     if tensors is None:
         return "none"
+    if tensors == ["elementwise"]:
+        return "elementwise"
     return "auto" if tensors in ([], ["auto"]) else tensors
 
 

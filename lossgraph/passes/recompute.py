@@ -5,7 +5,7 @@ the backward. :class:`Recompute` rewrites a gradient graph (the output of
 :class:`~lossgraph.passes.Gradient`) so that the backward reads only **kept** values:
 
 - the **boundaries** (checkpoints): forward values named by the user, or chosen by
-  ``"auto"`` (below);
+  ``"auto"`` or ``"elementwise"`` (below);
 - what cannot or need not be recomputed: the graph's inputs and weights, values computed
   from weights and constants alone (weight-sized, not activations), the outputs of nodes
   that draw random numbers (``Dropout``, ``RandomNormal``, ..., which would draw other
@@ -20,6 +20,13 @@ activations at a time during the backward. A copy whose inputs are all kept read
 them through ``Max(v, v)`` (``<value>_fenced``, the same value bit for bit): otherwise
 onnxruntime's common-subexpression elimination would merge the copy back into the forward
 node, keeping the forward activations alive.
+
+``"elementwise"`` makes every output of an op that is not cheap to compute again a
+boundary (:data:`CHEAP_OPS`: elementwise arithmetic and activations, views, shape ops):
+the backward then reads the products, normalizations and softmaxes the forward computed
+and recomputes the elementwise chains between them (a bias added, a decomposed GELU's
+four intermediates, a residual sum), as torch's compiler partitions a graph. It costs
+about those chains once more, memory-bound kernels, and no product.
 
 ``"auto"`` picks boundaries among the forward graph's **cuts** (float values every path of
 activations passes through: the residual stream between transformer layers, a
@@ -54,11 +61,24 @@ from ..names import NameAuthority
 from ..signature import Signature
 from .contract import Pass, PassResult, Requirement
 
-__all__ = ["Recompute", "RecomputePlan", "RANDOM_OPS", "UpdatesInBackwardOrder", "recompute_choice"]
+__all__ = ["Recompute", "RecomputePlan", "RANDOM_OPS", "CHEAP_OPS", "UpdatesInBackwardOrder",
+           "recompute_choice"]
 
 #: Ops whose outputs are drawn at random: never recomputed (a copy would draw again).
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
                         "RandomUniformLike", "Bernoulli", "Multinomial"})
+
+#: Ops cheap to compute again, beside the kernels that read their results: elementwise
+#: arithmetic, comparisons and activations, views and copies, shape computations.
+#: ``recompute="elementwise"`` keeps the outputs of every other op.
+CHEAP_OPS = frozenset({
+    "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Reciprocal", "Sqrt", "Pow", "Exp", "Log",
+    "Erf", "Tanh", "Sigmoid", "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "Gelu",
+    "HardSigmoid", "HardSwish", "Softplus", "Softsign", "Clip", "Where", "Max", "Min",
+    "Cast", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or",
+    "Sign", "Floor", "Ceil", "Round", "Identity", "Reshape", "Transpose", "Squeeze",
+    "Unsqueeze", "Flatten", "Expand", "Shape", "Size", "Slice", "Concat", "Split", "Gather",
+    "ConstantOfShape", "Range"})
 
 _FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                      onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
@@ -82,7 +102,7 @@ def recompute_choice(value: object) -> str | tuple[str, ...] | float:
                 "backward reads that recomputation may keep, above 0 and at most 1 (1: keep "
                 "them all, as 'none'; 'auto': the least memory).")
         return value
-    if isinstance(value, str) and value in ("none", "auto"):
+    if isinstance(value, str) and value in ("none", "auto", "elementwise"):
         return value
     if (isinstance(value, (list, tuple)) and value
             and all(isinstance(v, str) and v for v in value)):
@@ -91,7 +111,8 @@ def recompute_choice(value: object) -> str | tuple[str, ...] | float:
                 f"recompute={list(value)!r} names a tensor twice: name each boundary once.")
         return tuple(value)
     raise UnsupportedOptionError(
-        f"recompute={value!r} must be 'none' (keep every activation), 'auto' (boundaries "
+        f"recompute={value!r} must be 'none' (keep every activation), 'elementwise' (the "
+        "elementwise ops' outputs recomputed, every other kept), 'auto' (boundaries "
         "chosen among the forward graph's cuts), a budget (a float in (0, 1]: 'auto' keeping "
         "at most that fraction of the activations) or a non-empty list of forward tensor "
         "names (the boundaries kept; everything between them recomputed in the backward).")
@@ -120,7 +141,8 @@ def _gradient_model(model: onnx.ModelProto) -> str | None:
 @dataclass(frozen=True)
 class Recompute(Pass[RecomputePlan]):
     """The backward of a gradient model reads kept values only, the rest recomputed
-    (module docstring). ``boundaries``: ``"auto"`` or forward tensor names; ``budget``
+    (module docstring). ``boundaries``: ``"auto"``, ``"elementwise"`` or forward tensor
+    names; ``budget``
     (with ``"auto"``): the fraction of the activations the backward reads kept at most,
     None for the least memory."""
 
@@ -146,6 +168,9 @@ class Recompute(Pass[RecomputePlan]):
             boundaries = _auto_boundaries(nodes, forward, dependent, needed, facts)
             if self.budget is not None:
                 whole = _kept_whole(nodes, forward, needed, boundaries, facts, self.budget)
+        elif self.boundaries == "elementwise":
+            boundaries = tuple(o for i in sorted(forward) for o in nodes[i].output
+                               if o in dependent and not _cheap(nodes[i]))
         else:
             boundaries = tuple(self.boundaries)
             _check_boundaries(boundaries, nodes, forward)
@@ -231,6 +256,10 @@ class Recompute(Pass[RecomputePlan]):
         plan = RecomputePlan(boundaries, tuple(sorted(kept, key=order.__getitem__)),
                              recomputed)
         return PassResult(model, plan, changed=bool(renamed))
+
+
+def _cheap(node: onnx.NodeProto) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in CHEAP_OPS
 
 
 def _ancestors(nodes: Sequence[onnx.NodeProto], producer: dict[str, int],

@@ -114,7 +114,8 @@ def test_accumulation_from_the_shell_equals_a_larger_batch(model_file, tmp_path,
 def test_recompute_from_the_shell(model_file, tmp_path):
     """compile --recompute (alone: auto; or tensors) or --recompute-budget: the manifest
     records the plan."""
-    for extra in (["--recompute"], ["--recompute", "auto"], ["--recompute-budget", "1"]):
+    for extra in (["--recompute"], ["--recompute", "auto"], ["--recompute", "elementwise"],
+                  ["--recompute-budget", "1"]):
         program = tmp_path / f"program{len(extra)}"
         assert main(["compile", str(model_file), "-o", str(program), *extra]) == 0
         plan = json.loads((program / "manifest.json").read_text())["recompute"]["train_step"]

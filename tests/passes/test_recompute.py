@@ -28,7 +28,7 @@ def _trained(program: TrainingProgram) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
-@pytest.mark.parametrize("recompute", ["auto", ["h1"], ["h1", "h2"]])
+@pytest.mark.parametrize("recompute", ["auto", "elementwise", ["h1"], ["h1", "h2"]])
 def test_trains_as_without_recomputation(fuse, recompute):
     model = tower()
     plain = _trained(compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam"))
@@ -39,7 +39,10 @@ def test_trains_as_without_recomputation(fuse, recompute):
         np.testing.assert_array_equal(again[name], value, err_msg=name)
     plans = program.manifest["recompute"]
     assert plans and all(plan["recomputed"] for plan in plans.values())
-    if recompute != "auto":
+    if recompute == "elementwise":  # the products kept, the rest recomputed
+        assert all(plan["kept"][:2] == ["a1", "a2"] and {"h1", "t2", "h2", "s"}
+                   <= set(plan["recomputed"]) for plan in plans.values())
+    elif recompute != "auto":
         assert all(plan["boundaries"] == recompute for plan in plans.values())
 
 

@@ -92,9 +92,9 @@ _FENCEABLE = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
 
 
 def recompute_choice(value: object) -> str | tuple[str, ...] | float:
-    """``compile_program``'s ``recompute=`` checked: ``"none"``, ``"auto"``, a budget (a
-    float in (0, 1]) or a non-empty list of forward tensor names (the boundaries), else an
-    UnsupportedOptionError."""
+    """``compile_program``'s ``recompute=`` checked: ``"none"``, ``"elementwise"``,
+    ``"auto"``, a budget (a float in (0, 1]) or a non-empty list of forward tensor names
+    (the boundaries), else an UnsupportedOptionError."""
     if isinstance(value, float):
         if not 0 < value <= 1:
             raise UnsupportedOptionError(

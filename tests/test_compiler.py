@@ -36,8 +36,8 @@ def test_describe_plan_prints_every_graph_of_a_separate_program(linear):
                            "predict", "gradient", "loss", "update", "penalty"]
     assert lines["forward model"] == "model -> ConvertOpset -> LowerMlOps"
     assert lines["gradient"].endswith("-> Gradient(weights=('W', 'B'), outputs=('Y',)) -> "
-                                      "SumRowsByProduct -> SumRowsByProduct -> "
-                                      "WidenScalarConstants")
+                                      "FoldBatchIntoProducts -> SumRowsByProduct -> "
+                                      "SumRowsByProduct -> WidenScalarConstants")
     assert lines["loss"] == "LossGraph(loss='squared_error') -> WidenScalarConstants"
     assert lines["update"] == ("UpdateGraph(optimizer=Momentum(learning_rate=0.05)) -> "
                                "WidenScalarConstants")

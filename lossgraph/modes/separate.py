@@ -9,8 +9,8 @@
 planned as::
 
     gradient = forward model -> WeightsToInputs -> [RunningStatistics] -> [SequencesToTensors]
-               -> StabilizeNumerics -> Gradient(outputs=(prediction,)) -> SumRowsByProduct
-               -> SumRowsByProduct -> WidenScalarConstants
+               -> StabilizeNumerics -> Gradient(outputs=(prediction,)) -> FoldBatchIntoProducts
+               -> SumRowsByProduct -> SumRowsByProduct -> WidenScalarConstants
     loss     = LossGraph(loss, options) -> WidenScalarConstants     (lossgraph.passes.loss)
     update   = UpdateGraph(optimizer) -> WidenScalarConstants       (lossgraph.optim)
     penalty  = PenaltyGraph(penalty) -> WidenScalarConstants        (lossgraph.penalties)
@@ -51,7 +51,7 @@ from ..penalties import BuiltPenalty, build_penalty
 from ..runtime.packed import PackedUpdate, packed_update
 from ..runtime.separate_step import SeparateStep
 from ..signature import Signature
-from ..speed import SumRowsByProduct
+from ..speed import FoldBatchIntoProducts, SumRowsByProduct
 from ..update_options import UpdateOptions
 from . import Assembled, Compiling, FuseMode, PlanContext, accumulation_problem
 
@@ -131,7 +131,8 @@ class SeparateMode(FuseMode):
             "gradient": Planned("forward model", Pipeline((
                 context.lift, *context.update_buffers, *context.stabilize,
                 Gradient(context.weights, outputs=(prediction,), backend=context.backend),
-                SumRowsByProduct(), SumRowsByProduct(), *context.recomputing, *context.ordering,
+                FoldBatchIntoProducts(), SumRowsByProduct(), SumRowsByProduct(),
+                *context.recomputing, *context.ordering,
                 context.widen))),
             "loss": Planned(LossGraph(str(context.loss), dict(context.loss_options),
                                       context.backend), widen),

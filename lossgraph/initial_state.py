@@ -39,15 +39,20 @@ def _digest(array: np.ndarray) -> bytes:
 
 @dataclass(frozen=True)
 class _Read:
-    """A value read from ``model``'s initializer of its name when asked for."""
+    """A value read from ``model``'s initializer of its name when asked for (at
+    ``position`` among the initializers, unless the model moved it)."""
 
     model: onnx.ModelProto
+    position: int
     digest: bytes
     shape: tuple[int, ...]
     dtype: np.dtype
 
     def value(self, name: str) -> np.ndarray:
-        tensor = next((t for t in self.model.graph.initializer if t.name == name), None)
+        tensors = self.model.graph.initializer
+        tensor = tensors[self.position] if self.position < len(tensors) else None
+        if tensor is None or tensor.name != name:  # the model's initializers changed
+            tensor = next((t for t in tensors if t.name == name), None)
         if tensor is None:
             change = "is gone"
         elif tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -90,8 +95,10 @@ class InitialState(MutableMapping[str, np.ndarray]):
         found = {name: array for name, array in values.items()
                  if held.first_held(name) is array}
         if sum(array.nbytes for array in found.values()) >= READ_MIN_BYTES:
-            state._values.update((name, _Read(model, _digest(array), array.shape, array.dtype))
-                                 for name, array in found.items())
+            positions = {t.name: i for i, t in enumerate(model.graph.initializer)}
+            state._values.update(
+                (name, _Read(model, positions[name], _digest(array), array.shape, array.dtype))
+                for name, array in found.items())
         return state
 
     @property

@@ -146,3 +146,17 @@ def test_a_model_saved_with_external_data_since_is_named(read_small, tmp_path):
     onnx.save(model, tmp_path / "m.onnx", save_as_external_data=True, size_threshold=1024)
     with pytest.raises(ModelChangedError, match="'W' has its data in an external file now"):
         lossgraph.Trainer(program)
+
+
+def test_initializers_reordered_since_compile_are_found_by_name(read_small):
+    """The values are read by name: a model whose initializers moved (same bytes) is the
+    model compiled."""
+    model = large_weights_model()
+    program = _compile(model)
+    W = numpy_helper.to_array(model.graph.initializer[0])
+    tensors = [onnx.TensorProto() for _ in model.graph.initializer]
+    for copy, tensor in zip(tensors, model.graph.initializer):
+        copy.CopyFrom(tensor)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(reversed(tensors))
+    np.testing.assert_array_equal(lossgraph.Trainer(program).state["W"], W)

@@ -231,10 +231,6 @@ def _label(n: onnx.NodeProto) -> str:
     return f"[{n.op_type} {n.name!r}]" if n.name else f"[{n.op_type}]"
 
 
-
-
-
-
 def _bind_outputs(g: GradContext, finals: Mapping[str, str], grad_names: Mapping[str, str]) -> None:
     """Make each final gradient value available under its output name.
 

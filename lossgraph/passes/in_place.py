@@ -37,7 +37,7 @@ from onnx import TensorProto
 
 from ..builder import GraphBuilder
 from ..errors import InternalError
-from ..graphs import node_reads, opset_version
+from ..graphs import is_onnx_op, node_reads, opset_version
 from ..names import NameAuthority
 from .contract import Pass, PassResult
 
@@ -131,8 +131,7 @@ def _plan(graph: _Graph, pairs: Mapping[str, str], loss: str | None
         if written not in graph.producer:
             return {}, f"{written!r} is not computed by a node"
         writer = graph.nodes[graph.producer[written]]
-        if loss is None and (writer.op_type not in ELEMENTWISE
-                             or writer.domain not in ("", "ai.onnx")):
+        if loss is None and not is_onnx_op(writer, *ELEMENTWISE):
             return {}, f"{written!r} is written by a {writer.op_type}, not an elementwise node"
         waits, problem = _waits(graph, state, written,
                                 graph.ancestors([written, *([loss] if loss else [])]))

@@ -55,7 +55,7 @@ import onnx
 from onnx import helper
 
 from ..errors import UnknownNameError, UnsupportedModelError, UnsupportedOptionError, suggest
-from ..graphs import ForwardFacts, node_reads
+from ..graphs import ForwardFacts, is_onnx_op, node_reads
 from ..metadata import GRADIENTS_KEY, SIGNATURE_KEY, read_json
 from ..names import NameAuthority
 from ..signature import Signature
@@ -142,9 +142,8 @@ def _gradient_model(model: onnx.ModelProto) -> str | None:
 class Recompute(Pass[RecomputePlan]):
     """The backward of a gradient model reads kept values only, the rest recomputed
     (module docstring). ``boundaries``: ``"auto"``, ``"elementwise"`` or forward tensor
-    names; ``budget``
-    (with ``"auto"``): the fraction of the activations the backward reads kept at most,
-    None for the least memory."""
+    names; ``budget`` (with ``"auto"``): the fraction of the activations the backward
+    reads kept at most, None for the least memory."""
 
     boundaries: str | tuple[str, ...] = "auto"
     budget: float | None = None
@@ -164,13 +163,14 @@ class Recompute(Pass[RecomputePlan]):
         facts = ForwardFacts.of(model)
         whole: set[int] = set()  # the forward nodes of the segments kept whole
         if self.boundaries == "auto":
-            needed = _backward_reads(nodes, forward, dependent, facts)
-            boundaries = _auto_boundaries(nodes, forward, dependent, needed, facts)
+            floats = {v for v in dependent if facts.elem_types.get(v) in _FLOATS}
+            needed = _backward_reads(nodes, forward, floats)
+            boundaries = _auto_boundaries(nodes, forward, floats, needed, facts)
             if self.budget is not None:
                 whole = _kept_whole(nodes, forward, needed, boundaries, facts, self.budget)
         elif self.boundaries == "elementwise":
             boundaries = tuple(o for i in sorted(forward) for o in nodes[i].output
-                               if o in dependent and not _cheap(nodes[i]))
+                               if o in dependent and not is_onnx_op(nodes[i], *CHEAP_OPS))
         else:
             boundaries = tuple(self.boundaries)
             _check_boundaries(boundaries, nodes, forward)
@@ -258,10 +258,6 @@ class Recompute(Pass[RecomputePlan]):
         return PassResult(model, plan, changed=bool(renamed))
 
 
-def _cheap(node: onnx.NodeProto) -> bool:
-    return node.domain in ("", "ai.onnx") and node.op_type in CHEAP_OPS
-
-
 def _ancestors(nodes: Sequence[onnx.NodeProto], producer: dict[str, int],
                outputs: Sequence[str]) -> set[int]:
     """The indices of the nodes ``outputs`` depend on (subgraphs' outer reads included)."""
@@ -296,22 +292,21 @@ def _check_boundaries(boundaries: Sequence[str], nodes: Sequence[onnx.NodeProto]
                 + suggest(name, values, "forward values"))
 
 
-def _backward_reads(nodes: Sequence[onnx.NodeProto], forward: set[int], dependent: set[str],
-                    facts: ForwardFacts) -> set[str]:
-    """The float activations the backward reads: what it keeps without recomputation."""
-    floats = {v for v in dependent if facts.elem_types.get(v) in _FLOATS}
+def _backward_reads(nodes: Sequence[onnx.NodeProto], forward: set[int], floats: set[str]
+                    ) -> set[str]:
+    """The float activations (of ``floats``) the backward reads: what it keeps without
+    recomputation."""
     return {v for i, node in enumerate(nodes) if i not in forward
             for v in node_reads(node) if v in floats}
 
 
-def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int], dependent: set[str],
+def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int], floats: set[str],
                      needed: set[str], facts: ForwardFacts) -> tuple[str, ...]:
     """Boundaries among the forward's cuts, greedily: a cut becomes one once the
     activations the backward reads (``needed``) since the last boundary reach
     ``total / k``, with ``k = sqrt(total / mean cut)`` (sizes from the inferred shapes, an
     unknown dimension counted 1: every activation shares the batch), Chen et al.'s budget
-    (module doc)."""
-    floats = {v for v in dependent if facts.elem_types.get(v) in _FLOATS}
+    (module doc); ``floats``: the float activations."""
     order = sorted(forward)
     last_read: dict[str, int] = {}  # the last forward node reading each value
     for i in order:

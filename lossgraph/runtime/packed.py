@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from ..graphs import is_onnx_op
 from ..optim import Optimizer, build_update, update_graph
 from ..passes.in_place import ELEMENTWISE
 from ..speed import WidenScalarConstants
@@ -95,8 +96,8 @@ def _written_over(model: onnx.ModelProto, gradient: str) -> str | None:
     (in place), where that node is elementwise and its output shaped and typed like
     ``gradient`` (its other inputs scalars) and no graph output already; else None."""
     readers = [node for node in model.graph.node if gradient in node.input]
-    if len(readers) != 1 or readers[0].domain not in ("", "ai.onnx") \
-            or readers[0].op_type not in ELEMENTWISE or len(readers[0].output) != 1:
+    if len(readers) != 1 or not is_onnx_op(readers[0], *ELEMENTWISE) \
+            or len(readers[0].output) != 1:
         return None
     output = readers[0].output[0]
     if output in {o.name for o in model.graph.output}:

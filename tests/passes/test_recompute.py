@@ -157,7 +157,7 @@ def test_a_budget_recomputes_fewer_layers_as_it_grows():
     assert plans[-1]["recomputed"] == []
 
 
-@pytest.mark.parametrize("fuse", ["step", "separate"])
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
 @pytest.mark.parametrize("budget", [0.5, 0.8])
 def test_a_budget_trains_as_without_recomputation(fuse, budget):
     model = residual_stack()

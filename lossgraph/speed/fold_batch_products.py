@@ -9,11 +9,12 @@ every ``l`` and ``s``. That is the weight gradient of a 2-D weight multiplied wi
 batched input (a Linear layer on a sequence: ``x[B, S, D] @ W[D, F]``), which the MatMul
 gradient rule writes as a batched product summed over the batch.
 
-What is rewritten, so that the result is provably the same: a ``ReduceSum`` with
-``keepdims=0`` over exactly the leading axes of a float ``MatMul`` read by nothing else,
-whose first operand is such a ``Transpose`` (of the last two axes only) and whose operands
-have rank 3 or more, the same leading dims (static, or the same symbols) and static last
-dims ``D`` and ``F``. In the main graph and in Scan bodies.
+What is rewritten, so that the result is provably the same or refused by onnxruntime: a
+``ReduceSum`` with ``keepdims=0`` over exactly the leading axes of a float ``MatMul`` read
+by nothing else, whose first operand is such a ``Transpose`` (of the last two axes only)
+and whose operands have rank 3 or more, the same leading dims (static, or the same symbols,
+but for at most one axis: :func:`_same_leading_dims`) and static last dims ``D`` and
+``F``. In the main graph and in Scan bodies.
 
 Why (onnxruntime 1.19, one thread, CPU time): in a transformer's training step
 (2 layers, d_model 128, sequence 64, batch 32) each such gradient took 3-4 ms, the batched
@@ -56,10 +57,22 @@ class FoldBatchIntoProducts(Pass[None]):
 
 
 
-def _same_dims(first: Dims, second: Dims) -> bool:
-    """Whether two lists of dims are surely equal: static and equal, or the same symbols."""
-    return len(first) == len(second) and all(
-        a is not None and a == b for a, b in zip(first, second))
+def _same_leading_dims(first: Dims, second: Dims) -> bool:
+    """Whether the leading dims of a product's operands are equal at run time, or else the
+    folded product is refused by onnxruntime, never a wrong sum.
+
+    Dims are surely equal when static and equal or the same symbols. One leading axis may
+    be unknown on either side: MatMul broadcasts it only as a 1 against a larger dim, the
+    others being equal, so the two operands then have different numbers of rows and the
+    ``Gemm`` summing over them fails. (Two such axes could trade sizes, ``(1, 12)`` against
+    ``(12, 1)``, and sum the wrong pairs.) A model's exporter often writes a hidden state's
+    batch as a ``Reshape`` to ``[-1, S, D]`` whose ``-1`` shape inference does not relate to
+    the batch of the gradient beside it.
+    """
+    if len(first) != len(second):
+        return False
+    unproven = sum(not (a is not None and a == b) for a, b in zip(first, second))
+    return unproven <= 1
 
 
 def _recognize(graph: onnx.GraphProto, node: onnx.NodeProto, index: GraphIndex,
@@ -89,7 +102,7 @@ def _recognize(graph: onnx.GraphProto, node: onnx.NodeProto, index: GraphIndex,
     rank = len(a_dims)
     perm = list(attribute_values(swap).get("perm", []))
     if (perm != [*range(rank - 2), rank - 1, rank - 2] or list(axes) != list(range(rank - 2))
-            or not _same_dims(a_dims[:-1], b_dims[:-1])
+            or not _same_leading_dims(a_dims[:-2], b_dims[:-2])
             or not all(isinstance(d, int) for d in (a_dims[-1], b_dims[-1]))
             or types.get(a) not in FLOAT_TYPES or types.get(b) != types.get(a)):
         return None

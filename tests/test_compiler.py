@@ -37,7 +37,8 @@ def test_describe_plan_prints_every_graph_of_a_separate_program(linear):
     assert lines["forward model"] == "model -> ConvertOpset -> LowerMlOps"
     assert lines["gradient"].endswith("-> Gradient(weights=('W', 'B'), outputs=('Y',)) -> "
                                       "FoldBatchIntoProducts -> SumRowsByProduct -> "
-                                      "SumRowsByProduct -> WidenScalarConstants")
+                                      "SumRowsByProduct -> UpdatesInBackwardOrder -> "
+                                      "WidenScalarConstants")
     assert lines["loss"] == "LossGraph(loss='squared_error') -> WidenScalarConstants"
     assert lines["update"] == ("UpdateGraph(optimizer=Momentum(learning_rate=0.05)) -> "
                                "WidenScalarConstants")

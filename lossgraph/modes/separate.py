@@ -10,12 +10,16 @@ planned as::
 
     gradient = forward model -> WeightsToInputs -> [RunningStatistics] -> [SequencesToTensors]
                -> StabilizeNumerics -> Gradient(outputs=(prediction,)) -> FoldBatchIntoProducts
-               -> SumRowsByProduct -> SumRowsByProduct -> WidenScalarConstants
+               -> SumRowsByProduct -> SumRowsByProduct -> [Recompute]
+               -> UpdatesInBackwardOrder -> WidenScalarConstants
     loss     = LossGraph(loss, options) -> WidenScalarConstants     (lossgraph.passes.loss)
     update   = UpdateGraph(optimizer) -> WidenScalarConstants       (lossgraph.optim)
     penalty  = PenaltyGraph(penalty) -> WidenScalarConstants        (lossgraph.penalties)
 
-(``SumRowsByProduct`` twice: a sum it rewrites can leave one more it rewrites.) The
+(``SumRowsByProduct`` twice: a sum it rewrites can leave one more it rewrites;
+``UpdatesInBackwardOrder`` lists the gradients so that onnxruntime computes each as the
+backward reaches its layer, freeing the activations' gradients early: BERT-base's step
+peak 2,621 -> 2,315 MiB, GPT-2's 2,790 -> 2,632.) The
 model's gradient starts from the forward model as training runs it (training-mode layers
 kept, the buffers' next values as outputs, stable forms). Every name lossgraph invents (a
 gradient, a state, ``learning_rate``, ``step``, ``penalty``) is a free one: a weight or
@@ -46,6 +50,7 @@ from ..passes.gradient import Gradient
 from ..passes.in_place import in_place_problem
 from ..passes.loss import program_loss_graph
 from ..passes.plan import GraphSource, Planned
+from ..passes.recompute import UpdatesInBackwardOrder
 from ..passes.running_stats import RunningStatistics
 from ..penalties import BuiltPenalty, build_penalty
 from ..runtime.packed import PackedUpdate, packed_update
@@ -132,7 +137,7 @@ class SeparateMode(FuseMode):
                 context.lift, *context.update_buffers, *context.stabilize,
                 Gradient(context.weights, outputs=(prediction,), backend=context.backend),
                 FoldBatchIntoProducts(), SumRowsByProduct(), SumRowsByProduct(),
-                *context.recomputing, *context.ordering,
+                *context.recomputing, UpdatesInBackwardOrder(),
                 context.widen))),
             "loss": Planned(LossGraph(str(context.loss), dict(context.loss_options),
                                       context.backend), widen),

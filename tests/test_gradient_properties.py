@@ -2,7 +2,9 @@
 
 Each example builds a float64 graph: a chain of smooth ops over an input ``x`` (3, 4)
 and weights ``w`` (4,), ``m`` (4, 4), where every step may reuse any earlier value
-(so gradients must accumulate) and binary steps broadcast.
+(so gradients must accumulate) and binary steps broadcast. Chains whose output grows past
+1e3 (``x`` to the twelfth) are left out: the central differences of a loss that large lose
+more to rounding (about 1e-16 of the loss over a step of 1e-6) than the tolerance allows.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from hypothesis import given, settings
+import onnx
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from onnx.reference import ReferenceEvaluator
 from support.gradcheck import check_gradients
 
 UNARY = ["Tanh", "Sigmoid", "Sin", "Neg", "Softmax", "Transpose2", "Square", "Softplus"]
@@ -84,6 +88,10 @@ def test_random_op_chains_match_finite_differences(lines, seed):
     rng = np.random.default_rng(seed)
     inputs = {"x": rng.normal(size=(3, 4)), "w": rng.normal(size=(4,)),
               "m": rng.normal(size=(4, 4)) / 2}
+    model = onnx.parser.parse_model(text)
+    feeds = {i.name: inputs[i.name] for i in model.graph.input}
+    (y,) = ReferenceEvaluator(model).run(None, feeds)
+    assume(np.isfinite(y).all() and np.abs(y).max() < 1e3)
     # Only the inputs y depends on have a gradient: asking for another one is an error
     # (NoGradientError, tested in tests/passes/test_gradient.py), not zeros.
     used = [name for name in ("x", "w", "m") if name in _read_by(lines, "y")]

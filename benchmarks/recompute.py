@@ -21,6 +21,7 @@ sensitive to a busy machine). Cells:
 - ``none``: ``compile_program(fuse="step")``, every activation kept;
 - ``layers``: ``recompute=[the output of each encoder layer]``, HF's
   ``gradient_checkpointing`` boundaries;
+- ``activations``: ``recompute="activations"``;
 - ``elementwise``: ``recompute="elementwise"``;
 - ``auto``: ``recompute="auto"``;
 - a number, ``0.5``: ``recompute=0.5``, a budget (``"auto"`` within that fraction of the
@@ -43,7 +44,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-CELLS = ("torch", "none", "elementwise", "layers", "auto", "0.5")
+CELLS = ("torch", "none", "activations", "elementwise", "layers", "auto", "0.5")
 STEPS = 3
 
 
@@ -137,8 +138,9 @@ def cell(name: str, size: str, tokens: int, batch: int, path: Path,
     X, y = ids.numpy().astype(np.int64), labels.numpy().astype(np.int64)
     del net
     baseline = process_memory_mb("VmRSS")
-    recompute = {"none": "none", "auto": "auto", "elementwise": "elementwise",
-                 "layers": layer_outputs(model)}.get(name) or float(name)
+    recompute = {"none": "none", "auto": "auto", "activations": "activations",
+                 "elementwise": "elementwise", "layers": layer_outputs(model)}.get(name) \
+        or float(name)
     start = time.perf_counter()
     program = lossgraph.compile_program(model, loss="multiclass_log_loss",
                                         loss_options={"from_logits": True},

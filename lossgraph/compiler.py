@@ -109,7 +109,7 @@ from .passes.loss import AddLossOutput, LossChoice, choose_loss
 from .passes.lower_ml import LowerMlOps
 from .passes.opset import ConvertOpset
 from .passes.plan import Plan, Planned, PlanRunner
-from .passes.recompute import Recompute
+from .passes.recompute import Recompute, default_recompute
 from .passes.running_stats import buffer_names
 from .passes.sequences import holds_splits
 from .passes.strip import InferenceMode, StripTraining
@@ -176,7 +176,7 @@ def compile_program(
     accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
     ema_decay: float | None = None,
-    recompute: str | float | Sequence[str] = "none",
+    recompute: str | float | Sequence[str] | None = None,
     adapters: LoRA | None = None,
 ) -> TrainingProgram:
     """Compile ``model`` into a :class:`~lossgraph.program.TrainingProgram`.
@@ -243,8 +243,13 @@ def compile_program(
             ``to_inference_model`` use with ``ema=True``. None (default): no average.
             See :mod:`lossgraph.update_options`.
         recompute: activations recomputed in the backward instead of kept, the graph form
-            of ``torch.utils.checkpoint`` (:class:`~lossgraph.passes.Recompute`): ``"none"``
-            (the default: every activation the backward reads is kept), ``"elementwise"``
+            of ``torch.utils.checkpoint`` (:class:`~lossgraph.passes.Recompute`): None (the
+            default) is ``"activations"`` for a model of 64 MiB of initializers or more
+            (:data:`~lossgraph.passes.recompute.ACTIVATIONS_MIN_BYTES`), else ``"none"``;
+            ``"none"``: every activation the backward reads is kept; ``"activations"``: what
+            elementwise arithmetic computes from values the backward keeps anyway (a
+            decomposed GELU's intermediates from its input) is recomputed, fewer bytes kept
+            and never more, at the same step time; ``"elementwise"``
             (the outputs of elementwise ops, views and shape ops recomputed, every other
             op's kept: nearly free in time), ``"auto"``
             (boundaries chosen among the forward graph's cuts, about ``sqrt(n)`` segments of
@@ -440,7 +445,9 @@ def _front(model: ModelLike, options: Mapping[str, Any], stacklevel: int) -> _Fr
                           choice.loss if choice else None, loss_options, penalty,
                           zipmaps=bool(zipmaps),
                           accumulation_steps=checked.accumulation_steps,
-                          update_options=checked.update, recompute=checked.recompute)
+                          update_options=checked.update,
+                          recompute=(default_recompute(loss_model) if checked.recompute is None
+                                     else checked.recompute))
     mode.check(context)
     # what predicts and what is exported: the loss gone, every layer in inference mode
     stripping = Pipeline((StripTraining(),))

@@ -72,8 +72,9 @@ class CompileOptions:
     accumulation_steps: int = 1
     #: gradient clipping and an EMA of the weights around the optimizer's update
     update: UpdateOptions = UpdateOptions()
-    #: "none", "auto" or the boundaries (:func:`lossgraph.passes.recompute.recompute_choice`)
-    recompute: str | tuple[str, ...] = "none"
+    #: None (by the model's size), "none", "activations", "elementwise", "auto", a budget or
+    #: the boundaries (:func:`lossgraph.passes.recompute.recompute_choice`)
+    recompute: str | tuple[str, ...] | float | None = None
     #: LoRA adapters to add before training (:mod:`lossgraph.adapters`), or None
     adapters: LoRA | None = None
 
@@ -81,7 +82,7 @@ class CompileOptions:
 def compile_options(weights: Any, loss: Any, loss_options: Any, penalty: Any,
                     optimizer: Any, backend: Any, fuse: Any, fixed_batch: Any = "auto",
                     untie: Any = None, accumulation_steps: Any = 1, max_grad_norm: Any = None,
-                    ema_decay: Any = None, recompute: Any = "none",
+                    ema_decay: Any = None, recompute: Any = None,
                     adapters: Any = None) -> CompileOptions:
     """Check every option of ``compile`` that does not need the model."""
     fuse = choice("fuse", fuse, FUSE_MODES)

@@ -135,10 +135,11 @@ def _penalty(args: argparse.Namespace, loss: str | None) -> Any:
                    () if excluded is None else excluded or "auto")
 
 
-def _recompute(tensors: list[str] | None, budget: float | None) -> str | float | list[str]:
-    """``--recompute``: absent, "none"; alone or ``auto``, "auto"; ``elementwise``,
-    "elementwise"; else the boundaries. ``--recompute-budget``: the budget (with no tensors
-    named)."""
+def _recompute(tensors: list[str] | None, budget: float | None
+               ) -> str | float | list[str] | None:
+    """``--recompute``: absent, None (compile's default); alone or ``auto``, "auto";
+    ``none``, ``activations`` or ``elementwise``, that plan; else the boundaries.
+    ``--recompute-budget``: the budget (with no tensors named)."""
     if budget is not None:
         if tensors not in (None, [], ["auto"]):
             raise UnsupportedOptionError(
@@ -146,9 +147,9 @@ def _recompute(tensors: list[str] | None, budget: float | None) -> str | float |
                 "(or with --recompute auto), not with the tensors --recompute names.")
         return budget
     if tensors is None:
-        return "none"
-    if tensors == ["elementwise"]:
-        return "elementwise"
+        return None
+    if tensors in (["none"], ["activations"], ["elementwise"]):
+        return tensors[0]
     return "auto" if tensors in ([], ["auto"]) else tensors
 
 

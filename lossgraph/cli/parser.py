@@ -379,9 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--recompute", nargs="*", default=None, metavar="TENSOR",
                        help="recompute activations in the backward instead of keeping them: "
                             "alone (or 'auto'), boundaries chosen among the forward graph's "
-                            "cuts; 'elementwise', the elementwise ops' outputs recomputed and "
+                            "cuts; 'none', every activation kept; 'activations', what "
+                            "elementwise arithmetic computes from kept values recomputed; "
+                            "'elementwise', the elementwise ops' outputs recomputed and "
                             "every other kept; else the forward tensors kept, everything "
-                            "between them recomputed (default: every activation kept)")
+                            "between them recomputed (default: 'activations' for a model of "
+                            "64 MiB of weights or more, else 'none')")
     build.add_argument("--recompute-budget", type=float, default=None, metavar="F",
                        help="with the boundaries lossgraph chooses, keep at most the fraction "
                             "F (0 < F <= 1) of the activations the backward reads, recomputing "

@@ -77,9 +77,10 @@ class PlanContext:
     accumulation_steps: int = 1
     #: gradient clipping and an EMA of the weights, around the optimizer's update
     update_options: UpdateOptions = field(default_factory=UpdateOptions)
-    #: compile's ``recompute``: ``"none"``, ``"auto"``, a budget (``"auto"`` within a
-    #: fraction of the activations) or the boundaries (:mod:`lossgraph.passes.recompute`),
-    #: run on the fused modes' gradients
+    #: compile's ``recompute`` as it applies to this model: ``"none"``, ``"activations"``,
+    #: ``"elementwise"``, ``"auto"``, a budget (``"auto"`` within a fraction of the
+    #: activations) or the boundaries (:mod:`lossgraph.passes.recompute`), run on the
+    #: gradients
     recompute: str | tuple[str, ...] | float = "none"
 
     @property

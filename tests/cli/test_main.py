@@ -112,16 +112,20 @@ def test_accumulation_from_the_shell_equals_a_larger_batch(model_file, tmp_path,
 
 
 def test_recompute_from_the_shell(model_file, tmp_path):
-    """compile --recompute (alone: auto; or tensors) or --recompute-budget: the manifest
-    records the plan."""
-    for extra in (["--recompute"], ["--recompute", "auto"], ["--recompute", "elementwise"],
-                  ["--recompute-budget", "1"]):
-        program = tmp_path / f"program{len(extra)}"
+    """compile --recompute (alone: auto; a plan's name; or tensors) or --recompute-budget:
+    the manifest records the plan; --recompute none, or nothing for a small model, keeps
+    every activation."""
+    for index, extra in enumerate((["--recompute"], ["--recompute", "auto"],
+                                   ["--recompute", "activations"],
+                                   ["--recompute", "elementwise"], ["--recompute-budget", "1"])):
+        program = tmp_path / f"program{index}"
         assert main(["compile", str(model_file), "-o", str(program), *extra]) == 0
         plan = json.loads((program / "manifest.json").read_text())["recompute"]["train_step"]
         assert plan["recomputed"] or plan["kept"]
-    assert main(["compile", str(model_file), "-o", str(tmp_path / "none")]) == 0
-    assert "recompute" not in json.loads((tmp_path / "none" / "manifest.json").read_text())
+    for extra in ([], ["--recompute", "none"]):
+        program = tmp_path / f"none{len(extra)}"
+        assert main(["compile", str(model_file), "-o", str(program), *extra]) == 0
+        assert "recompute" not in json.loads((program / "manifest.json").read_text())
 
 
 def test_lora_from_the_shell(model_file, tmp_path):

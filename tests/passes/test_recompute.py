@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from support.models import residual_stack, tower
+from support.models import gelu_mlp, residual_stack, tower
 
 from lossgraph import Trainer, add_loss_output, compile_program, gradient
 from lossgraph.errors import UnsupportedModelError, UnsupportedOptionError
 from lossgraph.passes import Recompute
-from lossgraph.passes.recompute import UpdatesInBackwardOrder
+from lossgraph.passes import recompute as recompute_module
+from lossgraph.passes.recompute import UpdatesInBackwardOrder, default_recompute
 from lossgraph.program import TrainingProgram
 
 
@@ -28,7 +29,8 @@ def _trained(program: TrainingProgram) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
-@pytest.mark.parametrize("recompute", ["auto", "elementwise", ["h1"], ["h1", "h2"]])
+@pytest.mark.parametrize("recompute", ["auto", "activations", "elementwise", ["h1"],
+                                       ["h1", "h2"]])
 def test_trains_as_without_recomputation(fuse, recompute):
     model = tower()
     plain = _trained(compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam"))
@@ -42,6 +44,9 @@ def test_trains_as_without_recomputation(fuse, recompute):
     if recompute == "elementwise":  # the products kept, the rest recomputed
         assert all(plan["kept"][:2] == ["a1", "a2"] and {"h1", "t2", "h2", "s"}
                    <= set(plan["recomputed"]) for plan in plans.values())
+    elif recompute == "activations":  # the residual sum and its sigmoid, from h1 and t2
+        assert all(plan["kept"][:2] == ["h1", "t2"] and {"h2", "s"} <= set(plan["recomputed"])
+                   for plan in plans.values())
     elif recompute != "auto":
         assert all(plan["boundaries"] == recompute for plan in plans.values())
 
@@ -177,3 +182,57 @@ def test_a_budget_recomputation_cannot_reach_is_refused_with_the_least_it_can():
                        r"still holds 47% .* raise the budget to 0.47 or more"):
         _plan(0.3)
     _plan(0.47)
+
+
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_activations_recomputes_a_gelus_intermediates_from_its_input(fuse):
+    """A decomposed GELU: the backward reads its input ``a`` and three of its
+    intermediates without recomputation; with ``"activations"`` it keeps ``a`` alone and
+    computes the rest again from it, to the same weights bit for bit."""
+    model = gelu_mlp()
+    plain = compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam")
+    program = compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam",
+                              recompute="activations")
+    for graph, plan in program.manifest["recompute"].items():
+        assert {"u", "b", "g"} <= set(plan["recomputed"]), graph
+        assert "a" in plan["kept"] and not {"u", "b", "g"} & set(plan["kept"]), graph
+    expected = _trained(plain)
+    for name, value in _trained(program).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_activations_recomputes_nothing_whose_input_is_not_kept():
+    """``relu(x W + b) W2``: the backward reads the Relu's output, not the sum it is
+    computed from, so recomputing it would keep as much: it is kept (only the loss's
+    square, which the backward reads for its shape, is computed again from the residual)."""
+    model = onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 17]>
+        mlp (float[N, 3] x, float[3, 4] W, float[4] b, float[4, 1] W2) => (float[N, 1] y) {
+            p = MatMul(x, W)  a = Add(p, b)  r = Relu(a)  y = MatMul(r, W2) }""")
+    graph = gradient(add_loss_output(model, "squared_error"), weights=["W", "b", "W2"])
+    result = Recompute("activations")(graph)
+    assert "r" in result.report.kept
+    assert result.report.recomputed == ("squared_error",)
+
+
+def test_a_large_model_recomputes_activations_by_default(monkeypatch):
+    """compile's recompute=None: "activations" for a model of ACTIVATIONS_MIN_BYTES of
+    initializers or more (here lowered to the GELU model's), "none" below."""
+    model = gelu_mlp()
+    assert default_recompute(model) == "none"
+    assert "recompute" not in compile_program(model, loss="squared_error").manifest
+    held = sum(t.ByteSize() for t in model.graph.initializer)
+    monkeypatch.setattr(recompute_module, "ACTIVATIONS_MIN_BYTES", held // 2)
+    assert default_recompute(model) == "activations"
+    plans = compile_program(model, loss="squared_error").manifest["recompute"]
+    assert {"u", "b", "g"} <= set(plans["train_step"]["recomputed"])
+    none = compile_program(model, loss="squared_error", recompute="none")
+    assert "recompute" not in none.manifest
+
+
+def test_the_default_counts_the_initializers_dims_not_their_data():
+    """64 MiB of weights declared by dims (the data held elsewhere, as a light model's)."""
+    big = onnx.TensorProto(name="W", data_type=onnx.TensorProto.FLOAT, dims=[16, 2**20])
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [], [big]))
+    assert default_recompute(model) == "activations"
+    model.graph.initializer[0].dims[:] = [16, 2**20 - 1]
+    assert default_recompute(model) == "none"

@@ -257,3 +257,28 @@ def tower(dropout: bool = False, norm: bool = False) -> onnx.ModelProto:
         nodes, "tower", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], initializers)
     return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def gelu_mlp(width: int = 8) -> onnx.ModelProto:
+    """x -> x W1 + b1 = a -> GELU as torch's exporter decomposes it,
+    ``Mul(Mul(a, Add(Erf(Div(a, sqrt 2)), 1)), 0.5)`` = g -> y = g W2: float32, a free
+    batch. The backward reads ``a`` and three of the GELU's intermediates (``u``, ``b``,
+    ``g``), each computed from ``a`` by elementwise ops."""
+    rng = np.random.default_rng(0)
+    arrays = {"W1": rng.normal(size=(3, width)), "b1": rng.normal(size=width) / 4,
+              "W2": rng.normal(size=(width, 1)) / 2}
+    initializers = [numpy_helper.from_array(w.astype(np.float32), n) for n, w in arrays.items()]
+    initializers += [numpy_helper.from_array(np.array(v, np.float32), n)
+                     for n, v in (("root2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["p"]),
+             helper.make_node("Add", ["p", "b1"], ["a"]),
+             helper.make_node("Div", ["a", "root2"], ["u"]),
+             helper.make_node("Erf", ["u"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["b"]),
+             helper.make_node("Mul", ["a", "b"], ["m"]),
+             helper.make_node("Mul", ["m", "half"], ["g"]),
+             helper.make_node("MatMul", ["g", "W2"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "gelu_mlp", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], initializers)
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])

@@ -5,7 +5,7 @@ the backward. :class:`Recompute` rewrites a gradient graph (the output of
 :class:`~lossgraph.passes.Gradient`) so that the backward reads only **kept** values:
 
 - the **boundaries** (checkpoints): forward values named by the user, or chosen by
-  ``"auto"`` or ``"elementwise"`` (below);
+  ``"activations"``, ``"elementwise"`` or ``"auto"`` (below);
 - what cannot or need not be recomputed: the graph's inputs and weights, values computed
   from weights and constants alone (weight-sized, not activations), the outputs of nodes
   that draw random numbers (``Dropout``, ``RandomNormal``, ..., which would draw other
@@ -20,6 +20,14 @@ activations at a time during the backward. A copy whose inputs are all kept read
 them through ``Max(v, v)`` (``<value>_fenced``, the same value bit for bit): otherwise
 onnxruntime's common-subexpression elimination would merge the copy back into the forward
 node, keeping the forward activations alive.
+
+``"activations"`` keeps every activation the backward reads but those elementwise
+arithmetic (:data:`ARITHMETIC_OPS`: no views, copies or shape ops) computes from kept
+values alone: a decomposed GELU keeps its input, and its ``x / sqrt 2``, erf and products
+are computed again from it in the backward. Fewer bytes are kept, never more (what they
+are computed from is kept anyway), at the cost of a few elementwise kernels: the default
+for a model of :data:`ACTIVATIONS_MIN_BYTES` of initializers or more
+(:func:`default_recompute`).
 
 ``"elementwise"`` makes every output of an op that is not cheap to compute again a
 boundary (:data:`CHEAP_OPS`: elementwise arithmetic and activations, views, shape ops):
@@ -139,8 +147,8 @@ def recompute_choice(value: object) -> str | tuple[str, ...] | float | None:
     raise UnsupportedOptionError(
         f"recompute={value!r} must be None (lossgraph's choice by the model's size), 'none' "
         "(keep every activation), 'activations' (what elementwise arithmetic computes from "
-        "kept values recomputed), 'elementwise' (the "
-        "elementwise ops' outputs recomputed, every other kept), 'auto' (boundaries "
+        "kept values recomputed), 'elementwise' (the elementwise ops' outputs recomputed, "
+        "every other kept), 'auto' (boundaries "
         "chosen among the forward graph's cuts), a budget (a float in (0, 1]: 'auto' keeping "
         "at most that fraction of the activations) or a non-empty list of forward tensor "
         "names (the boundaries kept; everything between them recomputed in the backward).")
@@ -169,9 +177,9 @@ def _gradient_model(model: onnx.ModelProto) -> str | None:
 @dataclass(frozen=True)
 class Recompute(Pass[RecomputePlan]):
     """The backward of a gradient model reads kept values only, the rest recomputed
-    (module docstring). ``boundaries``: ``"auto"``, ``"elementwise"`` or forward tensor
-    names; ``budget`` (with ``"auto"``): the fraction of the activations the backward
-    reads kept at most, None for the least memory."""
+    (module docstring). ``boundaries``: ``"activations"``, ``"elementwise"``, ``"auto"``
+    or forward tensor names; ``budget`` (with ``"auto"``): the fraction of the activations
+    the backward reads kept at most, None for the least memory."""
 
     boundaries: str | tuple[str, ...] = "auto"
     budget: float | None = None

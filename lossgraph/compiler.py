@@ -249,7 +249,7 @@ def compile_program(
             ``"none"``: every activation the backward reads is kept; ``"activations"``: what
             elementwise arithmetic computes from values the backward keeps anyway (a
             decomposed GELU's intermediates from its input) is recomputed, fewer bytes kept
-            and never more, at the same step time; ``"elementwise"``
+            and never more, at about the same step time; ``"elementwise"``
             (the outputs of elementwise ops, views and shape ops recomputed, every other
             op's kept: nearly free in time), ``"auto"``
             (boundaries chosen among the forward graph's cuts, about ``sqrt(n)`` segments of

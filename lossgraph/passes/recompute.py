@@ -109,7 +109,8 @@ _FENCEABLE = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
 #: A model whose initializers hold this many bytes or more is compiled with
 #: ``recompute="activations"`` unless ``recompute`` says otherwise; a smaller one with
 #: ``"none"``, its graphs exactly as the gradient builds them. Measured (BERT-base, GPT-2
-#: small, a 2-layer transformer of 1.5 MiB): the same step time, 10-27% less peak memory.
+#: small, a 2-layer transformer of 1.5 MiB): 10-27% less peak memory, the step time within
+#: the noise of ``"none"``'s (docs/benchmarks.md).
 ACTIVATIONS_MIN_BYTES = 64 * 2**20
 
 

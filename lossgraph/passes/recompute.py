@@ -332,12 +332,12 @@ def _check_boundaries(boundaries: Sequence[str], nodes: Sequence[onnx.NodeProto]
                 + suggest(name, values, "forward values"))
 
 
-def _backward_reads(nodes: Sequence[onnx.NodeProto], forward: set[int], floats: set[str]
+def _backward_reads(nodes: Sequence[onnx.NodeProto], forward: set[int], values: set[str]
                     ) -> set[str]:
-    """The float activations (of ``floats``) the backward reads: what it keeps without
-    recomputation."""
+    """The forward values (of ``values``: the float activations, or all of them) the
+    backward reads: what it keeps without recomputation."""
     return {v for i, node in enumerate(nodes) if i not in forward
-            for v in node_reads(node) if v in floats}
+            for v in node_reads(node) if v in values}
 
 
 def _chain_roots(nodes: Sequence[onnx.NodeProto], forward: set[int], dependent: set[str],
@@ -348,7 +348,7 @@ def _chain_roots(nodes: Sequence[onnx.NodeProto], forward: set[int], dependent: 
     activations the backward reads, computed from those alone by such arithmetic (a
     decomposed GELU's intermediates from its input, a SiLU's sigmoid), are recomputed:
     fewer bytes kept, never more, since what they are computed from is kept anyway."""
-    read = {v for i, node in enumerate(nodes) if i not in forward for v in node_reads(node)}
+    read = _backward_reads(nodes, forward, dependent)
     computable: set[str] = set()  # computed from the boundaries by arithmetic alone
     boundaries = []
     for i in sorted(forward):

@@ -133,14 +133,14 @@ def cell(name: str, size: str, tokens: int, batch: int, path: Path,
                 "step_s": statistics.median(times[1:]), "cpu_s": statistics.median(cpus[1:])}
     import lossgraph
     from lossgraph.optim import SGD
+    from lossgraph.passes.recompute import PLANS
 
     model = onnx.load(str(path))
     X, y = ids.numpy().astype(np.int64), labels.numpy().astype(np.int64)
     del net
     baseline = process_memory_mb("VmRSS")
-    recompute = {"none": "none", "auto": "auto", "activations": "activations",
-                 "elementwise": "elementwise", "layers": layer_outputs(model)}.get(name) \
-        or float(name)
+    recompute = (layer_outputs(model) if name == "layers" else name if name in PLANS
+                 else float(name))
     start = time.perf_counter()
     program = lossgraph.compile_program(model, loss="multiclass_log_loss",
                                         loss_options={"from_logits": True},

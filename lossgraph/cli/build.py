@@ -15,6 +15,7 @@ from ..errors import (
     UnsupportedOptionError,
 )
 from ..optim import SGD, Adam, AdamW, Momentum, Optimizer, optimizer_from_dict
+from ..passes.recompute import PLANS
 from ..penalties import Penalty
 from ..schedules import SCHEDULE_NAMES, Schedule, schedule_named
 
@@ -137,8 +138,8 @@ def _penalty(args: argparse.Namespace, loss: str | None) -> Any:
 
 def _recompute(tensors: list[str] | None, budget: float | None
                ) -> str | float | list[str] | None:
-    """``--recompute``: absent, None (compile's default); alone or ``auto``, "auto";
-    ``none``, ``activations`` or ``elementwise``, that plan; else the boundaries.
+    """``--recompute``: absent, None (compile's default); alone, "auto"; a plan's name
+    (:data:`~lossgraph.passes.recompute.PLANS`), that plan; else the boundaries.
     ``--recompute-budget``: the budget (with no tensors named)."""
     if budget is not None:
         if tensors not in (None, [], ["auto"]):
@@ -148,9 +149,9 @@ def _recompute(tensors: list[str] | None, budget: float | None
         return budget
     if tensors is None:
         return None
-    if tensors in (["none"], ["activations"], ["elementwise"]):
+    if len(tensors) == 1 and tensors[0] in PLANS:
         return tensors[0]
-    return "auto" if tensors in ([], ["auto"]) else tensors
+    return "auto" if not tensors else tensors
 
 
 def _adapters(args: argparse.Namespace) -> LoRA | None:

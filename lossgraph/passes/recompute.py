@@ -69,9 +69,12 @@ from ..names import NameAuthority
 from ..signature import Signature
 from .contract import Pass, PassResult, Requirement
 
-__all__ = ["Recompute", "RecomputePlan", "RANDOM_OPS", "CHEAP_OPS", "ARITHMETIC_OPS",
+__all__ = ["Recompute", "RecomputePlan", "PLANS", "RANDOM_OPS", "CHEAP_OPS", "ARITHMETIC_OPS",
            "ACTIVATIONS_MIN_BYTES", "UpdatesInBackwardOrder", "default_recompute",
            "recompute_choice"]
+
+#: The plans ``recompute=`` names (beside a budget and a list of boundaries).
+PLANS = ("none", "activations", "elementwise", "auto")
 
 #: Ops whose outputs are drawn at random: never recomputed (a copy would draw again).
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
@@ -137,7 +140,7 @@ def recompute_choice(value: object) -> str | tuple[str, ...] | float | None:
                 "backward reads that recomputation may keep, above 0 and at most 1 (1: keep "
                 "them all, as 'none'; 'auto': the least memory).")
         return value
-    if isinstance(value, str) and value in ("none", "activations", "auto", "elementwise"):
+    if isinstance(value, str) and value in PLANS:
         return value
     if (isinstance(value, (list, tuple)) and value
             and all(isinstance(v, str) and v for v in value)):

@@ -852,10 +852,6 @@ CASES: list[Case] = [
          "keep_previous_state=True)",
          lambda c: lossgraph.Trainer(c.program(), in_place=True, keep_previous_state=True),
          UnsupportedOptionError, "no state before the last step can be kept"),
-    Case("in-place-of-an-epoch-program", "Trainer(fuse='epoch' program, in_place=True)",
-         lambda c: lossgraph.Trainer(lossgraph.compile_program(linear(), fuse="epoch"),
-                                     in_place=True),
-         UnsupportedOptionError, "carries the state through a Scan"),
     Case("model-changed-after-compile", "Trainer(program) of a 64 MiB ModelProto "
          "changed after compile_program",
          lambda c: lossgraph.Trainer(_changed_after_compile()), ModelChangedError,

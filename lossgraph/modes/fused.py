@@ -153,8 +153,15 @@ class StepMode(FuseMode):
             program.io("train_step", "loss")[0])
 
 
-class EpochMode(FuseMode):
-    """One graph per epoch: a Scan over the full batches, the step graph for the rest."""
+class EpochMode(StepMode):
+    """One graph per epoch: a Scan over the full batches, the step graph for the rest.
+
+    A Scan writes its loop state into arrays of its own, two beside its input and output,
+    so an epoch graph holds the weights four times over. Run in place (by default where
+    the state is large: :class:`~lossgraph.runtime.engine.Engine`), an epoch program runs
+    every batch with ``train_step`` instead, writing the state over itself: the same
+    updates, the state held once.
+    """
 
     name = "epoch"
     graphs = ("train_step", "train_epoch", "train_epoch_ordered")
@@ -174,10 +181,6 @@ class EpochMode(FuseMode):
                for name, shuffle in (("train_epoch_ordered", False), ("train_epoch", True))},
             **_accumulating(context, epochs=True),
         }
-
-    def in_place_problem(self, program: Any, packed: Any) -> str | None:
-        return (f"a fuse={self.name!r} program's epoch graph carries the state through a "
-                "Scan, which writes it into arrays of its own")
 
     def assemble(self, compiling: Compiling) -> Assembled:
         signature = compiling.built["train_epoch"].report.of(EpochGraph)

@@ -23,10 +23,13 @@ applied run is the last whose loss was finite), where a third set keeps it
 (``keep_previous_state``: by default for states up to :data:`KEEP_PREVIOUS_MAX_BYTES`).
 A larger model's state is held once where its steps can write the next state over the one
 they read (``in_place``: :mod:`lossgraph.passes.in_place`; a step whose loss is not finite
-then writes back the state it read), else twice. A failed run changes nothing the caller
-sees, but for an onnxruntime error in the middle of a run that writes in place, which may
-leave part of the next state written. Arrays handed to a run are aliased, never copied:
-keep them unchanged until the next run.
+then writes back the state it read), else twice. An epoch program run in place runs its
+batches as steps (:class:`~lossgraph.modes.fused.EpochMode`: a Scan cannot write in place);
+it runs in place by default only where its state is over :data:`KEEP_PREVIOUS_MAX_BYTES`,
+since below that the epoch graph's speed is worth the second set. A failed run changes
+nothing the caller sees, but for an onnxruntime error in the middle of a run that writes
+in place, which may leave part of the next state written. Arrays handed to a run are
+aliased, never copied: keep them unchanged until the next run.
 """
 
 from __future__ import annotations
@@ -151,8 +154,9 @@ class Engine:
                      in_place: bool | None) -> int:
         """The state ring's sets for a state of ``size`` bytes: 3 to keep the state before
         the last step (by default up to :data:`KEEP_PREVIOUS_MAX_BYTES`), 1 where the
-        steps write in place (by default where the mode can), else 2; contradictory
-        options are an UnsupportedOptionError."""
+        steps write in place (by default where the mode can, and for an epoch program
+        where the state is over that size: module doc), else 2; contradictory options are
+        an UnsupportedOptionError."""
         if keep_previous_state is None:
             keep_previous_state = size <= KEEP_PREVIOUS_MAX_BYTES and not in_place
         if in_place and keep_previous_state:
@@ -161,7 +165,8 @@ class Engine:
                 "the last step can be kept: pass keep_previous_state=False (or leave it out).")
         if keep_previous_state:
             return 3
-        if in_place is False:
+        if in_place is False or (in_place is None and self.mode.runs_epochs
+                                 and size <= KEEP_PREVIOUS_MAX_BYTES):
             return 2
         problem = self.mode.in_place_problem(self.program, self.packed)
         if in_place and problem:
@@ -383,8 +388,9 @@ class Engine:
     # -- training ----------------------------------------------------------------------
     @property
     def runs_epochs(self) -> bool:
-        """Whether :meth:`epoch` runs the full batches of an epoch as one graph."""
-        return self.mode.runs_epochs
+        """Whether :meth:`epoch` runs the full batches of an epoch as one graph: an epoch
+        program's engine that does not run in place (module doc)."""
+        return self.mode.runs_epochs and not self.in_place
 
     @property
     def loss(self) -> float:
@@ -422,6 +428,8 @@ class Engine:
         :meth:`accumulate`), and ``rates`` has one rate per update."""
         if not self.runs_epochs:
             raise UnsupportedOptionError(
+                "This engine runs its epochs as steps, in place: pass in_place=False to run "
+                "the epoch graph." if self.mode.runs_epochs else
                 f"A fuse={self.program.fuse!r} program runs no epoch graph: compile with "
                 "fuse='epoch'.")
         if self.fixed_batch is not None and batch_size != self.fixed_batch:

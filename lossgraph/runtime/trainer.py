@@ -71,7 +71,10 @@ class Trainer:
     the state is held once (:mod:`lossgraph.passes.in_place`); by default where the state
     before the last step is not kept and the program's steps can (``fuse="step"``, and
     ``"separate"`` without running statistics; not an accumulating program). A step whose
-    loss is not finite writes the state it read back, as with a second copy.
+    loss is not finite writes the state it read back, as with a second copy. A
+    ``fuse="epoch"`` program run in place runs its epochs as steps (a Scan writes its loop
+    state into arrays of its own, the weights held four times over); it does so by
+    default only where the state is over those 64 MiB.
     """
 
     def __init__(self, program: TrainingProgram, providers: Sequence[str] | None = None,

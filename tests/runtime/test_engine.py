@@ -111,10 +111,13 @@ def test_an_epoch_run_is_its_steps_one_after_the_other():
         np.testing.assert_allclose(fused.state[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_a_mode_without_an_epoch_graph_refuses_an_epoch_run_by_name():
-    engine = Engine(linear_program("step", SGD(RATE)))
+@pytest.mark.parametrize("fuse, in_place, match", [("step", None, "fuse='epoch'"),
+                                                    ("epoch", True, "in_place=False")])
+def test_an_engine_without_an_epoch_graph_to_run_refuses_an_epoch_run_saying_why(
+        fuse, in_place, match):
+    engine = Engine(linear_program(fuse, SGD(RATE)), in_place=in_place)
     assert not engine.runs_epochs
-    with pytest.raises(UnsupportedOptionError, match="fuse='epoch'"):
+    with pytest.raises(UnsupportedOptionError, match=match):
         engine.epoch(engine.prepare(*linear_data(4, seed=3)), None, 1, 4, first_step=1,
                      rates=np.full(1, RATE, np.float32))
 

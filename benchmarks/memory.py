@@ -17,7 +17,10 @@ holds anyway. The columns:
   export (SGD(0.01), the same loss), a ``Trainer``, and 3 steps of ``fit`` (``"epoch"``:
   one epoch of 3 batches, then a second one, timed: its first run opens the session);
 - **compile_program alone**: the compile of ``fuse="step"``, and nothing else, as a
-  multiple of the weights' size too.
+  multiple of the weights' size too;
+- **from the file, whole**: ``fuse="step"`` compiled from the export's file, the baseline
+  taken before any of the model is read: the whole process's training memory, against
+  torch's peak plus what its network holds (``model_mb``, measured as it is built).
 
 Beside the peaks, each cell's **step time** (ms, the mean of steps 2 and 3, the first one
 opening sessions) and the peak after each step (a peak that grows from step to step is
@@ -40,7 +43,7 @@ branch's), ``--compare JSON`` shows a previous run's figures beside this one's.
 
 Run from the repository root:
       python -m benchmarks.memory [--quick] [--models cnn,transformer,bert,gpt2]
-          [--columns torch,step,epoch,separate,compile] [--memory-limit 12] [--threads N]
+          [--columns torch,step,epoch,separate,compile,file] [--memory-limit 12] [--threads N]
           [--checkout PATH] [--compare before.json] [--json out.json] [--plot out.png]
 See docs/benchmarks.md#memory.
 """
@@ -70,7 +73,7 @@ STEPS = 3
 LEARNING_RATE = 0.01
 COLUMNS = {"torch": "torch eager", "step": 'lossgraph fuse="step"',
            "epoch": 'fuse="epoch"', "separate": 'fuse="separate"',
-           "compile": "compile_program alone"}
+           "compile": "compile_program alone", "file": 'fuse="step" from the file, whole'}
 #: Address space a cell may map beyond --memory-limit (threads' stacks, mapped libraries).
 ADDRESS_HEADROOM_GIB = 6
 
@@ -247,9 +250,11 @@ def torch_cell(subject: Subject, quick: bool, threads: int | None = None,
     if threads:
         torch.set_num_threads(threads)
     _torch_warm_up(torch)
+    before_model = baseline()
     net, X, y = build(subject, quick)
     if adapt is not None:
         net = adapt(net)
+    model_mb = _memory("VmRSS") - before_model  # what the network holds, its weights
     batch = subject.rows(quick)
     X, y = torch.from_numpy(X), torch.from_numpy(y)
     trained = [p for p in net.parameters() if p.requires_grad]
@@ -271,7 +276,8 @@ def torch_cell(subject: Subject, quick: bool, threads: int | None = None,
     figures = _steps(step, baseline())
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return {**figures, "trained_parameters": sum(p.numel() for p in trained),
-            "optimizer_state_mb": sum(t.numel() * t.element_size() for t in state) / 2**20}
+            "optimizer_state_mb": sum(t.numel() * t.element_size() for t in state) / 2**20,
+            "model_mb": model_mb}
 
 
 def _torch_warm_up(torch: Any) -> None:
@@ -345,17 +351,20 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     import lossgraph
     from lossgraph.optim import SGD
 
+    fuse = "step" if column in ("compile", "file") else column
     sessions = session_options(threads, session_entries)
-    lossgraph_warm_up("step" if column == "compile" else column, sessions)
-    model, data = load_export(subject, folder)
+    lossgraph_warm_up(fuse, sessions)
+    if column == "file":  # the file's path alone: the model is lossgraph's to read
+        model, data = folder / f"{subject.name}.onnx", np.load(folder / f"{subject.name}.npz")
+    else:
+        model, data = load_export(subject, folder)
     X, y, batch = data["X"], data["y"], subject.rows(quick)
     base = baseline()
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = lossgraph.compile_program(model, optimizer=optimizer or SGD(LEARNING_RATE),
-                                            fuse="step" if column == "compile" else column,
-                                            **compile_loss(subject), **options)
+                                            fuse=fuse, **compile_loss(subject), **options)
     compiled = {"compile_s": time.perf_counter() - start,
                 "compile_peak_mb": _memory("VmHWM") - base,
                 "compiled_mb": _memory("VmRSS") - base,
@@ -459,6 +468,9 @@ def cell_text(cells: dict[str, Any], column: str, before: dict[str, Any] | None)
         text += f" ({record['peak_mb'] / cells['weights_mb']:.2f}x the weights"
         stored = cells.get("stored_mb")
         text += f", {record['peak_mb'] / stored:.2f}x stored)" if stored else ")"
+    elif column == "file" and torch > 0:  # the whole process: torch's network counts
+        whole = torch + cells["torch"].get("model_mb", 0)
+        text += f" ({record['peak_mb'] / whole:.2f}x torch's {_mib(whole)} with its network)"
     elif column not in ("torch", "compile") and torch > 0:  # a tiny model's may round to 0
         text += f" ({record['peak_mb'] / torch:.2f}x)"
     was = (before or {}).get(column, {})

@@ -75,9 +75,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -599,8 +601,11 @@ def _compile(model: ModelLike, options: Mapping[str, Any]) -> TrainingProgram:
     del front, runner, compiling  # every intermediate model
     # light: the program keeps every weight once, its state's and the frozen ones
     program = TrainingProgram(graphs, manifest, state, inference, notes=notes)
-    if isinstance(model, onnx.ModelProto):  # its large weights read from it, not held twice
+    # its large weights read from the model or its file when asked for, not held twice
+    if isinstance(model, onnx.ModelProto):
         program.state = InitialState.reading(state, model, held)
+    elif isinstance(model, (str, os.PathLike)):
+        program.state = InitialState.reading(state, Path(os.fspath(model)), held)
     del held, state
     release_free_memory()
     return program

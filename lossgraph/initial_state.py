@@ -2,15 +2,18 @@
 
 Held as arrays, it is a copy of every weight beside the model the user compiled and the
 trainer's own buffers: 418 MiB more for BERT-base. So where a model given as a
-``ModelProto`` holds :data:`READ_MIN_BYTES` of the state or more, :class:`InitialState`
-keeps, for each large weight and buffer the program starts from as the model holds it
-under the same name (64 KiB and more: those compile's
-:class:`~lossgraph.graphs.HeldWeights` store copied from it), no array but the model and
-the digest of its bytes, and reads the value from the model again when asked for. The
-digest is checked on every read: a model changed after compile is a
+``ModelProto`` or a file holds :data:`READ_MIN_BYTES` of the state or more,
+:class:`InitialState` keeps, for each large weight and buffer the program starts from as
+the model holds it under the same name (64 KiB and more: those compile's
+:class:`~lossgraph.graphs.HeldWeights` store copied from it), no array but where to read
+it and the digest of its bytes, and reads the value again when asked for: from the
+``ModelProto``, or from the file (its bytes where :func:`~lossgraph.graphs.spans.
+initializer_spans` finds them, in the ``.onnx`` file or its external data), so that a
+program compiled from a file holds none of the model's large weights. The digest is
+checked on every read: a model changed after compile is a
 :class:`~lossgraph.errors.ModelChangedError`, never a training run started from other
 weights. Every other value (optimizer states, adapters, a weight compile made, any value
-of a model given as a file or bytes) is held as an array.
+of a model given as bytes) is held as an array.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -25,6 +29,7 @@ from onnx import numpy_helper
 
 from .errors import ModelChangedError
 from .graphs.held import HeldWeights
+from .graphs.spans import Span, initializer_spans, read_span
 
 __all__ = ["InitialState", "READ_MIN_BYTES"]
 
@@ -39,40 +44,81 @@ def _digest(array: np.ndarray) -> bytes:
 
 @dataclass(frozen=True)
 class _Read:
-    """A value read from ``model``'s initializer of its name when asked for (at
-    ``position`` among the initializers, unless the model moved it)."""
+    """A value read when asked for, not held: its bytes must have ``digest``."""
 
-    model: onnx.ModelProto
-    position: int
     digest: bytes
     shape: tuple[int, ...]
     dtype: np.dtype
 
     def value(self, name: str) -> np.ndarray:
+        """The value of ``name``, read-only, or a ModelChangedError saying what changed."""
+        array, change = self._read(name)
+        if array is not None:
+            if array.shape == self.shape and array.dtype == self.dtype \
+                    and _digest(array) == self.digest:
+                array.flags.writeable = False
+                return array
+            change = "is not the value compiled"
+        raise ModelChangedError(self._changed(name, change))
+
+    def _read(self, name: str) -> tuple[np.ndarray | None, str]:
+        """The value read (None: none), and why not."""
+        raise NotImplementedError
+
+    def _changed(self, name: str, change: str) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class _ModelRead(_Read):
+    """A value read from ``model``'s initializer of its name (at ``position`` among the
+    initializers, unless the model moved it)."""
+
+    model: onnx.ModelProto
+    position: int
+
+    def _read(self, name: str) -> tuple[np.ndarray | None, str]:
         tensors = self.model.graph.initializer
         tensor = tensors[self.position] if self.position < len(tensors) else None
         if tensor is None or tensor.name != name:  # the model's initializers changed
             tensor = next((t for t in tensors if t.name == name), None)
         if tensor is None:
-            change = "is gone"
-        elif tensor.data_location == onnx.TensorProto.EXTERNAL:
-            change = ("has its data in an external file now (onnx.save(model, ..., "
-                      "save_as_external_data=True) moves it out of the model object)")
-        else:
-            try:
-                array = numpy_helper.to_array(tensor)
-            except ValueError:  # data of another size than its dims
-                array = None
-            if array is not None and array.shape == self.shape \
-                    and array.dtype == self.dtype and _digest(array) == self.digest:
-                return array
-            change = "is not the value compiled"
-        raise ModelChangedError(
-            f"The model this program was compiled from changed after compile: its "
-            f"initializer {name!r} {change}. The program reads its initial state from that "
-            f"model rather than keep a copy of its weights. Put the model back as it was, or "
-            f"compile it again; to change a model after compiling it, compile a copy of it "
-            f"(copy = onnx.ModelProto(); copy.CopyFrom(model)).")
+            return None, "is gone"
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            return None, ("has its data in an external file now (onnx.save(model, ..., "
+                          "save_as_external_data=True) moves it out of the model object)")
+        try:
+            return numpy_helper.to_array(tensor), ""
+        except ValueError:  # data of another size than its dims
+            return None, "is not the value compiled"
+
+    def _changed(self, name: str, change: str) -> str:
+        return (f"The model this program was compiled from changed after compile: its "
+                f"initializer {name!r} {change}. The program reads its initial state from "
+                f"that model rather than keep a copy of its weights. Put the model back as "
+                f"it was, or compile it again; to change a model after compiling it, compile "
+                f"a copy of it (copy = onnx.ModelProto(); copy.CopyFrom(model)).")
+
+
+@dataclass(frozen=True)
+class _FileRead(_Read):
+    """A value read from the bytes of ``span`` in the model's file (or its external
+    data): little-endian, as ONNX stores them and compile's store holds them."""
+
+    span: Span
+    model: Path
+
+    def _read(self, name: str) -> tuple[np.ndarray | None, str]:
+        data = read_span(self.span)
+        if data is None:
+            return None, f"cannot be read from {str(self.span.path)!r} (gone or cut short)"
+        return np.frombuffer(data, self.dtype.newbyteorder("<")).reshape(self.shape), ""
+
+    def _changed(self, name: str, change: str) -> str:
+        return (f"The model file {str(self.model)!r} this program was compiled from changed "
+                f"after compile: its initializer {name!r} {change}. The program reads its "
+                f"initial state from that file rather than keep a copy of its weights. Put "
+                f"the file back as it was, or compile it again.")
 
 
 class InitialState(MutableMapping[str, np.ndarray]):
@@ -85,20 +131,33 @@ class InitialState(MutableMapping[str, np.ndarray]):
             dict(values._values) if isinstance(values, InitialState) else dict(values or {}))
 
     @classmethod
-    def reading(cls, values: Mapping[str, np.ndarray], model: onnx.ModelProto,
+    def reading(cls, values: Mapping[str, np.ndarray], model: onnx.ModelProto | Path,
                 held: HeldWeights) -> InitialState:
-        """``values`` of which ``model`` holds the large ones byte for byte under their
-        names are read from ``model`` when asked for, where those come to
-        :data:`READ_MIN_BYTES`. ``held``: compile's store, which copied ``model``'s large
-        weights first: a value that is its array under the same name is the model's."""
+        """``values`` of which ``model`` (a ``ModelProto`` or the path of its file) holds
+        the large ones byte for byte under their names are read from it when asked for,
+        where those come to :data:`READ_MIN_BYTES`. ``held``: compile's store, which
+        copied ``model``'s large weights first: a value that is its array under the same
+        name is the model's. A file's bytes are checked against the values compiled
+        here, one at a time: a value the file does not hold as compiled stays held."""
         state = cls(values)
         found = {name: array for name, array in values.items()
                  if held.first_held(name) is array}
-        if sum(array.nbytes for array in found.values()) >= READ_MIN_BYTES:
+        if sum(array.nbytes for array in found.values()) < READ_MIN_BYTES:
+            return state
+        if isinstance(model, onnx.ModelProto):
             positions = {t.name: i for i, t in enumerate(model.graph.initializer)}
-            state._values.update(
-                (name, _Read(model, positions[name], _digest(array), array.shape, array.dtype))
-                for name, array in found.items())
+            reads = {name: _ModelRead(_digest(array), array.shape, array.dtype, model,
+                                      positions[name]) for name, array in found.items()}
+        else:
+            spans = initializer_spans(model)
+            reads = {}
+            for name, array in found.items():
+                span, digest = spans.get(name), _digest(array)
+                data = read_span(span) if span and span.length == array.nbytes else None
+                if data is not None and _digest(np.frombuffer(data, np.uint8)) == digest:
+                    reads[name] = _FileRead(digest, array.shape, array.dtype, span, model)
+        if sum(found[name].nbytes for name in reads) >= READ_MIN_BYTES:
+            state._values.update(reads)
         return state
 
     @property

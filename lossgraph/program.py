@@ -76,8 +76,9 @@ class TrainingProgram:
     Each weight is held once. The trained ones are in ``state``: the inference model is
     kept without the data of the initializers ``state`` holds to the byte, and
     :attr:`inference_model` puts it back when asked for (a BERT-base model's 418 MiB are
-    not held twice). A large model compiled from a ``ModelProto`` is not copied even once:
-    ``state`` reads its weights from it when asked for, checking they did not change
+    not held twice). A large model compiled from a ``ModelProto`` or a file is not copied
+    even once: ``state`` reads its weights from it when asked for, checking they did not
+    change
     (:class:`~lossgraph.initial_state.InitialState`). The large frozen ones (initializers
     of the graphs: a LoRA program's base weights, a weight ``compile_program(weights=
     [...])`` leaves out) are in one store

@@ -359,6 +359,16 @@ def _changed_after_compile() -> lossgraph.TrainingProgram:
     return program
 
 
+def _file_changed_after_compile(c: Context) -> lossgraph.TrainingProgram:
+    """A program compiled from a model file large enough that it reads its initial state
+    from it, the file removed since."""
+    path = c.tmp / "big.onnx"
+    onnx.save(read_state_model(), path)
+    program = lossgraph.compile_program(path, loss="squared_error")
+    path.unlink()
+    return program
+
+
 def with_value(array: np.ndarray, row: int, value: float, column: int | None = None):
     copy = array.copy()
     if column is None:
@@ -852,6 +862,11 @@ CASES: list[Case] = [
          "keep_previous_state=True)",
          lambda c: lossgraph.Trainer(c.program(), in_place=True, keep_previous_state=True),
          UnsupportedOptionError, "no state before the last step can be kept"),
+    Case("model-file-removed-after-compile", "Trainer(program) of a 64 MiB model file "
+         "removed after compile_program",
+         lambda c: lossgraph.Trainer(_file_changed_after_compile(c)), ModelChangedError,
+         "big.onnx' this program was compiled from changed after compile: its "
+         "initializer 'W' cannot be read from"),
     Case("model-changed-after-compile", "Trainer(program) of a 64 MiB ModelProto "
          "changed after compile_program",
          lambda c: lossgraph.Trainer(_changed_after_compile()), ModelChangedError,

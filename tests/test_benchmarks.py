@@ -422,15 +422,18 @@ def test_memory_cells_train_what_they_say_and_the_report_shows_every_column(tmp_
     assert row["parameters"] > 0 and (tmp_path / "cnn.onnx").exists()
     subject = bench.SUBJECTS["cnn"]
     row["torch"] = bench.torch_cell(subject, True, threads=1)
-    for column in ("step", "epoch", "separate", "compile"):
+    for column in ("step", "epoch", "separate", "compile", "file"):
         row[column] = bench.lossgraph_cell(subject, True, column, tmp_path, threads=1)
-    assert [row[c]["steps"] for c in ("step", "epoch", "separate")] == [3, 6, 3]
-    assert all(len(row[c]["steps_mb"]) == bench.STEPS for c in ("torch", "step", "separate"))
+    assert [row[c]["steps"] for c in ("step", "epoch", "separate", "file")] == [3, 6, 3, 3]
+    assert all(len(row[c]["steps_mb"]) == bench.STEPS
+               for c in ("torch", "step", "separate", "file"))
     assert all(row[c]["peak_mb"] >= 0 for c in bench.COLUMNS)
+    assert row["torch"]["model_mb"] >= 0
     bench.report({"cnn": row}, list(bench.COLUMNS))
     printed = capsys.readouterr().out
     assert all(bench.COLUMNS[c] in printed for c in bench.COLUMNS)
     assert "| cnn (" in printed and "x the weights, " in printed and "x stored)" in printed
+    assert "with its network)" in printed
     foreign = tmp_path / "notes.json"
     foreign.write_text("{}")
     with pytest.raises(SystemExit):

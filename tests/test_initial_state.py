@@ -1,6 +1,6 @@
 """InitialState (lossgraph/initial_state.py): a program compiled from a large ModelProto
-reads its initial weights from that model when asked for instead of keeping a copy of
-them (issue 27: the weights held once), trains and saves exactly as a program holding
+or model file reads its initial weights from it when asked for instead of keeping a copy
+of them (issue 27: the weights held once), trains and saves exactly as a program holding
 them, and names a model changed after compile instead of starting from other weights."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from support.models import BIG, large_weights_model, read_state_model, tower
 import lossgraph
 from lossgraph import initial_state
 from lossgraph.errors import ModelChangedError
+from lossgraph.graphs.spans import initializer_spans
 from lossgraph.optim import SGD, AdamW
 
 RNG = np.random.default_rng(5)
@@ -117,13 +118,14 @@ def test_a_value_set_is_held_and_no_longer_read(read_small):
 
 def test_only_large_weights_the_model_object_holds_under_their_names_are_read(
         monkeypatch, tmp_path):
-    """Below READ_MIN_BYTES of them nothing is read; a model given as a file has no object
-    to read from; a small weight (``S``, 2 KiB) and optimizer states are held."""
+    """Below READ_MIN_BYTES of them nothing is read; a model given as bytes has nothing to
+    read from; a small weight (``S``, 2 KiB) and optimizer states are held."""
     model = large_weights_model()
     assert _compile(model).state.read == frozenset()  # 128 KiB of weights
-    monkeypatch.setattr(initial_state, "READ_MIN_BYTES", 0)
     onnx.save(model, tmp_path / "m.onnx")
-    assert _compile(str(tmp_path / "m.onnx")).state.read == frozenset()
+    assert _compile(tmp_path / "m.onnx").state.read == frozenset()
+    monkeypatch.setattr(initial_state, "READ_MIN_BYTES", 0)
+    assert _compile(model.SerializeToString()).state.read == frozenset()
     assert _compile(model, optimizer=AdamW(0.001)).state.read == {"W"}
     assert _compile(tower()).state.read == frozenset()  # every weight under 64 KiB
 
@@ -160,3 +162,95 @@ def test_initializers_reordered_since_compile_are_found_by_name(read_small):
     del model.graph.initializer[:]
     model.graph.initializer.extend(reversed(tensors))
     np.testing.assert_array_equal(lossgraph.Trainer(program).state["W"], W)
+
+
+# -- a model given as a file -------------------------------------------------------------
+def _saved(tmp_path, external: bool = False):
+    model = large_weights_model()
+    path = tmp_path / "m.onnx"
+    if external:  # onnx.save moves the data out of the model it is given: a copy
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        onnx.save(copy, path, save_as_external_data=True, location="m.data",
+                  size_threshold=1024)
+    else:
+        onnx.save(model, path)
+    return model, path
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["in-the-file", "external-data"])
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_a_state_read_from_the_model_file_trains_bit_for_bit_as_one_held(
+        read_small, tmp_path, fuse, external):
+    model, path = _saved(tmp_path, external)
+    given = path.read_bytes()
+    reading = _compile(path, fuse)
+    holding = _compile(model.SerializeToString(), fuse)
+    assert reading.state.read == {"W"}
+    a, b = _fit(reading), _fit(holding)
+    for name in holding.state:
+        np.testing.assert_array_equal(a.state[name], b.state[name])
+        np.testing.assert_array_equal(reading.state[name], holding.state[name])
+    assert not reading.state["W"].flags.writeable
+    assert path.read_bytes() == given  # read, never written
+
+
+def test_a_file_program_resets_saves_and_pickles_from_the_file(read_small, tmp_path):
+    model, path = _saved(tmp_path)
+    program = _compile(str(path))
+    W = numpy_helper.to_array(model.graph.initializer[0])
+    trainer = _fit(program)
+    trainer.reset()
+    np.testing.assert_array_equal(trainer.state["W"], W)
+    program.save(tmp_path / "prog")
+    copied = pickle.loads(pickle.dumps(program))  # its own copy: another process has no file
+    for other in (lossgraph.TrainingProgram.load(tmp_path / "prog"), copied):
+        assert other.state.read == frozenset()
+        np.testing.assert_array_equal(other.state["W"], W)
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["in-the-file", "external-data"])
+def test_a_model_file_changed_after_compile_is_named_not_trained_from(read_small, tmp_path,
+                                                                       external):
+    model, path = _saved(tmp_path, external)
+    program = _compile(path)
+    data = path.with_name("m.data") if external else path
+    span = initializer_spans(path)["W"]
+    raw = bytearray(data.read_bytes())
+    raw[span.offset + span.length - 4:span.offset + span.length] = bytes(4)  # the last: zero
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ModelChangedError, match=f"model file '{path}'.*initializer 'W' is not "
+                                                "the value compiled.*compile it again"):
+        lossgraph.Trainer(program)
+    data.write_bytes(bytes(raw[:span.offset + 8]))  # cut short
+    with pytest.raises(ModelChangedError, match="'W' cannot be read from .*cut short"):
+        program.state["W"]
+    data.unlink()
+    with pytest.raises(ModelChangedError, match="'W' cannot be read from .*gone"):
+        program.state["W"]
+
+
+def test_spans_are_each_initializers_bytes_in_the_file(tmp_path):
+    model = tower()
+    onnx.save(model, tmp_path / "t.onnx")
+    spans = initializer_spans(tmp_path / "t.onnx")
+    data = (tmp_path / "t.onnx").read_bytes()
+    assert set(spans) == {t.name for t in model.graph.initializer}
+    for tensor in model.graph.initializer:
+        span = spans[tensor.name]
+        assert data[span.offset:span.offset + span.length] == tensor.raw_data
+
+
+def test_a_file_the_walk_cannot_read_gives_no_spans_and_the_state_is_held(read_small,
+                                                                          tmp_path):
+    """A model whose bytes are not where the walk says (two ``graph`` fields, which
+    protobuf merges) holds its state; so does a file that is not one."""
+    model, path = _saved(tmp_path)
+    graph = model.graph.SerializeToString()
+    key = bytes([7 << 3 | 2])  # ModelProto.graph, length-delimited
+    empty = onnx.GraphProto(name="empty").SerializeToString()
+    path.write_bytes(path.read_bytes() + key + bytes([len(empty)]) + empty)
+    assert initializer_spans(path) == {}
+    assert len(graph) > 0 and _compile(path).state.read == frozenset()
+    (tmp_path / "empty").write_bytes(b"")
+    assert initializer_spans(tmp_path / "empty") == {}

@@ -7,6 +7,7 @@
   knows of a model's values;
 - :mod:`.weights`: the tensors a model stores, and the model without its weights' data;
 - :mod:`.held`: :class:`HeldWeights`, a model's large weights held apart while passes run;
+- :mod:`.spans`: where in a model file each initializer's bytes lie;
 - :mod:`.types`: element types, dtypes, opsets, the default domain;
 - :mod:`.rename`: :func:`rename_values`, the one in-place rewrite the passes share.
 

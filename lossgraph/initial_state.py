@@ -154,7 +154,7 @@ class InitialState(MutableMapping[str, np.ndarray]):
             for name, array in found.items():
                 span, digest = spans.get(name), _digest(array)
                 data = read_span(span) if span and span.length == array.nbytes else None
-                if data is not None and _digest(np.frombuffer(data, np.uint8)) == digest:
+                if data is not None and hashlib.sha256(data).digest() == digest:
                     reads[name] = _FileRead(digest, array.shape, array.dtype, span, model)
         if sum(found[name].nbytes for name in reads) >= READ_MIN_BYTES:
             state._values.update(reads)

@@ -29,6 +29,7 @@ from onnx.external_data_helper import load_external_data_for_tensor, uses_extern
 
 from .errors import InternalError, InvalidModelError
 from .graphs import HeldWeights, elem_type_name, is_held, stored_tensors, without_weight_data
+from .graphs.spans import model_without_raw_data, read_span
 from .paths import model_file
 from .target import finalize
 
@@ -66,7 +67,11 @@ def as_model(model: ModelLike, held: HeldWeights | None = None) -> onnx.ModelPro
     if isinstance(model, (str, os.PathLike)):
         path = Path(os.fspath(model))
         what = f"The model file {str(path)!r}"
-        return _held(_checked(_parse(_read(path), what), what, folder=path.parent), held)
+        model_file(path)
+        parsed = _parsed_light(path, held) if held is not None else None
+        if parsed is None:
+            parsed = _parse(_read(path), what)
+        return _held(_checked(parsed, what, folder=path.parent), held)
     raise InvalidModelError(
         f"Expected an onnx.ModelProto, serialized bytes, a file path or an "
         f"onnx_graphsurgeon.Graph, got {type(model).__name__}.")
@@ -123,6 +128,30 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise InvalidModelError(f"Cannot read {str(path)!r}: {exc.strerror or exc}.") from None
+
+
+def _parsed_light(path: Path, held: HeldWeights) -> onnx.ModelProto | None:
+    """The model file at ``path`` parsed without its initializers' data, which ``held``
+    takes from the file one weight at a time (:meth:`HeldWeights.take`), so that the
+    weights are in memory once, not as the file's bytes and protobuf's copy of them too;
+    None where the file is not one to read so (:func:`graphs.spans.model_without_raw_data`),
+    or is no model: read whole, its errors told as such."""
+    found = model_without_raw_data(path)
+    if found is None:
+        return None
+    serialized, spans = found
+    try:
+        model = onnx.load_model_from_string(serialized)
+    except DecodeError:
+        return None
+    for tensor in model.graph.initializer:
+        span = spans.get(tensor.name)
+        if span is not None:
+            data = read_span(span)
+            if data is None:
+                return None
+            held.take(model, tensor, data)
+    return model
 
 
 def _parse(data: bytes, what: str) -> onnx.ModelProto:

@@ -230,17 +230,6 @@ def test_a_model_file_changed_after_compile_is_named_not_trained_from(read_small
         program.state["W"]
 
 
-def test_spans_are_each_initializers_bytes_in_the_file(tmp_path):
-    model = tower()
-    onnx.save(model, tmp_path / "t.onnx")
-    spans = initializer_spans(tmp_path / "t.onnx")
-    data = (tmp_path / "t.onnx").read_bytes()
-    assert set(spans) == {t.name for t in model.graph.initializer}
-    for tensor in model.graph.initializer:
-        span = spans[tensor.name]
-        assert data[span.offset:span.offset + span.length] == tensor.raw_data
-
-
 def test_a_file_the_walk_cannot_read_gives_no_spans_and_the_state_is_held(read_small,
                                                                           tmp_path):
     """A model whose bytes are not where the walk says (two ``graph`` fields, which

@@ -114,6 +114,20 @@ class HeldWeights:
                 self.mark(tensor, self._key(tensor, data, by_content=True))
         return light
 
+    def take(self, model: onnx.ModelProto, tensor: onnx.TensorProto, data: bytes) -> None:
+        """Give ``tensor``, an initializer of ``model``'s main graph parsed without its raw
+        data (:func:`~lossgraph.graphs.spans.model_without_raw_data`), ``data``: held here
+        where :meth:`hold` would hold it, the tensor pointing here, else set as its raw
+        data; in place. A weight held is never copied into the tensor: protobuf would keep
+        that copy until the whole model is freed."""
+        tensor.raw_data = b""  # present, as in the file: the same checks as hold()'s
+        if self._holdable(model, tensor, {value.name for value in model.graph.input}) \
+                and len(data) == _nbytes(tensor):
+            tensor.ClearField("raw_data")
+            self.mark(tensor, self._key(tensor, data))
+        else:
+            tensor.raw_data = data
+
     def _holdable(self, model: onnx.ModelProto, tensor: onnx.TensorProto,
                   inputs: set[str]) -> bool:
         """Whether ``tensor``, an initializer of ``model``, is one to hold here."""

@@ -1,16 +1,19 @@
 """Where in a model file each initializer's bytes lie, read without parsing the model.
 
-A program compiled from a file reads its large weights back from that file when asked for
-rather than hold a copy (:mod:`lossgraph.initial_state`); :func:`initializer_spans` tells
-where: the ``raw_data`` of each main-graph initializer stored in the ``.onnx`` file
-itself, or the ``offset`` and ``length`` of one stored as external data in a file of the
-model's folder. It walks protobuf's wire format (onnx.proto: ``ModelProto.graph`` is field
-7, ``GraphProto.initializer`` 5; ``TensorProto.name`` 8, ``raw_data`` 9, ``external_data``
+A model file's large weights need not pass through protobuf: compile reads the model
+without their data (:func:`model_without_raw_data`) and holds each weight's bytes once,
+read from the file (:mod:`lossgraph.models`), and a program compiled from a file reads its
+large weights back from that file when asked for rather than hold a copy
+(:mod:`lossgraph.initial_state`). :func:`initializer_spans` tells where: the ``raw_data``
+of each main-graph initializer stored in the ``.onnx`` file itself, or the ``offset`` and
+``length`` of one stored as external data in a file of the model's folder. The walk
+follows protobuf's wire format (onnx.proto: ``ModelProto.graph`` is field 7,
+``GraphProto.initializer`` 5; ``TensorProto.name`` 8, ``raw_data`` 9, ``external_data``
 13, ``data_location`` 14) through a memory map, stepping over every tensor's data without
 reading it. Anything it does not expect (a field repeated that protobuf would merge, a
-name given twice, a group) leaves the tensor, or the whole file, without a span: its
-value is then held as before. A span is a claim, not a proof: the reader checks the bytes
-against the digest of the values compiled.
+name given twice, a group) leaves the tensor, or the whole file, without a span: it is
+then read as protobuf reads it. A span is a claim, not a proof: its readers check the
+bytes against the values compiled.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Span", "initializer_spans", "read_span"]
+__all__ = ["Span", "initializer_spans", "model_without_raw_data", "read_span"]
 
 # onnx.proto's field numbers (wire format: key = field << 3 | wire type)
 _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
@@ -41,11 +44,37 @@ class Span:
     length: int
 
 
+@dataclass(frozen=True)
+class _Field:
+    """One field of a message: its number, wire type, where it starts (its key) and
+    ends, and its value (a varint) or payload's start (length-delimited)."""
+
+    number: int
+    kind: int
+    start: int
+    end: int
+    value: int | None
+
+    @property
+    def payload(self) -> tuple[int, int]:
+        return self.value, self.end
+
+
+@dataclass(frozen=True)
+class _Initializer:
+    """An initializer's field in the graph, and where its embedded data field lies."""
+
+    name: str
+    field: _Field
+    raw: _Field | None
+    span: Span | None
+
+
 class _Unexpected(Exception):
     """The wire format holds something the walk does not read."""
 
 
-def _varint(data: mmap.mmap, at: int, end: int) -> tuple[int, int]:
+def _varint(data: Any, at: int, end: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if at >= end or shift > 63:
@@ -58,61 +87,72 @@ def _varint(data: mmap.mmap, at: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data: mmap.mmap, start: int, end: int) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value or (start, end) of its bytes) of a message."""
+def _encoded_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _fields(data: Any, start: int, end: int) -> Iterator[_Field]:
+    """The fields of the message in ``data[start:end]``."""
     at = start
     while at < end:
+        begin = at
         key, at = _varint(data, at, end)
-        field, kind = key >> 3, key & 7
+        number, kind = key >> 3, key & 7
         if kind == _VARINT:
             value, at = _varint(data, at, end)
         elif kind == _BYTES:
-            length, at = _varint(data, at, end)
-            value, at = (at, at + length), at + length
+            length, value = _varint(data, at, end)
+            at = value + length
         elif kind in (_FIXED64, _FIXED32):
             value, at = None, at + (8 if kind == _FIXED64 else 4)
         else:
             raise _Unexpected
         if at > end:
             raise _Unexpected
-        yield field, kind, value
+        yield _Field(number, kind, begin, at, value)
 
 
-def _only(fields: list[tuple[int, int, Any]], number: int, kind: int) -> Any:
-    """The value of field ``number``, None when absent; given twice or of another wire
-    type, unexpected."""
-    found = [(wire, value) for field, wire, value in fields if field == number]
+def _only(fields: list[_Field], number: int, kind: int) -> _Field | None:
+    """Field ``number``, None when absent; given twice or of another wire type,
+    unexpected."""
+    found = [field for field in fields if field.number == number]
     if not found:
         return None
-    if len(found) > 1 or found[0][0] != kind:
+    if len(found) > 1 or found[0].kind != kind:
         raise _Unexpected
-    return found[0][1]
+    return found[0]
 
 
-def _text(data: mmap.mmap, where: tuple[int, int]) -> str:
-    return bytes(data[where[0]:where[1]]).decode("utf-8")
+def _text(data: Any, field: _Field) -> str:
+    start, end = field.payload
+    return bytes(data[start:end]).decode("utf-8")
 
 
-def _tensor_span(data: mmap.mmap, where: tuple[int, int], model: Path
-                 ) -> tuple[str, Span | None]:
-    """One initializer's name and span (None: not one the walk can tell)."""
-    fields = list(_fields(data, *where))
+def _initializer(data: Any, field: _Field, model: Path) -> _Initializer:
+    """One initializer's name, data field and span (None: not one the walk can tell)."""
+    fields = list(_fields(data, *field.payload))
     name = _only(fields, _TENSOR_NAME, _BYTES)
     if name is None:
         raise _Unexpected
-    name = _text(data, name)
-    if (_only(fields, _TENSOR_DATA_LOCATION, _VARINT) or 0) != _EXTERNAL:
+    location = _only(fields, _TENSOR_DATA_LOCATION, _VARINT)
+    if location is None or location.value != _EXTERNAL:
         raw = _only(fields, _TENSOR_RAW_DATA, _BYTES)
-        return name, None if raw is None else Span(model, raw[0], raw[1] - raw[0])
+        span = None if raw is None else Span(model, raw.value, raw.end - raw.value)
+        return _Initializer(_text(data, name), field, raw, span)
     entries = {}
-    for field, kind, value in fields:
-        if field == _TENSOR_EXTERNAL_DATA and kind == _BYTES:
-            entry = list(_fields(data, *value))
-            key, text = _only(entry, _ENTRY_KEY, _BYTES), _only(entry, _ENTRY_VALUE, _BYTES)
-            if key is None or text is None:
-                raise _Unexpected
-            entries[_text(data, key)] = _text(data, text)
-    return name, _external_span(entries, model.parent)
+    for entry in (f for f in fields if f.number == _TENSOR_EXTERNAL_DATA):
+        parts = list(_fields(data, *entry.payload)) if entry.kind == _BYTES else []
+        key, text = _only(parts, _ENTRY_KEY, _BYTES), _only(parts, _ENTRY_VALUE, _BYTES)
+        if key is None or text is None:
+            raise _Unexpected
+        entries[_text(data, key)] = _text(data, text)
+    return _Initializer(_text(data, name), field, None,
+                        _external_span(entries, model.parent))
 
 
 def _external_span(entries: dict[str, str], folder: Path) -> Span | None:
@@ -130,34 +170,71 @@ def _external_span(entries: dict[str, str], folder: Path) -> Span | None:
     return Span(target, offset, length)
 
 
-def initializer_spans(path: str | os.PathLike) -> dict[str, Span]:
-    """The span of each main-graph initializer's data in the model file at ``path``
-    (module doc), by name; {} where the file cannot be walked."""
+def _walk(data: Any, model: Path) -> tuple[_Field, list[_Initializer]] | None:
+    """The model's graph field and its initializers (names given twice: without a span),
+    or None without a graph."""
+    graph = _only(list(_fields(data, 0, len(data))), _MODEL_GRAPH, _BYTES)
+    if graph is None:
+        return None
+    found = [_initializer(data, field, model) for field in _fields(data, *graph.payload)
+             if field.number == _GRAPH_INITIALIZER and field.kind == _BYTES]
+    names = [item.name for item in found]
+    return graph, [item if names.count(item.name) == 1 else
+                   _Initializer(item.name, item.field, None, None) for item in found]
+
+
+def _walked(path: str | os.PathLike, use: Any) -> Any:
+    """``use(data, graph, initializers)`` over the file at ``path`` mapped, or None where
+    it cannot be walked."""
     model = Path(os.fspath(path))
     try:
         with open(model, "rb") as file, mmap.mmap(file.fileno(), 0,
                                                   access=mmap.ACCESS_READ) as data:
-            top = list(_fields(data, 0, len(data)))
-            graph = _only(top, _MODEL_GRAPH, _BYTES)
-            if graph is None:
-                return {}
-            spans: dict[str, Span | None] = {}
-            for field, kind, value in _fields(data, *graph):
-                if field == _GRAPH_INITIALIZER and kind == _BYTES:
-                    name, span = _tensor_span(data, value, model)
-                    spans[name] = None if name in spans else span  # a name twice: neither
+            walked = _walk(data, model)
+            return None if walked is None else use(data, *walked)
     except (OSError, ValueError, UnicodeDecodeError, _Unexpected):
-        return {}
-    return {name: span for name, span in spans.items() if span is not None}
+        return None
 
 
-def read_span(span: Span) -> bytearray | None:
+def initializer_spans(path: str | os.PathLike) -> dict[str, Span]:
+    """The span of each main-graph initializer's data in the model file at ``path``
+    (module doc), by name; {} where the file cannot be walked."""
+    spans = _walked(path, lambda data, graph, found: {
+        item.name: item.span for item in found if item.span is not None})
+    return spans or {}
+
+
+def model_without_raw_data(path: str | os.PathLike) -> tuple[bytes, dict[str, Span]] | None:
+    """The model file at ``path`` serialized without the data its main-graph initializers
+    hold in the file (``raw_data``), and the span of each of those, by name: what it
+    takes to parse the model without reading its weights. None where the file cannot be
+    walked."""
+    def cut(data: Any, graph: _Field, found: list[_Initializer]):
+        graph_bytes, spans, at = bytearray(), {}, graph.value
+        for item in found:
+            if item.raw is None:
+                continue
+            tensor = (bytes(data[item.field.value:item.raw.start])
+                      + bytes(data[item.raw.end:item.field.end]))
+            graph_bytes += data[at:item.field.start]
+            graph_bytes += (_encoded_varint(_GRAPH_INITIALIZER << 3 | _BYTES)
+                            + _encoded_varint(len(tensor)) + tensor)
+            at = item.field.end
+            spans[item.name] = item.span
+        graph_bytes += data[at:graph.end]
+        return (bytes(data[:graph.start]) + _encoded_varint(_MODEL_GRAPH << 3 | _BYTES)
+                + _encoded_varint(len(graph_bytes)) + bytes(graph_bytes)
+                + bytes(data[graph.end:])), spans
+
+    return _walked(path, cut)
+
+
+def read_span(span: Span) -> bytes | None:
     """The bytes of ``span``, or None where the file is gone or shorter."""
     try:
         with open(span.path, "rb") as file:
             file.seek(span.offset)
-            data = bytearray(span.length)
-            read = file.readinto(data)
+            data = file.read(span.length)
     except OSError:
         return None
-    return data if read == span.length else None
+    return data if len(data) == span.length else None

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
-from support.models import BIG, large_weights_model, read_state_model, tower
+from support.models import BIG, large_weights_model, read_state_model, saved, tower
 
 import lossgraph
 from lossgraph import initial_state
@@ -167,15 +167,7 @@ def test_initializers_reordered_since_compile_are_found_by_name(read_small):
 # -- a model given as a file -------------------------------------------------------------
 def _saved(tmp_path, external: bool = False):
     model = large_weights_model()
-    path = tmp_path / "m.onnx"
-    if external:  # onnx.save moves the data out of the model it is given: a copy
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        onnx.save(copy, path, save_as_external_data=True, location="m.data",
-                  size_threshold=1024)
-    else:
-        onnx.save(model, path)
-    return model, path
+    return model, saved(model, tmp_path / "m.onnx", external)
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["in-the-file", "external-data"])

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
-from support.models import large_weights_model, tower
+from support.models import large_weights_model, saved, tower
 
 from lossgraph.graphs import HeldWeights, is_held
 from lossgraph.graphs.spans import initializer_spans, model_without_raw_data, read_span
@@ -16,15 +16,7 @@ from lossgraph.models import as_model
 
 
 def _saved(tmp_path, model, external: bool = False):
-    path = tmp_path / "m.onnx"
-    if external:  # onnx.save moves the data out of the model it is given: a copy
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        onnx.save(copy, path, save_as_external_data=True, location="m.data",
-                  size_threshold=1024)
-    else:
-        onnx.save(model, path)
-    return path
+    return saved(model, tmp_path / "m.onnx", external)
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["in-the-file", "external-data"])

@@ -192,6 +192,19 @@ def large_weights_model(big: onnx.TensorProto | None = None, copied: bool = Fals
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
 
 
+def saved(model: onnx.ModelProto, path, external: bool = False):
+    """``model`` saved at ``path`` (``external``: its tensors of 1 KiB and more in the
+    data file ``m.data`` beside it; ``model`` is not changed); the path."""
+    if external:  # onnx.save moves the data out of the model it is given: a copy
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        onnx.save(copy, path, save_as_external_data=True, location="m.data",
+                  size_threshold=1024)
+    else:
+        onnx.save(model, path)
+    return path
+
+
 def read_state_model() -> onnx.ModelProto:
     """:func:`large_weights_model` whose ``W`` is 64 MiB (256 x 65536), the size from which
     a program compiled from the ModelProto reads its initial state from it

@@ -468,9 +468,10 @@ def cell_text(cells: dict[str, Any], column: str, before: dict[str, Any] | None)
         text += f" ({record['peak_mb'] / cells['weights_mb']:.2f}x the weights"
         stored = cells.get("stored_mb")
         text += f", {record['peak_mb'] / stored:.2f}x stored)" if stored else ")"
-    elif column == "file" and torch > 0:  # the whole process: torch's network counts
-        whole = torch + cells["torch"].get("model_mb", 0)
-        text += f" ({record['peak_mb'] / whole:.2f}x torch's {_mib(whole)} with its network)"
+    elif column == "file":  # the whole process: torch's network counts
+        whole = torch + cells.get("torch", {}).get("model_mb", 0)
+        if whole > 0:
+            text += f" ({record['peak_mb'] / whole:.2f}x torch's {_mib(whole)} with its network)"
     elif column not in ("torch", "compile") and torch > 0:  # a tiny model's may round to 0
         text += f" ({record['peak_mb'] / torch:.2f}x)"
     was = (before or {}).get(column, {})

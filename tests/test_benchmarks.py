@@ -433,7 +433,8 @@ def test_memory_cells_train_what_they_say_and_the_report_shows_every_column(tmp_
     printed = capsys.readouterr().out
     assert all(bench.COLUMNS[c] in printed for c in bench.COLUMNS)
     assert "| cnn (" in printed and "x the weights, " in printed and "x stored)" in printed
-    assert "with its network)" in printed
+    whole = {"torch": {"peak_mb": 10, "model_mb": 5}, "file": {"peak_mb": 12}}
+    assert bench.cell_text(whole, "file", None) == "12 (0.80x torch's 15 with its network)"
     foreign = tmp_path / "notes.json"
     foreign.write_text("{}")
     with pytest.raises(SystemExit):

@@ -494,13 +494,14 @@ def report(cells: dict[str, dict[str, Any]], columns: list[str],
     for name, row in cells.items():
         torch_ms = row.get("torch", {}).get("step_ms")
         texts = []
-        for column in timed:
+        for column in columns:
+            if column == "compile":
+                seconds = row.get("compile", {}).get("compile_s")
+                texts.append("-" if seconds is None else f"{seconds:.1f} s")
+                continue
             ms = row.get(column, {}).get("step_ms")
             texts.append("-" if ms is None else f"{ms:,.1f}" + (
                 f" ({ms / torch_ms:.2f}x)" if torch_ms and column != "torch" else ""))
-        if "compile" in columns:
-            seconds = row.get("compile", {}).get("compile_s")
-            texts.append("-" if seconds is None else f"{seconds:.1f} s")
         print(f"| {name} | " + " | ".join(texts) + " |")
     print("\npeak after each step (MiB; epoch: after each epoch):")
     for name, row in cells.items():
@@ -539,8 +540,8 @@ def plot(cells: dict[str, dict[str, Any]], columns: list[str], path: str,
             axis.bar(positions[shown] + (width / 2 if before else 0),
                      [now[i] for i in shown], width, color=color, label=label)
         axis.axhline(row["weights_mb"], color="black", linestyle=":", label="weights")
-        axis.set_xticks(positions, [c if c != "compile" else "compile\nalone" for c in columns],
-                        fontsize=8)
+        ticks = {"compile": "compile\nalone", "file": "file,\nwhole"}
+        axis.set_xticks(positions, [ticks.get(c, c) for c in columns], fontsize=8)
         axis.set(title=f"{name} ({_mib(row['weights_mb'])} MiB of weights)",
                  ylabel="peak above baseline (MiB)")
         axis.legend(fontsize=7)

@@ -189,6 +189,9 @@ def compile_program(
     Args:
         model: an inference model (a loss is added), or a model that already has a loss
             output, recorded by :func:`~lossgraph.add_loss_output` (pass ``loss=None``).
+            A ``ModelProto`` or a file path whose weights come to 64 MiB or more is not
+            copied: the program reads its initial state from it when asked for (keep it
+            unchanged while the program lives: :mod:`lossgraph.initial_state`).
         weights: the weights to train (a list of names, or one name); default
             :func:`~lossgraph.trainable_initializers`, or an ``UnsupportedModelError`` when
             a weight influences the loss through a sequence lossgraph does not

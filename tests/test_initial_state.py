@@ -187,9 +187,13 @@ def test_a_state_read_from_the_model_file_trains_bit_for_bit_as_one_held(
     assert path.read_bytes() == given  # read, never written
 
 
-def test_a_file_program_resets_saves_and_pickles_from_the_file(read_small, tmp_path):
+def test_a_file_program_resets_saves_and_pickles_from_the_file(read_small, tmp_path,
+                                                               monkeypatch):
+    """Compiled from a relative path, it reads the same file from another folder."""
     model, path = _saved(tmp_path)
-    program = _compile(str(path))
+    monkeypatch.chdir(tmp_path)
+    program = _compile("m.onnx")
+    monkeypatch.chdir(tmp_path.parent)
     W = numpy_helper.to_array(model.graph.initializer[0])
     trainer = _fit(program)
     trainer.reset()

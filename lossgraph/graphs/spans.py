@@ -185,8 +185,9 @@ def _walk(data: Any, model: Path) -> tuple[_Field, list[_Initializer]] | None:
 
 def _walked(path: str | os.PathLike, use: Any) -> Any:
     """``use(data, graph, initializers)`` over the file at ``path`` mapped, or None where
-    it cannot be walked."""
-    model = Path(os.fspath(path))
+    it cannot be walked. Spans name the file by its absolute path: a change of working
+    folder does not move them."""
+    model = Path(os.path.abspath(os.fspath(path)))
     try:
         with open(model, "rb") as file, mmap.mmap(file.fileno(), 0,
                                                   access=mmap.ACCESS_READ) as data:

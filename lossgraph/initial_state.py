@@ -8,8 +8,9 @@ the model holds it under the same name (64 KiB and more: those compile's
 :class:`~lossgraph.graphs.HeldWeights` store copied from it), no array but where to read
 it and the digest of its bytes, and reads the value again when asked for: from the
 ``ModelProto``, or from the file (its bytes where :func:`~lossgraph.graphs.spans.
-initializer_spans` finds them, in the ``.onnx`` file or its external data), so that a
-program compiled from a file holds none of the model's large weights. The digest is
+initializer_spans` finds them, in the ``.onnx`` file or its external data, kept open so
+that a file renamed, replaced or removed since reads as it was), so that a program
+compiled from a file holds none of the model's large weights. The digest is
 checked on every read: a model changed after compile is a
 :class:`~lossgraph.errors.ModelChangedError`, never a training run started from other
 weights. Every other value (optimizer states, adapters, a weight compile made, any value
@@ -29,7 +30,7 @@ from onnx import numpy_helper
 
 from .errors import ModelChangedError
 from .graphs.held import HeldWeights
-from .graphs.spans import Span, initializer_spans, read_span
+from .graphs.spans import OpenedFile, Span, initializer_spans
 
 __all__ = ["InitialState", "READ_MIN_BYTES"]
 
@@ -103,15 +104,17 @@ class _ModelRead(_Read):
 @dataclass(frozen=True)
 class _FileRead(_Read):
     """A value read from the bytes of ``span`` in the model's file (or its external
-    data): little-endian, as ONNX stores them and compile's store holds them."""
+    data), kept open since compile (``file``: a file renamed, replaced or removed since
+    reads as it was); little-endian, as ONNX stores them and compile's store holds them."""
 
     span: Span
+    file: OpenedFile
     model: Path
 
     def _read(self, name: str) -> tuple[np.ndarray | None, str]:
-        data = read_span(self.span)
+        data = self.file.read(self.span)
         if data is None:
-            return None, f"cannot be read from {str(self.span.path)!r} (gone or cut short)"
+            return None, f"cannot be read from {str(self.span.path)!r} (cut short)"
         return np.frombuffer(data, self.dtype.newbyteorder("<")).reshape(self.shape), ""
 
     def _changed(self, name: str, change: str) -> str:
@@ -119,6 +122,25 @@ class _FileRead(_Read):
                 f"after compile: its initializer {name!r} {change}. The program reads its "
                 f"initial state from that file rather than keep a copy of its weights. Put "
                 f"the file back as it was, or compile it again.")
+
+
+def _file_reads(found: Mapping[str, np.ndarray], model: Path) -> dict[str, _FileRead]:
+    """Reads of those of ``found`` the model file at ``model`` holds as compiled, byte for
+    byte where :func:`initializer_spans` says, each file opened once, now."""
+    opened: dict[Path, OpenedFile] = {}
+    reads = {}
+    for name, span in initializer_spans(model).items():
+        array = found.get(name)
+        if array is None or span.length != array.nbytes:
+            continue
+        try:
+            file = opened.get(span.path) or opened.setdefault(span.path, OpenedFile(span.path))
+        except OSError:
+            continue
+        data, digest = file.read(span), _digest(array)
+        if data is not None and hashlib.sha256(data).digest() == digest:
+            reads[name] = _FileRead(digest, array.shape, array.dtype, span, file, model)
+    return reads
 
 
 class InitialState(MutableMapping[str, np.ndarray]):
@@ -149,16 +171,14 @@ class InitialState(MutableMapping[str, np.ndarray]):
             reads = {name: _ModelRead(_digest(array), array.shape, array.dtype, model,
                                       positions[name]) for name, array in found.items()}
         else:
-            spans = initializer_spans(model)
-            reads = {}
-            for name, array in found.items():
-                span, digest = spans.get(name), _digest(array)
-                data = read_span(span) if span and span.length == array.nbytes else None
-                if data is not None and hashlib.sha256(data).digest() == digest:
-                    reads[name] = _FileRead(digest, array.shape, array.dtype, span, model)
+            reads = _file_reads(found, model)
         if sum(found[name].nbytes for name in reads) >= READ_MIN_BYTES:
             state._values.update(reads)
         return state
+
+    def __reduce__(self) -> tuple:
+        """Pickled with every value held: another process has no model or file to read."""
+        return InitialState, (dict(self),)
 
     @property
     def read(self) -> frozenset[str]:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Span", "initializer_spans", "model_without_raw_data", "read_span"]
+__all__ = ["Span", "OpenedFile", "initializer_spans", "model_without_raw_data", "read_span"]
 
 # onnx.proto's field numbers (wire format: key = field << 3 | wire type)
 _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
@@ -239,3 +240,25 @@ def read_span(span: Span) -> bytes | None:
     except OSError:
         return None
     return data if len(data) == span.length else None
+
+
+class OpenedFile:
+    """A file kept open to read spans of, again and again: renamed, replaced or removed
+    since it was opened, it still reads the file it opened (an open file keeps it on
+    disk), so that only bytes written into that very file change what it reads, which a
+    reader's digest tells. Closed when no one refers to it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = open(path, "rb")  # noqa: SIM115  (open for the object's life)
+        self._lock = threading.Lock()  # one seek and read at a time
+
+    def read(self, span: Span) -> bytes | None:
+        """The bytes of ``span`` (of this file), or None where it is shorter now."""
+        with self._lock:
+            try:
+                self._file.seek(span.offset)
+                data = self._file.read(span.length)
+            except (OSError, ValueError):
+                return None
+        return data if len(data) == span.length else None

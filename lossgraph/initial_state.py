@@ -10,11 +10,12 @@ it and the digest of its bytes, and reads the value again when asked for: from t
 ``ModelProto``, or from the file (its bytes where :func:`~lossgraph.graphs.spans.
 initializer_spans` finds them, in the ``.onnx`` file or its external data, kept open so
 that a file renamed, replaced or removed since reads as it was), so that a program
-compiled from a file holds none of the model's large weights. The digest is
+compiled from a file holds none of the model's large weights; a program loaded from its
+folder reads its state archive so too (:meth:`InitialState.archived`). The digest is
 checked on every read: a model changed after compile is a
 :class:`~lossgraph.errors.ModelChangedError`, never a training run started from other
-weights. Every other value (optimizer states, adapters, a weight compile made, any value
-of a model given as bytes) is held as an array.
+weights. Every other value (a compiled program's optimizer states, adapters, a weight
+compile made, any value of a model given as bytes) is held as an array.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .errors import ModelChangedError
 from .graphs.held import HeldWeights
 from .graphs.spans import OpenedFile, Span, initializer_spans
 
-__all__ = ["InitialState", "READ_MIN_BYTES"]
+__all__ = ["InitialState", "ArchivedArray", "READ_MIN_BYTES"]
 
 #: The bytes of state a model must hold for the program to read them from it rather than
 #: keep a copy (the size from which a trainer writes in place by default, too).
@@ -103,13 +104,17 @@ class _ModelRead(_Read):
 
 @dataclass(frozen=True)
 class _FileRead(_Read):
-    """A value read from the bytes of ``span`` in the model's file (or its external
-    data), kept open since compile (``file``: a file renamed, replaced or removed since
-    reads as it was); little-endian, as ONNX stores them and compile's store holds them."""
+    """A value read from the bytes of ``span`` in a file kept open since the program was
+    made (``file``: a file renamed, replaced or removed since reads as it was): the model
+    file it was compiled from (or its external data), or the state archive of the program
+    folder it was loaded from (``loaded``). Little-endian, as ONNX and lossgraph's
+    archives store them."""
 
     span: Span
     file: OpenedFile
-    model: Path
+    #: the model file compiled (its external data may be ``file``), or the state file
+    source: Path
+    loaded: bool = False
 
     def _read(self, name: str) -> tuple[np.ndarray | None, str]:
         data = self.file.read(self.span)
@@ -118,10 +123,26 @@ class _FileRead(_Read):
         return np.frombuffer(data, self.dtype.newbyteorder("<")).reshape(self.shape), ""
 
     def _changed(self, name: str, change: str) -> str:
-        return (f"The model file {str(self.model)!r} this program was compiled from changed "
-                f"after compile: its initializer {name!r} {change}. The program reads its "
-                f"initial state from that file rather than keep a copy of its weights. Put "
-                f"the file back as it was, or compile it again.")
+        if self.loaded:
+            return (f"The state file {str(self.source)!r} this program was loaded from "
+                    f"changed after it was loaded: its array {name!r} {change}. The program "
+                    f"reads its initial state from that file rather than keep a copy of its "
+                    f"weights. Put the file back as it was, or load the program again.")
+        return (f"The model file {str(self.source)!r} this program was compiled from "
+                f"changed after compile: its initializer {name!r} {change}. The program reads "
+                f"its initial state from that file rather than keep a copy of its weights. "
+                f"Put the file back as it was, or compile it again.")
+
+
+@dataclass(frozen=True)
+class ArchivedArray:
+    """An array of a state archive as it lies in the file: where its bytes are, its dtype
+    and shape, and the digest of its bytes."""
+
+    span: Span
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    digest: bytes
 
 
 def _file_reads(found: Mapping[str, np.ndarray], model: Path) -> dict[str, _FileRead]:
@@ -174,6 +195,21 @@ class InitialState(MutableMapping[str, np.ndarray]):
             reads = _file_reads(found, model)
         if sum(found[name].nbytes for name in reads) >= READ_MIN_BYTES:
             state._values.update(reads)
+        return state
+
+    @classmethod
+    def archived(cls, values: Mapping[str, np.ndarray], archive: OpenedFile,
+                 members: Mapping[str, ArchivedArray]) -> InitialState:
+        """``values``, and the arrays ``members`` of the archive kept open as ``archive``
+        (a program folder's state, its bytes checked as saved): read from it when asked
+        for where they come to :data:`READ_MIN_BYTES`, else read now and held."""
+        state = cls(values)
+        reads = {name: _FileRead(m.digest, m.shape, m.dtype, m.span, archive, archive.path,
+                                 loaded=True) for name, m in members.items()}
+        if sum(m.span.length for m in members.values()) >= READ_MIN_BYTES:
+            state._values.update(reads)
+        else:  # writable arrays of their own, as np.load gives
+            state._values.update((name, read.value(name).copy()) for name, read in reads.items())
         return state
 
     def __reduce__(self) -> tuple:

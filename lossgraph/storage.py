@@ -15,7 +15,10 @@ losses and metrics, the shuffling generator, early stopping's record), a program
 Writing goes through :mod:`lossgraph.fileio` (atomic, never over foreign files).
 Reading trusts nothing: every file must be a plain name inside the folder (no ``..``,
 no absolute path, no link leading out), match its checksum, parse, and agree with the
-manifest in names, types and shapes; arrays are read without pickle. Any failure is an
+manifest in names, types and shapes; arrays are read without pickle. A large state's
+arrays are read from ``state.npz``, kept open, when asked for, not held (their bytes
+checked as the checksum found them: :meth:`~lossgraph.initial_state.InitialState.
+archived`). Any failure is an
 :class:`~lossgraph.errors.InvalidProgramError` (or, for data files,
 :class:`~lossgraph.errors.InvalidDataError`) naming the file and the problem, raised
 before any training.
@@ -26,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +43,9 @@ from onnx.external_data_helper import uses_external_data
 from .errors import InvalidDataError, InvalidProgramError
 from .fileio import replace_directory, serialize
 from .graphs import all_graphs, stored_tensors
+from .graphs.held import HOLD_MIN_BYTES
+from .graphs.spans import OpenedFile, Span
+from .initial_state import ArchivedArray, InitialState
 from .manifest import check_manifest
 from .models import non_text_field
 from .paths import (
@@ -252,12 +259,70 @@ def _check_graph_io(model: onnx.ModelProto, entry: Mapping[str, Any], path: Path
                     "graph and the manifest do not belong together.")
 
 
-def _read_state(data: bytes, path: Path) -> dict[str, np.ndarray]:
+def _program_state(folder: Path, checksums: Mapping[str, str], at: str) -> InitialState:
+    """The program folder's state archive, checked against its checksum; where its large
+    arrays (:func:`_archived_arrays`) come to ``READ_MIN_BYTES``, they are read from the
+    file, kept open, when asked for, not held (:meth:`InitialState.archived`)."""
+    path = member_file(folder, STATE_FILE, at)
+    try:
+        archive = OpenedFile(path)
+    except OSError as exc:
+        raise InvalidProgramError(f"Cannot read {str(path)!r}: {exc.strerror or exc}.") from None
+    data = archive.read(Span(path, 0, path.stat().st_size))
+    expected = checksums.get(STATE_FILE)
+    if data is None or (expected is not None and _checksum(data) != expected):
+        raise InvalidProgramError(
+            f"{str(path)!r} does not match the checksum the manifest recorded for it: "
+            "the file was changed or damaged (truncated?) after the program was saved.")
+    members = _archived_arrays(data, path)
+    return InitialState.archived(_read_state(data, path, skip=members), archive, members)
+
+
+def _archived_arrays(data: bytes, path: Path) -> dict[str, ArchivedArray]:
+    """The arrays of the ``.npz`` archive ``data`` (the bytes of ``path``) of
+    :data:`HOLD_MIN_BYTES` and more that lie in it as they are (stored, not compressed;
+    little-endian, C order, a plain dtype), by name: where their bytes are."""
+    found = {}
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return {}  # _read_state says what is wrong
+    for info in infos:
+        name = info.filename.removesuffix(".npy")
+        local = data[info.header_offset:info.header_offset + 30]
+        if (info.compress_type != zipfile.ZIP_STORED or name == info.filename
+                or len(local) < 30 or local[:4] != b"PK\x03\x04"):
+            continue
+        start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") \
+            + int.from_bytes(local[28:30], "little")
+        stream = io.BytesIO(data[start:start + min(info.file_size, 1 << 16)])
+        try:
+            version = np.lib.format.read_magic(stream)
+            header = {(1, 0): np.lib.format.read_array_header_1_0,
+                      (2, 0): np.lib.format.read_array_header_2_0}[version]
+            shape, fortran, dtype = header(stream)
+        except (KeyError, ValueError, OSError):
+            continue
+        offset, nbytes = stream.tell(), math.prod(shape) * dtype.itemsize
+        if (fortran or dtype.hasobject or dtype.byteorder == ">" or nbytes < HOLD_MIN_BYTES
+                or offset + nbytes != info.file_size):
+            continue
+        span = Span(path, start + offset, nbytes)
+        found[name] = ArchivedArray(span, dtype, tuple(shape), hashlib.sha256(
+            memoryview(data)[span.offset:span.offset + nbytes]).digest())
+    return found
+
+
+def _read_state(data: bytes, path: Path, skip: Container[str] = frozenset()
+                ) -> dict[str, np.ndarray]:
+    """The arrays of the ``.npz`` archive ``data`` (the bytes of ``path``) by name, but
+    those in ``skip``."""
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as stored:
             if not isinstance(stored, np.lib.npyio.NpzFile):
                 raise ValueError("not an .npz archive")
-            return {name: stored[name] for name in stored.files}
+            return {name: stored[name] for name in stored.files if name not in skip}
     except ValueError as exc:
         reason = ("it holds object arrays, which lossgraph never loads (loading them would run "
                   "pickled code)" if "pickle" in str(exc) else f"{exc}")
@@ -267,7 +332,7 @@ def _read_state(data: bytes, path: Path) -> dict[str, np.ndarray]:
             f"{str(path)!r} is not a readable .npz archive ({exc}).") from None
 
 
-def _check_state(state: Mapping[str, np.ndarray], manifest: Mapping[str, Any], path: Path) -> None:
+def _check_state(state: InitialState, manifest: Mapping[str, Any], path: Path) -> None:
     """The state holds exactly the manifest's weights, states and buffers, typed and shaped as
     the graphs take them."""
     expected = [w["name"] for w in manifest["weights"]]
@@ -283,7 +348,7 @@ def _check_state(state: Mapping[str, np.ndarray], manifest: Mapping[str, Any], p
     declared = {io["name"]: io for entry in manifest["graphs"].values() for io in entry["inputs"]
                 if io["role"] in ("weight", "state", "buffer")}
     for name in expected:
-        array, io = state[name], declared.get(name)
+        array, io = state.like(name), declared.get(name)  # its shape and dtype, not read
         if io is None:
             continue
         dims = io["shape"]
@@ -356,7 +421,7 @@ def read_program(path: str | os.PathLike) -> ProgramParts:
         data = _verified_bytes(folder, entry["file"], checksums, where)
         graphs[name] = _parse_onnx(data, folder / entry["file"])
         _check_graph_io(graphs[name], entry, folder / entry["file"])
-    state = _read_state(_verified_bytes(folder, STATE_FILE, checksums, at), folder / STATE_FILE)
+    state = _program_state(folder, checksums, at)
     _check_state(state, manifest, folder / STATE_FILE)
     inference = _parse_onnx(_verified_bytes(folder, INFERENCE_FILE, checksums, at),
                             folder / INFERENCE_FILE)

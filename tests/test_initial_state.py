@@ -68,8 +68,9 @@ def test_reset_save_pickle_and_export_read_the_state_from_the_model(read_small, 
     program.save(tmp_path / "prog")
     loaded = lossgraph.TrainingProgram.load(tmp_path / "prog")
     copied = pickle.loads(pickle.dumps(program))
-    for other in (loaded, copied):  # each holds its own copy: nothing refers to the model
-        assert other.state.read == frozenset()
+    # nothing refers to the model: the copy holds its values, the folder's read from it
+    assert (loaded.state.read, copied.state.read) == ({"W"}, frozenset())
+    for other in (loaded, copied):
         np.testing.assert_array_equal(other.state["W"], W)
     exported = {t.name: t for t in program.inference_model.graph.initializer}
     assert exported["W"].SerializeToString() == model.graph.initializer[0].SerializeToString()
@@ -200,8 +201,9 @@ def test_a_file_program_resets_saves_and_pickles_from_the_file(read_small, tmp_p
     np.testing.assert_array_equal(trainer.state["W"], W)
     program.save(tmp_path / "prog")
     copied = pickle.loads(pickle.dumps(program))  # its own copy: another process has no file
-    for other in (lossgraph.TrainingProgram.load(tmp_path / "prog"), copied):
-        assert other.state.read == frozenset()
+    loaded = lossgraph.TrainingProgram.load(tmp_path / "prog")  # read from its own folder
+    assert (loaded.state.read, copied.state.read) == ({"W"}, frozenset())
+    for other in (loaded, copied):
         np.testing.assert_array_equal(other.state["W"], W)
 
 
@@ -255,3 +257,48 @@ def test_a_file_the_walk_cannot_read_gives_no_spans_and_the_state_is_held(read_s
     assert len(graph) > 0 and _compile(path).state.read == frozenset()
     (tmp_path / "empty").write_bytes(b"")
     assert initializer_spans(tmp_path / "empty") == {}
+
+
+# -- a program folder ----------------------------------------------------------------------
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_a_loaded_program_reads_its_state_from_its_folder_and_trains_as_the_saved_one(
+        read_small, tmp_path, fuse):
+    """A program folder's large arrays are read from its state archive, kept open: the
+    loaded program trains bit for bit as the one saved, the folder saved again over (the
+    archive replaced) or removed since."""
+    program = _compile(large_weights_model(), fuse, AdamW(0.001))
+    program.save(tmp_path / "prog")
+    loaded = lossgraph.TrainingProgram.load(tmp_path / "prog")
+    assert loaded.state.read == {"W", "W_m", "W_v"}  # AdamW's moments, as large, too
+    lossgraph.TrainingProgram.load(tmp_path / "prog").save(tmp_path / "prog")
+    a, b = _fit(loaded), _fit(program)
+    for name in program.state:
+        np.testing.assert_array_equal(a.state[name], b.state[name])
+    assert not loaded.state["W"].flags.writeable
+    assert pickle.loads(pickle.dumps(loaded)).state.read == frozenset()
+
+
+def test_a_state_archive_written_into_after_load_is_named(read_small, tmp_path):
+    program = _compile(large_weights_model())
+    program.save(tmp_path / "prog")
+    loaded = lossgraph.TrainingProgram.load(tmp_path / "prog")
+    archive = tmp_path / "prog" / "state.npz"
+    raw = bytearray(archive.read_bytes())
+    where = raw.find(np.asarray(program.state["W"]).tobytes()[:64])
+    raw[where:where + 4] = bytes(4)
+    with open(archive, "r+b") as file:  # in place: the file the program keeps open
+        file.write(raw)
+    with pytest.raises(ModelChangedError, match="state file .*state.npz' this program was "
+                                                "loaded from changed after it was loaded: "
+                                                "its array 'W' is not the value compiled"):
+        lossgraph.Trainer(loaded)
+
+
+def test_a_small_archive_is_held_as_loaded(tmp_path):
+    """Below READ_MIN_BYTES, the arrays are read at load and held, writable, as np.load
+    gives them."""
+    program = _compile(large_weights_model())
+    program.save(tmp_path / "prog")
+    loaded = lossgraph.TrainingProgram.load(tmp_path / "prog")
+    assert loaded.state.read == frozenset() and loaded.state["W"].flags.writeable
+    np.testing.assert_array_equal(loaded.state["W"], program.state["W"])

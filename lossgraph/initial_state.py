@@ -60,8 +60,11 @@ class _Read:
                     and _digest(array) == self.digest:
                 array.flags.writeable = False
                 return array
-            change = "is not the value compiled"
+            change = f"is not the value {self._made}"
         raise ModelChangedError(self._changed(name, change))
+
+    #: how the program came by the value (messages): it was compiled, or loaded
+    _made = "compiled"
 
     def _read(self, name: str) -> tuple[np.ndarray | None, str]:
         """The value read (None: none), and why not."""
@@ -115,6 +118,10 @@ class _FileRead(_Read):
     #: the model file compiled (its external data may be ``file``), or the state file
     source: Path
     loaded: bool = False
+
+    @property
+    def _made(self) -> str:
+        return "loaded" if self.loaded else "compiled"
 
     def _read(self, name: str) -> tuple[np.ndarray | None, str]:
         data = self.file.read(self.span)

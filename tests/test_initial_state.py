@@ -290,7 +290,7 @@ def test_a_state_archive_written_into_after_load_is_named(read_small, tmp_path):
         file.write(raw)
     with pytest.raises(ModelChangedError, match="state file .*state.npz' this program was "
                                                 "loaded from changed after it was loaded: "
-                                                "its array 'W' is not the value compiled"):
+                                                "its array 'W' is not the value loaded"):
         lossgraph.Trainer(loaded)
 
 

@@ -80,23 +80,23 @@ PLANS = ("none", "activations", "elementwise", "auto")
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
                         "RandomUniformLike", "Bernoulli", "Multinomial"})
 
-#: Ops cheap to compute again, beside the kernels that read their results: elementwise
-#: arithmetic, comparisons and activations, views and copies, shape computations.
-#: ``recompute="elementwise"`` keeps the outputs of every other op.
-CHEAP_OPS = frozenset({
+#: Elementwise arithmetic, comparisons and activations: each output element computed from
+#: the inputs' elements, not a view, a copy or a shape. ``recompute="activations"``
+#: recomputes chains of these alone.
+ARITHMETIC_OPS = frozenset({
     "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Reciprocal", "Sqrt", "Pow", "Exp", "Log",
     "Erf", "Tanh", "Sigmoid", "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "Gelu",
     "HardSigmoid", "HardSwish", "Softplus", "Softsign", "Clip", "Where", "Max", "Min",
     "Cast", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or",
-    "Sign", "Floor", "Ceil", "Round", "Identity", "Reshape", "Transpose", "Squeeze",
-    "Unsqueeze", "Flatten", "Expand", "Shape", "Size", "Slice", "Concat", "Split", "Gather",
-    "ConstantOfShape", "Range"})
-
-#: The cheap ops whose output is elementwise arithmetic on their inputs, not a view, a copy
-#: or a shape: ``recompute="activations"`` recomputes chains of these alone.
-ARITHMETIC_OPS = CHEAP_OPS - {"Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
-                              "Flatten", "Expand", "Shape", "Size", "Slice", "Concat", "Split",
-                              "Gather", "ConstantOfShape", "Range"}
+    "Sign", "Floor", "Ceil", "Round"})
+#: Views and copies, shape computations.
+_VIEW_AND_SHAPE_OPS = frozenset({
+    "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Shape",
+    "Size", "Slice", "Concat", "Split", "Gather", "ConstantOfShape", "Range"})
+#: Ops cheap to compute again, beside the kernels that read their results: arithmetic,
+#: views and shape computations. ``recompute="elementwise"`` keeps the outputs of every
+#: other op.
+CHEAP_OPS = ARITHMETIC_OPS | _VIEW_AND_SHAPE_OPS
 
 _FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                      onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})

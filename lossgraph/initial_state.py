@@ -31,7 +31,7 @@ from onnx import numpy_helper
 
 from .errors import ModelChangedError
 from .graphs.held import HeldWeights
-from .graphs.spans import OpenedFile, Span, initializer_spans
+from .graphs.spans import OpenedFile, OpenedFiles, Span, initializer_spans
 
 __all__ = ["InitialState", "ArchivedArray", "READ_MIN_BYTES"]
 
@@ -155,15 +155,14 @@ class ArchivedArray:
 def _file_reads(found: Mapping[str, np.ndarray], model: Path) -> dict[str, _FileRead]:
     """Reads of those of ``found`` the model file at ``model`` holds as compiled, byte for
     byte where :func:`initializer_spans` says, each file opened once, now."""
-    opened: dict[Path, OpenedFile] = {}
+    files = OpenedFiles()
     reads = {}
     for name, span in initializer_spans(model).items():
         array = found.get(name)
         if array is None or span.length != array.nbytes:
             continue
-        try:
-            file = opened.get(span.path) or opened.setdefault(span.path, OpenedFile(span.path))
-        except OSError:
+        file = files.file(span)
+        if file is None:
             continue
         data, digest = file.read(span), _digest(array)
         if data is not None and hashlib.sha256(data).digest() == digest:

@@ -29,7 +29,7 @@ from onnx.external_data_helper import load_external_data_for_tensor, uses_extern
 
 from .errors import InternalError, InvalidModelError
 from .graphs import HeldWeights, elem_type_name, is_held, stored_tensors, without_weight_data
-from .graphs.spans import model_without_raw_data, read_span
+from .graphs.spans import OpenedFiles, model_without_raw_data
 from .paths import model_file
 from .target import finalize
 
@@ -144,10 +144,11 @@ def _parsed_light(path: Path, held: HeldWeights) -> onnx.ModelProto | None:
         model = onnx.load_model_from_string(serialized)
     except DecodeError:
         return None
+    files = OpenedFiles()
     for tensor in model.graph.initializer:
         span = spans.get(tensor.name)
         if span is not None:
-            data = read_span(span)
+            data = files.read(span)
             if data is None:
                 return None
             held.take(model, tensor, data)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Span", "OpenedFile", "initializer_spans", "model_without_raw_data", "read_span"]
+__all__ = ["Span", "OpenedFile", "OpenedFiles", "initializer_spans", "model_without_raw_data"]
 
 # onnx.proto's field numbers (wire format: key = field << 3 | wire type)
 _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
@@ -231,17 +231,6 @@ def model_without_raw_data(path: str | os.PathLike) -> tuple[bytes, dict[str, Sp
     return _walked(path, cut)
 
 
-def read_span(span: Span) -> bytes | None:
-    """The bytes of ``span``, or None where the file is gone or shorter."""
-    try:
-        with open(span.path, "rb") as file:
-            file.seek(span.offset)
-            data = file.read(span.length)
-    except OSError:
-        return None
-    return data if len(data) == span.length else None
-
-
 class OpenedFile:
     """A file kept open to read spans of, again and again: renamed, replaced or removed
     since it was opened, it still reads the file it opened (an open file keeps it on
@@ -262,3 +251,25 @@ class OpenedFile:
             except (OSError, ValueError):
                 return None
         return data if len(data) == span.length else None
+
+
+class OpenedFiles:
+    """The files of a model's spans (its ``.onnx`` file, its external data files), each
+    opened once, when first read."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, OpenedFile | None] = {}
+
+    def file(self, span: Span) -> OpenedFile | None:
+        """The opened file of ``span``, or None where it cannot be opened."""
+        if span.path not in self._files:
+            try:
+                self._files[span.path] = OpenedFile(span.path)
+            except OSError:
+                self._files[span.path] = None
+        return self._files[span.path]
+
+    def read(self, span: Span) -> bytes | None:
+        """The bytes of ``span``, or None where its file cannot be opened or is shorter."""
+        file = self.file(span)
+        return None if file is None else file.read(span)

@@ -10,7 +10,7 @@ from onnx import numpy_helper
 from support.models import large_weights_model, saved, tower
 
 from lossgraph.graphs import HeldWeights, is_held
-from lossgraph.graphs.spans import initializer_spans, model_without_raw_data, read_span
+from lossgraph.graphs.spans import OpenedFiles, initializer_spans, model_without_raw_data
 from lossgraph.graphs.weights import with_weight_data
 from lossgraph.models import as_model
 
@@ -23,10 +23,10 @@ def _saved(tmp_path, model, external: bool = False):
 def test_spans_are_each_initializers_bytes(tmp_path, external):
     model = large_weights_model()
     path = _saved(tmp_path, model, external)
-    spans = initializer_spans(path)
+    spans, files = initializer_spans(path), OpenedFiles()
     assert set(spans) == {t.name for t in model.graph.initializer}
     for tensor in model.graph.initializer:
-        assert read_span(spans[tensor.name]) == tensor.raw_data
+        assert files.read(spans[tensor.name]) == tensor.raw_data
     if external:  # the large one in the data file, the small ones in the model's
         assert spans["W"].path == (tmp_path / "m.data").resolve()
         assert spans["shape"].path == path
@@ -39,7 +39,7 @@ def test_a_model_without_its_raw_data_is_the_model_less_that_data(tmp_path):
     assert len(serialized) < 4096 and set(spans) == {t.name for t in model.graph.initializer}
     for tensor in light.graph.initializer:
         assert not tensor.HasField("raw_data")
-        tensor.raw_data = read_span(spans[tensor.name])
+        tensor.raw_data = OpenedFiles().read(spans[tensor.name])
     assert light == model
 
 

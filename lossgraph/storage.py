@@ -175,11 +175,16 @@ def read_json_file(folder: Path, name: str, what: str) -> Any:
 
 
 def _verified_bytes(folder: Path, name: str, checksums: Mapping[str, str], where: str) -> bytes:
-    data = member_file(folder, name, where).read_bytes()
-    expected = checksums.get(name)
-    if expected is not None and _checksum(data) != expected:
+    return _verified(member_file(folder, name, where).read_bytes(), folder / name, checksums)
+
+
+def _verified(data: bytes | None, path: Path, checksums: Mapping[str, str]) -> bytes:
+    """``data``, the bytes of ``path`` in its folder (None: cut short as it was read), once
+    they match the checksum the manifest recorded for the file."""
+    expected = checksums.get(path.name)
+    if data is None or (expected is not None and _checksum(data) != expected):
         raise InvalidProgramError(
-            f"{str(folder / name)!r} does not match the checksum the manifest recorded for it: "
+            f"{str(path)!r} does not match the checksum the manifest recorded for it: "
             "the file was changed or damaged (truncated?) after the program was saved.")
     return data
 
@@ -268,12 +273,7 @@ def _program_state(folder: Path, checksums: Mapping[str, str], at: str) -> Initi
         archive = OpenedFile(path)
     except OSError as exc:
         raise InvalidProgramError(f"Cannot read {str(path)!r}: {exc.strerror or exc}.") from None
-    data = archive.read(Span(path, 0, path.stat().st_size))
-    expected = checksums.get(STATE_FILE)
-    if data is None or (expected is not None and _checksum(data) != expected):
-        raise InvalidProgramError(
-            f"{str(path)!r} does not match the checksum the manifest recorded for it: "
-            "the file was changed or damaged (truncated?) after the program was saved.")
+    data = _verified(archive.read(Span(path, 0, path.stat().st_size)), path, checksums)
     members = _archived_arrays(data, path)
     return InitialState.archived(_read_state(data, path, skip=members), archive, members)
 

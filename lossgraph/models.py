@@ -144,14 +144,14 @@ def _parsed_light(path: Path, held: HeldWeights) -> onnx.ModelProto | None:
         model = onnx.load_model_from_string(serialized)
     except DecodeError:
         return None
-    files = OpenedFiles()
-    for tensor in model.graph.initializer:
-        span = spans.get(tensor.name)
-        if span is not None:
-            data = files.read(span)
-            if data is None:
-                return None
-            held.take(model, tensor, data)
+    with OpenedFiles() as files:
+        for tensor in model.graph.initializer:
+            span = spans.get(tensor.name)
+            if span is not None:
+                data = files.read(span)
+                if data is None:
+                    return None
+                held.take(model, tensor, data)
     return model
 
 

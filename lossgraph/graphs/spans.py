@@ -21,6 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,12 +236,13 @@ class OpenedFile:
     """A file kept open to read spans of, again and again: renamed, replaced or removed
     since it was opened, it still reads the file it opened (an open file keeps it on
     disk), so that only bytes written into that very file change what it reads, which a
-    reader's digest tells. Closed when no one refers to it."""
+    reader's digest tells. Closed by :meth:`close`, or when no one refers to it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file = open(path, "rb")  # noqa: SIM115  (open for the object's life)
         self._lock = threading.Lock()  # one seek and read at a time
+        self.close = weakref.finalize(self, self._file.close)
 
     def read(self, span: Span) -> bytes | None:
         """The bytes of ``span`` (of this file), or None where it is shorter now."""
@@ -255,10 +257,19 @@ class OpenedFile:
 
 class OpenedFiles:
     """The files of a model's spans (its ``.onnx`` file, its external data files), each
-    opened once, when first read."""
+    opened once, when first read; as a context manager, closed at its end."""
 
     def __init__(self) -> None:
         self._files: dict[Path, OpenedFile | None] = {}
+
+    def __enter__(self) -> OpenedFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close every file opened (readers that keep one keep it open no longer)."""
+        for file in self._files.values():
+            if file is not None:
+                file.close()
 
     def file(self, span: Span) -> OpenedFile | None:
         """The opened file of ``span``, or None where it cannot be opened."""

@@ -23,10 +23,11 @@ def _saved(tmp_path, model, external: bool = False):
 def test_spans_are_each_initializers_bytes(tmp_path, external):
     model = large_weights_model()
     path = _saved(tmp_path, model, external)
-    spans, files = initializer_spans(path), OpenedFiles()
+    spans = initializer_spans(path)
     assert set(spans) == {t.name for t in model.graph.initializer}
-    for tensor in model.graph.initializer:
-        assert files.read(spans[tensor.name]) == tensor.raw_data
+    with OpenedFiles() as files:
+        for tensor in model.graph.initializer:
+            assert files.read(spans[tensor.name]) == tensor.raw_data
     if external:  # the large one in the data file, the small ones in the model's
         assert spans["W"].path == (tmp_path / "m.data").resolve()
         assert spans["shape"].path == path
@@ -39,7 +40,8 @@ def test_a_model_without_its_raw_data_is_the_model_less_that_data(tmp_path):
     assert len(serialized) < 4096 and set(spans) == {t.name for t in model.graph.initializer}
     for tensor in light.graph.initializer:
         assert not tensor.HasField("raw_data")
-        tensor.raw_data = OpenedFiles().read(spans[tensor.name])
+        with OpenedFiles() as files:
+            tensor.raw_data = files.read(spans[tensor.name])
     assert light == model
 
 

@@ -190,6 +190,7 @@ class GraphRunner:
                                                                  state))
             for name, value in fixed.items():
                 binding.bind_ortvalue_input(name, value)
+            session.bind_frozen(binding)
             for name, value in outputs.items():
                 binding.bind_ortvalue_output(name, value)
             self._bindings.append(binding)

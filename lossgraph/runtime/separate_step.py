@@ -45,6 +45,7 @@ class _Bound:
         self.graph = graph
         self._session = session._sess
         self._binding = C.SessionIOBinding(self._session)
+        self._bind_frozen = session.bind_frozen
         self._run_options = C.RunOptions()
         self._outputs = list(outputs)
         self._device = cpu_device()
@@ -59,6 +60,7 @@ class _Bound:
         binding = self._binding
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
+        self._bind_frozen(binding)
         for name in self._outputs:
             if name in self._into:
                 binding.bind_ortvalue_output(name, self._into[name])

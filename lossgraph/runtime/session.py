@@ -7,11 +7,13 @@ wrappers per call and is the same in onnxruntime-training 1.19 and onnxruntime 1
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from ..errors import (
     EvaluationError,
@@ -21,7 +23,7 @@ from ..errors import (
     suggest,
 )
 from ..graphs import all_graphs, stored_tensors, with_weight_data
-from ..graphs.held import copy_fields, held_tensors
+from ..graphs.held import held_tensors
 from ..target import check_loads, release_target
 from ..training_build import available as training_build_available
 from ..training_build import import_onnxruntime
@@ -128,9 +130,12 @@ def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = Non
     ``session_options``: None (:func:`default_session_options`), a dict of settings (those
     options with them), or onnxruntime's ``SessionOptions``, used as given.
     A light model's weights (:class:`~lossgraph.graphs.HeldWeights`: a program's frozen
-    weights) are handed to onnxruntime as they are, never copied
-    (``add_external_initializers``, on options made for this session: a user's
-    ``SessionOptions`` is never changed, so with one they are copied into the model).
+    weights) become inputs of its main graph, which the session feeds on every run from
+    the store's arrays (:class:`FedSession`): onnxruntime copies every initializer it is
+    given, ``add_external_initializers``' included, so that a session of BERT-base's LoRA
+    step held its 418 MiB of frozen weights a second time. As inputs, they are not
+    constant-folded or prepacked either (both copies again). With a user's
+    ``SessionOptions`` (never changed) they are copied into the model.
 
     By default without onnxruntime's memory pattern: it allocates a run's values as one
     block from the second run on, beside the arena that holds the first run's, so a
@@ -138,51 +143,78 @@ def create_session(model: onnx.ModelProto, providers: Sequence[str] | None = Non
     BERT's step, 300 to 383 MiB; BERT-base's step peak 2,677 MiB with it, 2,486 without;
     no slower, there or on a linear model's 1,000 steps).
     """
-    onnxruntime = onnxruntime_module()
     check_loadable(model, f"The {graph!r} graph")
     if session_options is None or isinstance(session_options, Mapping):
         options = default_session_options(**(session_options or {}))  # fresh, for this one
-        model, frozen = _frozen_apart(model)
-        # onnxruntime's own OrtValues, which keep their array alive
-        values = [onnxruntime.OrtValue.ortvalue_from_numpy(array) for array in frozen.values()]
-        if frozen:
-            options.add_external_initializers(list(frozen), values)
+        model, frozen = _frozen_as_inputs(model)
     else:
-        options, frozen, values = session_options, {}, []
+        options, frozen = session_options, {}
         model = with_weight_data(model)
     try:
-        session = onnxruntime.InferenceSession(
+        session = _fed_session_type()(
             model.SerializeToString(), options,
             providers=list(providers or ["CPUExecutionProvider"]))
     except Exception as exc:  # onnxruntime's errors derive from Exception only
         detail = " ".join(str(exc).split()).rsplit(" : ", 1)[-1].rstrip(".")
         raise EvaluationError(
             f"{installed_runtime()} could not load the {graph!r} graph: {detail}.") from None
-    # the session reads the arrays the OrtValues alias: they live as long as it does
-    session.lossgraph_frozen = (frozen, values)
+    session.feed_frozen(frozen)
     return session
 
 
-def _frozen_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """``model`` with its held weights as initializers of the main graph (onnxruntime
-    takes external initializers there only; a nested graph, an epoch's Scan body, reads
-    them from its outer scope: names are unique across graphs), and their arrays."""
-    frozen = {tensor.name: store.array(key)
-              for tensor, store, key in held_tensors(stored_tensors(model))}
-    nested = {tensor.name for sub in list(all_graphs(model.graph))[1:] for tensor in sub.initializer
-              if tensor.name in frozen}
-    if not nested:
-        return model, frozen
-    hoisted = onnx.ModelProto()
-    copy_fields(model, hoisted, skip="graph")
-    copy_fields(model.graph, hoisted.graph, skip="initializer")
-    hoisted.graph.initializer.extend(model.graph.initializer)
-    for sub in list(all_graphs(hoisted.graph))[1:]:
-        kept = [t for t in sub.initializer if t.name not in nested]
-        hoisted.graph.initializer.extend(t for t in sub.initializer if t.name in nested)
-        del sub.initializer[:]
-        sub.initializer.extend(kept)
-    return hoisted, frozen
+def _frozen_as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """``model`` with its held weights as inputs of its main graph instead of initializers
+    (a nested graph, an epoch's Scan body, reads them from its outer scope: names are
+    unique across graphs), and their arrays by name."""
+    held = {tensor.name: (tensor, store.array(key))
+            for tensor, store, key in held_tensors(stored_tensors(model))}
+    if not held:
+        return model, {}
+    fed = onnx.ModelProto()
+    fed.CopyFrom(model)  # a light model: its held weights' data is not in it
+    for graph in all_graphs(fed.graph):
+        kept = [tensor for tensor in graph.initializer if tensor.name not in held]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    fed.graph.input.extend(helper.make_tensor_value_info(name, tensor.data_type, tensor.dims)
+                           for name, (tensor, _) in held.items())
+    return fed, {name: array for name, (_, array) in held.items()}
+
+
+@functools.cache
+def _fed_session_type() -> type:
+    """:class:`FedSession` over the installed onnxruntime's ``InferenceSession``."""
+    base = onnxruntime_module().InferenceSession
+
+    class FedSession(base):
+        """An onnxruntime ``InferenceSession`` that feeds a light model's frozen weights
+        (:func:`create_session`'s inputs instead of initializers) from the arrays that
+        hold them, without a copy: :meth:`run` adds them to the feeds, and
+        :meth:`bind_frozen` binds them to an IOBinding; :meth:`get_inputs` lists the
+        other inputs, those a caller feeds."""
+
+        frozen: Mapping[str, np.ndarray] = {}
+        _frozen_values: Mapping[str, Any] = {}
+
+        def feed_frozen(self, frozen: Mapping[str, np.ndarray]) -> None:
+            """Feed ``frozen`` (arrays by input name, kept alive here) on every run."""
+            self.frozen = dict(frozen)
+            self._frozen_values = {name: ortvalue(array) for name, array in frozen.items()}
+
+        def run(self, output_names, input_feed, run_options=None):
+            return super().run(output_names, {**input_feed, **self.frozen}, run_options)
+
+        def get_inputs(self):
+            return [value for value in super().get_inputs() if value.name not in self.frozen]
+
+        def bind_frozen(self, binding: Any) -> None:
+            """Bind the frozen weights to ``binding`` (a ``SessionIOBinding`` of this
+            session's ``_sess``)."""
+            for name, value in self._frozen_values.items():
+                binding.bind_ortvalue_input(name, value)
+
+    FedSession.__qualname__ = FedSession.__name__
+    return FedSession
 
 
 def cpu_device():

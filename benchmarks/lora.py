@@ -15,8 +15,6 @@ same batches:
 
 and two columns that tell what bounds lossgraph LoRA's figures:
 
-    unpacked     ``lora`` with onnxruntime's prepacking off (``session.disable_prepacking``:
-                 no second copy of a constant weight in its kernel's layout)
     floor        the heavy kernels alone (the products) of ``lora``'s step graph, fed one
                  batch's values (benchmarks/kernel_floor.py): no graph of those forms
                  steps faster
@@ -42,7 +40,7 @@ onnxruntime's intra-op threads alike.
 
 Run from the repository root:
       python -m benchmarks.lora [--quick] [--models bert,gpt2]
-          [--columns torch,peft,full,lora,unpacked,floor,phases]
+          [--columns torch,peft,full,lora,floor,phases]
           [--fuse step] [--memory-limit 12] [--threads N] [--json out.json]
 See docs/benchmarks.md#lora-adapters.
 """
@@ -68,12 +66,8 @@ TARGETS = {"bert": ("query", "value"), "gpt2": ("c_attn",)}
 LEARNING_RATE, EPSILON, WEIGHT_DECAY = 1e-4, 1e-6, 0.01
 COLUMNS = {"torch": "torch full fine-tuning", "peft": "torch + PEFT LoRA",
            "full": "lossgraph full fine-tuning", "lora": "lossgraph LoRA",
-           "unpacked": "lossgraph LoRA, no prepacking",
            "floor": "lossgraph LoRA's heavy kernels alone",
            "phases": "lossgraph LoRA's peak, phase by phase"}
-#: onnxruntime's session entry that keeps it from prepacking constant weights (a copy of
-#: each product's constant operand in the layout its kernel reads).
-NO_PREPACKING = {"session.disable_prepacking": "1"}
 #: The issue's goals: lossgraph LoRA's peak against its full fine-tuning's, its step
 #: against torch + PEFT's.
 PEAK_GOAL, STEP_GOAL = 0.5, 1.0
@@ -119,9 +113,9 @@ def cell(column: str, name: str, quick: bool, folder: Path, fuse: str = "step",
     if column in ("floor", "phases"):
         return (floor_cell if column == "floor" else phases_cell)(subject, quick, folder,
                                                                   threads)
-    options = lora_options(name) if column in ("lora", "unpacked") else {}
-    return memory.lossgraph_cell(subject, quick, fuse, folder, threads, _adamw(),
-                                 NO_PREPACKING if column == "unpacked" else None, **options)
+    options = lora_options(name) if column == "lora" else {}
+    return memory.lossgraph_cell(subject, quick, fuse, folder, threads, _adamw(), None,
+                                 **options)
 
 
 def _adamw() -> Any:
@@ -293,7 +287,7 @@ def report(cells: dict[str, dict[str, Any]], columns: list[str]) -> list[dict[st
           "program holds once compiled, once the Trainer is made, after each step")
     for name, row in cells.items():
         print(f"  {name} (its export stores {_number(row['stored_mb'])} MiB):")
-        for column in ("full", "lora", "unpacked"):
+        for column in ("full", "lora"):
             record = row.get(column, {})
             if "trainer_peak_mb" in record:
                 print(f"    {COLUMNS[column]}: compile {_number(record['compile_peak_mb'])}, "

@@ -136,8 +136,11 @@ class Optimizer(abc.ABC):
         return [f"{weight}_{suffix}" for suffix in self._state_suffixes]
 
     def initial_state(self, weight: np.ndarray) -> list[np.ndarray]:
-        """The state before the first update: zeros like ``weight``, one per state name."""
-        return [np.zeros_like(weight) for _ in self._state_suffixes]
+        """The state before the first update: zeros like ``weight``, one per state name
+        (``np.zeros``: memory the system zeroes and maps when it is first written, so a
+        program holds none of it while it is only read; ``zeros_like`` writes every
+        byte, 836 MiB resident for BERT-base's AdamW moments)."""
+        return [np.zeros(weight.shape, weight.dtype) for _ in self._state_suffixes]
 
     @abc.abstractmethod
     def emit_update(self, b: GraphBuilder, weight: str, grad: str, states: Sequence[str],

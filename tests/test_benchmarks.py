@@ -474,8 +474,8 @@ def test_training_options_quick_run_trains_every_variant_to_torchs_weights(tmp_p
 @pytest.mark.torch
 def test_lora_cells_train_what_they_say_and_the_report_judges_both_goals(tmp_path, capsys):
     """The LoRA benchmark on its tiny BERT, each cell run here: lossgraph's LoRA trains the
-    adapters alone, as many parameters as PEFT's (rank 8 on ``query`` and ``value``), with
-    prepacking or without, both full fine-tunings every parameter torch has; lossgraph's
+    adapters alone, as many parameters as PEFT's (rank 8 on ``query`` and ``value``), both
+    full fine-tunings every parameter torch has; lossgraph's
     optimizer state is AdamW's two moments of what it trains; the floor runs the LoRA
     step's products, and the phases take its peak apart. The report shows every run and a
     verdict on each goal. A file the benchmark did not write is never replaced."""
@@ -497,8 +497,8 @@ def test_lora_cells_train_what_they_say_and_the_report_judges_both_goals(tmp_pat
     adapters = trained["peft"]
     assert 0 < adapters < row["parameters"] / 5
     assert trained == {"torch": row["parameters"], "peft": adapters, "full": row["parameters"],
-                       "lora": adapters, "unpacked": adapters}
-    for column in ("full", "lora", "unpacked"):
+                       "lora": adapters}
+    for column in ("full", "lora"):
         assert row[column]["optimizer_state_mb"] * 2**20 == 2 * 4 * trained[column]
         assert row[column]["steps"] == memory.STEPS
     assert "MatMul" in row["floor"]["kernels"] and row["floor"]["step_ms"] > 0

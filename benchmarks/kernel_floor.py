@@ -27,7 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from lossgraph.errors import UnsupportedModelError
-from lossgraph.graphs import subgraphs
+from lossgraph.graphs import subgraphs, tensor_array
 from lossgraph.program import TrainingProgram
 from lossgraph.runtime.session import create_session
 from lossgraph.speed import SpecializeBatch
@@ -126,10 +126,11 @@ def heavy_kernel_floor(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
 def _values(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
             names: list[str]) -> dict[str, np.ndarray]:
     """The values ``names`` take when onnxruntime runs ``model`` on ``feeds``: graph
-    inputs from ``feeds``, initializers as stored, the rest computed (made outputs)."""
+    inputs from ``feeds``, initializers as stored (a light model's frozen weights read from
+    their store), the rest computed (made outputs)."""
     values = {name: np.asarray(feeds[name]) for name in names if name in feeds}
     stored = {tensor.name: tensor for tensor in model.graph.initializer}
-    values.update({name: numpy_helper.to_array(stored[name]) for name in names
+    values.update({name: tensor_array(stored[name]) for name in names
                    if name not in values and name in stored})
     computed = [name for name in names if name not in values]
     if computed:

@@ -170,3 +170,20 @@ def test_torchs_floor_has_the_steps_kernels_and_leaves_the_network_as_it_was():
 
     with pytest.raises(UnsupportedModelError, match="LSTM"):
         torch_heavy_kernels(nn.LSTM(3, 4, batch_first=True), np.ones((2, 5, 3), F32))
+
+
+def test_a_lora_floor_reads_the_programs_frozen_weights_from_its_store(run_model):
+    """A LoRA step graph is light (its frozen base weight, 64 KiB, in the program's store,
+    not in the graph): the floor takes its value from the store, a constant as before."""
+    from support.frozen import frozen_data, frozen_program
+
+    from lossgraph.graphs import is_held
+
+    program, (X, y) = frozen_program("lora"), frozen_data()
+    step, feeds = step_graph(program, {"feature": X, "label": y}, 0.01)
+    assert any(is_held(tensor) for tensor in step.graph.initializer)
+    floor = heavy_kernel_floor(step, feeds)
+    stored = {tensor.name: tensor for tensor in floor.model.graph.initializer}
+    np.testing.assert_array_equal(numpy_helper.to_array(stored["fc1.weight"]),
+                                  program.frozen["fc1.weight"])
+    _assert_same_as_step(step, feeds, floor, run_model)

@@ -20,7 +20,9 @@ holds anyway. The columns:
   multiple of the weights' size too;
 - **from the file, whole**: ``fuse="step"`` compiled from the export's file, the baseline
   taken before any of the model is read: the whole process's training memory, against
-  torch's peak plus what its network holds (``model_mb``, measured as it is built).
+  torch's peak plus what its network holds (``model_mb``, measured as it is built); and
+  the same for ``fuse="separate"`` (``file-separate``) and for ``recompute="auto"``
+  (``file-auto``, against torch eager without recomputation).
 
 Beside the peaks, each cell's **step time** (ms, the mean of steps 2 and 3, the first one
 opening sessions) and the peak after each step (a peak that grows from step to step is
@@ -43,7 +45,8 @@ branch's), ``--compare JSON`` shows a previous run's figures beside this one's.
 
 Run from the repository root:
       python -m benchmarks.memory [--quick] [--models cnn,transformer,bert,gpt2]
-          [--columns torch,step,epoch,separate,compile,file] [--memory-limit 12] [--threads N]
+          [--columns torch,step,epoch,separate,compile,file,file-separate,file-auto]
+          [--memory-limit 12] [--threads N]
           [--checkout PATH] [--compare before.json] [--json out.json] [--plot out.png]
 See docs/benchmarks.md#memory.
 """
@@ -73,7 +76,12 @@ STEPS = 3
 LEARNING_RATE = 0.01
 COLUMNS = {"torch": "torch eager", "step": 'lossgraph fuse="step"',
            "epoch": 'fuse="epoch"', "separate": 'fuse="separate"',
-           "compile": "compile_program alone", "file": 'fuse="step" from the file, whole'}
+           "compile": "compile_program alone", "file": 'fuse="step" from the file, whole',
+           "file-separate": 'fuse="separate" from the file, whole',
+           "file-auto": 'recompute="auto" from the file, whole'}
+#: The whole-process columns: each compiles the export's file with these options.
+WHOLE = {"file": {"fuse": "step"}, "file-separate": {"fuse": "separate"},
+         "file-auto": {"fuse": "step", "recompute": "auto"}}
 #: Address space a cell may map beyond --memory-limit (threads' stacks, mapped libraries).
 ADDRESS_HEADROOM_GIB = 6
 
@@ -292,6 +300,7 @@ def _torch_warm_up(torch: Any) -> None:
 def lossgraph_warm_up(fuse: str, options: Any) -> None:
     """compile_program and one step of a linear model in the fuse mode ``fuse``: the
     lazy imports (onnxruntime among them) paid before the baseline."""
+    import onnx.reference  # noqa: F401  (compile's shape folding imports it where needed)
     from onnx import TensorProto, helper
 
     import lossgraph
@@ -351,10 +360,14 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     import lossgraph
     from lossgraph.optim import SGD
 
-    fuse = "step" if column in ("compile", "file") else column
+    whole = WHOLE.get(column)
+    if whole:
+        options = {**options, **whole}
+    else:
+        options = {**options, "fuse": "step" if column == "compile" else column}
     sessions = session_options(threads, session_entries)
-    lossgraph_warm_up(fuse, sessions)
-    if column == "file":  # the file's path alone: the model is lossgraph's to read
+    lossgraph_warm_up(options["fuse"], sessions)
+    if whole:  # the file's path alone: the model is lossgraph's to read
         model, data = folder / f"{subject.name}.onnx", np.load(folder / f"{subject.name}.npz")
     else:
         model, data = load_export(subject, folder)
@@ -364,13 +377,15 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = lossgraph.compile_program(model, optimizer=optimizer or SGD(LEARNING_RATE),
-                                            fuse=fuse, **compile_loss(subject), **options)
+                                            **compile_loss(subject), **options)
     compiled = {"compile_s": time.perf_counter() - start,
                 "compile_peak_mb": _memory("VmHWM") - base,
                 "compiled_mb": _memory("VmRSS") - base,
                 "trained_parameters": sum(program.state.like(w).size for w in program.weights),
                 "optimizer_state_mb": sum(program.state.like(s).nbytes
-                                          for s in program.optimizer_states) / 2**20}
+                                          for s in program.optimizer_states) / 2**20,
+                "recomputed": sum(len(plan["recomputed"]) for plan in
+                                  program.manifest.get("recompute", {}).values())}
     if column == "compile":
         return {**compiled, "peak_mb": compiled["compile_peak_mb"]}
     trainer = lossgraph.Trainer(program, session_options=sessions)
@@ -381,7 +396,7 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
         trainer.fit(X[rows], y[rows], epochs=1, batch_size=batch, shuffle=False,
                     progress=False, warm_start=warm)
 
-    if column == "epoch":  # one run an epoch: the second epoch's runs timed
+    if options["fuse"] == "epoch":  # one run an epoch: the second epoch's runs timed
         fit(slice(None), False)
         first = _memory("VmHWM") - base
         start = time.perf_counter()
@@ -468,7 +483,7 @@ def cell_text(cells: dict[str, Any], column: str, before: dict[str, Any] | None)
         text += f" ({record['peak_mb'] / cells['weights_mb']:.2f}x the weights"
         stored = cells.get("stored_mb")
         text += f", {record['peak_mb'] / stored:.2f}x stored)" if stored else ")"
-    elif column == "file":  # the whole process: torch's network counts
+    elif column in WHOLE:  # the whole process: torch's network counts
         whole = torch + cells.get("torch", {}).get("model_mb", 0)
         if whole > 0:
             text += f" ({record['peak_mb'] / whole:.2f}x torch's {_mib(whole)} with its network)"
@@ -540,7 +555,8 @@ def plot(cells: dict[str, dict[str, Any]], columns: list[str], path: str,
             axis.bar(positions[shown] + (width / 2 if before else 0),
                      [now[i] for i in shown], width, color=color, label=label)
         axis.axhline(row["weights_mb"], color="black", linestyle=":", label="weights")
-        ticks = {"compile": "compile\nalone", "file": "file,\nwhole"}
+        ticks = {"compile": "compile\nalone", "file": "file,\nwhole",
+                 "file-separate": "separate,\nfile", "file-auto": "auto,\nfile"}
         axis.set_xticks(positions, [ticks.get(c, c) for c in columns], fontsize=8)
         axis.set(title=f"{name} ({_mib(row['weights_mb'])} MiB of weights)",
                  ylabel="peak above baseline (MiB)")

@@ -555,9 +555,10 @@ def plot(cells: dict[str, dict[str, Any]], columns: list[str], path: str,
             axis.bar(positions[shown] + (width / 2 if before else 0),
                      [now[i] for i in shown], width, color=color, label=label)
         axis.axhline(row["weights_mb"], color="black", linestyle=":", label="weights")
-        ticks = {"compile": "compile\nalone", "file": "file,\nwhole",
-                 "file-separate": "separate,\nfile", "file-auto": "auto,\nfile"}
-        axis.set_xticks(positions, [ticks.get(c, c) for c in columns], fontsize=8)
+        ticks = {"compile": "compile alone", "file": "step, file", "file-separate":
+                 "separate, file", "file-auto": "auto, file"}
+        axis.set_xticks(positions, [ticks.get(c, c) for c in columns], fontsize=8,
+                        rotation=40, ha="right")
         axis.set(title=f"{name} ({_mib(row['weights_mb'])} MiB of weights)",
                  ylabel="peak above baseline (MiB)")
         axis.legend(fontsize=7)

@@ -27,23 +27,23 @@ two ways:
   merged model does.
 
 What it saves at real sizes, measured by ``benchmarks/lora.py`` (3 AdamW steps, rank 8 on
-PEFT's default targets; peak memory above the baseline, step time on a busy 2-core machine;
-docs/benchmarks.md#lora-adapters):
+PEFT's default targets; peak memory above the baseline, step time on a 2-core machine,
+every run in one benchmark run; docs/benchmarks.md#lora-adapters):
 
     model, run                          trained      optimizer state  peak       step
     BERT-base (batch 8 x 128)
-      lossgraph full fine-tuning        109,483,778  835 MiB          5,029 MiB   8.5 s
-      lossgraph LoRA                        294,912  2.25 MiB         2,331 MiB   8.7 s
-      torch + PEFT LoRA                     294,912  2.25 MiB           711 MiB  10.5 s
+      lossgraph full fine-tuning        109,483,778  835 MiB          2,104 MiB   6.8 s
+      lossgraph LoRA                        294,912  2.25 MiB         1,047 MiB   4.3 s
+      torch + PEFT LoRA                     294,912  2.25 MiB           733 MiB   3.9 s
     GPT-2 small (batch 4 x 128)
-      lossgraph full fine-tuning        163,037,184  1,244 MiB        7,558 MiB   6.3 s
-      lossgraph LoRA                        294,912  2.25 MiB         2,773 MiB   6.3 s
-      torch + PEFT LoRA                     294,912  2.25 MiB           926 MiB   7.2 s
+      lossgraph full fine-tuning        163,037,184  1,244 MiB        3,441 MiB   5.3 s
+      lossgraph LoRA                        294,912  2.25 MiB         1,377 MiB   2.9 s
+      torch + PEFT LoRA                     294,912  2.25 MiB           927 MiB   3.4 s
 
-LoRA's peak is 0.46x and 0.37x of full fine-tuning's (the aim: at most half), its step
-faster than PEFT's: the program holds the frozen base weights once, and the Trainer's
-sessions read them without a copy (torch's and PEFT's rows come from an earlier run; the
-benchmark's page tells where the peak is).
+LoRA's peak is 0.50x and 0.40x of full fine-tuning's (the aim: at most half): the program
+holds the frozen base weights once, and the Trainer's sessions are fed them from that one
+copy. Its step is 1.10x PEFT's on BERT-base and 0.86x on GPT-2 (the benchmark's page
+tells where the peak and the time go).
 
 Needs torch, transformers and peft (``pip install torch==2.13.0 transformers peft``);
 without them the script says so and stops. Files go to the folder given as the first

@@ -16,13 +16,7 @@ from ..graphs import ForwardFacts, Shape, attribute_value, np_dtype
 from ..names import NameAuthority
 from ..target import Target
 
-__all__ = ["Node", "GradContext", "Shape", "RUN_TIME_FILL_VALUES"]
-
-#: The number of values from which a fill is made at each run rather than folded into a
-#: constant onnxruntime keeps for the session's life (1 MiB of float32): an embedding
-#: table's gradient, a language model's logits' (:meth:`GradContext.filled`'s
-#: ``run_time``, :class:`~lossgraph.speed.LargeFillsAtRunTime`).
-RUN_TIME_FILL_VALUES = 1 << 18
+__all__ = ["Node", "GradContext", "Shape"]
 
 
 @dataclass

@@ -22,16 +22,8 @@ best, each for a measured reason (onnxruntime 1.19 and 1.31, CPU):
   applies it to every graph of a program.
 
 - :class:`SpecializeBatch` (``specialize_batch``): the batch inputs get the fit's batch
-  size, then :class:`FoldStaticShapes`, :class:`SplitRowProducts` and
-  :class:`LargeFillsAtRunTime`. The Trainer runs a fit's full batches specialized to its
-  batch size.
-
-- :class:`LargeFillsAtRunTime` (``run_time_fills``)::
-
-      ConstantOfShape(s)  ->  ConstantOfShape(Concat(s, <an empty slice of an input>))
-
-  onnxruntime folds a fill of a static shape into a constant it stores for the session's
-  life: GPT-2's logits-sized zeros, 98 MiB, once its batch is fixed.
+  size, then :class:`FoldStaticShapes` and :class:`SplitRowProducts`. The Trainer runs
+  a fit's full batches specialized to its batch size.
 
 - :class:`FoldStaticShapes` (``fold_static_shapes``)::
 
@@ -80,7 +72,6 @@ best, each for a measured reason (onnxruntime 1.19 and 1.31, CPU):
 from .concat_slabs import ConcatScatteredSlabs
 from .fold_batch_products import FoldBatchIntoProducts
 from .fold_static_shapes import FoldStaticShapes
-from .run_time_fills import LargeFillsAtRunTime
 from .specialize_batch import SpecializeBatch
 from .split_row_products import SplitRowProducts, gradient_product_parts, row_product_parts
 from .sum_rows import SumRowsByProduct
@@ -88,6 +79,6 @@ from .unfold_conv_grads import UnfoldConvWeightGradients
 from .widen_scalars import WidenScalarConstants
 
 __all__ = ["ConcatScatteredSlabs", "FoldBatchIntoProducts", "FoldStaticShapes",
-           "LargeFillsAtRunTime", "SpecializeBatch", "SplitRowProducts", "SumRowsByProduct",
+           "SpecializeBatch", "SplitRowProducts", "SumRowsByProduct",
            "UnfoldConvWeightGradients", "WidenScalarConstants", "gradient_product_parts",
            "row_product_parts"]

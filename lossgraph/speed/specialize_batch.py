@@ -1,7 +1,6 @@
 """A training graph as onnxruntime should run it for one batch size::
 
     SpecializeBatch(batch) = fix the batch size -> FoldStaticShapes -> SplitRowProducts
-                             -> LargeFillsAtRunTime
 
     batch input  x[N, ...]  ->  x[batch, ...]    (the scanned inputs of an epoch graph's
                                                  Scan, which its signature names, or where it
@@ -13,9 +12,7 @@ A program's ``train_step`` and ``train_epoch`` graphs serve every batch size: a 
 takes a batch of symbolic size and recomputes its shapes every time. For the one batch
 size a fit uses they are constants (:mod:`~lossgraph.speed.fold_static_shapes`),
 and long one-row products can be split for onnxruntime's threads
-(:mod:`~lossgraph.speed.split_row_products`); a fill the fixed batch makes static and
-large is kept from being folded into a stored constant
-(:mod:`~lossgraph.speed.run_time_fills`). The result is for running, not for
+(:mod:`~lossgraph.speed.split_row_products`). The result is for running, not for
 saving: the program keeps its general graphs.
 """
 
@@ -33,7 +30,6 @@ from ..models import ModelLike
 from ..passes.contract import Pass, PassResult, Pipeline, Reports
 from ..target import active_target, loading_target, use_target
 from .fold_static_shapes import FoldStaticShapes
-from .run_time_fills import LargeFillsAtRunTime
 from .split_row_products import SplitRowProducts
 
 __all__ = ["SpecializeBatch", "set_leading_dims"]
@@ -42,8 +38,7 @@ __all__ = ["SpecializeBatch", "set_leading_dims"]
 @dataclass(frozen=True)
 class SpecializeBatch(Pass[Reports | None]):
     """The training graph with its steps taking batches of ``batch`` rows, its shape
-    arithmetic folded, its long one-row products split and its large fills made at run
-    time (module doc)."""
+    arithmetic folded and its long one-row products split (module doc)."""
 
     batch: int
 
@@ -76,8 +71,7 @@ class SpecializeBatch(Pass[Reports | None]):
             fixed = names is not None
             _fix_named_dims(model.graph, (names or set()) - {""}, self.batch)
         try:
-            folded = Pipeline((FoldStaticShapes(), SplitRowProducts(),
-                               LargeFillsAtRunTime()))(model)
+            folded = Pipeline((FoldStaticShapes(), SplitRowProducts()))(model)
         except InvalidModelError as exc:
             # the graph was valid with a symbolic batch: its shapes contradict each other
             # once the batch is a number, so the model's rows do not follow its inputs'

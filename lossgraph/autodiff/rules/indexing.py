@@ -67,7 +67,6 @@ from onnx import helper, numpy_helper
 
 from ...builder import GraphBuilder
 from ...errors import UnsupportedModelError
-from ..context import RUN_TIME_FILL_VALUES
 from ..registry import grad_rule, no_gradient, not_differentiable
 from .shape import shape_of, static_shape
 
@@ -210,6 +209,12 @@ def _sum_rows_by_one_hot(g, positions: str, depth: str, rows: str, like: str,
     return g.Reshape(g.Gemm(flat_hot, flat_rows, transA=1), shape)
 
 
+#: The number of values from which a Gather's gradient makes its zeros at each run: a
+#: table this large (a vocabulary's embeddings) would otherwise be folded into a constant
+#: onnxruntime keeps for the session's life (1 MiB of float32).
+_RUN_TIME_ZEROS = 1 << 18
+
+
 # ---------------------------------------------------------------------------- Gather
 @grad_rule("Gather", since=13, nondiff=(1,),
            notes="duplicate indices accumulate; ScatterElements(add) of the rows in order from "
@@ -232,7 +237,7 @@ def gather(g, node, dy):
     # zeros a runtime would store as a constant for the session's life (an embedding
     # table's, of static shape and large) are made at each run; small ones stay foldable
     # (the attention heads' slabs that ConcatScatteredSlabs turns into one Concat)
-    at_run_time = shape is not None and int(np.prod(shape)) >= RUN_TIME_FILL_VALUES
+    at_run_time = shape is not None and int(np.prod(shape)) >= _RUN_TIME_ZEROS
 
     def zeros() -> str:
         return g.filled(shape_t, 0, x, hint="zeros", run_time=dy if at_run_time else None)

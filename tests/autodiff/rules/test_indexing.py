@@ -158,9 +158,9 @@ def test_gather_gradient_stores_no_table_sized_constant(rng, tmp_path, ort_sessi
     """An embedding table's gradient scatters into zeros of the table's shape, which
     onnxruntime would fold into a constant it keeps for the session's life (89 MiB for
     BERT-base's [30522, 768], issue 27) where every shape is static: a table of
-    ``RUN_TIME_FILL_VALUES`` values or more (here lowered to this table's 200) gets them made
+    ``_RUN_TIME_ZEROS`` values or more (here lowered to this table's 200) gets them made
     at each run, and the gradient stays exact."""
-    monkeypatch.setattr(indexing, "RUN_TIME_FILL_VALUES", 200)
+    monkeypatch.setattr(indexing, "_RUN_TIME_ZEROS", 200)
     net = model(f"(float[50, 4] table, int64[{len(ids)}] ids) => (float[{len(ids)}, 4] y)",
                 "y = Gather(table, ids)", opset=17)
     optimized = tmp_path / "optimized.onnx"

@@ -191,15 +191,16 @@ def _fed_session_type() -> type:
         (:func:`create_session`'s inputs instead of initializers) from the arrays that
         hold them, without a copy: :meth:`run` adds them to the feeds, and
         :meth:`bind_frozen` binds them to an IOBinding; :meth:`get_inputs` lists the
-        other inputs, those a caller feeds."""
+        other inputs, those a caller feeds. ``frozen``: the arrays by input name;
+        ``frozen_values``: the OrtValues over them that bindings take."""
 
         frozen: Mapping[str, np.ndarray] = {}
-        _frozen_values: Mapping[str, Any] = {}
+        frozen_values: Mapping[str, Any] = {}
 
         def feed_frozen(self, frozen: Mapping[str, np.ndarray]) -> None:
             """Feed ``frozen`` (arrays by input name, kept alive here) on every run."""
             self.frozen = dict(frozen)
-            self._frozen_values = {name: ortvalue(array) for name, array in frozen.items()}
+            self.frozen_values = {name: ortvalue(array) for name, array in frozen.items()}
 
         def run(self, output_names, input_feed, run_options=None):
             return super().run(output_names, {**input_feed, **self.frozen}, run_options)
@@ -210,7 +211,7 @@ def _fed_session_type() -> type:
         def bind_frozen(self, binding: Any) -> None:
             """Bind the frozen weights to ``binding`` (a ``SessionIOBinding`` of this
             session's ``_sess``)."""
-            for name, value in self._frozen_values.items():
+            for name, value in self.frozen_values.items():
                 binding.bind_ortvalue_input(name, value)
 
     FedSession.__qualname__ = FedSession.__name__

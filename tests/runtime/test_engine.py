@@ -168,7 +168,7 @@ def test_sessions_feed_the_programs_frozen_weights_without_a_copy(fuse):
     graphs do (onnxruntime's SessionOptions given: the weights copied into the model)."""
     from support.frozen import frozen_data, frozen_program
 
-    from lossgraph.runtime.session import default_session_options
+    from lossgraph.runtime.session import default_session_options, onnxruntime_module
 
     program, (X, y) = frozen_program("lora", fuse), frozen_data()
     light = Trainer(program, session_options={"intra_op_num_threads": 1})
@@ -186,10 +186,11 @@ def test_sessions_feed_the_programs_frozen_weights_without_a_copy(fuse):
         if graph == "packed update":
             continue
         session = light.engine.session(graph, batch)
-        inputs = {value.name for value in session._sess.inputs_meta}
+        graph_inputs = onnxruntime_module().InferenceSession.get_inputs(session)
+        inputs = {value.name for value in graph_inputs}
         assert not inputs & {value.name for value in session.get_inputs()} & set(frozen)
         for name, array in session.frozen.items():
-            value = session._frozen_values[name]
+            value = session.frozen_values[name]
             assert name in inputs and np.shares_memory(array, frozen[name])
             assert value.data_ptr() == array.__array_interface__["data"][0]
             fed += 1

@@ -40,8 +40,12 @@ __all__ = ["InitialState", "ArchivedArray", "READ_MIN_BYTES"]
 READ_MIN_BYTES = 64 * 2**20
 
 
+def _bytes(array: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(array)).cast("B")
+
+
 def _digest(array: np.ndarray) -> bytes:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).digest()
+    return hashlib.sha256(_bytes(array)).digest()
 
 
 @dataclass(frozen=True)
@@ -164,9 +168,9 @@ def _file_reads(found: Mapping[str, np.ndarray], model: Path) -> dict[str, _File
         file = files.file(span)
         if file is None:
             continue
-        data, digest = file.read(span), _digest(array)
-        if data is not None and hashlib.sha256(data).digest() == digest:
-            reads[name] = _FileRead(digest, array.shape, array.dtype, span, file, model)
+        data = file.read(span)
+        if data is not None and memoryview(data) == _bytes(array):
+            reads[name] = _FileRead(_digest(array), array.shape, array.dtype, span, file, model)
     return reads
 
 

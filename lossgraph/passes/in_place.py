@@ -20,6 +20,14 @@ step whose loss is not finite writes back the state it read, so the live state i
 the last whose loss was finite when the engine reads the loss, as it was with a second
 set. :func:`in_place_problem` says why a graph cannot be written in place, or None.
 
+A table that only ``Gather`` reads (an embedding) and that plain SGD updates,
+``S' = S - rate * G`` with ``G`` its gradient's rows added into zeros of the table's
+size, is written row by row instead (:func:`_row_update`): the rows its batch gathered
+(``Unique`` of the indices) are summed in the same order as ``G`` sums them, stepped and
+guarded as above, and scattered over ``S`` (``ScatterND``, which onnxruntime runs over a
+bound output in place). The same values bit for bit; the table-sized zeros, gradient and
+step are never made (BERT-base's word embeddings: 89 MiB each).
+
 A node "reads" ``S`` through the values onnxruntime may make views of ``S`` or fold into
 their readers (``Reshape``, ``Transpose``, ``Cast``, ... :data:`_PASSED_ON`): the nodes
 reading those are the readers the ``Where`` waits for, so that onnxruntime's fusions (a
@@ -29,11 +37,12 @@ reading those are the readers the ``Where`` waits for, so that onnxruntime's fus
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, helper, numpy_helper
 
 from ..builder import GraphBuilder
 from ..errors import InternalError
@@ -59,6 +68,10 @@ class _Graph:
     def __init__(self, model: onnx.ModelProto) -> None:
         self.nodes = list(model.graph.node)
         self.outputs = frozenset(o.name for o in model.graph.output)
+        #: the small int64 initializers' values (axes)
+        self.constants = {t.name: numpy_helper.to_array(t).tolist()
+                          for t in model.graph.initializer
+                          if t.data_type == TensorProto.INT64 and math.prod(t.dims) <= 8}
         #: value -> the position of the node computing it
         self.producer: dict[str, int] = {}
         #: value -> the positions of the nodes reading it
@@ -172,11 +185,11 @@ class WriteInPlace(Pass[None]):
         b = GraphBuilder(names, opset_version(model) or 13, prefix="in_place/")
         ok = b.Not(b.Or(b.IsNaN(self.loss), b.IsInf(self.loss)), hint="loss_is_finite")
         inserted: dict[int, list[onnx.NodeProto]] = {graph.producer[self.loss]: list(b.nodes)}
+        scalars = _scalars(model.graph)
+        replaced: set[int] = set()
         for state, written in self.pairs.items():
             waits = plan[state]
-            writer = nodes[graph.producer[written]]
-            computed = names.fresh(f"{written}_computed")
-            writer.output[list(writer.output).index(written)] = computed
+            rows = _row_update(graph, scalars, state, written)
             start = len(b.nodes)
             flag = ok
             if waits:  # an empty slice of each reader's output: an edge, no value
@@ -186,11 +199,21 @@ class WriteInPlace(Pass[None]):
                     empty = b.Slice(b.Reshape(read, b.ints([-1])), b.ints([0]), b.ints([0]))
                     parts.append(b.Cast(empty, to=TensorProto.BOOL))
                 flag = b.Reshape(b.Concat(*parts, axis=0), b.ints([]), hint=f"{state}_read")
-            b.op("Where", flag, computed, state, outputs=[written])
             at = max(graph.producer[written], graph.producer[self.loss], *waits)
+            if rows is not None:
+                replaced.update(rows.dense)
+                _write_rows(b, rows, state, written, flag)
+            else:
+                writer = nodes[graph.producer[written]]
+                computed = names.fresh(f"{written}_computed")
+                writer.output[list(writer.output).index(written)] = computed
+                b.op("Where", flag, computed, state, outputs=[written])
             inserted.setdefault(at, []).extend(b.nodes[start:])
         model.graph.initializer.extend(b.initializers)
-        placed = [node for i, node in enumerate(nodes) for node in (node, *inserted.get(i, ()))]
+        placed = [kept for i, node in enumerate(nodes)
+                  for kept in ((() if i in replaced else (node,)) + tuple(inserted.get(i, ())))]
+        placed = _without_unread(placed, graph.outputs,
+                                 {v for i in replaced for v in node_reads(nodes[i])})
         ordered = _sorted(placed)
         kept = [onnx.NodeProto() for _ in ordered]
         for copy, node in zip(kept, ordered):
@@ -198,6 +221,126 @@ class WriteInPlace(Pass[None]):
         del model.graph.node[:]
         model.graph.node.extend(kept)
         return PassResult(model, None)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A table's SGD step ``S - rate * G``, ``G`` the rows ``rows[j]`` added at row
+    ``ids[j]`` of zeros in order (a Gather's gradient:
+    :func:`~lossgraph.autodiff.rules.indexing.scatter_add_rows`)."""
+
+    ids: str
+    rows: str
+    rate: str
+    rate_first: bool  # Mul(rate, G) rather than Mul(G, rate)
+    fill: onnx.TensorProto | None  # the zeros' value (None: float 0)
+    axes: list[int]  # the Unsqueeze spreading an index over its row
+    dense: tuple[int, ...]  # the positions of the nodes of the dense form
+
+
+def _scalars(graph: onnx.GraphProto) -> set[str]:
+    """The graph's inputs and initializers of one element (a learning rate)."""
+    found = {t.name for t in graph.initializer if math.prod(t.dims) == 1}
+    for value in graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.type.tensor_type.HasField("shape") and all(
+                d.HasField("dim_value") and d.dim_value == 1 for d in dims):
+            found.add(value.name)
+    return found
+
+
+def _sole(graph: _Graph, value: str, op_type: str, reader: int) -> int | None:
+    """The position of the ``op_type`` node computing ``value`` when the node at ``reader``
+    is the only one reading it, else None."""
+    i = graph.producer.get(value)
+    if (i is None or value in graph.outputs or graph.readers.get(value) != [reader]
+            or not is_onnx_op(graph.nodes[i], op_type)):
+        return None
+    return i
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: object = None) -> object:
+    found = next((a for a in node.attribute if a.name == name), None)
+    return default if found is None else helper.get_attribute_value(found)
+
+
+def _row_update(graph: _Graph, scalars: set[str], state: str, written: str) -> _Rows | None:
+    """``written``'s dense SGD step of a table only ``Gather`` reads, as :class:`_Rows`; None
+    for any other update (momentum, decay, a penalty or a clipping norm reads the gradient,
+    a table read otherwise adds to it)."""
+    nodes = graph.nodes
+    w = graph.producer[written]
+    if not is_onnx_op(nodes[w], "Sub") or nodes[w].input[0] != state:
+        return None
+    m = _sole(graph, nodes[w].input[1], "Mul", w)
+    if m is None:
+        return None
+    for first in (False, True):
+        gradient, rate = nodes[m].input[int(first)], nodes[m].input[int(not first)]
+        s = _sole(graph, gradient, "ScatterElements", m)
+        if s is not None and rate in scalars:
+            break
+    else:
+        return None
+    scatter = nodes[s]
+    if _attribute(scatter, "axis", 0) != 0 or _attribute(scatter, "reduction") != b"add":
+        return None
+    z = _sole(graph, scatter.input[0], "ConstantOfShape", s)
+    e = _sole(graph, scatter.input[1], "Expand", s)
+    if z is None or e is None:
+        return None
+    fill = _attribute(nodes[z], "value")
+    if fill is not None and numpy_helper.to_array(fill).any():
+        return None
+    u = _sole(graph, nodes[e].input[0], "Unsqueeze", e)
+    if u is None:
+        return None
+    axes = _attribute(nodes[u], "axes")
+    if axes is None and len(nodes[u].input) > 1:
+        axes = graph.constants.get(nodes[u].input[1])
+    if axes is None or list(axes) != list(range(1, len(axes) + 1)):
+        return None
+    return _Rows(ids=nodes[u].input[0], rows=scatter.input[2], rate=rate, rate_first=first,
+                 fill=fill, axes=list(axes), dense=(w, m, s, z, e, u))
+
+
+def _write_rows(b: GraphBuilder, rows: _Rows, state: str, written: str, flag: str) -> None:
+    """``written``: the rows of ``state`` that ``rows.ids`` names, each stepped by the sum of
+    its gradient rows (summed in ``G``'s order) where ``flag``, scattered over ``state``."""
+    unique, _, inverse, _ = b.op("Unique", rows.ids, outputs=4, hint=f"{state}_rows", sorted=1)
+    shape = b.Shape(rows.rows)
+    sums_shape = b.Concat(b.Shape(unique), b.Slice(shape, b.ints([1]), b.ints([2**62])),
+                          axis=0)
+    zeros = b.ConstantOfShape(sums_shape, **({"value": rows.fill} if rows.fill else {}))
+    spread = b.Expand(b.unsqueeze(inverse, rows.axes), shape)
+    sums = b.ScatterElements(zeros, spread, rows.rows, axis=0, reduction="add")
+    old = b.Gather(state, unique, axis=0)
+    step = b.Mul(rows.rate, sums) if rows.rate_first else b.Mul(sums, rows.rate)
+    kept = b.Where(flag, b.Sub(old, step), old)
+    b.op("ScatterND", state, b.unsqueeze(unique, [1]), kept, outputs=[written])
+
+
+def _without_unread(nodes: list[onnx.NodeProto], outputs: frozenset[str],
+                    values: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` without those computing ``values`` (and, in turn, their inputs) that no
+    node reads and the graph does not output."""
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for value in node_reads(node):
+            readers[value] = readers.get(value, 0) + 1
+    producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
+    dropped: set[int] = set()
+    stack = list(values)
+    while stack:
+        i = producer.get(stack.pop())
+        if i is None or i in dropped or any(
+                readers.get(o) or o in outputs for o in nodes[i].output if o):
+            continue
+        dropped.add(i)
+        for value in node_reads(nodes[i]):
+            readers[value] -= 1
+            stack.append(value)
+    return [node for i, node in enumerate(nodes) if i not in dropped]
 
 
 def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 from onnxruntime.capi import _pybind_state as C
-from support.models import tower
+from support.models import embedding_bag, tower
 
 from lossgraph import Trainer, compile_program
 from lossgraph.errors import UnsupportedOptionError
@@ -15,6 +15,7 @@ from lossgraph.optim import SGD, AdamW, Momentum
 from lossgraph.passes.in_place import WriteInPlace, in_place_problem
 from lossgraph.program import TrainingProgram
 from lossgraph.runtime.session import cpu_device, create_session, ortvalue
+from lossgraph.speed.specialize_batch import SpecializeBatch
 
 RATE = 0.1
 
@@ -81,6 +82,75 @@ def test_the_rewrite_orders_every_reader_of_a_weight_before_its_next_value():
     assert in_place_problem(rewritten, pairs) is None
     writers = [n for n in rewritten.graph.node if set(n.output) & set(pairs.values())]
     assert [n.op_type for n in writers] == ["Where"] * 3
+
+
+def _ids(rows: int, seed: int = 1, vocabulary: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` rows of 6 token ids drawn from the first ``vocabulary`` (so that ids repeat,
+    within a row and across rows), and targets."""
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, vocabulary, size=(rows, 6)),
+            rng.normal(size=(rows, 1)).astype(np.float32))
+
+
+def _in_place_step(program: TrainingProgram, batch: int = 4) -> onnx.ModelProto:
+    """The step graph as an in-place engine runs it at ``batch`` rows."""
+    graph = SpecializeBatch(batch)(program.graphs["train_step"]).model
+    return WriteInPlace(program.state_updates("train_step"),
+                        program.io("train_step", "loss")[0])(graph).model
+
+
+@pytest.mark.parametrize("vocabulary", [50, 4096])  # zeros folded / made at each run
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+def test_an_embedding_table_is_written_row_by_row_bit_for_bit_as_two_sets(vocabulary,
+                                                                           optimizer):
+    """A table only Gather reads, under plain SGD: its batch's rows are stepped and scattered
+    over it, no table-sized zeros, gradient or step made; the same weights and losses bit
+    for bit as the dense step with two buffer sets, rows never gathered untouched. Any
+    other optimizer reads the whole gradient: the dense step, guarded as any state."""
+    program = compile_program(embedding_bag(vocabulary, width=64),
+                              optimizer=OPTIMIZERS[optimizer]())
+    X, y = _ids(14)
+    fit = dict(batch_size=4, epochs=2, shuffle=False, progress=False)
+    in_place = Trainer(program, in_place=True).fit(X, y, **fit)
+    apart = Trainer(program, keep_previous_state=False, in_place=False).fit(X, y, **fit)
+    assert in_place.engine.ring.sets == 1
+    assert all(np.array_equal(in_place.state[n], apart.state[n]) for n in apart.state)
+    assert in_place.history_ == apart.history_
+    assert np.array_equal(in_place.state["table"][8:], program.state["table"][8:])
+    assert not np.array_equal(in_place.state["table"][:8], program.state["table"][:8])
+    step = _in_place_step(program)
+    writer = next(n for n in step.graph.node if "table_new" in n.output)
+    inferred = onnx.shape_inference.infer_shapes(step).graph.value_info
+    table_sized = [v.name for v in inferred
+                   if [d.dim_value for d in v.type.tensor_type.shape.dim] == [vocabulary, 64]]
+    if optimizer == "sgd":
+        assert writer.op_type == "ScatterND" and writer.input[0] == "table"
+        assert table_sized == []
+    else:
+        assert writer.op_type == "Where" and table_sized
+
+
+def test_an_embedding_step_whose_loss_is_not_finite_leaves_the_table_it_read():
+    program = compile_program(embedding_bag(), optimizer=SGD(RATE))
+    trainer = Trainer(program, in_place=True)
+    before = trainer.state
+    X, _ = _ids(4)
+    batch = trainer.engine.prepare(X, np.full((4, 1), 3e38, np.float32))
+    assert not np.isfinite(trainer.engine.step(batch, step=1, rate=RATE))
+    assert all(np.array_equal(trainer.state[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("options", [{"penalty": {"table": 0.01}}, {"max_grad_norm": 0.5}])
+def test_an_embedding_whose_gradient_is_read_elsewhere_keeps_the_dense_step(options):
+    """A penalty adds to the table's gradient, a clipping norm reads it: the dense step."""
+    program = compile_program(embedding_bag(), optimizer=SGD(RATE), **options)
+    step = _in_place_step(program)
+    assert next(n for n in step.graph.node if "table_new" in n.output).op_type == "Where"
+    X, y = _ids(14)
+    fit = dict(batch_size=4, epochs=1, shuffle=False, progress=False)
+    in_place = Trainer(program, in_place=True).fit(X, y, **fit)
+    apart = Trainer(program, keep_previous_state=False, in_place=False).fit(X, y, **fit)
+    assert all(np.array_equal(in_place.state[n], apart.state[n]) for n in apart.state)
 
 
 def _run_in_place(program: TrainingProgram, model: onnx.ModelProto, last: str

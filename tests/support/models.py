@@ -272,6 +272,23 @@ def tower(dropout: bool = False, norm: bool = False) -> onnx.ModelProto:
     return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def embedding_bag(vocabulary: int = 50, width: int = 4, tokens: int = 6) -> onnx.ModelProto:
+    """ids (int64, ``tokens`` a row) -> the mean of their rows of ``table`` (a vocabulary by
+    ``width`` embedding, read by a Gather alone) -> y = . W: float32, a free batch."""
+    rng = np.random.default_rng(0)
+    initializers = [
+        numpy_helper.from_array(rng.normal(size=(vocabulary, width)).astype(np.float32), "table"),
+        numpy_helper.from_array(rng.normal(size=(width, 1)).astype(np.float32), "W")]
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]),
+             helper.make_node("ReduceMean", ["e"], ["m"], axes=[1], keepdims=0),
+             helper.make_node("MatMul", ["m", "W"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "embedding_bag",
+        [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N", tokens])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], initializers)
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def gelu_mlp(width: int = 8) -> onnx.ModelProto:
     """x -> x W1 + b1 = a -> GELU as torch's exporter decomposes it,
     ``Mul(Mul(a, Add(Erf(Div(a, sqrt 2)), 1)), 0.5)`` = g -> y = g W2: float32, a free

@@ -42,11 +42,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from ..builder import GraphBuilder
 from ..errors import InternalError
-from ..graphs import is_onnx_op, node_reads, opset_version
+from ..graphs import attribute_value, is_onnx_op, node_reads, opset_version
 from ..names import NameAuthority
 from .contract import Pass, PassResult
 
@@ -259,11 +259,6 @@ def _sole(graph: _Graph, value: str, op_type: str, reader: int) -> int | None:
     return i
 
 
-def _attribute(node: onnx.NodeProto, name: str, default: object = None) -> object:
-    found = next((a for a in node.attribute if a.name == name), None)
-    return default if found is None else helper.get_attribute_value(found)
-
-
 def _row_update(graph: _Graph, scalars: set[str], state: str, written: str) -> _Rows | None:
     """``written``'s dense SGD step of a table only ``Gather`` reads, as :class:`_Rows`; None
     for any other update (momentum, decay, a penalty or a clipping norm reads the gradient,
@@ -283,19 +278,19 @@ def _row_update(graph: _Graph, scalars: set[str], state: str, written: str) -> _
     else:
         return None
     scatter = nodes[s]
-    if _attribute(scatter, "axis", 0) != 0 or _attribute(scatter, "reduction") != b"add":
+    if attribute_value(scatter, "axis", 0) != 0 or attribute_value(scatter, "reduction") != "add":
         return None
     z = _sole(graph, scatter.input[0], "ConstantOfShape", s)
     e = _sole(graph, scatter.input[1], "Expand", s)
     if z is None or e is None:
         return None
-    fill = _attribute(nodes[z], "value")
+    fill = attribute_value(nodes[z], "value")
     if fill is not None and numpy_helper.to_array(fill).any():
         return None
     u = _sole(graph, nodes[e].input[0], "Unsqueeze", e)
     if u is None:
         return None
-    axes = _attribute(nodes[u], "axes")
+    axes = attribute_value(nodes[u], "axes")
     if axes is None and len(nodes[u].input) > 1:
         axes = graph.constants.get(nodes[u].input[1])
     if axes is None or list(axes) != list(range(1, len(axes) + 1)):

@@ -48,6 +48,7 @@ from ..builder import GraphBuilder
 from ..errors import InternalError
 from ..graphs import attribute_value, is_onnx_op, node_reads, opset_version
 from ..names import NameAuthority
+from ..speed.rewriting import constant_ints, drop_unread
 from .contract import Pass, PassResult
 
 __all__ = ["WriteInPlace", "in_place_problem", "ELEMENTWISE"]
@@ -68,10 +69,6 @@ class _Graph:
     def __init__(self, model: onnx.ModelProto) -> None:
         self.nodes = list(model.graph.node)
         self.outputs = frozenset(o.name for o in model.graph.output)
-        #: the small int64 initializers' values (axes)
-        self.constants = {t.name: numpy_helper.to_array(t).tolist()
-                          for t in model.graph.initializer
-                          if t.data_type == TensorProto.INT64 and math.prod(t.dims) <= 8}
         #: value -> the position of the node computing it
         self.producer: dict[str, int] = {}
         #: value -> the positions of the nodes reading it
@@ -189,7 +186,7 @@ class WriteInPlace(Pass[None]):
         replaced: set[int] = set()
         for state, written in self.pairs.items():
             waits = plan[state]
-            rows = _row_update(graph, scalars, state, written)
+            rows = _row_update(graph, model.graph, scalars, state, written)
             start = len(b.nodes)
             flag = ok
             if waits:  # an empty slice of each reader's output: an edge, no value
@@ -212,14 +209,14 @@ class WriteInPlace(Pass[None]):
         model.graph.initializer.extend(b.initializers)
         placed = [kept for i, node in enumerate(nodes)
                   for kept in ((() if i in replaced else (node,)) + tuple(inserted.get(i, ())))]
-        placed = _without_unread(placed, graph.outputs,
-                                 {v for i in replaced for v in node_reads(nodes[i])})
+        unread = {v for i in replaced for v in node_reads(nodes[i])}  # the dense step's
         ordered = _sorted(placed)
         kept = [onnx.NodeProto() for _ in ordered]
         for copy, node in zip(kept, ordered):
             copy.CopyFrom(node)
         del model.graph.node[:]
         model.graph.node.extend(kept)
+        drop_unread(model.graph, unread)
         return PassResult(model, None)
 
 
@@ -259,10 +256,12 @@ def _sole(graph: _Graph, value: str, op_type: str, reader: int) -> int | None:
     return i
 
 
-def _row_update(graph: _Graph, scalars: set[str], state: str, written: str) -> _Rows | None:
+def _row_update(graph: _Graph, proto: onnx.GraphProto, scalars: set[str], state: str,
+                written: str) -> _Rows | None:
     """``written``'s dense SGD step of a table only ``Gather`` reads, as :class:`_Rows`; None
     for any other update (momentum, decay, a penalty or a clipping norm reads the gradient,
-    a table read otherwise adds to it)."""
+    a table read otherwise adds to it). ``proto``: the graph itself, whose constants hold
+    the index's axes."""
     nodes = graph.nodes
     w = graph.producer[written]
     if not is_onnx_op(nodes[w], "Sub") or nodes[w].input[0] != state:
@@ -292,7 +291,7 @@ def _row_update(graph: _Graph, scalars: set[str], state: str, written: str) -> _
         return None
     axes = attribute_value(nodes[u], "axes")
     if axes is None and len(nodes[u].input) > 1:
-        axes = graph.constants.get(nodes[u].input[1])
+        axes = constant_ints(proto, nodes[u].input[1])
     if axes is None or list(axes) != list(range(1, len(axes) + 1)):
         return None
     return _Rows(ids=nodes[u].input[0], rows=scatter.input[2], rate=rate, rate_first=first,
@@ -306,36 +305,14 @@ def _write_rows(b: GraphBuilder, rows: _Rows, state: str, written: str, flag: st
     shape = b.Shape(rows.rows)
     sums_shape = b.Concat(b.Shape(unique), b.Slice(shape, b.ints([1]), b.ints([2**62])),
                           axis=0)
-    zeros = b.ConstantOfShape(sums_shape, **({"value": rows.fill} if rows.fill else {}))
+    zeros = b.ConstantOfShape(sums_shape,
+                              **({"value": rows.fill} if rows.fill is not None else {}))
     spread = b.Expand(b.unsqueeze(inverse, rows.axes), shape)
     sums = b.ScatterElements(zeros, spread, rows.rows, axis=0, reduction="add")
     old = b.Gather(state, unique, axis=0)
     step = b.Mul(rows.rate, sums) if rows.rate_first else b.Mul(sums, rows.rate)
     kept = b.Where(flag, b.Sub(old, step), old)
     b.op("ScatterND", state, b.unsqueeze(unique, [1]), kept, outputs=[written])
-
-
-def _without_unread(nodes: list[onnx.NodeProto], outputs: frozenset[str],
-                    values: set[str]) -> list[onnx.NodeProto]:
-    """``nodes`` without those computing ``values`` (and, in turn, their inputs) that no
-    node reads and the graph does not output."""
-    readers: dict[str, int] = {}
-    for node in nodes:
-        for value in node_reads(node):
-            readers[value] = readers.get(value, 0) + 1
-    producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
-    dropped: set[int] = set()
-    stack = list(values)
-    while stack:
-        i = producer.get(stack.pop())
-        if i is None or i in dropped or any(
-                readers.get(o) or o in outputs for o in nodes[i].output if o):
-            continue
-        dropped.add(i)
-        for value in node_reads(nodes[i]):
-            readers[value] -= 1
-            stack.append(value)
-    return [node for i, node in enumerate(nodes) if i not in dropped]
 
 
 def _sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:

@@ -4,6 +4,7 @@ computed only for the replaced ones)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -11,7 +12,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..builder import GraphBuilder
-from ..graphs import GraphIndex, values_read
+from ..graphs import node_reads
 
 __all__ = ["constant_ints", "drop_unread", "replace_nodes"]
 
@@ -33,29 +34,38 @@ def drop_unread(graph: onnx.GraphProto, replaced: set[str]) -> None:
     """Remove, in place, the nodes of ``graph`` that produced a value of ``replaced`` (the
     values a rewrite no longer reads) and that nothing reads any more, then the nodes that
     fed only those, and so on; initializers that only they read go too. A node with an
-    output that is still read, or a graph output, stays."""
+    output that is still read, or a graph output, stays. One walk over readers counted
+    once, and the node list rebuilt once (a step graph's copies are memory the allocator
+    keeps)."""
     outputs = {o.name for o in graph.output}
-    index = GraphIndex(graph.node)
-    candidates = set(replaced)
-    while candidates:
-        read = values_read(graph) | outputs
-        dropped = {id(node) for name in candidates if (node := index.producer(name)) is not None
-                   and not any(o in read for o in node.output if o)}
-        if not dropped:
-            break
-        removed = [n for n in graph.node if id(n) in dropped]
-        kept = [n for n in graph.node if id(n) not in dropped]
-        candidates = {i for n in removed for i in n.input if i}
+    nodes = list(graph.node)
+    readers = Counter(v for node in nodes for v in node_reads(node))
+    producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
+    fed = {v.name for v in graph.input}  # an initializer that is an input stays declared
+    initial = {t.name for t in graph.initializer} - fed
+    dropped: set[int] = set()
+    unread: set[str] = set()
+    stack = list(replaced)
+    while stack:
+        i = producer.get(stack.pop())
+        if i is None or i in dropped or any(
+                readers[o] or o in outputs for o in nodes[i].output if o):
+            continue
+        dropped.add(i)
+        for value in node_reads(nodes[i]):
+            readers[value] -= 1
+            if value in producer:
+                stack.append(value)
+            elif value in initial and not readers[value] and value not in outputs:
+                unread.add(value)
+    if dropped:
+        kept = [node for i, node in enumerate(nodes) if i not in dropped]
         graph.ClearField("node")
         graph.node.extend(kept)
-        index = GraphIndex(graph.node)
-        fed = {v.name for v in graph.input}  # an initializer that is an input stays declared
-        initial = {t.name for t in graph.initializer} - fed
-        unread = (candidates & initial) - values_read(graph) - outputs
-        if unread:
-            kept_tensors = [t for t in graph.initializer if t.name not in unread]
-            del graph.initializer[:]
-            graph.initializer.extend(kept_tensors)
+    if unread:
+        kept_tensors = [t for t in graph.initializer if t.name not in unread]
+        del graph.initializer[:]
+        graph.initializer.extend(kept_tensors)
 
 
 def replace_nodes(graph: onnx.GraphProto, g: GraphBuilder,

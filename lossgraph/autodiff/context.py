@@ -16,7 +16,7 @@ from ..graphs import ForwardFacts, Shape, attribute_value, np_dtype
 from ..names import NameAuthority
 from ..target import Target
 
-__all__ = ["Node", "GradContext", "Shape"]
+__all__ = ["Node", "GradContext", "Pick", "Shape"]
 
 
 @dataclass
@@ -69,6 +69,25 @@ class Node:
 Walker = Callable[..., "GradContext"]
 
 
+@dataclass(frozen=True)
+class Pick:
+    """A gradient that is zeros but for one value a row along ``axis``: ``rows`` (of the
+    forward shape ``shape``, 1 along ``axis``) added at ``index`` (a GatherElements'
+    gradient where it picks one element a row, as a cross entropy picks each row's
+    label)."""
+
+    index: str
+    rows: str
+    axis: int
+    shape: Shape
+
+
+#: The number of values from which a gradient's fill is made at each run (:meth:`GradContext.
+#: filled`): one this large would otherwise be a constant onnxruntime keeps for the session's
+#: life (1 MiB of float32).
+RUN_TIME_FILL = 1 << 18
+
+
 class GradContext(GraphBuilder):
     """A GraphBuilder for gradient nodes that can also answer questions about forward values
     (from the model's :class:`~lossgraph.graphs.ForwardFacts`), knows the runtimes the
@@ -81,6 +100,9 @@ class GradContext(GraphBuilder):
         self._facts = facts
         self.target = target
         self._walker = walker
+        #: gradients that are picks (:class:`Pick`) by name, for the rule that reads them
+        #: to add the picked values into its own product rather than into zeros
+        self.picks: dict[str, Pick] = {}
 
     def differentiate(self, model: onnx.ModelProto, seeds: Mapping[str, str],
                       wrt: Sequence[str], grad_names: Mapping[str, str],
@@ -160,29 +182,50 @@ class GradContext(GraphBuilder):
         return self.Cast(condition, to=self.elem_type(like), hint=hint)
 
     def filled(self, shape: str, value: float, like: str, hint: str = "filled",
-               run_time: str | None = None) -> str:
+               run_time: str | Sequence[str] | None = None) -> str:
         """``ConstantOfShape(shape)`` filled with ``value`` in the element type of ``like``.
 
-        With ``run_time`` (a value computed at run time, such as the gradient a rule
-        receives), the fill is made at each run: onnxruntime folds a ``ConstantOfShape``
-        of a static shape (``Shape`` of a static input included) into a constant it stores
-        for the session's life, the size of the whole fill (an embedding table's, for its
-        gradient). ``shape`` then reads an empty slice of ``run_time`` (its value is
-        unchanged), which no runtime folds.
+        With ``run_time`` (values computed at run time: the gradient a rule receives, the
+        indices it scatters at), a fill of :data:`RUN_TIME_FILL` values or more, or of a
+        shape that is not a constant here, is made at each run: onnxruntime folds a
+        ``ConstantOfShape`` of a static shape (``Shape`` of a static input included, or of
+        any value once compile fixes the batch) into a constant it stores for the session's
+        life, the size of the whole fill (an embedding table's, a language model's
+        logits'). ``shape`` then reads an empty slice of each of ``run_time`` (its value is
+        unchanged), which no runtime folds while one of them is computed at run time (a
+        mean loss's gradient is a constant once the batch is fixed: pass the indices too),
+        and the fill is reshaped to ``shape``, which shape inference reads (onnxruntime's
+        Reshape copies nothing).
+        Smaller constant fills stay foldable (rewrites such as ConcatScatteredSlabs read
+        them).
         """
-        if run_time is not None:
-            flat = self.Reshape(run_time, self.ints([-1], "shape"))
-            none = self.Slice(flat, self.ints([0], "starts"), self.ints([0], "ends"))
-            shape = self.Concat(shape, self.Cast(none, to=onnx.TensorProto.INT64), axis=0)
         fill = numpy_helper.from_array(np.full(1, value, dtype=self.dtype(like)), "value")
-        return self.ConstantOfShape(shape, value=fill, hint=hint)
+        if run_time is None or self._small(shape):
+            return self.ConstantOfShape(shape, value=fill, hint=hint)
+        empty = [self.Cast(self.Slice(self.Reshape(source, self.ints([-1], "shape")),
+                                      self.ints([0], "starts"), self.ints([0], "ends")),
+                           to=onnx.TensorProto.INT64)
+                 for source in ([run_time] if isinstance(run_time, str) else run_time)]
+        made = self.ConstantOfShape(self.Concat(shape, *empty, axis=0), value=fill, hint=hint)
+        return self.Reshape(made, shape, hint=hint)  # its shape known to shape inference
 
-    def zeros_like(self, like: str) -> str:
-        """Zeros with the shape and type of the forward value ``like``."""
+    def _small(self, shape: str) -> bool:
+        """Whether ``shape`` is a constant of fewer than :data:`RUN_TIME_FILL` values."""
+        dims = self.constant_value(shape)
+        if dims is None:
+            dims = self.value(shape)
+        return dims is not None and int(np.prod(dims)) < RUN_TIME_FILL
+
+    def zeros_like(self, like: str, run_time: str | Sequence[str] | None = None) -> str:
+        """Zeros with the shape and type of the forward value ``like``: a constant where
+        its shape is static, unless ``run_time`` is given and :meth:`filled` makes them at
+        each run (the zeros a gradient scatters into: pass its gradient and indices)."""
         shape = self.shape(like)
-        if shape is not None and self._static(shape):
+        static = shape is not None and self._static(shape)
+        if static and (run_time is None or int(np.prod(shape)) < RUN_TIME_FILL):
             return self.const(np.zeros(shape), self.dtype(like), "zeros")
-        return self.filled(self.Shape(like), 0, like, hint="zeros")
+        size = self.ints(shape, "shape") if static else self.Shape(like)
+        return self.filled(size, 0, like, hint="zeros", run_time=run_time)
 
     def or_zeros(self, dy: str | None, like: str) -> str:
         """``dy`` itself, or zeros shaped like ``like`` when no gradient flows there."""

@@ -279,7 +279,10 @@ def _row_update(graph: _Graph, proto: onnx.GraphProto, scalars: set[str], state:
     scatter = nodes[s]
     if attribute_value(scatter, "axis", 0) != 0 or attribute_value(scatter, "reduction") != "add":
         return None
-    z = _sole(graph, scatter.input[0], "ConstantOfShape", s)
+    base = next((i for op in ("Reshape", "Identity")  # a fill made at each run, reshaped
+                 if (i := _sole(graph, scatter.input[0], op, s)) is not None), None)
+    z = _sole(graph, nodes[base].input[0] if base is not None else scatter.input[0],
+              "ConstantOfShape", s if base is None else base)
     e = _sole(graph, scatter.input[1], "Expand", s)
     if z is None or e is None:
         return None
@@ -295,7 +298,8 @@ def _row_update(graph: _Graph, proto: onnx.GraphProto, scalars: set[str], state:
     if axes is None or list(axes) != list(range(1, len(axes) + 1)):
         return None
     return _Rows(ids=nodes[u].input[0], rows=scatter.input[2], rate=rate, rate_first=first,
-                 fill=fill, axes=list(axes), dense=(w, m, s, z, e, u))
+                 fill=fill, axes=list(axes),
+                 dense=tuple(i for i in (w, m, s, base, z, e, u) if i is not None))
 
 
 def _write_rows(b: GraphBuilder, rows: _Rows, state: str, written: str, flag: str) -> None:

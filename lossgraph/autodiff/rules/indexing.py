@@ -67,6 +67,7 @@ from onnx import helper, numpy_helper
 
 from ...builder import GraphBuilder
 from ...errors import UnsupportedModelError
+from ..context import Pick
 from ..registry import grad_rule, no_gradient, not_differentiable
 from .shape import shape_of, static_shape
 
@@ -170,7 +171,7 @@ def slice_(g, node, dy):
         flat_positions = g.Reshape(g.Slice(grid, *node.inputs[1:]), g.ints([-1], hint="shape"))
         total = g.Reshape(size, g.ints([1], hint="shape"))
     flat_dy = g.Reshape(dy, g.ints([-1], hint="shape"))
-    zeros = g.filled(total, 0, x, hint="zeros")
+    zeros = g.filled(total, 0, x, hint="zeros", run_time=dy)
     scattered = g.ScatterElements(zeros, flat_positions, flat_dy, axis=0)
     return node.grads(g.Reshape(scattered, shape_of(g, x)))
 
@@ -209,12 +210,6 @@ def _sum_rows_by_one_hot(g, positions: str, depth: str, rows: str, like: str,
     return g.Reshape(g.Gemm(flat_hot, flat_rows, transA=1), shape)
 
 
-#: The number of values from which a Gather's gradient makes its zeros at each run: a
-#: table this large (a vocabulary's embeddings) would otherwise be folded into a constant
-#: onnxruntime keeps for the session's life (1 MiB of float32).
-_RUN_TIME_ZEROS = 1 << 18
-
-
 # ---------------------------------------------------------------------------- Gather
 @grad_rule("Gather", since=13, nondiff=(1,),
            notes="duplicate indices accumulate; ScatterElements(add) of the rows in order from "
@@ -234,13 +229,8 @@ def gather(g, node, dy):
     else:
         shape_t = g.Gather(g.Shape(x), g.ints(perm_x, hint="perm"), axis=0)
 
-    # zeros a runtime would store as a constant for the session's life (an embedding
-    # table's, of static shape and large) are made at each run; small ones stay foldable
-    # (the attention heads' slabs that ConcatScatteredSlabs turns into one Concat)
-    at_run_time = shape is not None and int(np.prod(shape)) >= _RUN_TIME_ZEROS
-
-    def zeros() -> str:
-        return g.filled(shape_t, 0, x, hint="zeros", run_time=dy if at_run_time else None)
+    def zeros() -> str:  # a large table's made at each run, not stored (GradContext.filled)
+        return g.filled(shape_t, 0, x, hint="zeros", run_time=(idx, dy))
 
     if g.opset >= 16 and _distinct(g, indices, [(g.shape(x) or [None] * rank)[axis]]):
         dx_t = g.ScatterND(zeros(), g.unsqueeze(idx, [q]), dy_t, reduction="add")
@@ -272,7 +262,11 @@ def gather_elements(g, node, dy):
     axis = node.attr("axis", 0) % rank
     idx = _normalize(g, _as_index_type(g, indices), _dim(g, x, axis))
     if g.opset >= 16:
-        return node.grads(g.ScatterElements(g.zeros_like(x), idx, dy, axis=axis, reduction="add"))
+        dx = g.ScatterElements(g.zeros_like(x, (idx, dy)), idx, dy, axis=axis, reduction="add")
+        picked = g.shape(indices)
+        if picked is not None and picked[axis] == 1:
+            g.picks[dx] = Pick(idx, dy, axis, tuple(picked))
+        return node.grads(dx)
     one_hot = _one_hot(g, idx, _dim(g, x, axis), x, axis=axis + 1)
     dx = g.reduce("ReduceSum", g.Mul(one_hot, g.unsqueeze(dy, [axis + 1])), [axis], keepdims=0)
     x_shape, i_shape = g.shape(x), g.shape(indices)
@@ -300,7 +294,7 @@ def gather_nd(g, node, dy):
     dims = g.dims(x, 0, k)
     idx = _normalize(g, indices, dims)
     if g.opset >= 16 and _distinct(g, indices, (g.shape(x) or [None] * k)[:k], k):
-        return node.grads(g.ScatterND(g.zeros_like(x), idx, dy, reduction="add"))
+        return node.grads(g.ScatterND(g.zeros_like(x, (idx, dy)), idx, dy, reduction="add"))
     # the position of each index tuple in x flattened over its first k axes
     strides = [g.ints([1], "stride")]
     for axis in range(k - 1, 0, -1):
@@ -315,7 +309,8 @@ def gather_nd(g, node, dy):
     tuples = g.reduce("ReduceProd", g.dims(indices, 0, q - 1), [0], keepdims=1)
     rest = [g.dims(x, k, rank)] if rank > k else []
     rows = g.Reshape(dy, g.Concat(tuples, *rest, axis=0) if rest else tuples)
-    zeros = g.filled(g.Concat(count, *rest, axis=0) if rest else count, 0, x, hint="zeros")
+    zeros = g.filled(g.Concat(count, *rest, axis=0) if rest else count, 0, x, hint="zeros",
+                     run_time=(flat, dy))
     summed = scatter_add_rows(g, zeros, g.Reshape(flat, tuples), rows, rank - k + 1)
     return node.grads(g.Reshape(summed, shape_of(g, x)))
 
@@ -359,7 +354,7 @@ def _scatter_grads(g, node, dy) -> tuple[str, None, str]:
     op = _Scatter(g, node)
     reduction = _reduction(node)
     if reduction == "none":
-        return op.scatter(dy, g.zeros_like(updates)), None, op.gather(dy)
+        return op.scatter(dy, g.zeros_like(updates, (node.inputs[1], dy))), None, op.gather(dy)
     if reduction == "add":
         return dy, None, op.gather(dy)
     if reduction in ("max", "min"):  # the selected factors share dy evenly
@@ -404,7 +399,8 @@ def compress(g, node, dy):
     if axis is None:  # on the flattened input
         size = g.Size(x)
         positions = g.Compress(g.Range(zero, size, one), condition, axis=0)
-        flat = g.filled(g.Reshape(size, g.ints([1], "shape")), 0, x, hint="zeros")
+        flat = g.filled(g.Reshape(size, g.ints([1], "shape")), 0, x, hint="zeros",
+                        run_time=(positions, dy))
         dx = g.ScatterElements(flat, positions, dy, axis=0)
         return node.grads(g.Reshape(dx, shape_of(g, x)))
     rank = g.rank(x)
@@ -414,7 +410,7 @@ def compress(g, node, dy):
     along = [1] * rank
     along[axis] = -1
     index = g.Expand(g.Reshape(positions, g.ints(along, "shape")), g.Shape(dy))
-    return node.grads(g.ScatterElements(g.zeros_like(x), index, dy, axis=axis))
+    return node.grads(g.ScatterElements(g.zeros_like(x, (index, dy)), index, dy, axis=axis))
 
 
 # ------------------------------------------------------------------------------ TopK
@@ -422,7 +418,9 @@ def compress(g, node, dy):
 def topk(g, node, dvalues, dindices=None):
     x = node.inputs[0]
     axis = node.attr("axis", -1) % g.rank(x)
-    return node.grads(g.ScatterElements(g.zeros_like(x), node.outputs[1], dvalues, axis=axis))
+    chosen = node.outputs[1]
+    return node.grads(g.ScatterElements(g.zeros_like(x, (chosen, dvalues)), chosen, dvalues,
+                                        axis=axis))
 
 
 # ---------------------------------------------------------------------------- OneHot

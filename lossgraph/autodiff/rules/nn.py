@@ -459,7 +459,8 @@ def max_pool(g, node, dy, *_):
         return _max_pool_tiled_grad(g, x, dy, tiled, node)
     _, indices = g.MaxPool(x, outputs=2, hint="maxpool_argmax", **attrs)
     flat = g.ints([-1], "flat")
-    zeros = g.filled(g.Reshape(g.Size(x), g.ints([1], "one_dim")), 0, x, hint="zeros")
+    zeros = g.filled(g.Reshape(g.Size(x), g.ints([1], "one_dim")), 0, x, hint="zeros",
+                     run_time=(indices, dy))
     dx = g.ScatterElements(zeros, g.Reshape(indices, flat), g.Reshape(dy, flat), axis=0,
                            reduction="add" if g.opset >= 16 else None, hint="maxpool_dx")
     return g.Reshape(dx, g.Shape(x))
@@ -545,7 +546,7 @@ def _write_at(g, values: str, positions: str, shape: str, kernel: list[int], lik
     else:
         flat = g.ints([-1], "flat")
         zeros = g.filled(g.Reshape(g.ReduceProd(shape, keepdims=1), g.ints([1], "one_dim")),
-                         0, like, hint="zeros")
+                         0, like, hint="zeros", run_time=(positions, values))
         written = g.ScatterElements(zeros, g.Reshape(positions, flat),
                                     g.Reshape(values, flat), axis=0, hint="maxpool_dx")
     return g.Reshape(written, shape)  # the shape for shape inference (no copy)

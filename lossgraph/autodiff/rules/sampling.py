@@ -249,8 +249,8 @@ def grid_sample(g, node, dy):
             per_tap = g.Mul(dy_rows, _like(g, g.Reshape(full, g.ints([0, 1, -1, taps], "shape")),
                                            like, x))
         updates = g.Reshape(per_tap, g.ints([0, 0, -1], "shape"))
-        dx = g.ScatterElements(g.Reshape(g.zeros_like(x), g.ints([0, 0, -1], "shape")), index,
-                               updates, axis=2, reduction="add")
+        zeros = g.Reshape(g.zeros_like(x, (index, updates)), g.ints([0, 0, -1], "shape"))
+        dx = g.ScatterElements(zeros, index, updates, axis=2, reduction="add")
         grads[0] = g.Reshape(dx, g.Shape(x))
     if grid in node.wanted:
         if mode == "nearest":
@@ -446,8 +446,8 @@ def roi_align(g, node, dy):
         index = g.Reshape(index, g.ints([0, -1], "shape"))
     updates = g.Reshape(updates, g.ints([0, -1], "shape"))
     index = g.Expand(index, g.Shape(updates))
-    scattered = g.ScatterElements(g.filled(g.Shape(flat_x), 0, x, hint="zeros"), index,
-                                  updates, axis=1, reduction="add")
+    zeros = g.filled(g.Shape(flat_x), 0, x, hint="zeros", run_time=(index, updates))
+    scattered = g.ScatterElements(zeros, index, updates, axis=1, reduction="add")
     dx = g.Transpose(g.Reshape(scattered, g.Shape(planes)), perm=[1, 0, 2, 3])
     return node.grads(dx)
 
@@ -571,8 +571,9 @@ def deform_conv(g, node, dy):
     if x in node.wanted:
         updates = g.Reshape(g.Mul(d_rows, g.Reshape(channel_weight, by_corner)),
                             g.ints([0, channels, -1], "shape"))
-        dx = g.ScatterElements(g.Reshape(g.zeros_like(x), g.ints([0, channels, -1], "shape")),
-                               channel_index, updates, axis=2, reduction="add")
+        zeros = g.Reshape(g.zeros_like(x, (channel_index, updates)),
+                          g.ints([0, channels, -1], "shape"))
+        dx = g.ScatterElements(zeros, channel_index, updates, axis=2, reduction="add")
         grads[0] = g.Reshape(dx, g.Shape(x))
     if offset in node.wanted:
         seen = g.Reshape(g.Mul(d_rows, g.Reshape(values, by_corner)),

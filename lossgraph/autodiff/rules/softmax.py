@@ -4,7 +4,9 @@
                                 (through casts and reshapes), y with NaN as 0: a row of -inf
                                 has NaN for y, which the Where masks (ONNX attention does);
                                 its dy is 0 and its gradient 0, not 0 * NaN
-    LogSoftmax(x; axis) = y     dx = dy - exp(y) ReduceSum(dy, axis)
+    LogSoftmax(x; axis) = y     dx = dy - exp(y) ReduceSum(dy, axis); where dy is zeros but
+                                one value a row (a cross entropy's pick: rows at index),
+                                dx = ScatterElements(-exp(y) rows, index, rows, add)
     NegativeLogLikelihoodLoss(p, t, w)
                                 loss_i = -w[t_i] p[i, t_i] (0 where t_i = ignore_index)
                                 dp = -onehot(t) w v c, where v = (t != ignore_index) and
@@ -26,7 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from onnx import numpy_helper
 
+from ..context import Pick
 from ..registry import grad_rule
 
 
@@ -60,12 +64,38 @@ def _selected_by_where(g, y: str, depth: int = 4) -> bool:
         if op in _PASS_ON)
 
 
-@grad_rule("LogSoftmax", since=13)
+@grad_rule("LogSoftmax", since=13, notes="a cross entropy's pick (one value a row) added "
+                                           "into -exp(y) dy, with no zeros of y's size")
 def log_softmax(g, node, dy):
     y = node.outputs[0]
     axis = _axis(g, node)
+    pick = g.picks.get(dy)
+    if pick is not None and pick.axis == axis:
+        # dy is zeros but rows at index: ReduceSum(dy) is rows, and dy - exp(y) rows is
+        # rows added at index into -exp(y) rows (the same values, the sign of a zero aside)
+        return g.ScatterElements(g.Mul(g.Exp(y), g.Neg(_row_totals(g, pick, y))),
+                                 pick.index, pick.rows, axis=axis, reduction="add")
     total = g.reduce("ReduceSum", dy, [axis], keepdims=1)
     return g.Sub(dy, g.Mul(g.Exp(y), total))
+
+
+def _row_totals(g, pick: Pick, y: str) -> str:
+    """``ReduceSum(dy, axis)`` of the pick ``dy`` over ``y``'s rows: its rows, where shape
+    inference shows that they cover every row of ``y``; else they are written into zeros of
+    ``y``'s shape but 1 along the axis (rows past the picked ones total 0)."""
+    shape, axis = g.shape(y), pick.axis
+    if shape is not None and all(a == b for k, (a, b) in enumerate(zip(shape, pick.shape))
+                                 if k != axis):
+        return pick.rows
+    rank = g.rank(y)
+    parts = [g.dims(y, 0, axis)] if axis > 0 else []
+    parts.append(g.ints([1], "one"))
+    if axis + 1 < rank:
+        parts.append(g.dims(y, axis + 1, rank))
+    zeros = g.filled(g.Concat(*parts, axis=0), 0, y, hint="zeros")
+    first = g.ConstantOfShape(g.Shape(pick.index), hint="first",
+                              value=numpy_helper.from_array(np.zeros(1, np.int64), "value"))
+    return g.ScatterElements(zeros, first, pick.rows, axis=axis)
 
 
 def _class_ids(g, scores: str, labels: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from onnx.reference import ReferenceEvaluator
 from support.gradcheck import check_gradients, cotangent, loss_model
 from support.models import parse_model
 
@@ -74,6 +75,43 @@ def test_log_softmax_matches_torch_autograd(rng):
         g (double[3, 5] x) => (double[3, 5] y) { y = LogSoftmax<axis: int = 0>(x) }
     """
     check_gradients(model, {"x": x}, reference={"x": xt.grad.numpy()})
+
+
+def _pick_model(rows: str, picked: str) -> str:
+    """x -> LogSoftmax over the classes -> GatherElements of one class a row, as a cross
+    entropy picks each row's label; ``rows``/``picked``: the rows of x and of the index."""
+    return f"""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (double[{rows}, 5] x, int64[{picked}, 1] i) => (double[{picked}, 1] y) {{
+            lp = LogSoftmax <axis: int = 2> (x)
+            y = GatherElements <axis: int = 2> (lp, i)
+        }}
+    """
+
+
+@pytest.mark.parametrize("rows, picked", [("2, 3", "2, 3"), ("N, 3", "N, L")])
+def test_a_cross_entropy_pick_is_added_into_the_log_softmax_gradient(rng, rows, picked):
+    """LogSoftmax read by a GatherElements of one class a row: its gradient adds the picked
+    values into -exp(y) * rows, with no zeros or one-hot of the scores' size (98 MiB each for
+    GPT-2's logits at 4 x 128 tokens), where shape inference proves the picked rows cover
+    the scores' or not."""
+    inputs = {"x": rng.normal(size=(2, 3, 5)), "i": rng.integers(0, 5, size=(2, 3, 1))}
+    graph = gradient(loss_model(_pick_model(rows, picked), inputs), weights=["x"],
+                     loss_name="gradcheck_loss")
+    ops = [n.op_type for n in graph.graph.node]
+    assert "Sub" not in ops
+    filled = [n.output[0] for n in graph.graph.node if n.op_type == "ConstantOfShape"]
+    feeds = {i.name: inputs.get(i.name, np.ones(1)) for i in graph.graph.input}
+    made = ReferenceEvaluator(graph).run(filled, feeds) if filled else []
+    assert all(array.size < inputs["x"].size for array in made)  # at most a class a row
+    check_gradients(_pick_model(rows, picked), inputs, wrt=["x"], ort=True)
+
+
+def test_a_pick_of_fewer_rows_than_the_scores_has_their_gradient(rng):
+    """Rows past the picked ones get -exp(y) * 0: the gradient of rows no pick reads."""
+    inputs = {"x": rng.normal(size=(2, 3, 5)), "i": rng.integers(0, 5, size=(2, 2, 1))}
+    gradients = check_gradients(_pick_model("N, 3", "N, L"), inputs, wrt=["x"], ort=True)
+    assert not gradients["x"][:, 2].any()
 
 
 # ------------------------------------------------------------------------ losses

@@ -195,9 +195,8 @@ class GradContext(GraphBuilder):
         unchanged), which no runtime folds while one of them is computed at run time (a
         mean loss's gradient is a constant once the batch is fixed: pass the indices too),
         and the fill is reshaped to ``shape``, which shape inference reads (onnxruntime's
-        Reshape copies nothing).
-        Smaller constant fills stay foldable (rewrites such as ConcatScatteredSlabs read
-        them).
+        Reshape copies nothing). Smaller constant fills stay foldable (rewrites such as
+        ConcatScatteredSlabs read them).
         """
         fill = numpy_helper.from_array(np.full(1, value, dtype=self.dtype(like)), "value")
         if run_time is None or self._small(shape):

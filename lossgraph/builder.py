@@ -43,7 +43,6 @@ class GraphBuilder:
         self._consumers: dict[str, list[onnx.NodeProto]] | None = {}
         self.initializers: list[onnx.TensorProto] = []
         self._constants: dict[tuple[str, tuple[int, ...], bytes], str] = {}
-        self._constant_keys: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
         self._producers: dict[str, onnx.NodeProto] = {}
         self._memo: dict[tuple, Any] = {}
 
@@ -114,16 +113,7 @@ class GraphBuilder:
             name = self.names.fresh(hint)
             self.initializers.append(numpy_helper.from_array(array, name))
             self._constants[key] = name
-            self._constant_keys[name] = key
         return self._constants[key]
-
-    def constant_value(self, name: str) -> np.ndarray | None:
-        """The value of ``name`` if this builder made it with :meth:`const`, else None."""
-        key = self._constant_keys.get(name)
-        if key is None:
-            return None
-        dtype, shape, data = key
-        return np.frombuffer(data, dtype=dtype).reshape(shape)
 
     def memo(self, key: tuple, emit: Callable[[], Any]) -> Any:
         """``emit()``'s result, emitted once while this builder's nodes are here.
@@ -203,7 +193,7 @@ class GraphBuilder:
         graph.node.extend(self._nodes)
         graph.initializer.extend(self.initializers)
         self._nodes, self._consumers, self.initializers = [], {}, []
-        self._constants, self._constant_keys, self._producers, self._memo = {}, {}, {}, {}
+        self._constants, self._producers, self._memo = {}, {}, {}
 
 
 def standalone_model(

@@ -186,20 +186,19 @@ class GradContext(GraphBuilder):
         """``ConstantOfShape(shape)`` filled with ``value`` in the element type of ``like``.
 
         With ``run_time`` (values computed at run time: the gradient a rule receives, the
-        indices it scatters at), a fill of :data:`RUN_TIME_FILL` values or more, or of a
-        shape that is not a constant here, is made at each run: onnxruntime folds a
-        ``ConstantOfShape`` of a static shape (``Shape`` of a static input included, or of
-        any value once compile fixes the batch) into a constant it stores for the session's
-        life, the size of the whole fill (an embedding table's, a language model's
-        logits'). ``shape`` then reads an empty slice of each of ``run_time`` (its value is
-        unchanged), which no runtime folds while one of them is computed at run time (a
-        mean loss's gradient is a constant once the batch is fixed: pass the indices too),
-        and the fill is reshaped to ``shape``, which shape inference reads (onnxruntime's
-        Reshape copies nothing). Smaller constant fills stay foldable (rewrites such as
-        ConcatScatteredSlabs read them).
+        indices it scatters at), a fill shaped like ``like`` where ``like`` has a static
+        shape of :data:`RUN_TIME_FILL` values or more is made at each run: onnxruntime
+        folds a ``ConstantOfShape`` of a static shape into a constant it stores for the
+        session's life, the size of the whole fill (an embedding table's). ``shape`` then
+        reads an empty slice of each of ``run_time`` (its value is unchanged), which no
+        runtime folds while one of them is computed at run time (a mean loss's gradient is
+        a constant once the batch is fixed: pass the indices too), and the fill is reshaped
+        to ``shape``, which shape inference reads (onnxruntime's Reshape copies nothing).
+        Smaller fills, and those of a free batch, stay foldable: rewrites such as
+        ConcatScatteredSlabs read them, and replace them.
         """
         fill = numpy_helper.from_array(np.full(1, value, dtype=self.dtype(like)), "value")
-        if run_time is None or self._small(shape):
+        if run_time is None or not self.made_at_run_time(like):
             return self.ConstantOfShape(shape, value=fill, hint=hint)
         empty = [self.Cast(self.Slice(self.Reshape(source, self.ints([-1], "shape")),
                                       self.ints([0], "starts"), self.ints([0], "ends")),
@@ -208,23 +207,24 @@ class GradContext(GraphBuilder):
         made = self.ConstantOfShape(self.Concat(shape, *empty, axis=0), value=fill, hint=hint)
         return self.Reshape(made, shape, hint=hint)  # its shape known to shape inference
 
-    def _small(self, shape: str) -> bool:
-        """Whether ``shape`` is a constant of fewer than :data:`RUN_TIME_FILL` values."""
-        dims = self.constant_value(shape)
-        if dims is None:
-            dims = self.value(shape)
-        return dims is not None and int(np.prod(dims)) < RUN_TIME_FILL
+    def made_at_run_time(self, like: str) -> bool:
+        """Whether a fill shaped like the forward value ``like`` is made at each run
+        (:meth:`filled`): ``like``'s shape is static, of :data:`RUN_TIME_FILL` values or
+        more."""
+        shape = self.shape(like)
+        return (shape is not None and self._static(shape)
+                and int(np.prod(shape)) >= RUN_TIME_FILL)
 
     def zeros_like(self, like: str, run_time: str | Sequence[str] | None = None) -> str:
         """Zeros with the shape and type of the forward value ``like``: a constant where
         its shape is static, unless ``run_time`` is given and :meth:`filled` makes them at
         each run (the zeros a gradient scatters into: pass its gradient and indices)."""
         shape = self.shape(like)
-        static = shape is not None and self._static(shape)
-        if static and (run_time is None or int(np.prod(shape)) < RUN_TIME_FILL):
+        if shape is None or not self._static(shape):
+            return self.filled(self.Shape(like), 0, like, hint="zeros")
+        if run_time is None or not self.made_at_run_time(like):
             return self.const(np.zeros(shape), self.dtype(like), "zeros")
-        size = self.ints(shape, "shape") if static else self.Shape(like)
-        return self.filled(size, 0, like, hint="zeros", run_time=run_time)
+        return self.filled(self.ints(shape, "shape"), 0, like, hint="zeros", run_time=run_time)
 
     def or_zeros(self, dy: str | None, like: str) -> str:
         """``dy`` itself, or zeros shaped like ``like`` when no gradient flows there."""

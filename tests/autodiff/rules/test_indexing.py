@@ -194,12 +194,11 @@ _NO_BUILDER_RULE = ("Compress along an axis", "Compress flattened", "MaxPool, ov
 @pytest.mark.parametrize("case", list(_SCATTERED))
 def test_a_gradient_scatters_into_zeros_made_at_each_run(rng, tmp_path, ort_session, case,
                                                          monkeypatch):
-    """A gradient that scatters into zeros shaped like a forward value (an embedding table,
-    a language model's logits under its cross entropy) would have them folded into a
-    constant onnxruntime keeps for the session's life where every shape is static (89 MiB
-    for BERT-base's table, 98 MiB for GPT-2's logits at 4 x 128 tokens, issue 27): zeros of
-    ``RUN_TIME_FILL`` values or more (here lowered to these inputs' 200) are made at each
-    run, and the gradient stays exact."""
+    """A gradient that scatters into zeros shaped like a forward value of static shape (an
+    embedding table) would have them folded into a constant onnxruntime keeps for the
+    session's life (89 MiB for BERT-base's table, issue 27): zeros of ``RUN_TIME_FILL``
+    values or more (here lowered to these inputs' 200) are made at each run, and the
+    gradient stays exact."""
     monkeypatch.setattr(context, "RUN_TIME_FILL", 200)
     signature, body, feeds = _SCATTERED[case]
     net = model(signature, body, opset=17)

@@ -37,6 +37,7 @@ def test_describe_plan_prints_every_graph_of_a_separate_program(linear):
     assert lines["forward model"] == "model -> ConvertOpset -> LowerMlOps"
     assert lines["gradient"].endswith("-> Gradient(weights=('W', 'B'), outputs=('Y',)) -> "
                                       "FoldBatchIntoProducts -> SumRowsByProduct -> "
+                                      "ConcatScatteredSlabs -> UnfoldConvWeightGradients -> "
                                       "SumRowsByProduct -> UpdatesInBackwardOrder -> "
                                       "WidenScalarConstants")
     assert lines["loss"] == "LossGraph(loss='squared_error') -> WidenScalarConstants"

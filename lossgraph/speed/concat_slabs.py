@@ -12,8 +12,9 @@ indices, as torch's exporter writes attention's ``q, k, v = in_proj(x).unflatten
 
 What is rewritten, so that the result is provably the same: a ``Sum`` of ``K``
 ``ScatterND`` nodes (``reduction`` none or add) read by nothing else, each into a
-``ConstantOfShape`` of zeros (all of one shape: the same shape value, or computed alike
-from the same values), with a constant ``[1]``-shaped index; the Sum's shape ``(K, ...)``
+``ConstantOfShape`` of zeros, or zeros made at each run and reshaped to their shape (all
+of one shape: the same shape value, or computed alike from the same values), with a
+constant ``[1]``-shaped index; the Sum's shape ``(K, ...)``
 has a static ``K``, and the indices (taken modulo ``K``) are ``0..K-1`` each once. In the
 main graph.
 
@@ -63,12 +64,16 @@ class ConcatScatteredSlabs(Pass[None]):
         return PassResult(model, changed=_rewrite(model, facts, names, opset))
 
 
-def _zeros(node: onnx.NodeProto | None) -> bool:
-    """Whether ``node`` is a ``ConstantOfShape`` of zeros."""
+def _zeros_shape(node: onnx.NodeProto | None, graph: GraphIndex) -> str | None:
+    """The shape value of the zeros ``node`` makes: a ``ConstantOfShape`` of zeros, or one
+    made at each run and reshaped to its shape (``GradContext.filled``); else None."""
+    if node is not None and is_onnx_op(node, "Reshape"):
+        made = graph.producer(node.input[0])
+        return node.input[1] if _zeros_shape(made, graph) is not None else None
     if node is None or not is_onnx_op(node, "ConstantOfShape"):
-        return False
+        return None
     value = attribute_values(node).get("value")
-    return value is None or not np.any(numpy_helper.to_array(value))
+    return node.input[0] if value is None or not np.any(numpy_helper.to_array(value)) else None
 
 
 def _same_value(first: str, second: str, graph: GraphIndex, depth: int = _INDEX_DEPTH) -> bool:
@@ -142,15 +147,15 @@ def _slabs(model: onnx.ModelProto, total: onnx.NodeProto, facts: ForwardFacts,
     zeros_shape = None  # every term's zeros of one shape: the Sum does not broadcast
     for term in total.input:
         scatter = graph.producer(term)
-        zeros = None if scatter is None else graph.producer(scatter.input[0])
+        zeros = None if scatter is None else _zeros_shape(graph.producer(scatter.input[0]),
+                                                          graph)
         if (scatter is None or zeros is None or not is_onnx_op(scatter, "ScatterND")
                 or term in outputs
                 or graph.read_once(term) is None
-                or attribute_values(scatter).get("reduction", "none") not in ("none", "add")
-                or not _zeros(zeros)):
+                or attribute_values(scatter).get("reduction", "none") not in ("none", "add")):
             return None
-        zeros_shape = zeros_shape or zeros.input[0]
-        if not _same_value(zeros.input[0], zeros_shape, graph):
+        zeros_shape = zeros_shape or zeros
+        if not _same_value(zeros, zeros_shape, graph):
             return None
         index = _constant_index(model, scatter.input[1], graph, initializers)
         if index is None or index.shape != (1,):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from support.rewrites import plain_and_rewritten, same_outputs
 
+from lossgraph.autodiff import context
 from lossgraph.speed import ConcatScatteredSlabs
 
 F32 = np.float32
@@ -31,12 +32,20 @@ def _split_model(indices: list[int], k: int = 3) -> str:
     return SPLIT.format(k=k, indices=constants, body=body)
 
 
+@pytest.mark.parametrize("made_at_run_time", [False, True])
 @pytest.mark.parametrize("indices", [[0, 1, 2], [2, 0, 1], [-1, 0, 1]])
-def test_slabs_split_by_gathers_have_their_gradients_concatenated(rng, indices):
+def test_slabs_split_by_gathers_have_their_gradients_concatenated(rng, indices,
+                                                                  made_at_run_time,
+                                                                  monkeypatch):
+    """Zeros made at each run (a slab of a static shape large enough, here with the
+    threshold lowered to x's 24 values) are recognised as zeros too."""
+    if made_at_run_time:
+        monkeypatch.setattr(context, "RUN_TIME_FILL", 24)
     plain, result = plain_and_rewritten(_split_model(indices), ["x"], ConcatScatteredSlabs())
     assert result.changed
     ops = [n.op_type for n in result.model.graph.node]
-    assert "Concat" in ops and "ScatterND" not in ops
+    assert "Concat" in ops and "ScatterND" not in ops and "ConstantOfShape" not in ops
+    assert ("Slice" in [n.op_type for n in plain.graph.node]) == made_at_run_time
     same_outputs(plain, result.model, {"x": rng.normal(size=(3, 4, 2)).astype(F32)})
 
 

@@ -207,6 +207,15 @@ class GradContext(GraphBuilder):
         made = self.ConstantOfShape(self.Concat(shape, *empty, axis=0), value=fill, hint=hint)
         return self.Reshape(made, shape, hint=hint)  # its shape known to shape inference
 
+    def shape_around(self, like: str, axis: int, middle: str) -> str:
+        """The shape of the forward value ``like`` with its ``axis`` replaced by the dims
+        ``middle`` (a 1-D int64 value): ``Concat(Shape(like)[:axis], middle,
+        Shape(like)[axis + 1:])``."""
+        rank = self.rank(like)
+        parts = [*([self.dims(like, 0, axis)] if axis > 0 else []), middle,
+                 *([self.dims(like, axis + 1, rank)] if axis + 1 < rank else [])]
+        return self.Concat(*parts, axis=0) if len(parts) > 1 else middle
+
     def made_at_run_time(self, like: str) -> bool:
         """Whether a fill shaped like the forward value ``like`` is made at each run
         (:meth:`filled`): ``like``'s shape is static, of :data:`RUN_TIME_FILL` values or

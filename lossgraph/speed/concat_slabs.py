@@ -14,9 +14,8 @@ What is rewritten, so that the result is provably the same: a ``Sum`` of ``K``
 ``ScatterND`` nodes (``reduction`` none or add) read by nothing else, each into a
 ``ConstantOfShape`` of zeros, or zeros made at each run and reshaped to their shape (all
 of one shape: the same shape value, or computed alike from the same values), with a
-constant ``[1]``-shaped index; the Sum's shape ``(K, ...)``
-has a static ``K``, and the indices (taken modulo ``K``) are ``0..K-1`` each once. In the
-main graph.
+constant ``[1]``-shaped index; the Sum's shape ``(K, ...)`` has a static ``K``, and the
+indices (taken modulo ``K``) are ``0..K-1`` each once. In the main graph.
 
 Why (onnxruntime 1.19, one thread, CPU time): in a 2-layer transformer's training step
 the three zero tensors, three scatters and their sum took 2.4-3.4 ms per layer, 8% of the

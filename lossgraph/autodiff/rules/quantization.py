@@ -165,10 +165,5 @@ def _sum_blocks(g, node, product: str, x: str, axis: int, block: int) -> str:
         pads = [0] * (2 * rank)
         pads[rank + axis] = blocks * block - size
         product = g.Pad(product, g.ints(pads, "pads"), mode="constant")
-    parts = [g.ints([blocks, block], "shape")]
-    if axis > 0:
-        parts.insert(0, g.dims(x, 0, axis))
-    if axis < rank - 1:
-        parts.append(g.dims(x, axis + 1, rank))
-    split = g.Reshape(product, g.Concat(*parts, axis=0) if len(parts) > 1 else parts[0])
+    split = g.Reshape(product, g.shape_around(x, axis, g.ints([blocks, block], "shape")))
     return g.reduce("ReduceSum", split, [axis + 1], keepdims=0)

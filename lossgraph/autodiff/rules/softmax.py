@@ -87,12 +87,7 @@ def _row_totals(g, pick: Pick, y: str) -> str:
     if shape is not None and all(a == b for k, (a, b) in enumerate(zip(shape, pick.shape))
                                  if k != axis):
         return pick.rows
-    rank = g.rank(y)
-    parts = [g.dims(y, 0, axis)] if axis > 0 else []
-    parts.append(g.ints([1], "one"))
-    if axis + 1 < rank:
-        parts.append(g.dims(y, axis + 1, rank))
-    zeros = g.filled(g.Concat(*parts, axis=0), 0, y, hint="zeros")
+    zeros = g.filled(g.shape_around(y, axis, g.ints([1], "one")), 0, y, hint="zeros")
     first = g.ConstantOfShape(g.Shape(pick.index), hint="first",
                               value=numpy_helper.from_array(np.zeros(1, np.int64), "value"))
     return g.ScatterElements(zeros, first, pick.rows, axis=axis)

@@ -42,7 +42,7 @@ class ForwardFacts:
     @classmethod
     def of(cls, model: onnx.ModelProto) -> ForwardFacts:
         light, weights = without_weight_data(model)
-        inferred = _with_known_ranks(onnx.shape_inference.infer_shapes(light, data_prop=True))
+        inferred = _with_known_ranks(infer_shapes_with_data(light))
         graph = inferred.graph
         readers: dict[str, list[tuple[str, list[str]]]] = {}
         for node in graph.node:
@@ -97,16 +97,21 @@ def infer_shapes_with_data(model: onnx.ModelProto) -> onnx.ModelProto:
     ones included: on the packed weights of ResNet-18's epoch graph (11 million values,
     :class:`~lossgraph.passes.PackWeights`) one call took 5 s, against 0.01 s on its step
     graph, and the flat positions a pooling gradient ranges over (200,704 int64 values in
-    a small CNN's step at batch 64) kept 37 MiB. A floating-point value never holds shape
-    data, nor does a vector of :data:`LONG_VECTOR` values or more, so each node that
-    computes one floating-point vector from such vectors, or a vector of that length of
-    any type (found by inference without data propagation), stands, for the inference only, as a
-    node of the same output type that computes nothing onnx propagates: a ``Constant``
-    holding no data (an empty sparse value). Where only data propagation finds a vector's
-    length (a packed gradient whose parts' shapes are computed), a first inference has it
-    stand as a vector of unknown length, onnx's own type inference of the node then gives
-    its type from its inputs', and a second inference takes that. Every value's inferred
-    type is onnx's. The returned model has ``model``'s nodes and the inferred types."""
+    a small CNN's step at batch 64) kept 37 MiB. It does so for a vector whose values it
+    does not know too, once a ``Slice`` or ``Cast`` reads it: the empty slice of a
+    gradient that makes a fill at each run (:meth:`~lossgraph.autodiff.GradContext.filled`)
+    made a transformer's compile peak at 129 MiB for 1.5 MiB of weights. A vector of
+    :data:`LONG_VECTOR` values or more holds no shape, so each node that computes one
+    (found by inference without data propagation), and each node that computes a vector
+    from the values of one, stands, for the inference only, as a node of the same output
+    type that computes nothing onnx propagates: a ``Constant`` holding no data (an empty
+    sparse value). Where only data propagation finds a vector's length (a packed gradient
+    whose parts' shapes are computed), a first inference has it stand as a vector of
+    unknown length, onnx's own type inference of the node then gives its type from its
+    inputs', and a second inference takes that. Every value's inferred type is onnx's,
+    but where a shape is computed from part of a long vector's values (onnx would know
+    them only for a long constant). The returned model has ``model``'s nodes and the
+    inferred types."""
     scratch = onnx.ModelProto()
     scratch.CopyFrom(model)
     stand_ins = _vector_stand_ins(scratch, onnx.shape_inference.infer_shapes(model))
@@ -142,9 +147,10 @@ class _StandIn:
 
 def _vector_stand_ins(scratch: onnx.ModelProto, plain: onnx.ModelProto) -> list[_StandIn]:
     """Replace in ``scratch`` (in place) each single-output node that computes a vector of
-    :data:`LONG_VECTOR` values or more, or a floating-point vector from such vectors, by
-    a stand-in (:func:`infer_shapes_with_data`); ``plain`` is ``scratch`` after inference
-    without data propagation. The stand-ins, in graph order."""
+    :data:`LONG_VECTOR` values or more, or a vector from the values of such a vector or of
+    a stand-in of unknown length, by a stand-in (:func:`infer_shapes_with_data`);
+    ``plain`` is ``scratch`` after inference without data propagation. The stand-ins, in
+    graph order."""
     stand_ins: list[_StandIn] = []
     length = ""
     long: set[str] = set()  # long vectors, and the stand-ins' outputs
@@ -156,21 +162,29 @@ def _vector_stand_ins(scratch: onnx.ModelProto, plain: onnx.ModelProto) -> list[
             value = types.get(node.output[0]) if len(node.output) == 1 else None
             if value is None or any(True for _ in subgraphs(node)) or _rank(value) != 1:
                 continue
-            sized = _long_vector(value)
-            if not sized and (value.tensor_type.elem_type not in _FLOATING
-                              or _length(value) is not None
-                              or not long.intersection(node.input)):
+            if not (_long_vector(value) or _reads_values(node, long)):
                 continue
             kept = onnx.NodeProto()
             kept.CopyFrom(node)
+            sized = _length(value) is not None
             stand_ins.append(_StandIn(index, position, kept, value if sized else None))
             if not sized and not length:  # a vector of unknown length, from an unknown input
                 length = _fresh_input(scratch, "lossgraph_unknown_length")
             node.CopyFrom(_empty_constant(kept, value) if sized else helper.make_node(
                 "ConstantOfShape", [length], list(kept.output), name=kept.name,
                 value=helper.make_tensor("zero", value.tensor_type.elem_type, [1], [0])))
-            long.add(kept.output[0])
+            if not sized or _long_vector(value):  # a short one holds few unknown dims
+                long.add(kept.output[0])
     return stand_ins
+
+
+def _reads_values(node: onnx.NodeProto, vectors: Container[str]) -> bool:
+    """Whether ``node`` computes from the values of one of ``vectors``: onnx's data
+    propagation of a ``Slice``, ``Cast``, ``Concat``... of a static vector of ``n`` values
+    makes ``n`` dimensions whether its values are known or not (measured: an empty
+    ``Slice`` of a 262,144-value input held 20 MiB). ``Shape`` and ``Size`` read the
+    length alone, which is shape data."""
+    return node.op_type not in ("Shape", "Size") and any(name in vectors for name in node.input)
 
 
 def _long_vector(value: onnx.TypeProto) -> bool:
@@ -282,11 +296,11 @@ def _with_known_ranks(inferred: onnx.ModelProto, rounds: int = 8,
         folded.update(found)
         if not found or not (unranked or dims_used):
             break
-        scratch = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
+        scratch = infer_shapes_with_data(scratch)
     for _ in range(rounds):
         if not _declare_static_ranks(scratch.graph, {}):
             break
-        scratch = onnx.shape_inference.infer_shapes(scratch, data_prop=True)
+        scratch = infer_shapes_with_data(scratch)
     for position, node in folded.items():
         scratch.graph.node[position].CopyFrom(node)
     return scratch
@@ -694,7 +708,8 @@ def all_value_types(model: onnx.ModelProto, data_prop: bool = False
     inference finds; the declared ones where inference fails (an invalid body)."""
     light, _ = without_weight_data(model)
     try:
-        inferred = onnx.shape_inference.infer_shapes(light, data_prop=data_prop)
+        inferred = (infer_shapes_with_data(light) if data_prop
+                    else onnx.shape_inference.infer_shapes(light))
     except Exception:  # noqa: BLE001  onnx raises several kinds; the types stay as declared
         inferred = light
     types: dict[str, onnx.TypeProto] = {}

@@ -86,6 +86,7 @@ from ..graphs import (
     all_graphs,
     attribute_value,
     attribute_values,
+    infer_shapes_with_data,
     is_default_domain,
     is_onnx_op,
     opset_version,
@@ -178,7 +179,7 @@ class _Facts:
 
     def of(self, index: int) -> tuple[dict[str, int], dict[str, Shape]]:
         if self._known is None:
-            inferred = onnx.shape_inference.infer_shapes(self.model, data_prop=True)
+            inferred = infer_shapes_with_data(self.model)
             self._known = [_read(graph) for graph in all_graphs(inferred.graph)]
         return self._known[index]
 

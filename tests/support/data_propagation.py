@@ -75,3 +75,20 @@ def long_vectors(models: list[onnx.ModelProto]) -> list[str]:
                       and len(n.output) == 1 and len(shapes.get(n.output[0]) or []) == 1
                       and (shapes[n.output[0]][0] or 0) >= LONG]
     return found
+
+
+def long_vector_readers(models: list[onnx.ModelProto]) -> list[str]:
+    """The outputs of 1-D vectors that nodes of ``models`` compute from a 1-D value of LONG
+    values or more (``Shape`` and ``Size`` but read its length): onnx's data propagation
+    holds as many dimensions, known values or not."""
+    found = []
+    for given in models:
+        plain = onnx.shape_inference.infer_shapes(given)
+        for graph, shaped in zip(all_graphs(given.graph), all_graphs(plain.graph)):
+            shapes = known_shapes(shaped)
+            long = {name for name, shape in shapes.items()
+                    if len(shape or []) == 1 and (shape[0] or 0) >= LONG}
+            found += [n.output[0] for n in graph.node
+                      if n.op_type not in ("Shape", "Size") and len(n.output) == 1
+                      and len(shapes.get(n.output[0]) or []) == 1 and long.intersection(n.input)]
+    return found

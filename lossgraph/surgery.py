@@ -2,7 +2,8 @@
 
 - :func:`split_gradient`: the forward half and the backward half of a gradient graph, so
   that training computes the forward pass once and the backward half reads its residuals;
-- :func:`chain_graphs`: one model running two (a runner's two runs as one session).
+- :func:`chain_graphs`: one model running two (a runner's two runs as one session);
+- :func:`giving_only`: a model giving only some of its outputs.
 
 Both return models under the pass contract's checks (:func:`lossgraph.models.check_emitted`),
 at the source's IR version.
@@ -10,7 +11,7 @@ at the source's IR version.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import onnx
@@ -29,7 +30,7 @@ from .metadata import GRADIENTS_KEY, read_json
 from .models import check_emitted
 from .names import NameAuthority
 
-__all__ = ["GradientHalves", "split_gradient", "chain_graphs"]
+__all__ = ["GradientHalves", "split_gradient", "chain_graphs", "giving_only"]
 
 
 @dataclass(frozen=True)
@@ -167,3 +168,23 @@ def chain_graphs(first: onnx.ModelProto, second: onnx.ModelProto
     chained.ir_version = max(first.ir_version, second.ir_version)
     check_emitted(chained, "chain_graphs")
     return chained, renamed
+
+
+def giving_only(model: onnx.ModelProto, names: Collection[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose outputs are those of its outputs named in ``names``.
+
+    onnxruntime holds every output of a run until the run ends; another value is freed
+    after its last reader. A forward half chained with its backward half
+    (:func:`chain_graphs`) gives its activations as outputs: given only what the runner
+    reads, they are freed as the backward is done with them. An InternalError where
+    ``names`` holds a name that is not an output of ``model``.
+    """
+    missing = set(names) - {o.name for o in model.graph.output}
+    if missing:
+        raise InternalError(f"giving_only: {sorted(missing)} are not outputs of the model.")
+    given = onnx.ModelProto()
+    given.CopyFrom(model)
+    kept = [o for o in given.graph.output if o.name in names]
+    del given.graph.output[:]
+    given.graph.output.extend(kept)
+    return given

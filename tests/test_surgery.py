@@ -10,8 +10,9 @@ import pytest
 from support.environment import GOLDEN_MODELS
 
 import lossgraph
+from lossgraph.errors import InternalError
 from lossgraph.speed import SpecializeBatch
-from lossgraph.surgery import chain_graphs, split_gradient
+from lossgraph.surgery import chain_graphs, giving_only, split_gradient
 
 GOLDEN = ["hand_linear", "hand_mlp_tanh_double", "hand_broadcast_reuse", "skl_mlp_regressor",
           "skl_mlp_classifier", "skl_logistic_multiclass", "torch_cnn"]
@@ -107,3 +108,15 @@ def test_chain_graphs_declines_graphs_of_different_opset_versions():
     older = _parsed(SECOND.replace('"" : 18', '"" : 17').replace("ReduceSum(t)",
                                                                  "ReduceSum <keepdims = 1> (t)"))
     assert chain_graphs(_parsed(FIRST), older) is None
+
+
+def test_giving_only_keeps_the_outputs_named_and_leaves_the_model_as_it_was():
+    first, second = _parsed(FIRST), _parsed(SECOND)
+    chained, _ = chain_graphs(first, second)
+    before = chained.SerializeToString()
+    outputs = [o.name for o in chained.graph.output]
+    given = giving_only(chained, [outputs[-1]])
+    assert [o.name for o in given.graph.output] == [outputs[-1]]
+    assert chained.SerializeToString() == before
+    with pytest.raises(InternalError, match="nowhere"):
+        giving_only(chained, ["nowhere"])

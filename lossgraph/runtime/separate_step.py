@@ -19,7 +19,7 @@ import onnx
 from ..errors import UnsupportedModelError
 from ..graphs import np_dtype
 from ..speed import FoldStaticShapes, SpecializeBatch
-from ..surgery import GradientHalves, chain_graphs, split_gradient
+from ..surgery import GradientHalves, chain_graphs, giving_only, split_gradient
 from .packed import PackedUpdate
 from .ring import GraphRunner, StateRing
 from .session import cpu_device, evaluation_error, ortvalue
@@ -223,8 +223,8 @@ class SeparateStep:
             (model, renamed), loss_renamed = chained, ahead[1]
             outputs = {loss_renamed.get(loss_io["loss"], loss_io["loss"]): self._loss_value,
                        **{renamed.get(g, g): array for g, array in gradients.items()}}
-            runner = GraphRunner(make_session(model), ring, state_in, state_out, {},
-                                 outputs, "gradient and loss")
+            runner = GraphRunner(make_session(giving_only(model, [*outputs, *state_out])),
+                                 ring, state_in, state_out, {}, outputs, "gradient and loss")
             return [(runner, {**features, **{loss_renamed.get(n, n): n for n in labels}})]
         forward = GraphRunner(make_session(split.forward), ring, state_in, state_out, {},
                               {o.name: arrays[o.name] for o in split.forward.graph.output

@@ -35,7 +35,7 @@ from ..optim import Optimizer
 from ..options import choice
 from ..passes.contract import Pass, PassResult, Reports
 from ..passes.plan import Planned
-from ..passes.recompute import Recompute, UpdatesInBackwardOrder
+from ..passes.recompute import Recompute
 from ..passes.running_stats import RunningStatistics
 from ..passes.sequences import SequencesToTensors
 from ..passes.stabilize import StabilizeNumerics
@@ -126,12 +126,6 @@ class PlanContext:
             return (Recompute("auto", budget=self.recompute),)
         return () if self.recompute == "none" else (Recompute(self.recompute),)
 
-    @property
-    def ordering(self) -> tuple[Pass, ...]:
-        """Where compile recomputes, the updates (gradients) ordered so that onnxruntime
-        frees each layer's activations' gradients early
-        (:class:`~lossgraph.passes.recompute.UpdatesInBackwardOrder`)."""
-        return () if self.recompute == "none" else (UpdatesInBackwardOrder(),)
 
 
 @dataclass

@@ -61,10 +61,14 @@ def test_describe_plan_prints_the_pipelines_compile_program_runs(linear):
                                            "FoldBatchIntoProducts -> SumRowsByProduct -> "
                                            "ConcatScatteredSlabs -> UnfoldConvWeightGradients "
                                            "-> PackWeights(")
-    assert lines["train_epoch"].endswith("-> EpochGraph -> WidenScalarConstants")
+    assert lines["train_epoch"].endswith(
+        "-> StepGraph(optimizer=SGD) -> UpdatesInBackwardOrder -> EpochGraph -> "
+        "WidenScalarConstants")
     assert lines["train_epoch_ordered"].endswith(
-        "-> EpochGraph(shuffle=False) -> WidenScalarConstants")
-    assert "-> StepGraph(optimizer=SGD) ->" in lines["train_step"]  # options off default only
+        "-> UpdatesInBackwardOrder -> EpochGraph(shuffle=False) -> WidenScalarConstants")
+    # options off default only; the updates in the backward's order without recomputation
+    assert lines["train_step"].endswith(
+        "-> StepGraph(optimizer=SGD) -> UpdatesInBackwardOrder -> WidenScalarConstants")
     momentum = lossgraph.describe_plan(linear, optimizer=lossgraph.optim.Momentum(0.05))
     assert "StepGraph(optimizer=Momentum(learning_rate=0.05))" in momentum
     program = lossgraph.compile_program(linear, fuse="epoch", weights=["W"])

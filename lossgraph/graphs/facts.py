@@ -83,10 +83,6 @@ class ForwardFacts:
 #: it, and onnx would hold each of its values as a dimension.
 LONG_VECTOR = 1 << 12
 
-#: The floating-point element types: their values never hold shape data.
-_FLOATING = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-                       onnx.TensorProto.BFLOAT16})
-
 
 def infer_shapes_with_data(model: onnx.ModelProto) -> onnx.ModelProto:
     """``onnx.shape_inference.infer_shapes(model, data_prop=True)``, without the time onnx

@@ -127,7 +127,6 @@ class PlanContext:
         return () if self.recompute == "none" else (Recompute(self.recompute),)
 
 
-
 @dataclass
 class Compiling:
     """What compile knows while it builds a program's graphs in plan order: the loss

@@ -5,8 +5,9 @@
 - :func:`chain_graphs`: one model running two (a runner's two runs as one session);
 - :func:`giving_only`: a model giving only some of its outputs.
 
-Both return models under the pass contract's checks (:func:`lossgraph.models.check_emitted`),
-at the source's IR version.
+The first two return models under the pass contract's checks
+(:func:`lossgraph.models.check_emitted`), at the source's IR version; the third a copy of a
+model it was given, its graph's outputs fewer.
 """
 
 from __future__ import annotations
@@ -179,12 +180,13 @@ def giving_only(model: onnx.ModelProto, names: Collection[str]) -> onnx.ModelPro
     reads, they are freed as the backward is done with them. An InternalError where
     ``names`` holds a name that is not an output of ``model``.
     """
-    missing = set(names) - {o.name for o in model.graph.output}
+    wanted = set(names)
+    missing = wanted - {o.name for o in model.graph.output}
     if missing:
         raise InternalError(f"giving_only: {sorted(missing)} are not outputs of the model.")
     given = onnx.ModelProto()
     given.CopyFrom(model)
-    kept = [o for o in given.graph.output if o.name in names]
+    kept = [o for o in given.graph.output if o.name in wanted]
     del given.graph.output[:]
     given.graph.output.extend(kept)
     return given

@@ -66,15 +66,9 @@ def recording_data_propagation(monkeypatch: pytest.MonkeyPatch) -> list[onnx.Mod
 
 def long_vectors(models: list[onnx.ModelProto]) -> list[str]:
     """The outputs of nodes (not Constants) of ``models`` that are 1-D of LONG values or more."""
-    found = []
-    for given in models:
-        plain = onnx.shape_inference.infer_shapes(given)
-        for graph, shaped in zip(all_graphs(given.graph), all_graphs(plain.graph)):
-            shapes = known_shapes(shaped)
-            found += [n.output[0] for n in graph.node if n.op_type != "Constant"
-                      and len(n.output) == 1 and len(shapes.get(n.output[0]) or []) == 1
-                      and (shapes[n.output[0]][0] or 0) >= LONG]
-    return found
+    return [n.output[0] for graph, shapes in _shaped_graphs(models) for n in graph.node
+            if n.op_type != "Constant" and len(n.output) == 1
+            and _long(shapes.get(n.output[0]))]
 
 
 def long_vector_readers(models: list[onnx.ModelProto]) -> list[str]:
@@ -82,13 +76,23 @@ def long_vector_readers(models: list[onnx.ModelProto]) -> list[str]:
     values or more (``Shape`` and ``Size`` but read its length): onnx's data propagation
     holds as many dimensions, known values or not."""
     found = []
+    for graph, shapes in _shaped_graphs(models):
+        long = {name for name, shape in shapes.items() if _long(shape)}
+        found += [n.output[0] for n in graph.node
+                  if n.op_type not in ("Shape", "Size") and len(n.output) == 1
+                  and len(shapes.get(n.output[0]) or []) == 1 and long.intersection(n.input)]
+    return found
+
+
+def _shaped_graphs(models: list[onnx.ModelProto]):
+    """``(graph, its values' shapes from inference without data propagation)`` for every
+    graph of ``models``, subgraphs included."""
     for given in models:
         plain = onnx.shape_inference.infer_shapes(given)
         for graph, shaped in zip(all_graphs(given.graph), all_graphs(plain.graph)):
-            shapes = known_shapes(shaped)
-            long = {name for name, shape in shapes.items()
-                    if len(shape or []) == 1 and (shape[0] or 0) >= LONG}
-            found += [n.output[0] for n in graph.node
-                      if n.op_type not in ("Shape", "Size") and len(n.output) == 1
-                      and len(shapes.get(n.output[0]) or []) == 1 and long.intersection(n.input)]
-    return found
+            yield graph, known_shapes(shaped)
+
+
+def _long(shape) -> bool:
+    """Whether ``shape`` is 1-D of LONG values or more."""
+    return len(shape or []) == 1 and (shape[0] or 0) >= LONG

@@ -22,11 +22,13 @@ onnxruntime's common-subexpression elimination would merge the copy back into th
 node, keeping the forward activations alive.
 
 ``"activations"`` keeps every activation the backward reads but those elementwise
-arithmetic (:data:`ARITHMETIC_OPS`: no views, copies or shape ops) computes from kept
-values alone: a decomposed GELU keeps its input, and its ``x / sqrt 2``, erf and products
-are computed again from it in the backward. Fewer bytes are kept, never more (what they
-are computed from is kept anyway), at the cost of a few elementwise kernels: the default
-for a model of :data:`ACTIVATIONS_MIN_BYTES` of initializers or more
+arithmetic (:data:`ARITHMETIC_OPS`: no copies or shape ops) computes from kept values
+alone, and the views of those (:data:`VIEW_OPS`, a ``Reshape`` by a kept shape): a
+decomposed GELU keeps its input, and its ``x / sqrt 2``, erf and products, and a
+``Reshape`` of its output (GPT-2's ``Conv1D``), are computed again from it in the
+backward. Fewer bytes are kept, never more but a view's few shape numbers (what they are
+computed from is kept anyway), at the cost of a few elementwise kernels: the default for
+a model of :data:`ACTIVATIONS_MIN_BYTES` of initializers or more
 (:func:`default_recompute`).
 
 ``"elementwise"`` makes every output of an op that is not cheap to compute again a
@@ -70,6 +72,7 @@ from ..signature import Signature
 from .contract import Pass, PassResult, Requirement
 
 __all__ = ["Recompute", "RecomputePlan", "PLANS", "RANDOM_OPS", "CHEAP_OPS", "ARITHMETIC_OPS",
+           "VIEW_OPS",
            "ACTIVATIONS_MIN_BYTES", "UpdatesInBackwardOrder", "default_recompute",
            "recompute_choice"]
 
@@ -89,10 +92,12 @@ ARITHMETIC_OPS = frozenset({
     "HardSigmoid", "HardSwish", "Softplus", "Softsign", "Clip", "Where", "Max", "Min",
     "Cast", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or",
     "Sign", "Floor", "Ceil", "Round"})
+#: Views: the first input's elements as they are, in another shape (onnxruntime makes no
+#: copy). ``recompute="activations"`` recomputes a view of a value it recomputes.
+VIEW_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 #: Views and copies, shape computations.
-_VIEW_AND_SHAPE_OPS = frozenset({
-    "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Shape",
-    "Size", "Slice", "Concat", "Split", "Gather", "ConstantOfShape", "Range"})
+_VIEW_AND_SHAPE_OPS = VIEW_OPS | {"Transpose", "Expand", "Shape", "Size", "Slice", "Concat",
+                                  "Split", "Gather", "ConstantOfShape", "Range"}
 #: Ops cheap to compute again, beside the kernels that read their results: arithmetic,
 #: views and shape computations. ``recompute="elementwise"`` keeps the outputs of every
 #: other op.
@@ -349,23 +354,36 @@ def _chain_roots(nodes: Sequence[onnx.NodeProto], forward: set[int], dependent: 
     reads that elementwise arithmetic (:data:`ARITHMETIC_OPS`) cannot compute from the
     boundaries before it, and the graph's ``outputs`` (held to the end anyway). The other
     activations the backward reads, computed from those alone by such arithmetic (a
-    decomposed GELU's intermediates from its input, a SiLU's sigmoid), are recomputed:
-    fewer bytes kept, never more, since what they are computed from is kept anyway."""
+    decomposed GELU's intermediates from its input, a SiLU's sigmoid), and the views
+    (:data:`VIEW_OPS`) of those, are recomputed: fewer bytes kept, never more, since what
+    they are computed from is kept anyway. A recomputed view's shape is kept (a few
+    numbers); a view of a boundary is one too (a view of a kept value holds no memory of
+    its own, where a copy of it would)."""
     read = _backward_reads(nodes, forward, dependent)
     computable: set[str] = set()  # computed from the boundaries by arithmetic alone
-    boundaries = []
+    boundaries: dict[str, None] = {}  # in forward order
+
+    def keep(value: str) -> None:
+        boundaries[value] = None
+        computable.add(value)
+
     for i in sorted(forward):
         node = nodes[i]
         cheap = is_onnx_op(node, *ARITHMETIC_OPS) and all(
             v in computable for v in node_reads(node) if v in dependent)
+        if is_onnx_op(node, *VIEW_OPS) and node.input[0] in computable \
+                and node.input[0] not in boundaries:
+            cheap = True
+            for shape in node.input[1:]:
+                if shape in dependent and shape not in computable:
+                    keep(shape)
         for value in node.output:
             if not value or value not in dependent:
                 continue
             if cheap and value not in outputs:
                 computable.add(value)
             elif value in read or value in outputs:
-                boundaries.append(value)
-                computable.add(value)
+                keep(value)
     return tuple(boundaries)
 
 

@@ -201,6 +201,24 @@ def test_activations_recomputes_a_gelus_intermediates_from_its_input(fuse):
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
 
 
+@pytest.mark.parametrize("fuse", ["step", "separate"])
+def test_activations_recomputes_a_view_of_what_it_recomputes(fuse):
+    """The product reads the GELU's output through a ``Reshape`` by ``Shape(a)``: the view
+    is recomputed with the GELU's intermediates, its shape kept (two numbers), so that only
+    ``a`` is kept of the block's activations, to the same weights bit for bit."""
+    model = gelu_mlp(viewed=True)
+    plain = compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam")
+    program = compile_program(model, loss="squared_error", fuse=fuse, optimizer="adam",
+                              recompute="activations")
+    for graph, plan in program.manifest["recompute"].items():
+        assert {"u", "b", "g", "f"} <= set(plan["recomputed"]), graph
+        assert {"a", "s"} <= set(plan["kept"]), graph
+        assert not {"u", "b", "g", "m", "f"} & set(plan["kept"]), graph
+    expected = _trained(plain)
+    for name, value in _trained(program).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
 def test_activations_recomputes_nothing_whose_input_is_not_kept():
     """``relu(x W + b) W2``: the backward reads the Relu's output, not the sum it is
     computed from, so recomputing it would keep as much: it is kept (only the loss's

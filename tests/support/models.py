@@ -289,11 +289,13 @@ def embedding_bag(vocabulary: int = 50, width: int = 4, tokens: int = 6) -> onnx
     return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def gelu_mlp(width: int = 8) -> onnx.ModelProto:
+def gelu_mlp(width: int = 8, viewed: bool = False) -> onnx.ModelProto:
     """x -> x W1 + b1 = a -> GELU as torch's exporter decomposes it,
     ``Mul(Mul(a, Add(Erf(Div(a, sqrt 2)), 1)), 0.5)`` = g -> y = g W2: float32, a free
     batch. The backward reads ``a`` and three of the GELU's intermediates (``u``, ``b``,
-    ``g``), each computed from ``a`` by elementwise ops."""
+    ``g``), each computed from ``a`` by elementwise ops. ``viewed``: the product reads
+    ``f = Reshape(g, Shape(a))`` instead of ``g``, as GPT-2's exported ``Conv1D`` reads a
+    reshaped GELU output (the backward then reads ``f``, and ``g`` for its shape)."""
     rng = np.random.default_rng(0)
     arrays = {"W1": rng.normal(size=(3, width)), "b1": rng.normal(size=width) / 4,
               "W2": rng.normal(size=(width, 1)) / 2}
@@ -306,8 +308,11 @@ def gelu_mlp(width: int = 8) -> onnx.ModelProto:
              helper.make_node("Erf", ["u"], ["e"]),
              helper.make_node("Add", ["e", "one"], ["b"]),
              helper.make_node("Mul", ["a", "b"], ["m"]),
-             helper.make_node("Mul", ["m", "half"], ["g"]),
-             helper.make_node("MatMul", ["g", "W2"], ["y"])]
+             helper.make_node("Mul", ["m", "half"], ["g"])]
+    if viewed:
+        nodes += [helper.make_node("Shape", ["a"], ["s"]),
+                  helper.make_node("Reshape", ["g", "s"], ["f"])]
+    nodes.append(helper.make_node("MatMul", ["f" if viewed else "g", "W2"], ["y"]))
     graph = helper.make_graph(
         nodes, "gelu_mlp", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], initializers)

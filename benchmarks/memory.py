@@ -27,7 +27,10 @@ holds anyway. The columns:
 Beside the peaks, each cell's **step time** (ms, the mean of steps 2 and 3, the first one
 opening sessions) and the peak after each step (a peak that grows from step to step is
 held memory). The models (float32, random weights nudged so that the exporter ties none,
-exported by torch's legacy exporter at opset 17 with a free batch axis):
+exported by torch's legacy exporter at opset 17 with a free batch axis, without constant
+folding, as lossgraph's FoldedWeightWarning advises: folded, GPT-2's output layer reads a
+transposed copy of the token embedding stored as a weight of its own, and training it
+trains another, larger model than torch's):
 
     cnn          benchmarks/model_speed.py's CNN (two Conv2d + ReLU + MaxPool2d, a Linear;
                  1x28x28, 10 outputs, squared error), batch 64
@@ -191,8 +194,8 @@ def build(subject: Subject, quick: bool) -> tuple[Any, np.ndarray, np.ndarray]:
 
 def export(subject: Subject, quick: bool, folder: Path) -> dict[str, Any]:
     """Write the export and the data of ``subject`` into ``folder``; the size of its weights
-    (torch's parameters) and of the export's initializers (GPT-2's also hold the output
-    layer's transpose of the token embedding, which the exporter folds)."""
+    (torch's parameters) and of the export's initializers (the same: unfolded, GPT-2's
+    output layer reads the token embedding it is tied to, as in torch)."""
     import onnx
     import torch
 
@@ -202,7 +205,8 @@ def export(subject: Subject, quick: bool, folder: Path) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation warning
         torch.onnx.export(net, (torch.from_numpy(X[:2]),), buffer, dynamo=False,
-                          opset_version=17, input_names=[names[0]], output_names=[names[1]],
+                          opset_version=17, do_constant_folding=False,
+                          input_names=[names[0]], output_names=[names[1]],
                           dynamic_axes={names[0]: {0: "N"}, names[1]: {0: "N"}})
     model = onnx.load_from_string(buffer.getvalue())
     onnx.save(model, folder / f"{subject.name}.onnx")

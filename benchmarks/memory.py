@@ -18,6 +18,8 @@ holds anyway. The columns:
   one epoch of 3 batches, then a second one, timed: its first run opens the session);
 - **compile_program alone**: the compile of ``fuse="step"``, and nothing else, as a
   multiple of the weights' size too;
+- **recompute="auto"** (``auto``): ``fuse="step"`` with the least memory recomputation
+  gives, against torch eager without recomputation;
 - **from the file, whole**: ``fuse="step"`` compiled from the export's file, the baseline
   taken before any of the model is read: the whole process's training memory, against
   torch's peak plus what its network holds (``model_mb``, measured as it is built); and
@@ -48,7 +50,7 @@ branch's), ``--compare JSON`` shows a previous run's figures beside this one's.
 
 Run from the repository root:
       python -m benchmarks.memory [--quick] [--models cnn,transformer,bert,gpt2]
-          [--columns torch,step,epoch,separate,compile,file,file-separate,file-auto]
+          [--columns torch,step,epoch,separate,auto,compile,file,file-separate,file-auto]
           [--memory-limit 12] [--threads N]
           [--checkout PATH] [--compare before.json] [--json out.json] [--plot out.png]
 See docs/benchmarks.md#memory.
@@ -78,13 +80,15 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 LEARNING_RATE = 0.01
 COLUMNS = {"torch": "torch eager", "step": 'lossgraph fuse="step"',
-           "epoch": 'fuse="epoch"', "separate": 'fuse="separate"',
+           "epoch": 'fuse="epoch"', "separate": 'fuse="separate"', "auto": 'recompute="auto"',
            "compile": "compile_program alone", "file": 'fuse="step" from the file, whole',
            "file-separate": 'fuse="separate" from the file, whole',
            "file-auto": 'recompute="auto" from the file, whole'}
 #: The whole-process columns: each compiles the export's file with these options.
 WHOLE = {"file": {"fuse": "step"}, "file-separate": {"fuse": "separate"},
          "file-auto": {"fuse": "step", "recompute": "auto"}}
+#: The other lossgraph columns' compile options (beside ``fuse=column``).
+OPTIONS = {"compile": {"fuse": "step"}, "auto": {"fuse": "step", "recompute": "auto"}}
 #: Address space a cell may map beyond --memory-limit (threads' stacks, mapped libraries).
 ADDRESS_HEADROOM_GIB = 6
 
@@ -365,10 +369,7 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
     from lossgraph.optim import SGD
 
     whole = WHOLE.get(column)
-    if whole:
-        options = {**options, **whole}
-    else:
-        options = {**options, "fuse": "step" if column == "compile" else column}
+    options = {**options, **(whole or OPTIONS.get(column, {"fuse": column}))}
     sessions = session_options(threads, session_entries)
     lossgraph_warm_up(options["fuse"], sessions)
     if whole:  # the file's path alone: the model is lossgraph's to read

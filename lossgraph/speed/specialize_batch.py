@@ -1,6 +1,7 @@
 """A training graph as onnxruntime should run it for one batch size::
 
-    SpecializeBatch(batch) = fix the batch size -> FoldStaticShapes -> SplitRowProducts
+    SpecializeBatch(batch) = fix the batch size -> FoldStaticShapes -> TransposedProducts
+                             -> SplitRowProducts
 
     batch input  x[N, ...]  ->  x[batch, ...]    (the scanned inputs of an epoch graph's
                                                  Scan, which its signature names, or where it
@@ -11,9 +12,11 @@
 A program's ``train_step`` and ``train_epoch`` graphs serve every batch size: a step
 takes a batch of symbolic size and recomputes its shapes every time. For the one batch
 size a fit uses they are constants (:mod:`~lossgraph.speed.fold_static_shapes`),
-and long one-row products can be split for onnxruntime's threads
-(:mod:`~lossgraph.speed.split_row_products`). The result is for running, not for
-saving: the program keeps its general graphs.
+a transposed product is written as the product of the transposes
+(:mod:`~lossgraph.speed.transposed_products`, for onnxruntime's order), and long one-row
+products can be split for onnxruntime's threads
+(:mod:`~lossgraph.speed.split_row_products`). The result is for running, not for saving:
+the program keeps its general graphs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..passes.contract import Pass, PassResult, Pipeline, Reports
 from ..target import active_target, loading_target, use_target
 from .fold_static_shapes import FoldStaticShapes
 from .split_row_products import SplitRowProducts
+from .transposed_products import TransposedProducts
 
 __all__ = ["SpecializeBatch", "set_leading_dims"]
 
@@ -71,7 +75,7 @@ class SpecializeBatch(Pass[Reports | None]):
             fixed = names is not None
             _fix_named_dims(model.graph, (names or set()) - {""}, self.batch)
         try:
-            folded = Pipeline((FoldStaticShapes(), SplitRowProducts()))(model)
+            folded = Pipeline((FoldStaticShapes(), TransposedProducts(), SplitRowProducts()))(model)
         except InvalidModelError as exc:
             # the graph was valid with a symbolic batch: its shapes contradict each other
             # once the batch is a number, so the model's rows do not follow its inputs'

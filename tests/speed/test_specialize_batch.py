@@ -11,7 +11,7 @@ from support.data_propagation import long_vectors, recording_data_propagation, w
 from support.environment import GOLDEN_MODELS
 from support.linear import LINEAR, linear_data
 from support.models import gelu_mlp
-from support.rewrites import scan_body
+from support.rewrites import scan_body, specialized_step
 
 import lossgraph
 from lossgraph.errors import UnsupportedOptionError
@@ -95,19 +95,12 @@ def test_a_reshape_to_the_shape_a_value_already_has_becomes_identity(run_model):
 def test_specialized_step_graph_folds_its_shapes_and_computes_the_same(run_model):
     program = lossgraph.compile_program(onnx.parser.parse_model(LINEAR), optimizer=Adam(0.05),
                                 fuse="step")
-    general = program.graphs["train_step"]
-    specialized = SpecializeBatch(16)(general).model
+    X, y = linear_data(16, seed=6)
+    specialized = specialized_step(program, 16, {"x": X, "label": y.reshape(-1, 1)}, run_model)
     assert [i.type.tensor_type.shape.dim[0].dim_value for i in specialized.graph.input
             if i.name in ("x", "label")] == [16, 16]
-    assert any(n.op_type in ("Shape", "Size") for n in general.graph.node)
+    assert any(n.op_type in ("Shape", "Size") for n in program.graphs["train_step"].graph.node)
     assert not [n for n in specialized.graph.node if n.op_type in ("Shape", "Size")]
-    X, y = linear_data(16, seed=6)
-    feeds = {"x": X, "label": y.reshape(-1, 1), **program.state,
-             program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
-             program.io("train_step", "step")[0]: np.array(1, np.int64)}
-    expected = run_model(general, feeds)
-    for name, value in run_model(specialized, feeds).items():
-        np.testing.assert_array_equal(value, expected[name], err_msg=name)
 
 
 def test_a_specialized_step_runs_no_node_whose_output_nothing_reads(run_model):
@@ -118,21 +111,14 @@ def test_a_specialized_step_runs_no_node_whose_output_nothing_reads(run_model):
     program = lossgraph.compile_program(gelu_mlp(viewed=True), loss="squared_error",
                                         optimizer=Momentum(0.05), fuse="step",
                                         recompute="activations")
-    general = program.graphs["train_step"]
-    specialized = SpecializeBatch(16)(general).model
-    graph = specialized.graph
+    rng = np.random.default_rng(3)
+    data = {"x": rng.standard_normal((16, 3)).astype(np.float32),
+            "label": rng.standard_normal((16, 1)).astype(np.float32)}
+    graph = specialized_step(program, 16, data, run_model, rtol=1e-5, atol=1e-7).graph
     read = {v for n in graph.node for v in n.input} | {o.name for o in graph.output}
-    assert any("_recomputed" in n.name for n in general.graph.node)
+    assert any("_recomputed" in n.name for n in program.graphs["train_step"].graph.node)
     assert not [n.name for n in graph.node if n.op_type != "Constant"
                 and not any(o in read for o in n.output)]
-    rng = np.random.default_rng(3)
-    feeds = {"x": rng.standard_normal((16, 3)).astype(np.float32),
-             "label": rng.standard_normal((16, 1)).astype(np.float32), **program.state,
-             program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
-             program.io("train_step", "step")[0]: np.array(1, np.int64)}
-    expected = run_model(general, feeds)
-    for name, value in run_model(specialized, feeds).items():
-        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_a_long_batch_splits_the_weight_gradients_and_computes_the_same(run_model):
@@ -141,18 +127,12 @@ def test_a_long_batch_splits_the_weight_gradients_and_computes_the_same(run_mode
     float rounding."""
     program = lossgraph.compile_program(onnx.load(GOLDEN_MODELS / "skl_mlp_regressor.onnx"),
                                         optimizer=Adam(0.05), fuse="step")
-    general = program.graphs["train_step"]
-    specialized = SpecializeBatch(5000)(general).model
+    rng = np.random.default_rng(7)
+    data = {"X": rng.normal(size=(5000, 5)).astype(np.float32),
+            "label": rng.normal(size=(5000, 1)).astype(np.float32)}
+    specialized = specialized_step(program, 5000, data, run_model, rtol=1e-5, atol=1e-6)
     splits = {n.name.split("/split/")[0] for n in specialized.graph.node if "/split/" in n.name}
     assert len(splits) == 3  # x^T dz, the bias gradient's ones @ dz, and h^T g (one column)
-    rng = np.random.default_rng(7)
-    X = rng.normal(size=(5000, 5)).astype(np.float32)
-    feeds = {"X": X, "label": rng.normal(size=(5000, 1)).astype(np.float32), **program.state,
-             program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
-             program.io("train_step", "step")[0]: np.array(1, np.int64)}
-    expected = run_model(general, feeds)
-    for name, value in run_model(specialized, feeds).items():
-        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_a_step_graph_for_current_onnxruntime_alone_specializes_too():

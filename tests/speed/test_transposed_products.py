@@ -9,11 +9,11 @@ import numpy as np
 import onnx
 import pytest
 from support.models import model
-from support.rewrites import ops
+from support.rewrites import ops, specialized_step
 
 import lossgraph
 from lossgraph.optim import Momentum
-from lossgraph.speed import SpecializeBatch, TransposedProducts
+from lossgraph.speed import TransposedProducts
 
 
 @pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (1, 0), (0, 1), (1, 1)])
@@ -55,21 +55,15 @@ def test_a_layer_reading_its_transposed_weight_trains_without_the_gradients_tran
             t = Transpose <perm = [1, 0]> (W)  p = MatMul(x, t)  y = Add(p, b) }"""
     program = lossgraph.compile_program(onnx.parser.parse_model(text), loss="squared_error",
                                         optimizer=Momentum(0.05), fuse="step")
-    general = program.graphs["train_step"]
-    specialized = SpecializeBatch(16)(general).model
+    rng = np.random.default_rng(4)
+    data = {"x": rng.standard_normal((16, 3)).astype(np.float32),
+            "label": rng.standard_normal((16, 2)).astype(np.float32)}
+    specialized = specialized_step(program, 16, data, run_model, rtol=1e-6, atol=1e-7)
 
     def transposed_products(graph: onnx.GraphProto) -> list[str]:
         made = {o: n.op_type for n in graph.node for o in n.output}
         return [n.name for n in graph.node
                 if n.op_type == "Transpose" and made.get(n.input[0]) in ("Gemm", "MatMul")]
 
-    assert transposed_products(general.graph)
+    assert transposed_products(program.graphs["train_step"].graph)
     assert not transposed_products(specialized.graph)
-    rng = np.random.default_rng(4)
-    feeds = {"x": rng.standard_normal((16, 3)).astype(np.float32),
-             "label": rng.standard_normal((16, 2)).astype(np.float32), **program.state,
-             program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
-             program.io("train_step", "step")[0]: np.array(1, np.int64)}
-    expected = run_model(general, feeds)
-    for name, value in run_model(specialized, feeds).items():
-        np.testing.assert_allclose(value, expected[name], rtol=1e-6, atol=1e-7, err_msg=name)

@@ -35,3 +35,22 @@ def same_outputs(plain: onnx.ModelProto, rewritten: onnx.ModelProto,
     for name, ours, theirs in zip(names, create_session(rewritten).run(names, feeds),
                                   create_session(plain).run(names, feeds)):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def specialized_step(program, batch: int, data: Mapping[str, np.ndarray], run_model,
+                     rtol: float = 0.0, atol: float = 0.0) -> onnx.ModelProto:
+    """``program``'s ``train_step`` specialized to ``batch`` rows (``SpecializeBatch``),
+    once checked to compute the general graph's outputs from ``data`` (its data inputs),
+    the program's state, a learning rate of 0.05 and step 1: bit for bit, or to ``rtol``
+    and ``atol``."""
+    from lossgraph.speed import SpecializeBatch
+
+    general = program.graphs["train_step"]
+    specialized = SpecializeBatch(batch)(general).model
+    feeds = {**data, **program.state,
+             program.io("train_step", "learning_rate")[0]: np.array(0.05, np.float32),
+             program.io("train_step", "step")[0]: np.array(1, np.int64)}
+    expected = run_model(general, feeds)
+    for name, value in run_model(specialized, feeds).items():
+        np.testing.assert_allclose(value, expected[name], rtol=rtol, atol=atol, err_msg=name)
+    return specialized

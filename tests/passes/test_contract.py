@@ -72,6 +72,7 @@ from lossgraph.speed import (
     SpecializeBatch,
     SplitRowProducts,
     SumRowsByProduct,
+    TransposedProducts,
     UnfoldConvWeightGradients,
     WidenScalarConstants,
 )
@@ -261,6 +262,11 @@ PASSES: dict[str, tuple[Callable[[], onnx.ModelProto | None], Callable[[Any], An
     "SplitRowProducts": (lambda: onnx.parser.parse_model("""<ir_version: 8, opset_import: ["" : 18]>
         g (float[1, 1000] row, float[1000, 3] m) => (float[1, 3] y) { y = MatMul(row, m) }
         """), SplitRowProducts()),
+    "TransposedProducts": (lambda: onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[5, 3] a, float[5, 4] b) => (float[4, 3] y) {
+            p = Gemm<transA=1>(a, b)  y = Transpose<perm=[1, 0]>(p) }
+        """), TransposedProducts()),
     "SpecializeBatch": (lambda: step_graph_of("skl_mlp_regressor"), SpecializeBatch(16)),
     "WriteInPlace": (lambda: step_graph_of("skl_mlp_regressor"), _write_in_place()),
     "penalty_graph": (lambda: None, lambda _: penalty_graph(WEIGHTS, {"coef": {"l1": 0.1}})),

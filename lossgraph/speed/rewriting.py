@@ -37,6 +37,8 @@ def drop_unread(graph: onnx.GraphProto, replaced: set[str]) -> None:
     output that is still read, or a graph output, stays. One walk over readers counted
     once, and the node list rebuilt once (a step graph's copies are memory the allocator
     keeps)."""
+    if not replaced:
+        return
     outputs = {o.name for o in graph.output}
     nodes = list(graph.node)
     readers = Counter(v for node in nodes for v in node_reads(node))

@@ -29,6 +29,7 @@ from onnx import helper
 
 from ..graphs import attribute_values, is_default_domain, node_reads
 from ..passes.contract import Pass, PassResult
+from .rewriting import drop_unread
 from .scopes import main_and_scan_bodies
 
 __all__ = ["TransposedProducts"]
@@ -51,7 +52,7 @@ def _swap(graph: onnx.GraphProto) -> bool:
     readers = Counter(v for node in graph.node for v in node_reads(node))
     outputs = {o.name for o in graph.output}
     producer = {node.output[0]: node for node in graph.node if node.output}
-    replaced: set[int] = set()
+    unread: set[str] = set()  # the products the swapped nodes no longer read
     for index, node in enumerate(graph.node):
         product = producer.get(node.input[0]) if node.input else None
         if not (is_default_domain(node.domain) and node.op_type == "Transpose"
@@ -66,11 +67,7 @@ def _swap(graph: onnx.GraphProto) -> bool:
             transA=1 - int(attributes.get("transB", 0)),
             transB=1 - int(attributes.get("transA", 0)),
             alpha=float(attributes.get("alpha", 1.0)))
+        unread.add(node.input[0])
         graph.node[index].CopyFrom(swapped)
-        replaced.add(id(product))
-    if not replaced:
-        return False
-    kept = [node for node in graph.node if id(node) not in replaced]
-    graph.ClearField("node")
-    graph.node.extend(kept)
-    return True
+    drop_unread(graph, unread)
+    return bool(unread)

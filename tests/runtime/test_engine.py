@@ -144,17 +144,49 @@ def test_predict_reads_the_live_weights():
                                rtol=1e-5, atol=1e-6)
 
 
-def test_sessions_run_without_the_memory_pattern_unless_the_options_say_so():
+def test_sessions_run_without_the_memory_pattern_or_planned_reuse_unless_told_so():
     """onnxruntime's memory pattern allocates a run's values again from the second run on,
-    beside the arena holding the first's: a step's memory grew after the first step (issue
-    27). The engine's sessions leave it off by default; options given are used as given."""
+    beside the arena holding the first's: a step's memory grew after the first step; its
+    planned buffer reuse holds a buffer from its first value to its last (issue 27). The
+    engine's sessions leave both off by default, a dict of settings may turn one back on,
+    and onnxruntime's SessionOptions given are used as given."""
     from lossgraph.runtime.session import quiet_session_options
 
     program = linear_program("step")
-    default = Engine(program).session("train_step").get_session_options()
-    given = Engine(program, session_options=quiet_session_options()).session("train_step")
-    assert (default.enable_mem_pattern, given.get_session_options().enable_mem_pattern) == (
-        False, True)
+
+    def options(session_options=None):
+        made = Engine(program, session_options=session_options).session("train_step")
+        given = made.get_session_options()
+        return given.enable_mem_pattern, given.enable_mem_reuse
+
+    assert options() == (False, False)
+    assert options({"enable_mem_reuse": True}) == (False, True)
+    assert options(quiet_session_options()) == (True, True)
+
+
+@pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
+def test_planned_buffer_reuse_changes_where_values_live_not_the_weights(fuse):
+    """Without onnxruntime's planned reuse (lossgraph's default) a network trains to the
+    same weights bit for bit as with it: recomputed activations, the in-place update and
+    an epoch's Scan included."""
+    from support.models import gelu_mlp
+
+    import lossgraph
+
+    program = lossgraph.compile_program(gelu_mlp(16), loss="squared_error", optimizer=SGD(0.1),
+                                        fuse=fuse, recompute="activations")
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(24, 3)).astype(np.float32)
+    y = rng.normal(size=(24, 1)).astype(np.float32)
+    states = []
+    for reuse in (False, True):
+        trainer = Trainer(program, session_options={"intra_op_num_threads": 1,
+                                                    "enable_mem_reuse": reuse})
+        trainer.fit(X, y, epochs=3, batch_size=8, shuffle=False, progress=False)
+        states.append(trainer.state)
+    assert states[0].keys() == states[1].keys()
+    for name, value in states[0].items():
+        np.testing.assert_array_equal(value, states[1][name], err_msg=name)
 
 
 # -- frozen weights held once -----------------------------------------------------------------

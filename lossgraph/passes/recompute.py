@@ -43,7 +43,13 @@ activations passes through: the residual stream between transformer layers, a
 ``Sequential``'s layer outputs), greedily: a cut becomes a boundary once the activations
 the backward reads since the last one reach the budget ``total / sqrt(total / mean cut)``
 (sizes from the inferred shapes), Chen et al.'s rule (*Training Deep Nets with Sublinear
-Memory Cost*, 2016): about ``sqrt(n)`` segments of equal activation size. Under a
+Memory Cost*, 2016): about ``sqrt(n)`` segments of equal activation size. The segment
+after the last boundary is kept whole, as ``torch.utils.checkpoint.checkpoint_sequential``
+runs its last one: the backward reads it first, while the forward's values are still
+there, so that recomputing it would hold as much and compute it twice (a language
+model's output layer, GPT-2 small's largest product); a tail of less than half a
+segment joins the segment before it (a classifier's head: BERT-base's last layer is not
+recomputed either). Under a
 **budget** (a fraction of the activations the backward reads, ``recompute=0.5``), the
 segments are then kept whole (their values kept, not recomputed), those whose
 recomputation costs the most for the memory they hold first, while the estimated peak of
@@ -211,8 +217,7 @@ class Recompute(Pass[RecomputePlan]):
             floats = {v for v in dependent if facts.elem_types.get(v) in _FLOATS}
             needed = _backward_reads(nodes, forward, floats)
             boundaries = _auto_boundaries(nodes, forward, floats, needed, facts)
-            if self.budget is not None:
-                whole = _kept_whole(nodes, forward, needed, boundaries, facts, self.budget)
+            whole = _kept_whole(nodes, forward, needed, boundaries, facts, self.budget)
         elif self.boundaries == "activations":
             boundaries = _chain_roots(nodes, forward, dependent,
                                       {o.name for o in graph.output})
@@ -420,14 +425,19 @@ def _auto_boundaries(nodes: Sequence[onnx.NodeProto], forward: set[int], floats:
         if cut is not None and gathered >= budget:
             boundaries.append(cut)
             gathered = 0
+    if len(boundaries) > 1 and gathered < budget / 2:
+        boundaries.pop()  # the tail rounds to no segment: it joins the last one
     return tuple(boundaries)
 
 
 def _kept_whole(nodes: Sequence[onnx.NodeProto], forward: set[int], needed: set[str],
-                boundaries: Sequence[str], facts: ForwardFacts, budget: float) -> set[int]:
-    """The forward nodes of the segments (between consecutive ``boundaries``) kept whole
-    under ``budget`` (module docstring), or an UnsupportedOptionError where recomputing
-    every segment still keeps more."""
+                boundaries: Sequence[str], facts: ForwardFacts, budget: float | None
+                ) -> set[int]:
+    """The forward nodes of the segments (between consecutive ``boundaries``) kept whole:
+    the last one's (after the last boundary: the backward reads it first, while the
+    forward's values are still there, so that recomputing it would hold as much), and
+    under ``budget`` (module docstring) more, or an UnsupportedOptionError where
+    recomputing every other segment still keeps more."""
     ends, segments, current = set(boundaries), [], []
     for i in sorted(forward):
         current.append(i)
@@ -444,25 +454,31 @@ def _kept_whole(nodes: Sequence[onnx.NodeProto], forward: set[int], needed: set[
     always = sum(_size(facts, v) for v in needed - produced)  # the data, never recomputed
     total = sum(_size(facts, v) for v in needed) or 1
 
+    last = len(segments) - 1
+
     def peak(whole: set[int]) -> int:
         """What the backward holds at most: boundaries the backward or a recomputed
-        segment reads, the segments kept whole, the largest recomputed one."""
+        segment reads, the segments kept whole, and the largest recomputed one or the
+        last (whose values the backward is done with before it recomputes any)."""
         kept = sum(_size(facts, b) for k, b in enumerate(boundaries)
                    if b in needed or k + 1 not in whole)
-        return always + kept + sum(held[k] for k in whole) + max(
-            (held[k] for k in range(len(segments)) if k not in whole), default=0)
+        return always + kept + sum(held[k] for k in whole - {last}) + max(
+            (held[k] for k in range(len(segments)) if k not in whole or k == last),
+            default=0)
 
-    least = peak(set())
+    if budget is None:
+        return set(segments[last])
+    least = peak({last})
     if least > budget * total:
         raise UnsupportedOptionError(
             f"recompute={budget!r} keeps at most {budget:.0%} of the activations the backward "
-            f"reads, but with every segment recomputed the backward still holds "
+            f"reads, but with every segment but the last recomputed the backward still holds "
             f"{least / total:.0%} of them here (the data, the {len(boundaries)} boundaries and "
             f"one segment at a time, estimated from the inferred shapes): raise the budget "
             f"to {math.ceil(100 * least / total) / 100} or more, or name the boundaries "
             f"(recompute=[...]).")
-    whole: set[int] = set()
-    for k in sorted(range(len(segments)), key=lambda k: -work[k] / max(held[k], 1)):
+    whole = {last}
+    for k in sorted(range(last), key=lambda k: -work[k] / max(held[k], 1)):
         if peak(whole | {k}) <= budget * total:
             whole.add(k)
     return {i for k in whole for i in segments[k]}

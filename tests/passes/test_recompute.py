@@ -155,15 +155,31 @@ def test_a_budget_recomputes_fewer_layers_as_it_grows():
     auto = _plan("auto")
     plans = [_plan(budget) for budget in (0.5, 0.6, 0.8, 1.0)]
     assert all(plan["boundaries"] == auto["boundaries"] for plan in plans)
-    assert set(plans[0]["recomputed"]) < set(auto["recomputed"])
+    assert set(plans[0]["recomputed"]) <= set(auto["recomputed"])
     for smaller, larger in zip(plans, plans[1:]):
         assert set(larger["recomputed"]) <= set(smaller["recomputed"])
     assert len(plans[2]["recomputed"]) < len(plans[0]["recomputed"])
     assert plans[-1]["recomputed"] == []
 
 
+def test_auto_keeps_the_segment_after_its_last_boundary_whole():
+    """The backward reads the last segment first, while the forward's values are still
+    there: it is kept, not computed twice (a wide output layer, a language model's, and
+    its loss). A tail of less than half a segment joins the segment before it, which is
+    then kept whole too (a one-column head after the last layer)."""
+    wide = compile_program(residual_stack(outputs=64), loss="squared_error",
+                           recompute="auto").manifest["recompute"]["train_step"]
+    assert wide["boundaries"][-1] == "h7"
+    assert {"y", "diff"} & set(wide["recomputed"]) == set()
+    assert {"a6", "t6", "h6", "a7", "t7"} <= set(wide["recomputed"])
+    narrow = _plan("auto")
+    assert narrow["boundaries"] == ["h1", "h3", "h5"]
+    assert not {"a6", "t6", "h6", "a7", "t7", "y", "diff"} & set(narrow["recomputed"])
+    assert {"a0", "a4", "t5"} <= set(narrow["recomputed"])
+
+
 @pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])
-@pytest.mark.parametrize("budget", [0.5, 0.8])
+@pytest.mark.parametrize("budget", ["auto", 0.5, 0.8])
 def test_a_budget_trains_as_without_recomputation(fuse, budget):
     model = residual_stack()
     rng = np.random.default_rng(2)
@@ -179,9 +195,9 @@ def test_a_budget_trains_as_without_recomputation(fuse, budget):
 
 def test_a_budget_recomputation_cannot_reach_is_refused_with_the_least_it_can():
     with pytest.raises(UnsupportedOptionError, match=r"recompute=0.3 keeps at most 30% .* "
-                       r"still holds 47% .* raise the budget to 0.47 or more"):
+                       r"still holds 47% .* raise the budget to 0.48 or more"):
         _plan(0.3)
-    _plan(0.47)
+    _plan(0.48)
 
 
 @pytest.mark.parametrize("fuse", ["step", "epoch", "separate"])

@@ -213,10 +213,10 @@ def read_state_model() -> onnx.ModelProto:
     return large_weights_model(numpy_helper.from_array(wide, "W"))
 
 
-def residual_stack(layers: int = 8, width: int = 16) -> onnx.ModelProto:
+def residual_stack(layers: int = 8, width: int = 16, outputs: int = 1) -> onnx.ModelProto:
     """``h_k = tanh(h_{k-1} W_k) + h_{k-1}`` for ``layers`` layers from ``h_{-1} = x``,
-    then ``y = h W_out``: float32, a free batch, a cut (a value every path passes
-    through) after each layer, for recomputation's segments."""
+    then ``y = h W_out`` (``outputs`` columns): float32, a free batch, a cut (a value every
+    path passes through) after each layer, for recomputation's segments."""
     rng = np.random.default_rng(0)
     initializers, nodes, h = [], [], "x"
     for k in range(layers):
@@ -227,12 +227,13 @@ def residual_stack(layers: int = 8, width: int = 16) -> onnx.ModelProto:
                   helper.make_node("Add", [f"t{k}", h], [f"h{k}"])]
         h = f"h{k}"
     initializers.append(numpy_helper.from_array(
-        rng.normal(size=(width, 1)).astype(np.float32), "W_out"))
+        rng.normal(size=(width, outputs)).astype(np.float32), "W_out"))
     nodes.append(helper.make_node("MatMul", [h, "W_out"], ["y"]))
     graph = helper.make_graph(
         nodes, "residual_stack",
         [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", width])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 1])], initializers)
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", outputs])],
+        initializers)
     return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
 
 

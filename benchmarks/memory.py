@@ -23,7 +23,8 @@ holds anyway. The columns:
 - **from the file, whole**: ``fuse="step"`` compiled from the export's file, the baseline
   taken before any of the model is read: the whole process's training memory, against
   torch's peak plus what its network holds (``model_mb``, measured as it is built); and
-  the same for ``fuse="separate"`` (``file-separate``) and for ``recompute="auto"``
+  the same for ``fuse="epoch"`` (``file-epoch``), ``fuse="separate"`` (``file-separate``)
+  and ``recompute="auto"``
   (``file-auto``, against torch eager without recomputation).
 
 Beside the peaks, each cell's **step time** (ms, the mean of steps 2 and 3, the first one
@@ -50,7 +51,8 @@ branch's), ``--compare JSON`` shows a previous run's figures beside this one's.
 
 Run from the repository root:
       python -m benchmarks.memory [--quick] [--models cnn,transformer,bert,gpt2]
-          [--columns torch,step,epoch,separate,auto,compile,file,file-separate,file-auto]
+          [--columns torch,step,epoch,separate,auto,compile,file,file-epoch,file-separate,
+                     file-auto]
           [--memory-limit 12] [--threads N]
           [--checkout PATH] [--compare before.json] [--json out.json] [--plot out.png]
 See docs/benchmarks.md#memory.
@@ -82,11 +84,12 @@ LEARNING_RATE = 0.01
 COLUMNS = {"torch": "torch eager", "step": 'lossgraph fuse="step"',
            "epoch": 'fuse="epoch"', "separate": 'fuse="separate"', "auto": 'recompute="auto"',
            "compile": "compile_program alone", "file": 'fuse="step" from the file, whole',
+           "file-epoch": 'fuse="epoch" from the file, whole',
            "file-separate": 'fuse="separate" from the file, whole',
            "file-auto": 'recompute="auto" from the file, whole'}
 #: The whole-process columns: each compiles the export's file with these options.
-WHOLE = {"file": {"fuse": "step"}, "file-separate": {"fuse": "separate"},
-         "file-auto": {"fuse": "step", "recompute": "auto"}}
+WHOLE = {"file": {"fuse": "step"}, "file-epoch": {"fuse": "epoch"},
+         "file-separate": {"fuse": "separate"}, "file-auto": {"fuse": "step", "recompute": "auto"}}
 #: The other lossgraph columns' compile options (beside ``fuse=column``).
 OPTIONS = {"compile": {"fuse": "step"}, "auto": {"fuse": "step", "recompute": "auto"}}
 #: Address space a cell may map beyond --memory-limit (threads' stacks, mapped libraries).
@@ -389,6 +392,8 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
                 "trained_parameters": sum(program.state.like(w).size for w in program.weights),
                 "optimizer_state_mb": sum(program.state.like(s).nbytes
                                           for s in program.optimizer_states) / 2**20,
+                "boundaries": sum(len(plan["boundaries"]) for plan in
+                                  program.manifest.get("recompute", {}).values()),
                 "recomputed": sum(len(plan["recomputed"]) for plan in
                                   program.manifest.get("recompute", {}).values())}
     if column == "compile":
@@ -560,8 +565,8 @@ def plot(cells: dict[str, dict[str, Any]], columns: list[str], path: str,
             axis.bar(positions[shown] + (width / 2 if before else 0),
                      [now[i] for i in shown], width, color=color, label=label)
         axis.axhline(row["weights_mb"], color="black", linestyle=":", label="weights")
-        ticks = {"compile": "compile alone", "file": "step, file", "file-separate":
-                 "separate, file", "file-auto": "auto, file"}
+        ticks = {"compile": "compile alone", "file": "step, file", "file-epoch": "epoch, file",
+                 "file-separate": "separate, file", "file-auto": "auto, file"}
         axis.set_xticks(positions, [ticks.get(c, c) for c in columns], fontsize=8,
                         rotation=40, ha="right")
         axis.set(title=f"{name} ({_mib(row['weights_mb'])} MiB of weights)",

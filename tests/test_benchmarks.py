@@ -412,10 +412,10 @@ def test_cli_speed_times_the_commands_it_names_and_reports_each(tmp_path, capsys
 def test_memory_cells_train_what_they_say_and_the_report_shows_every_column(tmp_path, capsys):
     """The memory benchmark on its quick CNN: the export made in a fresh process (as every
     cell of a run is), then each cell run here: torch and every fuse mode train their steps
-    (the epoch mode two epochs of 3), from the file too (``auto`` and ``file-auto``
-    recomputing, the others not), each cell has a peak and the peak after each step,
-    compile's told against the weights; the report shows them. A file the benchmark did not
-    write is never replaced."""
+    (the epoch modes two epochs of 3), from the file too (``auto`` and ``file-auto``
+    with a recomputation plan, the others without), each cell has a peak and the peak
+    after each step, compile's told against the weights; the report shows them. A file the
+    benchmark did not write is never replaced."""
     from benchmarks import memory as bench
 
     row = bench.run_worker({"task": "export", "subject": "cnn", "quick": True,
@@ -423,15 +423,19 @@ def test_memory_cells_train_what_they_say_and_the_report_shows_every_column(tmp_
     assert row["parameters"] > 0 and (tmp_path / "cnn.onnx").exists()
     subject = bench.SUBJECTS["cnn"]
     row["torch"] = bench.torch_cell(subject, True, threads=1)
-    trained = ("step", "epoch", "separate", "auto", "file", "file-separate", "file-auto")
+    trained = ("step", "epoch", "separate", "auto", "file", "file-epoch", "file-separate",
+               "file-auto")
     for column in (*trained, "compile"):
         row[column] = bench.lossgraph_cell(subject, True, column, tmp_path, threads=1)
-    assert [row[c]["steps"] for c in trained] == [3, 6, 3, 3, 3, 3, 3]
+    assert [row[c]["steps"] for c in trained] == [3, 6, 3, 3, 3, 6, 3, 3]
     assert all(len(row[c]["steps_mb"]) == bench.STEPS for c in ("torch", *trained)
-               if c != "epoch")
-    assert row["auto"]["recomputed"] > 0 and row["file-auto"]["recomputed"] > 0
-    assert row["step"]["recomputed"] == 0 and row["file"]["recomputed"] == 0
-    assert all(row[c]["peak_mb"] >= 0 for c in bench.COLUMNS)
+               if c not in ("epoch", "file-epoch"))
+    # a recomputation plan (the tiny CNN's: one boundary, after which its tail is kept)
+    assert row["auto"]["boundaries"] > 0 and row["file-auto"]["boundaries"] > 0
+    assert row["step"]["boundaries"] == row["file"]["boundaries"] == 0
+    # the baseline (VmRSS) and the peak (VmHWM, which Linux updates lazily) are read at
+    # different moments: a cell that adds nearly nothing may read a fraction of a MiB below
+    assert all(row[c]["peak_mb"] > -1 for c in bench.COLUMNS)
     assert row["torch"]["model_mb"] >= 0
     bench.report({"cnn": row}, list(bench.COLUMNS))
     printed = capsys.readouterr().out

@@ -470,11 +470,11 @@ def _kept_whole(nodes: Sequence[onnx.NodeProto], forward: set[int], needed: set[
         return set(segments[last])
     least = peak({last})
     if least > budget * total:
+        named = "the boundary" if len(boundaries) == 1 else f"the {len(boundaries)} boundaries"
         raise UnsupportedOptionError(
             f"recompute={budget!r} keeps at most {budget:.0%} of the activations the backward "
             f"reads, but with every segment but the last recomputed the backward still holds "
-            f"{least / total:.0%} of them here (the data, "
-            f"{'the boundary' if len(boundaries) == 1 else f'the {len(boundaries)} boundaries'} and "
+            f"{least / total:.0%} of them here (the data, {named} and "
             f"one segment at a time, estimated from the inferred shapes): raise the budget "
             f"to {math.ceil(100 * least / total) / 100} or more, or name the boundaries "
             f"(recompute=[...]).")

@@ -386,16 +386,15 @@ def lossgraph_cell(subject: Subject, quick: bool, column: str, folder: Path,
         warnings.simplefilter("ignore")
         program = lossgraph.compile_program(model, optimizer=optimizer or SGD(LEARNING_RATE),
                                             **compile_loss(subject), **options)
+    plans = program.manifest.get("recompute", {}).values()
     compiled = {"compile_s": time.perf_counter() - start,
                 "compile_peak_mb": _memory("VmHWM") - base,
                 "compiled_mb": _memory("VmRSS") - base,
                 "trained_parameters": sum(program.state.like(w).size for w in program.weights),
                 "optimizer_state_mb": sum(program.state.like(s).nbytes
                                           for s in program.optimizer_states) / 2**20,
-                "boundaries": sum(len(plan["boundaries"]) for plan in
-                                  program.manifest.get("recompute", {}).values()),
-                "recomputed": sum(len(plan["recomputed"]) for plan in
-                                  program.manifest.get("recompute", {}).values())}
+                "boundaries": sum(len(plan["boundaries"]) for plan in plans),
+                "recomputed": sum(len(plan["recomputed"]) for plan in plans)}
     if column == "compile":
         return {**compiled, "peak_mb": compiled["compile_peak_mb"]}
     trainer = lossgraph.Trainer(program, session_options=sessions)

@@ -445,6 +445,9 @@ def _kept_whole(nodes: Sequence[onnx.NodeProto], forward: set[int], needed: set[
             segments.append(current)
             current = []
     segments.append(current)  # after the last boundary (empty where it is an output's)
+    last = len(segments) - 1
+    if budget is None:
+        return set(segments[last])
     held = [sum(_size(facts, o) for i in segment for o in nodes[i].output
                 if o in needed and o not in ends) for segment in segments]
     # a segment's recomputation computes each of its nodes' outputs again
@@ -453,8 +456,6 @@ def _kept_whole(nodes: Sequence[onnx.NodeProto], forward: set[int], needed: set[
     produced = {o for i in forward for o in nodes[i].output}
     always = sum(_size(facts, v) for v in needed - produced)  # the data, never recomputed
     total = sum(_size(facts, v) for v in needed) or 1
-
-    last = len(segments) - 1
 
     def peak(whole: set[int]) -> int:
         """What the backward holds at most: boundaries the backward or a recomputed
@@ -466,8 +467,6 @@ def _kept_whole(nodes: Sequence[onnx.NodeProto], forward: set[int], needed: set[
             (held[k] for k in range(len(segments)) if k not in whole or k == last),
             default=0)
 
-    if budget is None:
-        return set(segments[last])
     least = peak({last})
     if least > budget * total:
         named = "the boundary" if len(boundaries) == 1 else f"the {len(boundaries)} boundaries"
